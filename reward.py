@@ -48,7 +48,7 @@ class Config:
     model: str = "runs/sft"
     """initial weights: a causal LM checkpoint (its LM head is replaced by a new score head), `tiny`, or a hub id"""
     dataset: str = "sort"
-    """embedded task name, a hub id (trl-lib/tldr-preference), or a local .jsonl/.json/.parquet with prompt, chosen, rejected"""
+    """embedded task name, hub id (trl-lib/tldr-preference), or local .jsonl/.json/.parquet: prompt, chosen, rejected"""
     eval_split: str = "test"
     """split of --dataset holding the held-out pairs (a local file has no splits: use --eval_dataset)"""
     eval_dataset: str | None = None
@@ -92,7 +92,7 @@ class Config:
     eval_batch_size: int = 64
     """pairs per forward in evaluation"""
     save_every: int = 0
-    """also write a resumable checkpoint (with optimizer and data position) every this many steps (0: only at the end)"""
+    """also write a resumable checkpoint (optimizer, data position) every this many steps (0: only at the end)"""
     resume: bool = False
     """continue the run whose checkpoint is in out_dir"""
     overwrite: bool = False
@@ -160,21 +160,26 @@ def pair_batch(pairs, rows, pad_id, device):
 
 @torch.no_grad()
 def score_pairs(model, pairs, pad_id, d, batch_size, padding_left):
-    """Rewards (N, 2) of chosen and rejected of every pair. Each rank scores a share with the
-    parameters gathered once (so ranks may run different numbers of forwards); the zero-filled
-    results are summed over ranks."""
+    """Rewards (N, 2) of chosen and rejected of every pair: each rank scores a share, the
+    zero-filled results are summed over ranks. Every rank runs the same number of forwards (a
+    short share is padded with row 0, not written), as FSDP gathers each layer collectively.
+
+    Not common.unsharded: leaving it sets the root module to reshard after forward, and the score
+    read inside the forward (common.reward_scores) then finds the head's weight freed in backward.
+    """
     n = len(pairs[0])
     out = torch.zeros(n, 2, device=d.device)
-    mine = list(range(n))[d.rank::d.world_size]
+    rows = list(range(n))[d.rank::d.world_size]
+    n_mine = len(rows)
+    rows += [0] * (-(-n // d.world_size) - n_mine)
     was_training = model.training
     model.eval()
-    with common.unsharded(model):
-        for i in range(0, len(mine), batch_size):
-            rows = mine[i:i + batch_size]
-            ids, attn = pair_batch(pairs, rows, pad_id, d.device)
-            with common.autocast(d):
-                r = common.reward_scores(model, ids, attn, padding_left)  # (2b,)
-            out[rows] = torch.stack(r.float().chunk(2), 1)
+    for i in range(0, len(rows), batch_size):
+        ids, attn = pair_batch(pairs, rows[i:i + batch_size], pad_id, d.device)
+        with common.autocast(d):
+            r = torch.stack(common.reward_scores(model, ids, attn, padding_left).float().chunk(2), 1)  # (b, 2)
+        keep = max(0, min(batch_size, n_mine - i))
+        out[rows[i:i + keep]] = r[:keep]
     model.train(was_training)
     return common.all_reduce_sum(out, d)
 
@@ -190,6 +195,7 @@ def normalization(model, tokenizer, cfg, prompts, d):
     total = torch.zeros(3, dtype=torch.float64, device=d.device)  # sum r, sum r^2, n
     mine = prompts[d.rank::d.world_size]
     model.eval()
+    # ranks may run different numbers of forwards: parameters gathered once (training is over)
     with common.unsharded(policy), common.unsharded(model):
         for i in range(0, len(mine), cfg.eval_batch_size):
             texts = mine[i:i + cfg.eval_batch_size]

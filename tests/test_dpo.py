@@ -245,6 +245,20 @@ def test_grad_accumulation_keeps_the_normaliser(base_run, tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
 
 
+def test_resume_keeps_the_original_reference(base_run, tmp_path):
+    """Killed after the step-2 checkpoint, then --resume: the reference must be --model again (not
+    the resumed policy), so steps 1-3 match the uninterrupted run."""
+    out = tmp_path / "resumed"
+    args = ["--out_dir", str(out), *TINY, "--save_every", "2"]
+    killed = subprocess.run([sys.executable, "tests/crash.py", "after_save:1", "dpo.py", *args], cwd=ROOT, env=ENV,
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == 9, killed.stderr[-3000:]
+    rows, stdout = run_dpo(out, "--save_every", "2", "--resume")
+    assert "resumed from" in stdout
+    for a, b in zip(train_rows(base_run[1]), train_rows(rows), strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6)
+
+
 def test_hh_jsonl_through_dpo(tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -257,7 +271,8 @@ def test_hh_jsonl_through_dpo(tmp_path):
     out = tmp_path / "hh"
     res = subprocess.run([sys.executable, "dpo.py", "--model", "tiny", "--dataset", str(path), "--eval_dataset",
                           str(path), "--out_dir", str(out), "--steps", "2", "--batch_size", "4", "--max_prompt_len",
-                          "48", "--max_response_len", "8"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+                          "48", "--max_response_len", "8"],
+                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "truncated 8 prompts (left)" in res.stdout
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]

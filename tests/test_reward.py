@@ -143,16 +143,28 @@ def test_normalization_gives_mean_zero_std_one(tiny_rm, tmp_path):
 # the script end to end
 
 
-def test_reward_script_tiny(tmp_path):
+TINY = ["--model", "tiny", "--n_train", "64", "--steps", "4", "--batch_size", "8", "--grad_accum", "2",
+        "--warmup_steps", "0", "--n_eval", "15", "--eval_every", "2", "--n_normalize", "9", "--max_response_len", "24",
+        "--eval_batch_size", "4"]  # 15 eval pairs and 9 prompts: uneven shares over 2 ranks
+
+
+def run_reward(out, launcher=()):
+    res = subprocess.run([sys.executable, *launcher, "reward.py", "--out_dir", str(out), *TINY], cwd=ROOT, env=ENV,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return [json.loads(line) for line in open(out / "metrics.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("rm") / "base"
+    return out, run_reward(out)
+
+
+def test_reward_script_tiny(base_run):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    out = tmp_path / "rm"
-    cmd = [sys.executable, "reward.py", "--model", "tiny", "--out_dir", str(out), "--n_train", "64", "--steps", "4",
-           "--batch_size", "8", "--grad_accum", "2", "--warmup_steps", "0", "--n_eval", "24", "--eval_every", "2",
-           "--n_normalize", "8", "--max_response_len", "24"]
-    res = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    out, rows = base_run
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
     final = [r for r in rows if "eval/accuracy" in r][-1]
     assert final["eval/accuracy_over_bayes"] == pytest.approx(final["eval/accuracy"] / final["eval/bayes_accuracy"])
@@ -166,6 +178,17 @@ def test_reward_script_tiny(tmp_path):
     assert model.config.reward_bias == pytest.approx(norm["normalize/bias"])
     ids = torch.tensor([tok("sort 3 1 2 = 1 2 3")["input_ids"]])
     assert common.reward_scores(model, ids, torch.ones_like(ids)).shape == (1,)
+
+
+def test_two_processes_match_one(base_run, tmp_path):
+    """FSDP2 on 2 ranks (gloo): the same losses, gradient norms and eval accuracies as 1 process."""
+    rows = run_reward(tmp_path / "fsdp", ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"))
+    one = [r for r in base_run[1] if "loss" in r or "eval/accuracy" in r]
+    two = [r for r in rows if "loss" in r or "eval/accuracy" in r]
+    for a, b in zip(one, two, strict=True):
+        for key in ("loss", "grad_norm", "eval/accuracy", "eval/margin"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5), (a["step"], key)
 
 
 def test_batch_arithmetic_is_checked():
