@@ -93,6 +93,7 @@ class Dist:
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
+    sharded: bool = False  # launched by torchrun: a process group exists and models are wrapped with FSDP2
 
     @property
     def is_main(self):
@@ -103,7 +104,9 @@ def setup_distributed(timeout_minutes=10.0):
     """Read RANK / WORLD_SIZE / LOCAL_RANK (set by torchrun) and join the process group.
 
     The device comes from LOCAL_RANK, not the global rank, so two nodes of 8 GPUs each use
-    cuda:0-7 on each node. nccl on CUDA, gloo on CPU.
+    cuda:0-7 on each node. nccl on CUDA, gloo on CPU. Under torchrun there is a process group
+    and FSDP2 even with one process (`torchrun --nproc_per_node 1`: what CPU offload needs);
+    plain `python` runs without either.
     """
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -111,11 +114,12 @@ def setup_distributed(timeout_minutes=10.0):
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    if world_size > 1 and not dist.is_initialized():
+    sharded = "RANK" in os.environ
+    if sharded and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes),
                                 device_id=device if device.type == "cuda" else None)
-    return Dist(rank, world_size, local_rank, device)
+    return Dist(rank, world_size, local_rank, device, sharded)
 
 
 def cleanup_distributed():
@@ -181,11 +185,16 @@ def shard_model(model, d, mixed_precision=True, cpu_offload=False, activation_ch
     """FSDP2 with bf16 compute, fp32 master weights and fp32 gradient reduction on GPUs that
     support it (seed 000: bf16 master weights hurt); fp32 on CPU. `cpu_offload` keeps the
     sharded parameters in host memory between uses (for frozen reference / reward models).
+    Offload needs an accelerator (on a CPU the parameters are in host memory already).
     Activation checkpointing recomputes each block's activations in the backward pass.
-    Sharding is a no-op in a world of one."""
+    Without torchrun (plain `python`) nothing is sharded."""
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if d.world_size == 1:
+    if cpu_offload and (not d.sharded or d.device.type != "cuda"):
+        print0(f"note: CPU offload of {type(model).__name__} skipped: it needs FSDP (launch with torchrun, "
+               f"also for one process) and a GPU")
+        cpu_offload = False
+    if not d.sharded:
         return model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -206,7 +215,7 @@ def shard_model(model, d, mixed_precision=True, cpu_offload=False, activation_ch
 
 def autocast(d, enabled=True):
     """bf16 autocast for a single GPU without FSDP (FSDP's MixedPrecisionPolicy casts itself)."""
-    if enabled and d.world_size == 1 and bf16_supported(d.device):
+    if enabled and not d.sharded and bf16_supported(d.device):
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return nullcontext()
 
@@ -225,14 +234,17 @@ def unsharded(model):
 
     mods = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for m in mods:
-        m.set_reshard_after_forward(False)
+        m.set_reshard_after_forward(False, recurse=False)
         m.unshard()
     try:
         yield model
     finally:
         for m in mods:
             m.reshard()
-            m.set_reshard_after_forward(True)
+            # back to FSDP's defaults: blocks reshard after forward, the root does not (its
+            # parameters are needed again at once by backward; a loss read from a hook inside the
+            # forward, as reward_scores does, would otherwise find them freed)
+            m.set_reshard_after_forward(m is not model, recurse=False)
 
 
 def clip_grad_norm(model, max_norm):
@@ -398,10 +410,21 @@ def reward_scores(model, input_ids, attention_mask, padding_left=False):
 # sampling: a lean KV-cached loop (what generate() does, minus its per-step overhead)
 
 
-def sample_token(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None):
+def rollout_uniforms(n_rows, n_tokens, seed):
+    """U(0, 1) draws (n_rows, n_tokens), float64, one per row and sampled token of a global batch.
+
+    Each rank indexes its own rows, so a row's samples depend on its global index and not on
+    the number of ranks: 1 process and 8 draw the same rollout (tests/test_grpo.py). Costs 8
+    bytes per row and token on every rank.
+    """
+    return torch.rand(n_rows, n_tokens, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def sample_token(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None, u=None):
     """One token per row from (B, V) logits; temperature 0 means greedy.
 
-    Draws by inverting the CDF with one uniform number per row. torch.multinomial (like the
+    Draws by inverting the CDF with one uniform number per row (`u`, (B,), or drawn from
+    `generator`). torch.multinomial (like the
     Gumbel trick) draws one random number per vocabulary entry, which is slow on CPU: for 64
     rows of GPT-2's 50257 tokens it takes 3x as long (bench/sampler.py). The CDF is summed in
     float64 so that it stays exact over a large vocabulary.
@@ -420,7 +443,9 @@ def sample_token(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None):
     cdf = logits.softmax(-1).double().cumsum(-1)  # (B, V)
     total = cdf[:, -1:]  # (B, 1) ~1; NaN if a row had no finite logit
     torch._assert_async(torch.isfinite(total).all(), "sample_token: logits with NaN or +inf, or all -inf")
-    u = torch.rand(total.shape, dtype=torch.float64, device=cdf.device, generator=generator) * total
+    if u is None:
+        u = torch.rand(total.shape, dtype=torch.float64, device=cdf.device, generator=generator)
+    u = u.view(-1, 1).to(cdf) * total
     # the first CDF entry above u: zero-probability tokens (top-k / top-p) span no interval and
     # are never drawn; u is kept below total in case u * total rounds up to it
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
@@ -455,8 +480,11 @@ def _step_fn(compile, device):
 
 @torch.no_grad()
 def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, temperature=1.0, top_k=0,
-             top_p=1.0, stop_ids=(), generator=None, compile=False):
+             top_p=1.0, stop_ids=(), generator=None, compile=False, uniforms=None):
     """Sample responses for left-padded prompts with a KV cache.
+
+    Random numbers come from `generator`, or from `uniforms` (B, >= max_new_tokens): column t
+    draws token t of each row (rollout_uniforms; the same rollout on any number of ranks).
 
     Returns response ids (B, R) right-padded with pad_id, and response_mask (B, R) that is 1
     up to and including the first EOS (or stop token). R <= max_new_tokens; the loop ends
@@ -486,6 +514,7 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
     cache = StaticCache(config=model.config, max_cache_len=L)
     kw = dict(logits_to_keep=1) if _accepts(model, "logits_to_keep") else {}
     stops = torch.tensor([eos_id, *stop_ids], device=device)
+    uniforms = None if uniforms is None else uniforms.to(device)
 
     # 1. prefill the distinct prompts, then give each row its prompt's keys and values
     rows, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], 1), dim=0, return_inverse=True)
@@ -504,7 +533,8 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
     done = torch.zeros(B, dtype=torch.bool, device=device)
     R = max_new_tokens
     for t in range(max_new_tokens):
-        tok = sample_token(logits, temperature, top_k, top_p, generator).masked_fill(done, pad_id)
+        u = None if uniforms is None else uniforms[:, t]
+        tok = sample_token(logits, temperature, top_k, top_p, generator, u).masked_fill(done, pad_id)
         tokens[:, t] = tok
         response_mask[:, t] = ~done  # the stop token itself counts
         done = done | torch.isin(tok, stops)
@@ -771,7 +801,7 @@ def _fmt(v):
 
 def full_state_dict(model, d):
     """The full (unsharded) state dict on CPU. Collective under FSDP: call on every rank."""
-    if d.world_size == 1:
+    if not d.sharded:
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     else:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

@@ -353,7 +353,7 @@ def main(cfg):
         if not torch.isfinite(torch.tensor(metrics["loss"])):
             raise FloatingPointError(f"step {step}: loss is {metrics['loss']}; stopping. Last good checkpoint: "
                                      f"{last_ckpt or 'none written yet'}")
-        metrics |= {"grad_norm": grad_norm.item(), "lr": scheduler.get_last_lr()[0], "step_time": time.time() - t0}
+        metrics |= {"grad_norm": grad_norm.item(), "lr": scheduler.get_last_lr()[0], "time/step": time.time() - t0}
         if step % cfg.eval_every == 0 or step == cfg.steps:
             metrics |= evaluate()
         logger.log(step, metrics)

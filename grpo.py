@@ -154,8 +154,10 @@ class Config:
     """replace the checkpoint and metrics already in out_dir"""
     activation_checkpointing: bool = False
     """recompute activations in the backward pass (less memory, ~30% more compute)"""
+    offload_frozen: bool = False
+    """keep the reference and reward model's parameters in CPU memory between uses (FSDP2 on GPUs, under torchrun)"""
     seed: int = 0
-    """seed for data order and sampling"""
+    """seed for data order and sampling (the same rollouts on any number of ranks, unless --rs_samples)"""
     wandb: bool = False
     """also log to Weights & Biases"""
     trust_remote_code: bool = False
@@ -430,7 +432,7 @@ def check_config(cfg, d):
         (cfg.loss_agg in LOSS_AGGS, f"--loss_agg {cfg.loss_agg!r}: expected one of {LOSS_AGGS}"),
         (cfg.scale_rewards in ("group", "batch", "none"), f"--scale_rewards {cfg.scale_rewards!r}: expected group, batch or none"),
         (not (cfg.lora and cfg.ref_refresh_every), "--ref_refresh_every needs a reference copy; it does not combine with --lora"),
-        (not (cfg.lora and d.world_size > 1), "--lora runs in one process only (merging sharded adapters is not supported)"),
+        (not (cfg.lora and d.sharded), "--lora runs in one process only (merging sharded adapters is not supported)"),
         (not (cfg.lora and (cfg.save_every or cfg.resume)), "--save_every / --resume do not combine with --lora "
          "(the checkpoint holds merged weights)"),
         (not (cfg.save_every and cfg.ref_refresh_every and cfg.save_every % cfg.ref_refresh_every),
@@ -459,17 +461,18 @@ def main(cfg):
     if cfg.lora:
         model = add_lora(model, cfg.lora_r, cfg.lora_alpha)
     elif resume_from and not cfg.ref_refresh_every:  # the reference is the starting policy
+        common.set_seed(cfg.seed)  # as it was built (`--model tiny` draws random weights)
         ref = common.load_model(cfg.model, tokenizer, trust_remote_code=cfg.trust_remote_code)
     else:  # the starting policy, or the last refresh (a resumed checkpoint is one; see check_config)
         ref = copy.deepcopy(model)
     if ref is not None:
-        ref = common.shard_model(ref.to(d.device).requires_grad_(False).eval(), d)
+        ref = common.shard_model(ref.to(d.device).requires_grad_(False).eval(), d, cpu_offload=cfg.offload_frozen)
     model = common.shard_model(model.to(d.device), d, activation_checkpointing=cfg.activation_checkpointing)
     rm = rm_tokenizer = None
     if cfg.reward_model:
         rm_tokenizer = common.load_tokenizer(cfg.reward_model, cfg.trust_remote_code)
         rm = common.load_model(cfg.reward_model, rm_tokenizer, kind="reward", trust_remote_code=cfg.trust_remote_code)
-        rm = common.shard_model(rm.to(d.device).requires_grad_(False).eval(), d)
+        rm = common.shard_model(rm.to(d.device).requires_grad_(False).eval(), d, cpu_offload=cfg.offload_frozen)
     truncate_id = None
     if cfg.truncate_token:
         t_ids = tokenizer(cfg.truncate_token, add_special_tokens=False)["input_ids"]
@@ -503,11 +506,11 @@ def main(cfg):
                   f"{cfg.num_mini_batches} mini-batch(es) of {mini} x {cfg.grad_accum} micro per rank, rewards {weights}")
 
     order_gen = torch.Generator().manual_seed(cfg.seed)  # the same prompt order on every rank
-    sample_gen = torch.Generator(device=d.device)  # seeded per step and rank, so a resumed run samples the same
-    order, pos, start = torch.randperm(len(train), generator=order_gen), 0, 1
+    rs_gen = torch.Generator()  # rejection sampling: seeded per step and rank
+    order, pos, start, last_ckpt = torch.randperm(len(train), generator=order_gen), 0, 1, None
     if resume_from:
         state = common.load_training_state(resume_from, model, optimizer, scheduler, d)
-        order, pos, start = state["order"], state["pos"], state["step"] + 1
+        order, pos, start, last_ckpt = state["order"], state["pos"], state["step"] + 1, resume_from
         order_gen.set_state(state["order_gen"])
         common.print0(f"resumed from {resume_from} at step {state['step']}")
 
@@ -534,7 +537,7 @@ def main(cfg):
         log_line(0, m0)
     for step in range(start, cfg.steps + 1):
         t0 = time.time()
-        sample_gen.manual_seed(cfg.seed + 1000 * d.rank + 1_000_003 * step)
+        rs_gen.manual_seed(cfg.seed + 1000 * d.rank + 1_000_003 * step)
         # ---------------------------------------------------------------------
         # 1. rollout: every rank draws the same prompts and takes its slice; n_sample each
         if pos + cfg.prompts_per_step > len(order):
@@ -543,13 +546,16 @@ def main(cfg):
         pos += cfg.prompts_per_step
         batch = train.select(rows)
         prompts = [p for p in batch["prompt"] for _ in range(n_sample)]  # (n_local*n_sample,), groups contiguous
+        # the random numbers of the whole global rollout, seeded by step; this rank's rows of them
+        u = common.rollout_uniforms(cfg.prompts_per_step * n_sample, cfg.max_new_tokens, cfg.seed * 1_000_003 + step)
+        u = u[common.shard_batch(cfg.prompts_per_step * n_sample, d)]  # (n_local*n_sample, max_new_tokens)
         p_ids, _ = common.encode_prompts(tokenizer, prompts, cfg.max_prompt_len)
         p_ids, p_mask = (t.to(d.device) for t in common.pad(p_ids, tokenizer.pad_token_id, side="left"))
         model.eval()
         with common.unsharded(model), common.autocast(d):
             r_ids, r_mask = common.generate(model, p_ids, p_mask, cfg.max_new_tokens, tokenizer.eos_token_id,
                                             tokenizer.pad_token_id, cfg.temperature, cfg.top_k, cfg.top_p,
-                                            stop_ids, sample_gen)
+                                            stop_ids, uniforms=u)
         model.train()
         r_mask = truncate_mask(r_ids, r_mask, truncate_id)  # (N, R); N = n_local * n_sample
         is_stop = (r_ids == tokenizer.eos_token_id) | ((r_ids == truncate_id) if truncate_id is not None else False)
@@ -569,7 +575,7 @@ def main(cfg):
         rewards = sum(w * parts[k] for k, w in weights.items()) - cfg.no_eos_penalty * (~stopped).float().cpu()
         if cfg.rs_samples:  # keep group_size of the n_sample completions of each prompt
             keep = rejection_sample(rewards.view(n_local, n_sample), cfg.group_size, cfg.rs_gamma, cfg.rs_mode,
-                                    sample_gen if d.device.type == "cpu" else None)
+                                    rs_gen)
             idx = (keep + torch.arange(n_local)[:, None] * n_sample).flatten()
             rewards, parts = rewards[idx], {k: v[idx] for k, v in parts.items()}
             r_ids, r_mask, stopped, p_ids, p_mask = (t[idx.to(d.device)] for t in (r_ids, r_mask, stopped, p_ids, p_mask))
@@ -601,7 +607,7 @@ def main(cfg):
         # ---------------------------------------------------------------------
         # 4. update: num_iterations passes, each over num_mini_batches optimizer steps of
         #    grad_accum micro-batches; every normaliser is that of the global mini-batch
-        totals, n_micro, grad_norms = {}, 0, []
+        totals, n_micro, grad_norms, loss_sum = {}, 0, [], 0.0
         perm_gen = torch.Generator().manual_seed(cfg.seed * 7919 + step * 31 + d.rank)
         beta_loss = 0.0 if cfg.kl_in_reward else cfg.beta
         for _ in range(cfg.num_iterations):
@@ -621,6 +627,7 @@ def main(cfg):
                                         entropy.float(), cfg.entropy_coef)
                     # FSDP averages gradients over ranks; x world size makes it the global-batch sum
                     (loss * d.world_size).backward()
+                    loss_sum += loss.item()
                     for key, v in m.items():
                         totals[key] = totals.get(key, 0.0) + v
                     n_micro += 1
@@ -635,19 +642,24 @@ def main(cfg):
         # ---------------------------------------------------------------------
         # 5. metrics (all-reduced on every rank), eval, log
         metrics |= {k: v / n_micro for k, v in totals.items()}
+        # the loss of each global mini-batch (its micro-batch losses summed over ranks), averaged
+        # over the optimizer steps; x world size as reduce_metrics averages over ranks
+        metrics["loss"] = loss_sum * d.world_size / (cfg.num_iterations * cfg.num_mini_batches)
         metrics |= {"grad_norm": sum(grad_norms) / len(grad_norms), "lr": scheduler.get_last_lr()[0],
                     "time/rollout": t_rollout, "time/reward": t_reward, "time/update": t_update}
         metrics = common.reduce_metrics(metrics, d)
-        if not math.isfinite(metrics["kl"]) or not math.isfinite(metrics["grad_norm"]):
-            raise FloatingPointError(f"step {step}: kl {metrics['kl']}, grad_norm {metrics['grad_norm']}; stopping")
+        if not all(math.isfinite(metrics[k]) for k in ("loss", "kl", "grad_norm")):
+            raise FloatingPointError(f"step {step}: loss is {metrics['loss']}, kl {metrics['kl']}, grad_norm "
+                                     f"{metrics['grad_norm']}; stopping. Last good checkpoint: "
+                                     f"{last_ckpt or 'none written yet'}")
         if step % cfg.eval_every == 0 or step == cfg.steps:
             metrics |= evaluate()
         metrics["time/step"] = time.time() - t0
         logger.log(step, metrics, echo=False)
         log_line(step, metrics)
         if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
-            common.save_checkpoint(model, tokenizer, cfg.out_dir, d, optimizer, scheduler,
-                                   dict(step=step, order=order, pos=pos, order_gen=order_gen.get_state()))
+            last_ckpt = common.save_checkpoint(model, tokenizer, cfg.out_dir, d, optimizer, scheduler,
+                                               dict(step=step, order=order, pos=pos, order_gen=order_gen.get_state()))
 
     if cfg.lora:  # fold the adapters into the weights so the checkpoint loads with AutoModelForCausalLM
         model = model.merge_and_unload()

@@ -162,10 +162,8 @@ def pair_batch(pairs, rows, pad_id, device):
 def score_pairs(model, pairs, pad_id, d, batch_size, padding_left):
     """Rewards (N, 2) of chosen and rejected of every pair: each rank scores a share, the
     zero-filled results are summed over ranks. Every rank runs the same number of forwards (a
-    short share is padded with row 0, not written), as FSDP gathers each layer collectively.
-
-    Not common.unsharded: leaving it sets the root module to reshard after forward, and the score
-    read inside the forward (common.reward_scores) then finds the head's weight freed in backward.
+    short share is padded with row 0, not written), as FSDP gathers each layer collectively;
+    one layer at a time, so evaluation never holds the whole unsharded model.
     """
     n = len(pairs[0])
     out = torch.zeros(n, 2, device=d.device)
@@ -191,9 +189,9 @@ def normalization(model, tokenizer, cfg, prompts, d):
     p_tok = common.load_tokenizer(name, cfg.trust_remote_code)
     policy = common.load_model(name, p_tok, trust_remote_code=cfg.trust_remote_code).to(d.device)
     policy = common.shard_model(policy, d)
-    gen = torch.Generator(device=d.device).manual_seed(cfg.seed + d.rank)
     total = torch.zeros(3, dtype=torch.float64, device=d.device)  # sum r, sum r^2, n
     mine = prompts[d.rank::d.world_size]
+    u = common.rollout_uniforms(len(prompts), cfg.max_response_len, cfg.seed)[d.rank::d.world_size]  # any world size
     model.eval()
     # ranks may run different numbers of forwards: parameters gathered once (training is over)
     with common.unsharded(policy), common.unsharded(model):
@@ -204,7 +202,7 @@ def normalization(model, tokenizer, cfg, prompts, d):
             with common.autocast(d):
                 r_ids, r_mask = common.generate(policy, p_ids.to(d.device), p_mask.to(d.device),
                                                 cfg.max_response_len, p_tok.eos_token_id, p_tok.pad_token_id,
-                                                temperature=1.0, generator=gen)
+                                                temperature=1.0, uniforms=u[i:i + cfg.eval_batch_size])
             # decode and re-encode: the policy's tokenizer need not be the reward model's
             responses, _ = common.encode_responses(tokenizer, common.decode_responses(p_tok, r_ids, r_mask),
                                                    cfg.max_response_len)  # a cut-off sample keeps no EOS
@@ -314,7 +312,7 @@ def main(cfg):
         if not torch.isfinite(torch.tensor(metrics["loss"])):
             raise FloatingPointError(f"step {step}: loss is {metrics['loss']}; stopping. Last good checkpoint: "
                                      f"{last_ckpt or 'none written yet'}")
-        metrics |= {"grad_norm": grad_norm.item(), "lr": scheduler.get_last_lr()[0], "step_time": time.time() - t0}
+        metrics |= {"grad_norm": grad_norm.item(), "lr": scheduler.get_last_lr()[0], "time/step": time.time() - t0}
         if step % cfg.eval_every == 0 or step == cfg.steps:
             metrics |= evaluate()
         logger.log(step, metrics)

@@ -216,7 +216,7 @@ def main(cfg):
             raise FloatingPointError(f"step {step}: loss is {loss_value}; stopping. Last good checkpoint: "
                                      f"{last_ckpt or 'none written yet'}")
         metrics = {"loss": loss_value, "grad_norm": grad_norm.item(), "lr": scheduler.get_last_lr()[0],
-                   "tokens": n_tokens, "step_time": time.time() - t0}
+                   "tokens": n_tokens, "time/step": time.time() - t0}
         if step % cfg.eval_every == 0 or step == cfg.steps:
             metrics |= evaluate(step)
         logger.log(step, metrics)

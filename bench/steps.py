@@ -129,7 +129,7 @@ def main():
                 peak_rss = run_case(argv, out_dir + ".log")
                 with open(os.path.join(out_dir, "metrics.jsonl")) as f:
                     rows = [json.loads(line) for line in f if json.loads(line)["step"] >= 2]
-                step_s = statistics.median(r["step_time"] for r in rows)
+                step_s = statistics.median(r["time/step"] for r in rows)
                 train_tok, fwd_tok = tokens_per_step(algo, args)
                 seq = args.prompt_len + args.response_len
                 fpt = flops_per_token(cfg, n_params, seq) if cfg else 6 * n_params

@@ -17,6 +17,12 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 FAST = {
     "sft.py": ["--n_train", "256", "--n_eval", "8", "--batch_size", "8", "--max_response_len", "20",
                "--warmup_steps", "2", "--eval_every", "100"],
+    "reward.py": ["--model", "tiny", "--n_train", "64", "--batch_size", "8", "--warmup_steps", "2", "--n_eval", "8",
+                  "--eval_every", "100", "--n_normalize", "8", "--max_response_len", "20"],
+    "dpo.py": ["--model", "tiny", "--n_train", "48", "--batch_size", "8", "--warmup_steps", "2", "--lr", "1e-3",
+               "--n_eval", "8", "--n_eval_prompts", "4", "--max_response_len", "16", "--eval_every", "100"],
+    "grpo.py": ["--model", "tiny", "--prompts_per_step", "4", "--group_size", "4", "--max_new_tokens", "8",
+                "--n_eval", "8", "--n_eval_pairs", "8", "--eval_every", "100", "--lr", "1e-3", "--warmup_steps", "2"],
 }
 
 
@@ -44,8 +50,11 @@ def steps_logged(out_dir):
         return [json.loads(line)["step"] for line in f]
 
 
-@pytest.mark.parametrize("script", ["sft.py"])
+@pytest.mark.parametrize("script", FAST)
 def test_resume_ends_with_the_same_weights(tmp_path, script):
+    """Killed right after the step-3 checkpoint, then --resume: the same final weights as an
+    uninterrupted run (optimizer, scheduler, RNG, data position and, for DPO and GRPO, the
+    original reference all restored)."""
     args = ["--steps", "6", "--save_every", "3"]
     full = run(script, args + ["--out_dir", str(tmp_path / "full")])
     assert full.returncode == 0, full.stderr
@@ -112,6 +121,20 @@ def test_bad_data_files_are_named(tmp_path, content, match):
     r = run("sft.py", ["--dataset", str(data), "--steps", "1", "--out_dir", str(tmp_path / "o")])
     assert r.returncode != 0 and "data.jsonl" in r.stderr
     assert any(__import__("re").search(match, line) for line in r.stderr.splitlines()), r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("script, row, missing", [
+    ("sft.py", {"prompt": "a"}, "completion"),
+    ("reward.py", {"prompt": "a", "chosen": "b"}, "rejected"),
+    ("dpo.py", {"prompt": "a", "rejected": "b"}, "chosen"),
+    ("grpo.py", {"text": "a"}, "prompt")])
+def test_missing_columns_are_named_and_nothing_is_written(tmp_path, script, row, missing):
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps(row) + "\n")
+    r = run(script, ["--dataset", str(data), "--steps", "1", "--out_dir", str(tmp_path / "o")])
+    assert r.returncode != 0
+    assert str(data) in r.stderr and f"'{missing}'" in r.stderr, r.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "o" / "checkpoint")
 
 
 def test_context_longer_than_the_model_is_refused(tmp_path):

@@ -229,3 +229,23 @@ def test_generate_under_fsdp2_with_ranks_stopping_at_different_steps():
 
 if __name__ == "__main__":
     _fsdp_worker()
+
+
+def test_rollout_uniforms_make_samples_independent_of_how_rows_are_split():
+    """Drawn with common.rollout_uniforms, a row's completion depends on its prompt and its global
+    index only: the whole batch at once, or split in two as over two ranks (each half padded
+    to its own length), gives the same tokens. A per-call generator would not."""
+    model = _gpt2()
+    n = 12
+    u = common.rollout_uniforms(len(PROMPTS), n, seed=3)
+    whole = common.generate(model, *common.pad(PROMPTS, PAD, side="left"), n, EOS, PAD, uniforms=u)
+    halves = [common.generate(model, *common.pad(PROMPTS[s], PAD, side="left"), n, EOS, PAD, uniforms=u[s])
+              for s in (slice(0, 2), slice(2, None))]
+    for i, (tok, m) in enumerate(zip(*whole)):
+        h, j = (0, i) if i < 2 else (1, i - 2)
+        got_tok, got_m = halves[h][0][j], halves[h][1][j]
+        assert tok[m.bool()].tolist() == got_tok[got_m.bool()].tolist(), i
+    assert not torch.equal(u, common.rollout_uniforms(len(PROMPTS), n, seed=4))
+    gen = [common.generate(model, *common.pad(PROMPTS[s], PAD, side="left"), n, EOS, PAD,
+                           generator=torch.Generator().manual_seed(3)) for s in (slice(0, 2), slice(2, None))]
+    assert gen[1][0][0].tolist() != whole[0][2][:gen[1][0].shape[1]].tolist()
