@@ -11,8 +11,14 @@ the same run. Model FLOPs of a training token: 6 * params + 12 * n_layer * n_emb
 (forward + backward, attention included; PaLM, arXiv:2204.02311 App. B); a forward-only token
 (reference model, old log-probs, rollout) counts a third of that.
 
+GRPO also reports rollout tokens/s: completion tokens generated per second of its rollout
+phase (common.generate, KV-cached).
+
     python bench/steps.py                                         # tiny and GPT-2 small, CPU
+    python bench/steps.py --activation_checkpointing              # the same with recomputation
     python bench/steps.py --models gpt2-small-random,gpt2-large-random --batch_size 16 --dtype bf16  # GPU
+
+Results: bench/results/steps[-ac][-TAG]-{cpu,cuda}.json and a .png beside it.
 """
 import argparse
 import json
@@ -54,10 +60,12 @@ def script_args(algo, args, data, out_dir):
                  "--max_new_tokens", str(args.response_len), "--n_eval", "8", "--n_eval_pairs", "8"]
     else:
         argv += ["--batch_size", str(args.batch_size), "--max_response_len", str(args.response_len), "--n_eval", "8"]
-    argv += {"sft": [], "reward": ["--no-normalize"], "dpo": ["--n_eval_prompts", "8"], "grpo": []}[algo]
+    # GRPO: one optimizer step per rollout (mu = 1, one mini-batch), so a step is one rollout + one update
+    argv += {"sft": [], "reward": ["--no-normalize"], "dpo": ["--n_eval_prompts", "8"],
+             "grpo": ["--num_iterations", "1", "--num_mini_batches", "1"]}[algo]
     if args.activation_checkpointing:
         argv.append("--activation_checkpointing")
-    return [f"{algo}.py", *argv]
+    return [f"{algo}.py", *argv, *args.extra.split()]
 
 
 def tokens_per_step(algo, args):
@@ -69,9 +77,10 @@ def tokens_per_step(algo, args):
         return 2 * args.batch_size * seq, 0
     if algo == "dpo":  # reference log-probs precomputed once before training
         return 2 * args.batch_size * seq, 0
-    # grpo: batch_size prompts x group_size samples; rollout + old and ref log-probs are forward only
+    # grpo: batch_size prompts x group_size samples; the rollout and the reference log-probs are
+    # forward only (with mu = 1 and one mini-batch no old log-probs are computed)
     n = args.batch_size * args.group_size
-    return n * seq, 3 * n * seq
+    return n * seq, 2 * n * seq
 
 
 def flops_per_token(cfg, n_params, seq):
@@ -109,6 +118,8 @@ def main():
     p.add_argument("--prompt_len", type=int, default=64)
     p.add_argument("--response_len", type=int, default=32)
     p.add_argument("--activation_checkpointing", action="store_true")
+    p.add_argument("--extra", default="", help="more flags for every script, e.g. '--offload_frozen'")
+    p.add_argument("--tag", default="", help="suffix of the results file name")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="dtype of the matmul peak")
     args = p.parse_args()
     device = util.default_device()
@@ -139,11 +150,52 @@ def main():
                         "mfu": flops / step_s / peak, "peak_rss_bytes": peak_rss,
                         "peak_gpu_gib": rows[-1].get("mem/peak_gib"), "wall_s": time.time() - t0,
                         "phases": {k: statistics.median(r[k] for r in rows) for k in rows[-1] if k.startswith("time/")}}
+                if algo == "grpo":  # completion tokens generated per second of rollout
+                    gen = args.batch_size * args.group_size * statistics.median(r["completions/mean_length"] for r in rows)
+                    case["rollout_tokens_per_s"] = gen / case["phases"]["time/rollout"]
                 cases.append(case)
                 print(f"{algo:6s} {model:18s} {step_s:8.3f} s/step {case['tokens_per_s']:10.0f} tok/s "
-                      f"MFU {100 * case['mfu']:5.1f}%  peak RSS {peak_rss / 2**30:6.2f} GiB", flush=True)
-    path = util.write_results("steps", {"config": vars(args), "matmul_peak_flops": peak, "cases": cases}, device)
-    print(f"wrote {path}")
+                      f"MFU {100 * case['mfu']:5.1f}%  peak RSS {peak_rss / 2**30:6.2f} GiB"
+                      + (f"  rollout {case['rollout_tokens_per_s']:.0f} tok/s" if algo == "grpo" else ""), flush=True)
+    name = "steps" + ("-ac" if args.activation_checkpointing else "") + (f"-{args.tag}" if args.tag else "")
+    path = util.write_results(name, {"config": vars(args), "matmul_peak_flops": peak, "cases": cases}, device)
+    plot(cases, path.replace(".json", ".png"), f"{util.device_name(device)}; batch {args.batch_size}, "
+         f"lengths {args.prompt_len}+{args.response_len}{', act. ckpt' if args.activation_checkpointing else ''}")
+    print(f"wrote {path} and its .png")
+
+
+def plot(cases, path, title):
+    """Tokens/s, MFU and peak memory of each algorithm, one bar per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(c["model"] for c in cases))
+    algos = list(dict.fromkeys(c["algo"] for c in cases))
+    panels = [("tokens_per_s", "training-step tokens/s", 1), ("mfu", "MFU (%)", 100),
+              ("peak", "peak memory (GiB)", 1 / 2**30)]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    width = 0.8 / len(models)
+    for ax, (key, label, scale) in zip(axes, panels):
+        for i, model in enumerate(models):
+            vals = []
+            for algo in algos:
+                c = next((c for c in cases if c["model"] == model and c["algo"] == algo), None)
+                v = None if c is None else (c["peak_gpu_gib"] * 2**30 if c["peak_gpu_gib"] else c["peak_rss_bytes"]) \
+                    if key == "peak" else c[key]
+                vals.append(0 if v is None else v * scale)
+            ax.bar([j + i * width for j in range(len(algos))], vals, width, label=model)
+        ax.set_xticks([j + width * (len(models) - 1) / 2 for j in range(len(algos))], algos)
+        ax.set_ylabel(label)
+        ax.set_title(label)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_yscale("log")
+    axes[0].legend()
+    fig.suptitle(f"whole training steps: {title}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -362,7 +362,7 @@ def test_two_processes_match_one_process(tmp_path):
     data.write_text("".join(json.dumps({"prompt": r["prompt"], "reward_fn": "digits"}) + "\n"
                             for r in tasks.prompt_rows(16)))
     args = ("--dataset", str(data), "--num_iterations", "2", "--num_mini_batches", "1", "--ref_refresh_every", "1",
-            "--scale_rewards", "batch", "--global_norm", "--lr", "1e-3", "--warmup_steps", "0")
+            "--scale_rewards", "batch", "--global_norm", "--lr", "5e-4", "--warmup_steps", "0")
     (tmp_path / "one").mkdir()
     (tmp_path / "two").mkdir()
     out1, one = run_script(tmp_path / "one", *args, "--grad_accum", "2")

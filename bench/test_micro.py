@@ -1,0 +1,126 @@
+"""Micro benchmarks (pytest-benchmark): log-prob gathering and every loss function.
+
+Not part of the test suite (pytest's testpaths is tests/); run them on purpose:
+
+    python -m pytest bench/test_micro.py --benchmark-only --benchmark-json bench/results/micro-cpu.json
+    python -m pytest bench/test_micro.py --benchmark-only --benchmark-group-by group --benchmark-sort mean
+
+Each benchmark first checks that the function under test computes the same thing as its
+plain twin, so a faster number is never a wrong one. Shapes: B*T = 2048 positions of
+GPT-2's vocabulary (V = 50257) for log-probs; 64 sequences x 256 tokens for the losses.
+"""
+import pytest
+import torch
+
+import common
+import dpo
+import grpo
+import reward
+import sft
+
+V, BT = 50257, 2048
+B, T = 64, 256
+
+
+@pytest.fixture(scope="module")
+def logits():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(BT, V, generator=g), torch.randint(0, V, (BT,), generator=g)
+
+
+def naive_logprobs(x, y):
+    return torch.log_softmax(x.float(), -1).gather(-1, y[:, None]).squeeze(-1)
+
+
+def fwd_bwd(fn, x, y):
+    x = x.detach().requires_grad_(True)
+    fn(x, y).sum().backward()
+    return x.grad
+
+
+@pytest.mark.benchmark(group="logprobs forward")
+@pytest.mark.parametrize("impl", ["chunked", "naive"])
+def test_logprobs_forward(benchmark, logits, impl):
+    fn = common.logprobs_from_logits if impl == "chunked" else naive_logprobs
+    torch.testing.assert_close(fn(*logits), naive_logprobs(*logits), rtol=1e-5, atol=1e-5)
+    benchmark(fn, *logits)
+
+
+@pytest.mark.benchmark(group="logprobs forward+backward")
+@pytest.mark.parametrize("impl", ["chunked", "naive"])
+def test_logprobs_forward_backward(benchmark, logits, impl):
+    fn = common.logprobs_from_logits if impl == "chunked" else naive_logprobs
+    torch.testing.assert_close(fwd_bwd(fn, *logits), fwd_bwd(naive_logprobs, *logits), rtol=1e-5, atol=1e-6)
+    benchmark(fwd_bwd, fn, *logits)
+
+
+# -----------------------------------------------------------------------------
+# losses: forward + backward on per-token (B, T) or per-sequence (B,) inputs
+
+
+def per_token(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logps = (-torch.rand(B, T, generator=g) * 3).requires_grad_(True)
+    mask = (torch.arange(T)[None] < torch.randint(T // 4, T + 1, (B, 1), generator=g)).float()
+    return logps, mask, g
+
+
+@pytest.mark.benchmark(group="losses")
+def test_sft_loss(benchmark):
+    logps, mask, _ = per_token()
+
+    def step():
+        logps.grad = None
+        sft.sft_loss(logps, mask, mask.sum()).backward()
+
+    step()
+    torch.testing.assert_close(logps.grad, -mask / mask.sum())  # d(-mean NLL)/d logp
+    benchmark(step)
+
+
+@pytest.mark.benchmark(group="losses")
+def test_bt_loss(benchmark):
+    g = torch.Generator().manual_seed(0)
+    r = torch.randn(2, B, generator=g).requires_grad_(True)
+
+    def step():
+        r.grad = None
+        reward.bt_loss(r[0], r[1])[0].backward()
+
+    step()
+    torch.testing.assert_close(r.grad[0], -torch.sigmoid(-(r[0] - r[1])).detach() / B)
+    benchmark(step)
+
+
+@pytest.mark.benchmark(group="losses")
+@pytest.mark.parametrize("loss_type", dpo.LOSS_TYPES)
+def test_dpo_loss(benchmark, loss_type):
+    g = torch.Generator().manual_seed(0)
+    pol = (-torch.rand(2, B, generator=g) * 50).requires_grad_(True)
+    ref = -torch.rand(2, B, generator=g) * 50
+
+    def step():
+        pol.grad = None
+        dpo.dpo_loss(pol[0], pol[1], ref[0], ref[1], 0.1, loss_type)[0].mean().backward()
+
+    step()
+    assert torch.isfinite(pol.grad).all() and pol.grad.abs().sum() > 0
+    benchmark(step)
+
+
+@pytest.mark.benchmark(group="losses")
+@pytest.mark.parametrize("estimator", grpo.KL_ESTIMATORS)
+def test_grpo_loss(benchmark, estimator):
+    logps, mask, g = per_token()
+    old = logps.detach() + 0.05 * torch.randn(B, T, generator=g)
+    ref = logps.detach() + 0.1 * torch.randn(B, T, generator=g)
+    adv = torch.randn(B, generator=g)
+
+    def step():
+        logps.grad = None
+        loss, _ = grpo.grpo_loss(logps, old, ref, adv, mask, mask.sum().item(), 0.2, 0.28, 0.04, estimator)
+        loss.backward()
+
+    step()
+    assert torch.isfinite(logps.grad).all() and (logps.grad * (1 - mask)).abs().sum() == 0  # padding gets none
+    benchmark(step)
