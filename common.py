@@ -581,7 +581,10 @@ def tiny_config(tokenizer, shape="tiny"):
 
     kw = dict(MODEL_SHAPES[shape])
     kw.setdefault("vocab_size", len(tokenizer))
-    return GPT2Config(**kw, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=tokenizer.eos_token_id,
+    # GPT-2's tanh-approximated GELU as one fused kernel (6.6x faster on CPU than gelu_new's chain
+    # of element-wise ops, same function to 2.4e-7); checkpoints keep their own activation
+    return GPT2Config(**kw, activation_function="gelu_pytorch_tanh", resid_pdrop=0.0, embd_pdrop=0.0,
+                      attn_pdrop=0.0, bos_token_id=tokenizer.eos_token_id,
                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
 
 

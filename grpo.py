@@ -84,6 +84,8 @@ class Config:
     """sample from the k most likely tokens only (0: all)"""
     top_p: float = 1.0
     """nucleus sampling threshold (1: off)"""
+    compile: bool = False
+    """torch.compile the rollout's decode step (10-60 s once per batch shape; pays over a run's many rollouts)"""
     truncate_token: str = ""
     """a string of one token: generation also stops at it, and tokens after it are masked (seed 000)"""
     rs_samples: int = 0
@@ -556,7 +558,7 @@ def main(cfg):
         with common.unsharded(model), common.autocast(d):
             r_ids, r_mask = common.generate(model, p_ids, p_mask, cfg.max_new_tokens, tokenizer.eos_token_id,
                                             tokenizer.pad_token_id, cfg.temperature, cfg.top_k, cfg.top_p,
-                                            stop_ids, uniforms=u)
+                                            stop_ids, uniforms=u, compile=cfg.compile)
         model.train()
         r_mask = truncate_mask(r_ids, r_mask, truncate_id)  # (N, R); N = n_local * n_sample
         is_stop = (r_ids == tokenizer.eos_token_id) | ((r_ids == truncate_id) if truncate_id is not None else False)

@@ -1,16 +1,18 @@
 """The whole RLHF pipeline on the embedded sort task in one command, then its results table.
 
     SFT -> reward model -> DPO -> GRPO with the learned reward -> GRPO with the gold reward
+    -> the KL-estimator comparison: short GRPO runs with k1, k2, k3, ratio*k1 and no KL term
 
 Each stage is its own script run in a subprocess with its default flags (the defaults are
 tuned for this task), writing into runs/<stage>/. A stage whose final checkpoint exists is
 skipped; an interrupted stage (a checkpoint with a training state) is resumed. At the end the
 results table (held-out pairwise accuracy with the Bayes ceiling, greedy exact-match and gold
-reward) is printed and written to runs/results.md, and the plots to runs/plots/.
+reward, and the measured KL of each estimator) is printed and written to runs/results.md, and
+the plots to runs/plots/.
 
     python pipeline.py                      # about 12 minutes on 2 CPU cores
     python pipeline.py --redo dpo,grpo_rm   # run these stages again (or --redo all)
-    python pipeline.py --kl_compare         # also GRPO with k1, k2, k3, ratio*k1 at one beta (seed 003)
+    python pipeline.py --no-kl_compare      # without the KL-estimator runs (seed 003)
 """
 import json
 import os
@@ -28,14 +30,17 @@ class Config:
     """folder that holds one sub-folder per stage"""
     redo: str = ""
     """comma-separated stages to run again even if finished (sft, rm, dpo, grpo_rm, grpo_gold, kl), or `all`"""
-    kl_compare: bool = False
-    """also run the KL-estimator comparison: short GRPO runs optimising k1, k2, k3 and ratio*k1 at one beta"""
+    kl_compare: bool = True
+    """run the KL-estimator comparison: short GRPO runs optimising k1, k2, k3, ratio*k1 at one beta, and none"""
     kl_beta: float = 0.5
     """beta of the KL-estimator comparison runs"""
     kl_steps: int = 20
     """steps of each KL-estimator comparison run"""
     plots: bool = True
     """write the PNG plots (plots/plot.py) after the table"""
+
+
+KL_RUNS = ("none", "k1", "k2", "k3", "ratio_k1")  # the KL term in the loss of each comparison run
 
 
 def stages(cfg):
@@ -50,12 +55,14 @@ def stages(cfg):
                      "--out_dir", r("grpo_rm")]),
         ("grpo_gold", ["grpo.py", "--model", r("sft"), "--out_dir", r("grpo_gold")]),
     ]
-    if cfg.kl_compare:
-        for est in ("k1", "k2", "k3", "ratio_k1"):
+    if cfg.kl_compare:  # one pass per rollout, so rho = 1 and the estimators differ only by their gradients
+        for est in KL_RUNS:
+            beta = "0" if est == "none" else str(cfg.kl_beta)
             out.append((f"kl_{est}", ["grpo.py", "--model", r("sft"), "--out_dir", r(f"kl_{est}"), "--kl_estimator",
-                                      est, "--beta", str(cfg.kl_beta), "--steps", str(cfg.kl_steps),
+                                      "k3" if est == "none" else est, "--beta", beta, "--steps", str(cfg.kl_steps),
                                       "--prompts_per_step", "16", "--num_iterations", "1", "--num_mini_batches", "1",
-                                      "--lr", "3e-4", "--eval_every", "10"]))
+                                      "--lr", "3e-4", "--eval_every", str(cfg.kl_steps), "--n_eval", "200",
+                                      "--n_eval_pairs", "200"]))
     return out
 
 
@@ -116,6 +123,23 @@ def results_table(cfg, times):
     return "\n".join(lines), data
 
 
+def kl_table(cfg, times):
+    """The KL-estimator runs: measured KL (the k3 monitor `kl`) averaged over the second half of
+    the steps, and the gold reward of the greedy answers at the end."""
+    lines = ["| KL term in the loss | beta | measured KL, mean of the last half of the steps | greedy exact-match | "
+             "gold reward | wall time (s) |", "|---|---|---|---|---|---|"]
+    for est in KL_RUNS:
+        out_dir = os.path.join(cfg.runs, f"kl_{est}")
+        with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+            rows = [json.loads(line) for line in f]
+        kls = [r["kl"] for r in rows if "kl" in r and r["step"] > cfg.kl_steps // 2]
+        ev = last_eval(out_dir)
+        label, beta = ("none", 0) if est == "none" else (est, cfg.kl_beta)
+        lines.append(f"| {label} | {beta} | {sum(kls) / len(kls):.4f} | {ev['eval/exact_match']:.3f} | "
+                     f"{ev['eval/gold_reward']:.3f} | {times.get(f'kl_{est}', '')} |")
+    return "\n".join(lines)
+
+
 def main(cfg):
     os.makedirs(cfg.runs, exist_ok=True)
     times_path = os.path.join(cfg.runs, "pipeline_times.json")
@@ -126,6 +150,10 @@ def main(cfg):
         with open(times_path, "w") as f:
             json.dump(times, f, indent=1)
     table, data = results_table(cfg, times)
+    kl_runs = [os.path.join(cfg.runs, f"kl_{e}") for e in KL_RUNS]
+    has_kl = all(os.path.isfile(os.path.join(p, "metrics.jsonl")) for p in kl_runs)
+    if has_kl:
+        table += f"\n\nKL estimators (seed 003), GRPO with the gold reward, {cfg.kl_steps} steps:\n\n" + kl_table(cfg, times)
     with open(os.path.join(cfg.runs, "results.md"), "w") as f:
         f.write(table + "\n")
     with open(os.path.join(cfg.runs, "results.json"), "w") as f:
@@ -135,8 +163,7 @@ def main(cfg):
         cmd = [sys.executable, "plots/plot.py", *runs, "--summary", os.path.join(cfg.runs, "results.json"),
                "--out", os.path.join(cfg.runs, "plots")]
         subprocess.run(cmd, check=True)
-        kl_runs = [os.path.join(cfg.runs, f"kl_{e}") for e in ("k1", "k2", "k3", "ratio_k1")]
-        if all(os.path.isdir(p) for p in kl_runs):
+        if has_kl:
             subprocess.run([sys.executable, "plots/plot.py", "--kl_compare", *kl_runs, "--out",
                             os.path.join(cfg.runs, "plots")], check=True)
     print(f"\nResults on the embedded sort task ({time.time() - t0:.0f} s this invocation; runs in {cfg.runs}/):\n")

@@ -215,16 +215,20 @@ def plot_kl_compare(run_dirs, out_dir, smooth=0):
         steps, values = series(read_metrics(run_dir), "kl")
         if not steps:
             raise ValueError(f"{os.path.join(run_dir, 'metrics.jsonl')}: no 'kl' rows (not a GRPO run?)")
-        label = config.get("kl_estimator", run_name(run_dir))
-        if "beta" in config and len({c.get("beta") for c in configs}) > 1:
-            label += f" (beta={config['beta']})"
+        nonzero = {c.get("beta") for c in configs if c.get("beta") != 0}
+        if config.get("beta") == 0:  # the baseline: no KL term at all
+            label = "none (beta=0)"
+        else:
+            label = config.get("kl_estimator", run_name(run_dir))
+            if "beta" in config and len(nonzero) > 1:
+                label += f" (beta={config['beta']})"
         if smooth > 1 and len(steps) > smooth:
             ax.plot(steps, values, color=f"C{i}", lw=0.8, alpha=0.3)
             ax.plot(steps, moving_average(values, smooth), color=f"C{i}", lw=1.8, label=f"{label} (avg {smooth})")
         else:
             ax.plot(steps, values, color=f"C{i}", lw=1.5, marker="o" if len(steps) <= 12 else None, ms=4,
                     label=label)
-    betas = {c.get("beta") for c in configs}
+    betas = {c.get("beta") for c in configs if c.get("beta") != 0}
     title = "Measured KL by KL estimator in the loss"
     if len(betas) == 1 and None not in betas:
         title += f" (beta={betas.pop()})"

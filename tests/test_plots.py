@@ -120,6 +120,7 @@ def test_missing_panels_are_skipped(tmp_path):
 def test_kl_compare(tmp_path):
     runs = [write_run(tmp_path / f"grpo_{e}", "grpo", scale=1 + i, config={"kl_estimator": e, "beta": 0.04})
             for i, e in enumerate(["k1", "k2", "k3", "ratio_k1"])]
+    runs.append(write_run(tmp_path / "grpo_none", "grpo", scale=5, config={"kl_estimator": "k3", "beta": 0}))
     path = plot.plot_kl_compare(runs, tmp_path / "out")
     assert os.path.basename(path) == "kl_estimators.png"
     check_png(path)
