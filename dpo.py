@@ -275,9 +275,10 @@ def main(cfg):
     ref_test = all_pair_logps(ref, test_pairs, pad_id, d, cfg.eval_batch_size)  # (N_eval, 2)
     ref_train = None
     if cfg.precompute_ref:
+        t_ref = time.time()
         ref_train = all_pair_logps(ref, train_pairs, pad_id, d, cfg.eval_batch_size)  # (N_train, 2)
         del ref
-        common.print0(f"reference log-probs of {len(train_pairs[0])} train pairs in {time.time() - t_start:.1f}s")
+        common.print0(f"reference log-probs of {len(train_pairs[0])} train pairs in {time.time() - t_ref:.1f}s")
 
     common.set_seed(cfg.seed)
     model = common.load_model(resume_from or cfg.model, tokenizer, trust_remote_code=cfg.trust_remote_code)

@@ -390,7 +390,7 @@ def plot(groups, path, title, cuda):
     import matplotlib.pyplot as plt
 
     keys = list(groups)
-    fig, axes = plt.subplots(2, len(keys), figsize=(4.2 * len(keys), 7), squeeze=False)
+    fig, axes = plt.subplots(2, len(keys), figsize=(max(6.5, 4.2 * len(keys)), 7), squeeze=False)
     for j, key in enumerate(keys):
         cases = list(groups[key].values())
         names = [c["variant"] for c in cases]
@@ -406,9 +406,10 @@ def plot(groups, path, title, cuda):
             ax.grid(axis="y", alpha=0.3)
             if i == 0:
                 ax.set_title(f"{key[1].upper()}, {key[0]}", fontsize=10)
-    fig.suptitle(f"Ours (blue) vs TRL (orange), whole training steps: {title}", fontsize=10)
+    fig.suptitle(f"Ours (blue) vs TRL (orange), whole training steps\n{title}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main():
