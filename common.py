@@ -189,7 +189,8 @@ def shard_model(model, d, mixed_precision=True, cpu_offload=False, activation_ch
     Activation checkpointing recomputes each block's activations in the backward pass.
     Without torchrun (plain `python`) nothing is sharded."""
     if activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.train()  # from_pretrained returns eval mode, in which HF models skip the checkpointing
     if cpu_offload and (not d.sharded or d.device.type != "cuda"):
         print0(f"note: CPU offload of {type(model).__name__} skipped: it needs FSDP (launch with torchrun, "
                f"also for one process) and a GPU")
@@ -424,10 +425,10 @@ def sample_token(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None, u=
     """One token per row from (B, V) logits; temperature 0 means greedy.
 
     Draws by inverting the CDF with one uniform number per row (`u`, (B,), or drawn from
-    `generator`). torch.multinomial (like the
-    Gumbel trick) draws one random number per vocabulary entry, which is slow on CPU: for 64
-    rows of GPT-2's 50257 tokens it takes 3x as long (bench/sampler.py). The CDF is summed in
-    float64 so that it stays exact over a large vocabulary.
+    `generator`). torch.multinomial (like the Gumbel trick) draws one random number per
+    vocabulary entry, which is slow on CPU: for 64 rows of GPT-2's 50257 tokens it takes 3x as
+    long (bench/sampler.py). The CDF is summed in float64 so that it stays exact over a large
+    vocabulary.
     """
     if temperature == 0:
         return logits.argmax(-1)

@@ -341,7 +341,8 @@ def main(cfg):
             # sum over the micro-batch / pairs in the global batch = the global-batch mean whatever
             # the accumulation; FSDP averages gradients over ranks, so scale by the world size
             (losses.sum() / cfg.batch_size * d.world_size).backward()
-            sums += torch.stack([losses.detach().sum(), r_c.sum(), r_r.sum(), (r_c > r_r).float().sum(),
+            right = (r_c > r_r).float() + 0.5 * (r_c == r_r).float()  # a tie (policy == ref) is a coin flip
+            sums += torch.stack([losses.detach().sum(), r_c.sum(), r_r.sum(), right.sum(),
                                  (r_c - r_r).sum(), pi_c.detach().sum(), pi_r.detach().sum()])
 
         # ---------------------------------------------------------------------

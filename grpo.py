@@ -35,6 +35,9 @@ Deliberate departures:
    reward model, or a weighted sum of both.
 5. The eval pairs' implicit reward beta*log(pi/pi_ref) uses the current reference, which is
    the SFT model unless --ref_refresh_every is set.
+6. The sampler's random numbers are drawn for the whole global rollout and indexed by row
+   (common.rollout_uniforms), so 1 and N processes sample the same completions: a 2-rank run
+   reproduces the 1-process run step for step (rejection sampling's draws excepted).
 
 Run:
     python grpo.py                                     # from runs/sft, gold reward, 2 CPU cores, ~3-4 min
@@ -434,7 +437,7 @@ def check_config(cfg, d):
         (cfg.loss_agg in LOSS_AGGS, f"--loss_agg {cfg.loss_agg!r}: expected one of {LOSS_AGGS}"),
         (cfg.scale_rewards in ("group", "batch", "none"), f"--scale_rewards {cfg.scale_rewards!r}: expected group, batch or none"),
         (not (cfg.lora and cfg.ref_refresh_every), "--ref_refresh_every needs a reference copy; it does not combine with --lora"),
-        (not (cfg.lora and d.sharded), "--lora runs in one process only (merging sharded adapters is not supported)"),
+        (not (cfg.lora and d.sharded), "--lora runs without torchrun only (merging sharded adapters is not supported)"),
         (not (cfg.lora and (cfg.save_every or cfg.resume)), "--save_every / --resume do not combine with --lora "
          "(the checkpoint holds merged weights)"),
         (not (cfg.save_every and cfg.ref_refresh_every and cfg.save_every % cfg.ref_refresh_every),

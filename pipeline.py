@@ -10,7 +10,7 @@ results table (held-out pairwise accuracy with the Bayes ceiling, greedy exact-m
 reward, and the measured KL of each estimator) is printed and written to runs/results.md, and
 the plots to runs/plots/.
 
-    python pipeline.py                      # about 12 minutes on 2 CPU cores
+    python pipeline.py                      # about 7.5 minutes on 2 CPU cores
     python pipeline.py --redo dpo,grpo_rm   # run these stages again (or --redo all)
     python pipeline.py --no-kl_compare      # without the KL-estimator runs (seed 003)
 """

@@ -6,10 +6,11 @@ character one token), and reads its per-step times from its metrics.jsonl; the f
 warm-up and left out. Peak memory is the child's peak RSS on CPU and
 torch.cuda.max_memory_allocated on GPU (logged by every script as mem/peak_gib).
 
-MFU (model FLOPs utilisation) = model FLOPs per second / the machine's matmul peak measured in
-the same run. Model FLOPs of a training token: 6 * params + 12 * n_layer * n_embd * T
-(forward + backward, attention included; PaLM, arXiv:2204.02311 App. B); a forward-only token
-(reference model, old log-probs, rollout) counts a third of that.
+Tokens/s counts the tokens of the sequences a step trains on (prompt + response; GRPO: prompts
+x group size, its rollout included in the step's time). MFU (model FLOPs utilisation) = the
+model FLOPs a step needs per second / the machine's matmul peak measured in the same run
+(`step_work`: 6 x body parameters + attention per trained token, the LM head only where
+log-probs are needed, forward-only work at a third; PaLM, arXiv:2204.02311 App. B).
 
 GRPO also reports rollout tokens/s: completion tokens generated per second of its rollout
 phase (common.generate, KV-cached).
@@ -31,6 +32,7 @@ import tempfile
 import time
 
 import torch
+from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
@@ -68,23 +70,33 @@ def script_args(algo, args, data, out_dir):
     return [f"{algo}.py", *argv, *args.extra.split()]
 
 
-def tokens_per_step(algo, args):
-    """Training tokens (forward + backward) and forward-only tokens of one optimizer step."""
-    seq = args.prompt_len + args.response_len
+def step_work(algo, args, cfg, vocab):
+    """Training tokens of one step (the figure of tokens/s) and its model FLOPs (for MFU).
+
+    Per token of a sequence of S tokens: 6 x body parameters (all but the embeddings) + 12 x
+    n_layer x n_embd x S for attention, forward + backward (PaLM, arXiv:2204.02311 App. B); the
+    LM head (6 x n_embd x V) only at the positions whose log-probs are needed (the response;
+    none for the reward model, whose head is one number); forward-only work a third of that.
+    GRPO also runs the reference over every sequence and the rollout: each distinct prompt
+    prefilled once, then one decode step per generated token.
+    """
+    L, dm = cfg["n_layer"], cfg["n_embd"]
+    body = 12 * L * dm * dm  # attention and MLP weights of the blocks
+    P, R = args.prompt_len, args.response_len
+    S = P + R
+
+    def seq_flops(head_positions):  # forward + backward of one sequence
+        return S * (6 * body + 12 * L * dm * S) + 6 * dm * vocab * head_positions
+
     if algo == "sft":
-        return args.batch_size * seq, 0
+        return args.batch_size * S, args.batch_size * seq_flops(R)
     if algo == "reward":
-        return 2 * args.batch_size * seq, 0
-    if algo == "dpo":  # reference log-probs precomputed once before training
-        return 2 * args.batch_size * seq, 0
-    # grpo: batch_size prompts x group_size samples; the rollout and the reference log-probs are
-    # forward only (with mu = 1 and one mini-batch no old log-probs are computed)
-    n = args.batch_size * args.group_size
-    return n * seq, 2 * n * seq
-
-
-def flops_per_token(cfg, n_params, seq):
-    return 6 * n_params + 12 * cfg["n_layer"] * cfg["n_embd"] * seq
+        return 2 * args.batch_size * S, 2 * args.batch_size * seq_flops(0)
+    if algo == "dpo":  # chosen and rejected; reference log-probs precomputed once before training
+        return 2 * args.batch_size * S, 2 * args.batch_size * seq_flops(R)
+    n = args.batch_size * args.group_size  # grpo: mu = 1, one mini-batch: no old log-probs
+    rollout = args.batch_size * P * (2 * body + 4 * L * dm * P) + n * R * (2 * body + 4 * L * dm * S + 2 * dm * vocab)
+    return n * S, n * seq_flops(R) * 4 / 3 + rollout  # training + the reference's forward (a third)
 
 
 def matmul_peak(device, dtype):
@@ -130,8 +142,12 @@ def main():
         data = make_data(os.path.join(tmp, "rows.jsonl"), 512, args.prompt_len, args.response_len)
         for model in args.models.split(","):
             tok = common.load_tokenizer(model)
-            cfg = common.MODEL_SHAPES[model] if model in common.MODEL_SHAPES else {}
-            n_params = sum(x.numel() for x in common.load_model(model, tok).parameters())
+            if model not in common.MODEL_SHAPES:
+                raise SystemExit(f"--models: {model!r} is not one of {sorted(common.MODEL_SHAPES)}")
+            config = common.tiny_config(tok, model)
+            with torch.device("meta"):  # count the parameters without allocating them
+                n_params = sum(x.numel() for x in AutoModelForCausalLM.from_config(config).parameters())
+            cfg = common.MODEL_SHAPES[model]
             for algo in args.algos.split(","):
                 args.model = model
                 out_dir = os.path.join(tmp, f"{algo}-{model}")
@@ -141,12 +157,10 @@ def main():
                 with open(os.path.join(out_dir, "metrics.jsonl")) as f:
                     rows = [json.loads(line) for line in f if json.loads(line)["step"] >= 2]
                 step_s = statistics.median(r["time/step"] for r in rows)
-                train_tok, fwd_tok = tokens_per_step(algo, args)
-                seq = args.prompt_len + args.response_len
-                fpt = flops_per_token(cfg, n_params, seq) if cfg else 6 * n_params
-                flops = fpt * train_tok + fpt / 3 * fwd_tok
+                train_tok, flops = step_work(algo, args, cfg, config.vocab_size)
                 case = {"algo": algo, "model": model, "params": n_params, "step_seconds": step_s,
-                        "train_tokens_per_step": train_tok, "tokens_per_s": (train_tok + fwd_tok) / step_s,
+                        "train_tokens_per_step": train_tok, "tokens_per_s": train_tok / step_s,
+                        "model_flops_per_step": flops,
                         "mfu": flops / step_s / peak, "peak_rss_bytes": peak_rss,
                         "peak_gpu_gib": rows[-1].get("mem/peak_gib"), "wall_s": time.time() - t0,
                         "phases": {k: statistics.median(r[k] for r in rows) for k in rows[-1] if k.startswith("time/")}}
@@ -191,9 +205,10 @@ def plot(cases, path, title):
         ax.set_title(label)
         ax.grid(axis="y", alpha=0.3)
     axes[0].set_yscale("log")
-    axes[0].legend()
-    fig.suptitle(f"whole training steps: {title}", fontsize=10)
-    fig.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper right", ncol=len(models), fontsize=9)
+    fig.suptitle(f"whole training steps: {title}", fontsize=10, x=0.02, ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

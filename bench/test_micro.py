@@ -1,4 +1,4 @@
-"""Micro benchmarks (pytest-benchmark): log-prob gathering and every loss function.
+"""Micro benchmarks (pytest-benchmark): log-prob gathering, every loss function, AdamW, GELU.
 
 Not part of the test suite (pytest's testpaths is tests/); run them on purpose:
 
@@ -124,3 +124,46 @@ def test_grpo_loss(benchmark, estimator):
     step()
     assert torch.isfinite(logps.grad).all() and (logps.grad * (1 - mask)).abs().sum() == 0  # padding gets none
     benchmark(step)
+
+
+# -----------------------------------------------------------------------------
+# two choices every script makes: fused AdamW, and the fused tanh-GELU of the config-built models
+
+
+@pytest.fixture(scope="module")
+def gpt2_small_params():
+    tok = common.load_tokenizer("gpt2-small-random")
+    model = common.load_model("gpt2-small-random", tok)
+    g = torch.Generator().manual_seed(0)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=g) * 1e-3
+    return list(model.parameters())
+
+
+@pytest.mark.benchmark(group="AdamW step, GPT-2 small (124M parameters)")
+@pytest.mark.parametrize("impl", ["fused", "for-loop", "foreach"])
+def test_adamw_step(benchmark, gpt2_small_params, impl):
+    kw = {"fused": dict(fused=True), "for-loop": dict(foreach=False), "foreach": dict(foreach=True)}[impl]
+    small = [torch.zeros(3, 4, requires_grad=True) for _ in range(2)]  # the same update as the plain loop
+    for p in small:
+        p.grad = torch.arange(12.0).view(3, 4) / 10
+    ref = [p.detach().clone().requires_grad_(True) for p in small]
+    for p, q in zip(ref, small):
+        p.grad = q.grad.clone()
+    for opt in (torch.optim.AdamW(small, lr=0.1, **kw), torch.optim.AdamW(ref, lr=0.1, foreach=False)):
+        opt.step()
+        opt.step()
+    torch.testing.assert_close(small, ref)
+    opt = torch.optim.AdamW(gpt2_small_params, lr=1e-4, betas=(0.9, 0.95), **kw)
+    benchmark.pedantic(opt.step, rounds=5, warmup_rounds=1)
+
+
+@pytest.mark.benchmark(group="GELU (tanh), 4096 x 3072")
+@pytest.mark.parametrize("impl", ["gelu_pytorch_tanh", "gelu_new"])
+def test_gelu(benchmark, impl):
+    from transformers.activations import ACT2FN
+
+    x = torch.randn(4096, 3072, generator=torch.Generator().manual_seed(0))
+    fn = ACT2FN[impl]
+    torch.testing.assert_close(fn(x), ACT2FN["gelu_new"](x), rtol=1e-5, atol=1e-6)
+    benchmark(fn, x)

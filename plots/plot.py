@@ -18,6 +18,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 DPI = 120
 PANEL_SIZE = (5.2, 3.6)  # inches per panel
@@ -152,6 +153,7 @@ def draw_panel(ax, rows, title, ylabel, keys, ceiling, smooth=0):
             ax.axhline(best[-1], color="k", ls="--", lw=1, label=f"Bayes ceiling ({best[-1]:.3f})")
     ax.set_title(title)
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel(ylabel)
     ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4))  # lr-sized values as 1e-3 x ..., not 0.0010
     ax.grid(True, alpha=0.3)
@@ -234,6 +236,7 @@ def plot_kl_compare(run_dirs, out_dir, smooth=0):
         title += f" (beta={betas.pop()})"
     ax.set_title(title)
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("KL(pi || pi_ref), k3 estimate per token")
     ax.grid(True, alpha=0.3)
     ax.legend(title="kl_estimator")

@@ -316,3 +316,24 @@ def test_transformer_blocks_found_inside_a_wrapper(tiny):
 
     blocks = common.transformer_blocks(Policy(model))
     assert len(blocks) == model.config.n_layer and all(type(b).__name__ == "GPT2Block" for b in blocks)
+
+
+def test_activation_checkpointing_recomputes_blocks_of_a_loaded_checkpoint(tmp_path):
+    """from_pretrained returns a model in eval mode, where HF skips checkpointing: shard_model must
+    switch it on for real. Each block's MLP is then entered twice per forward + backward (a pre-hook:
+    the block's own hooks stay outside the checkpoint, and the recompute stops early, before the
+    MLP returns), and the gradients are those of the plain model."""
+    tok = common.char_tokenizer()
+    torch.manual_seed(0)
+    common.load_model("tiny", tok).save_pretrained(tmp_path)
+    ids = torch.randint(3, len(tok), (2, 9))
+    grads, calls = [], []
+    for ac in (False, True):
+        model = common.shard_model(common.load_model(str(tmp_path), tok), common.Dist(), activation_checkpointing=ac)
+        n = []
+        common.transformer_blocks(model)[0].mlp.register_forward_pre_hook(lambda *_: n.append(1))
+        common.response_logprobs(model, ids, torch.ones_like(ids), 4).sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        calls.append(len(n))
+    assert calls == [1, 2]
+    torch.testing.assert_close(grads[0], grads[1])
