@@ -79,6 +79,12 @@ def child(args):
     common.cleanup_distributed()
 
 
+def title(args, threads, device):
+    name = util.device_name(device).rsplit(",", 1)[0] if device.type == "cpu" else util.device_name(device)
+    return (f"FSDP2 on {args.nproc} ranks ({threads} thread each), {args.rows} rows x {args.new_tokens} new "
+            f"tokens per rank, {name}")
+
+
 def plot(cases, path, title):
     import matplotlib
 
@@ -116,19 +122,18 @@ def main():
     if args.child:
         return child(args)
     argv = [a for a in sys.argv[1:]]
+    threads = os.environ.get("OMP_NUM_THREADS", "1")  # per rank
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
                         os.path.abspath(__file__), "--child", *argv], cwd=util.ROOT, capture_output=True, text=True,
-                       env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+                       env={**os.environ, "OMP_NUM_THREADS": threads})
     if r.returncode != 0:
         raise SystemExit(f"torchrun failed:\n{r.stderr[-3000:]}")
     lines = r.stdout.strip().splitlines()
     print("\n".join(lines[:-1]))
     result = json.loads(lines[-1])
     device = util.default_device()
-    path = util.write_results("fsdp_rollout", {"config": vars(args), **result}, device)
-    plot(result["cases"], path.replace(".json", ".png"),
-         f"FSDP2 on {args.nproc} ranks, {args.rows} rows x {args.new_tokens} new tokens per rank, "
-         f"{util.device_name(device)}")
+    path = util.write_results("fsdp_rollout", {"config": vars(args), "threads_per_rank": threads, **result}, device)
+    plot(result["cases"], path.replace(".json", ".png"), title(args, threads, device))
     print(f"wrote {path} and its .png")
 
 
