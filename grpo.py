@@ -150,7 +150,12 @@ class Config:
     n_eval: int = 500
     """held-out prompts for greedy exact-match and gold reward (embedded task)"""
     n_eval_pairs: int = 500
-    """held-out preference pairs for the pairwise accuracy of beta*log(pi/pi_ref) (embedded task)"""
+    """held-out preference pairs for the pairwise accuracy of beta*log(pi/pi_ref)"""
+    eval_pairs: str = ""
+    """preference pairs (hub id or file: prompt, chosen, rejected) for that accuracy (seed 000's table metric); the
+    embedded task uses its own test pairs"""
+    eval_pairs_split: str = "validation"
+    """split of --eval_pairs (a local file has one)"""
     save_every: int = 0
     """also write a resumable checkpoint every this many steps (0: only the final one)"""
     resume: bool = False
@@ -492,9 +497,11 @@ def main(cfg):
     eval_prompts, pairs = [], None
     if embedded:
         eval_prompts = [r["prompt"] for r in tasks.prompt_rows(cfg.n_eval, seed=cfg.seed, split="test")]
-        pairs = common.load_data(cfg.dataset, "test", ["prompt", "chosen", "rejected"], kind="preference",
-                                 n=cfg.n_eval_pairs, seed=cfg.seed)
-    bayes = tasks.bayes_accuracy(list(pairs)) if pairs is not None else None
+    if embedded or cfg.eval_pairs:
+        pairs = common.load_data(cfg.eval_pairs or cfg.dataset, cfg.eval_pairs_split if cfg.eval_pairs else "test",
+                                 ["prompt", "chosen", "rejected"], kind="preference", n=cfg.n_eval_pairs, seed=cfg.seed)
+        pairs = pairs.select(range(min(cfg.n_eval_pairs, len(pairs))))
+    bayes = tasks.bayes_accuracy(list(pairs)) if embedded and not cfg.eval_pairs else None
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
@@ -525,7 +532,9 @@ def main(cfg):
         if embedded:
             metrics |= common.evaluate_generations(model, tokenizer, eval_prompts, tasks.REWARD_FNS[cfg.dataset], d,
                                                    cfg.max_prompt_len, cfg.max_new_tokens)
+        if pairs is not None:
             metrics["eval/accuracy"] = pairwise_accuracy(model, ref, tokenizer, pairs, cfg.beta or 1.0, cfg, d)
+        if bayes is not None:
             metrics |= {"eval/bayes_accuracy": bayes, "eval/accuracy_over_bayes": metrics["eval/accuracy"] / bayes}
         return metrics
 
@@ -533,8 +542,9 @@ def main(cfg):
         common.print0(f"step {step:4d} | reward {m.get('reward', float('nan')):.3f} | kl {m.get('kl', 0):.4f} | "
                       f"clip {m.get('clip_ratio/low', 0):.3f}/{m.get('clip_ratio/high', 0):.3f} | "
                       f"len {m.get('completions/mean_length', 0):.1f} | "
-                      + (f"exact {m['eval/exact_match']:.3f} gold {m['eval/gold_reward']:.3f} "
-                         f"pair acc {m['eval/accuracy']:.3f} | " if "eval/exact_match" in m else "")
+                      + (f"exact {m['eval/exact_match']:.3f} gold {m['eval/gold_reward']:.3f} | "
+                         if "eval/exact_match" in m else "")
+                      + (f"pair acc {m['eval/accuracy']:.3f} | " if "eval/accuracy" in m else "")
                       + f"{m.get('time/step', 0):.1f}s")
 
     if start == 1:

@@ -341,6 +341,20 @@ def test_script_runs_with_many_knobs_and_checkpoint_loads(tmp_path):
     assert model.config.n_layer == 4
 
 
+def test_script_pairwise_accuracy_on_a_preference_file(tmp_path):
+    """--eval_pairs: a prompt-only data set (no gold reward to score greedy answers) still gets seed
+    000's table metric, the pairwise accuracy of beta*log(pi/pi_ref) on held-out pairs."""
+    prompts, pairs = tmp_path / "prompts.jsonl", tmp_path / "pairs.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": r["prompt"], "reward_fn": "digits"}) + "\n"
+                               for r in tasks.prompt_rows(8)))
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in tasks.preference_rows(11, split="test")))  # odd: 0.5 only from ties
+    _, rows = run_script(tmp_path, "--dataset", str(prompts), "--eval_pairs", str(pairs), "--lr", "1e-2",
+                         "--warmup_steps", "0")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[0]["eval/accuracy"] == 0.5  # policy == reference: every pair a tie
+    assert rows[-1]["eval/accuracy"] != 0.5 and "eval/exact_match" not in rows[-1]
+
+
 @pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft is not installed")
 def test_script_lora_checkpoint_is_merged(tmp_path):
     from transformers import AutoModelForCausalLM
