@@ -153,6 +153,14 @@ def reduce_metrics(metrics, d):
     return dict(zip(keys, vals.tolist()))
 
 
+def rank_share(n, d):
+    """This rank's rows of n (strided) for evaluation, padded with row 0 to the same count on every
+    rank: FSDP gathers each layer collectively, so every rank must run as many forwards. Returns
+    (rows, number of real rows); the padded ones are computed and not used."""
+    rows = list(range(n))[d.rank::d.world_size]
+    return rows + [0] * (-(-n // d.world_size) - len(rows)), len(rows)
+
+
 def shard_batch(n, d):
     """The slice of a global batch of n rows that this rank takes."""
     if n % d.world_size:

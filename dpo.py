@@ -219,13 +219,11 @@ def pair_logps(model, batch, d):
 @torch.no_grad()
 def all_pair_logps(model, pairs, pad_id, d, batch_size):
     """Sequence log-probs (N, 2) of chosen and rejected of every pair: each rank computes a share,
-    the zero-filled results are summed over ranks. Every rank runs the same number of forwards
-    (a short share is padded with row 0, not written), as FSDP gathers each layer collectively."""
+    the zero-filled results are summed over ranks (common.rank_share: the same number of forwards
+    on every rank, as FSDP gathers each layer collectively)."""
     n = len(pairs[0])
     out = torch.zeros(n, 2, device=d.device)
-    rows = list(range(n))[d.rank::d.world_size]
-    n_mine = len(rows)
-    rows += [0] * (-(-n // d.world_size) - n_mine)
+    rows, n_mine = common.rank_share(n, d)
     was_training = model.training
     model.eval()
     for i in range(0, len(rows), batch_size):
@@ -285,7 +283,7 @@ def main(cfg):
     model = common.shard_model(model.to(d.device), d, activation_checkpointing=cfg.activation_checkpointing)
     n_params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
-                                  fused=True)  # one kernel for all parameters: 4.5x faster than the default on CPU
+                                  fused=True)  # one kernel for all parameters (bench/test_micro.py)
     scheduler = common.lr_schedule(optimizer, cfg.warmup_steps, cfg.steps)
     logger = common.Logger(cfg.out_dir, cfg, d, use_wandb=cfg.wandb, project="rlhf-dpo")
     common.print0(f"dpo: {n_params / 1e6:.2f}M parameters, {len(train_pairs[0])} train pairs, "

@@ -161,15 +161,12 @@ def pair_batch(pairs, rows, pad_id, device):
 @torch.no_grad()
 def score_pairs(model, pairs, pad_id, d, batch_size, padding_left):
     """Rewards (N, 2) of chosen and rejected of every pair: each rank scores a share, the
-    zero-filled results are summed over ranks. Every rank runs the same number of forwards (a
-    short share is padded with row 0, not written), as FSDP gathers each layer collectively;
-    one layer at a time, so evaluation never holds the whole unsharded model.
+    zero-filled results are summed over ranks (common.rank_share: the same number of forwards on
+    every rank). FSDP gathers one layer at a time, so evaluation never holds the whole model.
     """
     n = len(pairs[0])
     out = torch.zeros(n, 2, device=d.device)
-    rows = list(range(n))[d.rank::d.world_size]
-    n_mine = len(rows)
-    rows += [0] * (-(-n // d.world_size) - n_mine)
+    rows, n_mine = common.rank_share(n, d)
     was_training = model.training
     model.eval()
     for i in range(0, len(rows), batch_size):
@@ -249,7 +246,7 @@ def main(cfg):
     bayes = tasks.bayes_accuracy(test) if (cfg.eval_dataset or cfg.dataset) in tasks.TASKS else None
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
-                                  fused=True)  # one kernel for all parameters: 4.5x faster than the default on CPU
+                                  fused=True)  # one kernel for all parameters (bench/test_micro.py)
     scheduler = common.lr_schedule(optimizer, cfg.warmup_steps, cfg.steps)
     logger = common.Logger(cfg.out_dir, cfg, d, use_wandb=cfg.wandb, project="rlhf-rm")
     common.print0(f"reward: {n_params / 1e6:.2f}M parameters, {len(train)} train pairs, {len(test)} eval pairs, "

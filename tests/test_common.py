@@ -337,3 +337,11 @@ def test_activation_checkpointing_recomputes_blocks_of_a_loaded_checkpoint(tmp_p
         calls.append(len(n))
     assert calls == [1, 2]
     torch.testing.assert_close(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("n, world", [(15, 2), (7, 3), (2, 4), (9, 1)])
+def test_rank_share_covers_every_row_once_with_equal_counts(n, world):
+    shares = [common.rank_share(n, common.Dist(rank=r, world_size=world)) for r in range(world)]
+    assert len({len(rows) for rows, _ in shares}) == 1  # every rank runs as many forwards
+    real = sorted(i for rows, k in shares for i in rows[:k])
+    assert real == list(range(n))
