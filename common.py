@@ -27,6 +27,7 @@ import sys
 import textwrap
 import time
 import typing
+import weakref
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 
@@ -106,14 +107,23 @@ def setup_distributed(timeout_minutes=10.0):
     The device comes from LOCAL_RANK, not the global rank, so two nodes of 8 GPUs each use
     cuda:0-7 on each node. nccl on CUDA, gloo on CPU. Under torchrun there is a process group
     and FSDP2 even with one process (`torchrun --nproc_per_node 1`: what CPU offload needs);
-    plain `python` runs without either.
+    plain `python` runs without either. More processes per node than visible GPUs is refused
+    before the process group starts, since two ranks cannot share one GPU under nccl.
     """
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cpu")
     if torch.cuda.is_available():
+        n_gpus = torch.cuda.device_count()
+        if local_rank >= n_gpus:
+            raise RuntimeError(f"LOCAL_RANK {local_rank} but only {n_gpus} CUDA device(s) are visible: launch with "
+                               f"torchrun --nproc_per_node at most {n_gpus}, or set CUDA_VISIBLE_DEVICES to show "
+                               f"more GPUs (CUDA_VISIBLE_DEVICES= runs every rank on the CPU)")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
+        # the only fp32 matmuls on a GPU are the LM head's (FP32Head) on bf16-valued operands:
+        # TF32 multiplies those exactly, accumulates in fp32, and runs ~8x faster than fp32
+        torch.set_float32_matmul_precision("high")
     sharded = "RANK" in os.environ
     if sharded and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -146,9 +156,13 @@ def all_reduce_sum(x, d):
 
 
 def reduce_metrics(metrics, d):
-    """Mean of each scalar metric over ranks, as plain floats. Collective: call on all ranks."""
+    """Mean of each scalar metric over ranks, as plain floats. Collective: call on all ranks.
+
+    Values may be floats or 0-d tensors on the device: metrics are accumulated as tensors in
+    the hot loops and read back here, in one host sync per step."""
     keys = sorted(metrics)
-    vals = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=d.device)
+    vals = torch.stack([v.detach().to(d.device, torch.float64) if torch.is_tensor(v)
+                        else torch.tensor(float(v), dtype=torch.float64, device=d.device) for v in (metrics[k] for k in keys)])
     vals = all_reduce_sum(vals, d) / d.world_size
     return dict(zip(keys, vals.tolist()))
 
@@ -189,13 +203,26 @@ def bf16_supported(device):
     return device.type == "cuda" and torch.cuda.is_bf16_supported()
 
 
+def frozen_dtype(d):
+    """The dtype frozen models (reference, reward model) are loaded in: bf16 under FSDP on a GPU,
+    where the policy's forward sees bf16 parameters too (MixedPrecisionPolicy), so the reference
+    computes exactly the policy's function at half the memory. Under plain `python` the policy
+    runs fp32 weights through autocast, whose numerics a bf16 copy would not reproduce (the
+    residual stream stays fp32 there): the frozen models stay fp32, and KL is 0 while pi = ref."""
+    return torch.bfloat16 if d.sharded and bf16_supported(d.device) else torch.float32
+
+
 def shard_model(model, d, mixed_precision=True, cpu_offload=False, activation_checkpointing=False):
-    """FSDP2 with bf16 compute, fp32 master weights and fp32 gradient reduction on GPUs that
-    support it (seed 000: bf16 master weights hurt); fp32 on CPU. `cpu_offload` keeps the
-    sharded parameters in host memory between uses (for frozen reference / reward models).
-    Offload needs an accelerator (on a CPU the parameters are in host memory already).
-    Activation checkpointing recomputes each block's activations in the backward pass.
-    Without torchrun (plain `python`) nothing is sharded."""
+    """Place the model on its device: FSDP2 under torchrun, a plain move otherwise.
+
+    FSDP2 with bf16 compute, fp32 master weights and fp32 gradient reduction on GPUs that
+    support it (seed 000: bf16 master weights hurt); fp32 on CPU. `fully_shard` moves one block
+    at a time to the GPU and keeps its shard, so no GPU ever holds the whole model; pass the
+    model on the CPU. `cpu_offload` keeps the sharded parameters in host memory between uses
+    (for frozen reference / reward models); it needs an accelerator. A frozen model (no
+    parameter requires grad) also reshards its root after every forward: FSDP keeps a root
+    gathered for the backward that follows, and a frozen model has none.
+    Activation checkpointing recomputes each block's activations in the backward pass."""
     if activation_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.train()  # from_pretrained returns eval mode, in which HF models skip the checkpointing
@@ -204,7 +231,7 @@ def shard_model(model, d, mixed_precision=True, cpu_offload=False, activation_ch
                f"also for one process) and a GPU")
         cpu_offload = False
     if not d.sharded:
-        return model
+        return model.to(d.device)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -218,7 +245,8 @@ def shard_model(model, d, mixed_precision=True, cpu_offload=False, activation_ch
         print0(f"warning: no _no_split_modules in {type(model).__name__}; sharding the root module only")
     for block in blocks:
         fully_shard(block, **kw)
-    fully_shard(model, **kw)
+    frozen = not any(p.requires_grad for p in model.parameters())
+    fully_shard(model, reshard_after_forward=True if frozen else None, **kw)
     return model
 
 
@@ -242,6 +270,7 @@ def unsharded(model):
     from torch.distributed.fsdp import FSDPModule
 
     mods = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    frozen = not any(p.requires_grad for p in model.parameters())
     for m in mods:
         m.set_reshard_after_forward(False, recurse=False)
         m.unshard()
@@ -250,10 +279,10 @@ def unsharded(model):
     finally:
         for m in mods:
             m.reshard()
-            # back to FSDP's defaults: blocks reshard after forward, the root does not (its
-            # parameters are needed again at once by backward; a loss read from a hook inside the
-            # forward, as reward_scores does, would otherwise find them freed)
-            m.set_reshard_after_forward(m is not model, recurse=False)
+            # back to shard_model's settings: blocks reshard after forward; a trained root does
+            # not (backward needs its parameters at once; a loss read from a hook inside the
+            # forward, as reward_scores does, would otherwise find them freed); a frozen one does
+            m.set_reshard_after_forward(m is not model or frozen, recurse=False)
 
 
 def clip_grad_norm(model, max_norm):
@@ -364,6 +393,10 @@ def entropy_from_logits(logits, chunk_elems=2**22):
 
 
 def _accepts(model, arg):
+    """Whether the model's forward takes `arg`. A PeftModel's forward takes **kwargs and passes
+    them on, so the wrapped model's signature is the one that counts."""
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
     return arg in inspect.signature(model.forward).parameters
 
 
@@ -429,14 +462,18 @@ def rollout_uniforms(n_rows, n_tokens, seed):
     return torch.rand(n_rows, n_tokens, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
-def sample_token(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None, u=None):
+NAN_LOGITS = "sample_token: logits with NaN or +inf, or all -inf (a diverged model, or a bad --top_k/--top_p mask)"
+
+
+def sample_token(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None, u=None, bad=None):
     """One token per row from (B, V) logits; temperature 0 means greedy.
 
     Draws by inverting the CDF with one uniform number per row (`u`, (B,), or drawn from
     `generator`). torch.multinomial (like the Gumbel trick) draws one random number per
     vocabulary entry, which is slow on CPU: for 64 rows of GPT-2's 50257 tokens it takes 3x as
     long (bench/sampler.py). The CDF is summed in float64 so that it stays exact over a large
-    vocabulary.
+    vocabulary. Logits that are not finite raise RuntimeError; with `bad` (a bool tensor on the
+    device) they set it instead, and generate raises after its loop.
     """
     if temperature == 0:
         return logits.argmax(-1)
@@ -451,14 +488,21 @@ def sample_token(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None, u=
         logits = logits.masked_fill(drop.scatter(1, idx, drop), float("-inf"))
     cdf = logits.softmax(-1).double().cumsum(-1)  # (B, V)
     total = cdf[:, -1:]  # (B, 1) ~1; NaN if a row had no finite logit
-    torch._assert_async(torch.isfinite(total).all(), "sample_token: logits with NaN or +inf, or all -inf")
+    finite = torch.isfinite(total).all()
+    if bad is None:  # a direct call: check now (one host sync)
+        if not finite:
+            raise RuntimeError(NAN_LOGITS)
+    else:  # inside generate: record on the device, checked once at the end (no sync per token)
+        bad.logical_or_(~finite)
     if u is None:
         u = torch.rand(total.shape, dtype=torch.float64, device=cdf.device, generator=generator)
     u = u.view(-1, 1).to(cdf) * total
     # the first CDF entry above u: zero-probability tokens (top-k / top-p) span no interval and
     # are never drawn; u is kept below total in case u * total rounds up to it
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, u, right=True).squeeze(-1)
+    # clamped: a NaN row would give index V, an out-of-range id that the next forward's embedding
+    # lookup turns into a CUDA device-side assert (which leaves the context unusable)
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
 
 
 def _next_logits(model, input_ids, attention_mask, position_ids, cache, kw):
@@ -479,12 +523,54 @@ _compiled = {}  # torch.compile of the step, made once; dynamo keeps a graph per
 
 
 def _step_fn(compile, device):
+    """The decode step: eager, or compiled. On CUDA the compiled step is also captured as a CUDA
+    graph ("reduce-overhead"): decoding a small model is bound by kernel launches (hundreds per
+    token), which one graph replay replaces. The graph reads the static cache in place, so the
+    cache must keep its addresses from call to call (_decode_cache)."""
     if not compile:
         return _next_logits
     fn = _next_logits_unfused if device.type == "cpu" else _next_logits
     if fn not in _compiled:
-        _compiled[fn] = torch.compile(fn, dynamic=False)
+        mode = "reduce-overhead" if device.type == "cuda" else None
+        _compiled[fn] = torch.compile(fn, dynamic=False, mode=mode)
     return _compiled[fn]
+
+
+_DECODE_CACHES = weakref.WeakKeyDictionary()  # model -> {(rows, length): StaticCache}, for compiled decoding
+
+
+def _decode_cache(model, B, L, persistent):
+    """A static KV cache of B rows and L slots, or None when the model has sliding-window or other
+    non-plain layers (they are prefilled straight into a fresh cache instead). With `persistent`
+    (compiled decoding) the cache of each (B, L) is made once per model and overwritten in place
+    by every later rollout, so the captured graph's addresses stay valid; it stays allocated
+    between rollouts (at most 4 shapes per model)."""
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
+
+    caches = _DECODE_CACHES.setdefault(model, {}) if persistent else {}
+    if (B, L) in caches:
+        return caches[B, L]
+    cache = StaticCache(config=model.config, max_cache_len=L)
+    if not all(type(layer) is StaticLayer for layer in cache.layers):
+        return None
+    if persistent:
+        if len(caches) >= 4:
+            caches.pop(next(iter(caches)))
+        caches[B, L] = cache
+    return cache
+
+
+def _fill_cache(cache, prefill, inverse, P):
+    """Copy the prefill's keys and values (U distinct prompts, P tokens) into slots [0, P) of the
+    static cache, row i taking prompt inverse[i]; in place, so the cache keeps its addresses."""
+    for dst, src in zip(cache.layers, prefill.layers):
+        k, v = (src.keys, src.values) if inverse is None else (src.keys[inverse], src.values[inverse])
+        if not dst.is_initialized or dst.keys.dtype != k.dtype:
+            dst.lazy_initialization(k[:, :, :0], v[:, :, :0])
+        dst.keys[:, :, :P].copy_(k)
+        dst.values[:, :, :P].copy_(v)
+        dst.cumulative_length.fill_(P)
 
 
 @torch.no_grad()
@@ -500,57 +586,75 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
     early once every row has stopped. Only local forwards: under FSDP call it inside
     `unsharded(model)`, and ranks may stop at different steps.
 
-    Greedy output is identical to model.generate's. Speed against it (bench/sampler.py; tiny
-    GPT-2, 8 prompts x G = 8, 32 tokens, one CPU thread): 1.5x eager, 2.2-2.4x compiled.
+    Greedy output is identical to model.generate's. Speed against it: bench/sampler.py.
     1. each distinct prompt is prefilled once and its keys/values copied to its repeats (GRPO
-       samples every prompt G times), through the cache's beam-search reorder: the eager gain;
+       samples every prompt G times): the eager gain;
     2. a static KV cache written in place: no concatenation per step, and the fixed shapes
-       that torch.compile needs; mask and positions of the whole response are built once;
+       and addresses that torch.compile and CUDA graphs need; mask and positions of the whole
+       response are built once; on a GPU, whether every row has stopped is read every 8 tokens
+       (each read waits for the GPU to drain), not after every token;
     3. compile=True: the decode step under torch.compile (on CPU with SDPA's math backend,
-       which inductor fuses). Compiling takes 10-60 s, once per process, model and shape
-       (batch size, cache length): it pays over the many rollouts of a run, not for one call.
-       The cache length is rounded up so that nearby prompt lengths share a graph; dynamo
-       keeps up to torch._dynamo.config.recompile_limit (8) graphs, then runs eagerly.
+       which inductor fuses; on CUDA replayed as a CUDA graph). Compiling takes 10-60 s, once
+       per process, model and shape (batch size, cache length): it pays over the many rollouts
+       of a run, not for one call. The cache length is rounded up so that nearby prompt lengths
+       share a graph; dynamo keeps up to torch._dynamo.config.recompile_limit (8) graphs.
+    Under autocast the fp32 weights are cast to bf16 once per rollout, not per token (autocast
+    caches the casts of leaf parameters within its region).
     """
-    from transformers import StaticCache
-
     B, P = prompt_ids.shape
     device = prompt_ids.device
     L = P + max_new_tokens
     if compile:  # round up to a multiple of L/8 to L/4 (54 -> 56, 300 -> 320)
         q = max(8, 2 ** (L.bit_length() - 3))
         L = -(-L // q) * q
-    cache = StaticCache(config=model.config, max_cache_len=L)
     kw = dict(logits_to_keep=1) if _accepts(model, "logits_to_keep") else {}
     stops = torch.tensor([eos_id, *stop_ids], device=device)
     uniforms = None if uniforms is None else uniforms.to(device)
 
     # 1. prefill the distinct prompts, then give each row its prompt's keys and values
     rows, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], 1), dim=0, return_inverse=True)
-    ids, mask = (rows[:, :P], rows[:, P:]) if len(rows) < B else (prompt_ids, prompt_mask)
-    logits = _next_logits(model, ids, mask, position_ids_from_mask(mask), cache, kw)  # (U, V)
-    if len(rows) < B:
-        cache.reorder_cache(inverse)
+    dedup = len(rows) < B
+    ids, mask = (rows[:, :P], rows[:, P:]) if dedup else (prompt_ids, prompt_mask)
+    cache = _decode_cache(model, B, L, persistent=compile)
+    if cache is None:  # sliding-window layers: prefill into a fresh static cache, then reorder it
+        from transformers import StaticCache
+
+        cache = StaticCache(config=model.config, max_cache_len=L)
+        logits = _next_logits(model, ids, mask, position_ids_from_mask(mask), cache, kw)  # (U, V)
+        if dedup:
+            cache.reorder_cache(inverse)
+    else:
+        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=True, **kw)
+        logits = out.logits[:, -1]  # (U, V)
+        _fill_cache(cache, out.past_key_values, inverse if dedup else None, P)
+        del out
+    if dedup:
         logits = logits[inverse]  # (B, V)
 
     # 2. decode; slots of the static cache past the current token are hidden by the causal mask
     mask = torch.cat([prompt_mask, prompt_mask.new_ones(B, L - P)], 1)  # (B, L)
     pos = prompt_mask.sum(-1, keepdim=True)  # (B, 1) position of the first response token
     step = _step_fn(compile, device)
+    graphs = compile and device.type == "cuda"
+    check_every = 8 if device.type == "cuda" else 1
     tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
     response_mask = torch.zeros((B, max_new_tokens), dtype=torch.long, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
-    R = max_new_tokens
+    bad = torch.zeros((), dtype=torch.bool, device=device)  # any row with non-finite logits
     for t in range(max_new_tokens):
         u = None if uniforms is None else uniforms[:, t]
-        tok = sample_token(logits, temperature, top_k, top_p, generator, u).masked_fill(done, pad_id)
+        tok = sample_token(logits, temperature, top_k, top_p, generator, u, bad).masked_fill(done, pad_id)
         tokens[:, t] = tok
         response_mask[:, t] = ~done  # the stop token itself counts
         done = done | torch.isin(tok, stops)
-        if t == max_new_tokens - 1 or done.all():
-            R = t + 1
+        if t == max_new_tokens - 1 or (t % check_every == check_every - 1 and done.all()):
             break
+        if graphs:  # each step's logits are read before the next replay overwrites them
+            torch.compiler.cudagraph_mark_step_begin()
         logits = step(model, tok[:, None], mask, pos + t, cache, kw)
+    if bad:
+        raise RuntimeError(NAN_LOGITS)
+    R = int(response_mask.any(0).sum())  # the longest response: its columns are the first R
     return tokens[:, :R], response_mask[:, :R]
 
 
@@ -617,6 +721,32 @@ def load_tokenizer(name, trust_remote_code=False):
     return tok
 
 
+class FP32Head(torch.nn.Linear):
+    """An LM head that computes its logits in fp32, whatever the dtype of its input and weight.
+
+    Under autocast or FSDP's bf16 parameters the head would return bf16 logits, and logits of
+    GPT-2 (often 30-120) have bf16 steps of 0.25-0.5: the same token's log-prob could move by
+    ~0.1 between two batch layouts, so rho != 1 on the first pass, clipping fires where nothing
+    changed and KL != 0 while pi = pi_ref. In fp32 the bf16 operands multiply exactly (on a
+    GPU as TF32, which holds bf16's mantissa: common.setup_distributed) and accumulate in fp32.
+    Costs an fp32 copy of the weight per forward; only the positions kept by `logits_to_keep`
+    pass through it."""
+
+    def forward(self, x):
+        with torch.autocast(x.device.type, enabled=False) if x.device.type in ("cuda", "cpu") else nullcontext():
+            return torch.nn.functional.linear(x.float(), self.weight.float(),
+                                              None if self.bias is None else self.bias.float())
+
+
+def fp32_lm_head(model):
+    """Make the model's output layer an FP32Head (same weights, same module). Checkpoints are
+    unchanged: save_pretrained writes the weights, and loading gives an ordinary nn.Linear."""
+    head = model.get_output_embeddings()
+    if type(head) is torch.nn.Linear:
+        head.__class__ = FP32Head
+    return model
+
+
 def disable_dropout(model):
     """RLHF compares log-probs of two forwards (policy vs reference, new vs old): dropout
     would add noise to every ratio, so it is switched off everywhere, as TRL does."""
@@ -653,6 +783,8 @@ def load_model(name, tokenizer, kind="causal", dtype=torch.float32, trust_remote
                          f"{n_emb} rows: the tokenizer does not match the model")
     if kind == "reward":
         model.config.pad_token_id = tokenizer.pad_token_id
+    else:
+        fp32_lm_head(model)
     return disable_dropout(model)
 
 
@@ -734,9 +866,11 @@ def encode_responses(tokenizer, texts, max_len):
 
 
 def decode_responses(tokenizer, response_ids, response_mask):
-    """Text of each sampled response, without EOS or padding."""
-    return [tokenizer.decode(ids[m.bool()].tolist(), skip_special_tokens=True)
-            for ids, m in zip(response_ids, response_mask)]
+    """Text of each sampled response, without EOS or padding. One transfer from the device for
+    the whole batch, not one per row."""
+    ids, mask = response_ids.tolist(), response_mask.tolist()
+    return [tokenizer.decode([t for t, m in zip(row, keep) if m], skip_special_tokens=True)
+            for row, keep in zip(ids, mask)]
 
 
 @torch.no_grad()
@@ -767,6 +901,20 @@ def evaluate_generations(model, tokenizer, prompts, reward_fn, d, max_prompt_len
 # logging: metrics.jsonl and one line per step on rank 0; wandb only when asked for
 
 
+_PEAK_GIB = [0.0]  # the run's peak GPU memory over the windows reset_peak_memory closed
+
+
+def reset_peak_memory(d):
+    """Peak GPU memory (GiB) allocated since the last call, and start a new window, so a script
+    can log the peak of each phase (grpo.py: rollout, update). 0 on CPU."""
+    if d.device.type != "cuda":
+        return 0.0
+    peak = torch.cuda.max_memory_allocated(d.device) / 2**30
+    _PEAK_GIB[0] = max(_PEAK_GIB[0], peak)
+    torch.cuda.reset_peak_memory_stats(d.device)
+    return peak
+
+
 class Logger:
     def __init__(self, out_dir, cfg, d, use_wandb=False, project="rlhf"):
         self.enabled, self.wandb, self.t0 = d.is_main, None, time.time()
@@ -784,8 +932,8 @@ class Logger:
     def log(self, step, metrics, echo=True):
         if not self.enabled:
             return
-        if torch.cuda.is_available():
-            metrics = {**metrics, "mem/peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+        if torch.cuda.is_available():  # the whole run's peak, across reset_peak_memory's windows
+            metrics = {**metrics, "mem/peak_gib": max(_PEAK_GIB[0], torch.cuda.max_memory_allocated() / 2**30)}
         row = {"step": step, "time": round(time.time() - self.t0, 2), **metrics}
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()

@@ -267,9 +267,10 @@ def main(cfg):
     # 1. the reference: log-probs of every train and eval pair once, or a live frozen model
     t_start = time.time()
     common.set_seed(cfg.seed)  # `--model tiny` builds random weights: the policy must start equal to its reference
-    ref = common.load_model(cfg.ref_model or cfg.model, tokenizer, trust_remote_code=cfg.trust_remote_code)
+    ref = common.load_model(cfg.ref_model or cfg.model, tokenizer, dtype=common.frozen_dtype(d),
+                            trust_remote_code=cfg.trust_remote_code)
     common.check_context(ref, cfg.max_prompt_len, cfg.max_response_len)
-    ref = common.shard_model(ref.to(d.device).requires_grad_(False).eval(), d, cpu_offload=cfg.offload_frozen)
+    ref = common.shard_model(ref.requires_grad_(False).eval(), d, cpu_offload=cfg.offload_frozen)
     ref_test = all_pair_logps(ref, test_pairs, pad_id, d, cfg.eval_batch_size)  # (N_eval, 2)
     ref_train = None
     if cfg.precompute_ref:
@@ -280,7 +281,7 @@ def main(cfg):
 
     common.set_seed(cfg.seed)
     model = common.load_model(resume_from or cfg.model, tokenizer, trust_remote_code=cfg.trust_remote_code)
-    model = common.shard_model(model.to(d.device), d, activation_checkpointing=cfg.activation_checkpointing)
+    model = common.shard_model(model, d, activation_checkpointing=cfg.activation_checkpointing)
     n_params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
                                   fused=True)  # one kernel for all parameters (bench/test_micro.py)

@@ -223,7 +223,7 @@ def rejection_sample(rewards, k, gamma, mode="rso", generator=None):
 
 def _global_mean_std(x, d):
     """Mean and (unbiased) std of every element of x over all ranks. Collective."""
-    s = common.all_reduce_sum(torch.stack([x.sum(), (x * x).sum(), torch.tensor(float(x.numel()))]).double(), d)
+    s = common.all_reduce_sum(torch.stack([x.sum(), (x * x).sum(), x.new_tensor(float(x.numel()))]).double(), d)
     mean = s[0] / s[2]
     var = (s[1] - s[2] * mean * mean) / (s[2] - 1).clamp(min=1)
     return mean.float(), var.clamp(min=0).sqrt().float()
@@ -248,8 +248,8 @@ def group_advantages(rewards, scale="group", global_norm=False, d=common.Dist(),
     if global_norm:
         g_mean, g_std = _global_mean_std(adv, d)
         adv = (adv - g_mean) / (g_std + eps)
-    metrics = {"reward": rewards.mean().item(), "reward_std": std.mean().item(),
-               "frac_reward_zero_std": (rewards.amax(1) == rewards.amin(1)).float().mean().item()}
+    metrics = {"reward": rewards.mean(), "reward_std": std.mean(),  # tensors: read once per step
+               "frac_reward_zero_std": (rewards.amax(1) == rewards.amin(1)).float().mean()}
     return adv, metrics
 
 
@@ -293,8 +293,8 @@ def aggregate(x, mask, agg, normaliser):
 def loss_normaliser(mask, agg, max_new_tokens, d=common.Dist()):
     """The denominator of `aggregate` for a global mini-batch whose local rows have this
     mask (B, T): tokens or sequences summed over all ranks. Collective."""
-    n = mask.sum() if agg == "token_mean" else torch.tensor(mask.shape[0] * (max_new_tokens if agg == "constant" else 1))
-    return common.all_reduce_sum(n.double().to(mask.device), d).item()
+    n = mask.sum() if agg == "token_mean" else mask.new_tensor(mask.shape[0] * (max_new_tokens if agg == "constant" else 1))
+    return common.all_reduce_sum(n.double(), d)  # a tensor: no host sync per mini-batch
 
 
 def grpo_loss(logps, old_logps, ref_logps, advantages, mask, normaliser, epsilon_low=0.2, epsilon_high=0.2,
@@ -302,7 +302,7 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, normaliser, epsilon
     """Clipped surrogate + beta * KL - entropy_coef * entropy, aggregated (GRPO Eq. 3, DAPO Eq. 10).
 
     logps, old_logps, ref_logps, mask: (B, T) per response token; advantages: (B,) per sequence;
-    entropy: (B, T) or None. Returns (loss, metrics).
+    entropy: (B, T) or None. Returns (loss, metrics); metrics are 0-d tensors, read once per step.
     """
     A = advantages[:, None]  # (B, 1): outcome supervision, one advantage for every token
     rho = torch.exp(logps - old_logps)
@@ -315,7 +315,7 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, normaliser, epsilon
         loss = loss - entropy_coef * aggregate(entropy, mask, agg, normaliser)
 
     def mean(x):  # token mean over this micro-batch, for metrics
-        return ((x.detach().float() * mask).sum() / mask.sum().clamp(min=1)).item()
+        return (x.detach().float() * mask).sum() / mask.sum().clamp(min=1)
 
     metrics = {"kl": mean(kl_per_token(logps, ref_logps, old_logps, "k3")), "kl/optimized": mean(kl),
                "clip_ratio/low": mean((rho < 1 - epsilon_low) & (A < 0)),
@@ -417,9 +417,15 @@ def pairwise_accuracy(model, ref, tokenizer, pairs, beta, cfg, d):
             with reference_context(model, ref):
                 pi_ref = (batched_logprobs(ref_net, ids, attn, resp.shape[1], 1.0, d, 256) * resp).sum(-1)
             margins.append(beta * (pi - pi_ref))
-    score = (margins[0] > margins[1]).double() + 0.5 * (margins[0] == margins[1]).double()
-    total = common.all_reduce_sum(torch.stack([score.sum(), torch.tensor(float(len(score)), dtype=torch.float64)]), d)
-    return (total[0] / total[1]).item()
+    return ranking_accuracy(*margins, d).item()
+
+
+def ranking_accuracy(chosen, rejected, d=common.Dist()):
+    """Share of pairs, over all ranks, whose chosen score is above the rejected one (ties count
+    half). chosen, rejected: (N,) this rank's scores. Collective; returns a 0-d tensor."""
+    score = (chosen > rejected).double() + 0.5 * (chosen == rejected).double()
+    total = common.all_reduce_sum(torch.stack([score.sum(), score.new_tensor(float(len(score)))]), d)
+    return total[0] / total[1]
 
 
 # -----------------------------------------------------------------------------
@@ -472,17 +478,19 @@ def main(cfg):
         model = add_lora(model, cfg.lora_r, cfg.lora_alpha)
     elif resume_from and not cfg.ref_refresh_every:  # the reference is the starting policy
         common.set_seed(cfg.seed)  # as it was built (`--model tiny` draws random weights)
-        ref = common.load_model(cfg.model, tokenizer, trust_remote_code=cfg.trust_remote_code)
+        ref = common.load_model(cfg.model, tokenizer, dtype=common.frozen_dtype(d),
+                                trust_remote_code=cfg.trust_remote_code)
     else:  # the starting policy, or the last refresh (a resumed checkpoint is one; see check_config)
-        ref = copy.deepcopy(model)
-    if ref is not None:
-        ref = common.shard_model(ref.to(d.device).requires_grad_(False).eval(), d, cpu_offload=cfg.offload_frozen)
-    model = common.shard_model(model.to(d.device), d, activation_checkpointing=cfg.activation_checkpointing)
+        ref = copy.deepcopy(model).to(common.frozen_dtype(d))
+    if ref is not None:  # frozen models: bf16 under FSDP on a GPU, sharded, optionally offloaded
+        ref = common.shard_model(ref.requires_grad_(False).eval(), d, cpu_offload=cfg.offload_frozen)
+    model = common.shard_model(model, d, activation_checkpointing=cfg.activation_checkpointing)
     rm = rm_tokenizer = None
     if cfg.reward_model:
         rm_tokenizer = common.load_tokenizer(cfg.reward_model, cfg.trust_remote_code)
-        rm = common.load_model(cfg.reward_model, rm_tokenizer, kind="reward", trust_remote_code=cfg.trust_remote_code)
-        rm = common.shard_model(rm.to(d.device).requires_grad_(False).eval(), d, cpu_offload=cfg.offload_frozen)
+        rm = common.load_model(cfg.reward_model, rm_tokenizer, kind="reward", dtype=common.frozen_dtype(d),
+                               trust_remote_code=cfg.trust_remote_code)
+        rm = common.shard_model(rm.requires_grad_(False).eval(), d, cpu_offload=cfg.offload_frozen)
     truncate_id = None
     if cfg.truncate_token:
         t_ids = tokenizer(cfg.truncate_token, add_special_tokens=False)["input_ids"]
@@ -553,6 +561,7 @@ def main(cfg):
         log_line(0, m0)
     for step in range(start, cfg.steps + 1):
         t0 = time.time()
+        common.reset_peak_memory(d)
         rs_gen.manual_seed(cfg.seed + 1000 * d.rank + 1_000_003 * step)
         # ---------------------------------------------------------------------
         # 1. rollout: every rank draws the same prompts and takes its slice; n_sample each
@@ -577,6 +586,7 @@ def main(cfg):
         is_stop = (r_ids == tokenizer.eos_token_id) | ((r_ids == truncate_id) if truncate_id is not None else False)
         stopped = (is_stop & r_mask.bool()).any(-1)  # (N,) ended with EOS or the truncate token
         t_rollout = time.time() - t0
+        mem = {"mem/rollout_gib": common.reset_peak_memory(d)} if d.device.type == "cuda" else {}
 
         # ---------------------------------------------------------------------
         # 2. reward: rule functions named per row, a reward model, or a weighted sum
@@ -616,14 +626,14 @@ def main(cfg):
                                         cfg.global_norm, d)
         adv = adv.flatten()  # (rows_local,)
         lengths = r_mask.sum(-1).float()
-        metrics |= {f"reward/{k}": v.mean().item() for k, v in parts.items()}
-        metrics |= {"completions/mean_length": lengths.mean().item(), "completions/max_length": lengths.max().item(),
-                    "completions/clipped_ratio": (~stopped).float().mean().item()}
+        metrics |= {f"reward/{k}": v.mean() for k, v in parts.items()}
+        metrics |= {"completions/mean_length": lengths.mean(), "completions/max_length": lengths.max(),
+                    "completions/clipped_ratio": (~stopped).float().mean()}
 
         # ---------------------------------------------------------------------
         # 4. update: num_iterations passes, each over num_mini_batches optimizer steps of
         #    grad_accum micro-batches; every normaliser is that of the global mini-batch
-        totals, n_micro, grad_norms, loss_sum = {}, 0, [], 0.0
+        totals, n_micro, grad_norms, loss_sum = {}, 0, [], 0.0  # tensors on the device, read once per step
         perm_gen = torch.Generator().manual_seed(cfg.seed * 7919 + step * 31 + d.rank)
         beta_loss = 0.0 if cfg.kl_in_reward else cfg.beta
         for _ in range(cfg.num_iterations):
@@ -643,17 +653,19 @@ def main(cfg):
                                         entropy.float(), cfg.entropy_coef)
                     # FSDP averages gradients over ranks; x world size makes it the global-batch sum
                     (loss * d.world_size).backward()
-                    loss_sum += loss.item()
+                    loss_sum = loss_sum + loss.detach()
                     for key, v in m.items():
                         totals[key] = totals.get(key, 0.0) + v
                     n_micro += 1
-                grad_norms.append(common.clip_grad_norm(model, cfg.grad_clip).item())
+                grad_norms.append(common.clip_grad_norm(model, cfg.grad_clip))
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
         if cfg.ref_refresh_every and step % cfg.ref_refresh_every == 0:
             refresh_reference(ref, model)
         t_update = time.time() - t2
+        if d.device.type == "cuda":
+            mem["mem/update_gib"] = common.reset_peak_memory(d)  # reward, reference and update phases
 
         # ---------------------------------------------------------------------
         # 5. metrics (all-reduced on every rank), eval, log
@@ -661,8 +673,8 @@ def main(cfg):
         # the loss of each global mini-batch (its micro-batch losses summed over ranks), averaged
         # over the optimizer steps; x world size as reduce_metrics averages over ranks
         metrics["loss"] = loss_sum * d.world_size / (cfg.num_iterations * cfg.num_mini_batches)
-        metrics |= {"grad_norm": sum(grad_norms) / len(grad_norms), "lr": scheduler.get_last_lr()[0],
-                    "time/rollout": t_rollout, "time/reward": t_reward, "time/update": t_update}
+        metrics |= {"grad_norm": torch.stack(grad_norms).mean(), "lr": scheduler.get_last_lr()[0],
+                    "time/rollout": t_rollout, "time/reward": t_reward, "time/update": t_update, **mem}
         metrics = common.reduce_metrics(metrics, d)
         if not all(math.isfinite(metrics[k]) for k in ("loss", "kl", "grad_norm")):
             raise FloatingPointError(f"step {step}: loss is {metrics['loss']}, kl {metrics['kl']}, grad_norm "

@@ -184,8 +184,8 @@ def normalization(model, tokenizer, cfg, prompts, d):
     """Gain and bias that give the policy's samples on `prompts` reward mean 0 and std 1."""
     name = cfg.normalize_policy or cfg.model
     p_tok = common.load_tokenizer(name, cfg.trust_remote_code)
-    policy = common.load_model(name, p_tok, trust_remote_code=cfg.trust_remote_code).to(d.device)
-    policy = common.shard_model(policy, d)
+    policy = common.load_model(name, p_tok, dtype=common.frozen_dtype(d), trust_remote_code=cfg.trust_remote_code)
+    policy = common.shard_model(policy.requires_grad_(False).eval(), d)
     total = torch.zeros(3, dtype=torch.float64, device=d.device)  # sum r, sum r^2, n
     mine = prompts[d.rank::d.world_size]
     u = common.rollout_uniforms(len(prompts), cfg.max_response_len, cfg.seed)[d.rank::d.world_size]  # any world size
@@ -233,7 +233,7 @@ def main(cfg):
     common.check_context(model, cfg.max_prompt_len, cfg.max_response_len)
     model.config.reward_gain, model.config.reward_bias = 1.0, 0.0  # training sees raw scores
     model.config.reward_padding_left = cfg.padding_left  # how grpo.py should score with this model
-    model = common.shard_model(model.to(d.device), d, activation_checkpointing=cfg.activation_checkpointing)
+    model = common.shard_model(model, d, activation_checkpointing=cfg.activation_checkpointing)
     n_params = sum(p.numel() for p in model.parameters())
 
     train = load_pairs(cfg.dataset, "train", cfg.n_train, cfg.seed)

@@ -1,0 +1,211 @@
+"""What a GPU would catch, caught on the CPU: tensors of mixed devices (the `meta` device refuses
+mixing like CUDA does, and refuses host syncs), bf16 logits under autocast, LoRA forwards that
+compute every position's logits, frozen FSDP roots left gathered, the sampler's non-finite
+check, the persistent decode cache, and the one-command GPU check's CPU behaviour."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import common
+import grpo
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+META = common.Dist(device=torch.device("meta"))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tok = common.char_tokenizer()
+    torch.manual_seed(0)
+    return common.load_model("tiny", tok).eval(), tok
+
+
+def test_grpo_math_runs_on_one_device_without_host_syncs():
+    """Every tensor these functions create is made on their inputs' device, and none reads a
+    value back to the host (meta tensors refuse both: torch.stack of meta and CPU, .item())."""
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.rand(4, 3, generator=g).to("meta")
+    adv, m = grpo.group_advantages(rewards, "batch", global_norm=True, d=META)
+    assert adv.device.type == "meta" and all(v.device.type == "meta" for v in m.values())
+    mean, std = grpo._global_mean_std(rewards, META)
+    assert mean.device.type == std.device.type == "meta"
+    assert grpo.ranking_accuracy(rewards[:, 0], rewards[:, 1], META).device.type == "meta"
+    mask = torch.ones(6, 5, device="meta")
+    for agg in grpo.LOSS_AGGS:
+        assert grpo.loss_normaliser(mask, agg, 5, META).device.type == "meta"
+    lp = torch.randn(6, 5, generator=g).to("meta")
+    loss, m = grpo.grpo_loss(lp, lp, lp, torch.zeros(6, device="meta"), mask, grpo.loss_normaliser(mask, "token_mean", 5, META),
+                             beta=0.1, entropy=lp, entropy_coef=0.01)
+    assert loss.device.type == "meta" and all(torch.is_tensor(v) and v.device.type == "meta" for v in m.values())
+
+
+def test_ranking_accuracy_counts_ties_half():
+    c, r = torch.tensor([1.0, 2.0, 0.5, 3.0]), torch.tensor([0.0, 2.0, 1.0, 1.0])  # win, tie, loss, win
+    assert grpo.ranking_accuracy(c, r).item() == pytest.approx(2.5 / 4)
+
+
+def test_metrics_reduce_from_device_tensors_and_floats():
+    got = common.reduce_metrics({"a": torch.tensor(0.25), "b": 3, "c": torch.tensor(2.0, dtype=torch.float64)},
+                                common.Dist())
+    assert got == {"a": 0.25, "b": 3.0, "c": 2.0}
+
+
+def test_lm_head_logits_are_fp32_under_bf16_autocast(tiny):
+    """Under bf16 autocast the kept positions' logits are computed in fp32 from the (bf16-
+    computed) hidden states: log-probs equal an fp32 head on those hidden states, and differ
+    from bf16-rounded logits by more than the tolerance (so the check has teeth)."""
+    model, tok = tiny
+    model = common.load_model("tiny", tok).eval()
+    with torch.no_grad():  # logits of GPT-2's size (tens): where bf16's step is 0.125-0.5
+        model.transformer.wte.weight.mul_(40)
+    assert type(model.lm_head) is common.FP32Head
+    ids, attn, resp = common.join_prompt_response([tok("sort 3 1 2 =")["input_ids"]] * 2,
+                                                  [tok(" 1 2 3")["input_ids"], tok(" 3 2")["input_ids"]], tok.pad_token_id)
+    R = resp.shape[1]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = common.response_logprobs(model, ids, attn, R)
+        h = model.transformer(input_ids=ids, attention_mask=attn,
+                              position_ids=common.position_ids_from_mask(attn)).last_hidden_state[:, -(R + 1):-1]
+    logits = h.float() @ model.lm_head.weight.float().T
+    want = torch.log_softmax(logits, -1).gather(-1, ids[:, -R:, None]).squeeze(-1)
+    rounded = torch.log_softmax(logits.bfloat16().float(), -1).gather(-1, ids[:, -R:, None]).squeeze(-1)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert (rounded - want).abs().max() > 1e-2
+
+
+def test_fp32_head_checkpoint_loads_as_a_plain_linear(tiny, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model, tok = tiny
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(loaded.lm_head) is torch.nn.Linear
+    torch.testing.assert_close(loaded.lm_head.weight, model.lm_head.weight)
+
+
+def test_grpo_at_lr_0_has_no_kl_and_no_clipping_under_autocast(tmp_path, monkeypatch):
+    """A GRPO run at learning rate 0 under bf16 autocast (on the CPU here; common.autocast turns
+    it on for GPUs): the policy never moves, so rho = 1 and KL = 0 up to rounding although the
+    old log-probs and the trained ones come from different batch layouts."""
+    monkeypatch.setattr(common, "autocast", lambda d, enabled=True: torch.autocast("cpu", dtype=torch.bfloat16))
+    cfg = grpo.Config(model="tiny", out_dir=str(tmp_path / "g"), steps=2, prompts_per_step=4, group_size=4,
+                      num_iterations=2, num_mini_batches=2, lr=0.0, n_eval=4, n_eval_pairs=4, eval_every=100,
+                      n_train=64, max_new_tokens=12)
+    grpo.main(cfg)
+    with open(tmp_path / "g" / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f if json.loads(line)["step"] > 0]
+    assert len(rows) == 2
+    for r in rows:
+        assert abs(r["kl"]) < 1e-5 and r["clip_ratio/low"] == 0 and r["clip_ratio/high"] == 0, r
+
+
+def test_lora_forward_computes_only_the_kept_logits(tiny):
+    """A PeftModel's forward takes **kwargs: logits_to_keep must still reach the model, so the
+    LM head sees the R+1 kept positions, not all P+R (a (B, P+R, V) tensor per forward)."""
+    pytest.importorskip("peft")
+    _, tok = tiny
+    model = grpo.add_lora(common.load_model("tiny", tok), 4, 8.0)
+    assert common._accepts(model, "logits_to_keep")
+    seen = []
+    head = model.get_output_embeddings()
+    handle = head.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[1]))
+    ids, attn, resp = common.join_prompt_response([tok("sort 3 1 2 =")["input_ids"]], [tok(" 1 2 3")["input_ids"]],
+                                                  tok.pad_token_id)
+    common.response_logprobs(model, ids, attn, resp.shape[1])
+    handle.remove()
+    assert seen == [resp.shape[1] + 1]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_frozen_fsdp_root_reshards_after_a_no_grad_forward(tiny, monkeypatch):
+    """FSDP2 keeps a root's parameters gathered after forward (backward needs them); a frozen
+    model has no backward, so its root must reshard, or the reference and reward model hold a
+    full copy of their embeddings (and LM head) for the rest of the step."""
+    from torch.distributed.tensor import DTensor
+
+    _, tok = tiny
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(_free_port())}.items():
+        monkeypatch.setenv(k, v)
+    d = common.setup_distributed()
+    try:
+        ids = torch.tensor([tok("sort 3 1 2 = 1 2 3")["input_ids"]])
+        frozen = common.shard_model(common.load_model("tiny", tok).requires_grad_(False).eval(), d)
+        trained = common.shard_model(common.load_model("tiny", tok), d)
+        with torch.no_grad():
+            frozen(input_ids=ids)
+            trained(input_ids=ids)
+        assert all(isinstance(p, DTensor) for p in frozen.parameters())
+        assert not all(isinstance(p, DTensor) for p in trained.parameters())  # FSDP's default for a root
+        with common.unsharded(frozen):
+            frozen(input_ids=ids)
+        with torch.no_grad():
+            frozen(input_ids=ids)
+        assert all(isinstance(p, DTensor) for p in frozen.parameters())  # unsharded restores it
+    finally:
+        common.cleanup_distributed()
+
+
+def test_non_finite_logits_give_valid_ids_and_a_clear_error(tiny):
+    """Inside generate the check is recorded on the device and raised after the loop (a CUDA
+    assert would leave the context unusable); meanwhile every drawn id stays in the vocabulary,
+    so no out-of-range embedding lookup happens on the next step."""
+    logits = torch.randn(3, 7)
+    logits[1] = float("nan")
+    bad = torch.zeros((), dtype=torch.bool)
+    tok_ids = common.sample_token(logits, 1.0, generator=torch.Generator().manual_seed(0), bad=bad)
+    assert bool(bad) and int(tok_ids.max()) < 7
+    model, tok = tiny
+    broken = common.load_model("tiny", tok).eval()
+    with torch.no_grad():
+        broken.lm_head.weight[5] = float("nan")
+    ids, mask = common.pad([tok("sort 3 1 =")["input_ids"]] * 2, tok.pad_token_id, side="left")
+    with pytest.raises(RuntimeError, match="NaN"):
+        common.generate(broken, ids, mask, 6, tok.eos_token_id, tok.pad_token_id)
+
+
+def test_persistent_decode_cache_is_reused_in_place_and_leaks_nothing(tiny, monkeypatch):
+    """With compile=True the static cache of each (rows, length) is made once and overwritten in
+    place by later rollouts (CUDA graphs read it at fixed addresses). Two rollouts of different
+    prompts through it sample exactly what a fresh cache gives (nothing leaks from the first)."""
+    model, tok = tiny
+    monkeypatch.setattr(common, "_step_fn", lambda compile, device: common._next_logits)  # eager, same cache path
+    batches = [["sort 3 1 =", "sort 9 9 2 7 ="], ["sort 5 =", "sort 8 1 1 ="]]
+    ptrs = []
+    for texts in batches:
+        ids, mask = common.pad([tok(t)["input_ids"] for t in texts for _ in range(3)], tok.pad_token_id, side="left")
+        ids, mask = ids[:, -8:], mask[:, -8:]  # one prompt length, so both rollouts share the cache's shape
+        u = common.rollout_uniforms(6, 10, seed=1)
+        fresh = common.generate(model, ids, mask, 10, tok.eos_token_id, tok.pad_token_id, uniforms=u)
+        kept = common.generate(model, ids, mask, 10, tok.eos_token_id, tok.pad_token_id, uniforms=u, compile=True)
+        for a, b in zip(fresh, kept):
+            assert torch.equal(a, b)
+        (cache,) = common._DECODE_CACHES[model].values()
+        ptrs.append(cache.layers[0].keys.data_ptr())
+    assert ptrs[0] == ptrs[1]
+
+
+def test_gpu_check_refuses_without_a_gpu():
+    r = subprocess.run([sys.executable, "bench/gpu_check.py"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "no CUDA GPU" in r.stderr and "--cpu" in r.stderr
+
+
+def test_gpu_check_cpu_subset_passes(tmp_path):
+    """The GPU check's own runs (every device knob, LoRA with KL in the reward, lr 0 under
+    `python`), small, on the CPU: the command a GPU machine runs is itself tested."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "bench/gpu_check.py", "--cpu", "--keep", str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "| GRPO at lr 0, python |" in r.stdout and "gpu_check passed" in r.stdout
