@@ -61,6 +61,8 @@ class Config:
     """evaluate every this many steps (and at the end)"""
     n_eval: int = 200
     """held-out rows for the eval loss and, on an embedded task, held-out prompts for greedy answers"""
+    eval_batch_size: int = 256
+    """held-out rows per forward pass on each rank"""
     save_every: int = 0
     """also write a resumable checkpoint (with optimizer and data position) every this many steps (0: only at the end)"""
     resume: bool = False
@@ -113,15 +115,21 @@ def make_batch(prompts, completions, rows, pad_id, device):
 
 @torch.no_grad()
 def eval_loss(model, prompts, completions, pad_id, d, batch_size):
-    """Token-mean NLL of held-out completions (each rank a share; sums all-reduced)."""
+    """Token-mean NLL of held-out completions (each rank a share; sums all-reduced).
+
+    Every rank runs as many forwards (common.rank_share pads the shares with row 0): FSDP gathers
+    each layer collectively, so a rank with a forward more would wait for the others until the
+    collective timeout. The padding rows are computed and left out of both sums.
+    """
     model.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=d.device)
-    mine = list(range(len(prompts)))[d.rank::d.world_size]
-    for i in range(0, len(mine), batch_size):
-        ids, attn, resp = make_batch(prompts, completions, mine[i:i + batch_size], pad_id, d.device)
+    total = torch.zeros(2, dtype=torch.float64, device=d.device)  # NLL sum, token count
+    rows, n_mine = common.rank_share(len(prompts), d)
+    for i in range(0, len(rows), batch_size):
+        ids, attn, resp = make_batch(prompts, completions, rows[i:i + batch_size], pad_id, d.device)
         with common.autocast(d):
-            logps = common.response_logprobs(model, ids, attn, resp.shape[1])
-        total += torch.stack([-(logps * resp).sum().double(), resp.sum().double()])
+            logps = common.response_logprobs(model, ids, attn, resp.shape[1])  # (b, R)
+        keep = max(0, min(batch_size, n_mine - i))  # real rows of this chunk; the rest are padding
+        total += torch.stack([-(logps[:keep] * resp[:keep]).sum().double(), resp[:keep].sum().double()])
     model.train()
     total = common.all_reduce_sum(total, d)
     return (total[0] / total[1]).item()
@@ -142,7 +150,7 @@ def main(cfg):
     tokenizer = common.load_tokenizer(resume_from or cfg.model, cfg.trust_remote_code)
     model = common.load_model(resume_from or cfg.model, tokenizer, trust_remote_code=cfg.trust_remote_code)
     common.check_context(model, cfg.max_prompt_len, cfg.max_response_len)
-    model = common.shard_model(model.to(d.device), d, activation_checkpointing=cfg.activation_checkpointing)
+    model = common.shard_model(model, d, activation_checkpointing=cfg.activation_checkpointing)
     n_params = sum(p.numel() for p in model.parameters())
 
     train = common.load_data(cfg.dataset, "train", ["prompt", "completion"], kind="sft", n=cfg.n_train, seed=cfg.seed)
@@ -169,7 +177,7 @@ def main(cfg):
         common.print0(f"resumed from {resume_from} at step {state['step']}")
 
     def evaluate(step):
-        metrics = {"eval/loss": eval_loss(model, test_p, test_c, tokenizer.pad_token_id, d, 256)}
+        metrics = {"eval/loss": eval_loss(model, test_p, test_c, tokenizer.pad_token_id, d, cfg.eval_batch_size)}
         if embedded:
             metrics |= common.evaluate_generations(model, tokenizer, eval_prompts, tasks.REWARD_FNS["sort"], d,
                                                    cfg.max_prompt_len, cfg.max_response_len)

@@ -62,11 +62,11 @@ def torchrun(*args):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", *args]
 
 
-def checks(tmp, cpu):
+def checks(tmp, cpu, pipeline=True):
     """The runs that must work on a GPU. Returns rows (name, seconds, what was verified)."""
     py = [sys.executable]
     rows = []
-    if cpu:  # a small SFT policy and reward model to start from, as the pipeline would give
+    if cpu or not pipeline:  # a small SFT policy and reward model to start from, as the pipeline would give
         policy = os.path.join(tmp, "sft")
         run(py + ["sft.py", "--out_dir", policy, "--steps", "30", "--n_train", "512", "--n_eval", "8",
                   "--eval_every", "1000"], os.path.join(tmp, "sft.log"))
@@ -169,6 +169,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", choices=["checks", "bench"], help="run one part only")
     p.add_argument("--cpu", action="store_true", help="no GPU: checks 2, 3 and 5 on a tiny model (for the tests)")
+    p.add_argument("--no-pipeline", dest="pipeline", action="store_false",
+                   help="start the checks from a small SFT run instead of the whole pipeline")
     p.add_argument("--keep", default="", help="keep the runs and logs in this folder instead of a temporary one")
     args = p.parse_args()
     if not torch.cuda.is_available() and not args.cpu:
@@ -183,7 +185,7 @@ def main():
     t0, rows, failed = time.time(), [], None
     try:
         if args.only != "bench":
-            rows += checks(tmp, args.cpu)
+            rows += checks(tmp, args.cpu, args.pipeline)
         if args.only != "checks" and not args.cpu:
             rows += benches(tmp)
     except (AssertionError, RuntimeError, subprocess.TimeoutExpired) as e:

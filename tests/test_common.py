@@ -345,3 +345,37 @@ def test_rank_share_covers_every_row_once_with_equal_counts(n, world):
     assert len({len(rows) for rows, _ in shares}) == 1  # every rank runs as many forwards
     real = sorted(i for rows, k in shares for i in rows[:k])
     assert real == list(range(n))
+
+
+def _fake_gpus(monkeypatch, n_gpus):
+    """CUDA with n_gpus devices as setup_distributed sees it; returns the devices it selects."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n_gpus)
+    picked = []
+    monkeypatch.setattr(torch.cuda, "set_device", picked.append)
+    return picked
+
+
+@pytest.mark.parametrize("local_rank, n_gpus", [(1, 1), (3, 2)])
+def test_setup_distributed_refuses_a_local_rank_without_a_gpu(monkeypatch, local_rank, n_gpus):
+    """torchrun --nproc_per_node 2 on a one-GPU machine: rank 1 must stop, with a message that says
+    what to change, before it selects a device or joins a process group."""
+    picked = _fake_gpus(monkeypatch, n_gpus)
+    for name, value in {"RANK": local_rank, "WORLD_SIZE": local_rank + 1, "LOCAL_RANK": local_rank}.items():
+        monkeypatch.setenv(name, str(value))
+    for name in ("MASTER_ADDR", "MASTER_PORT"):  # without them a process group fails at once, never waits
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match=rf"LOCAL_RANK {local_rank} but only {n_gpus} CUDA device.*"
+                                            rf"--nproc_per_node at most {n_gpus}.*CUDA_VISIBLE_DEVICES"):
+        common.setup_distributed()
+    assert picked == []
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("local_rank, n_gpus", [(0, 1), (1, 2)])
+def test_setup_distributed_takes_the_gpu_of_its_local_rank(monkeypatch, local_rank, n_gpus):
+    picked = _fake_gpus(monkeypatch, n_gpus)
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    monkeypatch.delenv("RANK", raising=False)  # plain `python`: no process group to start
+    assert common.setup_distributed().device == torch.device("cuda", local_rank)
+    assert picked == [torch.device("cuda", local_rank)]

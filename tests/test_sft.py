@@ -16,11 +16,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = ["--n_train", "256", "--n_eval", "8", "--batch_size", "8", "--max_response_len", "20", "--warmup_steps", "2"]
 
 
-def run(args, nproc=1, **kw):
+def run(args, nproc=1, timeout=300):
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                      f"--nproc_per_node={nproc}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run(launcher + args, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300, **kw)
+    p = subprocess.Popen(launcher + args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except BaseException:  # a run that hangs, or Ctrl-C
+        # torchrun starts each rank in a session of its own, out of reach of a kill aimed at torchrun,
+        # and stops them on SIGTERM; ranks left behind would sit in a collective for its whole timeout
+        p.terminate()
+        try:
+            p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        raise
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
 def metrics(out_dir):
@@ -102,6 +115,19 @@ def test_two_processes_match_one_process(tmp_path):
     assert w1.keys() == w2.keys()
     worst = max((w1[k] - w2[k]).abs().max().item() for k in w1)
     assert worst < 1e-5, worst
+
+
+def test_uneven_eval_shares_finish_and_match_one_process(tmp_path):
+    """7 eval rows over 2 ranks are 4 and 3; at one row per forward, a strided split runs 4 forwards
+    on rank 0 and 3 on rank 1, and rank 0's last FSDP all-gather waits for a rank that never comes."""
+    args = ["sft.py", "--steps", "2", "--eval_every", "2", *FAST, "--n_eval", "7", "--eval_batch_size", "1"]
+    one = run(args + ["--out_dir", str(tmp_path / "one"), "--grad_accum", "2"], timeout=240)
+    assert one.returncode == 0, one.stderr
+    two = run(args + ["--out_dir", str(tmp_path / "two")], nproc=2, timeout=240)
+    assert two.returncode == 0, two.stderr
+    e1, e2 = ([m["eval/loss"] for m in metrics(tmp_path / run_dir) if "eval/loss" in m] for run_dir in ("one", "two"))
+    assert len(e1) == len(e2) == 2  # step 0 and the last step
+    assert all(abs(a - b) < 1e-5 for a, b in zip(e1, e2)), (e1, e2)
 
 
 @pytest.mark.parametrize("args, match", [(["--batch_size", "6", "--grad_accum", "4"], "must be divisible")])
