@@ -34,6 +34,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+# The fp32 matmuls on a GPU are the LM head's (FP32Head) on bf16-valued operands: TF32 holds
+# bf16's mantissa, so it multiplies them exactly and accumulates in fp32, at ~8x fp32's rate.
+# The CUDA flag only: CPU matmuls keep full fp32 (the tests compare to 1e-5 there).
+torch.backends.cuda.matmul.allow_tf32 = True
+
 # -----------------------------------------------------------------------------
 # config: one flat dataclass per script, parsed from the command line
 
@@ -121,9 +126,6 @@ def setup_distributed(timeout_minutes=10.0):
                                f"more GPUs (CUDA_VISIBLE_DEVICES= runs every rank on the CPU)")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        # the only fp32 matmuls on a GPU are the LM head's (FP32Head) on bf16-valued operands:
-        # TF32 multiplies those exactly, accumulates in fp32, and runs ~8x faster than fp32
-        torch.set_float32_matmul_precision("high")
     sharded = "RANK" in os.environ
     if sharded and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -366,13 +368,16 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         return grad, None, None
 
 
-def logprobs_from_logits(logits, labels, chunk_elems=2**22):
+def logprobs_from_logits(logits, labels, chunk_elems=None):
     """log softmax(logits)[label] for every position, (...) from (..., V) and (...), in float32.
 
     Never materialises the full float32 log_softmax: per chunk of rows, gather the label's
-    logit and subtract the row's logsumexp. A chunk holds about `chunk_elems` logits (16 MB
-    in fp32: small enough for the CPU allocator to reuse, large enough to keep a GPU busy).
+    logit and subtract the row's logsumexp. A chunk holds about `chunk_elems` logits: 2^22
+    (16 MB in fp32) on a CPU, small enough for its allocator to reuse; 2^26 on a GPU, where
+    16 MB chunks left the kernels too short to fill the device (bench/logprobs.py).
     """
+    if chunk_elems is None:
+        chunk_elems = 2**26 if logits.device.type == "cuda" else 2**22
     V = logits.shape[-1]
     rows = max(1, chunk_elems // V)
     out = _SelectiveLogSoftmax.apply(logits.reshape(-1, V), labels.reshape(-1), rows)
@@ -728,7 +733,8 @@ class FP32Head(torch.nn.Linear):
     GPT-2 (often 30-120) have bf16 steps of 0.25-0.5: the same token's log-prob could move by
     ~0.1 between two batch layouts, so rho != 1 on the first pass, clipping fires where nothing
     changed and KL != 0 while pi = pi_ref. In fp32 the bf16 operands multiply exactly (on a
-    GPU as TF32, which holds bf16's mantissa: common.setup_distributed) and accumulate in fp32.
+    GPU as TF32, which holds bf16's mantissa: the flag at the top of this file) and accumulate
+    in fp32.
     Costs an fp32 copy of the weight per forward; only the positions kept by `logits_to_keep`
     pass through it."""
 
@@ -902,6 +908,13 @@ def evaluate_generations(model, tokenizer, prompts, reward_fn, d, max_prompt_len
 
 
 _PEAK_GIB = [0.0]  # the run's peak GPU memory over the windows reset_peak_memory closed
+
+
+def sync(d):
+    """Wait for the device's queued work, so that a wall clock read next measures it (CUDA runs
+    asynchronously: without this a phase's time spills into the next one's)."""
+    if d.device.type == "cuda":
+        torch.cuda.synchronize(d.device)
 
 
 def reset_peak_memory(d):

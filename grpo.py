@@ -585,6 +585,7 @@ def main(cfg):
         r_mask = truncate_mask(r_ids, r_mask, truncate_id)  # (N, R); N = n_local * n_sample
         is_stop = (r_ids == tokenizer.eos_token_id) | ((r_ids == truncate_id) if truncate_id is not None else False)
         stopped = (is_stop & r_mask.bool()).any(-1)  # (N,) ended with EOS or the truncate token
+        common.sync(d)  # each phase's clock read after its GPU work is done
         t_rollout = time.time() - t0
         mem = {"mem/rollout_gib": common.reset_peak_memory(d)} if d.device.type == "cuda" else {}
 
@@ -663,6 +664,7 @@ def main(cfg):
                 optimizer.zero_grad(set_to_none=True)
         if cfg.ref_refresh_every and step % cfg.ref_refresh_every == 0:
             refresh_reference(ref, model)
+        common.sync(d)
         t_update = time.time() - t2
         if d.device.type == "cuda":
             mem["mem/update_gib"] = common.reset_peak_memory(d)  # reward, reference and update phases

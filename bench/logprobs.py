@@ -2,9 +2,14 @@
 the naive full log_softmax + gather, and a per-row Python loop (trl #7125).
 
 Each case runs in a fresh process, so its peak memory is its own. Memory is what the case
-adds on top of the logits it is given (forward, or forward + backward to the logits).
+adds on top of the logits it is given (forward, or forward + backward to the logits): the
+child's peak RSS on CPU, torch.cuda.max_memory_allocated on GPU (util.measure_peak). Times
+are medians of calls each ended by a device sync (util.timeit).
 
-    python bench/logprobs.py                       # V = 50257, B*T = 8192, fp32 logits
+Logits dtype (--dtype auto): fp32 on CPU; bf16 on a GPU, where the scripts autocast and the
+LM head hands over bf16 logits. Every implementation takes the log-softmax in fp32.
+
+    python bench/logprobs.py                       # V = 50257, B*T = 8192: fp32 on CPU, bf16 on GPU
     python bench/logprobs.py --V 32768 --BT 16384 --dtype bf16
 """
 import argparse
@@ -55,7 +60,8 @@ def main():
     p.add_argument("--V", type=int, default=50257)
     p.add_argument("--BT", type=int, default=8192)
     p.add_argument("--T", type=int, default=1024)
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="dtype of the logits; auto: bf16 on a GPU that supports it, else fp32")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--impl", choices=IMPLS)
     p.add_argument("--mode", choices=["fwd", "fwdbwd"])
@@ -63,6 +69,9 @@ def main():
     args = p.parse_args()
     if args.child:
         return child(args)
+    device = util.default_device()
+    if args.dtype == "auto":
+        args.dtype = "bf16" if common.bf16_supported(device) else "fp32"
     base = ["bench/logprobs.py", "--child", "--V", str(args.V), "--BT", str(args.BT), "--T", str(args.T),
             "--dtype", args.dtype, "--repeat", str(args.repeat)]
     cases = []
@@ -80,7 +89,6 @@ def main():
         print(f"{mode}: chunked/naive memory {ratios[mode]['memory_chunked_over_naive']:.3f}x, "
               f"speed {ratios[mode]['speed_chunked_over_naive']:.2f}x naive, "
               f"{ratios[mode]['speed_chunked_over_row_loop']:.2f}x row loop")
-    device = util.default_device()
     path = util.write_results("logprobs", {"config": vars(args), "cases": cases, "ratios": ratios}, device)
     plot(cases, path.replace(".json", ".png"), f"V={args.V}, B*T={args.BT}, {args.dtype} logits, "
                                                 f"{util.device_name(device)}")

@@ -3,21 +3,25 @@
 Each case runs the real script (sft.py, reward.py, dpo.py, grpo.py) in a fresh subprocess for
 a few steps on synthetic rows of exact token lengths (the character tokenizer makes one
 character one token), and reads its per-step times from its metrics.jsonl; the first step is
-warm-up and left out. Peak memory is the child's peak RSS on CPU and
-torch.cuda.max_memory_allocated on GPU (logged by every script as mem/peak_gib).
+warm-up and left out. Peak memory is the child's peak RSS on CPU and, on GPU,
+torch.cuda.max_memory_allocated since the child started (logged by every script as
+mem/peak_gib); where grpo.py logs the peak within its rollout and update phases
+(mem/rollout_gib, mem/update_gib) those are reported too.
 
 Tokens/s counts the tokens of the sequences a step trains on (prompt + response; GRPO: prompts
 x group size, its rollout included in the step's time). MFU (model FLOPs utilisation) = the
-model FLOPs a step needs per second / the machine's matmul peak measured in the same run
-(`step_work`: 6 x body parameters + attention per trained token, the LM head only where
-log-probs are needed, forward-only work at a third; PaLM, arXiv:2204.02311 App. B).
+model FLOPs a step needs per second (`step_work`: 6 x body parameters + attention per trained
+token, the LM head only where log-probs are needed, forward-only work at a third; PaLM,
+arXiv:2204.02311 App. B) / the machine's matmul peak measured in the same run in the scripts'
+compute dtype (`matmul_peak`: bf16 on a GPU, as the scripts autocast there; fp32 on CPU).
 
 GRPO also reports rollout tokens/s: completion tokens generated per second of its rollout
 phase (common.generate, KV-cached).
 
     python bench/steps.py                                         # tiny and GPT-2 small, CPU
     python bench/steps.py --activation_checkpointing              # the same with recomputation
-    python bench/steps.py --models gpt2-small-random,gpt2-large-random --batch_size 16 --dtype bf16  # GPU
+    python bench/steps.py --models tiny,gpt2-small-random --tag bf16          # GPU: bf16 autocast and peak
+    python bench/steps.py --models gpt2-large-random --algos dpo --batch_size 16 --tag large-dpo  # GPU MFU
 
 Results: bench/results/steps[-ac][-TAG]-{cpu,cuda}.json and a .png beside it.
 """
@@ -100,12 +104,56 @@ def step_work(algo, args, cfg, vocab):
 
 
 def matmul_peak(device, dtype):
-    """Measured matmul FLOP/s: the ceiling MFU is taken against."""
-    n = 2048
+    """Measured matmul FLOP/s of square products of random normal inputs: the ceiling MFU is
+    taken against. Returns (FLOP/s, n).
+
+    CPU: n = 2048, the median of 5 single products (every committed CPU figure was taken so).
+    CUDA: n = 8192, large enough to fill every SM. One product takes ~1.4 ms on an H100 in
+    bf16, so timing each one with a host sync would add launch and sync gaps to it; instead 10
+    run back to back between two CUDA events, and the figure is the median of 5 such batches.
+    The inputs are random (zeros ran ~13% faster on an H200 here: fewer bits toggle, less
+    power is drawn and the clock stays higher), so the ceiling is one that real weights can reach.
+    """
+    if device.type != "cuda":
+        n = 2048
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        return 2 * n**3 / util.timeit(lambda: a @ b, device, warmup=2, repeat=5), n
+    n, inner = 8192, 10
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    sec = util.timeit(lambda: a @ b, device, warmup=2, repeat=5)
-    return 2 * n**3 / sec
+    out = torch.empty(n, n, device=device, dtype=dtype)  # written in place: no allocator work in the batch
+
+    def batch():
+        for _ in range(inner):
+            torch.mm(a, b, out=out)
+
+    batch()  # warm-up: cuBLAS picks its kernel, the clocks ramp up
+    seconds = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        batch()
+        end.record()
+        end.synchronize()
+        seconds.append(start.elapsed_time(end) / 1e3 / inner)  # elapsed_time is in ms
+    return 2 * n**3 / statistics.median(seconds), n
+
+
+def gpu_memory(rows):
+    """Peak GPU memory (GiB) of a run from its metrics rows, or None on CPU (the keys are absent).
+
+    mem/peak_gib is torch.cuda.max_memory_allocated since the process started, so its largest
+    value over the rows is the run's peak. Other mem/* keys (grpo.py: mem/rollout_gib,
+    mem/update_gib) are the peak within one phase of a step; the largest over the steps is kept.
+    """
+    keys = sorted({k for r in rows for k in r if k.startswith("mem/")})
+    if not keys:
+        return None, {}
+    phases = {k.split("/", 1)[1].removesuffix("_gib"): max(r[k] for r in rows if k in r)
+              for k in keys if k != "mem/peak_gib"}
+    peak = max((r["mem/peak_gib"] for r in rows if "mem/peak_gib" in r), default=None)
+    return peak, phases
 
 
 def run_case(argv, log_path):
@@ -132,11 +180,17 @@ def main():
     p.add_argument("--activation_checkpointing", action="store_true")
     p.add_argument("--extra", default="", help="more flags for every script, e.g. '--offload_frozen'")
     p.add_argument("--tag", default="", help="suffix of the results file name")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="dtype of the matmul peak")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="dtype of the matmul peak; auto: the scripts' compute dtype (bf16 autocast on a GPU "
+                        "that supports it, else fp32)")
     args = p.parse_args()
     device = util.default_device()
-    peak = matmul_peak(device, {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype])
-    print(f"matmul peak ({args.dtype}): {peak / 1e9:.0f} GFLOP/s on {util.device_name(device)}", flush=True)
+    cuda = device.type == "cuda"
+    if args.dtype == "auto":
+        args.dtype = "bf16" if common.bf16_supported(device) else "fp32"
+    peak, peak_n = matmul_peak(device, {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype])
+    print(f"matmul peak ({args.dtype}, {peak_n}^3): {peak / 1e9:.0f} GFLOP/s on {util.device_name(device)}",
+          flush=True)
     cases = []
     with tempfile.TemporaryDirectory() as tmp:
         data = make_data(os.path.join(tmp, "rows.jsonl"), 512, args.prompt_len, args.response_len)
@@ -155,24 +209,33 @@ def main():
                 t0 = time.time()
                 peak_rss = run_case(argv, out_dir + ".log")
                 with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-                    rows = [json.loads(line) for line in f if json.loads(line)["step"] >= 2]
+                    all_rows = [json.loads(line) for line in f]
+                rows = [r for r in all_rows if r["step"] >= 2]  # step 1 is warm-up; step 0, if any, is eval
                 step_s = statistics.median(r["time/step"] for r in rows)
+                peak_gpu, mem_phases = gpu_memory(all_rows)
                 train_tok, flops = step_work(algo, args, cfg, config.vocab_size)
                 case = {"algo": algo, "model": model, "params": n_params, "step_seconds": step_s,
                         "train_tokens_per_step": train_tok, "tokens_per_s": train_tok / step_s,
                         "model_flops_per_step": flops,
                         "mfu": flops / step_s / peak, "peak_rss_bytes": peak_rss,
-                        "peak_gpu_gib": rows[-1].get("mem/peak_gib"), "wall_s": time.time() - t0,
+                        "peak_gpu_gib": peak_gpu, "wall_s": time.time() - t0,
                         "phases": {k: statistics.median(r[k] for r in rows) for k in rows[-1] if k.startswith("time/")}}
+                if mem_phases:  # GiB, peak within each phase: {"rollout": .., "update": ..}
+                    case["peak_gpu_gib_phases"] = mem_phases
                 if algo == "grpo":  # completion tokens generated per second of rollout
                     gen = args.batch_size * args.group_size * statistics.median(r["completions/mean_length"] for r in rows)
                     case["rollout_tokens_per_s"] = gen / case["phases"]["time/rollout"]
                 cases.append(case)
+                if cuda and peak_gpu is not None:
+                    mem = f"peak GPU {peak_gpu:6.2f} GiB" + "".join(f", {k} {v:.2f}" for k, v in mem_phases.items())
+                else:
+                    mem = f"peak RSS {peak_rss / 2**30:6.2f} GiB"
                 print(f"{algo:6s} {model:18s} {step_s:8.3f} s/step {case['tokens_per_s']:10.0f} tok/s "
-                      f"MFU {100 * case['mfu']:5.1f}%  peak RSS {peak_rss / 2**30:6.2f} GiB"
+                      f"MFU {100 * case['mfu']:5.1f}%  {mem}"
                       + (f"  rollout {case['rollout_tokens_per_s']:.0f} tok/s" if algo == "grpo" else ""), flush=True)
     name = "steps" + ("-ac" if args.activation_checkpointing else "") + (f"-{args.tag}" if args.tag else "")
-    path = util.write_results(name, {"config": vars(args), "matmul_peak_flops": peak, "cases": cases}, device)
+    path = util.write_results(name, {"config": vars(args), "matmul_peak_flops": peak, "matmul_peak_dtype": args.dtype,
+                                     "matmul_peak_n": peak_n, "cases": cases}, device)
     plot(cases, path.replace(".json", ".png"), f"{util.device_name(device)}; batch {args.batch_size}, "
          f"lengths {args.prompt_len}+{args.response_len}{', act. ckpt' if args.activation_checkpointing else ''}")
     print(f"wrote {path} and its .png")

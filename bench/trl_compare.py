@@ -4,12 +4,22 @@ DPOTrainer: seconds per step, tokens/s and peak memory, side by side, with ratio
 Both sides train the same random-weight GPT-2 (built from `common.MODEL_SHAPES` with the
 character tokenizer and saved into a temporary folder that both load), on the same synthetic
 rows of exact token lengths (`bench/steps.py: make_data`), with the same batch, group size,
-lengths, beta, learning rate, AdamW, precision (fp32 on CPU, bf16 autocast on GPU) and number
-of optimizer steps. Every case runs in a fresh subprocess: ours is the real script, timed from
-its metrics.jsonl (`time/step`); TRL is this file in
-`--child` mode, timed per optimizer step by a TrainerCallback (on_step_begin -> on_step_end).
-The first step is warm-up and left out; the figure is the median of the rest. Peak memory is
-the child's peak RSS (os.wait4) on CPU, torch.cuda.max_memory_allocated on GPU.
+lengths, beta, learning rate, AdamW, precision and number of optimizer steps. Every case runs
+in a fresh subprocess: ours is the real script, timed from its metrics.jsonl (`time/step`);
+TRL is this file in `--child` mode, timed per optimizer step by a TrainerCallback
+(on_step_begin -> on_step_end, each after a device sync). The first step is warm-up and left
+out; the figure is the median of the rest. Peak memory is the child's peak RSS (os.wait4) on
+CPU; on GPU torch.cuda.max_memory_allocated since the child started (model load, reference,
+optimizer state and every step included) on both sides: ours logs it as mem/peak_gib, TRL's
+is read at the end of every step.
+
+Precision, like for like: fp32 on CPU. On a GPU both sides keep fp32 weights, gradients and
+AdamW state and run the forwards (policy, reference, rollout, DPO's precompute) under bf16
+autocast, as a TRL user gets from `bf16=True`: Accelerate wraps the forward of the policy and
+of the reference in torch.autocast(bf16), and TRL's generation calls that wrapped forward;
+our scripts enter common.autocast (the same torch.autocast) around the same work. Neither
+casts the weights to bf16. The checks each run prints confirm it (TRL: param_dtype,
+ref_param_dtype, mixed_precision, forward_autocast, ref_forward_autocast).
 
 Cases (TRL is run matched to us, and also with its own default gradient_checkpointing=True):
   GRPO  one rollout of B prompts x G completions (max R new tokens, temperature 1) then exactly
@@ -23,7 +33,7 @@ Cases (TRL is run matched to us, and also with its own default gradient_checkpoi
 
     python bench/trl_compare.py --models tiny --steps 3 --batch_size 8 --group_size 4 --prompt_len 32 --response_len 16
     python bench/trl_compare.py                                      # tiny and GPT-2 small, CPU, fp32
-    python bench/trl_compare.py --models gpt2-small-random --batch_size 16 --dtype bf16   # GPU
+    python bench/trl_compare.py --models gpt2-small-random --batch_size 16 --tag small   # GPU, bf16
 
 TRL is optional (`pip install trl==1.16.0 torch==2.13.0`); without it this prints
 "trl is not installed; skipped" and exits 0.
@@ -42,7 +52,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
 from bench import util  # noqa: E402
-from bench.steps import make_data, run_case  # noqa: E402
+from bench.steps import gpu_memory, make_data, run_case  # noqa: E402
 
 GRPO_BETA, DPO_BETA = 0.04, 0.1
 TARGETS = {"grpo": 1.5, "dpo": 1.3}  # ours / TRL tokens/s wanted, like for like, at equal or lower memory
@@ -136,10 +146,15 @@ def _timer_callback():
 
 def _model_checks(trainer, timer):
     model = trainer.accelerator.unwrap_model(trainer.model)
+    ref = getattr(trainer, "ref_model", None)
     opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
     return {"optimizer_steps": trainer.state.global_step, "gradient_checkpointing": model.is_gradient_checkpointing,
             "param_dtype": str(next(model.parameters()).dtype), "bf16": trainer.args.bf16,
+            "ref_param_dtype": None if ref is None else str(next(ref.parameters()).dtype),
             "mixed_precision": str(trainer.accelerator.mixed_precision), "device": str(trainer.args.device),
+            # Accelerate keeps the unwrapped forward here when it wraps the model's forward in autocast
+            "forward_autocast": hasattr(model, "_original_forward"),
+            "ref_forward_autocast": None if ref is None else hasattr(ref, "_original_forward"),
             "optimizer": type(opt).__name__,
             "optimizer_defaults": {k: opt.defaults.get(k) for k in ("lr", "betas", "fused", "foreach")},
             "weight_decay_of_param_groups": sorted({g["weight_decay"] for g in opt.param_groups}),
@@ -170,6 +185,7 @@ def child_trl_grpo(spec):
         """Phase times comparable to ours' time/rollout (sampling only) and the rest of the step."""
 
         def _generate_single_turn(self, *args, **kwargs):
+            util.sync(self.accelerator.device)
             t0 = time.perf_counter()
             out = super()._generate_single_turn(*args, **kwargs)
             util.sync(self.accelerator.device)
@@ -177,6 +193,7 @@ def child_trl_grpo(spec):
             return out
 
         def _generate_and_score_completions(self, *args, **kwargs):  # rollout, reward, reference log-probs
+            util.sync(self.accelerator.device)
             t0 = time.perf_counter()
             out = super()._generate_and_score_completions(*args, **kwargs)
             util.sync(self.accelerator.device)
@@ -218,8 +235,10 @@ def child_trl_dpo(spec):
 
     class TimedDPOTrainer(DPOTrainer):
         def _precompute_ref_logps(self, dataset, name, batch_size):  # runs once, inside __init__
+            util.sync(self.accelerator.device)
             t0 = time.perf_counter()
             out = super()._precompute_ref_logps(dataset, name, batch_size)
+            util.sync(self.accelerator.device)
             precompute_s[name] = time.perf_counter() - t0
             return out
 
@@ -289,12 +308,14 @@ def ours_argv(algo, settings, a, model_dir, data, out_dir, steps):
 
 def read_ours(out_dir, log_path):
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        rows = [r for r in map(json.loads, f) if r["step"] >= 1]
+        all_rows = list(map(json.loads, f))
+    rows = [r for r in all_rows if r["step"] >= 1]  # step 0: the evaluation before training
     key = "time/step"
+    peak_gib, mem_phases = gpu_memory(all_rows)  # None, {} on CPU
     res = {"step_s": [r[key] for r in rows], "time_key": key,
            "phases": {k.split("/", 1)[1]: [r[k] for r in rows] for k in rows[-1] if k.startswith("time/") and k != key},
            "mean_length": [r.get("completions/mean_length") for r in rows],
-           "peak_gpu_bytes": (rows[-1].get("mem/peak_gib") or 0) * 2**30}
+           "peak_gpu_bytes": (peak_gib or 0) * 2**30, "peak_gpu_gib_phases": mem_phases}
     with open(log_path) as f:
         log = f.read()
     m = re.search(r"reference log-probs of (\d+) train pairs in ([\d.]+)s", log)
@@ -351,6 +372,8 @@ def run_variant(algo, name, side, settings, a, model_dir, data, tmp, dtype):
             "step_seconds_all": times, "tokens_per_step": tokens, "tokens_per_s": tokens / step_s,
             "mean_completion_len": mean_len, "peak_rss_bytes": peak_rss, "peak_gpu_bytes": res.get("peak_gpu_bytes"),
             "precompute_s": res.get("precompute_s"), "wall_s": time.time() - t0}
+    if res.get("peak_gpu_gib_phases"):  # ours, grpo.py on GPU: peak within the rollout and the update
+        case["peak_gpu_gib_phases"] = res["peak_gpu_gib_phases"]
     case["checks"] = res["checks"]
     if side == "trl":
         if res.get("interval_s"):
@@ -428,7 +451,8 @@ def main():
     p.add_argument("--repeats", type=int, default=1,
                    help="run every variant this many times, round robin, and keep its fastest run (noisy machines)")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
-                   help="fp32 on CPU, bf16 (autocast, fp32 weights) on GPU: the precision ours runs in")
+                   help="auto: fp32 on CPU, bf16 (autocast, fp32 weights) on a GPU that supports it: the "
+                        "precision ours runs in, and the only one accepted")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
