@@ -21,8 +21,8 @@ Benchmarks (bench/*.py, results in bench/results/*-cuda.json naming the GPU): th
 against model.generate, whole steps of every script with MFU against the measured bf16 matmul
 peak and peak GPU memory, log-prob gathering, GRPO and DPO against TRL, DPO on GPT-2 large.
 
-Without a GPU it refuses, unless `--cpu`: checks 2, 3 and 5 on the tiny model, from a fresh
-SFT run (what tests/test_gpu_check.py runs), so that the command itself is tested.
+Without a GPU it refuses, unless `--cpu`: checks 2, 3 and 5 on the random tiny model (what
+tests/test_gpu_path.py runs), so that the command itself is tested.
 """
 import argparse
 import json
@@ -66,7 +66,11 @@ def checks(tmp, cpu, pipeline=True):
     """The runs that must work on a GPU. Returns rows (name, seconds, what was verified)."""
     py = [sys.executable]
     rows = []
-    if cpu or not pipeline:  # a small SFT policy and reward model to start from, as the pipeline would give
+    if cpu:  # the random tiny policy and a reward model trained for two steps: the runs are what is checked
+        policy, rm = "tiny", os.path.join(tmp, "rm")
+        run(py + ["reward.py", "--model", "tiny", "--out_dir", rm, "--steps", "2", "--batch_size", "8",
+                  "--n_train", "64", "--n_eval", "8", "--eval_every", "1000", "--no-normalize"], rm + ".log")
+    elif not pipeline:  # a small SFT policy and reward model to start from, as the pipeline would give
         policy = os.path.join(tmp, "sft")
         run(py + ["sft.py", "--out_dir", policy, "--steps", "30", "--n_train", "512", "--n_eval", "8",
                   "--eval_every", "1000"], os.path.join(tmp, "sft.log"))
