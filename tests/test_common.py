@@ -379,3 +379,63 @@ def test_setup_distributed_takes_the_gpu_of_its_local_rank(monkeypatch, local_ra
     monkeypatch.delenv("RANK", raising=False)  # plain `python`: no process group to start
     assert common.setup_distributed().device == torch.device("cuda", local_rank)
     assert picked == [torch.device("cuda", local_rank)]
+
+
+# -----------------------------------------------------------------------------
+# optimisation helpers: the learning-rate schedule, gradient clipping, rollout draws
+
+
+def test_lr_schedule_is_linear_warmup_then_cosine_by_hand():
+    """Every step's lr against the formula written out: an off-by-one in the warmup (peak one step
+    late, or a first step at lr / warmup instead of 0) trains every run a little differently and
+    passes any test that only checks the run finishes."""
+    import math
+
+    lr, warmup, total = 0.5, 3, 8
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([param], lr=lr)
+    sched = common.lr_schedule(opt, warmup, total)
+    seen = []
+    for _ in range(total + 1):  # the lr each optimizer step 0..total-1 uses, and the one after the last
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    expected = [lr * s / warmup if s < warmup else 0.5 * lr * (1 + math.cos(math.pi * (s - warmup) / (total - warmup)))
+                for s in range(total + 1)]
+    assert expected[:4] == [0.0, lr / 3, 2 * lr / 3, lr]  # the hand formula itself: 0, ramp, peak at `warmup`
+    assert seen == pytest.approx(expected, abs=1e-12)
+
+
+def _module_with_grads(weight_grad, bias_grad):
+    m = torch.nn.Linear(2, 2)
+    m.weight.grad = torch.tensor(weight_grad)
+    m.bias.grad = torch.tensor(bias_grad)
+    return m
+
+
+def test_clip_grad_norm_returns_the_pre_clip_norm_and_scales_to_max_norm():
+    # one global norm over all parameters: sqrt(3^2 + 4^2) = 5, not a norm per tensor
+    m = _module_with_grads([[3.0, 0.0], [0.0, 0.0]], [0.0, 4.0])
+    norm = common.clip_grad_norm(m, 1.0)
+    assert norm.item() == pytest.approx(5.0)  # what the logs show: the norm before clipping
+    # every gradient scaled by the same 1/5, so the direction is kept and the global norm is max_norm
+    torch.testing.assert_close(m.weight.grad, torch.tensor([[0.6, 0.0], [0.0, 0.0]]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(m.bias.grad, torch.tensor([0.0, 0.8]), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("max_norm", [10.0, 0.0])  # below the norm's size; 0 means no clipping
+def test_clip_grad_norm_leaves_small_gradients_and_max_norm_zero_alone(max_norm):
+    m = _module_with_grads([[3.0, 0.0], [0.0, 0.0]], [0.0, 4.0])
+    assert common.clip_grad_norm(m, max_norm).item() == pytest.approx(5.0)
+    assert m.weight.grad.tolist() == [[3.0, 0.0], [0.0, 0.0]] and m.bias.grad.tolist() == [0.0, 4.0]
+
+
+def test_rollout_uniforms_are_distinct_per_row_and_token_and_seeded():
+    """One fresh draw per row and token: a row reused for every row (every prompt sampling the same
+    completion) or a draw reused along a row would still look uniform to a histogram."""
+    u = common.rollout_uniforms(6, 5, seed=1)
+    assert u.shape == (6, 5) and u.dtype == torch.float64
+    assert ((u >= 0) & (u < 1)).all()
+    assert torch.unique(u).numel() == u.numel()  # no two draws alike: rows differ, columns differ
+    torch.testing.assert_close(common.rollout_uniforms(6, 5, seed=1), u, atol=0, rtol=0)  # seeded: repeatable
+    assert not torch.equal(common.rollout_uniforms(6, 5, seed=2), u)

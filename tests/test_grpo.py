@@ -128,6 +128,53 @@ def test_clip_high_is_separate_from_clip_low():
     assert surrogate_grad(0.75, -1, 0.2, 0.28)[0] == 0.0  # eps_high does not widen the low side
 
 
+@pytest.mark.parametrize("estimator", grpo.KL_ESTIMATORS)
+def test_kl_monitor_is_k3_whatever_estimator_is_optimised(estimator):
+    """Departure 2: `kl` is the k3 estimate, token-mean under the mask, for every estimator in
+    the loss; `kl/optimized` is the estimator itself. Were `kl` the optimised estimator, a k1
+    run would log a KL that can go negative and runs with different estimators would not be
+    comparable on one plot."""
+    logps, old, ref, adv, mask, _ = random_batch()
+    _, m = grpo_loss(logps, old, ref, adv, mask, 1.0, beta=0.1, kl_estimator=estimator)
+    log_r = ref - logps.detach()  # log pi_ref - log pi, written out here, not via kl_per_token
+    k3 = ((log_r.exp() - log_r - 1) * mask).sum() / mask.sum()
+    k1 = (-log_r * mask).sum() / mask.sum()
+    torch.testing.assert_close(m["kl"], k3)
+    assert (k3 - k1).abs() > 1e-2  # the batch tells them apart: a k1 monitor would fail above
+    if estimator == "k1":
+        torch.testing.assert_close(m["kl/optimized"], k1)
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_logprobs_and_entropy_use_the_temperature(entropy_grad):
+    """Both paths of logprobs_and_entropy (entropy with or without its graph) against a naive
+    computation: one plain forward, logits / T, log_softmax, gather; entropy of softmax(logits / T).
+    The sampler draws from softmax(logits / T), so a path that forgot T would give rho != 1 on
+    the first pass and a wrong entropy bonus. Rows are left-padded to different lengths, so the
+    position ids matter too."""
+    torch.manual_seed(0)
+    tok = common.char_tokenizer()
+    model = common.load_model("tiny", tok)
+    with torch.no_grad():  # random init gives near-uniform logits, on which T barely shows: sharpen them
+        model.get_output_embeddings().weight.mul_(30)
+    ids, attn, resp = common.join_prompt_response([tok("sort 3 1 2 =")["input_ids"], tok("9 8 =")["input_ids"]],
+                                                  [tok(" 1 2 3")["input_ids"], tok(" 8 9 0 1")["input_ids"]],
+                                                  tok.pad_token_id)
+    R, T = resp.shape[1], 0.7
+    logps, entropy = grpo.logprobs_and_entropy(model, ids, attn, R, T, entropy_grad)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn,
+                       position_ids=common.position_ids_from_mask(attn)).logits.double() / T
+        logp_all = torch.log_softmax(logits[:, -R - 1:-1], -1)  # position t predicts token t + 1
+        want = logp_all.gather(-1, ids[:, -R:, None]).squeeze(-1)
+        want_entropy = -(logp_all.exp() * logp_all).sum(-1)
+        at_t1 = torch.log_softmax(logits[:, -R - 1:-1] * T, -1).gather(-1, ids[:, -R:, None]).squeeze(-1)
+    assert (want - at_t1).abs().max() > 0.1  # T = 0.7 changes these log-probs: the check has teeth
+    torch.testing.assert_close(logps.double(), want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(entropy.double(), want_entropy, rtol=0, atol=1e-5)
+    assert entropy.requires_grad == entropy_grad
+
+
 # -----------------------------------------------------------------------------
 # advantages, masks, aggregation, accumulation
 
@@ -341,18 +388,96 @@ def test_script_runs_with_many_knobs_and_checkpoint_loads(tmp_path):
     assert model.config.n_layer == 4
 
 
+def _sequence_logprob(model, prompt_ids, response_ids):
+    """log pi(response | prompt) by one forward of the unpadded sequence (batch of one, so no
+    padding or position ids to get wrong): a naive check of pairwise_accuracy's batched path."""
+    ids = torch.tensor([prompt_ids + response_ids])
+    logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].double(), -1)  # row t predicts token t + 1
+    return logp[len(prompt_ids) - 1:].gather(-1, torch.tensor(response_ids)[:, None]).sum().item()
+
+
 def test_script_pairwise_accuracy_on_a_preference_file(tmp_path):
     """--eval_pairs: a prompt-only data set (no gold reward to score greedy answers) still gets seed
-    000's table metric, the pairwise accuracy of beta*log(pi/pi_ref) on held-out pairs."""
-    prompts, pairs = tmp_path / "prompts.jsonl", tmp_path / "pairs.jsonl"
+    000's table metric, the pairwise accuracy of beta*log(pi/pi_ref) on held-out pairs.
+
+    The logged accuracy is checked against a recomputation from the saved policy and the rebuilt
+    reference, pair by pair. A bare "accuracy != 0.5 after training" would be a coin toss: on 8
+    pairs, 4 right is a likely outcome of a random policy, and a harmless change of rounding or
+    of the sampled rollouts could flip it; nor would it notice chosen and rejected swapped. A pair
+    whose margin is within 1e-4 of zero may rank either way under rounding, so it only widens
+    the allowed range; the accuracy must also be a multiple of 1 / (2N) (ties count half)."""
+    from transformers import AutoModelForCausalLM
+
+    N = 24
+    prompts, pairs_file = tmp_path / "prompts.jsonl", tmp_path / "pairs.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": r["prompt"], "reward_fn": "digits"}) + "\n"
                                for r in tasks.prompt_rows(8)))
-    pairs.write_text("".join(json.dumps(r) + "\n" for r in tasks.preference_rows(11, split="test")))  # odd: 0.5 only from ties
-    _, rows = run_script(tmp_path, "--dataset", str(prompts), "--eval_pairs", str(pairs), "--lr", "1e-2",
-                         "--warmup_steps", "0")
+    pairs = tasks.preference_rows(N, split="test")
+    pairs_file.write_text("".join(json.dumps(r) + "\n" for r in pairs))
+    out, rows = run_script(tmp_path, "--dataset", str(prompts), "--eval_pairs", str(pairs_file), "--lr", "1e-2",
+                           "--warmup_steps", "0", "--n_eval_pairs", str(N))  # the last --n_eval_pairs wins
     assert [r["step"] for r in rows] == [0, 1, 2]
-    assert rows[0]["eval/accuracy"] == 0.5  # policy == reference: every pair a tie
-    assert rows[-1]["eval/accuracy"] != 0.5 and "eval/exact_match" not in rows[-1]
+    assert rows[0]["eval/accuracy"] == 0.5  # policy == reference: every pair a tie, exactly
+    assert "eval/exact_match" not in rows[-1]
+
+    tok = common.load_tokenizer("tiny")
+    policy = AutoModelForCausalLM.from_pretrained(out / "checkpoint").eval()
+    common.set_seed(0)  # the reference: the initial weights, built as grpo.py builds them
+    ref = common.load_model("tiny", tok).eval()
+    wins = losses = 0
+    with torch.no_grad():
+        for pair in pairs:
+            p = tok(pair["prompt"])["input_ids"][-64:]  # --max_prompt_len 64 keeps the end
+            margin = 0.0
+            for sign, col in ((1, "chosen"), (-1, "rejected")):
+                r = (tok(pair[col], add_special_tokens=False)["input_ids"] + [tok.eos_token_id])[:8]  # --max_new_tokens 8
+                margin += sign * (_sequence_logprob(policy, p, r) - _sequence_logprob(ref, p, r))
+            wins, losses = wins + (margin > 1e-4), losses + (margin < -1e-4)
+    acc = rows[-1]["eval/accuracy"]
+    assert wins + losses >= N // 2, (wins, losses)  # training moved the policy: most pairs are decided
+    assert wins / N <= acc <= (N - losses) / N, (acc, wins, losses)
+    assert abs(2 * N * acc - round(2 * N * acc)) < 1e-9
+
+
+@pytest.fixture(scope="module")
+def multi_pass_kl_in_reward_run(tmp_path_factory):
+    """An in-process run with several passes over each rollout (mu = 3 x 2 mini-batches), a large
+    lr so that the policy moves within a rollout, and the KL taken from the reward; both tests
+    below read its metrics. A reward the random policy's samples vary under (digits) makes the
+    advantages nonzero."""
+    tmp = tmp_path_factory.mktemp("multi_pass")
+    data = tmp / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": r["prompt"], "reward_fn": "digits"}) + "\n"
+                            for r in tasks.prompt_rows(16)))
+    cfg = grpo.Config(model="tiny", dataset=str(data), out_dir=str(tmp / "g"), steps=2, prompts_per_step=4,
+                      group_size=4, max_new_tokens=8, num_iterations=3, num_mini_batches=2, lr=1e-2,
+                      warmup_steps=0, kl_in_reward=True, beta=0.5, eval_every=100, n_eval_pairs=4)
+    grpo.main(cfg)
+    with open(tmp / "g" / "metrics.jsonl") as f:
+        return [r for r in map(json.loads, f) if r["step"] > 0]
+
+
+def test_clipping_acts_on_later_passes_over_a_rollout(multi_pass_kl_in_reward_run):
+    """Passes after the first must compare with the cached log-probs of the rollout policy
+    (GRPO Alg. 1): then rho drifts from 1 as the policy moves and the clip acts. Were the old
+    log-probs recomputed from the current forward (old = logps.detach()), rho would be exactly 1
+    on every pass, the clip ratios always 0, and mu > 1 an unclipped policy gradient."""
+    rows = multi_pass_kl_in_reward_run
+    assert len(rows) == 2
+    assert max(r["clip_ratio/low"] + r["clip_ratio/high"] for r in rows) > 0.01, rows
+
+
+def test_kl_in_reward_is_subtracted(multi_pass_kl_in_reward_run):
+    """--kl_in_reward: reward = rule - beta * sum_t KL_t per sequence, so the logged means obey
+    reward = reward/rule - reward/kl_penalty (means are linear). The penalty is k3, >= 0, and
+    nonzero once the policy has left the reference (step 1 starts at it: penalty 0), so a
+    penalty added instead of subtracted fails here."""
+    rows = multi_pass_kl_in_reward_run
+    assert rows[0]["reward/kl_penalty"] == 0  # policy == reference at the first rollout
+    assert max(r["reward/kl_penalty"] for r in rows) > 1e-3  # the check below has teeth
+    for r in rows:
+        assert r["reward/kl_penalty"] >= 0
+        assert r["reward"] == pytest.approx(r["reward/rule"] - r["reward/kl_penalty"], abs=1e-6), r
 
 
 @pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft is not installed")

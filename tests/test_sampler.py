@@ -212,8 +212,16 @@ def _fsdp_worker():
         got = sampled(model)
     want = sampled(whole)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), d.rank
-    steps = common.all_reduce_sum(torch.tensor([got[0].shape[1]]), d)  # the ranks meet again afterwards
-    common.print0(f"fsdp ok: {steps.item()} steps over 2 ranks")
+    # the ranks meet again afterwards: the sum of their step counts, each recomputed on every rank
+    # by the cache-free loop (draw for draw the same sampler), must come back from the all-reduce.
+    # Asserted, not printed: a print passes whatever the collective returns
+    with torch.no_grad():
+        lengths = [_reference_loop(whole, PROMPTS[r::2], n_r, -1, stops_r, torch.Generator().manual_seed(0))[0].shape[1]
+                   for r, (n_r, stops_r) in enumerate([(6, ()), (30, (4, 9))])]
+    assert lengths[0] != lengths[1], lengths  # the ranks really stop at different steps
+    steps = common.all_reduce_sum(torch.tensor([got[0].shape[1]]), d).item()
+    assert steps == sum(lengths), (d.rank, steps, lengths)
+    common.print0(f"fsdp ok: {steps} steps over 2 ranks ({lengths[0]} + {lengths[1]})")
     del model  # FSDP's device mesh holds the process group: release it before the group is destroyed
     torch.distributed.barrier()
     common.cleanup_distributed()

@@ -98,6 +98,22 @@ def test_jsonl_row_missing_completion_is_named(tmp_path):
     assert not (tmp_path / "o" / "checkpoint").exists()
 
 
+def test_grad_accum_gives_the_full_batch_loss_and_gradient(tmp_path):
+    """One batch as 1 micro-batch or as 4: the same loss and the same gradient norm. Dividing each
+    micro-batch by its own token count (the classic bug) weights a token of a short micro-batch more
+    and still trains, so every other test passes; the logged loss is summed apart from the backward
+    (nll_sum / n_tokens) and would not show it, the gradient norm does."""
+    args = ["sft.py", "--steps", "1", "--eval_every", "1", *FAST, "--n_eval", "2", "--seed", "3"]
+    for accum in (1, 4):
+        r = run(args + ["--out_dir", str(tmp_path / str(accum)), "--grad_accum", str(accum)])
+        assert r.returncode == 0, r.stderr
+    (a,), (b,) = ([m for m in metrics(tmp_path / str(accum)) if m["step"] == 1] for accum in (1, 4))
+    assert a["tokens"] == b["tokens"]  # the same global batch
+    assert abs(a["loss"] - b["loss"]) < 1e-5, (a, b)
+    # fp32 sums in another order differ by ~1e-7 relative; the per-micro-batch mean moved it by 4e-4
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6), (a, b)
+
+
 def test_two_processes_match_one_process(tmp_path):
     """FSDP2 over 2 gloo processes on the same global batch: same loss per step, same weights."""
     args = ["sft.py", "--steps", "3", "--eval_every", "3", *FAST]
