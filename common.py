@@ -1,12 +1,10 @@
-"""Pieces shared by sft.py, reward.py, dpo.py and grpo.py.
-
-Kept small on purpose: the math of each algorithm lives in its own script. This file holds
-what every script repeats: config parsing, distributed setup and FSDP2, padding and position
-ids, log-prob gathering, a KV-cached sampler, loading of models and data, logging and
-checkpoints.
+"""Pieces shared by sft.py, reward.py, dpo.py and grpo.py; the math of each algorithm lives in
+its own script, the sampler in sampling.py and data loading in data.py. In order: distributed
+setup and FSDP2, padding and position ids, log-probs and reward scores, loading models, the
+training loop's pieces (optimizer, data order, logging), checkpoints, config parsing.
 
 Batch layout used everywhere: a prompt block left-padded to P tokens followed by a response
-block right-padded to R tokens, with no padding in the middle (seed 000):
+block right-padded to R tokens, with no padding in the middle:
 
     input_ids       (B, P+R)   [pad pad p1 p2 p3 | r1 r2 EOS pad]
     attention_mask  (B, P+R)   [ 0   0  1  1  1  |  1  1  1   0 ]
@@ -14,6 +12,15 @@ block right-padded to R tokens, with no padding in the middle (seed 000):
 
 GPT-2 has absolute position embeddings and does not derive position ids from the attention
 mask, so every forward passes position_ids = cumsum(mask) - 1 (REFERENCE.md).
+
+Three rules every script follows, so that the scripts differ only in their math:
+1. Loss: a loss function takes the global-batch denominator (tokens or pairs over all
+   micro-batches and ranks) and returns (loss, metrics), both divided by it; `backward` does
+   the rest. Accumulation and the number of ranks then never change the gradient (trl #3021).
+2. Metrics: the detached metrics of each micro-batch are added up on the device
+   (`add_metrics`) and read once per step (`reduce_metrics`: one all-reduce, one host sync).
+3. Evaluation: `map_rows` computes per-row values with the same number of forwards on every
+   rank, inside `evaluating`.
 """
 import argparse
 import ast
@@ -27,7 +34,6 @@ import sys
 import textwrap
 import time
 import typing
-import weakref
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 
@@ -40,56 +46,6 @@ import torch.distributed as dist
 torch.backends.cuda.matmul.allow_tf32 = True
 
 # -----------------------------------------------------------------------------
-# config: one flat dataclass per script, parsed from the command line
-
-
-def _field_docs(cls):
-    """The string literal under each dataclass field (its docstring) becomes its --help."""
-    docs = {}
-    for klass in reversed(cls.__mro__[:-1]):
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-        except (OSError, TypeError):
-            continue
-        body = tree.body[0].body
-        for node, nxt in zip(body, body[1:]):
-            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-                docs[node.target.id] = " ".join(str(nxt.value.value).split())
-    return docs
-
-
-def _optional(tp):
-    """(inner type, True) for `X | None`, (tp, False) otherwise."""
-    args = typing.get_args(tp)
-    if type(None) in args:
-        return next(a for a in args if a is not type(None)), True
-    return tp, False
-
-
-def parse_config(cls, argv=None):
-    """Build a Config from the command line: `--lr 1e-6`, `--lr=1e-6`, `--flag` / `--no-flag`.
-
-    An unknown flag or a value of the wrong type exits with an error that names it (argparse).
-    """
-    docs, hints = _field_docs(cls), typing.get_type_hints(cls)
-    parser = argparse.ArgumentParser(description=(sys.modules[cls.__module__].__doc__ or "").split("\n\n")[0],
-                                     allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for f in dataclasses.fields(cls):
-        tp, optional = _optional(hints[f.name])
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        kw = dict(default=default, help=docs.get(f.name, " "), dest=f.name)
-        if tp is bool:
-            parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, **kw)
-            continue
-        convert = tp
-        if optional:  # `--x none` gives None
-            convert = lambda s, tp=tp: None if s.lower() == "none" else tp(s)
-            convert.__name__ = tp.__name__
-        parser.add_argument(f"--{f.name}", type=convert, metavar=tp.__name__.upper(), **kw)
-    return cls(**vars(parser.parse_args(argv)))
-
-
-# -----------------------------------------------------------------------------
 # distributed: the torchrun environment, or plain `python` as a world of one
 
 
@@ -99,7 +55,7 @@ class Dist:
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
-    sharded: bool = False  # launched by torchrun: a process group exists and models are wrapped with FSDP2
+    torchrun: bool = False  # launched by torchrun: a process group exists and models are wrapped with FSDP2
 
     @property
     def is_main(self):
@@ -111,9 +67,8 @@ def setup_distributed(timeout_minutes=10.0):
 
     The device comes from LOCAL_RANK, not the global rank, so two nodes of 8 GPUs each use
     cuda:0-7 on each node. nccl on CUDA, gloo on CPU. Under torchrun there is a process group
-    and FSDP2 even with one process (`torchrun --nproc_per_node 1`: what CPU offload needs);
-    plain `python` runs without either. More processes per node than visible GPUs is refused
-    before the process group starts, since two ranks cannot share one GPU under nccl.
+    and FSDP2 even with one process (what CPU offload needs); plain `python` has neither. More
+    processes per node than visible GPUs is refused: two ranks cannot share one GPU under nccl.
     """
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -126,12 +81,12 @@ def setup_distributed(timeout_minutes=10.0):
                                f"more GPUs (CUDA_VISIBLE_DEVICES= runs every rank on the CPU)")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    sharded = "RANK" in os.environ
-    if sharded and not dist.is_initialized():
+    torchrun = "RANK" in os.environ
+    if torchrun and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes),
                                 device_id=device if device.type == "cuda" else None)
-    return Dist(rank, world_size, local_rank, device, sharded)
+    return Dist(rank, world_size, local_rank, device, torchrun)
 
 
 def cleanup_distributed():
@@ -157,26 +112,6 @@ def all_reduce_sum(x, d):
     return x
 
 
-def reduce_metrics(metrics, d):
-    """Mean of each scalar metric over ranks, as plain floats. Collective: call on all ranks.
-
-    Values may be floats or 0-d tensors on the device: metrics are accumulated as tensors in
-    the hot loops and read back here, in one host sync per step."""
-    keys = sorted(metrics)
-    vals = torch.stack([v.detach().to(d.device, torch.float64) if torch.is_tensor(v)
-                        else torch.tensor(float(v), dtype=torch.float64, device=d.device) for v in (metrics[k] for k in keys)])
-    vals = all_reduce_sum(vals, d) / d.world_size
-    return dict(zip(keys, vals.tolist()))
-
-
-def rank_share(n, d):
-    """This rank's rows of n (strided) for evaluation, padded with row 0 to the same count on every
-    rank: FSDP gathers each layer collectively, so every rank must run as many forwards. Returns
-    (rows, number of real rows); the padded ones are computed and not used."""
-    rows = list(range(n))[d.rank::d.world_size]
-    return rows + [0] * (-(-n // d.world_size) - len(rows)), len(rows)
-
-
 def shard_batch(n, d):
     """The slice of a global batch of n rows that this rank takes."""
     if n % d.world_size:
@@ -185,16 +120,70 @@ def shard_batch(n, d):
     return slice(d.rank * per, (d.rank + 1) * per)
 
 
+def backward(model, loss, d, sync=True):
+    """Backpropagate a micro-batch's loss, already divided by its global-batch denominator.
+
+    FSDP averages gradients over ranks; the factor world_size turns that average into the sum,
+    so the gradient is that of the global-batch loss. `sync`: reduce-scatter the gradients after
+    this backward (the last micro-batch of an optimizer step); the others only accumulate."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(sync)
+    (loss * d.world_size).backward()
+
+
+def add_metrics(sums, metrics, weight=1.0):
+    """Add a micro-batch's detached metrics (0-d tensors, already divided by the global-batch
+    denominator) into `sums`, on the device: no host sync."""
+    for k, v in metrics.items():
+        sums[k] = sums.get(k, 0.0) + v.detach() * weight
+    return sums
+
+
+def reduce_metrics(sums, d, maxes=None, same=None):
+    """The step's metrics as floats, in one host sync. Collective: call on every rank.
+
+    sums: summed over ranks (each rank's share of a global-batch mean). maxes: the maximum over
+    ranks. same: values as they are (equal on every rank, like the grad norm, or a rank's own,
+    like its timings). Values may be tensors on the device or floats."""
+    def stack(values):
+        return torch.stack([torch.as_tensor(v).to(d.device, torch.float64) for v in values]) if values else \
+            torch.zeros(0, dtype=torch.float64, device=d.device)
+
+    maxes, same = maxes or {}, same or {}
+    s, m = all_reduce_sum(stack(sums.values()), d), stack(maxes.values())
+    if d.world_size > 1 and maxes:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX)
+    return dict(zip([*sums, *maxes, *same], torch.cat([s, m, stack(same.values())]).tolist()))
+
+
+def map_rows(fn, n, d, batch_size):
+    """fn(rows) -> (len(rows), k) values of the given rows; returns them for all n rows, (n, k),
+    on every rank. Collective.
+
+    Each rank computes a strided share in chunks of batch_size, the same number of chunks on
+    every rank (a short share is padded with row 0, computed and discarded): FSDP gathers each
+    layer collectively, so a rank with one forward more would wait for the others until the
+    collective timeout. The zero-filled results are summed over ranks."""
+    mine = list(range(d.rank, n, d.world_size))
+    n_chunks = -(-(-(-n // d.world_size)) // batch_size)
+    out = None
+    for c in range(n_chunks):
+        rows = mine[c * batch_size:(c + 1) * batch_size]
+        values = fn(rows or [0])
+        if out is None:
+            out = values.new_zeros(n, values.shape[1])
+        out[rows] = values[:len(rows)]
+    return all_reduce_sum(out, d)
+
+
 # -----------------------------------------------------------------------------
 # FSDP2: fully_shard every transformer block, then the root
 
 
 def transformer_blocks(model):
-    """Modules named by any `_no_split_modules` found in the model tree.
-
-    Searching the whole tree (not only the root) means a causal LM inside a wrapper module
-    is still sharded block by block (seed 000: transformer_auto_wrap_policy missed that).
-    """
+    """Modules named by any `_no_split_modules` found in the model tree. Searching the whole
+    tree (not only the root) means a causal LM inside a wrapper (a PeftModel) is still sharded
+    block by block; FSDP1's transformer_auto_wrap_policy missed that."""
     names = set()
     for m in model.modules():
         names |= set(getattr(m, "_no_split_modules", None) or [])
@@ -209,30 +198,29 @@ def frozen_dtype(d):
     """The dtype frozen models (reference, reward model) are loaded in: bf16 under FSDP on a GPU,
     where the policy's forward sees bf16 parameters too (MixedPrecisionPolicy), so the reference
     computes exactly the policy's function at half the memory. Under plain `python` the policy
-    runs fp32 weights through autocast, whose numerics a bf16 copy would not reproduce (the
-    residual stream stays fp32 there): the frozen models stay fp32, and KL is 0 while pi = ref."""
-    return torch.bfloat16 if d.sharded and bf16_supported(d.device) else torch.float32
+    runs fp32 weights through autocast, whose numerics a bf16 copy would not reproduce: the
+    frozen models stay fp32 there, and KL is 0 while pi = ref."""
+    return torch.bfloat16 if d.torchrun and bf16_supported(d.device) else torch.float32
 
 
 def shard_model(model, d, mixed_precision=True, cpu_offload=False, activation_checkpointing=False):
     """Place the model on its device: FSDP2 under torchrun, a plain move otherwise.
 
-    FSDP2 with bf16 compute, fp32 master weights and fp32 gradient reduction on GPUs that
-    support it (seed 000: bf16 master weights hurt); fp32 on CPU. `fully_shard` moves one block
-    at a time to the GPU and keeps its shard, so no GPU ever holds the whole model; pass the
-    model on the CPU. `cpu_offload` keeps the sharded parameters in host memory between uses
-    (for frozen reference / reward models); it needs an accelerator. A frozen model (no
-    parameter requires grad) also reshards its root after every forward: FSDP keeps a root
-    gathered for the backward that follows, and a frozen model has none.
-    Activation checkpointing recomputes each block's activations in the backward pass."""
+    FSDP2 computes in bf16 with fp32 master weights and fp32 gradient reduction on GPUs that
+    support it (bf16 master weights lose small updates); fp32 on CPU. Pass the model on the CPU:
+    `fully_shard` moves one block at a time to the GPU and keeps its shard. `cpu_offload` keeps
+    the sharded parameters in host memory between uses (frozen models; needs a GPU). A frozen
+    model also reshards its root after every forward: FSDP keeps a root gathered for the backward
+    that follows, and a frozen model has none. Activation checkpointing recomputes each block's
+    activations in the backward pass."""
     if activation_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.train()  # from_pretrained returns eval mode, in which HF models skip the checkpointing
-    if cpu_offload and (not d.sharded or d.device.type != "cuda"):
+    if cpu_offload and (not d.torchrun or d.device.type != "cuda"):
         print0(f"note: CPU offload of {type(model).__name__} skipped: it needs FSDP (launch with torchrun, "
                f"also for one process) and a GPU")
         cpu_offload = False
-    if not d.sharded:
+    if not d.torchrun:
         return model.to(d.device)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -254,15 +242,9 @@ def shard_model(model, d, mixed_precision=True, cpu_offload=False, activation_ch
 
 def autocast(d, enabled=True):
     """bf16 autocast for a single GPU without FSDP (FSDP's MixedPrecisionPolicy casts itself)."""
-    if enabled and not d.sharded and bf16_supported(d.device):
+    if enabled and not d.torchrun and bf16_supported(d.device):
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return nullcontext()
-
-
-def set_grad_sync(model, sync):
-    """Skip the gradient reduce-scatter on all but the last micro-batch (public FSDP2 API)."""
-    if hasattr(model, "set_requires_gradient_sync"):
-        model.set_requires_gradient_sync(sync)
 
 
 @contextmanager
@@ -287,11 +269,18 @@ def unsharded(model):
             m.set_reshard_after_forward(m is not model or frozen, recurse=False)
 
 
-def clip_grad_norm(model, max_norm):
-    """Clip by the global norm; works on FSDP2's sharded DTensor gradients. Returns the norm."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+@contextmanager
+def evaluating(model, gather=False):
+    """Eval mode and no gradients for the block, then the mode the model had. With `gather`, the
+    parameters are gathered once for the block (`unsharded`): for generation, whose forward count
+    differs from rank to rank; without it, every rank must run as many forwards (`map_rows`)."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), unsharded(model) if gather else nullcontext():
+            yield model
+    finally:
+        model.train(was_training)
 
 
 # -----------------------------------------------------------------------------
@@ -327,15 +316,8 @@ def join_prompt_response(prompts, responses, pad_id):
     return torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1), r_mask
 
 
-def move_padding_left(input_ids, attention_mask):
-    """Move every pad token of each row to the left, keeping the real tokens in order
-    (for reward scoring; seed 000 found it helps GPT-2's absolute positions)."""
-    order = torch.argsort(attention_mask, dim=1, stable=True)  # pads (0) first, order kept
-    return input_ids.gather(1, order), attention_mask.gather(1, order)
-
-
 # -----------------------------------------------------------------------------
-# log-probs
+# log-probs and reward scores
 
 
 class _SelectiveLogSoftmax(torch.autograd.Function):
@@ -368,27 +350,27 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         return grad, None, None
 
 
-def logprobs_from_logits(logits, labels, chunk_elems=None):
-    """log softmax(logits)[label] for every position, (...) from (..., V) and (...), in float32.
-
-    Never materialises the full float32 log_softmax: per chunk of rows, gather the label's
-    logit and subtract the row's logsumexp. A chunk holds about `chunk_elems` logits: 2^22
-    (16 MB in fp32) on a CPU, small enough for its allocator to reuse; 2^26 on a GPU, where
-    16 MB chunks left the kernels too short to fill the device (bench/logprobs.py).
-    """
+def _chunk_rows(logits, chunk_elems):
+    """Rows per chunk of about `chunk_elems` logits: 2^22 (16 MB in fp32) on a CPU, small enough
+    for its allocator to reuse; 2^26 on a GPU, where 16 MB chunks left the kernels too short to
+    fill the device (bench/logprobs.py)."""
     if chunk_elems is None:
         chunk_elems = 2**26 if logits.device.type == "cuda" else 2**22
+    return max(1, chunk_elems // logits.shape[-1])
+
+
+def logprobs_from_logits(logits, labels, chunk_elems=None):
+    """log softmax(logits)[label] for every position, (...) from (..., V) and (...), in float32,
+    without ever materialising the full float32 log_softmax."""
     V = logits.shape[-1]
-    rows = max(1, chunk_elems // V)
-    out = _SelectiveLogSoftmax.apply(logits.reshape(-1, V), labels.reshape(-1), rows)
+    out = _SelectiveLogSoftmax.apply(logits.reshape(-1, V), labels.reshape(-1), _chunk_rows(logits, chunk_elems))
     return out.view(labels.shape)
 
 
-def entropy_from_logits(logits, chunk_elems=2**22):
+def entropy_from_logits(logits, chunk_elems=None):
     """Entropy of softmax(logits) per position, (...) from (..., V), chunked like above."""
-    V = logits.shape[-1]
-    flat = logits.reshape(-1, V)
-    rows = max(1, chunk_elems // V)
+    flat = logits.reshape(-1, logits.shape[-1])
+    rows = _chunk_rows(logits, chunk_elems)
     out = []
     for i in range(0, flat.shape[0], rows):
         chunk = flat[i:i + rows].float()
@@ -405,8 +387,11 @@ def _accepts(model, arg):
     return arg in inspect.signature(model.forward).parameters
 
 
-def response_logprobs(model, input_ids, attention_mask, n_response, temperature=1.0, with_entropy=False):
-    """Per-token log-probs of the response block, (B, R), from one forward with position ids.
+def response_logprobs(model, input_ids, attention_mask, n_response, temperature=1.0, with_entropy=False,
+                      entropy_grad=False):
+    """Per-token log-probs of the response block, (B, R), from one forward with position ids;
+    with_entropy: also the entropy of each position's distribution, (B, R), detached unless
+    `entropy_grad` (an entropy bonus in the loss). Both at the sampling temperature.
 
     The logit at position t predicts token t+1, so the R response tokens are predicted by the
     R positions before them: logits[:, P-1 : P+R-1]. Only those are computed when the model
@@ -420,13 +405,21 @@ def response_logprobs(model, input_ids, attention_mask, n_response, temperature=
     if temperature != 1.0:
         logits = logits / temperature
     logps = logprobs_from_logits(logits, input_ids[:, -n_response:])  # (B, R)
-    if with_entropy:
-        with torch.no_grad():
-            return logps, entropy_from_logits(logits)
-    return logps
+    if not with_entropy:
+        return logps
+    with nullcontext() if entropy_grad else torch.no_grad():
+        return logps, entropy_from_logits(logits)
 
 
-def reward_scores(model, input_ids, attention_mask, padding_left=False):
+def sequence_logprobs(model, batch, d):
+    """log pi(y|x) summed over each row's response tokens, (B,), for a batch (ids, attn, resp)."""
+    ids, attn, resp = batch
+    with autocast(d):
+        logps = response_logprobs(model, ids, attn, resp.shape[1])  # (B, R)
+    return (logps.float() * resp).sum(-1)
+
+
+def reward_scores(model, input_ids, attention_mask):
     """Scalar score of each sequence from an AutoModelForSequenceClassification, (B,).
 
     Read at the last real token (by the attention mask, whatever the padding side, so pad ==
@@ -434,8 +427,6 @@ def reward_scores(model, input_ids, attention_mask, padding_left=False):
     taken from the `score` head inside the model's own forward, so FSDP gathers the head's
     weights as usual. A gain and bias stored in the config (reward.py --normalize) apply.
     """
-    if padding_left:
-        input_ids, attention_mask = move_padding_left(input_ids, attention_mask)
     head = getattr(model, "score", None)
     if head is None:
         raise ValueError(f"{type(model).__name__} has no `score` head: not a sequence-classification model")
@@ -453,257 +444,14 @@ def reward_scores(model, input_ids, attention_mask, padding_left=False):
     return scores * getattr(cfg, "reward_gain", 1.0) + getattr(cfg, "reward_bias", 0.0)
 
 
-# -----------------------------------------------------------------------------
-# sampling: a lean KV-cached loop (what generate() does, minus its per-step overhead)
-
-
-def rollout_uniforms(n_rows, n_tokens, seed):
-    """U(0, 1) draws (n_rows, n_tokens), float64, one per row and sampled token of a global batch.
-
-    Each rank indexes its own rows, so a row's samples depend on its global index and not on
-    the number of ranks: 1 process and 8 draw the same rollout (tests/test_grpo.py). Costs 8
-    bytes per row and token on every rank.
-    """
-    return torch.rand(n_rows, n_tokens, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-
-
-NAN_LOGITS = "sample_token: logits with NaN or +inf, or all -inf (a diverged model, or a bad --top_k/--top_p mask)"
-
-
-def sample_token(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None, u=None, bad=None):
-    """One token per row from (B, V) logits; temperature 0 means greedy.
-
-    Draws by inverting the CDF with one uniform number per row (`u`, (B,), or drawn from
-    `generator`). torch.multinomial (like the Gumbel trick) draws one random number per
-    vocabulary entry, which is slow on CPU: for 64 rows of GPT-2's 50257 tokens it takes 3x as
-    long (bench/sampler.py). The CDF is summed in float64 so that it stays exact over a large
-    vocabulary. Logits that are not finite raise RuntimeError; with `bad` (a bool tensor on the
-    device) they set it instead, and generate raises after its loop.
-    """
-    if temperature == 0:
-        return logits.argmax(-1)
-    logits = logits.float() if temperature == 1.0 else logits.float() / temperature
-    if top_k > 0:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) > top_p  # keep the smallest set reaching top_p
-        logits = logits.masked_fill(drop.scatter(1, idx, drop), float("-inf"))
-    cdf = logits.softmax(-1).double().cumsum(-1)  # (B, V)
-    total = cdf[:, -1:]  # (B, 1) ~1; NaN if a row had no finite logit
-    finite = torch.isfinite(total).all()
-    if bad is None:  # a direct call: check now (one host sync)
-        if not finite:
-            raise RuntimeError(NAN_LOGITS)
-    else:  # inside generate: record on the device, checked once at the end (no sync per token)
-        bad.logical_or_(~finite)
-    if u is None:
-        u = torch.rand(total.shape, dtype=torch.float64, device=cdf.device, generator=generator)
-    u = u.view(-1, 1).to(cdf) * total
-    # the first CDF entry above u: zero-probability tokens (top-k / top-p) span no interval and
-    # are never drawn; u is kept below total in case u * total rounds up to it
-    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
-    # clamped: a NaN row would give index V, an out-of-range id that the next forward's embedding
-    # lookup turns into a CUDA device-side assert (which leaves the context unusable)
-    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
-
-
-def _next_logits(model, input_ids, attention_mask, position_ids, cache, kw):
-    """(B, T) ids through the model with a KV cache -> (B, V) logits of the token after them."""
-    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                 past_key_values=cache, use_cache=True, **kw).logits[:, -1]
-
-
-def _next_logits_unfused(model, *args):
-    """_next_logits with attention as matmul -> softmax -> matmul (SDPA's math backend). Under
-    torch.compile on CPU, inductor fuses the mask and softmax between the two matmuls: 4.1 ms
-    per token against 5.3 ms with the CPU flash kernel (tiny GPT-2, 64 rows, one thread)."""
-    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
-        return _next_logits(model, *args)
-
-
-_compiled = {}  # torch.compile of the step, made once; dynamo keeps a graph per model and shape
-
-
-def _step_fn(compile, device):
-    """The decode step: eager, or compiled. On CUDA the compiled step is also captured as a CUDA
-    graph ("reduce-overhead"): decoding a small model is bound by kernel launches (hundreds per
-    token), which one graph replay replaces. The graph reads the static cache in place, so the
-    cache must keep its addresses from call to call (_decode_cache)."""
-    if not compile:
-        return _next_logits
-    fn = _next_logits_unfused if device.type == "cpu" else _next_logits
-    if fn not in _compiled:
-        mode = "reduce-overhead" if device.type == "cuda" else None
-        _compiled[fn] = torch.compile(fn, dynamic=False, mode=mode)
-    return _compiled[fn]
-
-
-_DECODE_CACHES = weakref.WeakKeyDictionary()  # model -> {(rows, length): StaticCache}, for compiled decoding
-
-
-def _decode_cache(model, B, L, persistent):
-    """A static KV cache of B rows and L slots, or None when the model has sliding-window or other
-    non-plain layers (they are prefilled straight into a fresh cache instead). With `persistent`
-    (compiled decoding) the cache of each (B, L) is made once per model and overwritten in place
-    by every later rollout, so the captured graph's addresses stay valid; it stays allocated
-    between rollouts (at most 4 shapes per model)."""
-    from transformers import StaticCache
-    from transformers.cache_utils import StaticLayer
-
-    caches = _DECODE_CACHES.setdefault(model, {}) if persistent else {}
-    if (B, L) in caches:
-        return caches[B, L]
-    cache = StaticCache(config=model.config, max_cache_len=L)
-    if not all(type(layer) is StaticLayer for layer in cache.layers):
-        return None
-    if persistent:
-        if len(caches) >= 4:
-            caches.pop(next(iter(caches)))
-        caches[B, L] = cache
-    return cache
-
-
-def _fill_cache(cache, prefill, inverse, P):
-    """Copy the prefill's keys and values (U distinct prompts, P tokens) into slots [0, P) of the
-    static cache, row i taking prompt inverse[i]; in place, so the cache keeps its addresses."""
-    for dst, src in zip(cache.layers, prefill.layers):
-        k, v = (src.keys, src.values) if inverse is None else (src.keys[inverse], src.values[inverse])
-        if not dst.is_initialized or dst.keys.dtype != k.dtype:
-            dst.lazy_initialization(k[:, :, :0], v[:, :, :0])
-        dst.keys[:, :, :P].copy_(k)
-        dst.values[:, :, :P].copy_(v)
-        dst.cumulative_length.fill_(P)
-
-
-@torch.no_grad()
-def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, temperature=1.0, top_k=0,
-             top_p=1.0, stop_ids=(), generator=None, compile=False, uniforms=None):
-    """Sample responses for left-padded prompts with a KV cache.
-
-    Random numbers come from `generator`, or from `uniforms` (B, >= max_new_tokens): column t
-    draws token t of each row (rollout_uniforms; the same rollout on any number of ranks).
-
-    Returns response ids (B, R) right-padded with pad_id, and response_mask (B, R) that is 1
-    up to and including the first EOS (or stop token). R <= max_new_tokens; the loop ends
-    early once every row has stopped. Only local forwards: under FSDP call it inside
-    `unsharded(model)`, and ranks may stop at different steps.
-
-    Greedy output is identical to model.generate's. Speed against it: bench/sampler.py.
-    1. each distinct prompt is prefilled once and its keys/values copied to its repeats (GRPO
-       samples every prompt G times): the eager gain;
-    2. a static KV cache written in place: no concatenation per step, and the fixed shapes
-       and addresses that torch.compile and CUDA graphs need; mask and positions of the whole
-       response are built once; on a GPU, whether every row has stopped is read every 8 tokens
-       (each read waits for the GPU to drain), not after every token;
-    3. compile=True: the decode step under torch.compile (on CPU with SDPA's math backend,
-       which inductor fuses; on CUDA replayed as a CUDA graph). Compiling takes 10-60 s, once
-       per process, model and shape (batch size, cache length): it pays over the many rollouts
-       of a run, not for one call. The cache length is rounded up so that nearby prompt lengths
-       share a graph; dynamo keeps up to torch._dynamo.config.recompile_limit (8) graphs.
-    Under autocast the fp32 weights are cast to bf16 once per rollout, not per token (autocast
-    caches the casts of leaf parameters within its region).
-    """
-    B, P = prompt_ids.shape
-    device = prompt_ids.device
-    L = P + max_new_tokens
-    if compile:  # round up to a multiple of L/8 to L/4 (54 -> 56, 300 -> 320)
-        q = max(8, 2 ** (L.bit_length() - 3))
-        L = -(-L // q) * q
-    kw = dict(logits_to_keep=1) if _accepts(model, "logits_to_keep") else {}
-    stops = torch.tensor([eos_id, *stop_ids], device=device)
-    uniforms = None if uniforms is None else uniforms.to(device)
-
-    # 1. prefill the distinct prompts, then give each row its prompt's keys and values
-    rows, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], 1), dim=0, return_inverse=True)
-    dedup = len(rows) < B
-    ids, mask = (rows[:, :P], rows[:, P:]) if dedup else (prompt_ids, prompt_mask)
-    cache = _decode_cache(model, B, L, persistent=compile)
-    if cache is None:  # sliding-window layers: prefill into a fresh static cache, then reorder it
-        from transformers import StaticCache
-
-        cache = StaticCache(config=model.config, max_cache_len=L)
-        logits = _next_logits(model, ids, mask, position_ids_from_mask(mask), cache, kw)  # (U, V)
-        if dedup:
-            cache.reorder_cache(inverse)
-    else:
-        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=True, **kw)
-        logits = out.logits[:, -1]  # (U, V)
-        _fill_cache(cache, out.past_key_values, inverse if dedup else None, P)
-        del out
-    if dedup:
-        logits = logits[inverse]  # (B, V)
-
-    # 2. decode; slots of the static cache past the current token are hidden by the causal mask
-    mask = torch.cat([prompt_mask, prompt_mask.new_ones(B, L - P)], 1)  # (B, L)
-    pos = prompt_mask.sum(-1, keepdim=True)  # (B, 1) position of the first response token
-    step = _step_fn(compile, device)
-    graphs = compile and device.type == "cuda"
-    check_every = 8 if device.type == "cuda" else 1
-    tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
-    response_mask = torch.zeros((B, max_new_tokens), dtype=torch.long, device=device)
-    done = torch.zeros(B, dtype=torch.bool, device=device)
-    bad = torch.zeros((), dtype=torch.bool, device=device)  # any row with non-finite logits
-    for t in range(max_new_tokens):
-        u = None if uniforms is None else uniforms[:, t]
-        tok = sample_token(logits, temperature, top_k, top_p, generator, u, bad).masked_fill(done, pad_id)
-        tokens[:, t] = tok
-        response_mask[:, t] = ~done  # the stop token itself counts
-        done = done | torch.isin(tok, stops)
-        if t == max_new_tokens - 1 or (t % check_every == check_every - 1 and done.all()):
-            break
-        if graphs:  # each step's logits are read before the next replay overwrites them
-            torch.compiler.cudagraph_mark_step_begin()
-        logits = step(model, tok[:, None], mask, pos + t, cache, kw)
-    if bad:
-        raise RuntimeError(NAN_LOGITS)
-    R = int(response_mask.any(0).sum())  # the longest response: its columns are the first R
-    return tokens[:, :R], response_mask[:, :R]
+def ranking_accuracy(chosen, rejected):
+    """Share of pairs whose chosen score is above the rejected one, ties counting half (a policy
+    equal to its reference ranks nothing). chosen, rejected: (N,). A 0-d tensor."""
+    return ((chosen > rejected).double() + 0.5 * (chosen == rejected).double()).mean()
 
 
 # -----------------------------------------------------------------------------
 # loading: models, tokenizers and data
-
-
-def char_tokenizer():
-    """A character-level tokenizer built in code (no files, no network): printable ASCII
-    plus newline, with <pad>, <eos>, <unk>. Round-trips through save_pretrained."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<pad>", "<eos>", "<unk>"]
-    chars = ["\n"] + [chr(c) for c in range(32, 127)]
-    vocab = {t: i for i, t in enumerate(specials + chars)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-
-
-# Models built from a config, no download: `tiny` for the embedded task, and GPT-2 small and
-# large shapes with random weights and the real vocabulary size, for the benchmarks
-# (throughput does not depend on the weights). All use the character tokenizer.
-MODEL_SHAPES = {
-    "tiny": dict(n_layer=4, n_embd=128, n_head=4, n_positions=128),
-    "gpt2-small-random": dict(n_layer=12, n_embd=768, n_head=12, n_positions=1024, vocab_size=50257),
-    "gpt2-large-random": dict(n_layer=36, n_embd=1280, n_head=20, n_positions=1024, vocab_size=50257),
-}
-
-
-def tiny_config(tokenizer, shape="tiny"):
-    """A GPT-2 config of one of MODEL_SHAPES. `tiny` (0.8M parameters) learns the sort task in
-    about two minutes on 2 cores. Dropout is off."""
-    from transformers import GPT2Config
-
-    kw = dict(MODEL_SHAPES[shape])
-    kw.setdefault("vocab_size", len(tokenizer))
-    # GPT-2's tanh-approximated GELU as one fused kernel (6.6x faster on CPU than gelu_new's chain
-    # of element-wise ops, same function to 2.4e-7); checkpoints keep their own activation
-    return GPT2Config(**kw, activation_function="gelu_pytorch_tanh", resid_pdrop=0.0, embd_pdrop=0.0,
-                      attn_pdrop=0.0, bos_token_id=tokenizer.eos_token_id,
-                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
 
 
 def resolve_checkpoint(path):
@@ -716,8 +464,11 @@ def resolve_checkpoint(path):
 
 
 def load_tokenizer(name, trust_remote_code=False):
-    if name in MODEL_SHAPES:
-        return char_tokenizer()
+    """`tiny` (the embedded task's character tokenizer), a local checkpoint folder or a hub id."""
+    if name == "tiny":
+        import tasks
+
+        return tasks.char_tokenizer()
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(resolve_checkpoint(name), trust_remote_code=trust_remote_code)
@@ -729,14 +480,12 @@ def load_tokenizer(name, trust_remote_code=False):
 class FP32Head(torch.nn.Linear):
     """An LM head that computes its logits in fp32, whatever the dtype of its input and weight.
 
-    Under autocast or FSDP's bf16 parameters the head would return bf16 logits, and logits of
-    GPT-2 (often 30-120) have bf16 steps of 0.25-0.5: the same token's log-prob could move by
-    ~0.1 between two batch layouts, so rho != 1 on the first pass, clipping fires where nothing
-    changed and KL != 0 while pi = pi_ref. In fp32 the bf16 operands multiply exactly (on a
-    GPU as TF32, which holds bf16's mantissa: the flag at the top of this file) and accumulate
-    in fp32.
-    Costs an fp32 copy of the weight per forward; only the positions kept by `logits_to_keep`
-    pass through it."""
+    In bf16, logits of GPT-2 (often 30-120) have steps of 0.25-0.5: the same token's log-prob
+    could move by ~0.1 between two batch layouts, so rho != 1 on the first pass, clipping fires
+    where nothing changed and KL != 0 while pi = pi_ref. In fp32 the bf16 operands multiply
+    exactly (TF32 on a GPU: the flag at the top of this file) and accumulate in fp32. Costs an
+    fp32 copy of the weight per forward; only the positions of `logits_to_keep` pass through it.
+    """
 
     def forward(self, x):
         with torch.autocast(x.device.type, enabled=False) if x.device.type in ("cuda", "cpu") else nullcontext():
@@ -744,43 +493,26 @@ class FP32Head(torch.nn.Linear):
                                               None if self.bias is None else self.bias.float())
 
 
-def fp32_lm_head(model):
-    """Make the model's output layer an FP32Head (same weights, same module). Checkpoints are
-    unchanged: save_pretrained writes the weights, and loading gives an ordinary nn.Linear."""
-    head = model.get_output_embeddings()
-    if type(head) is torch.nn.Linear:
-        head.__class__ = FP32Head
-    return model
-
-
-def disable_dropout(model):
-    """RLHF compares log-probs of two forwards (policy vs reference, new vs old): dropout
-    would add noise to every ratio, so it is switched off everywhere, as TRL does."""
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-    return model
-
-
 def load_model(name, tokenizer, kind="causal", dtype=torch.float32, trust_remote_code=False):
-    """`tiny` or another of MODEL_SHAPES (built from a config), a hub id, or a local checkpoint folder.
+    """`tiny` (a small GPT-2 built from a config, tasks.py), a hub id, or a local checkpoint folder.
 
-    kind: "causal" (AutoModelForCausalLM) or "reward" (AutoModelForSequenceClassification with
-    one label; the score head is new when loading from a causal LM). Weights load from
-    safetensors only; remote code only when asked for.
+    kind: "causal" (AutoModelForCausalLM; its LM head computes in fp32, FP32Head) or "reward"
+    (AutoModelForSequenceClassification with one label; the score head is new when loading from
+    a causal LM). Weights load from safetensors only; remote code only when asked for. Dropout
+    is switched off everywhere, as TRL does: RLHF compares log-probs of two forwards (policy and
+    reference, new and old), and dropout would add noise to every ratio.
     """
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     if kind not in ("causal", "reward"):
         raise ValueError(f"unknown model kind {kind!r}")
     auto = AutoModelForCausalLM if kind == "causal" else AutoModelForSequenceClassification
-    if name in MODEL_SHAPES:
-        config = tiny_config(tokenizer, name)
-        if kind == "reward":
-            config.num_labels = 1
-        model = auto.from_config(config, dtype=dtype)
+    extra = dict(num_labels=1) if kind == "reward" else {}
+    if name == "tiny":
+        import tasks
+
+        model = auto.from_config(tasks.tiny_gpt2_config(tokenizer, **extra), dtype=dtype)
     else:
-        extra = dict(num_labels=1) if kind == "reward" else {}
         model = auto.from_pretrained(resolve_checkpoint(name), dtype=dtype, use_safetensors=True,
                                      trust_remote_code=trust_remote_code, **extra)
     n_emb = model.get_input_embeddings().num_embeddings
@@ -789,9 +521,12 @@ def load_model(name, tokenizer, kind="causal", dtype=torch.float32, trust_remote
                          f"{n_emb} rows: the tokenizer does not match the model")
     if kind == "reward":
         model.config.pad_token_id = tokenizer.pad_token_id
-    else:
-        fp32_lm_head(model)
-    return disable_dropout(model)
+    elif type(model.get_output_embeddings()) is torch.nn.Linear:
+        model.get_output_embeddings().__class__ = FP32Head  # same weights; checkpoints are unchanged
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    return model
 
 
 def check_context(model, max_prompt_len, max_response_len):
@@ -802,135 +537,80 @@ def check_context(model, max_prompt_len, max_response_len):
                          f"{max_prompt_len + max_response_len} tokens exceeds the model's context of {n}")
 
 
-def _check_jsonl(path):
-    """Find the first line of a .jsonl file that is not a JSON object, to name it in the error."""
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path} line {n}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path} line {n}: expected a JSON object, got {type(row).__name__}")
-
-
-def load_data(name, split, columns, kind=None, n=None, seed=0):
-    """A `datasets.Dataset` with string `columns`, from an embedded task (`sort`), a local
-    .jsonl / .json / .parquet file, or a hub id. Every row is checked: a missing or non-string
-    field is an error naming the file, the row (1-based) and the field. Nothing is dropped.
-
-    kind ("sft", "preference", "prompt") and n pick the rows of an embedded task.
-    """
-    import datasets
-
-    import tasks
-
-    if name in tasks.TASKS:
-        split = "test" if split in ("test", "validation", "eval") else split
-        ds = datasets.Dataset.from_list(tasks.task_rows(name, kind, n, seed=seed, split=split))
-    elif os.path.splitext(name)[1] in (".jsonl", ".json", ".parquet"):
-        if not os.path.isfile(name):
-            raise FileNotFoundError(f"data file {name} does not exist")
-        builder = "parquet" if name.endswith(".parquet") else "json"
-        if name.endswith(".jsonl"):
-            _check_jsonl(name)
-        try:
-            ds = datasets.load_dataset(builder, data_files=name, split="train")
-        except Exception as e:  # pyarrow's messages name neither the file nor the row
-            raise ValueError(f"{name}: could not be read as {builder}: {e}") from None
-    else:
-        ds = datasets.load_dataset(name, split=split)
-    if len(ds) == 0:
-        raise ValueError(f"{name} ({split}): no rows")
-    missing = [c for c in columns if c not in ds.column_names]
-    if missing:
-        raise ValueError(f"{name} ({split}): missing column(s) {missing}; has {ds.column_names}")
-    for c in columns:
-        for i, v in enumerate(ds[c]):
-            if not isinstance(v, str):
-                what = "missing field" if v is None else f"field is {type(v).__name__}, not a string:"
-                raise ValueError(f"{name} row {i + 1}: {what} {c!r}")
-    return ds
-
-
-def encode_prompts(tokenizer, texts, max_len):
-    """Token ids of each prompt; an over-long prompt keeps its last max_len tokens (the end
-    of a prompt is what the response follows). Returns (ids, number truncated)."""
-    ids = tokenizer(list(texts))["input_ids"]
-    n_cut = sum(len(x) > max_len for x in ids)
-    return [x[-max_len:] for x in ids], n_cut
-
-
-def encode_responses(tokenizer, texts, max_len):
-    """Token ids of each response followed by EOS; an over-long one keeps its first max_len
-    tokens (and so loses its EOS). Returns (ids, number truncated)."""
-    ids = [x + [tokenizer.eos_token_id] for x in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
-    n_cut = sum(len(x) > max_len for x in ids)
-    return [x[:max_len] for x in ids], n_cut
-
-
-def decode_responses(tokenizer, response_ids, response_mask):
-    """Text of each sampled response, without EOS or padding. One transfer from the device for
-    the whole batch, not one per row."""
-    ids, mask = response_ids.tolist(), response_mask.tolist()
-    return [tokenizer.decode([t for t, m in zip(row, keep) if m], skip_special_tokens=True)
-            for row, keep in zip(ids, mask)]
-
-
-@torch.no_grad()
-def evaluate_generations(model, tokenizer, prompts, reward_fn, d, max_prompt_len, max_new_tokens, batch_size=256):
-    """Greedy answers to held-out prompts, scored by a gold reward: mean reward and the share
-    of exact answers (reward 1). Each rank takes its share of prompts; sums are all-reduced."""
-    mine = prompts[d.rank::d.world_size]
-    total = torch.zeros(3, dtype=torch.float64, device=d.device)  # reward sum, exact count, n
-    was_training = model.training
-    model.eval()
-    with unsharded(model):
-        for i in range(0, len(mine), batch_size):
-            texts = mine[i:i + batch_size]
-            ids, _ = encode_prompts(tokenizer, texts, max_prompt_len)
-            p_ids, p_mask = pad(ids, tokenizer.pad_token_id, side="left")
-            with autocast(d):
-                r_ids, r_mask = generate(model, p_ids.to(d.device), p_mask.to(d.device), max_new_tokens,
-                                         tokenizer.eos_token_id, tokenizer.pad_token_id, temperature=0)
-            rewards = [reward_fn(p, c) for p, c in zip(texts, decode_responses(tokenizer, r_ids, r_mask))]
-            total += torch.tensor([sum(rewards), sum(r == 1.0 for r in rewards), len(rewards)],
-                                  dtype=torch.float64, device=d.device)
-    model.train(was_training)
-    total = all_reduce_sum(total, d)
-    return {"eval/gold_reward": (total[0] / total[2]).item(), "eval/exact_match": (total[1] / total[2]).item()}
-
-
 # -----------------------------------------------------------------------------
-# logging: metrics.jsonl and one line per step on rank 0; wandb only when asked for
+# the training loop's pieces: optimizer, data order, logging
 
 
-_PEAK_GIB = [0.0]  # the run's peak GPU memory over the windows reset_peak_memory closed
+def lr_schedule(optimizer, warmup_steps, total_steps):
+    """Linear warmup then cosine decay to zero (the transformers implementation)."""
+    from transformers import get_cosine_schedule_with_warmup
+
+    return get_cosine_schedule_with_warmup(optimizer, warmup_steps, max(total_steps, 1))
 
 
-def sync(d):
-    """Wait for the device's queued work, so that a wall clock read next measures it (CUDA runs
-    asynchronously: without this a phase's time spills into the next one's)."""
-    if d.device.type == "cuda":
-        torch.cuda.synchronize(d.device)
+def make_optimizer(params, lr, weight_decay, warmup_steps, total_steps):
+    """AdamW (betas 0.9, 0.95; fused: one kernel for all parameters, bench/test_micro.py) and its
+    learning-rate schedule."""
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, fused=True)
+    return optimizer, lr_schedule(optimizer, warmup_steps, total_steps)
 
 
-def reset_peak_memory(d):
-    """Peak GPU memory (GiB) allocated since the last call, and start a new window, so a script
-    can log the peak of each phase (grpo.py: rollout, update). 0 on CPU."""
-    if d.device.type != "cuda":
-        return 0.0
-    peak = torch.cuda.max_memory_allocated(d.device) / 2**30
-    _PEAK_GIB[0] = max(_PEAK_GIB[0], peak)
-    torch.cuda.reset_peak_memory_stats(d.device)
-    return peak
+def clip_grad_norm(model, max_norm):
+    """Clip by the global norm; works on FSDP2's sharded DTensor gradients. Returns the norm
+    before clipping (what the logs show), a 0-d tensor; max_norm 0 means no clipping."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def optimizer_step(model, optimizer, scheduler, max_norm):
+    """Clip, step, advance the schedule, clear the gradients. Returns the pre-clip grad norm."""
+    norm = clip_grad_norm(model, max_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+class DataOrder:
+    """The rows of each global batch: one seeded permutation per epoch, the same on every rank
+    (each then takes its slice, shard_batch). Its state goes into checkpoints, so a resumed run
+    draws exactly the rows the uninterrupted one would have."""
+
+    def __init__(self, n, seed):
+        self.n, self.gen = n, torch.Generator().manual_seed(seed)
+        self.order, self.pos = torch.randperm(n, generator=self.gen), 0
+
+    def next(self, k):
+        """The next k row indices (a list); a new permutation when the epoch has fewer left."""
+        if self.pos + k > self.n:
+            self.order, self.pos = torch.randperm(self.n, generator=self.gen), 0
+        rows = self.order[self.pos:self.pos + k].tolist()
+        self.pos += k
+        return rows
+
+    def state_dict(self):
+        return {"order": self.order, "pos": self.pos, "order_gen": self.gen.get_state()}
+
+    def load_state_dict(self, state):
+        self.order, self.pos = state["order"], state["pos"]
+        self.gen.set_state(state["order_gen"])
+
+
+def check_finite(step, metrics, keys, last_checkpoint):
+    """Stop on a NaN or infinite loss (or other named metric), naming the last good checkpoint."""
+    bad = {k: metrics[k] for k in keys if not torch.isfinite(torch.tensor(metrics[k]))}
+    if bad:
+        raise FloatingPointError(f"step {step}: {', '.join(f'{k} is {v}' for k, v in bad.items())}; stopping. "
+                                 f"Last good checkpoint: {last_checkpoint or 'none written yet'}")
 
 
 class Logger:
-    def __init__(self, out_dir, cfg, d, use_wandb=False, project="rlhf"):
-        self.enabled, self.wandb, self.t0 = d.is_main, None, time.time()
+    """metrics.jsonl (every metric, one row per step) and run_config.json on rank 0; a step line
+    on stdout with the `show` metrics (all when None); wandb when asked for."""
+
+    def __init__(self, out_dir, cfg, d, use_wandb=False, project="rlhf", show=None):
+        self.enabled, self.wandb, self.t0, self.show = d.is_main, None, time.time(), show
         if not self.enabled:
             return
         os.makedirs(out_dir, exist_ok=True)
@@ -945,15 +625,16 @@ class Logger:
     def log(self, step, metrics, echo=True):
         if not self.enabled:
             return
-        if torch.cuda.is_available():  # the whole run's peak, across reset_peak_memory's windows
-            metrics = {**metrics, "mem/peak_gib": max(_PEAK_GIB[0], torch.cuda.max_memory_allocated() / 2**30)}
+        if torch.cuda.is_available() and "mem/peak_gib" not in metrics:  # the run's peak so far
+            metrics = {**metrics, "mem/peak_gib": torch.cuda.max_memory_allocated() / 2**30}
         row = {"step": step, "time": round(time.time() - self.t0, 2), **metrics}
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
         if echo:
-            print(f"step {step:5d} | " + " | ".join(f"{k} {_fmt(v)}" for k, v in metrics.items()), flush=True)
+            keys = [k for k in (self.show or metrics) if k in metrics]
+            print(f"step {step:5d} | " + " | ".join(f"{k} {_fmt(metrics[k])}" for k in keys), flush=True)
 
     def close(self):
         if self.enabled:
@@ -974,7 +655,7 @@ def _fmt(v):
 
 def full_state_dict(model, d):
     """The full (unsharded) state dict on CPU. Collective under FSDP: call on every rank."""
-    if not d.sharded:
+    if not d.torchrun:
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     else:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -1017,28 +698,20 @@ def prepare_out_dir(out_dir, resume, overwrite, d):
     return found if (has_ckpt and resume) else None
 
 
-def rng_state():
+def _rng_state():
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def set_rng_state(state):
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def save_checkpoint(model, tokenizer, out_dir, d, optimizer=None, scheduler=None, train_state=None,
-                    name="checkpoint"):
+def save_checkpoint(model, tokenizer, out_dir, d, optimizer=None, scheduler=None, step=None, order=None):
     """save_pretrained (model + tokenizer) into a temporary folder, then rename it into place.
 
     With an optimizer, `training_state.pt` goes beside the weights: optimizer and scheduler
-    state, RNG states of every rank, and `train_state` (step, data position) for --resume.
-    A kill while writing leaves the previous `checkpoint/` untouched (or, between the two
-    renames, as `checkpoint.old/`, which resolve_checkpoint finds). Collective: all ranks call.
+    state, RNG states of every rank, the step and the data order, for --resume. A kill while
+    writing leaves the previous `checkpoint/` untouched (or, between the two renames, as
+    `checkpoint.old/`, which resolve_checkpoint finds). Collective: all ranks call.
     """
     state = full_state_dict(model, d)
     extra = None
@@ -1049,12 +722,12 @@ def save_checkpoint(model, tokenizer, out_dir, d, optimizer=None, scheduler=None
                                          options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         rngs = [None] * d.world_size
         if d.world_size > 1:
-            dist.all_gather_object(rngs, rng_state())
+            dist.all_gather_object(rngs, _rng_state())
         else:
-            rngs = [rng_state()]
+            rngs = [_rng_state()]
         extra = {"optimizer": optim, "scheduler": scheduler.state_dict() if scheduler else None, "rng": rngs,
-                 **(train_state or {})}
-    path = os.path.join(out_dir, name)
+                 "step": step, **(order.state_dict() if order is not None else {})}
+    path = os.path.join(out_dir, "checkpoint")
     if d.is_main:
         tmp, old = path + ".tmp", path + ".old"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -1072,25 +745,67 @@ def save_checkpoint(model, tokenizer, out_dir, d, optimizer=None, scheduler=None
     return path
 
 
-def load_training_state(path, model, optimizer, scheduler, d):
-    """Restore optimizer, scheduler and this rank's RNG state from `path` (the weights were
-    loaded with the model). Returns the saved train_state (step, data position, ...)."""
+def load_training_state(path, model, optimizer, scheduler, order, d):
+    """Restore optimizer, scheduler, data order and this rank's RNG state from `path` (the
+    weights were loaded with the model). Returns the step the checkpoint was written at."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     state = torch.load(os.path.join(path, "training_state.pt"), weights_only=True, map_location="cpu")
-    set_optimizer_state_dict(model, optimizer, state.pop("optimizer"), options=StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
     if scheduler is not None and state["scheduler"] is not None:
-        scheduler.load_state_dict(state.pop("scheduler"))
-    rngs = state.pop("rng")
-    if len(rngs) != d.world_size:
-        raise ValueError(f"{path} was saved by {len(rngs)} ranks; resuming on {d.world_size} would change sampling")
-    set_rng_state(rngs[d.rank])
-    return state
+        scheduler.load_state_dict(state["scheduler"])
+    if len(state["rng"]) != d.world_size:
+        raise ValueError(f"{path} was saved by {len(state['rng'])} ranks; resuming on {d.world_size} would change "
+                         f"sampling")
+    rng = state["rng"][d.rank]
+    random.setstate(rng["python"])
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    order.load_state_dict(state)
+    print0(f"resumed from {path} at step {state['step']}")
+    return state["step"]
 
 
-def lr_schedule(optimizer, warmup_steps, total_steps):
-    """Linear warmup then cosine decay to zero (the transformers implementation)."""
-    from transformers import get_cosine_schedule_with_warmup
+# -----------------------------------------------------------------------------
+# config: one flat dataclass per script, parsed from the command line
 
-    return get_cosine_schedule_with_warmup(optimizer, warmup_steps, max(total_steps, 1))
 
+def _field_docs(cls):
+    """The string literal under each dataclass field (its docstring) becomes its --help."""
+    docs = {}
+    for klass in reversed(cls.__mro__[:-1]):
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):
+            continue
+        body = tree.body[0].body
+        for node, nxt in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def parse_config(cls, argv=None):
+    """Build a Config from the command line: `--lr 1e-6`, `--lr=1e-6`, `--flag` / `--no-flag`,
+    `--x none` for an optional field. An unknown flag or a value of the wrong type exits with an
+    error that names it (argparse)."""
+    docs, hints = _field_docs(cls), typing.get_type_hints(cls)
+    parser = argparse.ArgumentParser(description=(sys.modules[cls.__module__].__doc__ or "").split("\n\n")[0],
+                                     allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        optional = type(None) in typing.get_args(tp)
+        if optional:
+            tp = next(a for a in typing.get_args(tp) if a is not type(None))
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        kw = dict(default=default, help=docs.get(f.name, " "), dest=f.name)
+        if tp is bool:
+            parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, **kw)
+            continue
+        convert = tp
+        if optional:
+            convert = lambda s, tp=tp: None if s.lower() == "none" else tp(s)
+            convert.__name__ = tp.__name__
+        parser.add_argument(f"--{f.name}", type=convert, metavar=tp.__name__.upper(), **kw)
+    return cls(**vars(parser.parse_args(argv)))

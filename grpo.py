@@ -11,32 +11,35 @@ of DeepSeekMath, arXiv:2402.03300). The policy maximises the PPO clipped surroga
 Knobs, each a flag that changes a few visible lines:
 - decoupled clip range eps_low / eps_high ("clip-higher", DAPO arXiv:2503.14476 Eq. 10);
 - mu optimisation passes per rollout over mini-batches, with log-probs of the rollout policy
-  cached (GRPO Alg. 1; seed 004);
-- KL estimator k1, k2, k3, ratio*k1 or ratio*k3 (seed 003), in the loss (default k3, GRPO
-  Eq. 4) or subtracted from the reward (--kl_in_reward, as PPO-RLHF does);
+  cached (GRPO Alg. 1);
+- KL estimator k1, k2, k3, ratio*k1 or ratio*k3 (Schulman's "Approximating KL divergence"),
+  in the loss (default k3, GRPO Eq. 4) or subtracted from the reward (--kl_in_reward, as
+  PPO-RLHF does);
 - loss aggregation: token mean over the mini-batch, per-sequence mean, or a constant
   normaliser max_new_tokens x sequences (Dr. GRPO arXiv:2503.20783 Sec. 3.1);
 - reward scaling by group std, batch std or none (Dr. GRPO drops the std);
 - statistical rejection sampling of G out of N samples per prompt (RSO arXiv:2309.06657
-  Alg. 1) or top/bottom halves; global advantage normalisation across ranks (seed 000);
-- truncate token: generation stops at it and nothing after it counts (seed 000);
-- reference: a frozen copy, refreshed every N steps (seed 004), or with --lora the same
-  network with its adapters disabled (seed 002).
+  Alg. 1) or top/bottom halves; global advantage normalisation across ranks;
+- truncate token: generation stops at it and nothing after it counts, for the reward and the
+  loss alike;
+- reference: a frozen copy, refreshed every N steps (the policy drifts far from the SFT model
+  on long runs), or with --lora the same network with its adapters disabled (no second copy).
 
 Deliberate departures:
 1. Each loss normaliser (tokens, sequences, or the Dr. GRPO constant) is computed over the
    whole global mini-batch (all micro-batches, all ranks) before the forward passes, so
-   gradient accumulation and world size do not change the gradient (trl #3021).
+   gradient accumulation and world size do not change the gradient (common.py's rule 1).
 2. The KL monitor `kl` is always the k3 estimate (unbiased, non-negative), whatever estimator
-   is optimised (`kl/optimized`): k1 in the loss has zero expected gradient (seed 003).
+   is optimised (`kl/optimized`): k1 in the loss has zero expected gradient, so its own value
+   says little about the KL that training keeps.
 3. With one pass over one mini-batch the old log-probs equal the current ones, so that forward
    is skipped and rho = exp(logp - logp.detach()) (value 1, gradient kept; trl #2703).
-4. Rewards are rule-based functions named per row (`reward_fn` column, seed 004), a learned
-   reward model, or a weighted sum of both.
+4. Rewards are rule-based functions named per row (a `reward_fn` column: one data set can mix
+   tasks), a learned reward model, or a weighted sum of both.
 5. The eval pairs' implicit reward beta*log(pi/pi_ref) uses the current reference, which is
    the SFT model unless --ref_refresh_every is set.
 6. The sampler's random numbers are drawn for the whole global rollout and indexed by row
-   (common.rollout_uniforms), so 1 and N processes sample the same completions: a 2-rank run
+   (sampling.rollout_uniforms), so 1 and N processes sample the same completions: a 2-rank run
    reproduces the 1-process run step for step (rejection sampling's draws excepted).
 
 Run:
@@ -55,6 +58,8 @@ from dataclasses import dataclass
 import torch
 
 import common
+import data
+import sampling
 import tasks
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "ratio_k1", "ratio_k3")
@@ -63,40 +68,33 @@ LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "constant")
 
 @dataclass
 class Config:
+    # --- model and data ---
     model: str = "runs/sft"
     """the policy to start from: a checkpoint folder (runs/sft), a hub id, or `tiny` (random, for tests)"""
     dataset: str = "sort"
     """embedded task name, a hub id, or a local .jsonl/.json/.parquet with a prompt (and reward_fn) column"""
-    out_dir: str = "runs/grpo"
-    """where metrics.jsonl and the checkpoint/ folder go"""
     n_train: int = 20000
     """prompts drawn from an embedded task"""
     max_prompt_len: int = 64
     """prompt tokens kept (from the right)"""
-    max_new_tokens: int = 24
-    """response tokens sampled at most (a completion that reaches it without stopping is 'clipped')"""
-    steps: int = 20
-    """rollouts (each followed by num_iterations x num_mini_batches optimizer steps)"""
+    # --- sampling ---
     prompts_per_step: int = 32
     """prompts per rollout, over all ranks"""
     group_size: int = 8
     """completions per prompt that enter the loss (G)"""
+    max_new_tokens: int = 24
+    """response tokens sampled at most (a completion that reaches it without stopping is 'clipped')"""
     temperature: float = 1.0
     """sampling temperature; the loss's log-probs use the same temperature"""
     top_k: int = 0
     """sample from the k most likely tokens only (0: all)"""
     top_p: float = 1.0
     """nucleus sampling threshold (1: off)"""
+    truncate_token: str = ""
+    """a string of one token: generation also stops at it, and tokens after it are masked"""
     compile: bool = False
     """torch.compile the rollout's decode step (10-60 s once per batch shape; pays over a run's many rollouts)"""
-    truncate_token: str = ""
-    """a string of one token: generation also stops at it, and tokens after it are masked (seed 000)"""
-    rs_samples: int = 0
-    """rejection sampling: sample this many per prompt and keep group_size of them (0: off)"""
-    rs_mode: str = "rso"
-    """rso (statistical rejection sampling, RSO Alg. 1) or topbottom (best and worst halves)"""
-    rs_gamma: float = 2.0
-    """RSO temperature: accept with probability exp((r - r_max) / gamma)"""
+    # --- reward ---
     reward_model: str = ""
     """a reward model checkpoint (reward.py's out_dir), scored on prompt + decoded completion"""
     reward_weights: str = ""
@@ -105,38 +103,49 @@ class Config:
     """subtracted from the reward of a completion that never stops (no EOS or truncate token)"""
     mask_truncated: bool = False
     """leave completions that never stop out of the loss"""
+    rs_samples: int = 0
+    """rejection sampling: sample this many per prompt and keep group_size of them (0: off)"""
+    rs_mode: str = "rso"
+    """rso (statistical rejection sampling, RSO Alg. 1) or topbottom (best and worst halves)"""
+    rs_gamma: float = 2.0
+    """RSO temperature: accept with probability exp((r - r_max) / gamma)"""
+    # --- loss ---
     scale_rewards: str = "group"
     """divide centred rewards by the std of their group, of the whole batch, or `none` (Dr. GRPO)"""
     global_norm: bool = False
-    """then normalise advantages to mean 0, std 1 over the whole batch on all ranks (seed 000)"""
+    """then normalise advantages to mean 0, std 1 over the whole batch on all ranks"""
     epsilon_low: float = 0.2
     """clip rho below at 1 - epsilon_low"""
     epsilon_high: float = 0.28
     """clip rho above at 1 + epsilon_high (DAPO clip-higher)"""
-    num_iterations: int = 2
-    """mu: optimisation passes over each rollout"""
-    num_mini_batches: int = 2
-    """optimizer steps per pass (the rollout split into this many mini-batches)"""
-    grad_accum: int = 1
-    """micro-batches per mini-batch on each rank"""
     beta: float = 0.04
     """KL coefficient"""
     kl_estimator: str = "k3"
-    """k1, k2, k3, ratio_k1 or ratio_k3 (seed 003; GRPO Eq. 4 is k3)"""
+    """k1, k2, k3, ratio_k1 or ratio_k3 (GRPO Eq. 4 is k3)"""
     kl_in_reward: bool = False
     """subtract beta x sum of per-token KL estimates from each reward instead of adding KL to the loss"""
     entropy_coef: float = 0.0
     """entropy bonus coefficient"""
     loss_agg: str = "token_mean"
     """token_mean, seq_mean_token_mean, or constant (divide by max_new_tokens x sequences; Dr. GRPO)"""
+    # --- reference and LoRA ---
     ref_refresh_every: int = 0
-    """copy the policy into the reference every this many steps (0: never; seed 004)"""
+    """copy the policy into the reference every this many steps (0: never)"""
     lora: bool = False
     """train LoRA adapters (peft); the reference is the same network with adapters disabled"""
     lora_r: int = 16
     """LoRA rank"""
     lora_alpha: float = 32.0
     """LoRA scale numerator (scale = alpha / r)"""
+    # --- optimisation ---
+    steps: int = 20
+    """rollouts (each followed by num_iterations x num_mini_batches optimizer steps)"""
+    num_iterations: int = 2
+    """mu: optimisation passes over each rollout"""
+    num_mini_batches: int = 2
+    """optimizer steps per pass (the rollout split into this many mini-batches)"""
+    grad_accum: int = 1
+    """micro-batches per mini-batch on each rank"""
     lr: float = 1e-4
     """peak learning rate (AdamW)"""
     warmup_steps: int = 5
@@ -145,6 +154,11 @@ class Config:
     """AdamW weight decay"""
     grad_clip: float = 1.0
     """clip the global gradient norm to this (0: no clipping)"""
+    activation_checkpointing: bool = False
+    """recompute activations in the backward pass (less memory, ~30% more compute)"""
+    offload_frozen: bool = False
+    """keep the reference and reward model's parameters in CPU memory between uses (FSDP2 on GPUs, under torchrun)"""
+    # --- evaluation ---
     eval_every: int = 10
     """evaluate every this many steps (and at step 0 and the end)"""
     n_eval: int = 500
@@ -152,20 +166,19 @@ class Config:
     n_eval_pairs: int = 500
     """held-out preference pairs for the pairwise accuracy of beta*log(pi/pi_ref)"""
     eval_pairs: str = ""
-    """preference pairs (hub id or file: prompt, chosen, rejected) for that accuracy (seed 000's table metric); the
-    embedded task uses its own test pairs"""
+    """preference pairs (hub id or file: prompt, chosen, rejected, or HH rows) for that accuracy; the embedded
+    task uses its own test pairs"""
     eval_pairs_split: str = "validation"
     """split of --eval_pairs (a local file has one)"""
+    # --- run ---
+    out_dir: str = "runs/grpo"
+    """where metrics.jsonl and the checkpoint/ folder go"""
     save_every: int = 0
     """also write a resumable checkpoint every this many steps (0: only the final one)"""
     resume: bool = False
     """continue the run whose checkpoint is in out_dir"""
     overwrite: bool = False
     """replace the checkpoint and metrics already in out_dir"""
-    activation_checkpointing: bool = False
-    """recompute activations in the backward pass (less memory, ~30% more compute)"""
-    offload_frozen: bool = False
-    """keep the reference and reward model's parameters in CPU memory between uses (FSDP2 on GPUs, under torchrun)"""
     seed: int = 0
     """seed for data order and sampling (the same rollouts on any number of ranks, unless --rs_samples)"""
     wandb: bool = False
@@ -181,8 +194,8 @@ class Config:
 def truncate_mask(response_ids, response_mask, truncate_id):
     """Zero the mask after the first truncate token of each row (the token itself is kept).
 
-    response_ids, response_mask: (B, R). Returns (B, R). Seed 000 computes both the reward and
-    the loss on this post-processed response.
+    response_ids, response_mask: (B, R). Returns (B, R). The reward and the loss both see this
+    cut response, so nothing after the truncate token is rewarded or trained on.
     """
     if truncate_id is None:
         return response_mask
@@ -234,7 +247,8 @@ def group_advantages(rewards, scale="group", global_norm=False, d=common.Dist(),
 
     A = (r - mean_group(r)) / (std + eps), std of the group (GRPO Sec. 4.1.2), of the whole
     batch over all ranks (`batch`), or 1 (`none`, Dr. GRPO). global_norm then rescales A to mean
-    0 and std 1 over the batch on all ranks (seed 000). Stds are unbiased (n - 1).
+    0 and std 1 over the batch on all ranks. Stds are unbiased (n - 1). The metrics are this
+    rank's share of the global-batch mean (every rank holds B groups: common.py's rule 2).
     """
     mean = rewards.mean(1, keepdim=True)
     std = rewards.std(1, keepdim=True) if rewards.shape[1] > 1 else torch.zeros_like(mean)
@@ -248,13 +262,14 @@ def group_advantages(rewards, scale="group", global_norm=False, d=common.Dist(),
     if global_norm:
         g_mean, g_std = _global_mean_std(adv, d)
         adv = (adv - g_mean) / (g_std + eps)
-    metrics = {"reward": rewards.mean(), "reward_std": std.mean(),  # tensors: read once per step
-               "frac_reward_zero_std": (rewards.amax(1) == rewards.amin(1)).float().mean()}
+    n_groups = rewards.shape[0] * d.world_size
+    metrics = {"reward": rewards.mean(1).sum() / n_groups, "reward_std": std.sum() / n_groups,
+               "frac_reward_zero_std": (rewards.amax(1) == rewards.amin(1)).float().sum() / n_groups}
     return adv, metrics
 
 
 def kl_per_token(logps, ref_logps, old_logps, estimator):
-    """Per-token estimate of KL(pi || pi_ref) from samples of pi_old (seed 003), (B, T).
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi_old, (B, T).
 
     log r = log pi_ref - log pi;  k1 = -log r;  k2 = (log r)^2 / 2;  k3 = r - log r - 1.
     ratio_k* multiply by rho = pi / pi_old (value 1 on-policy, gradient not): their expected
@@ -298,11 +313,13 @@ def loss_normaliser(mask, agg, max_new_tokens, d=common.Dist()):
 
 
 def grpo_loss(logps, old_logps, ref_logps, advantages, mask, normaliser, epsilon_low=0.2, epsilon_high=0.2,
-              beta=0.0, kl_estimator="k3", agg="token_mean", entropy=None, entropy_coef=0.0):
+              beta=0.0, kl_estimator="k3", agg="token_mean", entropy=None, entropy_coef=0.0, n_tokens=None):
     """Clipped surrogate + beta * KL - entropy_coef * entropy, aggregated (GRPO Eq. 3, DAPO Eq. 10).
 
     logps, old_logps, ref_logps, mask: (B, T) per response token; advantages: (B,) per sequence;
-    entropy: (B, T) or None. Returns (loss, metrics); metrics are 0-d tensors, read once per step.
+    entropy: (B, T) or None; normaliser: the global mini-batch's (loss_normaliser). Returns
+    (loss, metrics), 0-d tensors; the token metrics are divided by n_tokens, the tokens of the
+    global mini-batch (None: this micro-batch's), so they add up like the loss (common.py's rule 1).
     """
     A = advantages[:, None]  # (B, 1): outcome supervision, one advantage for every token
     rho = torch.exp(logps - old_logps)
@@ -314,15 +331,24 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, normaliser, epsilon
     if entropy_coef != 0:
         loss = loss - entropy_coef * aggregate(entropy, mask, agg, normaliser)
 
-    def mean(x):  # token mean over this micro-batch, for metrics
-        return (x.detach().float() * mask).sum() / mask.sum().clamp(min=1)
+    tokens = mask.sum().clamp(min=1) if n_tokens is None else n_tokens
 
-    metrics = {"kl": mean(kl_per_token(logps, ref_logps, old_logps, "k3")), "kl/optimized": mean(kl),
+    def mean(x):  # a share of the token mean, for metrics
+        return (x.detach().float() * mask).sum() / tokens
+
+    metrics = {"loss": loss.detach(), "kl": mean(kl_per_token(logps, ref_logps, old_logps, "k3")), "kl/optimized": mean(kl),
                "clip_ratio/low": mean((rho < 1 - epsilon_low) & (A < 0)),
                "clip_ratio/high": mean((rho > 1 + epsilon_high) & (A > 0))}
     if entropy is not None:
         metrics["entropy"] = mean(entropy)
     return loss, metrics
+
+
+def stream_seed(seed, step, stream, rank=0):
+    """The seed of one random stream of one step (0: sampling, the same on every rank; 1:
+    rejection sampling and 2: mini-batch order, per rank): distinct for every (run seed, step,
+    stream, rank), which a sum like seed + step would not be (seed 1 step 2 = seed 2 step 1)."""
+    return seed * 1_000_003 + step + 2**32 * stream + 2**40 * rank
 
 
 def parse_weights(spec, has_model):
@@ -341,17 +367,7 @@ def parse_weights(spec, has_model):
 
 
 # -----------------------------------------------------------------------------
-# models: log-probs, the reference, LoRA
-
-
-def logprobs_and_entropy(model, input_ids, attention_mask, n_response, temperature, entropy_grad=False):
-    """Per-token log-probs (B, R) and entropy (B, R); the entropy keeps its graph only when asked."""
-    if not entropy_grad:
-        return common.response_logprobs(model, input_ids, attention_mask, n_response, temperature, with_entropy=True)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                   position_ids=common.position_ids_from_mask(attention_mask)).logits[:, -(n_response + 1):-1]
-    logits = logits / temperature  # (B, R, V)
-    return common.logprobs_from_logits(logits, input_ids[:, -n_response:]), common.entropy_from_logits(logits)
+# models: the reference, LoRA, log-probs of a rollout, rewards, evaluation
 
 
 def add_lora(model, r, alpha):
@@ -368,7 +384,7 @@ def reference_context(model, ref):
 
 @torch.no_grad()
 def refresh_reference(ref, model):
-    """Copy the policy's weights into the reference (seed 004). Under FSDP2 both are sharded
+    """Copy the policy's weights into the reference. Under FSDP2 both are sharded
     alike; the root module stays gathered after a no-grad forward, so reshard both first."""
     from torch.distributed.fsdp import FSDPModule
 
@@ -393,39 +409,44 @@ def batched_logprobs(model, ids, attn, n_response, temperature, d, rows_per_forw
 @torch.no_grad()
 def learned_rewards(rm, rm_tokenizer, prompts, completions, cfg, d):
     """Reward model scores of prompt + completion re-tokenized with the RM's tokenizer, (B,)."""
-    p_ids, _ = common.encode_prompts(rm_tokenizer, prompts, cfg.max_prompt_len)
-    r_ids, _ = common.encode_responses(rm_tokenizer, completions, cfg.max_new_tokens + 1)
+    p_ids, _ = data.encode_prompts(rm_tokenizer, prompts, cfg.max_prompt_len)
+    r_ids, _ = data.encode_responses(rm_tokenizer, completions, cfg.max_new_tokens + 1)
     ids, attn, _ = common.join_prompt_response(p_ids, r_ids, rm_tokenizer.pad_token_id)
-    padding_left = getattr(rm.config, "reward_padding_left", False)  # how reward.py trained it
     with common.autocast(d):
-        return common.reward_scores(rm, ids.to(d.device), attn.to(d.device), padding_left).float()
+        return common.reward_scores(rm, ids.to(d.device), attn.to(d.device)).float()
 
 
-@torch.no_grad()
-def pairwise_accuracy(model, ref, tokenizer, pairs, beta, cfg, d):
-    """Share of held-out preference pairs where beta*log(pi/pi_ref) ranks chosen above rejected
-    (ties count half; seed 000's table metric). Each rank a share (parameters gathered once, so
-    ranks may run different numbers of forwards); sums all-reduced."""
-    mine = pairs.select(range(d.rank, len(pairs), d.world_size))
-    p_ids, _ = common.encode_prompts(tokenizer, mine["prompt"], cfg.max_prompt_len)
-    margins, ref_net = [], model if ref is None else ref
-    with common.unsharded(model), common.unsharded(ref_net):
-        for col in ("chosen", "rejected"):
-            r_ids, _ = common.encode_responses(tokenizer, mine[col], cfg.max_new_tokens)
-            ids, attn, resp = (t.to(d.device) for t in common.join_prompt_response(p_ids, r_ids, tokenizer.pad_token_id))
-            pi = (batched_logprobs(model, ids, attn, resp.shape[1], 1.0, d, 256) * resp).sum(-1)
-            with reference_context(model, ref):
-                pi_ref = (batched_logprobs(ref_net, ids, attn, resp.shape[1], 1.0, d, 256) * resp).sum(-1)
-            margins.append(beta * (pi - pi_ref))
-    return ranking_accuracy(*margins, d).item()
+def pairwise_accuracy(model, ref, pairs, pad_id, d, batch_size=128):
+    """Share of held-out preference pairs (encoded, data.encode_pairs) whose implicit reward
+    log(pi/pi_ref) ranks chosen above rejected, ties counting half: does RL on the reward also
+    move the policy towards what people preferred?"""
+    def margins(rows):  # (b, 2): log pi - log pi_ref of chosen and of rejected
+        batch = data.pair_batch(pairs, rows, pad_id, d.device)
+        pi = common.sequence_logprobs(model, batch, d)
+        with reference_context(model, ref):
+            pi_ref = common.sequence_logprobs(model if ref is None else ref, batch, d)
+        return torch.stack((pi - pi_ref).chunk(2), 1)
+
+    with common.evaluating(model):
+        m = common.map_rows(margins, len(pairs[0]), d, batch_size)
+    return common.ranking_accuracy(m[:, 0], m[:, 1]).item()
 
 
-def ranking_accuracy(chosen, rejected, d=common.Dist()):
-    """Share of pairs, over all ranks, whose chosen score is above the rejected one (ties count
-    half). chosen, rejected: (N,) this rank's scores. Collective; returns a 0-d tensor."""
-    score = (chosen > rejected).double() + 0.5 * (chosen == rejected).double()
-    total = common.all_reduce_sum(torch.stack([score.sum(), score.new_tensor(float(len(score)))]), d)
-    return total[0] / total[1]
+def sync(d):
+    """Wait for the device's queued work, so that a wall clock read next measures it (CUDA runs
+    asynchronously: without this a phase's time spills into the next one's)."""
+    if d.device.type == "cuda":
+        torch.cuda.synchronize(d.device)
+
+
+def phase_peak_memory(d):
+    """Peak GPU memory (GiB) allocated since the last call, which starts a new window: the
+    rollout's and the update's peaks are logged apart. 0 on CPU."""
+    if d.device.type != "cuda":
+        return 0.0
+    peak = torch.cuda.max_memory_allocated(d.device) / 2**30
+    torch.cuda.reset_peak_memory_stats(d.device)
+    return peak
 
 
 # -----------------------------------------------------------------------------
@@ -448,7 +469,7 @@ def check_config(cfg, d):
         (cfg.loss_agg in LOSS_AGGS, f"--loss_agg {cfg.loss_agg!r}: expected one of {LOSS_AGGS}"),
         (cfg.scale_rewards in ("group", "batch", "none"), f"--scale_rewards {cfg.scale_rewards!r}: expected group, batch or none"),
         (not (cfg.lora and cfg.ref_refresh_every), "--ref_refresh_every needs a reference copy; it does not combine with --lora"),
-        (not (cfg.lora and d.sharded), "--lora runs without torchrun only (merging sharded adapters is not supported)"),
+        (not (cfg.lora and d.torchrun), "--lora runs without torchrun only (merging sharded adapters is not supported)"),
         (not (cfg.lora and (cfg.save_every or cfg.resume)), "--save_every / --resume do not combine with --lora "
          "(the checkpoint holds merged weights)"),
         (not (cfg.save_every and cfg.ref_refresh_every and cfg.save_every % cfg.ref_refresh_every),
@@ -501,21 +522,26 @@ def main(cfg):
 
     embedded = cfg.dataset in tasks.TASKS
     columns = ["prompt"] + (["reward_fn"] if "rule" in weights or embedded else [])
-    train = common.load_data(cfg.dataset, "train", columns, kind="prompt", n=cfg.n_train, seed=cfg.seed)
-    eval_prompts, pairs = [], None
+    train = data.load_data(cfg.dataset, "train", columns, kind="prompt", n=cfg.n_train, seed=cfg.seed)
+    eval_prompts = []  # held-out prompts for greedy answers (embedded task)
+    eval_pairs = bayes = None  # held-out preference pairs, and the embedded task's best accuracy on them
     if embedded:
         eval_prompts = [r["prompt"] for r in tasks.prompt_rows(cfg.n_eval, seed=cfg.seed, split="test")]
     if embedded or cfg.eval_pairs:
-        pairs = common.load_data(cfg.eval_pairs or cfg.dataset, cfg.eval_pairs_split if cfg.eval_pairs else "test",
-                                 ["prompt", "chosen", "rejected"], kind="preference", n=cfg.n_eval_pairs, seed=cfg.seed)
+        pairs = data.load_pairs(cfg.eval_pairs or cfg.dataset, cfg.eval_pairs_split if cfg.eval_pairs else "test",
+                                cfg.n_eval_pairs, cfg.seed)
         pairs = pairs.select(range(min(cfg.n_eval_pairs, len(pairs))))
-    bayes = tasks.bayes_accuracy(list(pairs)) if embedded and not cfg.eval_pairs else None
+        eval_pairs = data.encode_pairs(pairs, tokenizer, cfg.max_prompt_len, cfg.max_new_tokens, "eval pairs")
+        if not cfg.eval_pairs:  # the embedded task's label noise is known: the best accuracy there is
+            bayes = tasks.bayes_accuracy(pairs)
 
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
-                                  fused=True)  # one kernel for all parameters (bench/test_micro.py)
-    scheduler = common.lr_schedule(optimizer, cfg.warmup_steps, cfg.steps * cfg.num_iterations * cfg.num_mini_batches)
-    logger = common.Logger(cfg.out_dir, cfg, d, use_wandb=cfg.wandb, project="rlhf-grpo")
+    n_updates = cfg.num_iterations * cfg.num_mini_batches  # optimizer steps per rollout
+    optimizer, scheduler = common.make_optimizer(params, cfg.lr, cfg.weight_decay, cfg.warmup_steps,
+                                                 cfg.steps * n_updates)
+    logger = common.Logger(cfg.out_dir, cfg, d, use_wandb=cfg.wandb, project="rlhf-grpo",
+                           show=["reward", "kl", "clip_ratio/low", "clip_ratio/high", "completions/mean_length",
+                                 "eval/exact_match", "eval/gold_reward", "eval/accuracy", "time/step"])
     n_local = cfg.prompts_per_step // d.world_size  # prompts on this rank per rollout
     n_sample = cfg.rs_samples or cfg.group_size  # completions sampled per prompt
     rows_local = n_local * cfg.group_size  # sequences in the loss on this rank
@@ -525,74 +551,55 @@ def main(cfg):
                   f"{cfg.prompts_per_step} prompts x {cfg.group_size} completions per rollout"
                   f"{f' (kept of {n_sample})' if cfg.rs_samples else ''}, {cfg.num_iterations} pass(es) x "
                   f"{cfg.num_mini_batches} mini-batch(es) of {mini} x {cfg.grad_accum} micro per rank, rewards {weights}")
-
-    order_gen = torch.Generator().manual_seed(cfg.seed)  # the same prompt order on every rank
-    rs_gen = torch.Generator()  # rejection sampling: seeded per step and rank
-    order, pos, start, last_ckpt = torch.randperm(len(train), generator=order_gen), 0, 1, None
+    order = common.DataOrder(len(train), cfg.seed)
+    start, last_ckpt = 1, None
     if resume_from:
-        state = common.load_training_state(resume_from, model, optimizer, scheduler, d)
-        order, pos, start, last_ckpt = state["order"], state["pos"], state["step"] + 1, resume_from
-        order_gen.set_state(state["order_gen"])
-        common.print0(f"resumed from {resume_from} at step {state['step']}")
+        start = common.load_training_state(resume_from, model, optimizer, scheduler, order, d) + 1
+        last_ckpt = resume_from
 
     def evaluate():
         metrics = {}
         if embedded:
-            metrics |= common.evaluate_generations(model, tokenizer, eval_prompts, tasks.REWARD_FNS[cfg.dataset], d,
-                                                   cfg.max_prompt_len, cfg.max_new_tokens)
-        if pairs is not None:
-            metrics["eval/accuracy"] = pairwise_accuracy(model, ref, tokenizer, pairs, cfg.beta or 1.0, cfg, d)
+            metrics |= sampling.evaluate_generations(model, tokenizer, eval_prompts, tasks.REWARD_FNS[cfg.dataset], d,
+                                                    cfg.max_prompt_len, cfg.max_new_tokens)
+        if eval_pairs is not None:
+            metrics["eval/accuracy"] = pairwise_accuracy(model, ref, eval_pairs, tokenizer.pad_token_id, d)
         if bayes is not None:
             metrics |= {"eval/bayes_accuracy": bayes, "eval/accuracy_over_bayes": metrics["eval/accuracy"] / bayes}
         return metrics
 
-    def log_line(step, m):
-        common.print0(f"step {step:4d} | reward {m.get('reward', float('nan')):.3f} | kl {m.get('kl', 0):.4f} | "
-                      f"clip {m.get('clip_ratio/low', 0):.3f}/{m.get('clip_ratio/high', 0):.3f} | "
-                      f"len {m.get('completions/mean_length', 0):.1f} | "
-                      + (f"exact {m['eval/exact_match']:.3f} gold {m['eval/gold_reward']:.3f} | "
-                         if "eval/exact_match" in m else "")
-                      + (f"pair acc {m['eval/accuracy']:.3f} | " if "eval/accuracy" in m else "")
-                      + f"{m.get('time/step', 0):.1f}s")
-
+    peak_gib = 0.0  # the run's peak GPU memory, over the phases' windows
     if start == 1:
-        m0 = evaluate()
-        logger.log(0, m0, echo=False)
-        log_line(0, m0)
+        logger.log(0, evaluate())
     for step in range(start, cfg.steps + 1):
         t0 = time.time()
-        common.reset_peak_memory(d)
-        rs_gen.manual_seed(cfg.seed + 1000 * d.rank + 1_000_003 * step)
+        phase_peak_memory(d)
         # ---------------------------------------------------------------------
         # 1. rollout: every rank draws the same prompts and takes its slice; n_sample each
-        if pos + cfg.prompts_per_step > len(order):
-            order, pos = torch.randperm(len(train), generator=order_gen), 0
-        rows = order[pos:pos + cfg.prompts_per_step][common.shard_batch(cfg.prompts_per_step, d)].tolist()
-        pos += cfg.prompts_per_step
+        rows = order.next(cfg.prompts_per_step)[common.shard_batch(cfg.prompts_per_step, d)]
         batch = train.select(rows)
         prompts = [p for p in batch["prompt"] for _ in range(n_sample)]  # (n_local*n_sample,), groups contiguous
         # the random numbers of the whole global rollout, seeded by step; this rank's rows of them
-        u = common.rollout_uniforms(cfg.prompts_per_step * n_sample, cfg.max_new_tokens, cfg.seed * 1_000_003 + step)
+        u = sampling.rollout_uniforms(cfg.prompts_per_step * n_sample, cfg.max_new_tokens,
+                                     stream_seed(cfg.seed, step, stream=0))
         u = u[common.shard_batch(cfg.prompts_per_step * n_sample, d)]  # (n_local*n_sample, max_new_tokens)
-        p_ids, _ = common.encode_prompts(tokenizer, prompts, cfg.max_prompt_len)
+        p_ids, _ = data.encode_prompts(tokenizer, prompts, cfg.max_prompt_len)
         p_ids, p_mask = (t.to(d.device) for t in common.pad(p_ids, tokenizer.pad_token_id, side="left"))
-        model.eval()
-        with common.unsharded(model), common.autocast(d):
-            r_ids, r_mask = common.generate(model, p_ids, p_mask, cfg.max_new_tokens, tokenizer.eos_token_id,
-                                            tokenizer.pad_token_id, cfg.temperature, cfg.top_k, cfg.top_p,
-                                            stop_ids, uniforms=u, compile=cfg.compile)
-        model.train()
+        with common.evaluating(model, gather=True), common.autocast(d):
+            r_ids, r_mask = sampling.generate(model, p_ids, p_mask, cfg.max_new_tokens, tokenizer.eos_token_id,
+                                             tokenizer.pad_token_id, cfg.temperature, cfg.top_k, cfg.top_p,
+                                             stop_ids, uniforms=u, compile=cfg.compile)
         r_mask = truncate_mask(r_ids, r_mask, truncate_id)  # (N, R); N = n_local * n_sample
         is_stop = (r_ids == tokenizer.eos_token_id) | ((r_ids == truncate_id) if truncate_id is not None else False)
         stopped = (is_stop & r_mask.bool()).any(-1)  # (N,) ended with EOS or the truncate token
-        common.sync(d)  # each phase's clock read after its GPU work is done
+        sync(d)  # each phase's clock read after its GPU work is done
         t_rollout = time.time() - t0
-        mem = {"mem/rollout_gib": common.reset_peak_memory(d)} if d.device.type == "cuda" else {}
+        mem = {"mem/rollout_gib": phase_peak_memory(d)}
 
         # ---------------------------------------------------------------------
         # 2. reward: rule functions named per row, a reward model, or a weighted sum
         t1 = time.time()
-        texts = common.decode_responses(tokenizer, r_ids, r_mask * (~is_stop).long())  # without EOS / truncate token
+        texts = sampling.decode_responses(tokenizer, r_ids, r_mask * (~is_stop).long())  # without EOS / truncate token
         fns = [f for f in batch["reward_fn"] for _ in range(n_sample)] if "reward_fn" in batch.column_names else None
         parts = {}
         if fns is not None:
@@ -601,12 +608,15 @@ def main(cfg):
             parts["model"] = learned_rewards(rm, rm_tokenizer, prompts, texts, cfg, d).cpu()
         rewards = sum(w * parts[k] for k, w in weights.items()) - cfg.no_eos_penalty * (~stopped).float().cpu()
         if cfg.rs_samples:  # keep group_size of the n_sample completions of each prompt
+            rs_gen = torch.Generator().manual_seed(stream_seed(cfg.seed, step, stream=1, rank=d.rank))
             keep = rejection_sample(rewards.view(n_local, n_sample), cfg.group_size, cfg.rs_gamma, cfg.rs_mode,
                                     rs_gen)
             idx = (keep + torch.arange(n_local)[:, None] * n_sample).flatten()
-            rewards, parts = rewards[idx], {k: v[idx] for k, v in parts.items()}
+            rewards = rewards[idx]
+            parts = {k: v[idx] for k, v in parts.items()}
             r_ids, r_mask, stopped, p_ids, p_mask = (t[idx.to(d.device)] for t in (r_ids, r_mask, stopped, p_ids, p_mask))
-        ids, attn = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1)  # (rows_local, P+R)
+        ids = torch.cat([p_ids, r_ids], 1)  # (rows_local, P+R)
+        attn = torch.cat([p_mask, r_mask], 1)
         loss_mask = r_mask * stopped[:, None].long() if cfg.mask_truncated else r_mask
         R = r_ids.shape[1]
         t_reward = time.time() - t1
@@ -623,73 +633,62 @@ def main(cfg):
             kl_seq = (kl_per_token(old_logps, ref_logps, old_logps, cfg.kl_estimator) * r_mask).sum(-1).cpu()
             rewards = rewards - cfg.beta * kl_seq
             parts["kl_penalty"] = cfg.beta * kl_seq  # logged as reward/kl_penalty
-        adv, metrics = group_advantages(rewards.view(n_local, cfg.group_size).to(d.device), cfg.scale_rewards,
-                                        cfg.global_norm, d)
+        adv, sums = group_advantages(rewards.view(n_local, cfg.group_size).to(d.device), cfg.scale_rewards,
+                                     cfg.global_norm, d)
         adv = adv.flatten()  # (rows_local,)
+        n_rows = rows_local * d.world_size  # sequences in the global batch
         lengths = r_mask.sum(-1).float()
-        metrics |= {f"reward/{k}": v.mean() for k, v in parts.items()}
-        metrics |= {"completions/mean_length": lengths.mean(), "completions/max_length": lengths.max(),
-                    "completions/clipped_ratio": (~stopped).float().mean()}
+        sums |= {f"reward/{k}": v.sum() / n_rows for k, v in parts.items()}
+        sums |= {"completions/mean_length": lengths.sum() / n_rows,
+                 "completions/clipped_ratio": (~stopped).float().sum() / n_rows}
 
         # ---------------------------------------------------------------------
         # 4. update: num_iterations passes, each over num_mini_batches optimizer steps of
         #    grad_accum micro-batches; every normaliser is that of the global mini-batch
-        totals, n_micro, grad_norms, loss_sum = {}, 0, [], 0.0  # tensors on the device, read once per step
-        perm_gen = torch.Generator().manual_seed(cfg.seed * 7919 + step * 31 + d.rank)
+        grad_norms = []
+        perm_gen = torch.Generator().manual_seed(stream_seed(cfg.seed, step, stream=2, rank=d.rank))
         beta_loss = 0.0 if cfg.kl_in_reward else cfg.beta
         for _ in range(cfg.num_iterations):
             perm = torch.randperm(rows_local, generator=perm_gen).to(d.device)
             for mb in range(cfg.num_mini_batches):
                 mb_rows = perm[mb * mini:(mb + 1) * mini]
                 normaliser = loss_normaliser(loss_mask[mb_rows], cfg.loss_agg, cfg.max_new_tokens, d)
+                n_tokens = loss_normaliser(loss_mask[mb_rows], "token_mean", 0, d).clamp(min=1)  # the metrics' denominator
                 for k in range(cfg.grad_accum):
                     r = mb_rows[k * micro:(k + 1) * micro]
-                    common.set_grad_sync(model, k == cfg.grad_accum - 1)
                     with common.autocast(d):
-                        logps, entropy = logprobs_and_entropy(model, ids[r], attn[r], R, cfg.temperature,
-                                                              cfg.entropy_coef != 0)
+                        logps, entropy = common.response_logprobs(model, ids[r], attn[r], R, cfg.temperature,
+                                                                  with_entropy=True,
+                                                                  entropy_grad=cfg.entropy_coef != 0)
                     old = logps.detach() if old_logps is None else old_logps[r]
                     loss, m = grpo_loss(logps.float(), old, ref_logps[r], adv[r], loss_mask[r].float(), normaliser,
                                         cfg.epsilon_low, cfg.epsilon_high, beta_loss, cfg.kl_estimator, cfg.loss_agg,
-                                        entropy.float(), cfg.entropy_coef)
-                    # FSDP averages gradients over ranks; x world size makes it the global-batch sum
-                    (loss * d.world_size).backward()
-                    loss_sum = loss_sum + loss.detach()
-                    for key, v in m.items():
-                        totals[key] = totals.get(key, 0.0) + v
-                    n_micro += 1
-                grad_norms.append(common.clip_grad_norm(model, cfg.grad_clip))
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
+                                        entropy.float(), cfg.entropy_coef, n_tokens)
+                    common.backward(model, loss, d, sync=k == cfg.grad_accum - 1)
+                    common.add_metrics(sums, m, weight=1 / n_updates)  # the mean over the step's updates
+                grad_norms.append(common.optimizer_step(model, optimizer, scheduler, cfg.grad_clip))
         if cfg.ref_refresh_every and step % cfg.ref_refresh_every == 0:
             refresh_reference(ref, model)
-        common.sync(d)
+        sync(d)
         t_update = time.time() - t2
-        if d.device.type == "cuda":
-            mem["mem/update_gib"] = common.reset_peak_memory(d)  # reward, reference and update phases
+        mem["mem/update_gib"] = phase_peak_memory(d)  # reward, reference and update phases
 
         # ---------------------------------------------------------------------
-        # 5. metrics (all-reduced on every rank), eval, log
-        metrics |= {k: v / n_micro for k, v in totals.items()}
-        # the loss of each global mini-batch (its micro-batch losses summed over ranks), averaged
-        # over the optimizer steps; x world size as reduce_metrics averages over ranks
-        metrics["loss"] = loss_sum * d.world_size / (cfg.num_iterations * cfg.num_mini_batches)
-        metrics |= {"grad_norm": torch.stack(grad_norms).mean(), "lr": scheduler.get_last_lr()[0],
-                    "time/rollout": t_rollout, "time/reward": t_reward, "time/update": t_update, **mem}
-        metrics = common.reduce_metrics(metrics, d)
-        if not all(math.isfinite(metrics[k]) for k in ("loss", "kl", "grad_norm")):
-            raise FloatingPointError(f"step {step}: loss is {metrics['loss']}, kl {metrics['kl']}, grad_norm "
-                                     f"{metrics['grad_norm']}; stopping. Last good checkpoint: "
-                                     f"{last_ckpt or 'none written yet'}")
+        # 5. metrics (one all-reduce), eval, log
+        metrics = common.reduce_metrics(sums, d, maxes={"completions/max_length": lengths.max()},
+                                        same={"grad_norm": torch.stack(grad_norms).mean()})
+        metrics |= {"lr": scheduler.get_last_lr()[0], "time/rollout": t_rollout, "time/reward": t_reward,
+                    "time/update": t_update}
+        if d.device.type == "cuda":
+            peak_gib = max(peak_gib, mem["mem/rollout_gib"], mem["mem/update_gib"])
+            metrics |= {**mem, "mem/peak_gib": peak_gib}
+        common.check_finite(step, metrics, ["loss", "kl", "grad_norm"], last_ckpt)
         metrics["time/step"] = time.time() - t0  # training only: evaluation is not part of a step
         if step % cfg.eval_every == 0 or step == cfg.steps:
             metrics |= evaluate()
-        logger.log(step, metrics, echo=False)
-        log_line(step, metrics)
+        logger.log(step, metrics)
         if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
-            last_ckpt = common.save_checkpoint(model, tokenizer, cfg.out_dir, d, optimizer, scheduler,
-                                               dict(step=step, order=order, pos=pos, order_gen=order_gen.get_state()))
+            last_ckpt = common.save_checkpoint(model, tokenizer, cfg.out_dir, d, optimizer, scheduler, step, order)
 
     if cfg.lora:  # fold the adapters into the weights so the checkpoint loads with AutoModelForCausalLM
         model = model.merge_and_unload()

@@ -12,7 +12,7 @@ the plots to runs/plots/.
 
     python pipeline.py                      # about 7.5 minutes on 2 CPU cores
     python pipeline.py --redo dpo,grpo_rm   # run these stages again (or --redo all)
-    python pipeline.py --no-kl_compare      # without the KL-estimator runs (seed 003)
+    python pipeline.py --no-kl_compare      # without the KL-estimator runs
 """
 import json
 import os
@@ -153,7 +153,7 @@ def main(cfg):
     kl_runs = [os.path.join(cfg.runs, f"kl_{e}") for e in KL_RUNS]
     has_kl = all(os.path.isfile(os.path.join(p, "metrics.jsonl")) for p in kl_runs)
     if has_kl:
-        table += f"\n\nKL estimators (seed 003), GRPO with the gold reward, {cfg.kl_steps} steps:\n\n" + kl_table(cfg, times)
+        table += f"\n\nKL estimators, GRPO with the gold reward, {cfg.kl_steps} steps:\n\n" + kl_table(cfg, times)
     with open(os.path.join(cfg.runs, "results.md"), "w") as f:
         f.write(table + "\n")
     with open(os.path.join(cfg.runs, "results.json"), "w") as f:

@@ -12,10 +12,7 @@ Deliberate choices and departures:
 2. Chosen and rejected go through ONE forward (the batch holds the prompts twice), so FSDP
    gathers each layer once per micro-batch, not twice.
 3. The score is read at the last real token with position ids (common.reward_scores), so pad
-   == eos and the padding side do not matter. `--padding_left` moves all padding to the left
-   first (seed 000 found it helps GPT-2); with position ids it changes nothing: on the embedded
-   task a trained model's scores moved by < 1e-6 and its held-out accuracy stayed 0.695, while the
-   same model scored without position ids (a plain HF forward) fell to 0.603.
+   == eos and the padding side do not matter.
 4. Optional extras, each a few lines: a centring term center_coef * mean((r_c + r_r)^2)
    (Eisenstein et al. 2023, "Helping or Herding", arXiv:2312.09244; TRL's
    center_rewards_coefficient) and a per-pair margin subtracted inside the sigmoid when the data
@@ -23,8 +20,8 @@ Deliberate choices and departures:
 5. `--normalize` (on by default): after training, sample responses from a policy (the SFT model
    by default) on train prompts and set a gain and bias so that their rewards have mean 0 and
    std 1, stored as reward_gain / reward_bias in the model config (Ziegler et al. 2019,
-   arXiv:1909.08593, whose code normalises after training the same way; seed 000). Pairwise
-   accuracy does not change (gain > 0).
+   arXiv:1909.08593, whose code normalises after training the same way): GRPO's KL coefficient
+   and advantages then see rewards of a known scale. Pairwise accuracy does not change (gain > 0).
 
 Run:
     python reward.py                                  # tiny GPT-2 from runs/sft on the embedded sort task, CPU
@@ -40,27 +37,33 @@ import torch
 import torch.nn.functional as F
 
 import common
+import data
+import sampling
 import tasks
 
 
 @dataclass
 class Config:
+    # --- model and data ---
     model: str = "runs/sft"
     """initial weights: a causal LM checkpoint (its LM head is replaced by a new score head), `tiny`, or a hub id"""
     dataset: str = "sort"
-    """embedded task name, hub id (trl-lib/tldr-preference), or local .jsonl/.json/.parquet: prompt, chosen, rejected"""
+    """embedded task, hub id (trl-lib/tldr-preference), or local .jsonl/.json/.parquet: prompt, chosen, rejected
+    (or Anthropic HH rows: chosen, rejected)"""
     eval_split: str = "test"
     """split of --dataset holding the held-out pairs (a local file has no splits: use --eval_dataset)"""
     eval_dataset: str | None = None
     """held-out pairs from another source (e.g. a second .jsonl); None: --eval_split of --dataset"""
-    out_dir: str = "runs/rm"
-    """where metrics.jsonl and the checkpoint/ folder go"""
     n_train: int = 20000
     """pairs drawn from an embedded task (ignored for files and hub data sets)"""
     max_prompt_len: int = 64
     """prompt tokens kept (from the right)"""
     max_response_len: int = 32
     """response tokens kept, EOS included"""
+    # --- loss ---
+    center_coef: float = 0.0
+    """weight of the reward-centring term mean((r_chosen + r_rejected)^2) (0: off)"""
+    # --- optimisation ---
     steps: int = 300
     """optimizer steps"""
     batch_size: int = 64
@@ -75,30 +78,31 @@ class Config:
     """AdamW weight decay"""
     grad_clip: float = 1.0
     """clip the global gradient norm to this (0: no clipping)"""
-    center_coef: float = 0.0
-    """weight of the reward-centring term mean((r_chosen + r_rejected)^2) (0: off)"""
-    padding_left: bool = False
-    """move all padding to the left before scoring (training, eval, and stored for grpo.py)"""
+    activation_checkpointing: bool = False
+    """recompute activations in the backward pass (less memory, ~30% more compute)"""
+    # --- normalisation ---
     normalize: bool = True
     """after training, set reward_gain/bias so the policy's samples score mean 0, std 1"""
     normalize_policy: str | None = None
     """policy whose samples set the normalisation (None: --model, the SFT start)"""
     n_normalize: int = 512
     """train prompts sampled (one response each, temperature 1) for --normalize"""
+    # --- evaluation ---
     eval_every: int = 100
     """evaluate every this many steps (and at step 0 and the end)"""
     n_eval: int = 1000
     """held-out pairs for the pairwise accuracy"""
     eval_batch_size: int = 64
-    """pairs per forward in evaluation"""
+    """pairs per forward in evaluation (and prompts per rollout in --normalize)"""
+    # --- run ---
+    out_dir: str = "runs/rm"
+    """where metrics.jsonl and the checkpoint/ folder go"""
     save_every: int = 0
     """also write a resumable checkpoint (optimizer, data position) every this many steps (0: only at the end)"""
     resume: bool = False
     """continue the run whose checkpoint is in out_dir"""
     overwrite: bool = False
     """replace the checkpoint and metrics already in out_dir"""
-    activation_checkpointing: bool = False
-    """recompute activations in the backward pass (less memory, ~30% more compute)"""
     seed: int = 0
     """seed for the head's init and data order (the same on every rank)"""
     wandb: bool = False
@@ -111,107 +115,66 @@ class Config:
 # the loss
 
 
-def bt_loss(r_chosen, r_rejected, margin=None, center_coef=0.0):
-    """Bradley-Terry loss of a batch of pairs, averaged over the pairs.
+def bt_loss(r_chosen, r_rejected, n_pairs, margin=None, center_coef=0.0):
+    """Bradley-Terry loss of a micro-batch of pairs, divided by the pairs of the global batch
+    (common.py's rule 1: summed over micro-batches and ranks, the mean over the global batch).
 
-    r_chosen, r_rejected: (B,) scalar rewards; margin: (B,) or None, required gap (Llama 2);
-    center_coef: weight of mean((r_c + r_r)^2), which pulls the rewards towards zero mean.
-    Returns (loss, metrics) with metrics detached. With micro-batches of equal size, the mean of
-    the micro-batch losses is the global-batch mean.
+    r_chosen, r_rejected: (B,) scalar rewards; n_pairs: pairs in the global batch; margin: (B,)
+    or None, a required gap (Llama 2); center_coef: weight of mean((r_c + r_r)^2), which pulls
+    the rewards towards zero mean. Returns (loss, metrics), the metrics detached.
     """
     diff = r_chosen - r_rejected  # (B,)
     logits = diff if margin is None else diff - margin
-    loss = -F.logsigmoid(logits).mean()  # Eq. 1 of arXiv:2203.02155
+    loss = -F.logsigmoid(logits).sum() / n_pairs  # Eq. 1 of arXiv:2203.02155
     if center_coef:
-        loss = loss + center_coef * ((r_chosen + r_rejected) ** 2).mean()  # arXiv:2312.09244
-    metrics = {"loss": loss.detach(), "accuracy": (diff > 0).float().mean().detach(),
-               "margin": diff.mean().detach(), "rewards/chosen": r_chosen.mean().detach(),
-               "rewards/rejected": r_rejected.mean().detach()}
-    return loss, metrics
+        loss = loss + center_coef * ((r_chosen + r_rejected) ** 2).sum() / n_pairs  # arXiv:2312.09244
+    metrics = {"loss": loss, "accuracy": (diff > 0).float().sum(), "margin": diff.sum(),
+               "rewards/chosen": r_chosen.sum(), "rewards/rejected": r_rejected.sum()}
+    return loss, {k: v.detach() / (1 if k == "loss" else n_pairs) for k, v in metrics.items()}
 
 
 # -----------------------------------------------------------------------------
-# data
+# evaluation and normalisation
 
 
-def load_pairs(name, split, n, seed):
-    """A preference Dataset with prompt, chosen, rejected (and an optional numeric `margin`)."""
-    return common.load_data(name, split, ["prompt", "chosen", "rejected"], kind="preference", n=n, seed=seed)
-
-
-def encode_pairs(ds, tokenizer, cfg, what):
-    """Token ids of prompts (cut from the left) and responses + EOS (cut from the right); counts printed."""
-    prompts, p_cut = common.encode_prompts(tokenizer, ds["prompt"], cfg.max_prompt_len)
-    chosen, c_cut = common.encode_responses(tokenizer, ds["chosen"], cfg.max_response_len)
-    rejected, r_cut = common.encode_responses(tokenizer, ds["rejected"], cfg.max_response_len)
-    if p_cut or c_cut or r_cut:
-        common.print0(f"{what}: truncated {p_cut} prompts (left), {c_cut} chosen and {r_cut} rejected responses "
-                      f"(right) of {len(ds)} pairs to {cfg.max_prompt_len}/{cfg.max_response_len} tokens")
-    return prompts, chosen, rejected
-
-
-def pair_batch(pairs, rows, pad_id, device):
-    """The chosen then the rejected response of each row after the same prompt: (2B, P+R)."""
-    prompts, chosen, rejected = pairs
-    p = [prompts[i] for i in rows]
-    ids, attn, _ = common.join_prompt_response(p + p, [chosen[i] for i in rows] + [rejected[i] for i in rows], pad_id)
-    return ids.to(device), attn.to(device)
-
-
-@torch.no_grad()
-def score_pairs(model, pairs, pad_id, d, batch_size, padding_left):
-    """Rewards (N, 2) of chosen and rejected of every pair: each rank scores a share, the
-    zero-filled results are summed over ranks (common.rank_share: the same number of forwards on
-    every rank). FSDP gathers one layer at a time, so evaluation never holds the whole model.
-    """
-    n = len(pairs[0])
-    out = torch.zeros(n, 2, device=d.device)
-    rows, n_mine = common.rank_share(n, d)
-    was_training = model.training
-    model.eval()
-    for i in range(0, len(rows), batch_size):
-        ids, attn = pair_batch(pairs, rows[i:i + batch_size], pad_id, d.device)
+def score_pairs(model, pairs, pad_id, d, batch_size):
+    """Rewards (N, 2) of chosen and rejected of every pair, on every rank (common.map_rows)."""
+    def scores(rows):
+        ids, attn, _ = data.pair_batch(pairs, rows, pad_id, d.device)
         with common.autocast(d):
-            r = torch.stack(common.reward_scores(model, ids, attn, padding_left).float().chunk(2), 1)  # (b, 2)
-        keep = max(0, min(batch_size, n_mine - i))
-        out[rows[i:i + keep]] = r[:keep]
-    model.train(was_training)
-    return common.all_reduce_sum(out, d)
+            return torch.stack(common.reward_scores(model, ids, attn).float().chunk(2), 1)  # (b, 2)
+
+    with common.evaluating(model):
+        return common.map_rows(scores, len(pairs[0]), d, batch_size)
 
 
-@torch.no_grad()
 def normalization(model, tokenizer, cfg, prompts, d):
-    """Gain and bias that give the policy's samples on `prompts` reward mean 0 and std 1."""
+    """Gain and bias that give the policy's samples on `prompts` reward mean 0 and std 1 (the
+    population std over the samples). Returns (gain, bias, mean, std)."""
     name = cfg.normalize_policy or cfg.model
     p_tok = common.load_tokenizer(name, cfg.trust_remote_code)
     policy = common.load_model(name, p_tok, dtype=common.frozen_dtype(d), trust_remote_code=cfg.trust_remote_code)
     policy = common.shard_model(policy.requires_grad_(False).eval(), d)
-    total = torch.zeros(3, dtype=torch.float64, device=d.device)  # sum r, sum r^2, n
-    mine = prompts[d.rank::d.world_size]
-    u = common.rollout_uniforms(len(prompts), cfg.max_response_len, cfg.seed)[d.rank::d.world_size]  # any world size
-    model.eval()
-    # ranks may run different numbers of forwards: parameters gathered once (training is over)
-    with common.unsharded(policy), common.unsharded(model):
-        for i in range(0, len(mine), cfg.eval_batch_size):
-            texts = mine[i:i + cfg.eval_batch_size]
-            p_ids, p_mask = common.pad(common.encode_prompts(p_tok, texts, cfg.max_prompt_len)[0],
-                                       p_tok.pad_token_id, side="left")
-            with common.autocast(d):
-                r_ids, r_mask = common.generate(policy, p_ids.to(d.device), p_mask.to(d.device),
-                                                cfg.max_response_len, p_tok.eos_token_id, p_tok.pad_token_id,
-                                                temperature=1.0, uniforms=u[i:i + cfg.eval_batch_size])
-            # decode and re-encode: the policy's tokenizer need not be the reward model's
-            responses, _ = common.encode_responses(tokenizer, common.decode_responses(p_tok, r_ids, r_mask),
-                                                   cfg.max_response_len)  # a cut-off sample keeps no EOS
-            ids, attn, _ = common.join_prompt_response(common.encode_prompts(tokenizer, texts, cfg.max_prompt_len)[0],
-                                                       responses, tokenizer.pad_token_id)
-            with common.autocast(d):
-                r = common.reward_scores(model, ids.to(d.device), attn.to(d.device), cfg.padding_left).double()
-            total += torch.stack([r.sum(), (r ** 2).sum(), r.new_tensor(float(len(r)))])
-    model.train()
-    total = common.all_reduce_sum(total, d)
-    mean = total[0] / total[2]
-    std = (total[1] / total[2] - mean ** 2).clamp(min=1e-12).sqrt()
+    u = sampling.rollout_uniforms(len(prompts), cfg.max_response_len, cfg.seed)  # by row: the same on any world size
+
+    def rewards(rows):
+        texts = [prompts[i] for i in rows]
+        p_ids, p_mask = common.pad(data.encode_prompts(p_tok, texts, cfg.max_prompt_len)[0], p_tok.pad_token_id,
+                                   side="left")
+        with common.autocast(d):
+            r_ids, r_mask = sampling.generate(policy, p_ids.to(d.device), p_mask.to(d.device), cfg.max_response_len,
+                                             p_tok.eos_token_id, p_tok.pad_token_id, temperature=1.0, uniforms=u[rows])
+        # decode and re-encode: the policy's tokenizer need not be the reward model's
+        responses, _ = data.encode_responses(tokenizer, sampling.decode_responses(p_tok, r_ids, r_mask),
+                                             cfg.max_response_len)  # a cut-off sample keeps no EOS
+        ids, attn, _ = common.join_prompt_response(data.encode_prompts(tokenizer, texts, cfg.max_prompt_len)[0],
+                                                   responses, tokenizer.pad_token_id)
+        with common.autocast(d):
+            return common.reward_scores(model, ids.to(d.device), attn.to(d.device)).double()[:, None]  # (b, 1)
+
+    with common.evaluating(policy, gather=True), common.evaluating(model):
+        r = common.map_rows(rewards, len(prompts), d, cfg.eval_batch_size)[:, 0]  # (n,)
+    mean, std = r.mean(), r.std(correction=0).clamp(min=1e-6)
     return (1 / std).item(), (-mean / std).item(), mean.item(), std.item()
 
 
@@ -232,37 +195,32 @@ def main(cfg):
                               trust_remote_code=cfg.trust_remote_code)
     common.check_context(model, cfg.max_prompt_len, cfg.max_response_len)
     model.config.reward_gain, model.config.reward_bias = 1.0, 0.0  # training sees raw scores
-    model.config.reward_padding_left = cfg.padding_left  # how grpo.py should score with this model
     model = common.shard_model(model, d, activation_checkpointing=cfg.activation_checkpointing)
     n_params = sum(p.numel() for p in model.parameters())
 
-    train = load_pairs(cfg.dataset, "train", cfg.n_train, cfg.seed)
-    test = load_pairs(cfg.eval_dataset or cfg.dataset, cfg.eval_split, cfg.n_eval, cfg.seed)
+    train = data.load_pairs(cfg.dataset, "train", cfg.n_train, cfg.seed)
+    test = data.load_pairs(cfg.eval_dataset or cfg.dataset, cfg.eval_split, cfg.n_eval, cfg.seed)
     test = test.select(range(min(cfg.n_eval, len(test))))
-    train_pairs = encode_pairs(train, tokenizer, cfg, "train")
-    test_pairs = encode_pairs(test, tokenizer, cfg, "eval")
+    train_pairs = data.encode_pairs(train, tokenizer, cfg.max_prompt_len, cfg.max_response_len, "train")
+    test_pairs = data.encode_pairs(test, tokenizer, cfg.max_prompt_len, cfg.max_response_len, "eval")
     margins = torch.tensor(train["margin"], dtype=torch.float32) if "margin" in train.column_names else None
     # on the embedded task the noise of the labels is known: the best accuracy any model can reach
     bayes = tasks.bayes_accuracy(test) if (cfg.eval_dataset or cfg.dataset) in tasks.TASKS else None
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
-                                  fused=True)  # one kernel for all parameters (bench/test_micro.py)
-    scheduler = common.lr_schedule(optimizer, cfg.warmup_steps, cfg.steps)
+    optimizer, scheduler = common.make_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps,
+                                                 cfg.steps)
     logger = common.Logger(cfg.out_dir, cfg, d, use_wandb=cfg.wandb, project="rlhf-rm")
     common.print0(f"reward: {n_params / 1e6:.2f}M parameters, {len(train)} train pairs, {len(test)} eval pairs, "
                   f"world size {d.world_size}, micro-batch {micro} pairs x {cfg.grad_accum} accumulation")
-
-    order_gen = torch.Generator().manual_seed(cfg.seed)
-    order, pos, start, last_ckpt = torch.randperm(len(train), generator=order_gen), 0, 1, None
+    order = common.DataOrder(len(train), cfg.seed)
+    start, last_ckpt = 1, None
     if resume_from:
-        state = common.load_training_state(resume_from, model, optimizer, scheduler, d)
-        order, pos, start, last_ckpt = state["order"], state["pos"], state["step"] + 1, resume_from
-        order_gen.set_state(state["order_gen"])
-        common.print0(f"resumed from {resume_from} at step {state['step']}")
+        start = common.load_training_state(resume_from, model, optimizer, scheduler, order, d) + 1
+        last_ckpt = resume_from
 
     def evaluate():
-        r = score_pairs(model, test_pairs, tokenizer.pad_token_id, d, cfg.eval_batch_size, cfg.padding_left)  # (N, 2)
-        metrics = {"eval/accuracy": (r[:, 0] > r[:, 1]).float().mean().item(),
+        r = score_pairs(model, test_pairs, tokenizer.pad_token_id, d, cfg.eval_batch_size)  # (N, 2)
+        metrics = {"eval/accuracy": common.ranking_accuracy(r[:, 0], r[:, 1]).item(),
                    "eval/margin": (r[:, 0] - r[:, 1]).mean().item()}
         if bayes is not None:
             metrics |= {"eval/bayes_accuracy": bayes, "eval/accuracy_over_bayes": metrics["eval/accuracy"] / bayes}
@@ -275,48 +233,35 @@ def main(cfg):
         t0 = time.time()
         # ---------------------------------------------------------------------
         # 1. the global batch: every rank draws the same rows, then takes its slice
-        if pos + cfg.batch_size > len(order):
-            order, pos = torch.randperm(len(train), generator=order_gen), 0
-        rows = order[pos:pos + cfg.batch_size].tolist()[common.shard_batch(cfg.batch_size, d)]
-        pos += cfg.batch_size
+        rows = order.next(cfg.batch_size)[common.shard_batch(cfg.batch_size, d)]
 
         # ---------------------------------------------------------------------
         # 2. forward (chosen and rejected together) and backward per micro-batch
         sums = {}
         for k in range(cfg.grad_accum):
             mb = rows[k * micro:(k + 1) * micro]
-            ids, attn = pair_batch(train_pairs, mb, tokenizer.pad_token_id, d.device)
-            common.set_grad_sync(model, k == cfg.grad_accum - 1)
+            ids, attn, _ = data.pair_batch(train_pairs, mb, tokenizer.pad_token_id, d.device)
             with common.autocast(d):
-                r_chosen, r_rejected = common.reward_scores(model, ids, attn, cfg.padding_left).chunk(2)  # (micro,)
+                r_chosen, r_rejected = common.reward_scores(model, ids, attn).chunk(2)  # (micro,), (micro,)
             margin = margins[mb].to(d.device) if margins is not None else None
-            loss, m = bt_loss(r_chosen, r_rejected, margin, cfg.center_coef)
-            # every micro-batch has `micro` pairs, so loss / grad_accum summed over micro-batches is
-            # the mean over this rank's pairs; FSDP then averages ranks: the global-batch mean
-            (loss / cfg.grad_accum).backward()
-            for key, v in m.items():
-                sums[key] = sums.get(key, 0.0) + v / cfg.grad_accum
+            loss, m = bt_loss(r_chosen, r_rejected, cfg.batch_size, margin, cfg.center_coef)
+            common.backward(model, loss, d, sync=k == cfg.grad_accum - 1)
+            common.add_metrics(sums, m)
 
         # ---------------------------------------------------------------------
         # 3. optimizer step
-        grad_norm = common.clip_grad_norm(model, cfg.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        grad_norm = common.optimizer_step(model, optimizer, scheduler, cfg.grad_clip)
 
         # ---------------------------------------------------------------------
-        # 4. metrics (means over the global batch, reduced on every rank), eval, log
-        metrics = common.reduce_metrics(sums, d)
-        if not torch.isfinite(torch.tensor(metrics["loss"])):
-            raise FloatingPointError(f"step {step}: loss is {metrics['loss']}; stopping. Last good checkpoint: "
-                                     f"{last_ckpt or 'none written yet'}")
-        metrics |= {"grad_norm": grad_norm.item(), "lr": scheduler.get_last_lr()[0], "time/step": time.time() - t0}
+        # 4. metrics (one all-reduce), eval, log
+        metrics = common.reduce_metrics(sums, d, same={"grad_norm": grad_norm})
+        metrics |= {"lr": scheduler.get_last_lr()[0], "time/step": time.time() - t0}
+        common.check_finite(step, metrics, ["loss"], last_ckpt)
         if step % cfg.eval_every == 0 or step == cfg.steps:
             metrics |= evaluate()
         logger.log(step, metrics)
         if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
-            last_ckpt = common.save_checkpoint(model, tokenizer, cfg.out_dir, d, optimizer, scheduler,
-                                               dict(step=step, order=order, pos=pos, order_gen=order_gen.get_state()))
+            last_ckpt = common.save_checkpoint(model, tokenizer, cfg.out_dir, d, optimizer, scheduler, step, order)
 
     # -------------------------------------------------------------------------
     # 5. normalise on the policy's own samples, then save

@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
+import sampling  # noqa: E402
 from bench import util  # noqa: E402
 
 
@@ -40,17 +41,16 @@ def child(args):
     _fsdp_param_group.foreach_all_gather = counted
     cases = []
     for name in args.models.split(","):
-        tok = common.load_tokenizer(name)
-        torch.manual_seed(0)
-        model = common.shard_model(common.load_model(name, tok).to(d.device).eval(), d)
+        tok, model = util.random_model(name)
+        model = common.shard_model(model.eval(), d)
         g = torch.Generator().manual_seed(d.rank)
         prompts = torch.randint(3, len(tok), (args.rows, args.prompt_len), generator=g).to(d.device)
         mask = torch.ones_like(prompts)
 
         def rollout(gather_once):
             with common.unsharded(model) if gather_once else nullcontext(), common.autocast(d):
-                return common.generate(model, prompts, mask, args.new_tokens, eos_id=-1, pad_id=tok.pad_token_id,
-                                       uniforms=common.rollout_uniforms(args.rows, args.new_tokens, d.rank))
+                return sampling.generate(model, prompts, mask, args.new_tokens, eos_id=-1, pad_id=tok.pad_token_id,
+                                       uniforms=sampling.rollout_uniforms(args.rows, args.new_tokens, d.rank))
 
         times, counts = {True: [], False: []}, {}
         for rep in range(args.repeat + 1):  # the first of each is warm-up

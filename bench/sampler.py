@@ -1,4 +1,4 @@
-"""Rollout sampling: common.generate (prefill once per distinct prompt, static KV cache,
+"""Rollout sampling: sampling.generate (prefill once per distinct prompt, static KV cache,
 inverse-CDF draws, optionally a compiled decode step) against model.generate, on the same
 prompts with the same settings: G samples of each prompt, temperature 1, no early stop.
 
@@ -35,6 +35,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
+import sampling  # noqa: E402
 import tasks  # noqa: E402
 from bench import util  # noqa: E402
 
@@ -74,7 +75,7 @@ def sampling_draws(V, B, device, repeat=20):
     logits before drawing."""
     logits = torch.randn(B, V, device=device)
     g = torch.Generator(device=device).manual_seed(0)
-    fns = {"inverse_cdf": lambda: common.sample_token(logits, 1.0, 0, 1.0, g),
+    fns = {"inverse_cdf": lambda: sampling.sample_token(logits, 1.0, 0, 1.0, g),
            "multinomial": lambda: torch.multinomial(logits.softmax(-1), 1, generator=g)}
     for fn in fns.values():
         fn()
@@ -85,7 +86,7 @@ def sampling_draws(V, B, device, repeat=20):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny",
-                   help=f"one of {sorted(common.MODEL_SHAPES)} (random weights) or a checkpoint such as runs/sft")
+                   help=f"one of {sorted(util.SHAPES)} (random weights) or a checkpoint such as runs/sft")
     p.add_argument("--prompts", "--n_prompts", dest="prompts", type=int, default=8, help="distinct prompts")
     p.add_argument("--G", type=int, default=8, help="samples per prompt")
     p.add_argument("--new_tokens", type=int, default=32)
@@ -108,9 +109,8 @@ def main():
         args.dtype = "bf16" if common.bf16_supported(device) else "fp32"
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     strict = device.type == "cpu" and dtype == torch.float32  # greedy outputs must match exactly
-    tok = common.load_tokenizer(args.model)
-    torch.manual_seed(0)  # the random weights of a MODEL_SHAPES model
-    model = common.load_model(args.model, tok).to(device=device, dtype=dtype).eval()
+    tok, model = util.random_model(args.model)  # seeded random weights, or a checkpoint
+    model = model.to(device=device, dtype=dtype).eval()
     ids, mask = prompts_batch(tok, args.prompts, args.G, device)
     B, N, pad, eos = ids.shape[0], args.new_tokens, tok.pad_token_id, tok.eos_token_id
     print(f"{args.model}: {args.prompts} prompts x G={args.G} = {B} rows, prompt block {ids.shape[1]} tokens, "
@@ -119,7 +119,7 @@ def main():
 
     def ours(compile=False):
         g = torch.Generator(device=device).manual_seed(0)
-        return common.generate(model, ids, mask, N, -1, pad, temperature=args.temperature, generator=g,
+        return sampling.generate(model, ids, mask, N, -1, pad, temperature=args.temperature, generator=g,
                                compile=compile)  # eos -1: no early stop, like min_new_tokens below
 
     def hf():
@@ -130,7 +130,7 @@ def main():
     with torch.no_grad():
         ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=N, do_sample=False,
                              pad_token_id=pad, eos_token_id=eos)[:, ids.shape[1]:]
-    rows_same = {"ours": same_rows(common.generate(model, ids, mask, N, eos, pad, temperature=0)[0], ref, pad)}
+    rows_same = {"ours": same_rows(sampling.generate(model, ids, mask, N, eos, pad, temperature=0)[0], ref, pad)}
     fns = {"hf_generate": hf, "ours": ours}
     compile_seconds = None
     if args.compile:
@@ -145,7 +145,7 @@ def main():
         compile_seconds = first - (time.perf_counter() - t0)
         print(f"compile: {compile_seconds:.1f} s (first call minus a warm one; "
               f"{'cold' if cold else 'your'} inductor cache)", flush=True)
-        rows_same["ours_compiled"] = same_rows(common.generate(model, ids, mask, N, eos, pad, temperature=0,
+        rows_same["ours_compiled"] = same_rows(sampling.generate(model, ids, mask, N, eos, pad, temperature=0,
                                                                compile=True)[0], ref, pad)
         fns["ours_compiled"] = lambda: ours(compile=True)
     greedy = {k: bool(v.all()) for k, v in rows_same.items()}

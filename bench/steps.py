@@ -16,7 +16,7 @@ arXiv:2204.02311 App. B) / the machine's matmul peak measured in the same run in
 compute dtype (`matmul_peak`: bf16 on a GPU, as the scripts autocast there; fp32 on CPU).
 
 GRPO also reports rollout tokens/s: completion tokens generated per second of its rollout
-phase (common.generate, KV-cached).
+phase (sampling.generate, KV-cached).
 
     python bench/steps.py                                         # tiny and GPT-2 small, CPU
     python bench/steps.py --activation_checkpointing              # the same with recomputation
@@ -40,6 +40,7 @@ from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
+import tasks  # noqa: E402
 from bench import util  # noqa: E402
 
 ALGOS = ("sft", "reward", "dpo", "grpo")
@@ -195,15 +196,15 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         data = make_data(os.path.join(tmp, "rows.jsonl"), 512, args.prompt_len, args.response_len)
         for model in args.models.split(","):
-            tok = common.load_tokenizer(model)
-            if model not in common.MODEL_SHAPES:
-                raise SystemExit(f"--models: {model!r} is not one of {sorted(common.MODEL_SHAPES)}")
-            config = common.tiny_config(tok, model)
+            config = util.model_config(model, tasks.char_tokenizer())
             with torch.device("meta"):  # count the parameters without allocating them
                 n_params = sum(x.numel() for x in AutoModelForCausalLM.from_config(config).parameters())
-            cfg = common.MODEL_SHAPES[model]
+            cfg = {"n_layer": config.n_layer, "n_embd": config.n_embd}
+            args.model = model  # `tiny` is built by the scripts; the larger shapes are saved for them
+            if model != "tiny":
+                args.model = os.path.join(tmp, model)
+                util.random_checkpoint(model, args.model)
             for algo in args.algos.split(","):
-                args.model = model
                 out_dir = os.path.join(tmp, f"{algo}-{model}")
                 argv = script_args(algo, args, data, out_dir)
                 t0 = time.time()

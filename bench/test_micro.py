@@ -17,6 +17,7 @@ import dpo
 import grpo
 import reward
 import sft
+from bench import util
 
 V, BT = 50257, 2048
 B, T = 64, 256
@@ -132,8 +133,7 @@ def test_grpo_loss(benchmark, estimator):
 
 @pytest.fixture(scope="module")
 def gpt2_small_params():
-    tok = common.load_tokenizer("gpt2-small-random")
-    model = common.load_model("gpt2-small-random", tok)
+    _, model = util.random_model("gpt2-small-random")
     g = torch.Generator().manual_seed(0)
     for p in model.parameters():
         p.grad = torch.randn(p.shape, generator=g) * 1e-3

@@ -1,7 +1,7 @@
 """Whole training steps of our grpo.py and dpo.py against Hugging Face TRL's GRPOTrainer and
 DPOTrainer: seconds per step, tokens/s and peak memory, side by side, with ratios.
 
-Both sides train the same random-weight GPT-2 (built from `common.MODEL_SHAPES` with the
+Both sides train the same random-weight GPT-2 (built from `util.SHAPES` with the
 character tokenizer and saved into a temporary folder that both load), on the same synthetic
 rows of exact token lengths (`bench/steps.py: make_data`), with the same batch, group size,
 lengths, beta, learning rate, AdamW, precision and number of optimizer steps. Every case runs
@@ -81,15 +81,8 @@ PAIRS = {"grpo": [("ours", "trl", "like for like", True),
 
 
 def save_model(shape, folder, seed=0):
-    """A random-weight GPT-2 of MODEL_SHAPES[shape] with the character tokenizer, saved for both sides."""
-    from transformers import AutoModelForCausalLM
-
-    tok = common.char_tokenizer()
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(common.tiny_config(tok, shape), dtype=torch.float32)
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return sum(p.numel() for p in model.parameters())
+    """A random-weight GPT-2 of util.SHAPES[shape] with the character tokenizer, saved for both sides."""
+    return util.random_checkpoint(shape, folder, seed)
 
 
 def read_rows(path, columns):

@@ -15,6 +15,10 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import common  # noqa: E402
+import tasks  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
 
@@ -95,3 +99,43 @@ def write_results(name, payload, device):
 
 def default_device():
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+# -----------------------------------------------------------------------------
+# models: `tiny` and GPT-2 small and large shapes with random weights and the real vocabulary
+# size (throughput does not depend on the weights), all with the character tokenizer
+
+
+SHAPES = {
+    "tiny": {},
+    "gpt2-small-random": dict(n_layer=12, n_embd=768, n_head=12, n_positions=1024, vocab_size=50257),
+    "gpt2-large-random": dict(n_layer=36, n_embd=1280, n_head=20, n_positions=1024, vocab_size=50257),
+}
+
+
+def model_config(shape, tokenizer):
+    if shape not in SHAPES:
+        raise SystemExit(f"model {shape!r} is not one of {sorted(SHAPES)}")
+    return tasks.tiny_gpt2_config(tokenizer, **SHAPES[shape])
+
+
+def random_model(shape, seed=0):
+    """(tokenizer, model) of one of SHAPES with seeded random weights, or of a checkpoint folder."""
+    from transformers import AutoModelForCausalLM
+
+    if shape not in SHAPES:
+        tok = common.load_tokenizer(shape)
+        return tok, common.load_model(shape, tok)
+    tok = tasks.char_tokenizer()
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(model_config(shape, tok), dtype=torch.float32)
+    return tok, model
+
+
+def random_checkpoint(shape, folder, seed=0):
+    """Save random_model(shape) as a checkpoint the scripts load with --model; returns the number
+    of parameters. `tiny` needs none (the scripts build it)."""
+    tok, model = random_model(shape, seed)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return sum(p.numel() for p in model.parameters())

@@ -8,6 +8,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common
+import data
+import sampling
+import tasks
 
 
 # -----------------------------------------------------------------------------
@@ -83,14 +86,6 @@ def test_join_prompt_response_has_no_padding_in_the_middle():
         assert set(s) == {"1"}
 
 
-def test_move_padding_left():
-    ids = torch.tensor([[5, 6, 7, 1, 0, 0], [0, 0, 8, 2, 3, 4]])
-    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1]])
-    new_ids, new_mask = common.move_padding_left(ids, mask)
-    assert new_ids.tolist() == [[0, 0, 5, 6, 7, 1], [0, 0, 8, 2, 3, 4]]
-    assert new_mask.tolist() == [[0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]]
-
-
 # -----------------------------------------------------------------------------
 # log-probs
 
@@ -138,7 +133,7 @@ def test_entropy_from_logits_matches_naive():
 
 @pytest.fixture(scope="module")
 def tiny():
-    tok = common.char_tokenizer()
+    tok = tasks.char_tokenizer()
     torch.manual_seed(0)
     model = common.load_model("tiny", tok).eval()
     # a random GPT-2 barely uses positions; scale them up so that getting them wrong shows
@@ -192,12 +187,12 @@ def test_greedy_generate_matches_hf_generate(tiny):
     model, tok = tiny
     prompts, _ = _rows(tok)
     ids, mask = common.pad(prompts, tok.pad_token_id, side="left")
-    ours, ours_mask = common.generate(model, ids, mask, 12, tok.eos_token_id, tok.pad_token_id, temperature=0)
+    ours, ours_mask = sampling.generate(model, ids, mask, 12, tok.eos_token_id, tok.pad_token_id, temperature=0)
     ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
     assert torch.equal(ours, ref[:, :ours.shape[1]])
     # top_k=1 sampling is greedy
-    topk1, _ = common.generate(model, ids, mask, 12, tok.eos_token_id, tok.pad_token_id, temperature=1.0, top_k=1)
+    topk1, _ = sampling.generate(model, ids, mask, 12, tok.eos_token_id, tok.pad_token_id, temperature=1.0, top_k=1)
     assert torch.equal(topk1, ours)
 
 
@@ -207,7 +202,7 @@ def test_generate_masks_everything_after_the_stop_token(tiny):
     ids, mask = common.pad(prompts, tok.pad_token_id, side="left")
     g = torch.Generator().manual_seed(0)
     stop = tok.convert_tokens_to_ids("3")
-    out, out_mask = common.generate(model, ids, mask, 20, tok.eos_token_id, tok.pad_token_id, stop_ids=[stop], generator=g)
+    out, out_mask = sampling.generate(model, ids, mask, 20, tok.eos_token_id, tok.pad_token_id, stop_ids=[stop], generator=g)
     for row, m in zip(out.tolist(), out_mask.tolist()):
         n = sum(m)
         assert m == [1] * n + [0] * (len(m) - n)  # a prefix
@@ -220,9 +215,9 @@ def test_generate_masks_everything_after_the_stop_token(tiny):
 def test_sample_token_top_p_keeps_the_nucleus():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     g = torch.Generator().manual_seed(0)
-    draws = torch.stack([common.sample_token(logits, 1.0, 0, 0.75, g) for _ in range(400)])
+    draws = torch.stack([sampling.sample_token(logits, 1.0, 0, 0.75, g) for _ in range(400)])
     assert set(draws.flatten().tolist()) == {0, 1}  # 0.5 + 0.3 reaches 0.75
-    draws = torch.stack([common.sample_token(logits, 1.0, 2, 1.0, g) for _ in range(400)])
+    draws = torch.stack([sampling.sample_token(logits, 1.0, 2, 1.0, g) for _ in range(400)])
     assert set(draws.flatten().tolist()) == {0, 1}
 
 
@@ -231,7 +226,7 @@ def test_sample_token_top_p_keeps_the_nucleus():
 
 
 def test_char_tokenizer_round_trips(tmp_path):
-    tok = common.char_tokenizer()
+    tok = tasks.char_tokenizer()
     text = "sort 7 3 9 1 = 1 3 7 9\nTL;DR: ok!"
     ids = tok(text)["input_ids"]
     assert len(ids) == len(text) and tok.decode(ids) == text
@@ -242,8 +237,8 @@ def test_char_tokenizer_round_trips(tmp_path):
 
 
 def test_tokenizer_that_does_not_match_the_model_is_refused(tmp_path):
-    tok = common.char_tokenizer()
-    small = common.tiny_config(tok)
+    tok = tasks.char_tokenizer()
+    small = tasks.tiny_gpt2_config(tok)
     small.vocab_size = 40
     AutoModelForCausalLM.from_config(small).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="does not match the model"):
@@ -274,15 +269,15 @@ def _write_jsonl(path, rows):
 
 def test_load_data_local_jsonl_and_parquet(tmp_path):
     rows = [{"prompt": f"p{i}", "completion": f" c{i}", "extra": i} for i in range(5)]
-    ds = common.load_data(_write_jsonl(tmp_path / "d.jsonl", rows), "train", ["prompt", "completion"])
+    ds = data.load_data(_write_jsonl(tmp_path / "d.jsonl", rows), "train", ["prompt", "completion"])
     assert ds["prompt"] == [r["prompt"] for r in rows] and ds["completion"] == [r["completion"] for r in rows]
     ds.to_parquet(str(tmp_path / "d.parquet"))
-    again = common.load_data(str(tmp_path / "d.parquet"), "train", ["prompt", "completion"])
+    again = data.load_data(str(tmp_path / "d.parquet"), "train", ["prompt", "completion"])
     assert again["completion"] == ds["completion"]
 
 
 def test_load_data_embedded_task():
-    ds = common.load_data("sort", "test", ["prompt", "completion"], kind="sft", n=7, seed=3)
+    ds = data.load_data("sort", "test", ["prompt", "completion"], kind="sft", n=7, seed=3)
     assert len(ds) == 7 and all(p.startswith("sort ") for p in ds["prompt"])
 
 
@@ -298,18 +293,18 @@ def test_load_data_embedded_task():
 def test_load_data_bad_rows_name_file_row_and_field(tmp_path, rows, match):
     path = _write_jsonl(tmp_path / "d.jsonl", rows)
     with pytest.raises(ValueError, match=match):
-        common.load_data(path, "train", ["prompt", "completion"])
+        data.load_data(path, "train", ["prompt", "completion"])
 
 
 def test_load_data_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
-        common.load_data(str(tmp_path / "nope.jsonl"), "train", ["prompt"])
+        data.load_data(str(tmp_path / "nope.jsonl"), "train", ["prompt"])
 
 
 def test_transformer_blocks_found_inside_a_wrapper(tiny):
     model, _ = tiny
 
-    class Policy(torch.nn.Module):  # seed 000: an LM held as a submodule
+    class Policy(torch.nn.Module):  # an LM held as a submodule, as a PeftModel holds it
         def __init__(self, lm):
             super().__init__()
             self.lm_model = lm
@@ -323,7 +318,7 @@ def test_activation_checkpointing_recomputes_blocks_of_a_loaded_checkpoint(tmp_p
     switch it on for real. Each block's MLP is then entered twice per forward + backward (a pre-hook:
     the block's own hooks stay outside the checkpoint, and the recompute stops early, before the
     MLP returns), and the gradients are those of the plain model."""
-    tok = common.char_tokenizer()
+    tok = tasks.char_tokenizer()
     torch.manual_seed(0)
     common.load_model("tiny", tok).save_pretrained(tmp_path)
     ids = torch.randint(3, len(tok), (2, 9))
@@ -339,12 +334,27 @@ def test_activation_checkpointing_recomputes_blocks_of_a_loaded_checkpoint(tmp_p
     torch.testing.assert_close(grads[0], grads[1])
 
 
-@pytest.mark.parametrize("n, world", [(15, 2), (7, 3), (2, 4), (9, 1)])
-def test_rank_share_covers_every_row_once_with_equal_counts(n, world):
-    shares = [common.rank_share(n, common.Dist(rank=r, world_size=world)) for r in range(world)]
-    assert len({len(rows) for rows, _ in shares}) == 1  # every rank runs as many forwards
-    real = sorted(i for rows, k in shares for i in rows[:k])
-    assert real == list(range(n))
+@pytest.mark.parametrize("n, world, batch", [(15, 2, 4), (7, 3, 2), (2, 4, 1), (9, 1, 4), (8, 2, 8)])
+def test_map_rows_equal_forward_counts_and_every_row_once(n, world, batch, monkeypatch):
+    """Each rank's results, as the all-reduce would sum them: every row's value exactly once (the
+    padding rows computed but dropped), and the same number of calls on every rank (FSDP's
+    collective gathers hang otherwise)."""
+    monkeypatch.setattr(common, "all_reduce_sum", lambda x, d: x)  # the ranks' outputs, summed below
+    calls, outs = [], []
+    for r in range(world):
+        seen = []
+
+        def fn(rows, seen=seen):
+            seen.append(list(rows))
+            return torch.tensor([[10.0 * i + 1, 1.0] for i in rows])  # (b, 2): a value and a count per row
+
+        outs.append(common.map_rows(fn, n, common.Dist(rank=r, world_size=world), batch))
+        calls.append(len(seen))
+        assert all(len(rows) <= batch for rows in seen)
+    assert len(set(calls)) == 1  # every rank runs as many forwards
+    total = sum(outs)
+    assert total[:, 1].tolist() == [1.0] * n  # each row counted once over all ranks
+    assert total[:, 0].tolist() == [10.0 * i + 1 for i in range(n)]
 
 
 def _fake_gpus(monkeypatch, n_gpus):
@@ -433,9 +443,9 @@ def test_clip_grad_norm_leaves_small_gradients_and_max_norm_zero_alone(max_norm)
 def test_rollout_uniforms_are_distinct_per_row_and_token_and_seeded():
     """One fresh draw per row and token: a row reused for every row (every prompt sampling the same
     completion) or a draw reused along a row would still look uniform to a histogram."""
-    u = common.rollout_uniforms(6, 5, seed=1)
+    u = sampling.rollout_uniforms(6, 5, seed=1)
     assert u.shape == (6, 5) and u.dtype == torch.float64
     assert ((u >= 0) & (u < 1)).all()
     assert torch.unique(u).numel() == u.numel()  # no two draws alike: rows differ, columns differ
-    torch.testing.assert_close(common.rollout_uniforms(6, 5, seed=1), u, atol=0, rtol=0)  # seeded: repeatable
-    assert not torch.equal(common.rollout_uniforms(6, 5, seed=2), u)
+    torch.testing.assert_close(sampling.rollout_uniforms(6, 5, seed=1), u, atol=0, rtol=0)  # seeded: repeatable
+    assert not torch.equal(sampling.rollout_uniforms(6, 5, seed=2), u)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import common
+import data
 import dpo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,25 +49,47 @@ BETA = 0.5
     ("hinge", 0.0, [1 - 0.5, 1 + 1.0]),                                  # relu(1 - beta*h)
 ])
 def test_dpo_loss_hand_values(loss_type, smoothing, expected):
-    losses, r_c, r_r = dpo.dpo_loss(PC, PR, RC, RR, BETA, loss_type, smoothing)
-    torch.testing.assert_close(losses, torch.tensor(expected, dtype=torch.float32), atol=1e-6, rtol=0)
-    torch.testing.assert_close(r_c, torch.tensor([0.25, -0.5]))   # 0.5 * (pc - rc)
-    torch.testing.assert_close(r_r, torch.tensor([-0.25, 0.5]))   # 0.5 * (pr - rr)
+    torch.testing.assert_close(per_pair_losses(PC, PR, RC, RR, BETA, loss_type, smoothing),
+                               torch.tensor(expected, dtype=torch.float32), atol=1e-6, rtol=0)
+    loss, m = dpo.dpo_loss(PC, PR, RC, RR, BETA, 2, loss_type, smoothing)
+    assert loss.item() == pytest.approx(sum(expected) / 2, abs=1e-6) and m["loss"].item() == loss.item()
+    # implicit rewards 0.5 * (pc - rc) = [0.25, -0.5] and 0.5 * (pr - rr) = [-0.25, 0.5]
+    assert m["rewards/chosen"].item() == pytest.approx(-0.125) and m["rewards/rejected"].item() == pytest.approx(0.125)
+    assert m["rewards/margins"].item() == pytest.approx(-0.25) and m["rewards/accuracies"].item() == 0.5
+    assert m["logps/chosen"].item() == pytest.approx(-2.0) and m["logps/rejected"].item() == pytest.approx(-1.5)
+
+
+def per_pair_losses(pc, pr, rc, rr, beta, loss_type="sigmoid", smoothing=0.0):
+    """Each pair's loss alone (a global batch of one pair)."""
+    return torch.stack([dpo.dpo_loss(pc[i:i + 1], pr[i:i + 1], rc[i:i + 1], rr[i:i + 1], beta, 1, loss_type,
+                                     smoothing)[0] for i in range(len(pc))])
+
+
+def test_dpo_loss_takes_the_global_denominator():
+    """Two micro-batches of one global batch of 6 pairs: their losses and metrics add up to the
+    whole batch's mean, which is what common.backward relies on."""
+    pc, pr, rc, rr = (t.detach() for t in _random_logps(3))
+    full, m_full = dpo.dpo_loss(pc, pr, rc, rr, 0.2, 6)
+    parts = [dpo.dpo_loss(pc[i:i + 3], pr[i:i + 3], rc[i:i + 3], rr[i:i + 3], 0.2, 6) for i in (0, 3)]
+    assert full.item() == pytest.approx(sum(p[0].item() for p in parts), abs=1e-9)
+    for k in m_full:
+        assert m_full[k].item() == pytest.approx(sum(p[1][k].item() for p in parts), abs=1e-6), k
+    assert full.item() == pytest.approx(per_pair_losses(pc, pr, rc, rr, 0.2).mean().item(), abs=1e-9)
 
 
 def test_label_smoothing_zero_is_plain_dpo():
     torch.manual_seed(0)
     x = [torch.randn(8) * 5 for _ in range(4)]
-    losses, _, _ = dpo.dpo_loss(*x, beta=0.3, loss_type="sigmoid", label_smoothing=0.0)
+    losses = per_pair_losses(*x, beta=0.3, loss_type="sigmoid", smoothing=0.0)
     h = (x[0] - x[1]) - (x[2] - x[3])
     torch.testing.assert_close(losses, -torch.nn.functional.logsigmoid(0.3 * h))
 
 
 def test_dpo_loss_errors():
     with pytest.raises(ValueError, match="unknown loss_type"):
-        dpo.dpo_loss(PC, PR, RC, RR, BETA, "kto")
+        dpo.dpo_loss(PC, PR, RC, RR, BETA, 2, "kto")
     with pytest.raises(ValueError, match="sigmoid"):
-        dpo.dpo_loss(PC, PR, RC, RR, BETA, "ipo", label_smoothing=0.1)
+        dpo.dpo_loss(PC, PR, RC, RR, BETA, 2, "ipo", label_smoothing=0.1)
 
 
 def _random_logps(seed, B=6):
@@ -80,8 +103,8 @@ def _random_logps(seed, B=6):
 def test_dpo_gradient_closed_form(loss_type):
     pc, pr, rc, rr = _random_logps(1)
     beta, B = 0.2, pc.shape[0]
-    losses, _, _ = dpo.dpo_loss(pc, pr, rc, rr, beta, loss_type)
-    g_c, g_r = torch.autograd.grad(losses.mean(), [pc, pr])
+    loss, _ = dpo.dpo_loss(pc, pr, rc, rr, beta, B, loss_type)
+    g_c, g_r = torch.autograd.grad(loss, [pc, pr])
     with torch.no_grad():
         h = (pc - pr) - (rc - rr)
         dh = {"sigmoid": -beta * torch.sigmoid(-beta * h),      # d/dh -log sigmoid(beta h)
@@ -97,7 +120,7 @@ def test_dpo_gradcheck(loss_type, smoothing):
     pc, pr, rc, rr = _random_logps(2)
     h = (pc - pr) - (rc - rr)
     assert ((0.2 * h - 1).abs() > 1e-3).all()  # away from the hinge's kink
-    assert torch.autograd.gradcheck(lambda a, b: dpo.dpo_loss(a, b, rc, rr, 0.2, loss_type, smoothing)[0], (pc, pr))
+    assert torch.autograd.gradcheck(lambda a, b: dpo.dpo_loss(a, b, rc, rr, 0.2, 6, loss_type, smoothing)[0], (pc, pr))
 
 
 # -----------------------------------------------------------------------------
@@ -108,28 +131,28 @@ M = "\n\nAssistant:"
 
 def test_split_hh_multi_turn():
     head = "\n\nHuman: hi" + M + " hello\n\nHuman: how to sort 3 1 2?" + M
-    p, c, r = dpo.split_hh(head + " 1 2 3", head + " no idea, sorry")
+    p, c, r = data.split_hh(head + " 1 2 3", head + " no idea, sorry")
     assert (p, c, r) == (head, " 1 2 3", " no idea, sorry")
 
 
 def test_split_hh_single_turn_and_empty_response():
-    p, c, r = dpo.split_hh("\n\nHuman: x" + M + " y", "\n\nHuman: x" + M)
+    p, c, r = data.split_hh("\n\nHuman: x" + M + " y", "\n\nHuman: x" + M)
     assert (p, c, r) == ("\n\nHuman: x" + M, " y", "")
 
 
 def test_split_hh_uses_last_marker_of_each():
     # the chosen answer mentions nothing special; both split at their own last marker
-    p, c, r = dpo.split_hh("\n\nHuman: a" + M + " b" + M + " c", "\n\nHuman: a" + M + " b" + M + " d")
+    p, c, r = data.split_hh("\n\nHuman: a" + M + " b" + M + " c", "\n\nHuman: a" + M + " b" + M + " d")
     assert (p, c, r) == ("\n\nHuman: a" + M + " b" + M, " c", " d")
 
 
 def test_split_hh_errors():
     with pytest.raises(ValueError, match="different prompts"):
-        dpo.split_hh("\n\nHuman: a" + M + " b", "\n\nHuman: z" + M + " b")
+        data.split_hh("\n\nHuman: a" + M + " b", "\n\nHuman: z" + M + " b")
     with pytest.raises(ValueError, match="rejected dialogue has no"):
-        dpo.split_hh("\n\nHuman: a" + M + " b", "\n\nHuman: a b")
+        data.split_hh("\n\nHuman: a" + M + " b", "\n\nHuman: a b")
     with pytest.raises(ValueError, match="chosen dialogue has no"):
-        dpo.split_hh("just text", "\n\nHuman: a" + M + " b")
+        data.split_hh("just text", "\n\nHuman: a" + M + " b")
 
 
 def test_load_pairs_names_the_bad_row(tmp_path):
@@ -138,9 +161,10 @@ def test_load_pairs_names_the_bad_row(tmp_path):
     bad = {"chosen": "\n\nHuman: a" + M + " b", "rejected": "\n\nHuman: q" + M + " c"}
     path.write_text("\n".join(json.dumps(r) for r in (good, good, bad)) + "\n")
     with pytest.raises(ValueError, match=r"hh.jsonl row 3: chosen and rejected"):
-        dpo.load_pairs(str(path), "train", None, 0)
+        data.load_pairs(str(path), "train", None, 0)
     path.write_text(json.dumps(good) + "\n")
-    assert dpo.load_pairs(str(path), "train", None, 0) == (["\n\nHuman: a" + M], [" b"], [" c"])
+    ds = data.load_pairs(str(path), "train", None, 0)
+    assert (ds["prompt"], ds["chosen"], ds["rejected"]) == (["\n\nHuman: a" + M], [" b"], [" c"])
 
 
 # -----------------------------------------------------------------------------
@@ -158,14 +182,14 @@ def tiny():
     policy = common.load_model("tiny", tok).eval()
     torch.manual_seed(1)
     ref = common.load_model("tiny", tok).eval()
-    pairs = dpo.encode_pairs((PROMPTS, CHOSEN, REJECTED), tok, dpo.Config(), "test")
+    pairs = data.encode_pairs({"prompt": PROMPTS, "chosen": CHOSEN, "rejected": REJECTED}, tok, 64, 32, "test")
     return tok, policy, ref, pairs
 
 
 @torch.no_grad()
 def test_pair_logps_equals_naive(tiny):
     tok, policy, _, pairs = tiny
-    pc, pr = dpo.pair_logps(policy, dpo.pair_batch(pairs, range(5), tok.pad_token_id, "cpu"), D)
+    pc, pr = common.sequence_logprobs(policy, data.pair_batch(pairs, range(5), tok.pad_token_id, "cpu"), D).chunk(2)
     for i in range(5):
         for resp, got in ((CHOSEN[i], pc[i]), (REJECTED[i], pr[i])):
             p, r = tok(PROMPTS[i])["input_ids"], tok(resp)["input_ids"] + [tok.eos_token_id]
@@ -178,15 +202,15 @@ def test_precomputed_and_live_reference_give_the_same_loss(tiny):
     tok, policy, ref, pairs = tiny
     ref_all = dpo.all_pair_logps(ref, pairs, tok.pad_token_id, D, batch_size=2)  # (5, 2), other padding
     rows = [4, 0, 2]
-    batch = dpo.pair_batch(pairs, rows, tok.pad_token_id, "cpu")
-    pc, pr = dpo.pair_logps(policy, batch, D)
+    batch = data.pair_batch(pairs, rows, tok.pad_token_id, "cpu")
+    pc, pr = common.sequence_logprobs(policy, batch, D).chunk(2)
     with torch.no_grad():
-        live = dpo.pair_logps(ref, batch, D)
+        live = common.sequence_logprobs(ref, batch, D).chunk(2)
     for loss_type in ("sigmoid", "ipo", "hinge"):
-        pre_loss = dpo.dpo_loss(pc, pr, *ref_all[rows].unbind(1), 0.1, loss_type)[0]
-        live_loss = dpo.dpo_loss(pc, pr, *live, 0.1, loss_type)[0]
+        pre_loss = per_pair_losses(pc, pr, *ref_all[rows].unbind(1), 0.1, loss_type)
+        live_loss = per_pair_losses(pc, pr, *live, 0.1, loss_type)
         torch.testing.assert_close(pre_loss, live_loss, atol=1e-5, rtol=1e-5)
-        assert (pre_loss - dpo.dpo_loss(pc, pr, pc.detach(), pr.detach(), 0.1, loss_type)[0]).abs().max() > 1e-3
+        assert (pre_loss - per_pair_losses(pc, pr, pc.detach(), pr.detach(), 0.1, loss_type)).abs().max() > 1e-3
 
 
 # -----------------------------------------------------------------------------

@@ -13,6 +13,8 @@ import torch
 
 import common
 import grpo
+import sampling
+import tasks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 META = common.Dist(device=torch.device("meta"))
@@ -20,7 +22,7 @@ META = common.Dist(device=torch.device("meta"))
 
 @pytest.fixture(scope="module")
 def tiny():
-    tok = common.char_tokenizer()
+    tok = tasks.char_tokenizer()
     torch.manual_seed(0)
     return common.load_model("tiny", tok).eval(), tok
 
@@ -34,7 +36,9 @@ def test_grpo_math_runs_on_one_device_without_host_syncs():
     assert adv.device.type == "meta" and all(v.device.type == "meta" for v in m.values())
     mean, std = grpo._global_mean_std(rewards, META)
     assert mean.device.type == std.device.type == "meta"
-    assert grpo.ranking_accuracy(rewards[:, 0], rewards[:, 1], META).device.type == "meta"
+    assert common.ranking_accuracy(rewards[:, 0], rewards[:, 1]).device.type == "meta"
+    sums = common.add_metrics({}, m)
+    assert all(v.device.type == "meta" for v in common.add_metrics(sums, m, weight=0.5).values())
     mask = torch.ones(6, 5, device="meta")
     for agg in grpo.LOSS_AGGS:
         assert grpo.loss_normaliser(mask, agg, 5, META).device.type == "meta"
@@ -46,13 +50,14 @@ def test_grpo_math_runs_on_one_device_without_host_syncs():
 
 def test_ranking_accuracy_counts_ties_half():
     c, r = torch.tensor([1.0, 2.0, 0.5, 3.0]), torch.tensor([0.0, 2.0, 1.0, 1.0])  # win, tie, loss, win
-    assert grpo.ranking_accuracy(c, r).item() == pytest.approx(2.5 / 4)
+    assert common.ranking_accuracy(c, r).item() == pytest.approx(2.5 / 4)
 
 
 def test_metrics_reduce_from_device_tensors_and_floats():
-    got = common.reduce_metrics({"a": torch.tensor(0.25), "b": 3, "c": torch.tensor(2.0, dtype=torch.float64)},
-                                common.Dist())
-    assert got == {"a": 0.25, "b": 3.0, "c": 2.0}
+    sums = common.add_metrics({}, {"a": torch.tensor(0.125), "c": torch.tensor(2.0, dtype=torch.float64)})
+    sums = common.add_metrics(sums, {"a": torch.tensor(0.25)}, weight=0.5)  # micro-batches add up on the device
+    got = common.reduce_metrics(sums, common.Dist(), maxes={"m": torch.tensor(7.0)}, same={"b": 3})
+    assert got == {"a": 0.25, "c": 2.0, "m": 7.0, "b": 3.0}
 
 
 def test_lm_head_logits_are_fp32_under_bf16_autocast(tiny):
@@ -164,7 +169,7 @@ def test_non_finite_logits_give_valid_ids_and_a_clear_error(tiny):
     logits = torch.randn(3, 7)
     logits[1] = float("nan")
     bad = torch.zeros((), dtype=torch.bool)
-    tok_ids = common.sample_token(logits, 1.0, generator=torch.Generator().manual_seed(0), bad=bad)
+    tok_ids = sampling.sample_token(logits, 1.0, generator=torch.Generator().manual_seed(0), bad=bad)
     assert bool(bad) and int(tok_ids.max()) < 7
     model, tok = tiny
     broken = common.load_model("tiny", tok).eval()
@@ -172,7 +177,7 @@ def test_non_finite_logits_give_valid_ids_and_a_clear_error(tiny):
         broken.lm_head.weight[5] = float("nan")
     ids, mask = common.pad([tok("sort 3 1 =")["input_ids"]] * 2, tok.pad_token_id, side="left")
     with pytest.raises(RuntimeError, match="NaN"):
-        common.generate(broken, ids, mask, 6, tok.eos_token_id, tok.pad_token_id)
+        sampling.generate(broken, ids, mask, 6, tok.eos_token_id, tok.pad_token_id)
 
 
 def test_persistent_decode_cache_is_reused_in_place_and_leaks_nothing(tiny, monkeypatch):
@@ -180,18 +185,18 @@ def test_persistent_decode_cache_is_reused_in_place_and_leaks_nothing(tiny, monk
     place by later rollouts (CUDA graphs read it at fixed addresses). Two rollouts of different
     prompts through it sample exactly what a fresh cache gives (nothing leaks from the first)."""
     model, tok = tiny
-    monkeypatch.setattr(common, "_step_fn", lambda compile, device: common._next_logits)  # eager, same cache path
+    monkeypatch.setattr(sampling, "_step_fn", lambda compile, device: sampling._next_logits)  # eager, same cache path
     batches = [["sort 3 1 =", "sort 9 9 2 7 ="], ["sort 5 =", "sort 8 1 1 ="]]
     ptrs = []
     for texts in batches:
         ids, mask = common.pad([tok(t)["input_ids"] for t in texts for _ in range(3)], tok.pad_token_id, side="left")
         ids, mask = ids[:, -8:], mask[:, -8:]  # one prompt length, so both rollouts share the cache's shape
-        u = common.rollout_uniforms(6, 10, seed=1)
-        fresh = common.generate(model, ids, mask, 10, tok.eos_token_id, tok.pad_token_id, uniforms=u)
-        kept = common.generate(model, ids, mask, 10, tok.eos_token_id, tok.pad_token_id, uniforms=u, compile=True)
+        u = sampling.rollout_uniforms(6, 10, seed=1)
+        fresh = sampling.generate(model, ids, mask, 10, tok.eos_token_id, tok.pad_token_id, uniforms=u)
+        kept = sampling.generate(model, ids, mask, 10, tok.eos_token_id, tok.pad_token_id, uniforms=u, compile=True)
         for a, b in zip(fresh, kept):
             assert torch.equal(a, b)
-        (cache,) = common._DECODE_CACHES[model].values()
+        (cache,) = sampling._DECODE_CACHES[model].values()
         ptrs.append(cache.layers[0].keys.data_ptr())
     assert ptrs[0] == ptrs[1]
 

@@ -147,13 +147,13 @@ def test_kl_monitor_is_k3_whatever_estimator_is_optimised(estimator):
 
 @pytest.mark.parametrize("entropy_grad", [False, True])
 def test_logprobs_and_entropy_use_the_temperature(entropy_grad):
-    """Both paths of logprobs_and_entropy (entropy with or without its graph) against a naive
+    """Both paths of response_logprobs(with_entropy) (entropy with or without its graph) against a naive
     computation: one plain forward, logits / T, log_softmax, gather; entropy of softmax(logits / T).
     The sampler draws from softmax(logits / T), so a path that forgot T would give rho != 1 on
     the first pass and a wrong entropy bonus. Rows are left-padded to different lengths, so the
     position ids matter too."""
     torch.manual_seed(0)
-    tok = common.char_tokenizer()
+    tok = tasks.char_tokenizer()
     model = common.load_model("tiny", tok)
     with torch.no_grad():  # random init gives near-uniform logits, on which T barely shows: sharpen them
         model.get_output_embeddings().weight.mul_(30)
@@ -161,7 +161,7 @@ def test_logprobs_and_entropy_use_the_temperature(entropy_grad):
                                                   [tok(" 1 2 3")["input_ids"], tok(" 8 9 0 1")["input_ids"]],
                                                   tok.pad_token_id)
     R, T = resp.shape[1], 0.7
-    logps, entropy = grpo.logprobs_and_entropy(model, ids, attn, R, T, entropy_grad)
+    logps, entropy = common.response_logprobs(model, ids, attn, R, T, with_entropy=True, entropy_grad=entropy_grad)
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=attn,
                        position_ids=common.position_ids_from_mask(attn)).logits.double() / T
@@ -397,8 +397,8 @@ def _sequence_logprob(model, prompt_ids, response_ids):
 
 
 def test_script_pairwise_accuracy_on_a_preference_file(tmp_path):
-    """--eval_pairs: a prompt-only data set (no gold reward to score greedy answers) still gets seed
-    000's table metric, the pairwise accuracy of beta*log(pi/pi_ref) on held-out pairs.
+    """--eval_pairs: a prompt-only data set (no gold reward to score greedy answers) still gets the
+    pairwise accuracy of beta*log(pi/pi_ref) on held-out pairs.
 
     The logged accuracy is checked against a recomputation from the saved policy and the rebuilt
     reference, pair by pair. A bare "accuracy != 0.5 after training" would be a coin toss: on 8

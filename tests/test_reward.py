@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import common
+import data
 import reward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,7 +38,7 @@ def softplus(x):
 
 def test_bt_loss_hand_values():
     r_c, r_r = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 2.0])  # differences +1, -2
-    loss, m = reward.bt_loss(r_c, r_r)
+    loss, m = reward.bt_loss(r_c, r_r, n_pairs=2)
     # -log sigmoid(x) = log(1 + e^-x)
     assert loss.item() == pytest.approx((softplus(-1) + softplus(2)) / 2, abs=1e-6)
     assert m["accuracy"].item() == 0.5
@@ -47,12 +48,24 @@ def test_bt_loss_hand_values():
     assert all(not v.requires_grad for v in m.values())
 
 
+def test_bt_loss_takes_the_global_denominator():
+    """Two micro-batches of one global batch of 4 pairs (on one rank or two): their losses and
+    metrics add up to the whole batch's mean, which is what common.backward relies on."""
+    r_c, r_r = torch.tensor([1.0, 0.0, 3.0, -1.0]), torch.tensor([0.0, 2.0, 1.0, -1.5])
+    full, m_full = reward.bt_loss(r_c, r_r, n_pairs=4)
+    parts = [reward.bt_loss(r_c[i:i + 2], r_r[i:i + 2], n_pairs=4) for i in (0, 2)]
+    assert full.item() == pytest.approx(sum(p[0].item() for p in parts), abs=1e-7)
+    for k in m_full:
+        assert m_full[k].item() == pytest.approx(sum(p[1][k].item() for p in parts), abs=1e-7), k
+    assert full.item() == pytest.approx(sum(softplus(-x) for x in (1.0, -2.0, 2.0, 0.5)) / 4, abs=1e-6)
+
+
 def test_bt_loss_margin_and_centring_hand_values():
     r_c, r_r = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 2.0])
-    loss, m = reward.bt_loss(r_c, r_r, margin=torch.tensor([0.5, 1.0]))  # logits 0.5, -3
+    loss, m = reward.bt_loss(r_c, r_r, 2, margin=torch.tensor([0.5, 1.0]))  # logits 0.5, -3
     assert loss.item() == pytest.approx((softplus(-0.5) + softplus(3)) / 2, abs=1e-6)
     assert m["accuracy"].item() == 0.5 and m["margin"].item() == pytest.approx(-0.5)  # metrics ignore the margin
-    loss, _ = reward.bt_loss(r_c, r_r, center_coef=0.01)  # + 0.01 * mean(1^2, 2^2)
+    loss, _ = reward.bt_loss(r_c, r_r, 2, center_coef=0.01)  # + 0.01 * mean(1^2, 2^2)
     assert loss.item() == pytest.approx((softplus(-1) + softplus(2)) / 2 + 0.01 * 2.5, abs=1e-6)
 
 
@@ -62,7 +75,7 @@ def test_bt_loss_gradient_closed_form():
     r_c = torch.randn(B, dtype=torch.float64, requires_grad=True)
     r_r = torch.randn(B, dtype=torch.float64, requires_grad=True)
     margin = torch.rand(B, dtype=torch.float64)
-    loss, _ = reward.bt_loss(r_c, r_r, margin, c)
+    loss, _ = reward.bt_loss(r_c, r_r, B, margin, c)
     g_c, g_r = torch.autograd.grad(loss, [r_c, r_r])
     with torch.no_grad():
         s = torch.sigmoid(-(r_c - r_r - margin))  # d/dx [-log sigmoid(x)] = -sigmoid(-x)
@@ -76,7 +89,7 @@ def test_bt_loss_gradcheck():
     r_c = torch.randn(5, dtype=torch.float64, requires_grad=True)
     r_r = torch.randn(5, dtype=torch.float64, requires_grad=True)
     margin = torch.rand(5, dtype=torch.float64)
-    assert torch.autograd.gradcheck(lambda a, b: reward.bt_loss(a, b, margin, 0.1)[0], (r_c, r_r))
+    assert torch.autograd.gradcheck(lambda a, b: reward.bt_loss(a, b, 5, margin, 0.1)[0], (r_c, r_r))
 
 
 # -----------------------------------------------------------------------------
@@ -100,9 +113,8 @@ def test_score_independent_of_padding(tiny_rm):
     alone = common.reward_scores(model, torch.tensor([seq]), torch.ones(1, len(seq), dtype=torch.long))
     for side in ("left", "right"):
         ids, mask = common.pad([seq, longer], tok.pad_token_id, side=side)
-        for padding_left in (False, True):
-            scores = common.reward_scores(model, ids, mask, padding_left)
-            torch.testing.assert_close(scores[0], alone[0], atol=1e-5, rtol=0)
+        scores = common.reward_scores(model, ids, mask)
+        torch.testing.assert_close(scores[0], alone[0], atol=1e-5, rtol=0)
     assert abs(alone.item()) > 1e-3  # the comparison means something
 
 
@@ -111,9 +123,8 @@ def test_concatenated_pair_forward_equals_separate(tiny_rm):
     tok, model = tiny_rm
     prompts = ["sort 3 1 2 =", "sort 9 9 1 0 =", "sort 5 5 5 ="]
     chosen, rejected = [" 1 2 3", " 0 1 9 9", " 5 5 5"], [" 3 2", " 0 1 9", " 5 5 5 5 5 5"]
-    pairs = reward.encode_pairs({"prompt": prompts, "chosen": chosen, "rejected": rejected}, tok,
-                                reward.Config(), "test")
-    scores = reward.score_pairs(model, pairs, tok.pad_token_id, D, batch_size=2, padding_left=False)  # (3, 2)
+    pairs = data.encode_pairs({"prompt": prompts, "chosen": chosen, "rejected": rejected}, tok, 64, 32, "test")
+    scores = reward.score_pairs(model, pairs, tok.pad_token_id, D, batch_size=2)  # (3, 2)
     for i, (p, c, r) in enumerate(zip(prompts, chosen, rejected)):
         for j, resp in enumerate((c, r)):
             ids = tok(p)["input_ids"] + tok(resp)["input_ids"] + [tok.eos_token_id]
@@ -147,7 +158,7 @@ def test_normalization_uses_the_population_std_of_known_scores(tiny_rm, monkeypa
     scores = [1.0, 2.0, 3.0, 4.0, 10.0]  # mean 4; squared deviations 9 4 1 0 36, population variance 50 / 5 = 10
     fed = iter(scores)
 
-    def known_scores(model, ids, attn, padding_left=False):
+    def known_scores(model, ids, attn):
         return torch.tensor([next(fed) for _ in range(len(ids))])  # the next scores, one per row
 
     monkeypatch.setattr(common, "reward_scores", known_scores)
@@ -194,7 +205,7 @@ def test_reward_script_tiny(base_run):
 
     model = AutoModelForSequenceClassification.from_pretrained(out / "checkpoint")
     tok = AutoTokenizer.from_pretrained(out / "checkpoint")
-    assert model.config.num_labels == 1 and model.config.reward_padding_left is False
+    assert model.config.num_labels == 1
     norm = [r for r in rows if "normalize/gain" in r][0]
     assert model.config.reward_gain == pytest.approx(norm["normalize/gain"])
     assert model.config.reward_bias == pytest.approx(norm["normalize/bias"])

@@ -15,6 +15,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
 
 import common
+import sampling
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 V, PAD, EOS = 16, 0, 1
@@ -62,15 +63,15 @@ def _hf_greedy(model, ids, mask, n):
 def test_greedy_matches_hf_generate(name):
     model = MODELS[name]()
     ids, mask = common.pad(PROMPTS, PAD, side="left")
-    ours, ours_mask = common.generate(model, ids, mask, 24, EOS, PAD, temperature=0)
+    ours, ours_mask = sampling.generate(model, ids, mask, 24, EOS, PAD, temperature=0)
     ref = _hf_greedy(model, ids, mask, 24)
     assert torch.equal(ours, ref[:, :ours.shape[1]])
     # with no EOS, every row runs to the end
-    ours, ours_mask = common.generate(model, ids, mask, 24, -1, PAD, temperature=0)
+    ours, ours_mask = sampling.generate(model, ids, mask, 24, -1, PAD, temperature=0)
     assert ours.shape == (len(PROMPTS), 24) and ours_mask.all()
 
 
-def _reference_loop(model, prompts, n, eos_id, stop_ids, generator, **sampling):
+def _reference_loop(model, prompts, n, eos_id, stop_ids, generator, **knobs):
     """A sampler without a cache: the whole sequence through the model for every token."""
     rows = [list(p) for p in prompts]
     done = [False] * len(rows)
@@ -78,7 +79,7 @@ def _reference_loop(model, prompts, n, eos_id, stop_ids, generator, **sampling):
     for _ in range(n):
         ids, mask = common.pad(rows, PAD, side="left")
         logits = model(input_ids=ids, attention_mask=mask, position_ids=common.position_ids_from_mask(mask)).logits
-        tok = common.sample_token(logits[:, -1], generator=generator, **sampling).tolist()
+        tok = sampling.sample_token(logits[:, -1], generator=generator, **knobs).tolist()
         for i, t in enumerate(tok):
             out[i].append(PAD if done[i] else t)
             out_mask[i].append(0 if done[i] else 1)
@@ -90,16 +91,16 @@ def _reference_loop(model, prompts, n, eos_id, stop_ids, generator, **sampling):
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
-@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_k=5), dict(top_p=0.8)])
-def test_sampling_matches_a_cache_free_loop_draw_for_draw(name, sampling):
+@pytest.mark.parametrize("knobs", [dict(temperature=1.0), dict(temperature=0.7, top_k=5), dict(top_p=0.8)])
+def test_sampling_matches_a_cache_free_loop_draw_for_draw(name, knobs):
     model = MODELS[name]()
     ids, mask = common.pad(PROMPTS, PAD, side="left")
     stop_ids = (4, 9)  # with V = 16, rows stop early, at different steps
     with torch.no_grad():
         want, want_mask = _reference_loop(model, PROMPTS, 20, EOS, stop_ids, torch.Generator().manual_seed(1),
-                                          **sampling)
-    got, got_mask = common.generate(model, ids, mask, 20, EOS, PAD, stop_ids=stop_ids,
-                                    generator=torch.Generator().manual_seed(1), **sampling)
+                                          **knobs)
+    got, got_mask = sampling.generate(model, ids, mask, 20, EOS, PAD, stop_ids=stop_ids,
+                                      generator=torch.Generator().manual_seed(1), **knobs)
     assert torch.equal(got, want) and torch.equal(got_mask, want_mask)
 
 
@@ -107,7 +108,7 @@ def test_stop_tokens_are_kept_and_everything_after_is_masked():
     model = _gpt2()
     ids, mask = common.pad(PROMPTS * 8, PAD, side="left")
     stop_ids = (4, 9)
-    out, out_mask = common.generate(model, ids, mask, 30, EOS, PAD, stop_ids=stop_ids,
+    out, out_mask = sampling.generate(model, ids, mask, 30, EOS, PAD, stop_ids=stop_ids,
                                     generator=torch.Generator().manual_seed(0))
     lengths = out_mask.sum(1)
     for row, m, n in zip(out.tolist(), out_mask.tolist(), lengths.tolist()):
@@ -125,7 +126,7 @@ def test_early_exit_and_one_prefill_per_distinct_prompt():
     model.register_forward_pre_hook(lambda m, args, kwargs: batches.append(kwargs["input_ids"].shape), with_kwargs=True)
     prompts = [p for p in PROMPTS for _ in range(4)]  # G = 4 samples per prompt
     ids, mask = common.pad(prompts, PAD, side="left")
-    out, out_mask = common.generate(model, ids, mask, 50, EOS, PAD, stop_ids=tuple(range(2, V)),
+    out, out_mask = sampling.generate(model, ids, mask, 50, EOS, PAD, stop_ids=tuple(range(2, V)),
                                     generator=torch.Generator().manual_seed(0))
     distinct = len({tuple(p) for p in PROMPTS})
     assert batches[0] == (distinct, ids.shape[1])  # the prefill sees each distinct prompt once
@@ -166,7 +167,7 @@ def test_sample_token_distribution(T, top_k, top_p):
         keep[order[before > top_p]] = False
     want = torch.where(keep, probs, 0.0)
     want = want / want.sum()
-    draws = common.sample_token(logits.expand(20000, V), T, top_k, top_p, torch.Generator().manual_seed(3))
+    draws = sampling.sample_token(logits.expand(20000, V), T, top_k, top_p, torch.Generator().manual_seed(3))
     _assert_counts_match(torch.bincount(draws, minlength=V).double(), want)
 
 
@@ -174,7 +175,7 @@ def test_first_token_of_generate_follows_the_model():
     model = _neox()
     prompt = [5, 6, 7, 8]
     ids, mask = common.pad([prompt] * 20000, PAD, side="left")
-    out, _ = common.generate(model, ids, mask, 1, EOS, PAD, temperature=0.8, generator=torch.Generator().manual_seed(4))
+    out, _ = sampling.generate(model, ids, mask, 1, EOS, PAD, temperature=0.8, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         logits = model(torch.tensor([prompt])).logits[0, -1]
     _assert_counts_match(torch.bincount(out[:, 0], minlength=V).double(), torch.softmax(logits / 0.8, -1))
@@ -184,14 +185,14 @@ def test_sample_token_refuses_nan_logits():
     logits = torch.zeros(2, V)
     logits[1, 3] = float("nan")
     with pytest.raises(RuntimeError, match="NaN"):
-        common.sample_token(logits)
+        sampling.sample_token(logits)
 
 
 def test_compiled_step_matches_eager():
     model = _gpt2(n_layer=1)  # compiling takes ~10 s whatever the size: tracing dominates
     ids, mask = common.pad(PROMPTS, PAD, side="left")
-    eager, eager_mask = common.generate(model, ids, mask, 12, EOS, PAD, temperature=0)
-    compiled, compiled_mask = common.generate(model, ids, mask, 12, EOS, PAD, temperature=0, compile=True)
+    eager, eager_mask = sampling.generate(model, ids, mask, 12, EOS, PAD, temperature=0)
+    compiled, compiled_mask = sampling.generate(model, ids, mask, 12, EOS, PAD, temperature=0, compile=True)
     assert torch.equal(compiled, eager) and torch.equal(compiled_mask, eager_mask)
 
 
@@ -206,7 +207,7 @@ def _fsdp_worker():
     n, stop_ids = (6, ()) if d.rank == 0 else (30, (4, 9))
 
     def sampled(m):
-        return common.generate(m, ids, mask, n, -1, PAD, stop_ids=stop_ids, generator=torch.Generator().manual_seed(0))
+        return sampling.generate(m, ids, mask, n, -1, PAD, stop_ids=stop_ids, generator=torch.Generator().manual_seed(0))
 
     with common.unsharded(model):
         got = sampled(model)
@@ -245,15 +246,15 @@ def test_rollout_uniforms_make_samples_independent_of_how_rows_are_split():
     to its own length), gives the same tokens. A per-call generator would not."""
     model = _gpt2()
     n = 12
-    u = common.rollout_uniforms(len(PROMPTS), n, seed=3)
-    whole = common.generate(model, *common.pad(PROMPTS, PAD, side="left"), n, EOS, PAD, uniforms=u)
-    halves = [common.generate(model, *common.pad(PROMPTS[s], PAD, side="left"), n, EOS, PAD, uniforms=u[s])
+    u = sampling.rollout_uniforms(len(PROMPTS), n, seed=3)
+    whole = sampling.generate(model, *common.pad(PROMPTS, PAD, side="left"), n, EOS, PAD, uniforms=u)
+    halves = [sampling.generate(model, *common.pad(PROMPTS[s], PAD, side="left"), n, EOS, PAD, uniforms=u[s])
               for s in (slice(0, 2), slice(2, None))]
     for i, (tok, m) in enumerate(zip(*whole)):
         h, j = (0, i) if i < 2 else (1, i - 2)
         got_tok, got_m = halves[h][0][j], halves[h][1][j]
         assert tok[m.bool()].tolist() == got_tok[got_m.bool()].tolist(), i
-    assert not torch.equal(u, common.rollout_uniforms(len(PROMPTS), n, seed=4))
-    gen = [common.generate(model, *common.pad(PROMPTS[s], PAD, side="left"), n, EOS, PAD,
+    assert not torch.equal(u, sampling.rollout_uniforms(len(PROMPTS), n, seed=4))
+    gen = [sampling.generate(model, *common.pad(PROMPTS[s], PAD, side="left"), n, EOS, PAD,
                            generator=torch.Generator().manual_seed(3)) for s in (slice(0, 2), slice(2, None))]
     assert gen[1][0][0].tolist() != whole[0][2][:gen[1][0].shape[1]].tolist()

@@ -10,7 +10,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common
+import data
 import sft
+import tasks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = ["--n_train", "256", "--n_eval", "8", "--batch_size", "8", "--max_response_len", "20", "--warmup_steps", "2"]
@@ -42,8 +44,8 @@ def metrics(out_dir):
 
 
 def test_loss_mask_covers_exactly_the_completion_and_eos():
-    tok = common.char_tokenizer()
-    ds = common.load_data("sort", "train", ["prompt", "completion"], kind="sft", n=4, seed=0)
+    tok = tasks.char_tokenizer()
+    ds = data.load_data("sort", "train", ["prompt", "completion"], kind="sft", n=4, seed=0)
     cfg = sft.Config(max_prompt_len=64, max_response_len=32)
     prompts, completions = sft.encode_sft(ds, tok, cfg)
     ids, attn, resp = sft.make_batch(prompts, completions, [0, 1, 2, 3], tok.pad_token_id, "cpu")
@@ -62,10 +64,10 @@ def test_accumulated_loss_equals_the_full_batch_token_mean():
     mask = (torch.rand(6, 5, generator=g) > 0.3).double()
     full = -(logps * mask).sum() / mask.sum()  # naive token mean of the whole batch
     n = mask.sum()
-    parts = sum(sft.sft_loss(logps[i:i + 2], mask[i:i + 2], n) for i in range(0, 6, 2))
+    parts = sum(sft.sft_loss(logps[i:i + 2], mask[i:i + 2], n)[0] for i in range(0, 6, 2))
     torch.testing.assert_close(parts, full)
     # a per-micro-batch mean (the classic bug) would differ whenever token counts differ
-    naive = sum(sft.sft_loss(logps[i:i + 2], mask[i:i + 2], mask[i:i + 2].sum()) for i in range(0, 6, 2)) / 3
+    naive = sum(sft.sft_loss(logps[i:i + 2], mask[i:i + 2], mask[i:i + 2].sum())[0] for i in range(0, 6, 2)) / 3
     assert abs(naive - full) > 1e-4
 
 

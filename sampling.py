@@ -1,0 +1,241 @@
+"""The sampler: a lean KV-cached loop for rollouts and greedy evaluation (what
+model.generate() does, minus its per-step overhead), shared by grpo.py, reward.py's
+normalisation and every script's evaluation. Its speed against model.generate:
+bench/sampler.py; its correctness: tests/test_sampler.py.
+"""
+import weakref
+
+import torch
+
+import common
+import data
+
+
+def rollout_uniforms(n_rows, n_tokens, seed):
+    """U(0, 1) draws (n_rows, n_tokens), float64, one per row and sampled token of a global batch.
+
+    Each rank indexes its own rows, so a row's samples depend on its global index and not on
+    the number of ranks: 1 process and 8 draw the same rollout (tests/test_grpo.py). Costs 8
+    bytes per row and token on every rank.
+    """
+    return torch.rand(n_rows, n_tokens, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+NAN_LOGITS = "sample_token: logits with NaN or +inf, or all -inf (a diverged model, or a bad --top_k/--top_p mask)"
+
+
+def sample_token(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None, u=None, bad=None):
+    """One token per row from (B, V) logits; temperature 0 means greedy.
+
+    Draws by inverting the CDF with one uniform number per row (`u`, (B,), or drawn from
+    `generator`). torch.multinomial (like the Gumbel trick) draws one random number per
+    vocabulary entry, which is slow on CPU: for 64 rows of GPT-2's 50257 tokens it takes 3x as
+    long (bench/sampler.py). The CDF is summed in float64 so that it stays exact over a large
+    vocabulary. Logits that are not finite raise RuntimeError; with `bad` (a bool tensor on the
+    device) they set it instead, and generate raises after its loop.
+    """
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits.float() if temperature == 1.0 else logits.float() / temperature
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) > top_p  # keep the smallest set reaching top_p
+        logits = logits.masked_fill(drop.scatter(1, idx, drop), float("-inf"))
+    cdf = logits.softmax(-1).double().cumsum(-1)  # (B, V)
+    total = cdf[:, -1:]  # (B, 1) ~1; NaN if a row had no finite logit
+    finite = torch.isfinite(total).all()
+    if bad is None:  # a direct call: check now (one host sync)
+        if not finite:
+            raise RuntimeError(NAN_LOGITS)
+    else:  # inside generate: record on the device, checked once at the end (no sync per token)
+        bad.logical_or_(~finite)
+    if u is None:
+        u = torch.rand(total.shape, dtype=torch.float64, device=cdf.device, generator=generator)
+    u = u.view(-1, 1).to(cdf) * total
+    # the first CDF entry above u: zero-probability tokens (top-k / top-p) span no interval and
+    # are never drawn; u is kept below total in case u * total rounds up to it
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
+    # clamped: a NaN row would give index V, an out-of-range id that the next forward's embedding
+    # lookup turns into a CUDA device-side assert (which leaves the context unusable)
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
+
+
+def _next_logits(model, input_ids, attention_mask, position_ids, cache, kw):
+    """(B, T) ids through the model with a KV cache -> (B, V) logits of the token after them."""
+    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                 past_key_values=cache, use_cache=True, **kw).logits[:, -1]
+
+
+def _next_logits_unfused(model, *args):
+    """_next_logits with attention as matmul -> softmax -> matmul (SDPA's math backend), which
+    inductor fuses on CPU: faster than the CPU flash kernel (bench/results/sampler-*.json)."""
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        return _next_logits(model, *args)
+
+
+_compiled = {}  # torch.compile of the step, made once; dynamo keeps a graph per model and shape
+
+
+def _step_fn(compile, device):
+    """The decode step: eager, or compiled. On CUDA the compiled step is also captured as a CUDA
+    graph ("reduce-overhead"): decoding a small model is bound by kernel launches (hundreds per
+    token), which one graph replay replaces. The graph reads the static cache in place, so the
+    cache must keep its addresses from call to call (_decode_cache)."""
+    if not compile:
+        return _next_logits
+    fn = _next_logits_unfused if device.type == "cpu" else _next_logits
+    if fn not in _compiled:
+        mode = "reduce-overhead" if device.type == "cuda" else None
+        _compiled[fn] = torch.compile(fn, dynamic=False, mode=mode)
+    return _compiled[fn]
+
+
+_DECODE_CACHES = weakref.WeakKeyDictionary()  # model -> {(rows, length): StaticCache}, for compiled decoding
+
+
+def _decode_cache(model, B, L, persistent):
+    """A static KV cache of B rows and L slots, or None when the model has sliding-window or other
+    non-plain layers (they are prefilled straight into a fresh cache instead). With `persistent`
+    (compiled decoding) the cache of each (B, L) is made once per model and overwritten in place
+    by every later rollout, so the captured graph's addresses stay valid (at most 4 per model)."""
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
+
+    caches = _DECODE_CACHES.setdefault(model, {}) if persistent else {}
+    if (B, L) in caches:
+        return caches[B, L]
+    cache = StaticCache(config=model.config, max_cache_len=L)
+    if not all(type(layer) is StaticLayer for layer in cache.layers):
+        return None
+    if persistent:
+        if len(caches) >= 4:
+            caches.pop(next(iter(caches)))
+        caches[B, L] = cache
+    return cache
+
+
+def _fill_cache(cache, prefill, inverse, P):
+    """Copy the prefill's keys and values (U distinct prompts, P tokens) into slots [0, P) of the
+    static cache, row i taking prompt inverse[i]; in place, so the cache keeps its addresses."""
+    for dst, src in zip(cache.layers, prefill.layers):
+        k, v = (src.keys, src.values) if inverse is None else (src.keys[inverse], src.values[inverse])
+        if not dst.is_initialized or dst.keys.dtype != k.dtype:
+            dst.lazy_initialization(k[:, :, :0], v[:, :, :0])
+        dst.keys[:, :, :P].copy_(k)
+        dst.values[:, :, :P].copy_(v)
+        dst.cumulative_length.fill_(P)
+
+
+@torch.no_grad()
+def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, temperature=1.0, top_k=0,
+             top_p=1.0, stop_ids=(), generator=None, compile=False, uniforms=None):
+    """Sample responses for left-padded prompts with a KV cache.
+
+    Random numbers come from `generator`, or from `uniforms` (B, >= max_new_tokens): column t
+    draws token t of each row (rollout_uniforms; the same rollout on any number of ranks).
+
+    Returns response ids (B, R) right-padded with pad_id, and response_mask (B, R) that is 1
+    up to and including the first EOS (or stop token). R <= max_new_tokens; the loop ends
+    early once every row has stopped. Only local forwards: under FSDP call it inside
+    `unsharded(model)`, and ranks may stop at different steps.
+
+    Greedy output is identical to model.generate's. Speed against it: bench/sampler.py.
+    1. each distinct prompt is prefilled once and its keys/values copied to its repeats (GRPO
+       samples every prompt G times): the eager gain;
+    2. a static KV cache written in place: no concatenation per step, and the fixed shapes
+       and addresses that torch.compile and CUDA graphs need; mask and positions of the whole
+       response are built once; on a GPU, whether every row has stopped is read every 8 tokens
+       (each read waits for the GPU to drain), not after every token;
+    3. compile=True: the decode step under torch.compile (on CPU with SDPA's math backend,
+       which inductor fuses; on CUDA replayed as a CUDA graph). Compiling takes 10-60 s, once
+       per process, model and shape (batch size, cache length): it pays over the many rollouts
+       of a run, not for one call. The cache length is rounded up so that nearby prompt lengths
+       share a graph; dynamo keeps up to torch._dynamo.config.recompile_limit (8) graphs.
+    Under autocast the fp32 weights are cast to bf16 once per rollout, not per token (autocast
+    caches the casts of leaf parameters within its region).
+    """
+    B, P = prompt_ids.shape
+    device = prompt_ids.device
+    L = P + max_new_tokens
+    if compile:  # round up to a multiple of L/8 to L/4 (54 -> 56, 300 -> 320)
+        q = max(8, 2 ** (L.bit_length() - 3))
+        L = -(-L // q) * q
+    kw = dict(logits_to_keep=1) if common._accepts(model, "logits_to_keep") else {}
+    stops = torch.tensor([eos_id, *stop_ids], device=device)
+    uniforms = None if uniforms is None else uniforms.to(device)
+
+    # 1. prefill the distinct prompts, then give each row its prompt's keys and values
+    rows, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], 1), dim=0, return_inverse=True)
+    dedup = len(rows) < B
+    ids, mask = (rows[:, :P], rows[:, P:]) if dedup else (prompt_ids, prompt_mask)
+    cache = _decode_cache(model, B, L, persistent=compile)
+    if cache is None:  # sliding-window layers: prefill into a fresh static cache, then reorder it
+        from transformers import StaticCache
+
+        cache = StaticCache(config=model.config, max_cache_len=L)
+        logits = _next_logits(model, ids, mask, common.position_ids_from_mask(mask), cache, kw)  # (U, V)
+        if dedup:
+            cache.reorder_cache(inverse)
+    else:
+        out = model(input_ids=ids, attention_mask=mask, position_ids=common.position_ids_from_mask(mask), use_cache=True, **kw)
+        logits = out.logits[:, -1]  # (U, V)
+        _fill_cache(cache, out.past_key_values, inverse if dedup else None, P)
+        del out
+    if dedup:
+        logits = logits[inverse]  # (B, V)
+
+    # 2. decode; slots of the static cache past the current token are hidden by the causal mask
+    mask = torch.cat([prompt_mask, prompt_mask.new_ones(B, L - P)], 1)  # (B, L)
+    pos = prompt_mask.sum(-1, keepdim=True)  # (B, 1) position of the first response token
+    step = _step_fn(compile, device)
+    graphs = compile and device.type == "cuda"
+    check_every = 8 if device.type == "cuda" else 1
+    tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    response_mask = torch.zeros((B, max_new_tokens), dtype=torch.long, device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    bad = torch.zeros((), dtype=torch.bool, device=device)  # any row with non-finite logits
+    for t in range(max_new_tokens):
+        u = None if uniforms is None else uniforms[:, t]
+        tok = sample_token(logits, temperature, top_k, top_p, generator, u, bad).masked_fill(done, pad_id)
+        tokens[:, t] = tok
+        response_mask[:, t] = ~done  # the stop token itself counts
+        done = done | torch.isin(tok, stops)
+        if t == max_new_tokens - 1 or (t % check_every == check_every - 1 and done.all()):
+            break
+        if graphs:  # each step's logits are read before the next replay overwrites them
+            torch.compiler.cudagraph_mark_step_begin()
+        logits = step(model, tok[:, None], mask, pos + t, cache, kw)
+    if bad:
+        raise RuntimeError(NAN_LOGITS)
+    R = int(response_mask.any(0).sum())  # the longest response: its columns are the first R
+    return tokens[:, :R], response_mask[:, :R]
+
+
+def decode_responses(tokenizer, response_ids, response_mask):
+    """Text of each sampled response, without EOS or padding. One transfer from the device for
+    the whole batch, not one per row."""
+    ids, mask = response_ids.tolist(), response_mask.tolist()
+    return [tokenizer.decode([t for t, m in zip(row, keep) if m], skip_special_tokens=True)
+            for row, keep in zip(ids, mask)]
+
+
+def evaluate_generations(model, tokenizer, prompts, reward_fn, d, max_prompt_len, max_new_tokens, batch_size=256):
+    """Greedy answers to held-out prompts, scored by a gold reward: mean reward and the share
+    of exact answers (reward 1)."""
+    def score(rows):
+        texts = [prompts[i] for i in rows]
+        p_ids, p_mask = common.pad(data.encode_prompts(tokenizer, texts, max_prompt_len)[0], tokenizer.pad_token_id, side="left")
+        with common.autocast(d):
+            r_ids, r_mask = generate(model, p_ids.to(d.device), p_mask.to(d.device), max_new_tokens,
+                                     tokenizer.eos_token_id, tokenizer.pad_token_id, temperature=0)
+        rewards = [reward_fn(p, c) for p, c in zip(texts, decode_responses(tokenizer, r_ids, r_mask))]
+        return torch.tensor([[r, float(r == 1.0)] for r in rewards], dtype=torch.float64, device=d.device)
+
+    with common.evaluating(model, gather=True):
+        r = common.map_rows(score, len(prompts), d, batch_size)  # (n, 2)
+    gold, exact = r.mean(0).tolist()
+    return {"eval/gold_reward": gold, "eval/exact_match": exact}
