@@ -11,7 +11,8 @@ block right-padded to R tokens, with no padding in the middle:
     response_mask   (B, R)                        [ 1  1  1   0 ]
 
 GPT-2 has absolute position embeddings and does not derive position ids from the attention
-mask, so every forward passes position_ids = cumsum(mask) - 1 (REFERENCE.md).
+mask, so every forward passes position_ids = cumsum(mask) - 1 (tests/test_common.py::
+test_left_padded_batch_matches_rows_alone shows the log-probs change without them).
 
 Three rules every script follows, so that the scripts differ only in their math:
 1. Loss: a loss function takes the global-batch denominator (tokens or pairs over all
@@ -511,7 +512,7 @@ def load_model(name, tokenizer, kind="causal", dtype=torch.float32, trust_remote
     if name == "tiny":
         import tasks
 
-        model = auto.from_config(tasks.tiny_gpt2_config(tokenizer, **extra), dtype=dtype)
+        model = auto.from_config(tasks.char_gpt2_config(tokenizer, **extra), dtype=dtype)
     else:
         model = auto.from_pretrained(resolve_checkpoint(name), dtype=dtype, use_safetensors=True,
                                      trust_remote_code=trust_remote_code, **extra)

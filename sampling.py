@@ -29,8 +29,8 @@ def sample_token(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None, u=
 
     Draws by inverting the CDF with one uniform number per row (`u`, (B,), or drawn from
     `generator`). torch.multinomial (like the Gumbel trick) draws one random number per
-    vocabulary entry, which is slow on CPU: for 64 rows of GPT-2's 50257 tokens it takes 3x as
-    long (bench/sampler.py). The CDF is summed in float64 so that it stays exact over a large
+    vocabulary entry, which is slow on CPU for a vocabulary of GPT-2's size (bench/sampler.py
+    measures both). The CDF is summed in float64 so that it stays exact over a large
     vocabulary. Logits that are not finite raise RuntimeError; with `bad` (a bool tensor on the
     device) they set it instead, and generate raises after its loop.
     """

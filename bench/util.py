@@ -116,7 +116,7 @@ SHAPES = {
 def model_config(shape, tokenizer):
     if shape not in SHAPES:
         raise SystemExit(f"model {shape!r} is not one of {sorted(SHAPES)}")
-    return tasks.tiny_gpt2_config(tokenizer, **SHAPES[shape])
+    return tasks.char_gpt2_config(tokenizer, **SHAPES[shape])
 
 
 def random_model(shape, seed=0):

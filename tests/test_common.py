@@ -238,7 +238,7 @@ def test_char_tokenizer_round_trips(tmp_path):
 
 def test_tokenizer_that_does_not_match_the_model_is_refused(tmp_path):
     tok = tasks.char_tokenizer()
-    small = tasks.tiny_gpt2_config(tok)
+    small = tasks.char_gpt2_config(tok)
     small.vocab_size = 40
     AutoModelForCausalLM.from_config(small).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="does not match the model"):
