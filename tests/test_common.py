@@ -1,5 +1,4 @@
 """Tests of common.py: config parsing, padding and positions, log-probs, sampling, loading."""
-import json
 import os
 from dataclasses import dataclass
 
@@ -8,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common
+from helpers import write_jsonl
 
 
 # -----------------------------------------------------------------------------
@@ -265,16 +265,9 @@ def test_save_checkpoint_replaces_atomically_and_loads(tmp_path, tiny):
         model.transformer.ln_f.bias.sub_(1.0)
 
 
-def _write_jsonl(path, rows):
-    with open(path, "w") as f:
-        for r in rows:
-            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
-    return str(path)
-
-
 def test_load_data_local_jsonl_and_parquet(tmp_path):
     rows = [{"prompt": f"p{i}", "completion": f" c{i}", "extra": i} for i in range(5)]
-    ds = common.load_data(_write_jsonl(tmp_path / "d.jsonl", rows), "train", ["prompt", "completion"])
+    ds = common.load_data(write_jsonl(tmp_path / "d.jsonl", rows), "train", ["prompt", "completion"])
     assert ds["prompt"] == [r["prompt"] for r in rows] and ds["completion"] == [r["completion"] for r in rows]
     ds.to_parquet(str(tmp_path / "d.parquet"))
     again = common.load_data(str(tmp_path / "d.parquet"), "train", ["prompt", "completion"])
@@ -296,7 +289,7 @@ def test_load_data_embedded_task():
     ([], r"d\.jsonl"),
 ])
 def test_load_data_bad_rows_name_file_row_and_field(tmp_path, rows, match):
-    path = _write_jsonl(tmp_path / "d.jsonl", rows)
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
     with pytest.raises(ValueError, match=match):
         common.load_data(path, "train", ["prompt", "completion"])
 

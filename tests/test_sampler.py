@@ -7,27 +7,16 @@ against softmax(logits / T) by a chi-square test; top-k / top-p, stop tokens, ea
 import copy
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
 
 import common
+from helpers import ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, run_script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 V, PAD, EOS = 16, 0, 1
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Models this small gain nothing from a second thread, and a busy machine makes OpenMP
-    threads wait on each other (100x slower here while other jobs ran)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _gpt2(n_layer=2):
@@ -228,9 +217,8 @@ def _fsdp_worker():
 
 
 def test_generate_under_fsdp2_with_ranks_stopping_at_different_steps():
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": ROOT}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        os.path.abspath(__file__)], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    r = run_script([os.path.abspath(__file__)], nproc=2,
+                   env={**SUBPROCESS_ENV_NO_TOKENIZER_THREADS, "PYTHONPATH": ROOT})
     assert r.returncode == 0, r.stdout[-1000:] + r.stderr[-3000:]
     assert "fsdp ok" in r.stdout
 
