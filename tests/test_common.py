@@ -188,35 +188,6 @@ def test_response_logprobs_match_a_full_forward(tiny):
 # sampling
 
 
-def test_greedy_generate_matches_hf_generate(tiny):
-    model, tok = tiny
-    prompts, _ = _rows(tok)
-    ids, mask = common.pad(prompts, tok.pad_token_id, side="left")
-    ours, ours_mask = common.generate(model, ids, mask, 12, tok.eos_token_id, tok.pad_token_id, temperature=0)
-    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
-    assert torch.equal(ours, ref[:, :ours.shape[1]])
-    # top_k=1 sampling is greedy
-    topk1, _ = common.generate(model, ids, mask, 12, tok.eos_token_id, tok.pad_token_id, temperature=1.0, top_k=1)
-    assert torch.equal(topk1, ours)
-
-
-def test_generate_masks_everything_after_the_stop_token(tiny):
-    model, tok = tiny
-    prompts, _ = _rows(tok)
-    ids, mask = common.pad(prompts, tok.pad_token_id, side="left")
-    g = torch.Generator().manual_seed(0)
-    stop = tok.convert_tokens_to_ids("3")
-    out, out_mask = common.generate(model, ids, mask, 20, tok.eos_token_id, tok.pad_token_id, stop_ids=[stop], generator=g)
-    for row, m in zip(out.tolist(), out_mask.tolist()):
-        n = sum(m)
-        assert m == [1] * n + [0] * (len(m) - n)  # a prefix
-        assert all(t == tok.pad_token_id for t in row[n:])
-        stops = [i for i, t in enumerate(row[:n]) if t in (stop, tok.eos_token_id)]
-        assert stops in ([], [n - 1])  # the first stop token is the last kept one
-        assert stops or n == len(m)
-
-
 def test_sample_token_top_p_keeps_the_nucleus():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     g = torch.Generator().manual_seed(0)

@@ -54,6 +54,10 @@ def test_greedy_matches_hf_generate(name):
     ours, ours_mask = common.generate(model, ids, mask, 24, EOS, PAD, temperature=0)
     ref = _hf_greedy(model, ids, mask, 24)
     assert torch.equal(ours, ref[:, :ours.shape[1]])
+    # top_k=1 sampling at temperature 1 is greedy too, whatever the random numbers
+    top1, top1_mask = common.generate(model, ids, mask, 24, EOS, PAD, temperature=1.0, top_k=1,
+                                      generator=torch.Generator().manual_seed(0))
+    assert torch.equal(top1, ours) and torch.equal(top1_mask, ours_mask)
     # with no EOS, every row runs to the end
     ours, ours_mask = common.generate(model, ids, mask, 24, -1, PAD, temperature=0)
     assert ours.shape == (len(PROMPTS), 24) and ours_mask.all()
@@ -95,7 +99,7 @@ def test_sampling_matches_a_cache_free_loop_draw_for_draw(name, sampling):
 def test_stop_tokens_are_kept_and_everything_after_is_masked():
     model = _gpt2()
     ids, mask = common.pad(PROMPTS * 8, PAD, side="left")
-    stop_ids = (4, 9)
+    stop_ids = [4, 9]  # a list, as grpo.py passes its truncate token; both occur in PROMPTS, where they stop nothing
     out, out_mask = common.generate(model, ids, mask, 30, EOS, PAD, stop_ids=stop_ids,
                                     generator=torch.Generator().manual_seed(0))
     lengths = out_mask.sum(1)
