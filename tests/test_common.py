@@ -1,5 +1,4 @@
 """Tests of common.py: config parsing, padding and positions, log-probs, sampling, loading."""
-import json
 import os
 from dataclasses import dataclass
 
@@ -11,6 +10,7 @@ import common
 import data
 import sampling
 import tasks
+from helpers import write_jsonl
 
 
 # -----------------------------------------------------------------------------
@@ -183,35 +183,6 @@ def test_response_logprobs_match_a_full_forward(tiny):
 # sampling
 
 
-def test_greedy_generate_matches_hf_generate(tiny):
-    model, tok = tiny
-    prompts, _ = _rows(tok)
-    ids, mask = common.pad(prompts, tok.pad_token_id, side="left")
-    ours, ours_mask = sampling.generate(model, ids, mask, 12, tok.eos_token_id, tok.pad_token_id, temperature=0)
-    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
-    assert torch.equal(ours, ref[:, :ours.shape[1]])
-    # top_k=1 sampling is greedy
-    topk1, _ = sampling.generate(model, ids, mask, 12, tok.eos_token_id, tok.pad_token_id, temperature=1.0, top_k=1)
-    assert torch.equal(topk1, ours)
-
-
-def test_generate_masks_everything_after_the_stop_token(tiny):
-    model, tok = tiny
-    prompts, _ = _rows(tok)
-    ids, mask = common.pad(prompts, tok.pad_token_id, side="left")
-    g = torch.Generator().manual_seed(0)
-    stop = tok.convert_tokens_to_ids("3")
-    out, out_mask = sampling.generate(model, ids, mask, 20, tok.eos_token_id, tok.pad_token_id, stop_ids=[stop], generator=g)
-    for row, m in zip(out.tolist(), out_mask.tolist()):
-        n = sum(m)
-        assert m == [1] * n + [0] * (len(m) - n)  # a prefix
-        assert all(t == tok.pad_token_id for t in row[n:])
-        stops = [i for i, t in enumerate(row[:n]) if t in (stop, tok.eos_token_id)]
-        assert stops in ([], [n - 1])  # the first stop token is the last kept one
-        assert stops or n == len(m)
-
-
 def test_sample_token_top_p_keeps_the_nucleus():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     g = torch.Generator().manual_seed(0)
@@ -260,16 +231,9 @@ def test_save_checkpoint_replaces_atomically_and_loads(tmp_path, tiny):
         model.transformer.ln_f.bias.sub_(1.0)
 
 
-def _write_jsonl(path, rows):
-    with open(path, "w") as f:
-        for r in rows:
-            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
-    return str(path)
-
-
 def test_load_data_local_jsonl_and_parquet(tmp_path):
     rows = [{"prompt": f"p{i}", "completion": f" c{i}", "extra": i} for i in range(5)]
-    ds = data.load_data(_write_jsonl(tmp_path / "d.jsonl", rows), "train", ["prompt", "completion"])
+    ds = data.load_data(write_jsonl(tmp_path / "d.jsonl", rows), "train", ["prompt", "completion"])
     assert ds["prompt"] == [r["prompt"] for r in rows] and ds["completion"] == [r["completion"] for r in rows]
     ds.to_parquet(str(tmp_path / "d.parquet"))
     again = data.load_data(str(tmp_path / "d.parquet"), "train", ["prompt", "completion"])
@@ -291,7 +255,7 @@ def test_load_data_embedded_task():
     ([], r"d\.jsonl"),
 ])
 def test_load_data_bad_rows_name_file_row_and_field(tmp_path, rows, match):
-    path = _write_jsonl(tmp_path / "d.jsonl", rows)
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
     with pytest.raises(ValueError, match=match):
         data.load_data(path, "train", ["prompt", "completion"])
 

@@ -5,22 +5,20 @@ import sys
 
 import torch
 
-import test_dpo
-import test_reward
-import test_robustness
-import test_sft
+from helpers import SUBPROCESS_ENV, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, run_script
 
 
 def test_tests_and_the_processes_they_launch_see_no_gpu():
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     assert visible == ""
     assert not torch.cuda.is_available()
-    for env in (test_dpo.ENV, test_reward.ENV, test_robustness.ENV):  # built at import, from os.environ
+    for env in (SUBPROCESS_ENV, SUBPROCESS_ENV_NO_TOKENIZER_THREADS):  # built at import, from os.environ
         assert env.get("CUDA_VISIBLE_DEVICES") == ""
     show = ["-c", "import os, torch; print(repr(os.environ.get('CUDA_VISIBLE_DEVICES')), torch.cuda.device_count())"]
-    one = test_sft.run(show)
+    one = run_script(show, env=SUBPROCESS_ENV_NO_TOKENIZER_THREADS)
     assert one.returncode == 0, one.stderr
     assert one.stdout.split() == ["''", "0"]
-    two = test_sft.run(["--no-python", sys.executable, *show], nproc=2)  # each torchrun rank
+    two = run_script(["--no-python", sys.executable, *show], nproc=2,  # each torchrun rank
+                     env=SUBPROCESS_ENV_NO_TOKENIZER_THREADS)
     assert two.returncode == 0, two.stderr
     assert two.stdout.split() == ["''", "0"] * 2

@@ -1,11 +1,7 @@
 """dpo.py: every loss type by hand and by gradient, split_hh on hand cases, one concatenated
 forward against a naive per-sequence computation, precomputed vs live reference, gradient
 accumulation, and subprocess runs (embedded task and an HH-style jsonl) whose checkpoints load."""
-import json
 import math
-import os
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
@@ -14,19 +10,10 @@ import torch
 import common
 import data
 import dpo
+from helpers import checkpoint_weights, max_abs_diff, read_metrics, run_script, write_jsonl
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 D = common.Dist()
-# one thread: on a shared 2-core machine a tiny model runs 2-3x faster without OpenMP's thread hand-offs
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def softplus(x):
@@ -159,10 +146,10 @@ def test_load_pairs_names_the_bad_row(tmp_path):
     path = tmp_path / "hh.jsonl"
     good = {"chosen": "\n\nHuman: a" + M + " b", "rejected": "\n\nHuman: a" + M + " c"}
     bad = {"chosen": "\n\nHuman: a" + M + " b", "rejected": "\n\nHuman: q" + M + " c"}
-    path.write_text("\n".join(json.dumps(r) for r in (good, good, bad)) + "\n")
+    write_jsonl(path, [good, good, bad])
     with pytest.raises(ValueError, match=r"hh.jsonl row 3: chosen and rejected"):
         data.load_pairs(str(path), "train", None, 0)
-    path.write_text(json.dumps(good) + "\n")
+    write_jsonl(path, [good])
     ds = data.load_pairs(str(path), "train", None, 0)
     assert (ds["prompt"], ds["chosen"], ds["rejected"]) == (["\n\nHuman: a" + M], [" b"], [" c"])
 
@@ -222,11 +209,11 @@ TINY = ["--model", "tiny", "--n_train", "48", "--steps", "3", "--batch_size", "8
         "--lr", "3e-5", "--n_eval", "16", "--n_eval_prompts", "4", "--max_response_len", "16", "--eval_every", "100"]
 
 
-def run_dpo(out, *extra):
-    res = subprocess.run([sys.executable, "dpo.py", "--out_dir", str(out), *TINY, *extra], cwd=ROOT, env=ENV,
-                         capture_output=True, text=True, timeout=300)
+def run_dpo(out, *extra, nproc=1):
+    """dpo.py on TINY and extra; the metrics it logged and its stdout."""
+    res = run_script(["dpo.py", "--out_dir", str(out), *TINY, *extra], nproc)
     assert res.returncode == 0, res.stderr[-3000:]
-    return [json.loads(line) for line in open(out / "metrics.jsonl")], res.stdout
+    return read_metrics(out), res.stdout
 
 
 @pytest.fixture(scope="module")
@@ -275,39 +262,30 @@ def test_two_processes_match_one(base_run, tmp_path):
     """FSDP2 on 2 ranks (gloo), the reference sharded too (its log-probs precomputed by both ranks):
     the same losses, implicit rewards, gradient norms, eval accuracy and final weights as 1
     process on the same global batch."""
-    from safetensors.torch import load_file
-
     out = tmp_path / "fsdp"
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          "dpo.py", "--out_dir", str(out), *TINY], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                         timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    rows, _ = run_dpo(out, nproc=2)
     for a, b in zip(base_run[1], rows, strict=True):
         for key in ("loss", "rewards/margins", "logps/chosen", "grad_norm", "eval/accuracy", "eval/margin"):
             if key in a:
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), (a["step"], key)
-    w1, w2 = (load_file(o / "checkpoint" / "model.safetensors") for o in (base_run[0], out))
-    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-5
+    assert max_abs_diff(checkpoint_weights(base_run[0]), checkpoint_weights(out)) < 1e-5
 
 
 def test_hh_jsonl_through_dpo(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    path = tmp_path / "hh.jsonl"
-    with open(path, "w") as f:
-        for i in range(16):
-            head = f"\n\nHuman: what is {i} plus 1?" + M
-            long_head = "\n\nHuman: " + "blah " * 30 * (i % 2) + head  # every other prompt is cut on the left
-            f.write(json.dumps({"chosen": long_head + f" {i + 1}", "rejected": long_head + " no"}) + "\n")
+    rows = []
+    for i in range(16):
+        head = f"\n\nHuman: what is {i} plus 1?" + M
+        long_head = "\n\nHuman: " + "blah " * 30 * (i % 2) + head  # every other prompt is cut on the left
+        rows.append({"chosen": long_head + f" {i + 1}", "rejected": long_head + " no"})
+    path = write_jsonl(tmp_path / "hh.jsonl", rows)
     out = tmp_path / "hh"
-    res = subprocess.run([sys.executable, "dpo.py", "--model", "tiny", "--dataset", str(path), "--eval_dataset",
-                          str(path), "--out_dir", str(out), "--steps", "2", "--batch_size", "4", "--max_prompt_len",
-                          "48", "--max_response_len", "8"],
-                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    res = run_script(["dpo.py", "--model", "tiny", "--dataset", path, "--eval_dataset", path, "--out_dir", str(out),
+                      "--steps", "2", "--batch_size", "4", "--max_prompt_len", "48", "--max_response_len", "8"])
     assert res.returncode == 0, res.stderr[-3000:]
     assert "truncated 8 prompts (left)" in res.stdout
-    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    rows = read_metrics(out)
     assert "eval/accuracy" in rows[-1] and "eval/exact_match" not in rows[-1]  # no gold reward for HH
     AutoModelForCausalLM.from_pretrained(out / "checkpoint")
 

@@ -2,12 +2,6 @@
 mixing like CUDA does, and refuses host syncs), bf16 logits under autocast, LoRA forwards that
 compute every position's logits, frozen FSDP roots left gathered, the sampler's non-finite
 check, the persistent decode cache, and the one-command GPU check's CPU behaviour."""
-import json
-import os
-import socket
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -15,8 +9,8 @@ import common
 import grpo
 import sampling
 import tasks
+from helpers import SUBPROCESS_ENV, free_port, read_metrics, run_script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 META = common.Dist(device=torch.device("meta"))
 
 
@@ -103,8 +97,7 @@ def test_grpo_at_lr_0_has_no_kl_and_no_clipping_under_autocast(tmp_path, monkeyp
                       num_iterations=2, num_mini_batches=2, lr=0.0, n_eval=4, n_eval_pairs=4, eval_every=100,
                       n_train=64, max_new_tokens=12)
     grpo.main(cfg)
-    with open(tmp_path / "g" / "metrics.jsonl") as f:
-        rows = [json.loads(line) for line in f if json.loads(line)["step"] > 0]
+    rows = [r for r in read_metrics(tmp_path / "g") if r["step"] > 0]
     assert len(rows) == 2
     for r in rows:
         assert abs(r["kl"]) < 1e-5 and r["clip_ratio/low"] == 0 and r["clip_ratio/high"] == 0, r
@@ -127,12 +120,6 @@ def test_lora_forward_computes_only_the_kept_logits(tiny):
     assert seen == [resp.shape[1] + 1]
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_frozen_fsdp_root_reshards_after_a_no_grad_forward(tiny, monkeypatch):
     """FSDP2 keeps a root's parameters gathered after forward (backward needs them); a frozen
     model has no backward, so its root must reshard, or the reference and reward model hold a
@@ -141,7 +128,7 @@ def test_frozen_fsdp_root_reshards_after_a_no_grad_forward(tiny, monkeypatch):
 
     _, tok = tiny
     for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(_free_port())}.items():
+                 "MASTER_PORT": str(free_port())}.items():
         monkeypatch.setenv(k, v)
     d = common.setup_distributed()
     try:
@@ -202,15 +189,13 @@ def test_persistent_decode_cache_is_reused_in_place_and_leaks_nothing(tiny, monk
 
 
 def test_gpu_check_refuses_without_a_gpu():
-    r = subprocess.run([sys.executable, "bench/gpu_check.py"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = run_script(["bench/gpu_check.py"], timeout=120, env=None)
     assert r.returncode != 0 and "no CUDA GPU" in r.stderr and "--cpu" in r.stderr
 
 
 def test_gpu_check_cpu_subset_passes(tmp_path):
     """The GPU check's own runs (every device knob, LoRA with KL in the reward, lr 0 under
     `python`), small, on the CPU: the command a GPU machine runs is itself tested."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "bench/gpu_check.py", "--cpu", "--keep", str(tmp_path)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600, env=env)
+    r = run_script(["bench/gpu_check.py", "--cpu", "--keep", str(tmp_path)], timeout=600, env=SUBPROCESS_ENV)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "| GRPO at lr 0, python |" in r.stdout and "gpu_check passed" in r.stdout

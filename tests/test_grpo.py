@@ -2,11 +2,7 @@
 an independent probability tree, LoRA's reference, and a subprocess run of the script."""
 import copy
 import importlib.util
-import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,8 +12,7 @@ import grpo
 import tasks
 from grpo import (aggregate, check_config, group_advantages, grpo_loss, kl_per_token, loss_normaliser,
                   parse_weights, rejection_sample, truncate_mask)
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import checkpoint_weights, max_abs_diff, read_metrics, run_script, write_jsonl
 
 
 # -----------------------------------------------------------------------------
@@ -358,26 +353,31 @@ def test_lora_reference_is_the_base_model():
 # the script end to end
 
 
-def run_script(tmp_path, *extra, nproc=1):
+def run_grpo(tmp_path, *extra, nproc=1):
+    """grpo.py for 2 steps on the tiny model, then extra; its out_dir and the metrics it logged.
+    nproc > 1: under torchrun with its default rendezvous (127.0.0.1:29500, no --standalone)."""
     out = tmp_path / "run"
-    launch = [sys.executable] + (["-m", "torch.distributed.run", "--nproc_per_node", str(nproc)] if nproc > 1 else [])
-    cmd = [*launch, "grpo.py", "--model", "tiny", "--steps", "2", "--prompts_per_step", "4",
-           "--group_size", "4", "--max_new_tokens", "8", "--n_eval", "8", "--n_eval_pairs", "8",
-           "--eval_every", "1", "--out_dir", str(out), *extra]
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    torchrun = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc)] if nproc > 1 else []
+    proc = run_script([*torchrun, "grpo.py", "--model", "tiny", "--steps", "2", "--prompts_per_step", "4",
+                       "--group_size", "4", "--max_new_tokens", "8", "--n_eval", "8", "--n_eval_pairs", "8",
+                       "--eval_every", "1", "--out_dir", str(out), *extra])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
-    return out, rows
+    return out, read_metrics(out)
+
+
+def write_digits_prompts(path, n):
+    """n prompts of the embedded task, each scored by the digits reward (which a random policy's
+    samples vary under; the sort reward is 0 for all of them), as a jsonl file; its path."""
+    return write_jsonl(path, [{"prompt": r["prompt"], "reward_fn": "digits"} for r in tasks.prompt_rows(n)])
 
 
 def test_script_runs_with_many_knobs_and_checkpoint_loads(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    out, rows = run_script(tmp_path, "--rs_samples", "6", "--truncate_token", "9", "--num_iterations", "2",
-                           "--num_mini_batches", "2", "--grad_accum", "2", "--kl_estimator", "ratio_k1",
-                           "--entropy_coef", "0.01", "--loss_agg", "constant", "--global_norm",
-                           "--ref_refresh_every", "1", "--no_eos_penalty", "0.5")
+    out, rows = run_grpo(tmp_path, "--rs_samples", "6", "--truncate_token", "9", "--num_iterations", "2",
+                         "--num_mini_batches", "2", "--grad_accum", "2", "--kl_estimator", "ratio_k1",
+                         "--entropy_coef", "0.01", "--loss_agg", "constant", "--global_norm",
+                         "--ref_refresh_every", "1", "--no_eos_penalty", "0.5")
     assert [r["step"] for r in rows] == [0, 1, 2]
     for key in ("reward", "reward_std", "frac_reward_zero_std", "kl", "kl/optimized", "clip_ratio/low",
                 "clip_ratio/high", "entropy", "completions/mean_length", "completions/clipped_ratio",
@@ -409,13 +409,11 @@ def test_script_pairwise_accuracy_on_a_preference_file(tmp_path):
     from transformers import AutoModelForCausalLM
 
     N = 24
-    prompts, pairs_file = tmp_path / "prompts.jsonl", tmp_path / "pairs.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": r["prompt"], "reward_fn": "digits"}) + "\n"
-                               for r in tasks.prompt_rows(8)))
+    prompts = write_digits_prompts(tmp_path / "prompts.jsonl", 8)
     pairs = tasks.preference_rows(N, split="test")
-    pairs_file.write_text("".join(json.dumps(r) + "\n" for r in pairs))
-    out, rows = run_script(tmp_path, "--dataset", str(prompts), "--eval_pairs", str(pairs_file), "--lr", "1e-2",
-                           "--warmup_steps", "0", "--n_eval_pairs", str(N))  # the last --n_eval_pairs wins
+    pairs_file = write_jsonl(tmp_path / "pairs.jsonl", pairs)
+    out, rows = run_grpo(tmp_path, "--dataset", prompts, "--eval_pairs", pairs_file, "--lr", "1e-2",
+                         "--warmup_steps", "0", "--n_eval_pairs", str(N))  # the last --n_eval_pairs wins
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[0]["eval/accuracy"] == 0.5  # policy == reference: every pair a tie, exactly
     assert "eval/exact_match" not in rows[-1]
@@ -446,15 +444,12 @@ def multi_pass_kl_in_reward_run(tmp_path_factory):
     below read its metrics. A reward the random policy's samples vary under (digits) makes the
     advantages nonzero."""
     tmp = tmp_path_factory.mktemp("multi_pass")
-    data = tmp / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": r["prompt"], "reward_fn": "digits"}) + "\n"
-                            for r in tasks.prompt_rows(16)))
-    cfg = grpo.Config(model="tiny", dataset=str(data), out_dir=str(tmp / "g"), steps=2, prompts_per_step=4,
+    data = write_digits_prompts(tmp / "prompts.jsonl", 16)
+    cfg = grpo.Config(model="tiny", dataset=data, out_dir=str(tmp / "g"), steps=2, prompts_per_step=4,
                       group_size=4, max_new_tokens=8, num_iterations=3, num_mini_batches=2, lr=1e-2,
                       warmup_steps=0, kl_in_reward=True, beta=0.5, eval_every=100, n_eval_pairs=4)
     grpo.main(cfg)
-    with open(tmp / "g" / "metrics.jsonl") as f:
-        return [r for r in map(json.loads, f) if r["step"] > 0]
+    return [r for r in read_metrics(tmp / "g") if r["step"] > 0]
 
 
 def test_clipping_acts_on_later_passes_over_a_rollout(multi_pass_kl_in_reward_run):
@@ -484,7 +479,7 @@ def test_kl_in_reward_is_subtracted(multi_pass_kl_in_reward_run):
 def test_script_lora_checkpoint_is_merged(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    out, _ = run_script(tmp_path, "--lora", "--kl_in_reward", "--lr", "1e-2", "--steps", "1")
+    out, _ = run_grpo(tmp_path, "--lora", "--kl_in_reward", "--lr", "1e-2", "--steps", "1")
     model = AutoModelForCausalLM.from_pretrained(out / "checkpoint")
     assert not any("lora" in name for name, _ in model.named_parameters())
 
@@ -492,29 +487,24 @@ def test_script_lora_checkpoint_is_merged(tmp_path):
 def test_two_processes_match_one_process(tmp_path):
     """FSDP2 on 2 ranks (gloo) against 1 process on the same global batch, with reference refresh,
     batch-std scaling and global normalisation (collectives). The sampler's random numbers are
-    indexed by global row (common.rollout_uniforms), so both draw the same completions; then the
+    indexed by global row (sampling.rollout_uniforms), so both draw the same completions; then the
     rewards, the loss of every step and the final weights agree (fp32)."""
-    from safetensors.torch import load_file
-
-    # a reward that a random policy's samples vary under (the sort reward is 0 for all of them)
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": r["prompt"], "reward_fn": "digits"}) + "\n"
-                            for r in tasks.prompt_rows(16)))
-    args = ("--dataset", str(data), "--num_iterations", "2", "--num_mini_batches", "1", "--ref_refresh_every", "1",
-            "--scale_rewards", "batch", "--global_norm", "--lr", "1e-4", "--warmup_steps", "0")
+    args = ("--dataset", write_digits_prompts(tmp_path / "prompts.jsonl", 16), "--num_iterations", "2",
+            "--num_mini_batches", "1", "--ref_refresh_every", "1", "--scale_rewards", "batch", "--global_norm",
+            "--lr", "1e-4", "--warmup_steps", "0")
     (tmp_path / "one").mkdir()
     (tmp_path / "two").mkdir()
-    out1, one = run_script(tmp_path / "one", *args, "--grad_accum", "2")
-    out2, two = run_script(tmp_path / "two", *args, nproc=2)
+    out1, one = run_grpo(tmp_path / "one", *args, "--grad_accum", "2")
+    out2, two = run_grpo(tmp_path / "two", *args, nproc=2)
     one, two = ([r for r in rows if "loss" in r] for rows in (one, two))  # step 0 has no eval here
     assert [r["step"] for r in two] == [1, 2] and all(r["reward_std"] > 0 for r in one)
     for a, b in zip(one, two, strict=True):
         for key in ("reward", "reward_std", "completions/mean_length", "loss", "grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
-    w1, w2 = load_file(out1 / "checkpoint" / "model.safetensors"), load_file(out2 / "checkpoint" / "model.safetensors")
     # Adam turns rounding noise in near-zero gradients into steps of up to lr: a small lr keeps
     # that noise under the tolerance, while the weights still move 10x more than it
-    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-5
+    w1 = checkpoint_weights(out1)
+    assert max_abs_diff(w1, checkpoint_weights(out2)) < 1e-5
     common.set_seed(0)  # the initial weights, built as grpo.py builds them
     start = common.load_model("tiny", common.load_tokenizer("tiny")).state_dict()
     assert max((w1[k] - start[k]).abs().max().item() for k in w1) > 1e-4

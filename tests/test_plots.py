@@ -2,13 +2,13 @@
 import json
 import math
 import os
-import subprocess
 import sys
 
 import matplotlib.image as mpimg
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT, run_script, write_jsonl
+
 sys.path.insert(0, os.path.join(ROOT, "plots"))
 import plot  # noqa: E402
 
@@ -56,14 +56,15 @@ def eval_keys(kind, step):
 
 def write_run(run_dir, kind, scale=1.0, config=None):
     os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
-        for step in range(STEPS + 1):
-            row = {"step": step, "time": 0.3 * step}
-            if step > 0:
-                row |= train_keys(kind, step, scale)
-            if step % EVAL_EVERY == 0:
-                row |= eval_keys(kind, step)
-            f.write(json.dumps(row) + "\n")
+    rows = []
+    for step in range(STEPS + 1):
+        row = {"step": step, "time": 0.3 * step}
+        if step > 0:
+            row |= train_keys(kind, step, scale)
+        if step % EVAL_EVERY == 0:
+            row |= eval_keys(kind, step)
+        rows.append(row)
+    write_jsonl(os.path.join(run_dir, "metrics.jsonl"), rows)
     if config is not None:
         with open(os.path.join(run_dir, "run_config.json"), "w") as f:
             json.dump(config, f)
@@ -113,7 +114,7 @@ def test_missing_panels_are_skipped(tmp_path):
     run = tmp_path / "partial"
     run.mkdir()
     rows = [{"step": s, "time": s, "reward": 0.1 * s, "kl": 0.01 * s} for s in range(1, 6)]
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_jsonl(run / "metrics.jsonl", rows)
     check_png(plot.plot_run(str(run), tmp_path / "out")[0], min_w=400, min_h=250)
 
 
@@ -142,8 +143,8 @@ def test_cli(tmp_path, capsys):
     sft = write_run(tmp_path / "sft_run", "sft")
     rm = write_run(tmp_path / "rm_run", "rm")
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "plots/plot.py", sft, rm, "--out", str(out), "--smooth", "5"], cwd=ROOT,
-                       capture_output=True, text=True, env={**os.environ, "MPLBACKEND": "Agg"}, timeout=60)
+    r = run_script(["plots/plot.py", sft, rm, "--out", str(out), "--smooth", "5"], timeout=60,
+                   env={**os.environ, "MPLBACKEND": "Agg"})
     assert r.returncode == 0, r.stderr
     assert sorted(os.listdir(out)) == ["rm_run_rm.png", "sft_run_sft.png"]
     with pytest.raises(SystemExit) as e:  # a missing run dir: exit 1 with one line naming the file

@@ -1,10 +1,6 @@
 """reward.py: the Bradley-Terry loss by hand and by gradient, scoring independent of padding,
 the normalisation, and a subprocess run whose checkpoint loads as a Hugging Face reward model."""
-import json
 import math
-import os
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
@@ -13,19 +9,10 @@ import torch
 import common
 import data
 import reward
+from helpers import checkpoint_weights, max_abs_diff, read_metrics, run_script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 D = common.Dist()
-# one thread: on a shared 2-core machine a tiny model runs 2-3x faster without OpenMP's thread hand-offs
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def softplus(x):
@@ -181,11 +168,11 @@ TINY = ["--model", "tiny", "--n_train", "64", "--steps", "4", "--batch_size", "8
         "--max_response_len", "24", "--eval_batch_size", "4"]
 
 
-def run_reward(out, launcher=()):
-    res = subprocess.run([sys.executable, *launcher, "reward.py", "--out_dir", str(out), *TINY], cwd=ROOT, env=ENV,
-                         capture_output=True, text=True, timeout=300)
+def run_reward(out, nproc=1):
+    """reward.py on TINY; the metrics it logged."""
+    res = run_script(["reward.py", "--out_dir", str(out), *TINY], nproc)
     assert res.returncode == 0, res.stderr[-3000:]
-    return [json.loads(line) for line in open(out / "metrics.jsonl")]
+    return read_metrics(out)
 
 
 @pytest.fixture(scope="module")
@@ -216,17 +203,14 @@ def test_reward_script_tiny(base_run):
 def test_two_processes_match_one(base_run, tmp_path):
     """FSDP2 on 2 ranks (gloo): the same losses, gradient norms, eval accuracies, normalisation
     (the policy's samples drawn alike on any number of ranks) and final weights as 1 process."""
-    from safetensors.torch import load_file
-
-    rows = run_reward(tmp_path / "fsdp", ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"))
+    rows = run_reward(tmp_path / "fsdp", nproc=2)
     one = [r for r in base_run[1] if "loss" in r or "eval/accuracy" in r or "normalize/mean" in r]
     two = [r for r in rows if "loss" in r or "eval/accuracy" in r or "normalize/mean" in r]
     for a, b in zip(one, two, strict=True):
         for key in ("loss", "grad_norm", "eval/accuracy", "eval/margin", "normalize/mean", "normalize/std"):
             if key in a:
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), (a["step"], key)
-    w1, w2 = (load_file(o / "checkpoint" / "model.safetensors") for o in (base_run[0], tmp_path / "fsdp"))
-    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-5
+    assert max_abs_diff(checkpoint_weights(base_run[0]), checkpoint_weights(tmp_path / "fsdp")) < 1e-5
 
 
 # 20 steps at the default lr on 1024 pairs: eval accuracy on 200 held-out pairs (step 0 scores 0.51)
@@ -240,10 +224,9 @@ def test_reward_model_learns_the_right_direction(tmp_path):
     """A reward model that learns chosen < rejected trains just as smoothly (the BT loss falls,
     every norm is finite) and passes every shape and equality test; only held-out accuracy shows
     it. 0.53 sits between the two measured accuracies, with margin on both sides."""
-    res = subprocess.run([sys.executable, "reward.py", "--out_dir", str(tmp_path), *LEARN], cwd=ROOT, env=ENV,
-                         capture_output=True, text=True, timeout=300)
+    res = run_script(["reward.py", "--out_dir", str(tmp_path), *LEARN])
     assert res.returncode == 0, res.stderr[-3000:]
-    final = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if "eval/accuracy" in line][-1]
+    final = [r for r in read_metrics(tmp_path) if "eval/accuracy" in r][-1]
     assert final["step"] == 20
     assert final["eval/accuracy"] > 0.53 and final["eval/margin"] > 0, final
 

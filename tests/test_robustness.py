@@ -1,18 +1,17 @@
 """Checkpoints that survive kills, resume that reproduces, failures that never hang, bad input
 that is named. Each script runs for real in a subprocess, on the tiny model."""
-import json
 import os
-import socket
+import re
 import subprocess
 import sys
 import time
 
 import pytest
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+from helpers import (ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, checkpoint_weights, free_port, max_abs_diff,
+                     read_metrics, run_script, write_jsonl)
+
 # a few fast steps of each script on the tiny model
 FAST = {
     "sft.py": ["--n_train", "256", "--n_eval", "8", "--batch_size", "8", "--max_response_len", "20",
@@ -26,28 +25,14 @@ FAST = {
 }
 
 
-def run(script, args, nproc=1, crash=None, timeout=300):
-    cmd = [sys.executable]
-    if nproc > 1:
-        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    if crash:
-        cmd += ["tests/crash.py", crash]
-    return subprocess.run(cmd + [script, *FAST[script], *args], cwd=ROOT, capture_output=True, text=True, env=ENV,
-                          timeout=timeout)
-
-
-def weights(out_dir, name="checkpoint"):
-    return load_file(os.path.join(out_dir, name, "model.safetensors"))
-
-
-def max_diff(a, b):
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
+def run_fast(script, args, nproc=1, crash=None, timeout=300):
+    """A few fast steps of script (FAST) with ARGS; under tests/crash.py CRASH when given."""
+    return run_script([*(["tests/crash.py", crash] if crash else []), script, *FAST[script], *args], nproc, timeout,
+                      env=SUBPROCESS_ENV_NO_TOKENIZER_THREADS)
 
 
 def steps_logged(out_dir):
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line)["step"] for line in f]
+    return [m["step"] for m in read_metrics(out_dir)]
 
 
 @pytest.mark.parametrize("script", FAST)
@@ -56,15 +41,15 @@ def test_resume_ends_with_the_same_weights(tmp_path, script):
     uninterrupted run (optimizer, scheduler, RNG, data position and, for DPO and GRPO, the
     original reference all restored)."""
     args = ["--steps", "6", "--save_every", "3"]
-    full = run(script, args + ["--out_dir", str(tmp_path / "full")])
+    full = run_fast(script, args + ["--out_dir", str(tmp_path / "full")])
     assert full.returncode == 0, full.stderr
-    killed = run(script, args + ["--out_dir", str(tmp_path / "resumed")], crash="after_save:1")
+    killed = run_fast(script, args + ["--out_dir", str(tmp_path / "resumed")], crash="after_save:1")
     assert killed.returncode == 9, killed.stderr
     assert steps_logged(tmp_path / "resumed")[-1] == 3
-    resumed = run(script, args + ["--out_dir", str(tmp_path / "resumed"), "--resume"])
+    resumed = run_fast(script, args + ["--out_dir", str(tmp_path / "resumed"), "--resume"])
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stdout
-    assert max_diff(weights(tmp_path / "full"), weights(tmp_path / "resumed")) < 1e-6
+    assert max_abs_diff(checkpoint_weights(tmp_path / "full"), checkpoint_weights(tmp_path / "resumed")) < 1e-6
     assert steps_logged(tmp_path / "resumed") == steps_logged(tmp_path / "full")  # no step twice, none missing
 
 
@@ -73,11 +58,12 @@ def test_kill_while_writing_a_checkpoint_leaves_the_previous_one(tmp_path, nth_r
     """Saves at steps 2 and 4: rename 1 publishes the first; the second save renames the old one
     aside (rename 2) and its temporary folder into place (rename 3). Die at either."""
     out = tmp_path / "run"
-    r = run("sft.py", ["--steps", "6", "--save_every", "2", "--out_dir", str(out)], crash=f"at_rename:{nth_rename}")
+    r = run_fast("sft.py", ["--steps", "6", "--save_every", "2", "--out_dir", str(out)],
+                 crash=f"at_rename:{nth_rename}")
     assert r.returncode == 9, r.stderr
     assert os.path.isdir(out / left)
     AutoModelForCausalLM.from_pretrained(out / left)  # loadable
-    resumed = run("sft.py", ["--steps", "6", "--save_every", "2", "--out_dir", str(out), "--resume"])
+    resumed = run_fast("sft.py", ["--steps", "6", "--save_every", "2", "--out_dir", str(out), "--resume"])
     assert resumed.returncode == 0, resumed.stderr
     assert "at step 2" in resumed.stdout
     assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint")) == ["checkpoint"]
@@ -85,27 +71,27 @@ def test_kill_while_writing_a_checkpoint_leaves_the_previous_one(tmp_path, nth_r
 
 def test_a_failing_rank_ends_the_whole_job(tmp_path):
     t0 = time.time()
-    r = run("sft.py", ["--steps", "50", "--out_dir", str(tmp_path)], nproc=2, crash="raise_on_rank:1", timeout=180)
+    r = run_fast("sft.py", ["--steps", "50", "--out_dir", str(tmp_path)], nproc=2, crash="raise_on_rank:1", timeout=180)
     assert r.returncode != 0
     assert "injected failure on rank 1" in r.stderr
     assert time.time() - t0 < 120
 
 
 def test_out_dir_of_another_run_is_not_overwritten(tmp_path):
-    first = run("sft.py", ["--steps", "1", "--out_dir", str(tmp_path)])
+    first = run_fast("sft.py", ["--steps", "1", "--out_dir", str(tmp_path)])
     assert first.returncode == 0, first.stderr
-    before = weights(tmp_path)
-    again = run("sft.py", ["--steps", "2", "--lr", "0.1", "--out_dir", str(tmp_path)])
+    before = checkpoint_weights(tmp_path)
+    again = run_fast("sft.py", ["--steps", "2", "--lr", "0.1", "--out_dir", str(tmp_path)])
     assert again.returncode != 0 and "already holds a checkpoint" in again.stderr and "--overwrite" in again.stderr
-    assert max_diff(before, weights(tmp_path)) == 0
+    assert max_abs_diff(before, checkpoint_weights(tmp_path)) == 0
     assert steps_logged(tmp_path) == [0, 1]
-    forced = run("sft.py", ["--steps", "2", "--out_dir", str(tmp_path), "--overwrite"])
+    forced = run_fast("sft.py", ["--steps", "2", "--out_dir", str(tmp_path), "--overwrite"])
     assert forced.returncode == 0, forced.stderr
     assert steps_logged(tmp_path) == [0, 1, 2]
 
 
 def test_non_finite_loss_stops_with_the_step(tmp_path):
-    r = run("sft.py", ["--steps", "20", "--lr", "1e30", "--out_dir", str(tmp_path)])
+    r = run_fast("sft.py", ["--steps", "20", "--lr", "1e30", "--out_dir", str(tmp_path)])
     assert r.returncode != 0
     assert "loss is nan" in r.stderr or "loss is inf" in r.stderr
     assert "Last good checkpoint: none written yet" in r.stderr
@@ -118,9 +104,9 @@ def test_non_finite_loss_stops_with_the_step(tmp_path):
 def test_bad_data_files_are_named(tmp_path, content, match):
     data = tmp_path / "data.jsonl"
     data.write_text(content)
-    r = run("sft.py", ["--dataset", str(data), "--steps", "1", "--out_dir", str(tmp_path / "o")])
+    r = run_fast("sft.py", ["--dataset", str(data), "--steps", "1", "--out_dir", str(tmp_path / "o")])
     assert r.returncode != 0 and "data.jsonl" in r.stderr
-    assert any(__import__("re").search(match, line) for line in r.stderr.splitlines()), r.stderr[-2000:]
+    assert any(re.search(match, line) for line in r.stderr.splitlines()), r.stderr[-2000:]
 
 
 @pytest.mark.parametrize("script, row, missing", [
@@ -130,36 +116,31 @@ def test_bad_data_files_are_named(tmp_path, content, match):
     ("grpo.py", {"text": "a"}, "prompt")])
 def test_missing_columns_are_named_and_nothing_is_written(tmp_path, script, row, missing):
     data = tmp_path / "rows.jsonl"
-    data.write_text(json.dumps(row) + "\n")
-    r = run(script, ["--dataset", str(data), "--steps", "1", "--out_dir", str(tmp_path / "o")])
+    write_jsonl(data, [row])
+    r = run_fast(script, ["--dataset", str(data), "--steps", "1", "--out_dir", str(tmp_path / "o")])
     assert r.returncode != 0
     assert str(data) in r.stderr and f"'{missing}'" in r.stderr, r.stderr[-2000:]
     assert not os.path.exists(tmp_path / "o" / "checkpoint")
 
 
 def test_context_longer_than_the_model_is_refused(tmp_path):
-    r = run("sft.py", ["--max_prompt_len", "120", "--steps", "1", "--out_dir", str(tmp_path)])
+    r = run_fast("sft.py", ["--max_prompt_len", "120", "--steps", "1", "--out_dir", str(tmp_path)])
     assert r.returncode != 0 and "--max_prompt_len" in r.stderr and "128" in r.stderr
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_nodes_match_one_process(tmp_path):
     """torchrun --nnodes 2 --nproc_per_node 1 with a c10d rendezvous on 127.0.0.1: two 'nodes'."""
     args = ["--steps", "2", "--grad_accum", "1"]
-    one = run("sft.py", args + ["--out_dir", str(tmp_path / "one")])
+    one = run_fast("sft.py", args + ["--out_dir", str(tmp_path / "one")])
     assert one.returncode == 0, one.stderr
-    port = _free_port()
+    port = free_port()
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
                                "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=twonode",
                                "sft.py", *FAST["sft.py"], *args, "--out_dir", str(tmp_path / "two")],
-                              cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              cwd=ROOT, env=SUBPROCESS_ENV_NO_TOKENIZER_THREADS, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
     for p in nodes:
         _, err = p.communicate(timeout=240)
         assert p.returncode == 0, err[-3000:]
-    assert max_diff(weights(tmp_path / "one"), weights(tmp_path / "two")) < 1e-5
+    assert max_abs_diff(checkpoint_weights(tmp_path / "one"), checkpoint_weights(tmp_path / "two")) < 1e-5

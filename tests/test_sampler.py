@@ -1,4 +1,4 @@
-"""Tests of the rollout sampler (common.generate, common.sample_token).
+"""Tests of the rollout sampler (sampling.generate, sampling.sample_token).
 
 Greedy output against model.generate for GPT-2 (absolute positions) and GPT-NeoX (rotary);
 sampled output draw for draw against a cache-free reference loop; the distribution of draws
@@ -7,8 +7,6 @@ against softmax(logits / T) by a chi-square test; top-k / top-p, stop tokens, ea
 import copy
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,19 +14,10 @@ from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForC
 
 import common
 import sampling
+from helpers import ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, run_script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 V, PAD, EOS = 16, 0, 1
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Models this small gain nothing from a second thread, and a busy machine makes OpenMP
-    threads wait on each other (100x slower here while other jobs ran)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _gpt2(n_layer=2):
@@ -66,6 +55,10 @@ def test_greedy_matches_hf_generate(name):
     ours, ours_mask = sampling.generate(model, ids, mask, 24, EOS, PAD, temperature=0)
     ref = _hf_greedy(model, ids, mask, 24)
     assert torch.equal(ours, ref[:, :ours.shape[1]])
+    # top_k=1 sampling at temperature 1 is greedy too, whatever the random numbers
+    top1, top1_mask = sampling.generate(model, ids, mask, 24, EOS, PAD, temperature=1.0, top_k=1,
+                                      generator=torch.Generator().manual_seed(0))
+    assert torch.equal(top1, ours) and torch.equal(top1_mask, ours_mask)
     # with no EOS, every row runs to the end
     ours, ours_mask = sampling.generate(model, ids, mask, 24, -1, PAD, temperature=0)
     assert ours.shape == (len(PROMPTS), 24) and ours_mask.all()
@@ -107,7 +100,7 @@ def test_sampling_matches_a_cache_free_loop_draw_for_draw(name, knobs):
 def test_stop_tokens_are_kept_and_everything_after_is_masked():
     model = _gpt2()
     ids, mask = common.pad(PROMPTS * 8, PAD, side="left")
-    stop_ids = (4, 9)
+    stop_ids = [4, 9]  # a list, as grpo.py passes its truncate token; both occur in PROMPTS, where they stop nothing
     out, out_mask = sampling.generate(model, ids, mask, 30, EOS, PAD, stop_ids=stop_ids,
                                     generator=torch.Generator().manual_seed(0))
     lengths = out_mask.sum(1)
@@ -229,9 +222,8 @@ def _fsdp_worker():
 
 
 def test_generate_under_fsdp2_with_ranks_stopping_at_different_steps():
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": ROOT}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        os.path.abspath(__file__)], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    r = run_script([os.path.abspath(__file__)], nproc=2,
+                   env={**SUBPROCESS_ENV_NO_TOKENIZER_THREADS, "PYTHONPATH": ROOT})
     assert r.returncode == 0, r.stdout[-1000:] + r.stderr[-3000:]
     assert "fsdp ok" in r.stdout
 
@@ -241,7 +233,7 @@ if __name__ == "__main__":
 
 
 def test_rollout_uniforms_make_samples_independent_of_how_rows_are_split():
-    """Drawn with common.rollout_uniforms, a row's completion depends on its prompt and its global
+    """Drawn with sampling.rollout_uniforms, a row's completion depends on its prompt and its global
     index only: the whole batch at once, or split in two as over two ranks (each half padded
     to its own length), gives the same tokens. A per-call generator would not."""
     model = _gpt2()

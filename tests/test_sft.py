@@ -1,46 +1,21 @@
 """Tests of sft.py: the loss mask and normaliser, and real runs of the script in subprocesses."""
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common
 import data
 import sft
 import tasks
+from helpers import (SUBPROCESS_ENV_NO_TOKENIZER_THREADS, checkpoint_weights, max_abs_diff, read_metrics, run_script,
+                     write_jsonl)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = ["--n_train", "256", "--n_eval", "8", "--batch_size", "8", "--max_response_len", "20", "--warmup_steps", "2"]
 
 
-def run(args, nproc=1, timeout=300):
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                     f"--nproc_per_node={nproc}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    p = subprocess.Popen(launcher + args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except BaseException:  # a run that hangs, or Ctrl-C
-        # torchrun starts each rank in a session of its own, out of reach of a kill aimed at torchrun,
-        # and stops them on SIGTERM; ranks left behind would sit in a collective for its whole timeout
-        p.terminate()
-        try:
-            p.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-        raise
-    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
-
-
-def metrics(out_dir):
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+def run_sft(args, nproc=1, timeout=300):
+    """python sft.py ARGS (torchrun with nproc processes when nproc > 1)."""
+    return run_script(["sft.py", *args], nproc, timeout, env=SUBPROCESS_ENV_NO_TOKENIZER_THREADS)
 
 
 def test_loss_mask_covers_exactly_the_completion_and_eos():
@@ -73,10 +48,10 @@ def test_accumulated_loss_equals_the_full_batch_token_mean():
 
 def test_sft_runs_and_its_checkpoint_loads(tmp_path):
     out = tmp_path / "sft"
-    r = run(["sft.py", "--out_dir", str(out), "--steps", "4", "--eval_every", "2", *FAST])
+    r = run_sft(["--out_dir", str(out), "--steps", "4", "--eval_every", "2", *FAST])
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("step ") >= 5  # a line per step, plus the step-0 eval
-    rows = metrics(out)
+    rows = read_metrics(out)
     assert [m["step"] for m in rows] == [0, 1, 2, 3, 4]
     assert all(0 <= m["eval/exact_match"] <= 1 for m in rows if "eval/exact_match" in m)
     model = AutoModelForCausalLM.from_pretrained(out / "checkpoint")
@@ -87,14 +62,14 @@ def test_sft_runs_and_its_checkpoint_loads(tmp_path):
 
 
 def test_unknown_flag_is_named():
-    r = run(["sft.py", "--learning_rate", "1e-3"])
+    r = run_sft(["--learning_rate", "1e-3"])
     assert r.returncode == 2 and "--learning_rate" in r.stderr
 
 
 def test_jsonl_row_missing_completion_is_named(tmp_path):
     data = tmp_path / "demos.jsonl"
-    data.write_text('{"prompt": "a", "completion": " b"}\n{"prompt": "c"}\n')
-    r = run(["sft.py", "--model", "tiny", "--dataset", str(data), "--out_dir", str(tmp_path / "o"), "--steps", "1"])
+    write_jsonl(data, [{"prompt": "a", "completion": " b"}, {"prompt": "c"}])
+    r = run_sft(["--model", "tiny", "--dataset", str(data), "--out_dir", str(tmp_path / "o"), "--steps", "1"])
     assert r.returncode != 0
     assert f"{data} row 2: missing field 'completion'" in r.stderr
     assert not (tmp_path / "o" / "checkpoint").exists()
@@ -105,11 +80,11 @@ def test_grad_accum_gives_the_full_batch_loss_and_gradient(tmp_path):
     micro-batch by its own token count (the classic bug) weights a token of a short micro-batch more
     and still trains, so every other test passes; the logged loss is summed apart from the backward
     (nll_sum / n_tokens) and would not show it, the gradient norm does."""
-    args = ["sft.py", "--steps", "1", "--eval_every", "1", *FAST, "--n_eval", "2", "--seed", "3"]
+    args = ["--steps", "1", "--eval_every", "1", *FAST, "--n_eval", "2", "--seed", "3"]
     for accum in (1, 4):
-        r = run(args + ["--out_dir", str(tmp_path / str(accum)), "--grad_accum", str(accum)])
+        r = run_sft(args + ["--out_dir", str(tmp_path / str(accum)), "--grad_accum", str(accum)])
         assert r.returncode == 0, r.stderr
-    (a,), (b,) = ([m for m in metrics(tmp_path / str(accum)) if m["step"] == 1] for accum in (1, 4))
+    (a,), (b,) = ([m for m in read_metrics(tmp_path / str(accum)) if m["step"] == 1] for accum in (1, 4))
     assert a["tokens"] == b["tokens"]  # the same global batch
     assert abs(a["loss"] - b["loss"]) < 1e-5, (a, b)
     # fp32 sums in another order differ by ~1e-7 relative; the per-micro-batch mean moved it by 4e-4
@@ -118,37 +93,35 @@ def test_grad_accum_gives_the_full_batch_loss_and_gradient(tmp_path):
 
 def test_two_processes_match_one_process(tmp_path):
     """FSDP2 over 2 gloo processes on the same global batch: same loss per step, same weights."""
-    args = ["sft.py", "--steps", "3", "--eval_every", "3", *FAST]
-    one = run(args + ["--out_dir", str(tmp_path / "one"), "--grad_accum", "2"])
+    args = ["--steps", "3", "--eval_every", "3", *FAST]
+    one = run_sft(args + ["--out_dir", str(tmp_path / "one"), "--grad_accum", "2"])
     assert one.returncode == 0, one.stderr
-    two = run(args + ["--out_dir", str(tmp_path / "two")], nproc=2)
+    two = run_sft(args + ["--out_dir", str(tmp_path / "two")], nproc=2)
     assert two.returncode == 0, two.stderr
-    m1, m2 = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    m1, m2 = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     for a, b in zip(m1[1:], m2[1:]):
         assert a["step"] == b["step"]
         assert abs(a["loss"] - b["loss"]) < 1e-5, (a, b)
     assert m1[-1]["eval/exact_match"] == m2[-1]["eval/exact_match"]  # eval generation under FSDP too
-    w1 = load_file(tmp_path / "one" / "checkpoint" / "model.safetensors")
-    w2 = load_file(tmp_path / "two" / "checkpoint" / "model.safetensors")
-    assert w1.keys() == w2.keys()
-    worst = max((w1[k] - w2[k]).abs().max().item() for k in w1)
+    worst = max_abs_diff(checkpoint_weights(tmp_path / "one"), checkpoint_weights(tmp_path / "two"))
     assert worst < 1e-5, worst
 
 
 def test_uneven_eval_shares_finish_and_match_one_process(tmp_path):
     """7 eval rows over 2 ranks are 4 and 3; at one row per forward, a strided split runs 4 forwards
     on rank 0 and 3 on rank 1, and rank 0's last FSDP all-gather waits for a rank that never comes."""
-    args = ["sft.py", "--steps", "2", "--eval_every", "2", *FAST, "--n_eval", "7", "--eval_batch_size", "1"]
-    one = run(args + ["--out_dir", str(tmp_path / "one"), "--grad_accum", "2"], timeout=240)
+    args = ["--steps", "2", "--eval_every", "2", *FAST, "--n_eval", "7", "--eval_batch_size", "1"]
+    one = run_sft(args + ["--out_dir", str(tmp_path / "one"), "--grad_accum", "2"], timeout=240)
     assert one.returncode == 0, one.stderr
-    two = run(args + ["--out_dir", str(tmp_path / "two")], nproc=2, timeout=240)
+    two = run_sft(args + ["--out_dir", str(tmp_path / "two")], nproc=2, timeout=240)
     assert two.returncode == 0, two.stderr
-    e1, e2 = ([m["eval/loss"] for m in metrics(tmp_path / run_dir) if "eval/loss" in m] for run_dir in ("one", "two"))
+    e1, e2 = ([m["eval/loss"] for m in read_metrics(tmp_path / run_dir) if "eval/loss" in m]
+              for run_dir in ("one", "two"))
     assert len(e1) == len(e2) == 2  # step 0 and the last step
     assert all(abs(a - b) < 1e-5 for a, b in zip(e1, e2)), (e1, e2)
 
 
 @pytest.mark.parametrize("args, match", [(["--batch_size", "6", "--grad_accum", "4"], "must be divisible")])
 def test_bad_batch_arithmetic_is_explained(tmp_path, args, match):
-    r = run(["sft.py", "--out_dir", str(tmp_path), "--steps", "1", *args])
+    r = run_sft(["--out_dir", str(tmp_path), "--steps", "1", *args])
     assert r.returncode != 0 and match in r.stderr

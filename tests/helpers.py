@@ -1,0 +1,91 @@
+"""Constants and helpers shared by the test files: where the repository is, the environment of
+the processes the tests launch, running a script, and reading and writing what scripts read
+and write. Fixtures are in conftest.py.
+
+A plain module, imported as `from helpers import ...` (pytest puts tests/ on sys.path, as it
+does for `import test_dpo`). Not conftest.py: pytest loads that file itself, under the module
+name `conftest` that every conftest.py outside a package shares, and under
+--import-mode=importlib it is not importable at all.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+"""the repository root: every script a test runs is run from here"""
+
+SUBPROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+"""the environment of the scripts the tests launch: this process's, with CUDA hidden (conftest.py
+runs before this module is imported) and one OpenMP thread: on a shared 2-core machine a tiny
+model runs 2-3x faster without OpenMP's thread hand-offs"""
+
+SUBPROCESS_ENV_NO_TOKENIZER_THREADS = {**SUBPROCESS_ENV, "TOKENIZERS_PARALLELISM": "false"}
+"""the same, with the tokenizers library's thread pool off too (the sft.py and tests/crash.py
+runs, and the sampler's torchrun)"""
+
+
+def launcher(nproc=1):
+    """The command that starts a Python script: `python`, or torchrun with nproc processes on
+    this machine (a standalone rendezvous on a free port)."""
+    if nproc == 1:
+        return [sys.executable]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
+def run_script(args, nproc=1, timeout=300, env=SUBPROCESS_ENV):
+    """Run `python ARGS` (torchrun with nproc processes when nproc > 1) in ROOT; return the
+    CompletedProcess, its stdout and stderr as text. env=None: this process's environment.
+
+    A run past its timeout, or a Ctrl-C, stops it and raises. torchrun starts each rank in a
+    session of its own, out of reach of a kill aimed at torchrun, and stops them on SIGTERM; so
+    SIGTERM first, SIGKILL only a minute later: ranks left behind would sit in a collective for
+    its whole timeout."""
+    p = subprocess.Popen(launcher(nproc) + list(args), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except BaseException:  # a run that hangs, or Ctrl-C
+        p.terminate()
+        try:
+            p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        raise
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def read_metrics(out_dir):
+    """The rows of a run's metrics.jsonl, one dict per logged step."""
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def write_jsonl(path, rows):
+    """Write rows (dicts, or strings written as they are) one a line; return the path as a string."""
+    with open(path, "w") as f:
+        for r in rows:
+            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+    return str(path)
+
+
+def checkpoint_weights(out_dir, name="checkpoint"):
+    """The tensors of out_dir/name/model.safetensors, by name."""
+    from safetensors.torch import load_file  # here: test files without torch need not load it
+
+    return load_file(os.path.join(out_dir, name, "model.safetensors"))
+
+
+def max_abs_diff(a, b):
+    """The largest absolute difference between two checkpoints' tensors, which must have the same names."""
+    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 that nothing listens on (for a rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
