@@ -72,7 +72,7 @@ def test_sft_loss(benchmark):
 
     def step():
         logps.grad = None
-        sft.sft_loss(logps, mask, mask.sum()).backward()
+        sft.sft_loss(logps, mask, mask.sum())[0].backward()
 
     step()
     torch.testing.assert_close(logps.grad, -mask / mask.sum())  # d(-mean NLL)/d logp
@@ -86,7 +86,7 @@ def test_bt_loss(benchmark):
 
     def step():
         r.grad = None
-        reward.bt_loss(r[0], r[1])[0].backward()
+        reward.bt_loss(r[0], r[1], B)[0].backward()
 
     step()
     torch.testing.assert_close(r.grad[0], -torch.sigmoid(-(r[0] - r[1])).detach() / B)
@@ -102,7 +102,7 @@ def test_dpo_loss(benchmark, loss_type):
 
     def step():
         pol.grad = None
-        dpo.dpo_loss(pol[0], pol[1], ref[0], ref[1], 0.1, loss_type)[0].mean().backward()
+        dpo.dpo_loss(pol[0], pol[1], ref[0], ref[1], 0.1, B, loss_type)[0].backward()
 
     step()
     assert torch.isfinite(pol.grad).all() and pol.grad.abs().sum() > 0
