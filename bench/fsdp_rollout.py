@@ -8,7 +8,7 @@ number of all-gathers FSDP issued (counted by wrapping FSDP2's foreach_all_gathe
 disabled so that both ranks run every decode step (FSDP's collectives need equal counts).
 
     python bench/fsdp_rollout.py                                  # tiny and GPT-2 small, 2 CPU processes
-    python bench/fsdp_rollout.py --models gpt2-large-random --nproc 8   # GPUs
+    python bench/fsdp_rollout.py --models gpt2-large-random --world_size 8   # GPUs
 """
 import argparse
 import json
@@ -81,7 +81,7 @@ def child(args):
 
 def title(args, threads, device):
     name = util.device_name(device).rsplit(",", 1)[0] if device.type == "cpu" else util.device_name(device)
-    return (f"FSDP2 on {args.nproc} ranks ({threads} thread each), {args.rows} rows x {args.new_tokens} new "
+    return (f"FSDP2 on {args.world_size} ranks ({threads} thread each), {args.rows} rows x {args.new_tokens} new "
             f"tokens per rank, {name}")
 
 
@@ -112,7 +112,7 @@ def plot(cases, path, title):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="tiny,gpt2-small-random")
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--world_size", type=int, default=2, help="ranks (torchrun --nproc_per_node)")
     p.add_argument("--rows", type=int, default=16, help="rows per rank")
     p.add_argument("--prompt_len", type=int, default=32)
     p.add_argument("--new_tokens", type=int, default=32)
@@ -123,7 +123,7 @@ def main():
         return child(args)
     argv = [a for a in sys.argv[1:]]
     threads = os.environ.get("OMP_NUM_THREADS", "1")  # per rank
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.world_size}",
                         os.path.abspath(__file__), "--child", *argv], cwd=util.ROOT, capture_output=True, text=True,
                        env={**os.environ, "OMP_NUM_THREADS": threads})
     if r.returncode != 0:
