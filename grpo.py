@@ -43,7 +43,7 @@ Deliberate departures:
    reproduces the 1-process run step for step (rejection sampling's draws excepted).
 
 Run:
-    python grpo.py                                     # from runs/sft, gold reward, 2 CPU cores, ~3-4 min
+    python grpo.py                                     # from runs/sft, gold reward, CPU
     python grpo.py --reward_model runs/rm --out_dir runs/grpo-rm   # the learned reward
     torchrun --nproc_per_node 2 grpo.py                # the same on 2 processes (FSDP2)
     torchrun --nproc_per_node 8 grpo.py --model runs/sft-gpt2 --dataset trl-lib/tldr \\

@@ -15,7 +15,7 @@ Deliberate choices:
    are counted and printed, never dropped silently.
 
 Run:
-    python sft.py                                    # tiny GPT-2 on the embedded sort task, CPU, ~2 min
+    python sft.py                                    # tiny GPT-2 on the embedded sort task, CPU
     torchrun --nproc_per_node 2 sft.py               # the same on 2 processes (FSDP2)
     torchrun --nproc_per_node 8 sft.py --model gpt2 --dataset trl-lib/tldr --max_prompt_len 384 \\
         --max_response_len 56 --steps 2000 --batch_size 64 --lr 5e-5 --out_dir runs/sft-gpt2
