@@ -239,8 +239,24 @@ def test_dpo_script_tiny(base_run):
     start, end = rows[0], rows[-1]
     assert start["step"] == 0 and start["eval/accuracy"] == 0.5  # ties count half
     assert {"eval/accuracy", "eval/bayes_accuracy", "eval/exact_match", "eval/gold_reward"} <= set(end)
-    model = AutoModelForCausalLM.from_pretrained(out / "checkpoint")
+    model = AutoModelForCausalLM.from_pretrained(out / "checkpoint").eval()
     assert model.config.n_layer == 4
+
+    # the final eval recomputed from the saved policy and the rebuilt reference: h = the policy's
+    # log-ratio to the reference of chosen minus that of rejected, pair by pair; its sign flips with
+    # chosen and rejected, or policy and reference, swapped. Every |h| here is above 0.018
+    # (measured), so no pair is a tie that rounding could turn
+    tok = common.load_tokenizer("tiny")
+    cfg = replace(dpo.Config(), max_response_len=16)  # TINY's
+    pairs = dpo.encode_pairs(dpo.load_pairs("sort", "test", 16, 0), tok, cfg, "eval")  # TINY's 16, seed 0
+    common.set_seed(0)  # the initial weights, built as dpo.py builds them
+    ref = common.load_model("tiny", tok).eval()
+    with torch.no_grad():
+        pi, pi_ref = (dpo.all_pair_logps(m, pairs, tok.pad_token_id, D, 16) for m in (model, ref))
+    h = (pi[:, 0] - pi[:, 1]) - (pi_ref[:, 0] - pi_ref[:, 1])
+    assert h.abs().min() > 1e-3, h
+    assert end["eval/margin"] == pytest.approx(cfg.beta * h.mean().item(), abs=1e-5), (end, h)
+    assert end["eval/accuracy"] == (h > 0).float().mean().item(), (end, h)
 
 
 def test_live_reference_matches_precomputed(base_run, tmp_path):
@@ -287,6 +303,10 @@ def test_hh_jsonl_through_dpo(tmp_path):
     assert "truncated 8 prompts (left)" in res.stdout
     rows = read_metrics(out)
     assert "eval/accuracy" in rows[-1] and "eval/exact_match" not in rows[-1]  # no gold reward for HH
+    # the eval pairs are the training pairs: after one step (the first is at lr 0 in warmup) the
+    # policy prefers the chosen answers, accuracy 1.0 and margin 0.043 (measured); with chosen and
+    # rejected swapped in the loss, accuracy 0.0 and margin -0.043
+    assert rows[-1]["eval/accuracy"] > 0.75 and rows[-1]["eval/margin"] > 0.02, rows[-1]
     AutoModelForCausalLM.from_pretrained(out / "checkpoint")
 
 

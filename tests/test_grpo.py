@@ -365,6 +365,14 @@ def run_grpo(tmp_path, *extra, nproc=1):
     return out, read_metrics(out)
 
 
+def moved_from_the_initial_weights(out):
+    """The largest change of any weight from the tiny model grpo.py starts from to out's checkpoint."""
+    w = checkpoint_weights(out)
+    common.set_seed(0)  # the initial weights, built as grpo.py builds them
+    start = common.load_model("tiny", common.load_tokenizer("tiny")).state_dict()
+    return max((w[k] - start[k]).abs().max().item() for k in w)
+
+
 def write_digits_prompts(path, n):
     """n prompts of the embedded task, each scored by the digits reward (which a random policy's
     samples vary under; the sort reward is 0 for all of them), as a jsonl file; its path."""
@@ -384,6 +392,14 @@ def test_script_runs_with_many_knobs_and_checkpoint_loads(tmp_path):
                 "time/rollout", "time/reward", "time/update", "eval/exact_match", "eval/accuracy"):
         assert key in rows[-1], key
     assert rows[0]["eval/accuracy"] == 0.5  # policy == reference: every pair is a tie
+    for r in rows[1:]:
+        # --no_eos_penalty 0.5 is subtracted from the reward of each completion that never stopped
+        # (means are linear); most of them here (0.88 and 0.81 measured), so the check has teeth
+        assert r["completions/clipped_ratio"] > 0.25, r
+        assert r["reward"] == pytest.approx(r["reward/rule"] - 0.5 * r["completions/clipped_ratio"], abs=1e-6), r
+    # --ref_refresh_every 1 copies the policy into the reference, not the other way round: the
+    # policy keeps what it learnt (its weights moved by up to 4e-4, measured; with the copy reversed, 0)
+    assert moved_from_the_initial_weights(out) > 1e-4
     model = AutoModelForCausalLM.from_pretrained(out / "checkpoint")
     assert model.config.n_layer == 4
 
@@ -440,16 +456,27 @@ def test_script_pairwise_accuracy_on_a_preference_file(tmp_path):
 @pytest.fixture(scope="module")
 def multi_pass_kl_in_reward_run(tmp_path_factory):
     """An in-process run with several passes over each rollout (mu = 3 x 2 mini-batches), a large
-    lr so that the policy moves within a rollout, and the KL taken from the reward; both tests
-    below read its metrics. A reward the random policy's samples vary under (digits) makes the
-    advantages nonzero."""
+    lr so that the policy moves within a rollout, and the KL taken from the reward; the tests
+    below read its metrics, and what grpo_loss was given: per call, the largest difference over
+    the response tokens between the log-probs and the old ones, and between them and the
+    reference's. A reward the random policy's samples vary under (digits) makes the advantages
+    nonzero."""
     tmp = tmp_path_factory.mktemp("multi_pass")
     data = write_digits_prompts(tmp / "prompts.jsonl", 16)
     cfg = grpo.Config(model="tiny", dataset=data, out_dir=str(tmp / "g"), steps=2, prompts_per_step=4,
                       group_size=4, max_new_tokens=8, num_iterations=3, num_mini_batches=2, lr=1e-2,
                       warmup_steps=0, kl_in_reward=True, beta=0.5, eval_every=100, n_eval_pairs=4)
-    grpo.main(cfg)
-    return [r for r in read_metrics(tmp / "g") if r["step"] > 0]
+    loss_inputs, loss_fn = [], grpo.grpo_loss
+
+    def recording_loss(logps, old_logps, ref_logps, advantages, mask, *args, **kwargs):
+        m = mask.bool()
+        loss_inputs.append(((logps - old_logps)[m].abs().max().item(), (logps - ref_logps)[m].abs().max().item()))
+        return loss_fn(logps, old_logps, ref_logps, advantages, mask, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(grpo, "grpo_loss", recording_loss)
+        grpo.main(cfg)
+    return [r for r in read_metrics(tmp / "g") if r["step"] > 0], loss_inputs
 
 
 def test_clipping_acts_on_later_passes_over_a_rollout(multi_pass_kl_in_reward_run):
@@ -457,9 +484,21 @@ def test_clipping_acts_on_later_passes_over_a_rollout(multi_pass_kl_in_reward_ru
     (GRPO Alg. 1): then rho drifts from 1 as the policy moves and the clip acts. Were the old
     log-probs recomputed from the current forward (old = logps.detach()), rho would be exactly 1
     on every pass, the clip ratios always 0, and mu > 1 an unclipped policy gradient."""
-    rows = multi_pass_kl_in_reward_run
+    rows, _ = multi_pass_kl_in_reward_run
     assert len(rows) == 2
     assert max(r["clip_ratio/low"] + r["clip_ratio/high"] for r in rows) > 0.01, rows
+
+
+def test_old_and_reference_log_probs_reach_the_loss_in_their_places(multi_pass_kl_in_reward_run):
+    """The first optimizer step of a rollout runs the rollout policy itself: its log-probs equal
+    the old ones (rho = 1), while at the second rollout the policy has left the reference (step 1
+    moved it). Old and reference log-probs passed in each other's place (rho = pi / pi_ref) would
+    clip against the wrong policy and still train, pass every metric check and go unnoticed."""
+    _, loss_inputs = multi_pass_kl_in_reward_run
+    assert len(loss_inputs) == 2 * 3 * 2  # steps x passes x mini-batches
+    first_of_step_1, first_of_step_2 = loss_inputs[0], loss_inputs[6]
+    assert first_of_step_1[0] < 1e-5 and first_of_step_1[1] < 1e-5, loss_inputs  # pi = pi_old = pi_ref
+    assert first_of_step_2[0] < 1e-5 and first_of_step_2[1] > 0.1, loss_inputs  # measured: 0 and 1.9
 
 
 def test_kl_in_reward_is_subtracted(multi_pass_kl_in_reward_run):
@@ -467,7 +506,7 @@ def test_kl_in_reward_is_subtracted(multi_pass_kl_in_reward_run):
     reward = reward/rule - reward/kl_penalty (means are linear). The penalty is k3, >= 0, and
     nonzero once the policy has left the reference (step 1 starts at it: penalty 0), so a
     penalty added instead of subtracted fails here."""
-    rows = multi_pass_kl_in_reward_run
+    rows, _ = multi_pass_kl_in_reward_run
     assert rows[0]["reward/kl_penalty"] == 0  # policy == reference at the first rollout
     assert max(r["reward/kl_penalty"] for r in rows) > 1e-3  # the check below has teeth
     for r in rows:
@@ -479,9 +518,14 @@ def test_kl_in_reward_is_subtracted(multi_pass_kl_in_reward_run):
 def test_script_lora_checkpoint_is_merged(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    out, _ = run_grpo(tmp_path, "--lora", "--kl_in_reward", "--lr", "1e-2", "--steps", "1")
+    # --no_eos_penalty: rewards that differ within a group, so the step has a gradient (at the
+    # first step the KL penalty is 0 and every sort reward 0) and the adapters move
+    out, _ = run_grpo(tmp_path, "--lora", "--kl_in_reward", "--lr", "1e-2", "--steps", "1", "--no_eos_penalty", "0.5")
     model = AutoModelForCausalLM.from_pretrained(out / "checkpoint")
     assert not any("lora" in name for name, _ in model.named_parameters())
+    # the adapters' update is in the weights (they moved by up to 0.015, measured): unloaded
+    # unmerged, they would leave the base model
+    assert moved_from_the_initial_weights(out) > 1e-3
 
 
 def test_two_processes_match_one_process(tmp_path):
@@ -503,8 +547,5 @@ def test_two_processes_match_one_process(tmp_path):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
     # Adam turns rounding noise in near-zero gradients into steps of up to lr: a small lr keeps
     # that noise under the tolerance, while the weights still move 10x more than it
-    w1 = checkpoint_weights(out1)
-    assert max_abs_diff(w1, checkpoint_weights(out2)) < 1e-5
-    common.set_seed(0)  # the initial weights, built as grpo.py builds them
-    start = common.load_model("tiny", common.load_tokenizer("tiny")).state_dict()
-    assert max((w1[k] - start[k]).abs().max().item() for k in w1) > 1e-4
+    assert max_abs_diff(checkpoint_weights(out1), checkpoint_weights(out2)) < 1e-5
+    assert moved_from_the_initial_weights(out1) > 1e-4
