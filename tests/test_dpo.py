@@ -248,7 +248,7 @@ def test_dpo_script_tiny(base_run):
     # (measured), so no pair is a tie that rounding could turn
     tok = common.load_tokenizer("tiny")
     cfg = replace(dpo.Config(), max_response_len=16)  # TINY's
-    pairs = dpo.encode_pairs(dpo.load_pairs("sort", "test", 16, 0), tok, cfg, "eval")  # TINY's 16, seed 0
+    pairs = data.encode_pairs(data.load_pairs("sort", "test", 16, 0), tok, cfg.max_prompt_len, 16, "eval")  # TINY's 16
     common.set_seed(0)  # the initial weights, built as dpo.py builds them
     ref = common.load_model("tiny", tok).eval()
     with torch.no_grad():
