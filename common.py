@@ -810,3 +810,36 @@ def parse_config(cls, argv=None):
             convert.__name__ = tp.__name__
         parser.add_argument(f"--{f.name}", type=convert, metavar=tp.__name__.upper(), **kw)
     return cls(**vars(parser.parse_args(argv)))
+
+
+_RANGE = (r"\[(?P<op>>=|>) (?P<bound>-?[0-9.e+-]+)\]$"
+          r"|(?P<lo_br>[\[(])(?P<lo>-?[0-9.e+-]+), (?P<hi>-?[0-9.e+-]+)(?P<hi_br>[\])])$")
+
+
+def field_range(doc):
+    """The valid range a field's docstring ends with: a bound, "[>= 1]" or "[> 0]", or an
+    interval, "[0, 1)" or "(0, 1]". Returns (text, test) or None when the docstring has none."""
+    import re
+
+    m = re.search(_RANGE, doc)
+    if m is None:
+        return None
+    if m["op"]:
+        b = float(m["bound"])
+        return m[0], (lambda v: v >= b) if m["op"] == ">=" else (lambda v: v > b)
+    lo, hi = float(m["lo"]), float(m["hi"])
+    return m[0], lambda v: (v >= lo if m["lo_br"] == "[" else v > lo) and (v <= hi if m["hi_br"] == "]" else v < hi)
+
+
+def check_ranges(cfg):
+    """Refuse every numeric field outside the range its docstring ends with (shown by --help),
+    naming the flag and the range: called first thing in main, before anything is loaded or
+    written."""
+    docs = _field_docs(type(cfg))
+    bad = []
+    for f in dataclasses.fields(cfg):
+        value, rng = getattr(cfg, f.name), field_range(docs.get(f.name, ""))
+        if rng is not None and value is not None and not isinstance(value, bool) and not rng[1](value):
+            bad.append(f"--{f.name} {value} is out of range {rng[0]}")
+    if bad:
+        raise ValueError("; ".join(bad))

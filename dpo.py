@@ -61,59 +61,60 @@ class Config:
     eval_dataset: str | None = None
     """held-out pairs from another source (e.g. a second .jsonl); None: --eval_split of --dataset"""
     n_train: int = 8000
-    """pairs drawn from an embedded task (ignored for files and hub data sets); 250 steps of 64 see each twice"""
+    """pairs drawn from an embedded task (ignored for files and hub data sets); 250 steps of 64 see each twice [>= 1]"""
     max_prompt_len: int = 64
-    """prompt tokens kept (from the right)"""
+    """prompt tokens kept (from the right) [>= 1]"""
     max_response_len: int = 32
-    """response tokens kept, EOS included"""
+    """response tokens kept, EOS included [>= 1]"""
     # --- loss ---
     beta: float = 0.3
-    """strength of the KL regularisation towards the reference (the implicit reward's scale); 0.1 overshoots here"""
+    """strength of the KL regularisation towards the reference (the implicit reward's scale; 0.1 overshoots here)
+    [> 0]"""
     loss_type: str = "sigmoid"
     """sigmoid (DPO), ipo, or hinge (SLiC)"""
     label_smoothing: float = 0.0
-    """cDPO: assumed probability that a label is flipped (sigmoid loss only)"""
+    """cDPO: assumed probability that a label is flipped (sigmoid loss only) [0, 0.5)"""
     precompute_ref: bool = True
     """compute reference log-probs once before training and free the reference model"""
     # --- optimisation ---
     steps: int = 250
-    """optimizer steps"""
+    """optimizer steps [>= 1]"""
     batch_size: int = 64
-    """pairs per optimizer step, over all ranks and micro-batches"""
+    """pairs per optimizer step, over all ranks and micro-batches [>= 1]"""
     grad_accum: int = 1
-    """micro-batches per optimizer step on each rank"""
+    """micro-batches per optimizer step on each rank [>= 1]"""
     lr: float = 1e-4
-    """peak learning rate (AdamW)"""
+    """peak learning rate (AdamW) [> 0]"""
     warmup_steps: int = 20
-    """linear warmup steps before the cosine decay"""
+    """linear warmup steps before the cosine decay [>= 0]"""
     weight_decay: float = 0.0
-    """AdamW weight decay"""
+    """AdamW weight decay [>= 0]"""
     grad_clip: float = 1.0
-    """clip the global gradient norm to this (0: no clipping)"""
+    """clip the global gradient norm to this (0: no clipping) [>= 0]"""
     activation_checkpointing: bool = False
     """recompute activations in the backward pass (less memory, ~30% more compute)"""
     offload_frozen: bool = False
     """keep the reference's parameters in CPU memory between uses (FSDP2 on GPUs, under torchrun)"""
     # --- evaluation ---
     eval_every: int = 125
-    """evaluate every this many steps (and at step 0 and the end)"""
+    """evaluate every this many steps (and at step 0 and the end) [>= 1]"""
     n_eval: int = 1000
-    """held-out pairs for the implicit-reward accuracy"""
+    """held-out pairs for the implicit-reward accuracy [>= 1]"""
     n_eval_prompts: int = 200
-    """held-out prompts for greedy answers scored by the gold reward (embedded task only)"""
+    """held-out prompts for greedy answers scored by the gold reward (embedded task only) [>= 1]"""
     eval_batch_size: int = 64
-    """pairs per forward when computing log-probs without gradients"""
+    """pairs per forward when computing log-probs without gradients [>= 1]"""
     # --- run ---
     out_dir: str = "runs/dpo"
     """where metrics.jsonl and the checkpoint/ folder go"""
     save_every: int = 0
-    """also write a resumable checkpoint (optimizer, data position) every this many steps (0: only at the end)"""
+    """also write a resumable checkpoint (optimizer, data position) every this many steps (0: only at the end) [>= 0]"""
     resume: bool = False
     """continue the run whose checkpoint is in out_dir"""
     overwrite: bool = False
     """replace the checkpoint and metrics already in out_dir"""
     seed: int = 0
-    """seed for data order (the same on every rank)"""
+    """seed for data order (the same on every rank) [>= 0]"""
     wandb: bool = False
     """also log to Weights & Biases"""
     trust_remote_code: bool = False
@@ -178,6 +179,7 @@ def all_pair_logps(model, pairs, pad_id, d, batch_size):
 
 def main(cfg):
     # 0. setup and checks that fail fast
+    common.check_ranges(cfg)  # every numeric flag within the range its --help states
     d = common.setup_distributed()
     common.set_seed(cfg.seed)
     if cfg.batch_size % (d.world_size * cfg.grad_accum):

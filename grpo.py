@@ -74,22 +74,22 @@ class Config:
     dataset: str = "sort"
     """embedded task name, a hub id, or a local .jsonl/.json/.parquet with a prompt (and reward_fn) column"""
     n_train: int = 20000
-    """prompts drawn from an embedded task"""
+    """prompts drawn from an embedded task [>= 1]"""
     max_prompt_len: int = 64
-    """prompt tokens kept (from the right)"""
+    """prompt tokens kept (from the right) [>= 1]"""
     # --- sampling ---
     prompts_per_step: int = 32
-    """prompts per rollout, over all ranks"""
+    """prompts per rollout, over all ranks [>= 1]"""
     group_size: int = 8
-    """completions per prompt that enter the loss (G)"""
+    """completions per prompt that enter the loss (G) [>= 2]"""
     max_new_tokens: int = 24
-    """response tokens sampled at most (a completion that reaches it without stopping is 'clipped')"""
+    """response tokens sampled at most (a completion that reaches it without stopping is 'clipped') [>= 1]"""
     temperature: float = 1.0
-    """sampling temperature; the loss's log-probs use the same temperature"""
+    """sampling temperature; the loss's log-probs use the same temperature [> 0]"""
     top_k: int = 0
-    """sample from the k most likely tokens only (0: all)"""
+    """sample from the k most likely tokens only (0: all) [>= 0]"""
     top_p: float = 1.0
-    """nucleus sampling threshold (1: off)"""
+    """nucleus sampling threshold (1: off) (0, 1]"""
     truncate_token: str = ""
     """a string of one token: generation also stops at it, and tokens after it are masked"""
     compile: bool = False
@@ -100,71 +100,71 @@ class Config:
     reward_weights: str = ""
     """weighted sum of rewards, e.g. `rule:1.0,model:0.5` (empty: `model:1` with --reward_model, else `rule:1`)"""
     no_eos_penalty: float = 0.0
-    """subtracted from the reward of a completion that never stops (no EOS or truncate token)"""
+    """subtracted from the reward of a completion that never stops (no EOS or truncate token) [>= 0]"""
     mask_truncated: bool = False
     """leave completions that never stop out of the loss"""
     rs_samples: int = 0
-    """rejection sampling: sample this many per prompt and keep group_size of them (0: off)"""
+    """rejection sampling: sample this many per prompt and keep group_size of them (0: off) [>= 0]"""
     rs_mode: str = "rso"
     """rso (statistical rejection sampling, RSO Alg. 1) or topbottom (best and worst halves)"""
     rs_gamma: float = 2.0
-    """RSO temperature: accept with probability exp((r - r_max) / gamma)"""
+    """RSO temperature: accept with probability exp((r - r_max) / gamma) [> 0]"""
     # --- loss ---
     scale_rewards: str = "group"
     """divide centred rewards by the std of their group, of the whole batch, or `none` (Dr. GRPO)"""
     global_norm: bool = False
     """then normalise advantages to mean 0, std 1 over the whole batch on all ranks"""
     epsilon_low: float = 0.2
-    """clip rho below at 1 - epsilon_low"""
+    """clip rho below at 1 - epsilon_low [0, 1)"""
     epsilon_high: float = 0.28
-    """clip rho above at 1 + epsilon_high (DAPO clip-higher)"""
+    """clip rho above at 1 + epsilon_high (DAPO clip-higher) [>= 0]"""
     beta: float = 0.04
-    """KL coefficient"""
+    """KL coefficient [>= 0]"""
     kl_estimator: str = "k3"
     """k1, k2, k3, ratio_k1 or ratio_k3 (GRPO Eq. 4 is k3)"""
     kl_in_reward: bool = False
     """subtract beta x sum of per-token KL estimates from each reward instead of adding KL to the loss"""
     entropy_coef: float = 0.0
-    """entropy bonus coefficient"""
+    """entropy bonus coefficient [>= 0]"""
     loss_agg: str = "token_mean"
     """token_mean, seq_mean_token_mean, or constant (divide by max_new_tokens x sequences; Dr. GRPO)"""
     # --- reference and LoRA ---
     ref_refresh_every: int = 0
-    """copy the policy into the reference every this many steps (0: never)"""
+    """copy the policy into the reference every this many steps (0: never) [>= 0]"""
     lora: bool = False
     """train LoRA adapters (peft); the reference is the same network with adapters disabled"""
     lora_r: int = 16
-    """LoRA rank"""
+    """LoRA rank [>= 1]"""
     lora_alpha: float = 32.0
-    """LoRA scale numerator (scale = alpha / r)"""
+    """LoRA scale numerator (scale = alpha / r) [> 0]"""
     # --- optimisation ---
     steps: int = 20
-    """rollouts (each followed by num_iterations x num_mini_batches optimizer steps)"""
+    """rollouts (each followed by num_iterations x num_mini_batches optimizer steps) [>= 1]"""
     num_iterations: int = 2
-    """mu: optimisation passes over each rollout"""
+    """mu: optimisation passes over each rollout [>= 1]"""
     num_mini_batches: int = 2
-    """optimizer steps per pass (the rollout split into this many mini-batches)"""
+    """optimizer steps per pass (the rollout split into this many mini-batches) [>= 1]"""
     grad_accum: int = 1
-    """micro-batches per mini-batch on each rank"""
+    """micro-batches per mini-batch on each rank [>= 1]"""
     lr: float = 1e-4
-    """peak learning rate (AdamW)"""
+    """peak learning rate (AdamW) [> 0]"""
     warmup_steps: int = 5
-    """linear warmup (optimizer steps) before the cosine decay"""
+    """linear warmup (optimizer steps) before the cosine decay [>= 0]"""
     weight_decay: float = 0.0
-    """AdamW weight decay"""
+    """AdamW weight decay [>= 0]"""
     grad_clip: float = 1.0
-    """clip the global gradient norm to this (0: no clipping)"""
+    """clip the global gradient norm to this (0: no clipping) [>= 0]"""
     activation_checkpointing: bool = False
     """recompute activations in the backward pass (less memory, ~30% more compute)"""
     offload_frozen: bool = False
     """keep the reference and reward model's parameters in CPU memory between uses (FSDP2 on GPUs, under torchrun)"""
     # --- evaluation ---
     eval_every: int = 10
-    """evaluate every this many steps (and at step 0 and the end)"""
+    """evaluate every this many steps (and at step 0 and the end) [>= 1]"""
     n_eval: int = 500
-    """held-out prompts for greedy exact-match and gold reward (embedded task)"""
+    """held-out prompts for greedy exact-match and gold reward (embedded task) [>= 1]"""
     n_eval_pairs: int = 500
-    """held-out preference pairs for the pairwise accuracy of beta*log(pi/pi_ref)"""
+    """held-out preference pairs for the pairwise accuracy of beta*log(pi/pi_ref) [>= 1]"""
     eval_pairs: str = ""
     """preference pairs (hub id or file: prompt, chosen, rejected, or HH rows) for that accuracy; the embedded
     task uses its own test pairs"""
@@ -174,13 +174,13 @@ class Config:
     out_dir: str = "runs/grpo"
     """where metrics.jsonl and the checkpoint/ folder go"""
     save_every: int = 0
-    """also write a resumable checkpoint every this many steps (0: only the final one)"""
+    """also write a resumable checkpoint every this many steps (0: only the final one) [>= 0]"""
     resume: bool = False
     """continue the run whose checkpoint is in out_dir"""
     overwrite: bool = False
     """replace the checkpoint and metrics already in out_dir"""
     seed: int = 0
-    """seed for data order and sampling (the same rollouts on any number of ranks, unless --rs_samples)"""
+    """seed for data order and sampling (the same rollouts on any number of ranks, unless --rs_samples) [>= 0]"""
     wandb: bool = False
     """also log to Weights & Biases"""
     trust_remote_code: bool = False
@@ -453,9 +453,9 @@ def phase_peak_memory(d):
 
 
 def check_config(cfg, d):
-    """Batch arithmetic and flag combinations, with messages that say what to change."""
+    """Batch arithmetic and flag combinations, with messages that say what to change (the range of
+    each flag alone: common.check_ranges)."""
     checks = [
-        (cfg.group_size >= 2, f"--group_size {cfg.group_size}: group advantages need at least 2 completions per prompt"),
         (cfg.prompts_per_step % d.world_size == 0,
          f"--prompts_per_step {cfg.prompts_per_step} must be divisible by world size {d.world_size} (groups stay on one rank)"),
         ((cfg.prompts_per_step // d.world_size * cfg.group_size) % (cfg.num_mini_batches * cfg.grad_accum) == 0,
@@ -464,7 +464,6 @@ def check_config(cfg, d):
         (cfg.rs_samples == 0 or cfg.rs_samples >= cfg.group_size,
          f"--rs_samples {cfg.rs_samples} must be at least --group_size {cfg.group_size} (it keeps group_size of them)"),
         (cfg.rs_mode in ("rso", "topbottom"), f"--rs_mode {cfg.rs_mode!r}: expected rso or topbottom"),
-        (cfg.rs_gamma > 0, f"--rs_gamma {cfg.rs_gamma} must be positive"),
         (cfg.kl_estimator in KL_ESTIMATORS, f"--kl_estimator {cfg.kl_estimator!r}: expected one of {KL_ESTIMATORS}"),
         (cfg.loss_agg in LOSS_AGGS, f"--loss_agg {cfg.loss_agg!r}: expected one of {LOSS_AGGS}"),
         (cfg.scale_rewards in ("group", "batch", "none"), f"--scale_rewards {cfg.scale_rewards!r}: expected group, batch or none"),
@@ -475,9 +474,6 @@ def check_config(cfg, d):
         (not (cfg.save_every and cfg.ref_refresh_every and cfg.save_every % cfg.ref_refresh_every),
          f"--save_every {cfg.save_every} must be a multiple of --ref_refresh_every {cfg.ref_refresh_every} "
          f"(a resumed run rebuilds its reference from the checkpoint)"),
-        (cfg.num_iterations >= 1 and cfg.num_mini_batches >= 1 and cfg.grad_accum >= 1,
-         "--num_iterations, --num_mini_batches and --grad_accum must be at least 1"),
-        (cfg.temperature > 0, "--temperature must be positive for sampling (the loss divides logits by it)"),
     ]
     for ok, msg in checks:
         if not ok:
@@ -486,6 +482,7 @@ def check_config(cfg, d):
 
 def main(cfg):
     # 0. setup: policy, reference, optional reward model, data
+    common.check_ranges(cfg)  # every numeric flag within the range its --help states
     d = common.setup_distributed()
     check_config(cfg, d)
     common.set_seed(cfg.seed)

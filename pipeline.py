@@ -33,9 +33,9 @@ class Config:
     kl_compare: bool = True
     """run the KL-estimator comparison: short GRPO runs optimising k1, k2, k3, ratio*k1 at one beta, and none"""
     kl_beta: float = 0.5
-    """beta of the KL-estimator comparison runs"""
+    """beta of the KL-estimator comparison runs [> 0]"""
     kl_steps: int = 20
-    """steps of each KL-estimator comparison run"""
+    """steps of each KL-estimator comparison run [>= 1]"""
     plots: bool = True
     """write the PNG plots (plots/plot.py) after the table"""
 
@@ -141,6 +141,7 @@ def kl_table(cfg, times):
 
 
 def main(cfg):
+    common.check_ranges(cfg)
     os.makedirs(cfg.runs, exist_ok=True)
     times_path = os.path.join(cfg.runs, "pipeline_times.json")
     times = json.load(open(times_path)) if os.path.isfile(times_path) else {}

@@ -55,29 +55,29 @@ class Config:
     eval_dataset: str | None = None
     """held-out pairs from another source (e.g. a second .jsonl); None: --eval_split of --dataset"""
     n_train: int = 20000
-    """pairs drawn from an embedded task (ignored for files and hub data sets)"""
+    """pairs drawn from an embedded task (ignored for files and hub data sets) [>= 1]"""
     max_prompt_len: int = 64
-    """prompt tokens kept (from the right)"""
+    """prompt tokens kept (from the right) [>= 1]"""
     max_response_len: int = 32
-    """response tokens kept, EOS included"""
+    """response tokens kept, EOS included [>= 1]"""
     # --- loss ---
     center_coef: float = 0.0
-    """weight of the reward-centring term mean((r_chosen + r_rejected)^2) (0: off)"""
+    """weight of the reward-centring term mean((r_chosen + r_rejected)^2) (0: off) [>= 0]"""
     # --- optimisation ---
     steps: int = 300
-    """optimizer steps"""
+    """optimizer steps [>= 1]"""
     batch_size: int = 64
-    """pairs per optimizer step, over all ranks and micro-batches"""
+    """pairs per optimizer step, over all ranks and micro-batches [>= 1]"""
     grad_accum: int = 1
-    """micro-batches per optimizer step on each rank"""
+    """micro-batches per optimizer step on each rank [>= 1]"""
     lr: float = 1e-3
-    """peak learning rate (AdamW)"""
+    """peak learning rate (AdamW) [> 0]"""
     warmup_steps: int = 20
-    """linear warmup steps before the cosine decay"""
+    """linear warmup steps before the cosine decay [>= 0]"""
     weight_decay: float = 0.0
-    """AdamW weight decay"""
+    """AdamW weight decay [>= 0]"""
     grad_clip: float = 1.0
-    """clip the global gradient norm to this (0: no clipping)"""
+    """clip the global gradient norm to this (0: no clipping) [>= 0]"""
     activation_checkpointing: bool = False
     """recompute activations in the backward pass (less memory, ~30% more compute)"""
     # --- normalisation ---
@@ -86,25 +86,25 @@ class Config:
     normalize_policy: str | None = None
     """policy whose samples set the normalisation (None: --model, the SFT start)"""
     n_normalize: int = 512
-    """train prompts sampled (one response each, temperature 1) for --normalize"""
+    """train prompts sampled (one response each, temperature 1) for --normalize [>= 1]"""
     # --- evaluation ---
     eval_every: int = 100
-    """evaluate every this many steps (and at step 0 and the end)"""
+    """evaluate every this many steps (and at step 0 and the end) [>= 1]"""
     n_eval: int = 1000
-    """held-out pairs for the pairwise accuracy"""
+    """held-out pairs for the pairwise accuracy [>= 1]"""
     eval_batch_size: int = 64
-    """pairs per forward in evaluation (and prompts per rollout in --normalize)"""
+    """pairs per forward in evaluation (and prompts per rollout in --normalize) [>= 1]"""
     # --- run ---
     out_dir: str = "runs/rm"
     """where metrics.jsonl and the checkpoint/ folder go"""
     save_every: int = 0
-    """also write a resumable checkpoint (optimizer, data position) every this many steps (0: only at the end)"""
+    """also write a resumable checkpoint (optimizer, data position) every this many steps (0: only at the end) [>= 0]"""
     resume: bool = False
     """continue the run whose checkpoint is in out_dir"""
     overwrite: bool = False
     """replace the checkpoint and metrics already in out_dir"""
     seed: int = 0
-    """seed for the head's init and data order (the same on every rank)"""
+    """seed for the head's init and data order (the same on every rank) [>= 0]"""
     wandb: bool = False
     """also log to Weights & Biases"""
     trust_remote_code: bool = False
@@ -183,6 +183,7 @@ def normalization(model, tokenizer, cfg, prompts, d):
 
 def main(cfg):
     # 0. setup: the same seed on every rank so every rank builds the same score head
+    common.check_ranges(cfg)  # every numeric flag within the range its --help states
     d = common.setup_distributed()
     common.set_seed(cfg.seed)
     if cfg.batch_size % (d.world_size * cfg.grad_accum):

@@ -39,46 +39,46 @@ class Config:
     dataset: str = "sort"
     """embedded task name, a hub id (trl-lib/tldr), or a local .jsonl/.json/.parquet with prompt, completion"""
     n_train: int = 50000
-    """rows drawn from an embedded task (ignored for files and hub data sets)"""
+    """rows drawn from an embedded task (ignored for files and hub data sets) [>= 1]"""
     max_prompt_len: int = 64
-    """prompt tokens kept (from the right)"""
+    """prompt tokens kept (from the right) [>= 1]"""
     max_response_len: int = 32
-    """completion tokens kept, EOS included"""
+    """completion tokens kept, EOS included [>= 1]"""
     # --- optimisation ---
     steps: int = 700
-    """optimizer steps"""
+    """optimizer steps [>= 1]"""
     batch_size: int = 64
-    """rows per optimizer step, over all ranks and micro-batches"""
+    """rows per optimizer step, over all ranks and micro-batches [>= 1]"""
     grad_accum: int = 1
-    """micro-batches per optimizer step on each rank"""
+    """micro-batches per optimizer step on each rank [>= 1]"""
     lr: float = 1e-3
-    """peak learning rate (AdamW)"""
+    """peak learning rate (AdamW) [> 0]"""
     warmup_steps: int = 50
-    """linear warmup steps before the cosine decay"""
+    """linear warmup steps before the cosine decay [>= 0]"""
     weight_decay: float = 0.0
-    """AdamW weight decay"""
+    """AdamW weight decay [>= 0]"""
     grad_clip: float = 1.0
-    """clip the global gradient norm to this (0: no clipping)"""
+    """clip the global gradient norm to this (0: no clipping) [>= 0]"""
     activation_checkpointing: bool = False
     """recompute activations in the backward pass (less memory, ~30% more compute)"""
     # --- evaluation ---
     eval_every: int = 100
-    """evaluate every this many steps (and at the end)"""
+    """evaluate every this many steps (and at the end) [>= 1]"""
     n_eval: int = 200
-    """held-out rows for the eval loss and, on an embedded task, held-out prompts for greedy answers"""
+    """held-out rows for the eval loss and, on an embedded task, held-out prompts for greedy answers [>= 1]"""
     eval_batch_size: int = 256
-    """held-out rows per forward pass on each rank"""
+    """held-out rows per forward pass on each rank [>= 1]"""
     # --- run ---
     out_dir: str = "runs/sft"
     """where metrics.jsonl and the checkpoint/ folder go"""
     save_every: int = 0
-    """also write a resumable checkpoint (with optimizer and data position) every this many steps (0: only at the end)"""
+    """also write a resumable checkpoint (optimizer, data position) every this many steps (0: only at the end) [>= 0]"""
     resume: bool = False
     """continue the run whose checkpoint is in out_dir"""
     overwrite: bool = False
     """replace the checkpoint and metrics already in out_dir"""
     seed: int = 0
-    """seed for model init and data order (the same on every rank)"""
+    """seed for model init and data order (the same on every rank) [>= 0]"""
     wandb: bool = False
     """also log to Weights & Biases"""
     trust_remote_code: bool = False
@@ -138,6 +138,7 @@ def eval_loss(model, prompts, completions, pad_id, d, batch_size):
 
 def main(cfg):
     # 0. setup: the same seed on every rank so every rank builds the same initial weights
+    common.check_ranges(cfg)  # every numeric flag within the range its --help states
     d = common.setup_distributed()
     common.set_seed(cfg.seed)
     if cfg.batch_size % (d.world_size * cfg.grad_accum):
