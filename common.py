@@ -497,30 +497,46 @@ class FP32Head(torch.nn.Linear):
 def load_model(name, tokenizer, kind="causal", dtype=torch.float32, trust_remote_code=False):
     """`tiny` (a small GPT-2 built from a config, tasks.py), a hub id, or a local checkpoint folder.
 
-    kind: "causal" (AutoModelForCausalLM; its LM head computes in fp32, FP32Head) or "reward"
-    (AutoModelForSequenceClassification with one label; the score head is new when loading from
-    a causal LM). Weights load from safetensors only; remote code only when asked for. Dropout
-    is switched off everywhere, as TRL does: RLHF compares log-probs of two forwards (policy and
-    reference, new and old), and dropout would add noise to every ratio.
+    kind: "causal" (AutoModelForCausalLM; its LM head computes in fp32, FP32Head), "reward"
+    (AutoModelForSequenceClassification with one label: a trained reward model, whose score head
+    the checkpoint holds) or "new_reward" (the same, from any checkpoint: a causal LM gets a new
+    score head, as reward.py starts from the SFT model). A checkpoint of the other kind is
+    refused by name: a causal LM as a reward model would score with a random head, a reward
+    model as a policy would have no LM head. Weights load from safetensors only; remote code
+    only when asked for. Dropout is switched off everywhere, as TRL does: RLHF compares
+    log-probs of two forwards (policy and reference, new and old), and dropout would add noise
+    to every ratio.
     """
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    if kind not in ("causal", "reward"):
+    if kind not in ("causal", "reward", "new_reward"):
         raise ValueError(f"unknown model kind {kind!r}")
-    auto = AutoModelForCausalLM if kind == "causal" else AutoModelForSequenceClassification
-    extra = dict(num_labels=1) if kind == "reward" else {}
+    reward = kind != "causal"
+    auto = AutoModelForSequenceClassification if reward else AutoModelForCausalLM
+    extra = dict(num_labels=1) if reward else {}
     if name == "tiny":
         import tasks
 
+        if kind == "reward":
+            raise ValueError("`tiny` has no trained score head: pass a reward model checkpoint (reward.py's out_dir)")
         model = auto.from_config(tasks.char_gpt2_config(tokenizer, **extra), dtype=dtype)
     else:
-        model = auto.from_pretrained(resolve_checkpoint(name), dtype=dtype, use_safetensors=True,
-                                     trust_remote_code=trust_remote_code, **extra)
+        path = resolve_checkpoint(name)
+        archs = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).architectures or []
+        scores = any(a.endswith("ForSequenceClassification") for a in archs)
+        if kind == "reward" and not scores:
+            raise ValueError(f"{name} is not a reward model ({', '.join(archs) or 'no architecture'}): its score "
+                             f"head would be random. Pass a checkpoint of reward.py (its out_dir)")
+        if kind == "causal" and scores:
+            raise ValueError(f"{name} is a reward model ({', '.join(archs)}), not a causal LM: pass a policy "
+                             f"checkpoint (sft.py's out_dir) or a hub LM")
+        model = auto.from_pretrained(path, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code,
+                                     **extra)
     n_emb = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > n_emb:
         raise ValueError(f"tokenizer of {name!r} has {len(tokenizer)} tokens but the model's embedding has "
                          f"{n_emb} rows: the tokenizer does not match the model")
-    if kind == "reward":
+    if reward:
         model.config.pad_token_id = tokenizer.pad_token_id
     elif type(model.get_output_embeddings()) is torch.nn.Linear:
         model.get_output_embeddings().__class__ = FP32Head  # same weights; checkpoints are unchanged

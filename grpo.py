@@ -520,6 +520,8 @@ def main(cfg):
     embedded = cfg.dataset in tasks.TASKS
     columns = ["prompt"] + (["reward_fn"] if "rule" in weights or embedded else [])
     train = data.load_data(cfg.dataset, "train", columns, kind="prompt", n=cfg.n_train, seed=cfg.seed)
+    if "reward_fn" in columns:
+        tasks.check_rule_rows(train["reward_fn"], train["prompt"], cfg.dataset)
     eval_prompts = []  # held-out prompts for greedy answers (embedded task)
     eval_pairs = bayes = None  # held-out preference pairs, and the embedded task's best accuracy on them
     if embedded:

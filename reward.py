@@ -192,7 +192,7 @@ def main(cfg):
     micro = cfg.batch_size // (d.world_size * cfg.grad_accum)
     resume_from = common.prepare_out_dir(cfg.out_dir, cfg.resume, cfg.overwrite, d)
     tokenizer = common.load_tokenizer(resume_from or cfg.model, cfg.trust_remote_code)
-    model = common.load_model(resume_from or cfg.model, tokenizer, kind="reward",
+    model = common.load_model(resume_from or cfg.model, tokenizer, kind="new_reward",
                               trust_remote_code=cfg.trust_remote_code)
     common.check_context(model, cfg.max_prompt_len, cfg.max_response_len)
     model.config.reward_gain, model.config.reward_bias = 1.0, 0.0  # training sees raw scores

@@ -75,6 +75,17 @@ def digits_reward(prompt, completion):
 
 REWARD_FNS = {"sort": sort_reward, "sort_format": format_reward, "digits": digits_reward}
 
+def check_rule_rows(reward_fns, prompts, source):
+    """Every row's rule exists and can score its prompt (all of them score sort prompts), checked
+    when the data is loaded: a bad row found at step 2 would have cost a run."""
+    for i, (fn, prompt) in enumerate(zip(reward_fns, prompts)):
+        if fn not in REWARD_FNS:
+            raise ValueError(f"{source} row {i + 1}: reward_fn {fn!r} is not one of {sorted(REWARD_FNS)}")
+        try:
+            parse_prompt(prompt)
+        except ValueError as e:
+            raise ValueError(f"{source} row {i + 1}: reward_fn {fn!r} cannot score this prompt ({e})") from None
+
 def sigmoid(x):
     return 1.0 / (1.0 + math.exp(-x))
 

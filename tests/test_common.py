@@ -498,3 +498,21 @@ def test_out_of_range_flag_stops_the_script_before_anything_is_written(tmp_path)
                        env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "--beta 0.0 is out of range [> 0]" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "o").exists()
+
+
+def test_a_model_of_the_wrong_kind_is_refused_by_name(tmp_path):
+    """A causal LM given as the reward model would score with a random head (transformers only
+    notes "newly initialized"); a reward model given as the policy has no LM head. reward.py's
+    start from an SFT checkpoint (a new head on purpose) stays allowed."""
+    tok = tasks.char_tokenizer()
+    for kind, folder in (("causal", tmp_path / "lm"), ("new_reward", tmp_path / "rm")):
+        common.load_model("tiny", tok, kind=kind).save_pretrained(folder)
+        tok.save_pretrained(folder)
+    with pytest.raises(ValueError, match=r"lm is not a reward model \(GPT2LMHeadModel\).*reward.py"):
+        common.load_model(str(tmp_path / "lm"), tok, kind="reward")
+    with pytest.raises(ValueError, match=r"rm is a reward model \(GPT2ForSequenceClassification\), not a causal LM"):
+        common.load_model(str(tmp_path / "rm"), tok, kind="causal")
+    with pytest.raises(ValueError, match="`tiny` has no trained score head"):
+        common.load_model("tiny", tok, kind="reward")
+    assert common.load_model(str(tmp_path / "lm"), tok, kind="new_reward").config.num_labels == 1
+    assert common.load_model(str(tmp_path / "rm"), tok, kind="reward").config.num_labels == 1

@@ -549,3 +549,12 @@ def test_two_processes_match_one_process(tmp_path):
     # that noise under the tolerance, while the weights still move 10x more than it
     assert max_abs_diff(checkpoint_weights(out1), checkpoint_weights(out2)) < 1e-5
     assert moved_from_the_initial_weights(out1) > 1e-4
+
+
+def test_bad_rule_rows_stop_grpo_at_load_time(tmp_path):
+    """An unknown rule in row 2 stops the run when the data is loaded, named by file and row (it
+    used to crash with a bare KeyError at the step that drew the row)."""
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "sort 3 1 2 =", "reward_fn": "sort"},
+                                              {"prompt": "sort 3 1 2 =", "reward_fn": "nope"}])
+    with pytest.raises(ValueError, match=r"p.jsonl row 2: reward_fn 'nope' is not one of"):
+        grpo.main(grpo.Config(model="tiny", dataset=str(path), out_dir=str(tmp_path / "o")))

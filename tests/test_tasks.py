@@ -222,3 +222,13 @@ def test_digits_reward_hand_cases():
     assert REWARD_FNS["digits"]("any prompt", "123") == 1.0
     assert REWARD_FNS["digits"]("any prompt", "") == 0.0
     assert tasks.REWARD_FNS["sort_format"] is format_reward
+
+
+def test_rule_rows_are_checked_naming_the_row():
+    """grpo.py checks every row's rule when it loads the data: an unknown rule or a prompt the rule
+    cannot score is named by source and row, not found at the step that draws it."""
+    tasks.check_rule_rows(["sort", "digits"], ["sort 3 1 2 =", "sort 9 9 1 ="], "p.jsonl")
+    with pytest.raises(ValueError, match=r"p.jsonl row 2: reward_fn 'srot' is not one of"):
+        tasks.check_rule_rows(["sort", "srot"], ["sort 3 1 2 =", "sort 3 1 2 ="], "p.jsonl")
+    with pytest.raises(ValueError, match=r"p.jsonl row 3: reward_fn 'sort' cannot score this prompt"):
+        tasks.check_rule_rows(["sort"] * 3, ["sort 3 1 2 =", "sort 4 1 2 =", "write a poem"], "p.jsonl")
