@@ -706,7 +706,7 @@ def prepare_out_dir(out_dir, resume, overwrite, d):
                 keep = [line for line in f if json.loads(line)["step"] <= step]
             with open(metrics, "w") as f:
                 f.writelines(keep)
-        elif not resume:
+        else:  # a fresh run, also a --resume that found nothing to resume: no rows of an old run stay
             os.remove(metrics)
     if d.world_size > 1:
         dist.barrier()

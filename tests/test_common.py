@@ -516,3 +516,11 @@ def test_a_model_of_the_wrong_kind_is_refused_by_name(tmp_path):
         common.load_model("tiny", tok, kind="reward")
     assert common.load_model(str(tmp_path / "lm"), tok, kind="new_reward").config.num_labels == 1
     assert common.load_model(str(tmp_path / "rm"), tok, kind="reward").config.num_labels == 1
+
+
+def test_resume_without_a_checkpoint_starts_fresh_without_the_old_rows(tmp_path):
+    """--resume on a folder with metrics but no checkpoint (killed before its first save) is a
+    fresh run: its step rows must not follow the old ones (steps 0-20 appeared twice)."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "loss": 1.0}\n{"step": 1, "loss": 0.9}\n')
+    assert common.prepare_out_dir(str(tmp_path), resume=True, overwrite=False, d=common.Dist()) is None
+    assert not (tmp_path / "metrics.jsonl").exists()
