@@ -91,8 +91,11 @@ def setup_distributed(timeout_minutes=10.0):
 
 
 def cleanup_distributed():
+    """The end of a run: leave the process group and release out_dir (lock_out_dir)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    while _LOCKS:
+        _LOCKS.pop().close()
 
 
 def print0(*args, **kwargs):
@@ -684,13 +687,45 @@ def full_state_dict(model, d):
     return {k: v for k, v in state.items() if k not in aliases}
 
 
+_LOCKS = []  # the open lock files of this process: the kernel releases them when it ends, however it ends
+
+
+def lock_out_dir(out_dir):
+    """Hold an exclusive lock on out_dir for the life of this process, or refuse naming the run
+    that holds it. The lock is the kernel's (flock on out_dir/.lock), so it dies with its process:
+    a .lock file left by a killed run is stale and taken over, never trusted. (On a network file
+    system without flock support the lock may not hold across machines.)"""
+    import fcntl
+    import socket
+
+    os.makedirs(out_dir, exist_ok=True)
+    f = open(os.path.join(out_dir, ".lock"), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise RuntimeError(f"{out_dir} is in use by another run ({holder}): wait for it to end, or pass another "
+                           f"--out_dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}: "
+            f"{' '.join(sys.argv)}\n")
+    f.flush()
+    _LOCKS.append(f)
+
+
 def prepare_out_dir(out_dir, resume, overwrite, d):
-    """The checkpoint to resume from, or None for a fresh run.
+    """Lock out_dir for this run (rank 0), then return the checkpoint to resume from, or None for
+    a fresh run.
 
     An out_dir that already holds a checkpoint is never written over by accident: without
     --resume or --overwrite the run stops before doing anything. With --resume, metrics rows
     past the checkpoint's step (from the interrupted run) are cut so none appear twice.
     """
+    if d.is_main:
+        lock_out_dir(out_dir)
     found = resolve_checkpoint(out_dir)
     has_ckpt = os.path.isfile(os.path.join(found, "config.json"))
     if has_ckpt and not (resume or overwrite):

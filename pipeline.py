@@ -16,6 +16,7 @@ the plots to runs/plots/.
 """
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -85,9 +86,30 @@ def run_stage(name, argv, cfg, times):
     cmd = [sys.executable, *argv, *extra]
     print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
     t0 = time.time()
-    if subprocess.run(cmd).returncode != 0:
+    # the stage ends with the pipeline: on SIGTERM or Ctrl-C (the finally below), and on SIGKILL
+    # through the kernel's parent-death signal (Linux), so a rerun never finds it still running
+    proc = subprocess.Popen(cmd, preexec_fn=_end_with_parent)
+    try:
+        rc = proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    if rc != 0:
         raise SystemExit(f"stage {name} failed: {' '.join(cmd)}")
     times[name] = round(time.time() - t0, 1)
+
+
+def _end_with_parent():
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux: SIGTERM and Ctrl-C still end the stage
+        pass
 
 
 # -----------------------------------------------------------------------------
@@ -142,6 +164,7 @@ def kl_table(cfg, times):
 
 def main(cfg):
     common.check_ranges(cfg)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so that the running stage is ended
     os.makedirs(cfg.runs, exist_ok=True)
     times_path = os.path.join(cfg.runs, "pipeline_times.json")
     times = json.load(open(times_path)) if os.path.isfile(times_path) else {}

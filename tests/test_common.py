@@ -524,3 +524,29 @@ def test_resume_without_a_checkpoint_starts_fresh_without_the_old_rows(tmp_path)
     (tmp_path / "metrics.jsonl").write_text('{"step": 0, "loss": 1.0}\n{"step": 1, "loss": 0.9}\n')
     assert common.prepare_out_dir(str(tmp_path), resume=True, overwrite=False, d=common.Dist()) is None
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_second_run_on_a_busy_out_dir_is_refused_and_touches_nothing(tmp_path):
+    """While a run holds out_dir (here this test process, through the same lock), a second run on
+    it stops at once, naming the holder, and leaves the first run's files as they were."""
+    out = tmp_path / "run"
+    common.lock_out_dir(str(out))
+    try:
+        (out / "metrics.jsonl").write_text('{"step": 0}\n')
+        r = subprocess.run([sys.executable, "sft.py", "--model", "tiny", "--steps", "1", "--out_dir", str(out)],
+                           cwd=ROOT, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0, r.stdout[-1000:]
+        assert f"is in use by another run (pid {os.getpid()} on" in r.stderr, r.stderr[-2000:]
+        assert (out / "metrics.jsonl").read_text() == '{"step": 0}\n'
+        assert sorted(os.listdir(out)) == [".lock", "metrics.jsonl"]
+    finally:
+        common._LOCKS.pop().close()
+
+
+def test_a_lock_left_by_a_dead_run_is_taken_over(tmp_path):
+    (tmp_path / ".lock").write_text("pid 999999 on nowhere, started long ago: sft.py\n")  # its process is gone
+    common.lock_out_dir(str(tmp_path))
+    try:
+        assert f"pid {os.getpid()} on" in (tmp_path / ".lock").read_text()
+    finally:
+        common._LOCKS.pop().close()

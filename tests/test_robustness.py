@@ -2,6 +2,7 @@
 that is named. Each script runs for real in a subprocess, on the tiny model."""
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -144,3 +145,33 @@ def test_two_nodes_match_one_process(tmp_path):
         _, err = p.communicate(timeout=240)
         assert p.returncode == 0, err[-3000:]
     assert max_abs_diff(checkpoint_weights(tmp_path / "one"), checkpoint_weights(tmp_path / "two")) < 1e-5
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_killing_the_pipeline_ends_its_running_stage(tmp_path, how):
+    """A killed pipeline used to leave its stage running, and a rerun started a second run on the
+    same folder. Now the stage ends with it: by the pipeline's own handler (SIGTERM) or by the
+    kernel's parent-death signal (SIGKILL, which no handler sees)."""
+    pipe = subprocess.Popen([sys.executable, "pipeline.py", "--runs", str(tmp_path)], cwd=ROOT,
+                            env=SUBPROCESS_ENV_NO_TOKENIZER_THREADS,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    lock = tmp_path / "sft" / ".lock"
+    deadline = time.time() + 120
+    while not (lock.exists() and lock.read_text().startswith("pid")):  # the SFT stage holds its folder
+        assert time.time() < deadline and pipe.poll() is None, "the SFT stage did not start"
+        time.sleep(0.1)
+    stage = int(lock.read_text().split()[1])
+    pipe.send_signal(how)
+    pipe.wait(timeout=60)
+    deadline = time.time() + 30
+    while _alive(stage):
+        assert time.time() < deadline, f"stage pid {stage} still running after the pipeline ended"
+        time.sleep(0.1)
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
