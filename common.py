@@ -737,8 +737,16 @@ def prepare_out_dir(out_dir, resume, overwrite, d):
     if d.is_main and os.path.isfile(metrics):
         if has_ckpt and resume:
             step = torch.load(os.path.join(found, "training_state.pt"), weights_only=True)["step"]
+            keep = []
             with open(metrics) as f:
-                keep = [line for line in f if json.loads(line)["step"] <= step]
+                for n, line in enumerate(f, 1):
+                    try:
+                        row_step = json.loads(line)["step"]
+                    except (json.JSONDecodeError, KeyError, TypeError):  # a line torn by the kill
+                        print0(f"note: {metrics} line {n} is not a complete row (cut by the interruption); dropped")
+                        continue
+                    if row_step <= step:
+                        keep.append(line)
             with open(metrics, "w") as f:
                 f.writelines(keep)
         else:  # a fresh run, also a --resume that found nothing to resume: no rows of an old run stay

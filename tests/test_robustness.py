@@ -47,9 +47,11 @@ def test_resume_ends_with_the_same_weights(tmp_path, script):
     killed = run_fast(script, args + ["--out_dir", str(tmp_path / "resumed")], crash="after_save:1")
     assert killed.returncode == 9, killed.stderr
     assert steps_logged(tmp_path / "resumed")[-1] == 3
+    with open(tmp_path / "resumed" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "loss": 0.12')  # a row torn by the kill: dropped with a note, not a crash
     resumed = run_fast(script, args + ["--out_dir", str(tmp_path / "resumed"), "--resume"])
     assert resumed.returncode == 0, resumed.stderr
-    assert "resumed from" in resumed.stdout
+    assert "resumed from" in resumed.stdout and "line 5 is not a complete row" in resumed.stdout
     assert max_abs_diff(checkpoint_weights(tmp_path / "full"), checkpoint_weights(tmp_path / "resumed")) < 1e-6
     assert steps_logged(tmp_path / "resumed") == steps_logged(tmp_path / "full")  # no step twice, none missing
 
