@@ -522,6 +522,10 @@ def main(cfg):
     train = data.load_data(cfg.dataset, "train", columns, kind="prompt", n=cfg.n_train, seed=cfg.seed)
     if "reward_fn" in columns:
         tasks.check_rule_rows(train["reward_fn"], train["prompt"], cfg.dataset)
+    n_cut = data.encode_prompts(tokenizer, train["prompt"], cfg.max_prompt_len)[1]
+    if n_cut:  # counted once here; each rollout cuts them again from the left
+        common.print0(f"{cfg.dataset}: {n_cut} of {len(train)} prompts are longer than --max_prompt_len "
+                      f"{cfg.max_prompt_len} tokens and are cut from the left")
     eval_prompts = []  # held-out prompts for greedy answers (embedded task)
     eval_pairs = bayes = None  # held-out preference pairs, and the embedded task's best accuracy on them
     if embedded:

@@ -227,6 +227,15 @@ def main(cfg):
             metrics |= {"eval/bayes_accuracy": bayes, "eval/accuracy_over_bayes": metrics["eval/accuracy"] / bayes}
         return metrics
 
+    def normalize():
+        """Set the gain and bias from the policy's own samples (step 5, after the last update)."""
+        prompts = list(dict.fromkeys(train["prompt"]))[:cfg.n_normalize]
+        gain, bias, mean, std = normalization(model, tokenizer, cfg, prompts, d)
+        model.config.reward_gain, model.config.reward_bias = gain, bias
+        common.print0(f"normalize: raw reward of {len(prompts)} samples from {cfg.normalize_policy or cfg.model}: "
+                      f"mean {mean:.4f} std {std:.4f} -> gain {gain:.4f} bias {bias:.4f}")
+        return {"normalize/mean": mean, "normalize/std": std, "normalize/gain": gain, "normalize/bias": bias}
+
     t_start = time.time()
     if start == 1:
         logger.log(0, evaluate())
@@ -260,20 +269,12 @@ def main(cfg):
         common.check_finite(step, metrics, ["loss"], last_ckpt)
         if step % cfg.eval_every == 0 or step == cfg.steps:
             metrics |= evaluate()
+        if step == cfg.steps and cfg.normalize:  # 5. after training: its figures join the last step's row
+            metrics |= normalize()
         logger.log(step, metrics)
         if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
             last_ckpt = common.save_checkpoint(model, tokenizer, cfg.out_dir, d, optimizer, scheduler, step, order)
 
-    # -------------------------------------------------------------------------
-    # 5. normalise on the policy's own samples, then save
-    if cfg.normalize:
-        prompts = list(dict.fromkeys(train["prompt"]))[:cfg.n_normalize]
-        gain, bias, mean, std = normalization(model, tokenizer, cfg, prompts, d)
-        model.config.reward_gain, model.config.reward_bias = gain, bias
-        common.print0(f"normalize: raw reward of {len(prompts)} samples from {cfg.normalize_policy or cfg.model}: "
-                      f"mean {mean:.4f} std {std:.4f} -> gain {gain:.4f} bias {bias:.4f}")
-        logger.log(cfg.steps, {"normalize/mean": mean, "normalize/std": std, "normalize/gain": gain,
-                               "normalize/bias": bias}, echo=False)
     path = common.save_checkpoint(model, tokenizer, cfg.out_dir, d)
     common.print0(f"saved {path} ({time.time() - t_start:.0f}s)")
     logger.close()

@@ -558,3 +558,20 @@ def test_bad_rule_rows_stop_grpo_at_load_time(tmp_path):
                                               {"prompt": "sort 3 1 2 =", "reward_fn": "nope"}])
     with pytest.raises(ValueError, match=r"p.jsonl row 2: reward_fn 'nope' is not one of"):
         grpo.main(grpo.Config(model="tiny", dataset=str(path), out_dir=str(tmp_path / "o")))
+
+
+def test_prompt_truncation_is_counted_at_load_time(tmp_path, monkeypatch, capsys):
+    """Like the other scripts, grpo.py says how many prompts --max_prompt_len cuts (it used to cut
+    them silently at every rollout). The run is stopped right after loading."""
+    class Loaded(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Loaded
+
+    rows = [{"prompt": p, "reward_fn": "sort"} for p in ("sort 1 2 3 =", "sort 9 8 7 6 5 4 3 2 =", "sort 5 5 5 5 =")]
+    path = write_jsonl(tmp_path / "p.jsonl", rows)  # 12, 20 and 14 characters: the tokens of the char tokenizer
+    monkeypatch.setattr(common, "make_optimizer", stop)
+    with pytest.raises(Loaded):
+        grpo.main(grpo.Config(model="tiny", dataset=path, out_dir=str(tmp_path / "o"), max_prompt_len=13))
+    assert "2 of 3 prompts are longer than --max_prompt_len 13 tokens" in capsys.readouterr().out

@@ -197,6 +197,7 @@ def test_reward_script_tiny(base_run):
     model = AutoModelForSequenceClassification.from_pretrained(out / "checkpoint")
     tok = AutoTokenizer.from_pretrained(out / "checkpoint")
     assert model.config.num_labels == 1
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]  # one row per step: the normalisation joins the last
     norm = [r for r in rows if "normalize/gain" in r][0]
     assert model.config.reward_gain == pytest.approx(norm["normalize/gain"])
     assert model.config.reward_bias == pytest.approx(norm["normalize/bias"])
