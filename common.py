@@ -846,6 +846,25 @@ def _field_docs(cls):
     return docs
 
 
+def run(main, cls):
+    """Parse the command line into cls and run main; Ctrl-C ends with one line naming the last
+    resumable checkpoint and the command that continues from it, not a traceback."""
+    cfg = parse_config(cls)
+    try:
+        main(cfg)
+    except KeyboardInterrupt:
+        ckpt = resolve_checkpoint(cfg.out_dir)
+        if os.path.isfile(os.path.join(ckpt, "training_state.pt")):
+            step = torch.load(os.path.join(ckpt, "training_state.pt"), weights_only=True)["step"]
+            again = " ".join(a for a in sys.argv if a not in ("--resume", "--overwrite"))
+            print0(f"\ninterrupted. Last checkpoint: {ckpt} (step {step}); continue with: "
+                   f"python {again} --resume", file=sys.stderr)
+        else:
+            print0(f"\ninterrupted before any resumable checkpoint in {cfg.out_dir} (--save_every N writes them)",
+                   file=sys.stderr)
+        sys.exit(130)
+
+
 def parse_config(cls, argv=None):
     """Build a Config from the command line: `--lr 1e-6`, `--lr=1e-6`, `--flag` / `--no-flag`,
     `--x none` for an optional field. An unknown flag or a value of the wrong type exits with an

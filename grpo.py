@@ -702,4 +702,4 @@ def main(cfg):
 
 
 if __name__ == "__main__":
-    main(common.parse_config(Config))
+    common.run(main, Config)

@@ -282,4 +282,4 @@ def main(cfg):
 
 
 if __name__ == "__main__":
-    main(common.parse_config(Config))
+    common.run(main, Config)

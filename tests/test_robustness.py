@@ -177,3 +177,22 @@ def _alive(pid):
             return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has ended
     except FileNotFoundError:
         return False
+
+
+def test_ctrl_c_ends_with_one_line_naming_the_checkpoint_and_the_resume_command(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "sft.py", "--model", "tiny", "--steps", "500", "--save_every", "2",
+                             "--n_train", "64", "--eval_every", "500", "--n_eval", "8", "--batch_size", "8",
+                             "--out_dir", str(out)],
+                            cwd=ROOT, env=SUBPROCESS_ENV_NO_TOKENIZER_THREADS, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (out / "checkpoint" / "training_state.pt").exists():
+        assert time.time() < deadline and proc.poll() is None, "no checkpoint was written"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
+    assert f"interrupted. Last checkpoint: {out / 'checkpoint'} (step " in err
+    assert f"continue with: python sft.py --model tiny" in err and err.rstrip().endswith("--resume")
