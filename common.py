@@ -26,6 +26,7 @@ Three rules every script follows, so that the scripts differ only in their math:
 import argparse
 import ast
 import dataclasses
+import functools
 import inspect
 import json
 import os
@@ -831,6 +832,7 @@ def load_training_state(path, model, optimizer, scheduler, order, d):
 # config: one flat dataclass per script, parsed from the command line
 
 
+@functools.lru_cache(maxsize=None)
 def _field_docs(cls):
     """The string literal under each dataclass field (its docstring) becomes its --help."""
     docs = {}

@@ -71,7 +71,7 @@ class Config:
     grad_accum: int = 1
     """micro-batches per optimizer step on each rank [>= 1]"""
     lr: float = 1e-3
-    """peak learning rate (AdamW) [> 0]"""
+    """peak learning rate (AdamW; 0 trains nothing, a check that KL and clipping stay 0) [>= 0]"""
     warmup_steps: int = 20
     """linear warmup steps before the cosine decay [>= 0]"""
     weight_decay: float = 0.0
