@@ -190,13 +190,14 @@ def main(cfg):
     if cfg.label_smoothing and cfg.loss_type != "sigmoid":
         raise ValueError("--label_smoothing applies to --loss_type sigmoid only")
     micro = cfg.batch_size // (d.world_size * cfg.grad_accum)
+    # the data first: a bad file or row stops the run before out_dir or any model is touched
+    train = data.load_pairs(cfg.dataset, "train", cfg.n_train, cfg.seed)
+    test = data.load_pairs(cfg.eval_dataset or cfg.dataset, cfg.eval_split, cfg.n_eval, cfg.seed)
+    test = test.select(range(min(cfg.n_eval, len(test))))
     resume_from = common.prepare_out_dir(cfg.out_dir, cfg.resume, cfg.overwrite, d)
     tokenizer = common.load_tokenizer(resume_from or cfg.model, cfg.trust_remote_code)
     pad_id = tokenizer.pad_token_id
 
-    train = data.load_pairs(cfg.dataset, "train", cfg.n_train, cfg.seed)
-    test = data.load_pairs(cfg.eval_dataset or cfg.dataset, cfg.eval_split, cfg.n_eval, cfg.seed)
-    test = test.select(range(min(cfg.n_eval, len(test))))
     train_pairs = data.encode_pairs(train, tokenizer, cfg.max_prompt_len, cfg.max_response_len, "train")
     test_pairs = data.encode_pairs(test, tokenizer, cfg.max_prompt_len, cfg.max_response_len, "eval")
     embedded = (cfg.eval_dataset or cfg.dataset) in tasks.TASKS

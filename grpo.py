@@ -487,6 +487,17 @@ def main(cfg):
     check_config(cfg, d)
     common.set_seed(cfg.seed)
     weights = parse_weights(cfg.reward_weights, bool(cfg.reward_model))
+    # the data first: a bad file or row stops the run before out_dir or any model is touched
+    embedded = cfg.dataset in tasks.TASKS
+    columns = ["prompt"] + (["reward_fn"] if "rule" in weights or embedded else [])
+    train = data.load_data(cfg.dataset, "train", columns, kind="prompt", n=cfg.n_train, seed=cfg.seed)
+    if "reward_fn" in columns:
+        tasks.check_rule_rows(train["reward_fn"], train["prompt"], cfg.dataset)
+    pairs = None  # held-out preference pairs
+    if embedded or cfg.eval_pairs:
+        pairs = data.load_pairs(cfg.eval_pairs or cfg.dataset, cfg.eval_pairs_split if cfg.eval_pairs else "test",
+                                cfg.n_eval_pairs, cfg.seed)
+        pairs = pairs.select(range(min(cfg.n_eval_pairs, len(pairs))))
     resume_from = common.prepare_out_dir(cfg.out_dir, cfg.resume, cfg.overwrite, d)
     tokenizer = common.load_tokenizer(resume_from or cfg.model, cfg.trust_remote_code)
     model = common.load_model(resume_from or cfg.model, tokenizer, trust_remote_code=cfg.trust_remote_code)
@@ -516,27 +527,19 @@ def main(cfg):
             raise ValueError(f"--truncate_token {cfg.truncate_token!r} is {len(t_ids)} tokens; it must be one")
         truncate_id = t_ids[0]
     stop_ids = [truncate_id] if truncate_id is not None else []
-
-    embedded = cfg.dataset in tasks.TASKS
-    columns = ["prompt"] + (["reward_fn"] if "rule" in weights or embedded else [])
-    train = data.load_data(cfg.dataset, "train", columns, kind="prompt", n=cfg.n_train, seed=cfg.seed)
-    if "reward_fn" in columns:
-        tasks.check_rule_rows(train["reward_fn"], train["prompt"], cfg.dataset)
     n_cut = data.encode_prompts(tokenizer, train["prompt"], cfg.max_prompt_len)[1]
     if n_cut:  # counted once here; each rollout cuts them again from the left
         common.print0(f"{cfg.dataset}: {n_cut} of {len(train)} prompts are longer than --max_prompt_len "
                       f"{cfg.max_prompt_len} tokens and are cut from the left")
     eval_prompts = []  # held-out prompts for greedy answers (embedded task)
-    eval_pairs = bayes = None  # held-out preference pairs, and the embedded task's best accuracy on them
     if embedded:
         eval_prompts = [r["prompt"] for r in tasks.prompt_rows(cfg.n_eval, seed=cfg.seed, split="test")]
-    if embedded or cfg.eval_pairs:
-        pairs = data.load_pairs(cfg.eval_pairs or cfg.dataset, cfg.eval_pairs_split if cfg.eval_pairs else "test",
-                                cfg.n_eval_pairs, cfg.seed)
-        pairs = pairs.select(range(min(cfg.n_eval_pairs, len(pairs))))
+    eval_pairs = bayes = None  # the pairs encoded, and the embedded task's best accuracy on them
+    if pairs is not None:
         eval_pairs = data.encode_pairs(pairs, tokenizer, cfg.max_prompt_len, cfg.max_new_tokens, "eval pairs")
         if not cfg.eval_pairs:  # the embedded task's label noise is known: the best accuracy there is
             bayes = tasks.bayes_accuracy(pairs)
+
 
     params = [p for p in model.parameters() if p.requires_grad]
     n_updates = cfg.num_iterations * cfg.num_mini_batches  # optimizer steps per rollout

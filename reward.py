@@ -190,6 +190,10 @@ def main(cfg):
         raise ValueError(f"--batch_size {cfg.batch_size} must be divisible by world size {d.world_size} "
                          f"x --grad_accum {cfg.grad_accum}")
     micro = cfg.batch_size // (d.world_size * cfg.grad_accum)
+    # the data first: a bad file or row stops the run before out_dir or any model is touched
+    train = data.load_pairs(cfg.dataset, "train", cfg.n_train, cfg.seed)
+    test = data.load_pairs(cfg.eval_dataset or cfg.dataset, cfg.eval_split, cfg.n_eval, cfg.seed)
+    test = test.select(range(min(cfg.n_eval, len(test))))
     resume_from = common.prepare_out_dir(cfg.out_dir, cfg.resume, cfg.overwrite, d)
     tokenizer = common.load_tokenizer(resume_from or cfg.model, cfg.trust_remote_code)
     model = common.load_model(resume_from or cfg.model, tokenizer, kind="new_reward",
@@ -199,9 +203,6 @@ def main(cfg):
     model = common.shard_model(model, d, activation_checkpointing=cfg.activation_checkpointing)
     n_params = sum(p.numel() for p in model.parameters())
 
-    train = data.load_pairs(cfg.dataset, "train", cfg.n_train, cfg.seed)
-    test = data.load_pairs(cfg.eval_dataset or cfg.dataset, cfg.eval_split, cfg.n_eval, cfg.seed)
-    test = test.select(range(min(cfg.n_eval, len(test))))
     train_pairs = data.encode_pairs(train, tokenizer, cfg.max_prompt_len, cfg.max_response_len, "train")
     test_pairs = data.encode_pairs(test, tokenizer, cfg.max_prompt_len, cfg.max_response_len, "eval")
     margins = torch.tensor(train["margin"], dtype=torch.float32) if "margin" in train.column_names else None

@@ -145,6 +145,9 @@ def main(cfg):
         raise ValueError(f"--batch_size {cfg.batch_size} must be divisible by world size {d.world_size} "
                          f"x --grad_accum {cfg.grad_accum}")
     micro = cfg.batch_size // (d.world_size * cfg.grad_accum)
+    # the data first: a bad file or row stops the run before out_dir or any model is touched
+    train = data.load_data(cfg.dataset, "train", ["prompt", "completion"], kind="sft", n=cfg.n_train, seed=cfg.seed)
+    test = data.load_data(cfg.dataset, "test", ["prompt", "completion"], kind="sft", n=cfg.n_eval, seed=cfg.seed)
     resume_from = common.prepare_out_dir(cfg.out_dir, cfg.resume, cfg.overwrite, d)
     tokenizer = common.load_tokenizer(resume_from or cfg.model, cfg.trust_remote_code)
     model = common.load_model(resume_from or cfg.model, tokenizer, trust_remote_code=cfg.trust_remote_code)
@@ -152,8 +155,6 @@ def main(cfg):
     model = common.shard_model(model, d, activation_checkpointing=cfg.activation_checkpointing)
     n_params = sum(p.numel() for p in model.parameters())
 
-    train = data.load_data(cfg.dataset, "train", ["prompt", "completion"], kind="sft", n=cfg.n_train, seed=cfg.seed)
-    test = data.load_data(cfg.dataset, "test", ["prompt", "completion"], kind="sft", n=cfg.n_eval, seed=cfg.seed)
     train_p, train_c = encode_sft(train, tokenizer, cfg)
     test_p, test_c = encode_sft(test.select(range(min(cfg.n_eval, len(test)))), tokenizer, cfg)
     embedded = cfg.dataset in tasks.TASKS

@@ -229,8 +229,7 @@ def test_reward_model_learns_the_right_direction(tmp_path):
     """A reward model that learns chosen < rejected trains just as smoothly (the BT loss falls,
     every norm is finite) and passes every shape and equality test; only held-out accuracy shows
     it. 0.53 sits between the two measured accuracies, with margin on both sides."""
-    res = run_script(["reward.py", "--out_dir", str(tmp_path), *LEARN])
-    assert res.returncode == 0, res.stderr[-3000:]
+    reward.main(common.parse_config(reward.Config, ["--out_dir", str(tmp_path), *LEARN]))  # in this process
     final = [r for r in read_metrics(tmp_path) if "eval/accuracy" in r][-1]
     assert final["step"] == 20
     assert final["eval/accuracy"] > 0.53 and final["eval/margin"] > 0, final

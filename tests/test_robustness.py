@@ -195,4 +195,4 @@ def test_ctrl_c_ends_with_one_line_naming_the_checkpoint_and_the_resume_command(
     assert proc.returncode == 130, err[-2000:]
     assert "Traceback" not in err, err[-2000:]
     assert f"interrupted. Last checkpoint: {out / 'checkpoint'} (step " in err
-    assert f"continue with: python sft.py --model tiny" in err and err.rstrip().endswith("--resume")
+    assert "continue with: python sft.py --model tiny" in err and err.rstrip().endswith("--resume")
