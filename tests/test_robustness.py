@@ -38,20 +38,20 @@ def steps_logged(out_dir):
 
 @pytest.mark.parametrize("script", FAST)
 def test_resume_ends_with_the_same_weights(tmp_path, script):
-    """Killed right after the step-3 checkpoint, then --resume: the same final weights as an
+    """Killed right after the step-2 checkpoint, then --resume: the same final weights as an
     uninterrupted run (optimizer, scheduler, RNG, data position and, for DPO and GRPO, the
     original reference all restored)."""
-    args = ["--steps", "6", "--save_every", "3"]
+    args = ["--steps", "4", "--save_every", "2"]
     full = run_fast(script, args + ["--out_dir", str(tmp_path / "full")])
     assert full.returncode == 0, full.stderr
     killed = run_fast(script, args + ["--out_dir", str(tmp_path / "resumed")], crash="after_save:1")
     assert killed.returncode == 9, killed.stderr
-    assert steps_logged(tmp_path / "resumed")[-1] == 3
+    assert steps_logged(tmp_path / "resumed")[-1] == 2
     with open(tmp_path / "resumed" / "metrics.jsonl", "a") as f:
-        f.write('{"step": 4, "loss": 0.12')  # a row torn by the kill: dropped with a note, not a crash
+        f.write('{"step": 3, "loss": 0.12')  # a row torn by the kill: dropped with a note, not a crash
     resumed = run_fast(script, args + ["--out_dir", str(tmp_path / "resumed"), "--resume"])
     assert resumed.returncode == 0, resumed.stderr
-    assert "resumed from" in resumed.stdout and "line 5 is not a complete row" in resumed.stdout
+    assert "resumed from" in resumed.stdout and "line 4 is not a complete row" in resumed.stdout
     assert max_abs_diff(checkpoint_weights(tmp_path / "full"), checkpoint_weights(tmp_path / "resumed")) < 1e-6
     assert steps_logged(tmp_path / "resumed") == steps_logged(tmp_path / "full")  # no step twice, none missing
 
