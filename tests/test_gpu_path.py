@@ -194,7 +194,7 @@ def test_gpu_check_refuses_without_a_gpu():
 
 
 def test_gpu_check_cpu_subset_passes(tmp_path):
-    """The GPU check's own runs (every device knob, LoRA with KL in the reward, lr 0 under
+    """The GPU check's own runs (every device knob, lr 0 under
     `python`), small, on the CPU: the command a GPU machine runs is itself tested."""
     r = run_script(["bench/gpu_check.py", "--cpu", "--keep", str(tmp_path)], timeout=600, env=SUBPROCESS_ENV)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
