@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import inspect
 import json
+import math
 import os
 import random
 import shutil
@@ -620,7 +621,7 @@ class DataOrder:
 
 def check_finite(step, metrics, keys, last_checkpoint):
     """Stop on a NaN or infinite loss (or other named metric), naming the last good checkpoint."""
-    bad = {k: metrics[k] for k in keys if not torch.isfinite(torch.tensor(metrics[k]))}
+    bad = {k: metrics[k] for k in keys if not math.isfinite(metrics[k])}  # floats, already on the host
     if bad:
         raise FloatingPointError(f"step {step}: {', '.join(f'{k} is {v}' for k, v in bad.items())}; stopping. "
                                  f"Last good checkpoint: {last_checkpoint or 'none written yet'}")
