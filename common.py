@@ -469,6 +469,39 @@ def resolve_checkpoint(path):
     return path  # a hub id
 
 
+def looks_local(name):
+    """A name that can only be a local path, never a hub id ("org/name" or "name"): it starts
+    with . / ~, has two or more slashes, ends with a slash, or its first folder exists here
+    (runs/sftt when runs/ exists)."""
+    return (name.startswith((".", "/", "~")) or name.count("/") > 1 or name.endswith("/")
+            or ("/" in name and os.path.isdir(name.split("/")[0])))
+
+
+def check_model_paths(cfg, *flags):
+    """Each model flag names a checkpoint folder, `tiny` or a hub id: a local path that does not
+    exist is refused here, before anything is written, instead of becoming a hub look-up (a
+    repo-id error, or a minute of network retries offline). A flag left at its default, the
+    out_dir of an earlier stage (runs/sft), says which script writes it."""
+    for flag in flags:
+        name = getattr(cfg, flag)
+        if not name or name == "tiny":
+            continue
+        if os.path.isdir(name):
+            if not os.path.isfile(os.path.join(resolve_checkpoint(name), "config.json")):
+                raise FileNotFoundError(f"--{flag} {name} holds no checkpoint (no config.json in it or in its "
+                                        f"checkpoint/): has the run that writes it finished?")
+            continue
+        default = next(f.default for f in dataclasses.fields(cfg) if f.name == flag)
+        if name == default:
+            raise FileNotFoundError(f"--{flag} {name} does not exist. It is the default, where `python "
+                                    f"{os.path.basename(name)}.py` writes its checkpoint: run that first, or pass "
+                                    f"--{flag} with a checkpoint folder or hub id")
+        if os.path.isfile(name):
+            raise ValueError(f"--{flag} {name} is a file; pass the checkpoint folder (it holds config.json)")
+        if looks_local(name):
+            raise FileNotFoundError(f"--{flag} {name}: no such folder (a local path, not a hub id)")
+
+
 def load_tokenizer(name, trust_remote_code=False):
     """`tiny` (the embedded task's character tokenizer), a local checkpoint folder or a hub id."""
     if name == "tiny":
@@ -628,16 +661,14 @@ def check_finite(step, metrics, keys, last_checkpoint):
 
 
 class Logger:
-    """metrics.jsonl (every metric, one row per step) and run_config.json on rank 0; a step line
-    on stdout with the `show` metrics (all when None); wandb when asked for."""
+    """metrics.jsonl (every metric, one row per step) on rank 0 (run_config.json is written by
+    prepare_out_dir); a step line on stdout with the `show` metrics (all when None); wandb when asked for."""
 
     def __init__(self, out_dir, cfg, d, use_wandb=False, project="rlhf", show=None):
         self.enabled, self.wandb, self.t0, self.show = d.is_main, None, time.time(), show
         if not self.enabled:
             return
         os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "run_config.json"), "w") as f:
-            json.dump(dataclasses.asdict(cfg), f, indent=2)
         self.file = open(os.path.join(out_dir, "metrics.jsonl"), "a")
         if use_wandb:
             import wandb  # optional extra
@@ -718,46 +749,143 @@ def lock_out_dir(out_dir):
     _LOCKS.append(f)
 
 
-def prepare_out_dir(out_dir, resume, overwrite, d):
-    """Lock out_dir for this run (rank 0), then return the checkpoint to resume from, or None for
-    a fresh run.
+# Flags a resumed run may change: how far it goes (--steps extends it; the cosine decay is then
+# recomputed for the new total), how it is split into micro-batches and kept in memory (the same
+# gradient up to rounding), how often it evaluates, saves and logs. Every other flag defines the
+# run, and --resume refuses a difference (README, "Resuming").
+RESUME_MAY_CHANGE = ("steps", "grad_accum", "activation_checkpointing", "offload_frozen", "compile", "eval_every",
+                     "eval_batch_size", "save_every", "wandb", "trust_remote_code")
+RUN_FILES = ("checkpoint", "checkpoint.old", "checkpoint.tmp", "metrics.jsonl", "run_config.json")
+_REPLACING = []  # out_dirs whose previous run this process moved aside (--overwrite), until its first checkpoint
 
-    An out_dir that already holds a checkpoint is never written over by accident: without
-    --resume or --overwrite the run stops before doing anything. With --resume, metrics rows
-    past the checkpoint's step (from the interrupted run) are cut so none appear twice.
+
+def _remove(path):
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    elif os.path.exists(path):
+        os.remove(path)
+
+
+def restore_replaced(out_dir):
+    """Put back the run that an --overwrite moved into out_dir/.replaced/ and did not replace
+    (it failed, was interrupted or killed before its first checkpoint): the new run's files go,
+    the old ones return. Safe to repeat after a kill in the middle (the .cleared mark). Returns
+    whether there was one."""
+    aside = os.path.join(out_dir, ".replaced")
+    if not os.path.isdir(aside):
+        return False
+    if not os.path.exists(os.path.join(aside, ".cleared")):
+        for name in RUN_FILES:
+            _remove(os.path.join(out_dir, name))
+        open(os.path.join(aside, ".cleared"), "w").close()
+    for name in os.listdir(aside):
+        if name != ".cleared":
+            os.rename(os.path.join(aside, name), os.path.join(out_dir, name))
+    shutil.rmtree(aside)
+    if os.path.abspath(out_dir) in _REPLACING:
+        _REPLACING.remove(os.path.abspath(out_dir))
+    return True
+
+
+def _compare_flags(cfg, found):
+    """--resume: the flags that define the run must be those its checkpoint was written with.
+    Returns the checkpoint's step and the flags that changed, {flag: [then, now]}."""
+    with open(os.path.join(found, "trainer_state.json")) as f:
+        state = json.load(f)
+    then, now = state["config"], dataclasses.asdict(cfg)
+    free = RESUME_MAY_CHANGE + ("resume", "overwrite")
+    diff = [f"--{k} {then.get(k, '(absent)')!r} (the run) vs {now.get(k, '(absent)')!r} (now)"
+            for k in dict.fromkeys([*then, *now]) if k not in free and then.get(k) != now.get(k)]
+    if diff:
+        raise ValueError(f"--resume: {found} was written with other flags: {'; '.join(diff)}. Resume with the "
+                         f"run's flags (only {', '.join('--' + k for k in RESUME_MAY_CHANGE)} may change), or "
+                         f"start a new run (--overwrite, or another --out_dir)")
+    return state["step"], {k: [then.get(k), now[k]] for k in RESUME_MAY_CHANGE if k in now and then.get(k) != now[k]}
+
+
+def _write_json(path, obj):
+    """Write a JSON file whole or not at all (a temporary file renamed into place)."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(path + ".tmp", path)
+
+
+def prepare_out_dir(cfg, d):
+    """Lock cfg.out_dir for this run (rank 0), record the run in run_config.json, and return the
+    checkpoint to resume from, or None for a fresh run.
+
+    - Without --resume or --overwrite, an out_dir holding a checkpoint stops the run.
+    - --resume: the flags must match the checkpoint's (RESUME_MAY_CHANGE excepted); metrics rows
+      past its step (from the interrupted run) are cut so none appear twice; run_config.json
+      gains an entry in its "history". With nothing to resume, it starts afresh (no old rows).
+    - --overwrite: the old run is moved aside into out_dir/.replaced/, and deleted only when the
+      new run writes its first checkpoint. If the new run fails, is interrupted or killed before
+      that, the old run is put back (restore_replaced: by `run`, or by the next start).
     """
+    out_dir, resume, overwrite = cfg.out_dir, cfg.resume, cfg.overwrite
     if d.is_main:
         lock_out_dir(out_dir)
+        if restore_replaced(out_dir):
+            print0(f"note: an --overwrite of {out_dir} ended before its first checkpoint; the run it was replacing "
+                   f"is restored")
+    if d.world_size > 1:
+        dist.barrier()
     found = resolve_checkpoint(out_dir)
     has_ckpt = os.path.isfile(os.path.join(found, "config.json"))
     if has_ckpt and not (resume or overwrite):
         raise FileExistsError(f"{out_dir} already holds a checkpoint ({found}); pass --resume to continue that run "
                               f"or --overwrite to replace it")
-    if has_ckpt and resume and not os.path.isfile(os.path.join(found, "training_state.pt")):
-        raise FileNotFoundError(f"{found} has no training_state.pt (a final-only checkpoint): cannot --resume")
-    metrics = os.path.join(out_dir, "metrics.jsonl")
-    if d.is_main and os.path.isfile(metrics):
-        if has_ckpt and resume:
-            step = torch.load(os.path.join(found, "training_state.pt"), weights_only=True)["step"]
-            keep = []
-            with open(metrics) as f:
-                for n, line in enumerate(f, 1):
-                    try:
-                        row_step = json.loads(line)["step"]
-                    except (json.JSONDecodeError, KeyError, TypeError):  # a line torn by the kill
-                        print0(f"note: {metrics} line {n} is not a complete row (cut by the interruption); dropped")
-                        continue
-                    if row_step <= step:
-                        keep.append(line)
-            with open(metrics, "w") as f:
-                f.writelines(keep)
-        else:  # a fresh run, also a --resume that found nothing to resume: no rows of an old run stay
-            os.remove(metrics)
+    resume_from = found if (has_ckpt and resume) else None
+    if resume_from and not os.path.isfile(os.path.join(found, "trainer_state.json")):
+        raise FileNotFoundError(f"{found} has no trainer_state.json (a final-only checkpoint): cannot --resume")
+    step, changed = _compare_flags(cfg, found) if resume_from else (None, {})
+    entry = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv),
+             "resumed_at_step": step, "changed": changed}
+    if d.is_main:
+        config = os.path.join(out_dir, "run_config.json")
+        if resume_from:
+            history = []
+            if os.path.isfile(config):
+                with open(config) as f:
+                    history = json.load(f).get("history", [])
+            _cut_metrics(os.path.join(out_dir, "metrics.jsonl"), step)
+        else:
+            history = []
+            if overwrite and any(os.path.exists(os.path.join(out_dir, n)) for n in RUN_FILES):
+                aside = os.path.join(out_dir, ".replaced")
+                os.makedirs(aside)
+                for name in RUN_FILES:
+                    if os.path.exists(os.path.join(out_dir, name)):
+                        os.rename(os.path.join(out_dir, name), os.path.join(aside, name))
+                _REPLACING.append(os.path.abspath(out_dir))
+            else:  # a fresh run, also a --resume that found nothing to resume: no rows of an old run stay
+                for name in RUN_FILES:
+                    _remove(os.path.join(out_dir, name))
+        _write_json(config, {**dataclasses.asdict(cfg), "history": history + [entry]})
     if d.world_size > 1:
         dist.barrier()
     if resume and not has_ckpt:
         print0(f"--resume: no checkpoint in {out_dir}; starting a fresh run")
-    return found if (has_ckpt and resume) else None
+    return resume_from
+
+
+def _cut_metrics(metrics, step):
+    """Keep the rows of metrics.jsonl up to `step`; a line torn by a kill is dropped with a note."""
+    if not os.path.isfile(metrics):
+        return
+    keep = []
+    with open(metrics) as f:
+        for n, line in enumerate(f, 1):
+            try:
+                row_step = json.loads(line)["step"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                print0(f"note: {metrics} line {n} is not a complete row (cut by the interruption); dropped")
+                continue
+            if row_step <= step:
+                keep.append(line)
+    with open(metrics + ".tmp", "w") as f:
+        f.writelines(keep)
+    os.replace(metrics + ".tmp", metrics)
 
 
 def _rng_state():
@@ -767,11 +895,14 @@ def _rng_state():
     return state
 
 
-def save_checkpoint(model, tokenizer, out_dir, d, optimizer=None, scheduler=None, step=None, order=None):
+def save_checkpoint(model, tokenizer, out_dir, d, optimizer=None, scheduler=None, step=None, order=None,
+                    config=None):
     """save_pretrained (model + tokenizer) into a temporary folder, then rename it into place.
 
     With an optimizer, `training_state.pt` goes beside the weights: optimizer and scheduler
-    state, RNG states of every rank, the step and the data order, for --resume. A kill while
+    state, RNG states of every rank, the step and the data order, for --resume; and
+    `trainer_state.json`, the step and the run's flags (`config`), which --resume compares. The
+    first checkpoint of an --overwrite run deletes the run it replaces (prepare_out_dir). A kill while
     writing leaves the previous `checkpoint/` untouched (or, between the two renames, as
     `checkpoint.old/`, which resolve_checkpoint finds). Collective: all ranks call.
     """
@@ -797,11 +928,16 @@ def save_checkpoint(model, tokenizer, out_dir, d, optimizer=None, scheduler=None
         tokenizer.save_pretrained(tmp)
         if extra is not None:
             torch.save(extra, os.path.join(tmp, "training_state.pt"))
+            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                json.dump({"step": step, "config": dataclasses.asdict(config) if config else {}}, f, indent=2)
         if os.path.isdir(path):
             shutil.rmtree(old, ignore_errors=True)
             os.rename(path, old)
         os.rename(tmp, path)
         shutil.rmtree(old, ignore_errors=True)
+        if os.path.abspath(out_dir) in _REPLACING:  # the new run has its first checkpoint: the old one can go
+            shutil.rmtree(os.path.join(out_dir, ".replaced"))
+            _REPLACING.remove(os.path.abspath(out_dir))
     if d.world_size > 1:
         dist.barrier()
     return path
@@ -850,15 +986,25 @@ def _field_docs(cls):
 
 
 def run(main, cls):
-    """Parse the command line into cls and run main; Ctrl-C ends with one line naming the last
-    resumable checkpoint and the command that continues from it, not a traceback."""
+    """Parse the command line into cls and run main. Ctrl-C ends with one line naming the last
+    resumable checkpoint and the command that continues from it, not a traceback. A run that
+    fails or is interrupted before the first checkpoint of an --overwrite puts the old run back."""
     cfg = parse_config(cls)
     try:
         main(cfg)
-    except KeyboardInterrupt:
+    except BaseException as e:
+        restored = os.path.abspath(cfg.out_dir) in _REPLACING and restore_replaced(cfg.out_dir)
+        if restored:
+            print0(f"\nthe run stopped before its first checkpoint: the run it was replacing in {cfg.out_dir} is "
+                   f"restored", file=sys.stderr)
+        if not isinstance(e, KeyboardInterrupt):
+            raise
+        if restored:
+            sys.exit(130)
         ckpt = resolve_checkpoint(cfg.out_dir)
-        if os.path.isfile(os.path.join(ckpt, "training_state.pt")):
-            step = torch.load(os.path.join(ckpt, "training_state.pt"), weights_only=True)["step"]
+        if os.path.isfile(os.path.join(ckpt, "trainer_state.json")):
+            with open(os.path.join(ckpt, "trainer_state.json")) as f:
+                step = json.load(f)["step"]
             again = " ".join(a for a in sys.argv if a not in ("--resume", "--overwrite"))
             print0(f"\ninterrupted. Last checkpoint: {ckpt} (step {step}); continue with: "
                    f"python {again} --resume", file=sys.stderr)

@@ -1,33 +1,119 @@
-"""The data users bring, checked row by row: an embedded task, local .jsonl / .json / .parquet
-files or hub ids, read with `datasets`; prompt-completion rows, preference pairs (with the
+"""The data users bring, checked row by row: an embedded task, local .jsonl / .json / .csv /
+.parquet files (read in memory, split by prompt hash when no held-out file is given) or hub ids
+(read with `datasets`); prompt-completion rows, preference pairs (with the
 Anthropic HH format split into prompt and responses) and prompts; tokenised with the
 truncation rules every script shares, and batched in the layout of common.py.
 """
+import hashlib
 import json
 import os
 
 import common
 
-def _check_jsonl(path):
-    """Find the first line of a .jsonl file that is not a JSON object, to name it in the error."""
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path} line {n}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path} line {n}: expected a JSON object, got {type(row).__name__}")
+FILE_TYPES = (".jsonl", ".json", ".csv", ".parquet")
+HOLDOUT = 0.05  # share of a local file's prompts held out for evaluation when no --eval_dataset is given
 
 
-def load_data(name, split, columns, kind=None, n=None, seed=0):
+def _decode(path, raw):
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ValueError(f"{path} line {line}: not UTF-8 text (byte {raw[e.start]:#04x}); save the file as "
+                         f"UTF-8") from None
+
+
+def _json_rows(path, text):
+    """The rows of a .jsonl (one object per line) or .json (a list of objects) file; a line
+    that is not a JSON object is named."""
+    if path.endswith(".json"):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} line {e.lineno}: not valid JSON ({e.msg})") from None
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise ValueError(f"{path}: expected a JSON list of objects (one per row)")
+        return rows
+    rows = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} line {n}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path} line {n}: expected a JSON object, got {type(row).__name__}")
+        rows.append(row)
+    return rows
+
+
+def read_file(path):
+    """A local .jsonl / .json / .csv / .parquet file as an in-memory `datasets.Dataset`: nothing
+    is copied into the datasets cache (~/.cache/huggingface/datasets), which a
+    `load_dataset("json", data_files=...)` would fill with an Arrow copy on every new file.
+    Every column any row has is kept (missing values are None, for the row checks to name)."""
+    import datasets
+
+    if os.path.isdir(path):
+        raise ValueError(f"{path} is a directory; pass one data file ({', '.join(FILE_TYPES)})")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"data file {path} does not exist")
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"{path} is empty")
+    if path.endswith((".csv", ".parquet")):
+        import pyarrow.csv
+        import pyarrow.parquet
+
+        try:
+            table = pyarrow.csv.read_csv(path) if path.endswith(".csv") else pyarrow.parquet.read_table(path)
+        except Exception as e:  # pyarrow's messages do not name the file
+            raise ValueError(f"{path}: could not be read as {path.rsplit('.', 1)[1]}: {e}") from None
+        return datasets.Dataset.from_dict(table.to_pydict())
+    with open(path, "rb") as f:
+        rows = _json_rows(path, _decode(path, f.read()))
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    data = {}
+    for c in columns:
+        values = [r.get(c) for r in rows]
+        kinds = {type(v) for v in values if v is not None}
+        if len(kinds - {int, float}) + bool(kinds & {int, float}) > 1:  # ints and floats mix as floats
+            first = next(type(v) for v in values if v is not None)
+            i = next(i for i, v in enumerate(values) if v is not None and type(v) is not first
+                     and not {type(v), first} <= {int, float})
+            raise ValueError(f"{path} row {i + 1}: field {c!r} is {type(values[i]).__name__}, while earlier rows "
+                             f"hold {first.__name__}")
+        data[c] = values
+    return datasets.Dataset.from_dict(data)
+
+
+def held_out(prompt):
+    """Whether a prompt belongs to the held-out share of a local file: a hash of its text, so the
+    split is the same on every run and every rank, and rows sharing a prompt stay together."""
+    return int(hashlib.sha256(prompt.encode()).hexdigest()[:8], 16) < HOLDOUT * 16**8
+
+
+def hold_out(ds, name, split):
+    """The rows of split "train" or "test" of a local file that has no splits of its own."""
+    test = [held_out(p) for p in ds["prompt"]]
+    rows = [i for i, t in enumerate(test) if t == (split == "test")]
+    if not rows:
+        raise ValueError(f"{name}: none of its {len(ds)} rows falls in the {split} share of the hash split "
+                         f"({HOLDOUT:.0%} of prompts held out); pass --eval_dataset with held-out rows")
+    if split == "train":
+        common.print0(f"{name}: no --eval_dataset, so the {len(ds) - len(rows)} of {len(ds)} rows whose prompt "
+                      f"hashes into the held-out {HOLDOUT:.0%} are kept for evaluation, not trained on")
+    return ds.select(rows)
+
+
+def load_data(name, split, columns, kind=None, n=None, seed=0, holdout=False):
     """A `datasets.Dataset` with string `columns`, from an embedded task (`sort`), a local
-    .jsonl / .json / .parquet file, or a hub id. Every row is checked: a missing or non-string
-    field is an error naming the file, the row (1-based) and the field. Nothing is dropped.
+    .jsonl / .json / .csv / .parquet file (read_file), or a hub id. Every row is checked: a
+    missing or non-string field is an error naming the file, the row (1-based) and the field.
+    Nothing is dropped.
 
-    kind ("sft", "preference", "prompt") and n pick the rows of an embedded task.
+    kind ("sft", "preference", "prompt") and n pick the rows of an embedded task. holdout: a
+    local file is split by prompt hash (hold_out) into `split` "train" or "test".
     """
     import datasets
 
@@ -36,18 +122,17 @@ def load_data(name, split, columns, kind=None, n=None, seed=0):
     if name in tasks.TASKS:
         split = "test" if split in ("test", "validation", "eval") else split
         ds = datasets.Dataset.from_list(tasks.task_rows(name, kind, n, seed=seed, split=split))
-    elif os.path.splitext(name)[1] in (".jsonl", ".json", ".parquet"):
-        if not os.path.isfile(name):
-            raise FileNotFoundError(f"data file {name} does not exist")
-        builder = "parquet" if name.endswith(".parquet") else "json"
-        if name.endswith(".jsonl"):
-            _check_jsonl(name)
+    elif name.endswith(FILE_TYPES) or os.path.isfile(name):
+        if not name.endswith(FILE_TYPES):
+            raise ValueError(f"{name}: unknown file type; data files are {', '.join(FILE_TYPES)}")
+        ds = read_file(name)
+    elif common.looks_local(name) and not os.path.isdir(name):
+        raise FileNotFoundError(f"{name}: no such file or folder (a local path, not a hub id)")
+    else:  # a hub id, or a local dataset folder with its own split files
         try:
-            ds = datasets.load_dataset(builder, data_files=name, split="train")
-        except Exception as e:  # pyarrow's messages name neither the file nor the row
-            raise ValueError(f"{name}: could not be read as {builder}: {e}") from None
-    else:
-        ds = datasets.load_dataset(name, split=split)
+            ds = datasets.load_dataset(name, split=split)
+        except ValueError as e:  # "Unknown split", "no data files" (a folder)
+            raise ValueError(f"{name} ({split}): {e}") from None
     if len(ds) == 0:
         raise ValueError(f"{name} ({split}): no rows")
     missing = [c for c in columns if c not in ds.column_names]
@@ -58,6 +143,8 @@ def load_data(name, split, columns, kind=None, n=None, seed=0):
             if not isinstance(v, str):
                 what = "missing field" if v is None else f"field is {type(v).__name__}, not a string:"
                 raise ValueError(f"{name} row {i + 1}: {what} {c!r}")
+    if holdout and os.path.isfile(name):
+        ds = hold_out(ds, name, split)
     return ds
 
 
@@ -81,33 +168,42 @@ def split_hh(chosen, rejected):
     return prompt, chosen[len(prompt):], rejected[len(other):]
 
 
-def load_pairs(name, split, n=None, seed=0):
+def load_pairs(name, split, n=None, seed=0, holdout=False):
     """Preference pairs as a `datasets.Dataset` with string columns prompt, chosen, rejected (and
     any others the source has, such as a numeric `margin`). Rows without a prompt field are
-    Anthropic HH dialogues, split by split_hh. Errors name the source and the row (1-based)."""
+    Anthropic HH dialogues, split by split_hh. Errors name the source and the row (1-based).
+    holdout: as in load_data, by the hash of the (split) prompt."""
     ds = load_data(name, split, ["chosen", "rejected"], kind="preference", n=n, seed=seed)
     if "prompt" in ds.column_names:
         bad = next((i for i, p in enumerate(ds["prompt"]) if not isinstance(p, str)), None)
         if bad is not None:
             raise ValueError(f"{name} row {bad + 1}: field 'prompt' is not a string")
-        return ds
-    triples = []
-    for i, (c, r) in enumerate(zip(ds["chosen"], ds["rejected"])):
-        try:
-            triples.append(split_hh(c, r))
-        except ValueError as e:
-            raise ValueError(f"{name} row {i + 1}: {e}") from None
-    import datasets
+    else:
+        triples = []
+        for i, (c, r) in enumerate(zip(ds["chosen"], ds["rejected"])):
+            try:
+                triples.append(split_hh(c, r))
+            except ValueError as e:
+                raise ValueError(f"{name} row {i + 1}: {e}") from None
+        import datasets
 
-    prompt, chosen, rejected = map(list, zip(*triples))
-    other = {c: ds[c] for c in ds.column_names if c not in ("chosen", "rejected")}
-    return datasets.Dataset.from_dict({"prompt": prompt, "chosen": chosen, "rejected": rejected, **other})
+        prompt, chosen, rejected = map(list, zip(*triples))
+        other = {c: ds[c] for c in ds.column_names if c not in ("chosen", "rejected")}
+        ds = datasets.Dataset.from_dict({"prompt": prompt, "chosen": chosen, "rejected": rejected, **other})
+    if holdout and os.path.isfile(name):
+        ds = hold_out(ds, name, split)
+    return ds
 
 
-def encode_prompts(tokenizer, texts, max_len):
+def encode_prompts(tokenizer, texts, max_len, source="prompts"):
     """Token ids of each prompt; an over-long prompt keeps its last max_len tokens (the end
-    of a prompt is what the response follows). Returns (ids, number truncated)."""
+    of a prompt is what the response follows). Returns (ids, number truncated). A prompt of no
+    tokens is refused: the first response token would have no position to be predicted from."""
     ids = tokenizer(list(texts))["input_ids"]
+    empty = sum(len(x) == 0 for x in ids)
+    if empty:
+        raise ValueError(f"{source}: {empty} of {len(ids)} prompts are empty (no tokens): the first response token needs a "
+                         f"token before it. Give every row a prompt, or use a tokenizer that adds a BOS token")
     n_cut = sum(len(x) > max_len for x in ids)
     return [x[-max_len:] for x in ids], n_cut
 
@@ -123,7 +219,7 @@ def encode_responses(tokenizer, texts, max_len):
 def encode_pairs(ds, tokenizer, max_prompt_len, max_response_len, what):
     """Token ids (prompts, chosen, rejected) of a pairs Dataset: prompts cut from the left,
     responses + EOS from the right; the cuts are counted and printed, never silent."""
-    prompts, p_cut = encode_prompts(tokenizer, ds["prompt"], max_prompt_len)
+    prompts, p_cut = encode_prompts(tokenizer, ds["prompt"], max_prompt_len, what)
     chosen, c_cut = encode_responses(tokenizer, ds["chosen"], max_response_len)
     rejected, r_cut = encode_responses(tokenizer, ds["rejected"], max_response_len)
     if p_cut or c_cut or r_cut:

@@ -498,7 +498,8 @@ def main(cfg):
         pairs = data.load_pairs(cfg.eval_pairs or cfg.dataset, cfg.eval_pairs_split if cfg.eval_pairs else "test",
                                 cfg.n_eval_pairs, cfg.seed)
         pairs = pairs.select(range(min(cfg.n_eval_pairs, len(pairs))))
-    resume_from = common.prepare_out_dir(cfg.out_dir, cfg.resume, cfg.overwrite, d)
+    common.check_model_paths(cfg, "model", "reward_model")
+    resume_from = common.prepare_out_dir(cfg, d)
     tokenizer = common.load_tokenizer(resume_from or cfg.model, cfg.trust_remote_code)
     model = common.load_model(resume_from or cfg.model, tokenizer, trust_remote_code=cfg.trust_remote_code)
     common.check_context(model, cfg.max_prompt_len, cfg.max_new_tokens)
@@ -527,7 +528,7 @@ def main(cfg):
             raise ValueError(f"--truncate_token {cfg.truncate_token!r} is {len(t_ids)} tokens; it must be one")
         truncate_id = t_ids[0]
     stop_ids = [truncate_id] if truncate_id is not None else []
-    n_cut = data.encode_prompts(tokenizer, train["prompt"], cfg.max_prompt_len)[1]
+    n_cut = data.encode_prompts(tokenizer, train["prompt"], cfg.max_prompt_len, cfg.dataset)[1]
     if n_cut:  # counted once here; each rollout cuts them again from the left
         common.print0(f"{cfg.dataset}: {n_cut} of {len(train)} prompts are longer than --max_prompt_len "
                       f"{cfg.max_prompt_len} tokens and are cut from the left")
@@ -694,7 +695,8 @@ def main(cfg):
             metrics |= evaluate()
         logger.log(step, metrics)
         if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
-            last_ckpt = common.save_checkpoint(model, tokenizer, cfg.out_dir, d, optimizer, scheduler, step, order)
+            last_ckpt = common.save_checkpoint(model, tokenizer, cfg.out_dir, d, optimizer, scheduler, step,
+                                                   order, cfg)
 
     if cfg.lora:  # fold the adapters into the weights so the checkpoint loads with AutoModelForCausalLM
         model = model.merge_and_unload()

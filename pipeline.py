@@ -4,8 +4,9 @@
     -> the KL-estimator comparison: short GRPO runs with k1, k2, k3, ratio*k1 and no KL term
 
 Each stage is its own script run in a subprocess with its default flags (the defaults are
-tuned for this task), writing into runs/<stage>/. A stage whose final checkpoint exists is
-skipped; an interrupted stage (a checkpoint with a training state) is resumed. At the end the
+tuned for this task), writing into runs/<stage>/ and a resumable checkpoint every
+SAVE_EVERY steps. A stage whose final checkpoint exists is skipped; an interrupted stage
+resumes from its last checkpoint (--resume, with the same flags). At the end the
 results table (held-out pairwise accuracy with the Bayes ceiling, greedy exact-match and gold
 reward, and the measured KL of each estimator) is printed and written to runs/results.md, and
 the plots to runs/plots/.
@@ -41,6 +42,7 @@ class Config:
     """write the PNG plots (plots/plot.py) after the table"""
 
 
+SAVE_EVERY = 50  # steps between the resumable checkpoints of every stage (~0.1 s each for the tiny model)
 KL_RUNS = ("none", "k1", "k2", "k3", "ratio_k1")  # the KL term in the loss of each comparison run
 
 
@@ -64,11 +66,14 @@ def stages(cfg):
                                       "--prompts_per_step", "16", "--num_iterations", "1", "--num_mini_batches", "1",
                                       "--lr", "3e-4", "--eval_every", str(cfg.kl_steps), "--n_eval", "200",
                                       "--n_eval_pairs", "200"]))
-    return out
+    return [(name, argv + ["--save_every", str(SAVE_EVERY)]) for name, argv in out]
 
 
 def state_of(out_dir):
-    """'done', 'interrupted' (a resumable checkpoint) or 'new'."""
+    """'done', 'interrupted' (a resumable checkpoint), 'replacing' (a --redo that ended before its
+    first checkpoint, the old run aside in .replaced/) or 'new'."""
+    if os.path.isdir(os.path.join(out_dir, ".replaced")):
+        return "replacing"
     ckpt = common.resolve_checkpoint(out_dir)
     if not os.path.isfile(os.path.join(ckpt, "config.json")):
         return "new"
@@ -82,7 +87,7 @@ def run_stage(name, argv, cfg, times):
     if state == "done" and not redo:
         print(f"== {name}: done already ({out_dir}), skipped", flush=True)
         return
-    extra = ["--overwrite"] if redo else (["--resume"] if state == "interrupted" else [])
+    extra = ["--overwrite"] if redo or state == "replacing" else (["--resume"] if state == "interrupted" else [])
     cmd = [sys.executable, *argv, *extra]
     print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
     t0 = time.time()

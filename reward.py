@@ -51,7 +51,8 @@ class Config:
     """embedded task, hub id (trl-lib/tldr-preference), or local .jsonl/.json/.parquet: prompt, chosen, rejected
     (or Anthropic HH rows: chosen, rejected)"""
     eval_split: str = "test"
-    """split of --dataset holding the held-out pairs (a local file has no splits: use --eval_dataset)"""
+    """split of --dataset holding the held-out pairs (a local file without --eval_dataset: its prompts hashing
+    into a held-out 5%, data.hold_out)"""
     eval_dataset: str | None = None
     """held-out pairs from another source (e.g. a second .jsonl); None: --eval_split of --dataset"""
     n_train: int = 20000
@@ -191,10 +192,12 @@ def main(cfg):
                          f"x --grad_accum {cfg.grad_accum}")
     micro = cfg.batch_size // (d.world_size * cfg.grad_accum)
     # the data first: a bad file or row stops the run before out_dir or any model is touched
-    train = data.load_pairs(cfg.dataset, "train", cfg.n_train, cfg.seed)
-    test = data.load_pairs(cfg.eval_dataset or cfg.dataset, cfg.eval_split, cfg.n_eval, cfg.seed)
+    split = cfg.eval_dataset is None  # a local file without a held-out one is split by prompt hash
+    train = data.load_pairs(cfg.dataset, "train", cfg.n_train, cfg.seed, holdout=split)
+    test = data.load_pairs(cfg.eval_dataset or cfg.dataset, cfg.eval_split, cfg.n_eval, cfg.seed, holdout=split)
     test = test.select(range(min(cfg.n_eval, len(test))))
-    resume_from = common.prepare_out_dir(cfg.out_dir, cfg.resume, cfg.overwrite, d)
+    common.check_model_paths(cfg, "model")
+    resume_from = common.prepare_out_dir(cfg, d)
     tokenizer = common.load_tokenizer(resume_from or cfg.model, cfg.trust_remote_code)
     model = common.load_model(resume_from or cfg.model, tokenizer, kind="new_reward",
                               trust_remote_code=cfg.trust_remote_code)
@@ -203,8 +206,10 @@ def main(cfg):
     model = common.shard_model(model, d, activation_checkpointing=cfg.activation_checkpointing)
     n_params = sum(p.numel() for p in model.parameters())
 
-    train_pairs = data.encode_pairs(train, tokenizer, cfg.max_prompt_len, cfg.max_response_len, "train")
-    test_pairs = data.encode_pairs(test, tokenizer, cfg.max_prompt_len, cfg.max_response_len, "eval")
+    train_pairs = data.encode_pairs(train, tokenizer, cfg.max_prompt_len, cfg.max_response_len,
+                                    f"{cfg.dataset} (train)")
+    test_pairs = data.encode_pairs(test, tokenizer, cfg.max_prompt_len, cfg.max_response_len,
+                                   f"{cfg.eval_dataset or cfg.dataset} (held out)")
     margins = torch.tensor(train["margin"], dtype=torch.float32) if "margin" in train.column_names else None
     # on the embedded task the noise of the labels is known: the best accuracy any model can reach
     bayes = tasks.bayes_accuracy(test) if (cfg.eval_dataset or cfg.dataset) in tasks.TASKS else None
@@ -274,7 +279,8 @@ def main(cfg):
             metrics |= normalize()
         logger.log(step, metrics)
         if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
-            last_ckpt = common.save_checkpoint(model, tokenizer, cfg.out_dir, d, optimizer, scheduler, step, order)
+            last_ckpt = common.save_checkpoint(model, tokenizer, cfg.out_dir, d, optimizer, scheduler, step,
+                                                   order, cfg)
 
     path = common.save_checkpoint(model, tokenizer, cfg.out_dir, d)
     common.print0(f"saved {path} ({time.time() - t_start:.0f}s)")

@@ -37,7 +37,12 @@ class Config:
     model: str = "tiny"
     """`tiny` (a small GPT-2 built in code), a hub id such as gpt2, or a local checkpoint folder"""
     dataset: str = "sort"
-    """embedded task name, a hub id (trl-lib/tldr), or a local .jsonl/.json/.parquet with prompt, completion"""
+    """embedded task name, a hub id (trl-lib/tldr), or a local .jsonl/.json/.csv/.parquet with prompt, completion"""
+    eval_split: str = "test"
+    """split of --dataset holding the held-out rows (a local file without --eval_dataset: its prompts hashing
+    into a held-out 5%, data.hold_out)"""
+    eval_dataset: str | None = None
+    """held-out rows from another source (e.g. a second .jsonl); None: --eval_split of --dataset"""
     n_train: int = 50000
     """rows drawn from an embedded task (ignored for files and hub data sets) [>= 1]"""
     max_prompt_len: int = 64
@@ -104,12 +109,12 @@ def sft_loss(logps, mask, n_tokens):
 # data
 
 
-def encode_sft(ds, tokenizer, cfg):
+def encode_sft(ds, tokenizer, cfg, source):
     """Token ids of every row: prompts cut from the left, completions (+EOS) from the right."""
-    prompts, p_cut = data.encode_prompts(tokenizer, ds["prompt"], cfg.max_prompt_len)
+    prompts, p_cut = data.encode_prompts(tokenizer, ds["prompt"], cfg.max_prompt_len, source)
     completions, c_cut = data.encode_responses(tokenizer, ds["completion"], cfg.max_response_len)
     if p_cut or c_cut:
-        common.print0(f"{cfg.dataset}: truncated {p_cut} prompts (left) and {c_cut} completions (right) "
+        common.print0(f"{source}: truncated {p_cut} prompts (left) and {c_cut} completions (right) "
                       f"of {len(ds)} rows to {cfg.max_prompt_len}/{cfg.max_response_len} tokens")
     return prompts, completions
 
@@ -146,18 +151,23 @@ def main(cfg):
                          f"x --grad_accum {cfg.grad_accum}")
     micro = cfg.batch_size // (d.world_size * cfg.grad_accum)
     # the data first: a bad file or row stops the run before out_dir or any model is touched
-    train = data.load_data(cfg.dataset, "train", ["prompt", "completion"], kind="sft", n=cfg.n_train, seed=cfg.seed)
-    test = data.load_data(cfg.dataset, "test", ["prompt", "completion"], kind="sft", n=cfg.n_eval, seed=cfg.seed)
-    resume_from = common.prepare_out_dir(cfg.out_dir, cfg.resume, cfg.overwrite, d)
+    split = cfg.eval_dataset is None  # a local file without a held-out one is split by prompt hash
+    columns = ["prompt", "completion"]
+    train = data.load_data(cfg.dataset, "train", columns, kind="sft", n=cfg.n_train, seed=cfg.seed, holdout=split)
+    test = data.load_data(cfg.eval_dataset or cfg.dataset, cfg.eval_split, columns, kind="sft", n=cfg.n_eval,
+                          seed=cfg.seed, holdout=split)
+    common.check_model_paths(cfg, "model")
+    resume_from = common.prepare_out_dir(cfg, d)
     tokenizer = common.load_tokenizer(resume_from or cfg.model, cfg.trust_remote_code)
     model = common.load_model(resume_from or cfg.model, tokenizer, trust_remote_code=cfg.trust_remote_code)
     common.check_context(model, cfg.max_prompt_len, cfg.max_response_len)
     model = common.shard_model(model, d, activation_checkpointing=cfg.activation_checkpointing)
     n_params = sum(p.numel() for p in model.parameters())
 
-    train_p, train_c = encode_sft(train, tokenizer, cfg)
-    test_p, test_c = encode_sft(test.select(range(min(cfg.n_eval, len(test)))), tokenizer, cfg)
-    embedded = cfg.dataset in tasks.TASKS
+    train_p, train_c = encode_sft(train, tokenizer, cfg, cfg.dataset)
+    test_p, test_c = encode_sft(test.select(range(min(cfg.n_eval, len(test)))), tokenizer, cfg,
+                                f"{cfg.eval_dataset or cfg.dataset} (held out)")
+    embedded = (cfg.eval_dataset or cfg.dataset) in tasks.TASKS
     eval_prompts = [r["prompt"] for r in tasks.prompt_rows(cfg.n_eval, seed=cfg.seed, split="test")] if embedded else []
 
     optimizer, scheduler = common.make_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps,
@@ -213,7 +223,8 @@ def main(cfg):
             metrics |= evaluate()
         logger.log(step, metrics)
         if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
-            last_ckpt = common.save_checkpoint(model, tokenizer, cfg.out_dir, d, optimizer, scheduler, step, order)
+            last_ckpt = common.save_checkpoint(model, tokenizer, cfg.out_dir, d, optimizer, scheduler, step,
+                                                   order, cfg)
 
     path = common.save_checkpoint(model, tokenizer, cfg.out_dir, d)
     common.print0(f"saved {path}")

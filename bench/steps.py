@@ -66,7 +66,8 @@ def script_args(algo, args, data, out_dir):
         argv += ["--prompts_per_step", str(args.batch_size), "--group_size", str(args.group_size),
                  "--max_new_tokens", str(args.response_len), "--n_eval", "8", "--n_eval_pairs", "8"]
     else:
-        argv += ["--batch_size", str(args.batch_size), "--max_response_len", str(args.response_len), "--n_eval", "8"]
+        argv += ["--batch_size", str(args.batch_size), "--max_response_len", str(args.response_len), "--n_eval", "8",
+                 "--eval_dataset", data]  # train on every row (no hash split), evaluate on the first 8
     # GRPO: one optimizer step per rollout (mu = 1, one mini-batch), so a step is one rollout + one update
     argv += {"sft": [], "reward": ["--no-normalize"], "dpo": ["--n_eval_prompts", "8"],
              "grpo": ["--num_iterations", "1", "--num_mini_batches", "1"]}[algo]

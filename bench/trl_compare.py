@@ -294,6 +294,7 @@ def ours_argv(algo, settings, a, model_dir, data, out_dir, steps):
         argv += ["--compile"] if settings.get("compile") else []
     else:
         argv += ["--batch_size", str(a.batch_size), "--max_response_len", str(a.response_len), "--beta", str(DPO_BETA),
+                 "--eval_dataset", data,  # train on every row, as TRL does (no hash split)
                  "--loss_type", "sigmoid", "--label_smoothing", "0", "--eval_batch_size", "64", "--n_eval", "8",
                  "--n_eval_prompts", "8", "--precompute_ref" if settings["precompute"] else "--no-precompute_ref"]
     return [f"{algo}.py", *argv]

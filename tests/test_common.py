@@ -1,5 +1,7 @@
 """Tests of common.py: config parsing, padding and positions, log-probs, sampling, loading."""
+import csv
 import dataclasses
+import json
 import os
 import re
 import subprocess
@@ -13,7 +15,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common
 import data
+import dpo
 import sampling
+import sft
 import tasks
 from helpers import ROOT, SUBPROCESS_ENV, write_jsonl
 
@@ -257,7 +261,6 @@ def test_load_data_embedded_task():
     (['["a", "b"]'], r"d\.jsonl line 1: expected a JSON object"),
     ([{"prompt": "a", "completion": 3}], r"d\.jsonl row 1: field is int, not a string: 'completion'"),
     ([{"prompt": "a"}, {"prompt": "b"}], r"missing column\(s\) \['completion'\]"),
-    ([], r"d\.jsonl"),
 ])
 def test_load_data_bad_rows_name_file_row_and_field(tmp_path, rows, match):
     path = write_jsonl(tmp_path / "d.jsonl", rows)
@@ -268,6 +271,79 @@ def test_load_data_bad_rows_name_file_row_and_field(tmp_path, rows, match):
 def test_load_data_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
         data.load_data(str(tmp_path / "nope.jsonl"), "train", ["prompt"])
+
+
+@pytest.mark.parametrize("name, content, match", [
+    ("d.jsonl", b'{"prompt": "a", "completion": "b"}\n{"prompt": "caf\xe9", "completion": "b"}\n',
+     r"d\.jsonl line 2: not UTF-8 text \(byte 0xe9\)"),
+    ("d.json", b'[{"prompt": "a",\n "completion": "b"},\n {"prompt": "\xff"}]', r"d\.json line 3: not UTF-8"),
+    ("d.json", b'[{"prompt": "a", "completion": "b"},\n {"prompt": }]', r"d\.json line 2: not valid JSON"),
+    ("d.json", b'{"prompt": "a", "completion": "b"}', r"d\.json: expected a JSON list of objects"),
+    ("d.jsonl", b"", r"d\.jsonl is empty"),
+    ("d.jsonl", b"\n\n", r"d\.jsonl \(train\): no rows"),
+    ("d.csv", b"prompt,completion\n", r"d\.csv \(train\): no rows"),
+    ("d.txt", b"prompt completion", r"d\.txt: unknown file type; data files are \.jsonl, \.json, \.csv, \.parquet"),
+    ("d.jsonl", b'{"prompt": "a", "completion": "b"}\n{"prompt": "a", "completion": ["b"]}\n',
+     r"d\.jsonl row 2: field 'completion' is list, while earlier rows hold str"),
+])
+def test_load_data_bad_files_are_named_with_the_line(tmp_path, name, content, match):
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(ValueError, match=match):
+        data.load_data(str(tmp_path / name), "train", ["prompt", "completion"])
+
+
+def test_a_directory_is_not_a_data_file(tmp_path):
+    (tmp_path / "rows.jsonl").mkdir()
+    with pytest.raises(ValueError, match=r"rows\.jsonl is a directory; pass one data file"):
+        data.load_data(str(tmp_path / "rows.jsonl"), "train", ["prompt"])
+    with pytest.raises(FileNotFoundError, match=r"no such file or folder \(a local path, not a hub id\)"):
+        data.load_data(str(tmp_path / "nothing" / "here"), "train", ["prompt"])
+
+
+def test_csv_json_and_jsonl_read_alike_and_stay_out_of_the_datasets_cache(tmp_path, monkeypatch):
+    """Local files are read in memory: `load_dataset("json", data_files=...)` wrote an Arrow copy
+    of every new file into the user's datasets cache."""
+    import datasets
+
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cache))
+    rows = [{"prompt": f"p,{i}", "chosen": f" c{i}", "rejected": f' "r{i}"', "margin": i / 2} for i in range(5)]
+    write_jsonl(tmp_path / "d.jsonl", rows)
+    (tmp_path / "d.json").write_text(json.dumps(rows))
+    with open(tmp_path / "d.csv", "w", newline="") as f:  # quoted commas, quotes and leading spaces
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "d.parquet"))
+    for ext in ("jsonl", "json", "csv", "parquet"):
+        ds = data.load_pairs(str(tmp_path / f"d.{ext}"), "train")
+        assert ds.to_list() == rows, ext
+    assert not cache.exists() or not any(cache.rglob("*"))
+
+
+def test_a_local_file_without_a_held_out_one_is_split_by_prompt_hash(tmp_path, capsys):
+    rows = [{"prompt": f"question {i // 2}", "completion": f" answer {i}"} for i in range(400)]  # 2 rows per prompt
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    train = data.load_data(path, "train", ["prompt", "completion"], holdout=True)
+    test = data.load_data(path, "test", ["prompt", "completion"], holdout=True)
+    train, test = train.to_dict(), test.to_dict()
+    assert not set(train["prompt"]) & set(test["prompt"])  # a prompt is on one side only
+    assert sorted(train["completion"] + test["completion"]) == sorted(r["completion"] for r in rows)
+    assert 0.01 < len(test["prompt"]) / len(rows) < 0.12  # 5% of the prompts, by hash (here 12 rows)
+    assert test["prompt"] == [p for p in (r["prompt"] for r in rows) if data.held_out(p)]
+    assert f"the {len(test['prompt'])} of 400 rows whose prompt hashes into the held-out 5% are kept for evaluation" in \
+        capsys.readouterr().out
+    assert len(data.load_data(path, "train", ["prompt", "completion"])) == 400  # no split without holdout
+    write_jsonl(tmp_path / "one.jsonl", rows[:2])
+    side = "test" if not data.held_out(rows[0]["prompt"]) else "train"
+    with pytest.raises(ValueError, match=f"none of its 2 rows falls in the {side} share.*pass --eval_dataset"):
+        data.load_data(str(tmp_path / "one.jsonl"), side, ["prompt", "completion"], holdout=True)
+
+
+def test_empty_prompts_are_refused_naming_the_source():
+    tok = tasks.char_tokenizer()  # no BOS: an empty prompt has no tokens
+    with pytest.raises(ValueError, match=r"rows\.jsonl: 2 of 3 prompts are empty \(no tokens\)"):
+        data.encode_prompts(tok, ["", "a", ""], 8, "rows.jsonl")
 
 
 def test_transformer_blocks_found_inside_a_wrapper(tiny):
@@ -522,8 +598,110 @@ def test_resume_without_a_checkpoint_starts_fresh_without_the_old_rows(tmp_path)
     """--resume on a folder with metrics but no checkpoint (killed before its first save) is a
     fresh run: its step rows must not follow the old ones (steps 0-20 appeared twice)."""
     (tmp_path / "metrics.jsonl").write_text('{"step": 0, "loss": 1.0}\n{"step": 1, "loss": 0.9}\n')
-    assert common.prepare_out_dir(str(tmp_path), resume=True, overwrite=False, d=common.Dist()) is None
+    try:
+        cfg = sft.Config(model="tiny", out_dir=str(tmp_path), resume=True)
+        assert common.prepare_out_dir(cfg, common.Dist()) is None
+    finally:
+        common.cleanup_distributed()  # releases the out_dir lock this process took
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_resume_refuses_other_flags_and_keeps_the_history(tmp_path, tiny):
+    """--resume with another --lr kept the old base lr (the scheduler's state) while
+    run_config.json recorded the new one; another --dataset crashed after overwriting it. The
+    flags that define the run must match the checkpoint's; those that may change are recorded."""
+    model, tok = tiny
+    d, out = common.Dist(), str(tmp_path)
+    cfg = sft.Config(model="tiny", out_dir=out, steps=4, eval_every=100)
+    opt, sched = common.make_optimizer(model.parameters(), 1e-3, 0.0, 0, 4)
+    try:
+        common.prepare_out_dir(cfg, d)
+        path = common.save_checkpoint(model, tok, out, d, opt, sched, 2, common.DataOrder(8, 0), cfg)
+    finally:
+        common.cleanup_distributed()
+    config = json.loads((tmp_path / "run_config.json").read_text())
+    for change, named in [(dict(lr=2e-3), "--lr 0.001 (the run) vs 0.002 (now)"),
+                          (dict(dataset="other.jsonl"), "--dataset 'sort' (the run) vs 'other.jsonl' (now)"),
+                          (dict(batch_size=32, seed=1), "--batch_size 64 (the run) vs 32 (now); --seed 0")]:
+        try:
+            with pytest.raises(ValueError, match=re.escape(named)):
+                common.prepare_out_dir(dataclasses.replace(cfg, resume=True, **change), d)
+        finally:
+            common.cleanup_distributed()
+        assert json.loads((tmp_path / "run_config.json").read_text()) == config  # a refused resume writes nothing
+    try:
+        again = dataclasses.replace(cfg, resume=True, steps=8, eval_every=3, grad_accum=2)
+        assert common.prepare_out_dir(again, d) == path
+    finally:
+        common.cleanup_distributed()
+    config = json.loads((tmp_path / "run_config.json").read_text())
+    assert config["steps"] == 8 and config["lr"] == 1e-3
+    assert [h["resumed_at_step"] for h in config["history"]] == [None, 2]
+    assert config["history"][1]["changed"] == {"steps": [4, 8], "grad_accum": [1, 2], "eval_every": [100, 3]}
+
+
+def test_readme_lists_the_flags_a_resume_may_change():
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    section = readme[readme.index("### Resuming"):]
+    section = section[:section.index("\n#", 1)]
+    assert all(f"`--{k}`" in section for k in common.RESUME_MAY_CHANGE), section
+
+
+def test_an_overwrite_that_ends_early_is_undone_even_after_a_kill_mid_restore(tmp_path):
+    """prepare_out_dir(--overwrite) moves the old run aside; restore_replaced puts it back and
+    removes the new run's files; killed between its two passes, a second call still restores."""
+    out = tmp_path / "run"
+    out.mkdir()
+    old = {"metrics.jsonl": '{"step": 0}\n', "run_config.json": '{"lr": 1}'}
+    for name, text in old.items():
+        (out / name).write_text(text)
+    (out / "checkpoint").mkdir()
+    (out / "checkpoint" / "config.json").write_text("{}")
+    try:
+        assert common.prepare_out_dir(sft.Config(model="tiny", out_dir=str(out), overwrite=True), common.Dist()) is None
+    finally:
+        common.cleanup_distributed()
+    assert sorted(os.listdir(out / ".replaced")) == ["checkpoint", "metrics.jsonl", "run_config.json"]
+    (out / "metrics.jsonl").write_text('{"step": 0, "new": 1}\n')  # the new run's first row
+    (out / "checkpoint.tmp").mkdir()  # and its first checkpoint, half written
+    rename, calls = os.rename, []
+
+    def die_at_second_move(src, dst):  # a kill in the middle of the restore
+        calls.append(src)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        rename(src, dst)
+
+    os.rename = die_at_second_move
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            common.restore_replaced(str(out))
+    finally:
+        os.rename = rename
+    assert common.restore_replaced(str(out))
+    assert sorted(os.listdir(out)) == ["checkpoint", "metrics.jsonl", "run_config.json"]
+    assert all((out / name).read_text() == text for name, text in old.items())
+    assert not common.restore_replaced(str(out))  # nothing aside any more
+
+
+def test_model_paths_that_cannot_be_hub_ids_are_refused_before_anything_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "killed").mkdir()  # an out_dir whose run never wrote a checkpoint
+    (tmp_path / "model.safetensors").write_text("")
+    check = lambda **kw: common.check_model_paths(dpo.Config(**kw), "model", "ref_model")  # noqa: E731
+    cases = [(dict(), "--model runs/sft does not exist. It is the default, where `python sft.py` writes"),
+             (dict(model="runs/sftt"), "--model runs/sftt: no such folder"),
+             (dict(model="./my-model"), "--model ./my-model: no such folder"),
+             (dict(model="/nowhere/model"), "--model /nowhere/model: no such folder"),
+             (dict(model="runs/killed"), "--model runs/killed holds no checkpoint"),
+             (dict(model="model.safetensors"), "--model model.safetensors is a file"),
+             (dict(model="tiny", ref_model="runs/sft/"), "--ref_model runs/sft/: no such folder")]
+    for kw, message in cases:
+        with pytest.raises((FileNotFoundError, ValueError), match=re.escape(message)):
+            check(**kw)
+    for name in ("tiny", "gpt2", "Qwen/Qwen2.5-0.5B-Instruct"):  # hub ids go on to the hub
+        check(model=name)
 
 
 def test_a_second_run_on_a_busy_out_dir_is_refused_and_touches_nothing(tmp_path):

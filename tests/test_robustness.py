@@ -80,17 +80,71 @@ def test_a_failing_rank_ends_the_whole_job(tmp_path):
     assert time.time() - t0 < 120
 
 
-def test_out_dir_of_another_run_is_not_overwritten(tmp_path):
-    first = run_fast("sft.py", ["--steps", "1", "--out_dir", str(tmp_path)])
-    assert first.returncode == 0, first.stderr
-    before = checkpoint_weights(tmp_path)
-    again = run_fast("sft.py", ["--steps", "2", "--lr", "0.1", "--out_dir", str(tmp_path)])
+def _files(out_dir):
+    """Every file of a run folder (the lock aside) with its bytes."""
+    return {str(p.relative_to(out_dir)): p.read_bytes() for p in sorted(out_dir.rglob("*"))
+            if p.is_file() and p.name != ".lock"}
+
+
+def test_overwrite_replaces_the_old_run_only_with_a_new_checkpoint(tmp_path):
+    """A run without --overwrite or --resume never touches a finished one. --overwrite deleted
+    the old metrics before checking anything: a typo left an old checkpoint without its metrics.
+    Now a bad data file, a failure after the old run was moved aside (a context too long for the
+    model) and a kill before the new run's first checkpoint each leave the old run's files byte
+    for byte; the next successful --overwrite replaces them."""
+    out = tmp_path / "run"
+    assert run_fast("sft.py", ["--steps", "1", "--out_dir", str(out)]).returncode == 0
+    old, old_weights = _files(out), checkpoint_weights(out)
+    again = run_fast("sft.py", ["--steps", "2", "--lr", "0.1", "--out_dir", str(out)])
     assert again.returncode != 0 and "already holds a checkpoint" in again.stderr and "--overwrite" in again.stderr
-    assert max_abs_diff(before, checkpoint_weights(tmp_path)) == 0
-    assert steps_logged(tmp_path) == [0, 1]
-    forced = run_fast("sft.py", ["--steps", "2", "--out_dir", str(tmp_path), "--overwrite"])
+    assert _files(out) == old
+    bad_data = run_fast("sft.py", ["--steps", "2", "--out_dir", str(out), "--overwrite", "--dataset",
+                                   str(tmp_path / "typo.jsonl")])
+    assert bad_data.returncode != 0 and "typo.jsonl does not exist" in bad_data.stderr
+    assert _files(out) == old
+    fails = run_fast("sft.py", ["--steps", "2", "--out_dir", str(out), "--overwrite", "--max_prompt_len", "120"])
+    assert fails.returncode != 0 and "exceeds the model's context" in fails.stderr
+    assert "the run it was replacing in" in fails.stderr and _files(out) == old
+    # killed at the 4th rename: the 3 moves aside (checkpoint, metrics.jsonl, run_config.json), then
+    # the rename of the new run's first checkpoint into place
+    killed = run_fast("sft.py", ["--steps", "2", "--out_dir", str(out), "--overwrite"], crash="at_rename:4")
+    assert killed.returncode != 0 and sorted(os.listdir(out / ".replaced")) == ["checkpoint", "metrics.jsonl",
+                                                                               "run_config.json"]
+    forced = run_fast("sft.py", ["--steps", "2", "--out_dir", str(out), "--overwrite"])
     assert forced.returncode == 0, forced.stderr
-    assert steps_logged(tmp_path) == [0, 1, 2]
+    assert "the run it was replacing is restored" in forced.stdout  # then moved aside again, and replaced
+    assert steps_logged(out) == [0, 1, 2] and not (out / ".replaced").exists()
+    assert max_abs_diff(old_weights, checkpoint_weights(out)) > 0
+
+
+def test_pipeline_resumes_an_interrupted_stage(tmp_path, monkeypatch):
+    """The pipeline said it resumed an interrupted stage, but its stages wrote no checkpoint
+    before the end. Each stage now saves every SAVE_EVERY steps; the flags each state gets:"""
+    import pipeline
+
+    cfg = pipeline.Config(runs=str(tmp_path))
+    assert all(argv[argv.index("--save_every") + 1] == str(pipeline.SAVE_EVERY) for _, argv in pipeline.stages(cfg))
+    launched = []
+
+    class Done:
+        def __init__(self, cmd, **kw):
+            launched.append(cmd)
+
+        wait = poll = lambda self, **kw: 0
+
+    monkeypatch.setattr(pipeline.subprocess, "Popen", Done)
+    states = {"new": [], "interrupted": ["config.json", "training_state.pt"], "replacing": []}
+    for state, files in states.items():
+        ckpt = tmp_path / state / "checkpoint"
+        ckpt.mkdir(parents=True)
+        for f in files:
+            (ckpt / f).write_text("")
+        if state == "replacing":
+            (tmp_path / state / ".replaced").mkdir()
+        assert pipeline.state_of(str(tmp_path / state)) == state
+        pipeline.run_stage(state, ["sft.py", "--out_dir", str(tmp_path / state)], cfg, {})
+    extra = [cmd[4:] for cmd in launched]
+    assert extra == [[], ["--resume"], ["--overwrite"]]
 
 
 def test_non_finite_loss_stops_with_the_step(tmp_path):

@@ -1,4 +1,6 @@
 """Tests of sft.py: the loss mask and normaliser, and real runs of the script in subprocesses."""
+import dataclasses
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -121,3 +123,21 @@ def test_two_processes_match_one_process(tmp_path):
 def test_bad_batch_arithmetic_is_explained(tmp_path, args, match):
     r = run_sft(["--out_dir", str(tmp_path), "--steps", "1", *args])
     assert r.returncode != 0 and match in r.stderr
+
+
+def test_sft_on_a_local_file_holds_out_rows_by_hash(tmp_path, capsys):
+    """Without --eval_dataset, eval/loss came from the first training rows. Now the rows whose
+    prompt hashes into 5% are held out and not trained on; with --eval_dataset, all are trained."""
+    rows = [{"prompt": f"sort {i % 10} {i // 10} =", "completion": f" {min(i % 10, i // 10)}"} for i in range(100)]
+    path = write_jsonl(tmp_path / "rows.jsonl", rows)
+    held = sum(data.held_out(r["prompt"]) for r in rows)
+    assert 0 < held < 20
+    cfg = sft.Config(model="tiny", dataset=path, steps=1, batch_size=4, n_eval=50, warmup_steps=0,
+                     out_dir=str(tmp_path / "split"))
+    sft.main(cfg)
+    out = capsys.readouterr().out
+    assert f"{100 - held} train rows" in out and f"the {held} of 100 rows whose prompt hashes" in out
+    sft.main(dataclasses.replace(cfg, eval_dataset=path, out_dir=str(tmp_path / "given")))
+    assert "100 train rows" in capsys.readouterr().out
+    split, given = read_metrics(tmp_path / "split"), read_metrics(tmp_path / "given")
+    assert split[0]["eval/loss"] != given[0]["eval/loss"]  # other rows: the held-out ones, not the first 50
