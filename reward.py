@@ -196,7 +196,7 @@ def main(cfg):
     train = data.load_pairs(cfg.dataset, "train", cfg.n_train, cfg.seed, holdout=split)
     test = data.load_pairs(cfg.eval_dataset or cfg.dataset, cfg.eval_split, cfg.n_eval, cfg.seed, holdout=split)
     test = test.select(range(min(cfg.n_eval, len(test))))
-    common.check_model_paths(cfg, "model")
+    common.check_model_paths(cfg, "model", "normalize_policy")
     resume_from = common.prepare_out_dir(cfg, d)
     tokenizer = common.load_tokenizer(resume_from or cfg.model, cfg.trust_remote_code)
     model = common.load_model(resume_from or cfg.model, tokenizer, kind="new_reward",

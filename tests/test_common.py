@@ -679,7 +679,7 @@ def test_an_overwrite_that_ends_early_is_undone_even_after_a_kill_mid_restore(tm
     finally:
         os.rename = rename
     assert common.restore_replaced(str(out))
-    assert sorted(os.listdir(out)) == ["checkpoint", "metrics.jsonl", "run_config.json"]
+    assert sorted(os.listdir(out)) == [".lock", "checkpoint", "metrics.jsonl", "run_config.json"]
     assert all((out / name).read_text() == text for name, text in old.items())
     assert not common.restore_replaced(str(out))  # nothing aside any more
 
