@@ -1027,7 +1027,7 @@ def parse_config(cls, argv=None):
         if optional:
             tp = next(a for a in typing.get_args(tp) if a is not type(None))
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        kw = dict(default=default, help=docs.get(f.name, " "), dest=f.name)
+        kw = dict(default=default, help=docs.get(f.name, " ").replace("%", "%%"), dest=f.name)  # argparse formats %
         if tp is bool:
             parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, **kw)
             continue

@@ -1,5 +1,6 @@
 """Checkpoints that survive kills, resume that reproduces, failures that never hang, bad input
 that is named. Each script runs for real in a subprocess, on the tiny model."""
+import importlib
 import os
 import re
 import signal
@@ -9,6 +10,9 @@ import time
 
 import pytest
 from transformers import AutoModelForCausalLM
+
+import common
+import sft
 
 from helpers import (ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, checkpoint_weights, free_port, max_abs_diff,
                      read_metrics, run_script, write_jsonl)
@@ -95,15 +99,18 @@ def test_overwrite_replaces_the_old_run_only_with_a_new_checkpoint(tmp_path):
     out = tmp_path / "run"
     assert run_fast("sft.py", ["--steps", "1", "--out_dir", str(out)]).returncode == 0
     old, old_weights = _files(out), checkpoint_weights(out)
-    again = run_fast("sft.py", ["--steps", "2", "--lr", "0.1", "--out_dir", str(out)])
-    assert again.returncode != 0 and "already holds a checkpoint" in again.stderr and "--overwrite" in again.stderr
+    try:  # in-process: the same main, without a second interpreter's start-up
+        with pytest.raises(FileExistsError, match="already holds a checkpoint.*--resume.*--overwrite"):
+            sft.main(sft.Config(steps=2, lr=0.1, out_dir=str(out)))
+    finally:
+        common.cleanup_distributed()  # the lock this process took
     assert _files(out) == old
-    bad_data = run_fast("sft.py", ["--steps", "2", "--out_dir", str(out), "--overwrite", "--dataset",
-                                   str(tmp_path / "typo.jsonl")])
-    assert bad_data.returncode != 0 and "typo.jsonl does not exist" in bad_data.stderr
+    with pytest.raises(FileNotFoundError, match="typo.jsonl does not exist"):
+        sft.main(sft.Config(steps=2, out_dir=str(out), overwrite=True, dataset=str(tmp_path / "typo.jsonl")))
     assert _files(out) == old
     fails = run_fast("sft.py", ["--steps", "2", "--out_dir", str(out), "--overwrite", "--max_prompt_len", "120"])
-    assert fails.returncode != 0 and "exceeds the model's context" in fails.stderr
+    assert fails.returncode != 0 and "--max_prompt_len 120" in fails.stderr
+    assert "exceeds the model's context of 128" in fails.stderr
     assert "the run it was replacing in" in fails.stderr and _files(out) == old
     # killed at the 4th rename: the 3 moves aside (checkpoint, metrics.jsonl, run_config.json), then
     # the rename of the new run's first checkpoint into place
@@ -155,34 +162,28 @@ def test_non_finite_loss_stops_with_the_step(tmp_path):
     assert not os.path.exists(tmp_path / "checkpoint")
 
 
-@pytest.mark.parametrize("content, match", [("", "data.jsonl is empty"),
-                                            ('{"prompt": "a"}\n', r"missing column\(s\) \['completion'\]"),
-                                            ('{"prompt": "a", "completion": "b"}\nnot json\n', "line 2: not valid JSON")])
-def test_bad_data_files_are_named(tmp_path, content, match):
+def test_bad_data_file_is_named_on_stderr(tmp_path):
+    """The script's own error reaches the user naming the file and line (the cases of bad files
+    and rows are tests/test_common.py's test_load_data_*, in-process)."""
     data = tmp_path / "data.jsonl"
-    data.write_text(content)
+    data.write_text('{"prompt": "a", "completion": "b"}\nnot json\n')
     r = run_fast("sft.py", ["--dataset", str(data), "--steps", "1", "--out_dir", str(tmp_path / "o")])
-    assert r.returncode != 0 and "data.jsonl" in r.stderr
-    assert any(re.search(match, line) for line in r.stderr.splitlines()), r.stderr[-2000:]
+    assert r.returncode != 0 and re.search(r"data\.jsonl line 2: not valid JSON", r.stderr), r.stderr[-2000:]
 
 
 @pytest.mark.parametrize("script, row, missing", [
-    ("sft.py", {"prompt": "a"}, "completion"),
-    ("reward.py", {"prompt": "a", "chosen": "b"}, "rejected"),
-    ("dpo.py", {"prompt": "a", "rejected": "b"}, "chosen"),
-    ("grpo.py", {"text": "a"}, "prompt")])
+    ("sft", {"prompt": "a"}, "completion"),
+    ("reward", {"prompt": "a", "chosen": "b"}, "rejected"),
+    ("dpo", {"prompt": "a", "rejected": "b"}, "chosen"),
+    ("grpo", {"text": "a"}, "prompt")])
 def test_missing_columns_are_named_and_nothing_is_written(tmp_path, script, row, missing):
-    data = tmp_path / "rows.jsonl"
-    write_jsonl(data, [row])
-    r = run_fast(script, ["--dataset", str(data), "--steps", "1", "--out_dir", str(tmp_path / "o")])
-    assert r.returncode != 0
-    assert str(data) in r.stderr and f"'{missing}'" in r.stderr, r.stderr[-2000:]
-    assert not os.path.exists(tmp_path / "o" / "checkpoint")
-
-
-def test_context_longer_than_the_model_is_refused(tmp_path):
-    r = run_fast("sft.py", ["--max_prompt_len", "120", "--steps", "1", "--out_dir", str(tmp_path)])
-    assert r.returncode != 0 and "--max_prompt_len" in r.stderr and "128" in r.stderr
+    """Every script reads its data before it touches out_dir or loads a model."""
+    module = importlib.import_module(script)
+    data = write_jsonl(tmp_path / "rows.jsonl", [row])
+    with pytest.raises(ValueError, match=rf"missing column\(s\) \[[^]]*'{missing}'") as e:
+        module.main(module.Config(dataset=data, steps=1, out_dir=str(tmp_path / "o")))
+    assert data in str(e.value)
+    assert not os.path.exists(tmp_path / "o")
 
 
 def test_two_nodes_match_one_process(tmp_path):
