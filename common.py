@@ -584,6 +584,18 @@ def load_model(name, tokenizer, kind="causal", dtype=torch.float32, trust_remote
     return model
 
 
+def stop_token_ids(tokenizer, model):
+    """The ids that end a response, as model.generate stops: the tokenizer's EOS, then every id
+    of the model's generation_config.eos_token_id (Llama-3 and Qwen instruct list two: end of
+    turn and end of text; the tokenizer's EOS may be either)."""
+    ids = [tokenizer.eos_token_id]
+    extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for i in [extra] if isinstance(extra, int) else list(extra or []):
+        if i not in ids:
+            ids.append(i)
+    return ids
+
+
 def check_context(model, max_prompt_len, max_response_len):
     """Prompt + response must fit the model's context (position embeddings), checked up front."""
     n = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)

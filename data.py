@@ -195,17 +195,37 @@ def load_pairs(name, split, n=None, seed=0, holdout=False):
     return ds
 
 
+def added_tokens(tokenizer):
+    """The ids a tokenizer's post-processor puts before and after every text: Llama and Gemma
+    ([bos], []), some SentencePiece set-ups ([bos], [eos]), GPT-2 and Qwen ([], []). Found by
+    tokenizing a probe with and without special tokens."""
+    cached = getattr(tokenizer, "_rlhf_added_tokens", None)
+    if cached is None:
+        full = tokenizer("a b")["input_ids"]
+        body = tokenizer("a b", add_special_tokens=False)["input_ids"]
+        at = next((i for i in range(len(full) - len(body) + 1) if full[i:i + len(body)] == body), None)
+        cached = ([], []) if at is None else (full[:at], full[at + len(body):])
+        tokenizer._rlhf_added_tokens = cached
+    return cached
+
+
 def encode_prompts(tokenizer, texts, max_len, source="prompts"):
-    """Token ids of each prompt; an over-long prompt keeps its last max_len tokens (the end
-    of a prompt is what the response follows). Returns (ids, number truncated). A prompt of no
-    tokens is refused: the first response token would have no position to be predicted from."""
-    ids = tokenizer(list(texts))["input_ids"]
+    """Token ids of each prompt, with the special tokens the tokenizer adds in front (BOS) but
+    not those it adds at the end (an EOS there would sit between prompt and response), and no
+    second BOS when the text holds one already (a rendered chat template). An over-long prompt
+    keeps those leading tokens and its last tokens (the end of a prompt is what the response
+    follows). Returns (ids, number truncated). A prompt of no tokens is refused: the first
+    response token would have no position to be predicted from."""
+    head, _ = added_tokens(tokenizer)
+    ids = [x if x[:len(head)] == head else head + x
+           for x in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
     empty = sum(len(x) == 0 for x in ids)
     if empty:
-        raise ValueError(f"{source}: {empty} of {len(ids)} prompts are empty (no tokens): the first response token needs a "
-                         f"token before it. Give every row a prompt, or use a tokenizer that adds a BOS token")
+        raise ValueError(f"{source}: {empty} of {len(ids)} prompts are empty (no tokens): the first response token "
+                         f"needs a token before it. Give every row a prompt, or use a tokenizer that adds a BOS token")
     n_cut = sum(len(x) > max_len for x in ids)
-    return [x[-max_len:] for x in ids], n_cut
+    keep = len(head) if max_len > len(head) else 0
+    return [x if len(x) <= max_len else x[:keep] + x[len(x) - max_len + keep:] for x in ids], n_cut
 
 
 def encode_responses(tokenizer, texts, max_len):

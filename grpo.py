@@ -527,7 +527,9 @@ def main(cfg):
         if len(t_ids) != 1:
             raise ValueError(f"--truncate_token {cfg.truncate_token!r} is {len(t_ids)} tokens; it must be one")
         truncate_id = t_ids[0]
-    stop_ids = [truncate_id] if truncate_id is not None else []
+    eos_ids = common.stop_token_ids(tokenizer, model)  # EOS, and every end-of-turn id of the generation config
+    stop_ids = eos_ids[1:] + ([truncate_id] if truncate_id is not None else [])
+    stops = torch.tensor(eos_ids[:1] + stop_ids, device=d.device)
     n_cut = data.encode_prompts(tokenizer, train["prompt"], cfg.max_prompt_len, cfg.dataset)[1]
     if n_cut:  # counted once here; each rollout cuts them again from the left
         common.print0(f"{cfg.dataset}: {n_cut} of {len(train)} prompts are longer than --max_prompt_len "
@@ -597,7 +599,7 @@ def main(cfg):
                                              tokenizer.pad_token_id, cfg.temperature, cfg.top_k, cfg.top_p,
                                              stop_ids, uniforms=u, compile=cfg.compile)
         r_mask = truncate_mask(r_ids, r_mask, truncate_id)  # (N, R); N = n_local * n_sample
-        is_stop = (r_ids == tokenizer.eos_token_id) | ((r_ids == truncate_id) if truncate_id is not None else False)
+        is_stop = torch.isin(r_ids, stops)  # EOS, another end-of-turn id, or the truncate token
         stopped = (is_stop & r_mask.bool()).any(-1)  # (N,) ended with EOS or the truncate token
         sync(d)  # each phase's clock read after its GPU work is done
         t_rollout = time.time() - t0
@@ -606,7 +608,7 @@ def main(cfg):
         # ---------------------------------------------------------------------
         # 2. reward: rule functions named per row, a reward model, or a weighted sum
         t1 = time.time()
-        texts = sampling.decode_responses(tokenizer, r_ids, r_mask * (~is_stop).long())  # without EOS / truncate token
+        texts = sampling.decode_responses(tokenizer, r_ids, r_mask * (~is_stop).long(), p_ids)  # no EOS / truncate token
         fns = [f for f in batch["reward_fn"] for _ in range(n_sample)] if "reward_fn" in batch.column_names else None
         parts = {}
         if fns is not None:

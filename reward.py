@@ -155,6 +155,7 @@ def normalization(model, tokenizer, cfg, prompts, d):
     name = cfg.normalize_policy or cfg.model
     p_tok = common.load_tokenizer(name, cfg.trust_remote_code)
     policy = common.load_model(name, p_tok, dtype=common.frozen_dtype(d), trust_remote_code=cfg.trust_remote_code)
+    stops = common.stop_token_ids(p_tok, policy)
     policy = common.shard_model(policy.requires_grad_(False).eval(), d)
     u = sampling.rollout_uniforms(len(prompts), cfg.max_response_len, cfg.seed)  # by row: the same on any world size
 
@@ -164,9 +165,10 @@ def normalization(model, tokenizer, cfg, prompts, d):
                                    side="left")
         with common.autocast(d):
             r_ids, r_mask = sampling.generate(policy, p_ids.to(d.device), p_mask.to(d.device), cfg.max_response_len,
-                                             p_tok.eos_token_id, p_tok.pad_token_id, temperature=1.0, uniforms=u[rows])
+                                             stops[0], p_tok.pad_token_id, temperature=1.0, uniforms=u[rows],
+                                             stop_ids=stops[1:])
         # decode and re-encode: the policy's tokenizer need not be the reward model's
-        responses, _ = data.encode_responses(tokenizer, sampling.decode_responses(p_tok, r_ids, r_mask),
+        responses, _ = data.encode_responses(tokenizer, sampling.decode_responses(p_tok, r_ids, r_mask, p_ids),
                                              cfg.max_response_len)  # a cut-off sample keeps no EOS
         ids, attn, _ = common.join_prompt_response(data.encode_prompts(tokenizer, texts, cfg.max_prompt_len)[0],
                                                    responses, tokenizer.pad_token_id)

@@ -215,12 +215,28 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
     return tokens[:, :R], response_mask[:, :R]
 
 
-def decode_responses(tokenizer, response_ids, response_mask):
-    """Text of each sampled response, without EOS or padding. One transfer from the device for
-    the whole batch, not one per row."""
+def decode_responses(tokenizer, response_ids, response_mask, prompt_ids=None):
+    """Text of each sampled response, without EOS or padding, exactly as it continues its prompt.
+    One transfer from the device for the whole batch, not one per row.
+
+    With prompt_ids (left-padded, so the last column is each prompt's last token), each response
+    is decoded after that token and the token's own text is cut off: a SentencePiece-style
+    (Metaspace) decoder drops the leading space of a text decoded alone, so " 19" after a prompt
+    would come back as "19", and a reward model with another tokenizer would score other text.
+    """
     ids, mask = response_ids.tolist(), response_mask.tolist()
-    return [tokenizer.decode([t for t, m in zip(row, keep) if m], skip_special_tokens=True)
-            for row, keep in zip(ids, mask)]
+    last = prompt_ids[:, -1].tolist() if prompt_ids is not None else [None] * len(ids)
+    texts = []
+    for row, keep, p in zip(ids, mask, last):
+        r = [t for t, m in zip(row, keep) if m]
+        alone = tokenizer.decode(r, skip_special_tokens=True)
+        if p is None:
+            texts.append(alone)
+            continue
+        head = tokenizer.decode([p], skip_special_tokens=True)
+        joint = tokenizer.decode([p] + r, skip_special_tokens=True)
+        texts.append(joint[len(head):] if head and joint.startswith(head) else alone)
+    return texts
 
 
 def evaluate_generations(model, tokenizer, prompts, reward_fn, d, max_prompt_len, max_new_tokens, batch_size=256):
@@ -230,11 +246,12 @@ def evaluate_generations(model, tokenizer, prompts, reward_fn, d, max_prompt_len
         texts = [prompts[i] for i in rows]
         p_ids, p_mask = common.pad(data.encode_prompts(tokenizer, texts, max_prompt_len)[0], tokenizer.pad_token_id, side="left")
         with common.autocast(d):
-            r_ids, r_mask = generate(model, p_ids.to(d.device), p_mask.to(d.device), max_new_tokens,
-                                     tokenizer.eos_token_id, tokenizer.pad_token_id, temperature=0)
-        rewards = [reward_fn(p, c) for p, c in zip(texts, decode_responses(tokenizer, r_ids, r_mask))]
+            r_ids, r_mask = generate(model, p_ids.to(d.device), p_mask.to(d.device), max_new_tokens, stops[0],
+                                     tokenizer.pad_token_id, temperature=0, stop_ids=stops[1:])
+        rewards = [reward_fn(p, c) for p, c in zip(texts, decode_responses(tokenizer, r_ids, r_mask, p_ids))]
         return torch.tensor([[r, float(r == 1.0)] for r in rewards], dtype=torch.float64, device=d.device)
 
+    stops = common.stop_token_ids(tokenizer, model)
     with common.evaluating(model, gather=True):
         r = common.map_rows(score, len(prompts), d, batch_size)  # (n, 2)
     gold, exact = r.mean(0).tolist()

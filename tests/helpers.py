@@ -89,3 +89,38 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+CORPUS = ["sort 3 1 2 = 1 2 3", "what is 12 + 7? 19", "hello world, this is a test", "the quick brown fox",
+          "user assistant system", "Reply with the number only."] * 4
+
+
+def family_tokenizer(kind, vocab_size=300):
+    """A small trained tokenizer of a model family's kind, built with `tokenizers` (no files):
+    "bpe": byte-level BPE, no BOS, no pad (GPT-2, Qwen); "bos": byte-level BPE whose post-
+    processor adds BOS (Llama-3, Gemma); "bos_eos": a post-processor that adds BOS and appends
+    EOS (some SentencePiece set-ups); "metaspace": SentencePiece-style pieces with BOS
+    (Llama-2, Mistral), whose decoder drops the leading space of a text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bos, eos = "<s>", "</s>"
+    tok = Tokenizer(models.BPE(unk_token=None if kind != "metaspace" else "<unk>"))
+    if kind == "metaspace":
+        tok.pre_tokenizer = pre_tokenizers.Metaspace()
+        tok.decoder = decoders.Metaspace()
+        specials = ["<unk>", bos, eos]
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        specials = [bos, eos]
+    alphabet = pre_tokenizers.ByteLevel.alphabet() if kind != "metaspace" else []
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                                        initial_alphabet=alphabet))
+    single = {"bpe": "$A", "bos": f"{bos} $A", "bos_eos": f"{bos} $A {eos}", "metaspace": f"{bos} $A"}[kind]
+    tok.post_processor = processors.TemplateProcessing(
+        single=single, special_tokens=[(t, tok.token_to_id(t)) for t in (bos, eos)])
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos,
+                                  unk_token="<unk>" if kind == "metaspace" else None)
+    out.pad_token = out.eos_token  # pad == eos, as the scripts set it for tokenizers without one
+    return out

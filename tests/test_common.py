@@ -740,3 +740,22 @@ def test_a_lock_left_by_a_dead_run_is_taken_over(tmp_path):
         assert f"pid {os.getpid()} on" in (tmp_path / ".lock").read_text()
     finally:
         common._LOCKS.pop().close()
+
+
+@pytest.mark.parametrize("kind", ["bpe", "bos", "bos_eos", "metaspace"])
+def test_prompts_get_one_bos_no_eos_and_keep_it_when_cut(kind):
+    """Llama-3- and Gemma-style tokenizers add BOS: a rendered chat template already holds one,
+    and tokenizing it again gave [bos, bos, ...]; a post-processor that appends EOS left EOS
+    between prompt and response; cutting a long prompt from the left cut its BOS away."""
+    from helpers import family_tokenizer
+
+    tok = family_tokenizer(kind)
+    head = [] if kind == "bpe" else [tok.bos_token_id]
+    body = tok("hello world", add_special_tokens=False)["input_ids"]
+    ids, cut = data.encode_prompts(tok, ["hello world", tok.bos_token + "hello world"], 64)
+    assert cut == 0 and ids[0] == head + body
+    assert ids[1] == head + body if head else ids[1][-len(body):] == body
+    long = " ".join(["the quick brown fox"] * 10)
+    body = tok(long, add_special_tokens=False)["input_ids"]
+    ids, cut = data.encode_prompts(tok, [long], 8)
+    assert cut == 1 and ids == [head + body[-(8 - len(head)):]]

@@ -575,3 +575,39 @@ def test_prompt_truncation_is_counted_at_load_time(tmp_path, monkeypatch, capsys
     with pytest.raises(Loaded):
         grpo.main(grpo.Config(model="tiny", dataset=path, out_dir=str(tmp_path / "o"), max_prompt_len=13))
     assert "2 of 3 prompts are longer than --max_prompt_len 13 tokens" in capsys.readouterr().out
+
+
+def test_rollouts_stop_at_every_end_of_turn_id_and_rewards_see_the_text_after_the_prompt(tmp_path, monkeypatch):
+    """grpo.py passes the generation config's end-of-turn ids to the sampler, counts a rollout
+    that ends at one as stopped (no --no_eos_penalty), and decodes completions after their
+    prompts (sampling.decode_responses with prompt_ids)."""
+    from transformers import AutoModelForCausalLM
+
+    tok = tasks.char_tokenizer()
+    model = AutoModelForCausalLM.from_config(tasks.char_gpt2_config(tok, n_layer=1, n_embd=32, n_head=2))
+    end_of_turn = tok.convert_tokens_to_ids("|")
+    model.generation_config.eos_token_id = [tok.eos_token_id, end_of_turn]
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    calls = {"generate": [], "decode": []}
+    generate, decode = grpo.sampling.generate, grpo.sampling.decode_responses
+
+    def spy_generate(model, p_ids, p_mask, n, eos, pad, *args, **kw):
+        calls["generate"].append((eos, args[3] if len(args) > 3 else kw.get("stop_ids")))
+        r_ids, r_mask = generate(model, p_ids, p_mask, n, eos, pad, *args, **kw)
+        r_ids[:, 0], r_mask[:, 0], r_mask[:, 1:] = end_of_turn, 1, 0  # every rollout ends its turn at once
+        return r_ids, r_mask
+
+    def spy_decode(tokenizer, r_ids, r_mask, prompt_ids=None):
+        calls["decode"].append(prompt_ids is not None)
+        return decode(tokenizer, r_ids, r_mask, prompt_ids)
+
+    monkeypatch.setattr(grpo.sampling, "generate", spy_generate)
+    monkeypatch.setattr(grpo.sampling, "decode_responses", spy_decode)
+    data = write_digits_prompts(tmp_path / "prompts.jsonl", 8)
+    grpo.main(grpo.Config(model=str(tmp_path / "m"), dataset=data, out_dir=str(tmp_path / "g"), steps=1,
+                          prompts_per_step=2, group_size=2, max_new_tokens=4, no_eos_penalty=1.0, eval_every=100,
+                          n_eval_pairs=4, warmup_steps=0))
+    assert calls["generate"][0] == (tok.eos_token_id, [end_of_turn]) and calls["decode"] == [True]
+    row = read_metrics(tmp_path / "g")[-1]
+    assert row["completions/clipped_ratio"] == 0.0, row  # each ended at the end-of-turn id

@@ -250,3 +250,49 @@ def test_rollout_uniforms_make_samples_independent_of_how_rows_are_split():
     gen = [sampling.generate(model, *common.pad(PROMPTS[s], PAD, side="left"), n, EOS, PAD,
                            generator=torch.Generator().manual_seed(3)) for s in (slice(0, 2), slice(2, None))]
     assert gen[1][0][0].tolist() != whole[0][2][:gen[1][0].shape[1]].tolist()
+
+
+def test_greedy_evaluation_stops_at_every_end_of_turn_id_of_the_generation_config(monkeypatch):
+    """Llama-3 and Qwen instruct list two ids in generation_config.eos_token_id (end of turn,
+    end of text); stopping only at the tokenizer's EOS ran answers past the end of the turn. The
+    ids reach generate as it is called by the evaluation (and grpo.py, reward.py)."""
+    import tasks
+
+    tok = tasks.char_tokenizer()
+    model = GPT2LMHeadModel(tasks.char_gpt2_config(tok, n_layer=1, n_embd=32, n_head=2))
+    end_of_turn = tok.convert_tokens_to_ids("|")
+    model.generation_config.eos_token_id = [end_of_turn, tok.eos_token_id]
+    assert common.stop_token_ids(tok, model) == [tok.eos_token_id, end_of_turn]
+    model.generation_config.eos_token_id = end_of_turn  # an int works too
+    assert common.stop_token_ids(tok, model) == [tok.eos_token_id, end_of_turn]
+    seen = []
+    real = sampling.generate
+
+    def spy(*args, **kw):
+        seen.append((args[4], kw["stop_ids"]))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(sampling, "generate", spy)
+    sampling.evaluate_generations(model, tok, ["sort 3 1 2 ="], tasks.REWARD_FNS["sort"], common.Dist(), 16, 4)
+    assert seen == [(tok.eos_token_id, [end_of_turn])]
+
+
+def test_a_response_decodes_to_exactly_the_text_that_follows_its_prompt():
+    """A SentencePiece-style (Metaspace) decoder drops the leading space of a text decoded on its
+    own: " 19" after "what is 12 + 7?" came back as "19", and a reward model with another
+    tokenizer scored other text than the policy wrote."""
+    from helpers import family_tokenizer
+
+    for kind in ("metaspace", "bpe", "bos"):
+        tok = family_tokenizer(kind)
+        prompt, completion = "what is 12 + 7?", " 19 is the number"
+        p = tok(prompt)["input_ids"]
+        full = tok(prompt + completion)["input_ids"]
+        assert full[:len(p)] == p, kind  # the prompt's tokens are a prefix: the split is exact
+        r = torch.tensor([full[len(p):] + [tok.eos_token_id]])
+        mask = torch.ones_like(r)
+        mask[0, -1] = 0  # the EOS is not text
+        p_ids = torch.tensor([[tok.pad_token_id] * 2 + p])  # left-padded, as the sampler's prompts are
+        assert sampling.decode_responses(tok, r, mask, p_ids) == [completion], kind
+        if kind == "metaspace":  # what decoding alone gave
+            assert sampling.decode_responses(tok, r, mask) == [completion.lstrip()]
