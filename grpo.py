@@ -97,6 +97,10 @@ class Config:
     # --- reward ---
     reward_model: str = ""
     """a reward model checkpoint (reward.py's out_dir), scored on prompt + decoded completion"""
+    reward_fn: str = ""
+    """a rule of tasks.REWARD_FNS for every row of a data set without a `reward_fn` column (`math`: the final
+    number against the row's `answer`, GSM8K's `#### 72` or a bare number; `think_format`: R1's
+    <think>...</think><answer>...</answer>); a row's own `reward_fn` wins"""
     reward_weights: str = ""
     """weighted sum of rewards, e.g. `rule:1.0,model:0.5` (empty: `model:1` with --reward_model, else `rule:1`)"""
     no_eos_penalty: float = 0.0
@@ -489,10 +493,14 @@ def main(cfg):
     weights = parse_weights(cfg.reward_weights, bool(cfg.reward_model))
     # the data first: a bad file or row stops the run before out_dir or any model is touched
     embedded = cfg.dataset in tasks.TASKS
-    columns = ["prompt"] + (["reward_fn"] if "rule" in weights or embedded else [])
+    rules = "rule" in weights or embedded
+    columns = ["prompt"] + (["reward_fn"] if rules and not cfg.reward_fn else [])
     train = data.load_data(cfg.dataset, "train", columns, kind="prompt", n=cfg.n_train, seed=cfg.seed)
-    if "reward_fn" in columns:
-        tasks.check_rule_rows(train["reward_fn"], train["prompt"], cfg.dataset)
+    if rules and "reward_fn" not in train.column_names:  # --reward_fn for every row
+        train = train.add_column("reward_fn", [cfg.reward_fn] * len(train))
+    if rules:
+        answers = train["answer"] if "answer" in train.column_names else None
+        tasks.check_rule_rows(train["reward_fn"], train["prompt"], cfg.dataset, answers and list(answers))
     pairs = None  # held-out preference pairs
     if embedded or cfg.eval_pairs:
         pairs = data.load_pairs(cfg.eval_pairs or cfg.dataset, cfg.eval_pairs_split if cfg.eval_pairs else "test",
@@ -609,10 +617,13 @@ def main(cfg):
         # 2. reward: rule functions named per row, a reward model, or a weighted sum
         t1 = time.time()
         texts = sampling.decode_responses(tokenizer, r_ids, r_mask * (~is_stop).long(), p_ids)  # no EOS / truncate token
-        fns = [f for f in batch["reward_fn"] for _ in range(n_sample)] if "reward_fn" in batch.column_names else None
         parts = {}
-        if fns is not None:
-            parts["rule"] = torch.tensor([tasks.REWARD_FNS[f](p, c) for f, p, c in zip(fns, prompts, texts)])
+        if "reward_fn" in batch.column_names:  # each row's rule (logged even when not optimised), given its answer
+            fns = [f for f in batch["reward_fn"] for _ in range(n_sample)]
+            answers = [a for a in batch["answer"] for _ in range(n_sample)] if "answer" in batch.column_names \
+                else [None] * len(fns)
+            parts["rule"] = torch.tensor([tasks.REWARD_FNS[f](p, c, a)
+                                          for f, p, c, a in zip(fns, prompts, texts, answers)])
         if rm is not None:
             parts["model"] = learned_rewards(rm, rm_tokenizer, prompts, texts, cfg, d).cpu()
         rewards = sum(w * parts[k] for k, w in weights.items()) - cfg.no_eos_penalty * (~stopped).float().cpu()

@@ -54,7 +54,7 @@ def _completion(items):
 def target_completion(prompt):
     return _completion(sorted(parse_prompt(prompt)))
 
-def sort_reward(prompt, completion):
+def sort_reward(prompt, completion, answer=None):
     """Share of positions holding the right digit; the max() punishes both missing and extra items."""
     target = [str(d) for d in sorted(parse_prompt(prompt))]
     items = completion.split()
@@ -63,28 +63,78 @@ def sort_reward(prompt, completion):
     matches = sum(a == b for a, b in zip(items, target))
     return matches / max(len(items), len(target))
 
-def format_reward(prompt, completion):
+def format_reward(prompt, completion, answer=None):
     """1.0 for the right shape (" d d d", one digit per prompt digit), whatever the order."""
     n = len(parse_prompt(prompt))
     return float(re.fullmatch(r"(?: \d)*", completion) is not None and len(completion) == 2 * n)
 
-def digits_reward(prompt, completion):
+def digits_reward(prompt, completion, answer=None):
     """Share of the completion's characters that are digits: a rule reward for any prompt text
     (the benchmarks' synthetic rows use it)."""
     return sum(c.isdigit() for c in completion) / max(len(completion), 1)
 
-REWARD_FNS = {"sort": sort_reward, "sort_format": format_reward, "digits": digits_reward}
+_NUMBER = r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+"
 
-def check_rule_rows(reward_fns, prompts, source):
-    """Every row's rule exists and can score its prompt (all of them score sort prompts), checked
-    when the data is loaded: a bad row found at step 2 would have cost a run."""
+
+def parse_number(text):
+    """A number written the ways answers write it ("1,234", "$5", "3.50", "-2", "7."), as a
+    float; None when there is none."""
+    m = re.search(_NUMBER, text.replace("$", ""))
+    return None if m is None else float(m.group(0).replace(",", ""))
+
+
+def final_answer(text):
+    """The final answer of a worked solution, as GSM8K and R1-style prompts ask for it: the
+    content of the last \\boxed{...}, else what follows the last "####", else the last number."""
+    boxed = re.findall(r"\\boxed\{([^{}]*)\}", text)
+    if boxed:
+        return parse_number(boxed[-1])
+    if "####" in text:
+        return parse_number(text.rsplit("####", 1)[1])
+    numbers = re.findall(_NUMBER, text.replace("$", ""))
+    return float(numbers[-1].replace(",", "")) if numbers else None
+
+
+def math_reward(prompt, completion, answer=None):
+    """1.0 when the completion's final answer equals the row's reference `answer` numerically
+    (GSM8K's "... #### 72" or a bare number), else 0.0: the correctness reward of verifiable-
+    reward RL (DeepSeek-R1, arXiv:2501.12948; TRL's accuracy_reward)."""
+    want, got = final_answer(answer or ""), final_answer(completion)
+    return float(want is not None and got is not None and abs(want - got) <= 1e-6 * max(1.0, abs(want)))
+
+
+_THINK = re.compile(r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*", re.DOTALL)
+
+
+def think_format_reward(prompt, completion, answer=None):
+    """1.0 for the R1 layout `<think>...</think><answer>...</answer>` (whitespace around the tags
+    allowed, nothing else outside them), else 0.0 (DeepSeek-R1's format reward)."""
+    return float(_THINK.fullmatch(completion) is not None)
+
+# Rule rewards: fn(prompt, completion, answer=None) -> float, `answer` being the row's reference
+# (its `answer` column) for the rules that need one.
+REWARD_FNS = {"sort": sort_reward, "sort_format": format_reward, "digits": digits_reward, "math": math_reward,
+              "think_format": think_format_reward}
+NEEDS_SORT_PROMPT = ("sort", "sort_format")
+NEEDS_ANSWER = ("math",)
+
+def check_rule_rows(reward_fns, prompts, source, answers=None):
+    """Every row's rule exists and can score its row, checked when the data is loaded: a bad row
+    found at step 2 would have cost a run. The sort rules parse the prompt; `math` needs an
+    `answer` with a number in it."""
     for i, (fn, prompt) in enumerate(zip(reward_fns, prompts)):
         if fn not in REWARD_FNS:
             raise ValueError(f"{source} row {i + 1}: reward_fn {fn!r} is not one of {sorted(REWARD_FNS)}")
-        try:
-            parse_prompt(prompt)
-        except ValueError as e:
-            raise ValueError(f"{source} row {i + 1}: reward_fn {fn!r} cannot score this prompt ({e})") from None
+        if fn in NEEDS_SORT_PROMPT:
+            try:
+                parse_prompt(prompt)
+            except ValueError as e:
+                raise ValueError(f"{source} row {i + 1}: reward_fn {fn!r} cannot score this prompt ({e})") from None
+        if fn in NEEDS_ANSWER:
+            answer = answers[i] if answers is not None else None
+            if not isinstance(answer, str) or final_answer(answer) is None:
+                what = "has no `answer` column" if answers is None else f"has no number in its answer {answer!r}"
+                raise ValueError(f"{source} row {i + 1}: reward_fn {fn!r} {what}")
 
 def sigmoid(x):
     return 1.0 / (1.0 + math.exp(-x))

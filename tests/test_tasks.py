@@ -232,3 +232,39 @@ def test_rule_rows_are_checked_naming_the_row():
         tasks.check_rule_rows(["sort", "srot"], ["sort 3 1 2 =", "sort 3 1 2 ="], "p.jsonl")
     with pytest.raises(ValueError, match=r"p.jsonl row 3: reward_fn 'sort' cannot score this prompt"):
         tasks.check_rule_rows(["sort"] * 3, ["sort 3 1 2 =", "sort 4 1 2 =", "write a poem"], "p.jsonl")
+
+
+@pytest.mark.parametrize("completion, answer, reward", [
+    ("She has 3 + 4 = 7 apples.\n#### 7", "Natalia sold 48/2 = 24 clips.\n#### 7", 1.0),
+    ("The answer is \\boxed{1,234}.", "#### 1234", 1.0),
+    ("Costs $5.50 in all", "5.5", 1.0),
+    ("First 12, then 19", "19", 1.0),  # the last number is the answer
+    ("\\boxed{18} though 19 is close", "19", 0.0),  # \boxed wins over a later number
+    ("#### 20\nor maybe 19", "19", 0.0),  # so does ####
+    ("It is 19.", "-19", 0.0),
+    ("no number here", "19", 0.0),
+    ("19", "", 0.0),  # no reference: never a reward
+])
+def test_math_reward_reads_the_final_answer_and_compares_numbers(completion, answer, reward):
+    assert tasks.math_reward("q", completion, answer) == reward
+
+
+@pytest.mark.parametrize("completion, reward", [
+    ("<think>12 + 7 is 19</think><answer>19</answer>", 1.0),
+    ("  <think>\nstep 1\nstep 2\n</think>\n<answer>19</answer>\n", 1.0),
+    ("<think>x</think>", 0.0),
+    ("<answer>19</answer>", 0.0),
+    ("<answer>19</answer><think>x</think>", 0.0),
+    ("<think>x</think><answer>19</answer> and more", 0.0),
+    ("so <think>x</think><answer>19</answer>", 0.0),
+])
+def test_think_format_reward_hand_cases(completion, reward):
+    assert tasks.think_format_reward("q", completion) == reward
+
+
+def test_math_rows_need_an_answer_with_a_number():
+    tasks.check_rule_rows(["math", "think_format"], ["q1", "q2"], "m.jsonl", ["#### 4", None])
+    with pytest.raises(ValueError, match=r"m.jsonl row 1: reward_fn 'math' has no `answer` column"):
+        tasks.check_rule_rows(["math"], ["q1"], "m.jsonl")
+    with pytest.raises(ValueError, match=r"m.jsonl row 2: reward_fn 'math' has no number in its answer 'none'"):
+        tasks.check_rule_rows(["math", "math"], ["q1", "q2"], "m.jsonl", ["#### 4", "none"])
