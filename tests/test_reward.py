@@ -239,3 +239,22 @@ def test_batch_arithmetic_is_checked():
     cfg = replace(reward.Config(), model="tiny", batch_size=6, grad_accum=4)
     with pytest.raises(ValueError, match="divisible"):
         reward.main(cfg)
+
+
+def test_reward_model_trains_on_anthropic_hh_rows(tmp_path, capsys):
+    """Rows with only `chosen` and `rejected` dialogues (Anthropic HH) are split at their last
+    "\\n\\nAssistant:" into prompt and responses, as in dpo.py: 40 rows, every one trained on
+    (the file is also the held-out set here), with their prompts ending at the marker."""
+    from helpers import write_jsonl
+
+    turn = "\n\nAssistant:"
+    rows = [{"chosen": f"\n\nHuman: what is {i} plus 1?{turn} {i + 1}",
+             "rejected": f"\n\nHuman: what is {i} plus 1?{turn} no"} for i in range(40)]
+    path = write_jsonl(tmp_path / "hh.jsonl", rows)
+    pairs = data.load_pairs(path, "train")
+    assert pairs["prompt"][3] == f"\n\nHuman: what is 3 plus 1?{turn}" and pairs["chosen"][3] == " 4"
+    reward.main(reward.Config(model="tiny", dataset=path, eval_dataset=path, steps=2, batch_size=8, n_eval=40,
+                              n_normalize=8, warmup_steps=0, out_dir=str(tmp_path / "rm")))
+    assert "40 train pairs, 40 eval pairs" in capsys.readouterr().out
+    last = read_metrics(tmp_path / "rm")[-1]
+    assert last["step"] == 2 and 0.0 <= last["eval/accuracy"] <= 1.0
