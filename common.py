@@ -502,17 +502,24 @@ def check_model_paths(cfg, *flags):
             raise FileNotFoundError(f"--{flag} {name}: no such folder (a local path, not a hub id)")
 
 
-def load_tokenizer(name, trust_remote_code=False):
-    """`tiny` (the embedded task's character tokenizer), a local checkpoint folder or a hub id."""
+def load_tokenizer(name, trust_remote_code=False, chat_template=""):
+    """`tiny` (the embedded task's character tokenizer), a local checkpoint folder or a hub id.
+    chat_template: a Jinja file that replaces the tokenizer's own (saved with the checkpoint)."""
     if name == "tiny":
         import tasks
 
-        return tasks.char_tokenizer()
-    from transformers import AutoTokenizer
+        tok = tasks.char_tokenizer()
+    else:
+        from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(resolve_checkpoint(name), trust_remote_code=trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(resolve_checkpoint(name), trust_remote_code=trust_remote_code)
     if tok.pad_token is None:  # GPT-2 and Pythia have none; masks, not pad ids, decide what is padding
         tok.pad_token = tok.eos_token
+    if chat_template:
+        if not os.path.isfile(chat_template):
+            raise FileNotFoundError(f"--chat_template {chat_template}: no such file")
+        with open(chat_template) as f:
+            tok.chat_template = f.read()
     return tok
 
 

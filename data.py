@@ -90,7 +90,8 @@ def read_file(path):
 def held_out(prompt):
     """Whether a prompt belongs to the held-out share of a local file: a hash of its text, so the
     split is the same on every run and every rank, and rows sharing a prompt stay together."""
-    return int(hashlib.sha256(prompt.encode()).hexdigest()[:8], 16) < HOLDOUT * 16**8
+    text = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)  # a conversation
+    return int(hashlib.sha256(text.encode()).hexdigest()[:8], 16) < HOLDOUT * 16**8
 
 
 def hold_out(ds, name, split):
@@ -135,17 +136,111 @@ def load_data(name, split, columns, kind=None, n=None, seed=0, holdout=False):
             raise ValueError(f"{name} ({split}): {e}") from None
     if len(ds) == 0:
         raise ValueError(f"{name} ({split}): no rows")
+    if "messages" in ds.column_names and "prompt" in columns and "prompt" not in ds.column_names:
+        ds = split_messages(ds, name)
     missing = [c for c in columns if c not in ds.column_names]
     if missing:
         raise ValueError(f"{name} ({split}): missing column(s) {missing}; has {ds.column_names}")
     for c in columns:
-        for i, v in enumerate(ds[c]):
-            if not isinstance(v, str):
-                what = "missing field" if v is None else f"field is {type(v).__name__}, not a string:"
-                raise ValueError(f"{name} row {i + 1}: {what} {c!r}")
+        check_field(ds[c], c, name)
     if holdout and os.path.isfile(name):
         ds = hold_out(ds, name, split)
     return ds
+
+
+# -----------------------------------------------------------------------------
+# conversational rows (TRL's formats): lists of {"role", "content"} messages, rendered to text
+# with the tokenizer's own chat template
+
+
+def is_conversation(v):
+    """A non-empty list of {"role": str, "content": str} messages."""
+    return isinstance(v, list) and len(v) > 0 and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in v)
+
+
+def check_field(values, column, source):
+    """Every row's `column` is a string, or every row's is a conversation; anything else (a
+    missing field, a number, a bad message, a mix of the two) is named with its row."""
+    chat = is_conversation(values[0])
+    kind = "a conversation (a list of messages)" if chat else "a string"
+    for i, v in enumerate(values):
+        if is_conversation(v) if chat else isinstance(v, str):
+            continue
+        if v is None:
+            raise ValueError(f"{source} row {i + 1}: missing field {column!r}")
+        if isinstance(v, str) or is_conversation(v):
+            raise ValueError(f"{source} row {i + 1}: field {column!r} is {'a string' if isinstance(v, str) else 'a conversation'}, "
+                             f"while row 1's is {kind}: a column is all text or all conversations")
+        if isinstance(v, list):
+            raise ValueError(f"{source} row {i + 1}: field {column!r} is a list but not of {{\"role\", \"content\"}} "
+                             f"messages with string values")
+        raise ValueError(f"{source} row {i + 1}: field is {type(v).__name__}, not a string: {column!r}")
+
+
+def split_messages(ds, source):
+    """SFT's conversational language-modelling rows (`messages`) as prompt-completion rows: the
+    last message, which must be the assistant's, is the completion; the turns before it are the
+    prompt (earlier assistant turns are context, as in TRL's prompt-completion form)."""
+    import datasets
+
+    check_field(ds["messages"], "messages", source)
+    prompts, completions = [], []
+    for i, msgs in enumerate(ds["messages"]):
+        if msgs[-1]["role"] != "assistant" or len(msgs) < 2:
+            raise ValueError(f"{source} row {i + 1}: `messages` must end with an assistant message after at least "
+                             f"one other (it ends with {msgs[-1]['role']!r}, {len(msgs)} message(s))")
+        prompts.append(msgs[:-1])
+        completions.append(msgs[-1:])
+    other = {c: ds[c] for c in ds.column_names if c != "messages"}
+    return datasets.Dataset.from_dict({"prompt": prompts, "completion": completions, **other})
+
+
+def shared_turns(chosen, rejected):
+    """The implicit-prompt preference format: two conversations that share their first turns.
+    Returns (prompt, chosen, rejected) as message lists; ValueError when they share none, or
+    one is a prefix of the other."""
+    k = 0
+    while k < min(len(chosen), len(rejected)) and chosen[k] == rejected[k]:
+        k += 1
+    if k == 0 or k == len(chosen) or k == len(rejected):
+        raise ValueError("the chosen and rejected conversations must share their first turn(s) and then differ")
+    return chosen[:k], chosen[k:], rejected[k:]
+
+
+def render_chat(ds, tokenizer, source):
+    """Conversational rows rendered to text with the tokenizer's chat template, as TRL does:
+    the prompt with the generation prompt (`add_generation_prompt=True`), each completion
+    (chosen, rejected) as the text the template adds after it for the assistant's turn, ending
+    with the template's end-of-turn tokens. Returns (ds with text columns, chat): chat says the
+    rows were conversational, so no EOS is appended to their completions. Plain-text rows
+    come back unchanged."""
+    import datasets
+
+    columns = [c for c in ("prompt", "completion", "chosen", "rejected") if c in ds.column_names]
+    chat = [c for c in columns if is_conversation(ds[0][c])]
+    if not chat:
+        return ds, False
+    if chat != columns:
+        raise ValueError(f"{source}: columns {chat} are conversations but {sorted(set(columns) - set(chat))} are text: "
+                         f"give all of them as messages, or all as text")
+    if not tokenizer.chat_template:
+        raise ValueError(f"{source}: conversational rows need a chat template, and this tokenizer has none: pass "
+                         f"--chat_template FILE (a Jinja template), or give the rows as plain text")
+    template = lambda msgs, **kw: tokenizer.apply_chat_template(msgs, tokenize=False, **kw)  # noqa: E731
+    prompts = [template(list(p), add_generation_prompt=True) for p in ds["prompt"]]
+    out = {"prompt": prompts}
+    for c in columns[1:]:
+        texts = []
+        for i, (p, p_text, msgs) in enumerate(zip(ds["prompt"], prompts, ds[c])):
+            full = template(list(p) + list(msgs))
+            if not full.startswith(p_text):
+                raise ValueError(f"{source} row {i + 1}: the chat template renders the prompt differently once the "
+                                 f"{c} follows it, so the {c} cannot be cut off as the text after the prompt")
+            texts.append(full[len(p_text):])
+        out[c] = texts
+    other = {c: ds[c] for c in ds.column_names if c not in out}
+    return datasets.Dataset.from_dict({**out, **other}), True
 
 
 HH_MARKER = "\n\nAssistant:"
@@ -175,14 +270,13 @@ def load_pairs(name, split, n=None, seed=0, holdout=False):
     holdout: as in load_data, by the hash of the (split) prompt."""
     ds = load_data(name, split, ["chosen", "rejected"], kind="preference", n=n, seed=seed)
     if "prompt" in ds.column_names:
-        bad = next((i for i, p in enumerate(ds["prompt"]) if not isinstance(p, str)), None)
-        if bad is not None:
-            raise ValueError(f"{name} row {bad + 1}: field 'prompt' is not a string")
-    else:
+        check_field(ds["prompt"], "prompt", name)
+    else:  # the implicit prompt: HH dialogues split at the last "Assistant:", or shared first turns
+        split = shared_turns if is_conversation(ds[0]["chosen"]) else split_hh
         triples = []
         for i, (c, r) in enumerate(zip(ds["chosen"], ds["rejected"])):
             try:
-                triples.append(split_hh(c, r))
+                triples.append(split(c, r))
             except ValueError as e:
                 raise ValueError(f"{name} row {i + 1}: {e}") from None
         import datasets
@@ -228,20 +322,23 @@ def encode_prompts(tokenizer, texts, max_len, source="prompts"):
     return [x if len(x) <= max_len else x[:keep] + x[len(x) - max_len + keep:] for x in ids], n_cut
 
 
-def encode_responses(tokenizer, texts, max_len):
-    """Token ids of each response followed by EOS; an over-long one keeps its first max_len
-    tokens (and so loses its EOS). Returns (ids, number truncated)."""
-    ids = [x + [tokenizer.eos_token_id] for x in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+def encode_responses(tokenizer, texts, max_len, eos=True):
+    """Token ids of each response followed by EOS (not for rendered chat turns, eos=False: they
+    end with the template's end-of-turn tokens); an over-long one keeps its first max_len
+    tokens (and so loses its end). Returns (ids, number truncated)."""
+    end = [tokenizer.eos_token_id] if eos else []
+    ids = [x + end for x in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
     n_cut = sum(len(x) > max_len for x in ids)
     return [x[:max_len] for x in ids], n_cut
 
 
-def encode_pairs(ds, tokenizer, max_prompt_len, max_response_len, what):
-    """Token ids (prompts, chosen, rejected) of a pairs Dataset: prompts cut from the left,
-    responses + EOS from the right; the cuts are counted and printed, never silent."""
+def encode_pairs(ds, tokenizer, max_prompt_len, max_response_len, what, eos=True):
+    """Token ids (prompts, chosen, rejected) of a pairs Dataset of text (render_chat): prompts
+    cut from the left, responses (+ EOS for plain text) from the right; the cuts are counted and
+    printed, never silent."""
     prompts, p_cut = encode_prompts(tokenizer, ds["prompt"], max_prompt_len, what)
-    chosen, c_cut = encode_responses(tokenizer, ds["chosen"], max_response_len)
-    rejected, r_cut = encode_responses(tokenizer, ds["rejected"], max_response_len)
+    chosen, c_cut = encode_responses(tokenizer, ds["chosen"], max_response_len, eos)
+    rejected, r_cut = encode_responses(tokenizer, ds["rejected"], max_response_len, eos)
     if p_cut or c_cut or r_cut:
         common.print0(f"{what}: truncated {p_cut} prompts (left), {c_cut} chosen and {r_cut} rejected responses "
                f"(right) of {len(prompts)} pairs to {max_prompt_len}/{max_response_len} tokens")

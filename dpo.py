@@ -61,6 +61,8 @@ class Config:
     into a held-out 5%, data.hold_out)"""
     eval_dataset: str | None = None
     """held-out pairs from another source (e.g. a second .jsonl); None: --eval_split of --dataset"""
+    chat_template: str = ""
+    """a Jinja chat template file for conversational rows (default: the tokenizer's own)"""
     n_train: int = 8000
     """pairs drawn from an embedded task (ignored for files and hub data sets); 250 steps of 64 see each twice [>= 1]"""
     max_prompt_len: int = 64
@@ -198,13 +200,15 @@ def main(cfg):
     test = test.select(range(min(cfg.n_eval, len(test))))
     common.check_model_paths(cfg, "model", "ref_model")
     resume_from = common.prepare_out_dir(cfg, d)
-    tokenizer = common.load_tokenizer(resume_from or cfg.model, cfg.trust_remote_code)
+    tokenizer = common.load_tokenizer(resume_from or cfg.model, cfg.trust_remote_code, cfg.chat_template)
     pad_id = tokenizer.pad_token_id
 
+    train, chat = data.render_chat(train, tokenizer, cfg.dataset)  # conversations as their chat template renders them
+    test, test_chat = data.render_chat(test, tokenizer, cfg.eval_dataset or cfg.dataset)
     train_pairs = data.encode_pairs(train, tokenizer, cfg.max_prompt_len, cfg.max_response_len,
-                                    f"{cfg.dataset} (train)")
+                                    f"{cfg.dataset} (train)", eos=not chat)
     test_pairs = data.encode_pairs(test, tokenizer, cfg.max_prompt_len, cfg.max_response_len,
-                                   f"{cfg.eval_dataset or cfg.dataset} (held out)")
+                                   f"{cfg.eval_dataset or cfg.dataset} (held out)", eos=not test_chat)
     embedded = (cfg.eval_dataset or cfg.dataset) in tasks.TASKS
     if embedded:  # the label noise is known: the best accuracy any model can reach on these pairs
         bayes = tasks.bayes_accuracy(test)

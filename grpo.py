@@ -73,6 +73,8 @@ class Config:
     """the policy to start from: a checkpoint folder (runs/sft), a hub id, or `tiny` (random, for tests)"""
     dataset: str = "sort"
     """embedded task name, a hub id, or a local .jsonl/.json/.parquet with a prompt (and reward_fn) column"""
+    chat_template: str = ""
+    """a Jinja chat template file for conversational rows (default: the tokenizer's own)"""
     n_train: int = 20000
     """prompts drawn from an embedded task [>= 1]"""
     max_prompt_len: int = 64
@@ -508,7 +510,7 @@ def main(cfg):
         pairs = pairs.select(range(min(cfg.n_eval_pairs, len(pairs))))
     common.check_model_paths(cfg, "model", "reward_model")
     resume_from = common.prepare_out_dir(cfg, d)
-    tokenizer = common.load_tokenizer(resume_from or cfg.model, cfg.trust_remote_code)
+    tokenizer = common.load_tokenizer(resume_from or cfg.model, cfg.trust_remote_code, cfg.chat_template)
     model = common.load_model(resume_from or cfg.model, tokenizer, trust_remote_code=cfg.trust_remote_code)
     common.check_context(model, cfg.max_prompt_len, cfg.max_new_tokens)
     ref = None  # with --lora: the policy with its adapters disabled
@@ -538,6 +540,7 @@ def main(cfg):
     eos_ids = common.stop_token_ids(tokenizer, model)  # EOS, and every end-of-turn id of the generation config
     stop_ids = eos_ids[1:] + ([truncate_id] if truncate_id is not None else [])
     stops = torch.tensor(eos_ids[:1] + stop_ids, device=d.device)
+    train, _ = data.render_chat(train, tokenizer, cfg.dataset)  # conversational prompts, with the generation prompt
     n_cut = data.encode_prompts(tokenizer, train["prompt"], cfg.max_prompt_len, cfg.dataset)[1]
     if n_cut:  # counted once here; each rollout cuts them again from the left
         common.print0(f"{cfg.dataset}: {n_cut} of {len(train)} prompts are longer than --max_prompt_len "
@@ -547,7 +550,9 @@ def main(cfg):
         eval_prompts = [r["prompt"] for r in tasks.prompt_rows(cfg.n_eval, seed=cfg.seed, split="test")]
     eval_pairs = bayes = None  # the pairs encoded, and the embedded task's best accuracy on them
     if pairs is not None:
-        eval_pairs = data.encode_pairs(pairs, tokenizer, cfg.max_prompt_len, cfg.max_new_tokens, "eval pairs")
+        pairs, chat = data.render_chat(pairs, tokenizer, cfg.eval_pairs or cfg.dataset)
+        eval_pairs = data.encode_pairs(pairs, tokenizer, cfg.max_prompt_len, cfg.max_new_tokens, "eval pairs",
+                                       eos=not chat)
         if not cfg.eval_pairs:  # the embedded task's label noise is known: the best accuracy there is
             bayes = tasks.bayes_accuracy(pairs)
 

@@ -55,6 +55,8 @@ class Config:
     into a held-out 5%, data.hold_out)"""
     eval_dataset: str | None = None
     """held-out pairs from another source (e.g. a second .jsonl); None: --eval_split of --dataset"""
+    chat_template: str = ""
+    """a Jinja chat template file for conversational rows (default: the tokenizer's own)"""
     n_train: int = 20000
     """pairs drawn from an embedded task (ignored for files and hub data sets) [>= 1]"""
     max_prompt_len: int = 64
@@ -200,7 +202,7 @@ def main(cfg):
     test = test.select(range(min(cfg.n_eval, len(test))))
     common.check_model_paths(cfg, "model", "normalize_policy")
     resume_from = common.prepare_out_dir(cfg, d)
-    tokenizer = common.load_tokenizer(resume_from or cfg.model, cfg.trust_remote_code)
+    tokenizer = common.load_tokenizer(resume_from or cfg.model, cfg.trust_remote_code, cfg.chat_template)
     model = common.load_model(resume_from or cfg.model, tokenizer, kind="new_reward",
                               trust_remote_code=cfg.trust_remote_code)
     common.check_context(model, cfg.max_prompt_len, cfg.max_response_len)
@@ -208,10 +210,12 @@ def main(cfg):
     model = common.shard_model(model, d, activation_checkpointing=cfg.activation_checkpointing)
     n_params = sum(p.numel() for p in model.parameters())
 
+    train, chat = data.render_chat(train, tokenizer, cfg.dataset)  # conversations as their chat template renders them
+    test, test_chat = data.render_chat(test, tokenizer, cfg.eval_dataset or cfg.dataset)
     train_pairs = data.encode_pairs(train, tokenizer, cfg.max_prompt_len, cfg.max_response_len,
-                                    f"{cfg.dataset} (train)")
+                                    f"{cfg.dataset} (train)", eos=not chat)
     test_pairs = data.encode_pairs(test, tokenizer, cfg.max_prompt_len, cfg.max_response_len,
-                                   f"{cfg.eval_dataset or cfg.dataset} (held out)")
+                                   f"{cfg.eval_dataset or cfg.dataset} (held out)", eos=not test_chat)
     margins = torch.tensor(train["margin"], dtype=torch.float32) if "margin" in train.column_names else None
     # on the embedded task the noise of the labels is known: the best accuracy any model can reach
     bayes = tasks.bayes_accuracy(test) if (cfg.eval_dataset or cfg.dataset) in tasks.TASKS else None

@@ -43,6 +43,8 @@ class Config:
     into a held-out 5%, data.hold_out)"""
     eval_dataset: str | None = None
     """held-out rows from another source (e.g. a second .jsonl); None: --eval_split of --dataset"""
+    chat_template: str = ""
+    """a Jinja chat template file for conversational rows (default: the tokenizer's own)"""
     n_train: int = 50000
     """rows drawn from an embedded task (ignored for files and hub data sets) [>= 1]"""
     max_prompt_len: int = 64
@@ -110,9 +112,12 @@ def sft_loss(logps, mask, n_tokens):
 
 
 def encode_sft(ds, tokenizer, cfg, source):
-    """Token ids of every row: prompts cut from the left, completions (+EOS) from the right."""
+    """Token ids of every row: prompts cut from the left, completions from the right; plain text
+    gets EOS after the completion, a conversation's completion ends with its template's
+    end-of-turn tokens (data.render_chat)."""
+    ds, chat = data.render_chat(ds, tokenizer, source)
     prompts, p_cut = data.encode_prompts(tokenizer, ds["prompt"], cfg.max_prompt_len, source)
-    completions, c_cut = data.encode_responses(tokenizer, ds["completion"], cfg.max_response_len)
+    completions, c_cut = data.encode_responses(tokenizer, ds["completion"], cfg.max_response_len, eos=not chat)
     if p_cut or c_cut:
         common.print0(f"{source}: truncated {p_cut} prompts (left) and {c_cut} completions (right) "
                       f"of {len(ds)} rows to {cfg.max_prompt_len}/{cfg.max_response_len} tokens")
@@ -158,7 +163,7 @@ def main(cfg):
                           seed=cfg.seed, holdout=split)
     common.check_model_paths(cfg, "model")
     resume_from = common.prepare_out_dir(cfg, d)
-    tokenizer = common.load_tokenizer(resume_from or cfg.model, cfg.trust_remote_code)
+    tokenizer = common.load_tokenizer(resume_from or cfg.model, cfg.trust_remote_code, cfg.chat_template)
     model = common.load_model(resume_from or cfg.model, tokenizer, trust_remote_code=cfg.trust_remote_code)
     common.check_context(model, cfg.max_prompt_len, cfg.max_response_len)
     model = common.shard_model(model, d, activation_checkpointing=cfg.activation_checkpointing)

@@ -95,12 +95,13 @@ CORPUS = ["sort 3 1 2 = 1 2 3", "what is 12 + 7? 19", "hello world, this is a te
           "user assistant system", "Reply with the number only."] * 4
 
 
-def family_tokenizer(kind, vocab_size=300):
+def family_tokenizer(kind, vocab_size=300, chat=False):
     """A small trained tokenizer of a model family's kind, built with `tokenizers` (no files):
     "bpe": byte-level BPE, no BOS, no pad (GPT-2, Qwen); "bos": byte-level BPE whose post-
     processor adds BOS (Llama-3, Gemma); "bos_eos": a post-processor that adds BOS and appends
     EOS (some SentencePiece set-ups); "metaspace": SentencePiece-style pieces with BOS
-    (Llama-2, Mistral), whose decoder drops the leading space of a text."""
+    (Llama-2, Mistral), whose decoder drops the leading space of a text. chat: ChatML special
+    tokens and template, with <|im_end|> as EOS."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -123,4 +124,12 @@ def family_tokenizer(kind, vocab_size=300):
     out = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos,
                                   unk_token="<unk>" if kind == "metaspace" else None)
     out.pad_token = out.eos_token  # pad == eos, as the scripts set it for tokenizers without one
+    if chat:  # ChatML, as Qwen and SmolLM2 use it: <|im_end|> ends a turn and is the EOS
+        out.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+        out.eos_token = "<|im_end|>"
+        out.chat_template = CHATML
     return out
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
