@@ -332,6 +332,15 @@ def encode_responses(tokenizer, texts, max_len, eos=True):
     return [x[:max_len] for x in ids], n_cut
 
 
+def show_example(tokenizer, prompt, response, what):
+    """Print a training example as the model sees it: the prompt's tokens, then the tokens the
+    loss is taken on, each token quoted, so a wrong template, a double BOS or a missing end of
+    turn shows in the log before the first step."""
+    quote = lambda ids: " ".join(repr(t) for t in tokenizer.convert_ids_to_tokens(ids))  # noqa: E731
+    loss = "the sampled completion" if response is None else f"({len(response)} tokens) {quote(response)}"
+    common.print0(f"{what}, first example: prompt ({len(prompt)} tokens) {quote(prompt)}\n  loss on {loss}")
+
+
 def encode_pairs(ds, tokenizer, max_prompt_len, max_response_len, what, eos=True):
     """Token ids (prompts, chosen, rejected) of a pairs Dataset of text (render_chat): prompts
     cut from the left, responses (+ EOS for plain text) from the right; the cuts are counted and

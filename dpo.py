@@ -209,6 +209,7 @@ def main(cfg):
                                     f"{cfg.dataset} (train)", eos=not chat)
     test_pairs = data.encode_pairs(test, tokenizer, cfg.max_prompt_len, cfg.max_response_len,
                                    f"{cfg.eval_dataset or cfg.dataset} (held out)", eos=not test_chat)
+    data.show_example(tokenizer, train_pairs[0][0], train_pairs[1][0], f"{cfg.dataset} (chosen)")
     embedded = (cfg.eval_dataset or cfg.dataset) in tasks.TASKS
     if embedded:  # the label noise is known: the best accuracy any model can reach on these pairs
         bayes = tasks.bayes_accuracy(test)

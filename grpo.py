@@ -541,7 +541,8 @@ def main(cfg):
     stop_ids = eos_ids[1:] + ([truncate_id] if truncate_id is not None else [])
     stops = torch.tensor(eos_ids[:1] + stop_ids, device=d.device)
     train, _ = data.render_chat(train, tokenizer, cfg.dataset)  # conversational prompts, with the generation prompt
-    n_cut = data.encode_prompts(tokenizer, train["prompt"], cfg.max_prompt_len, cfg.dataset)[1]
+    p_ids, n_cut = data.encode_prompts(tokenizer, train["prompt"], cfg.max_prompt_len, cfg.dataset)
+    data.show_example(tokenizer, p_ids[0], None, cfg.dataset)
     if n_cut:  # counted once here; each rollout cuts them again from the left
         common.print0(f"{cfg.dataset}: {n_cut} of {len(train)} prompts are longer than --max_prompt_len "
                       f"{cfg.max_prompt_len} tokens and are cut from the left")

@@ -170,6 +170,7 @@ def main(cfg):
     n_params = sum(p.numel() for p in model.parameters())
 
     train_p, train_c = encode_sft(train, tokenizer, cfg, cfg.dataset)
+    data.show_example(tokenizer, train_p[0], train_c[0], cfg.dataset)
     test_p, test_c = encode_sft(test.select(range(min(cfg.n_eval, len(test)))), tokenizer, cfg,
                                 f"{cfg.eval_dataset or cfg.dataset} (held out)")
     embedded = (cfg.eval_dataset or cfg.dataset) in tasks.TASKS
