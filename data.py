@@ -354,6 +354,20 @@ def encode_pairs(ds, tokenizer, max_prompt_len, max_response_len, what, eos=True
     return prompts, chosen, rejected
 
 
+def encode_preferences(train, test, tokenizer, cfg):
+    """reward.py's and dpo.py's pairs: each set rendered (render_chat: conversations as their
+    template writes them) and encoded (encode_pairs, + EOS for plain text), the first training
+    example shown. Returns (train, test, train_pairs, test_pairs), the sets as text."""
+    train, chat = render_chat(train, tokenizer, cfg.dataset)
+    test, test_chat = render_chat(test, tokenizer, cfg.eval_dataset or cfg.dataset)
+    train_pairs = encode_pairs(train, tokenizer, cfg.max_prompt_len, cfg.max_response_len, f"{cfg.dataset} (train)",
+                               eos=not chat)
+    test_pairs = encode_pairs(test, tokenizer, cfg.max_prompt_len, cfg.max_response_len,
+                              f"{cfg.eval_dataset or cfg.dataset} (held out)", eos=not test_chat)
+    show_example(tokenizer, train_pairs[0][0], train_pairs[1][0], f"{cfg.dataset} (chosen)")
+    return train, test, train_pairs, test_pairs
+
+
 def pair_batch(pairs, rows, pad_id, device):
     """The chosen then the rejected response of each row after the same prompt, in ONE batch (FSDP
     gathers each layer once for both): input_ids and attention_mask (2B, P+R), response_mask

@@ -203,13 +203,7 @@ def main(cfg):
     tokenizer = common.load_tokenizer(resume_from or cfg.model, cfg.trust_remote_code, cfg.chat_template)
     pad_id = tokenizer.pad_token_id
 
-    train, chat = data.render_chat(train, tokenizer, cfg.dataset)  # conversations as their chat template renders them
-    test, test_chat = data.render_chat(test, tokenizer, cfg.eval_dataset or cfg.dataset)
-    train_pairs = data.encode_pairs(train, tokenizer, cfg.max_prompt_len, cfg.max_response_len,
-                                    f"{cfg.dataset} (train)", eos=not chat)
-    test_pairs = data.encode_pairs(test, tokenizer, cfg.max_prompt_len, cfg.max_response_len,
-                                   f"{cfg.eval_dataset or cfg.dataset} (held out)", eos=not test_chat)
-    data.show_example(tokenizer, train_pairs[0][0], train_pairs[1][0], f"{cfg.dataset} (chosen)")
+    train, test, train_pairs, test_pairs = data.encode_preferences(train, test, tokenizer, cfg)
     embedded = (cfg.eval_dataset or cfg.dataset) in tasks.TASKS
     if embedded:  # the label noise is known: the best accuracy any model can reach on these pairs
         bayes = tasks.bayes_accuracy(test)

@@ -210,13 +210,7 @@ def main(cfg):
     model = common.shard_model(model, d, activation_checkpointing=cfg.activation_checkpointing)
     n_params = sum(p.numel() for p in model.parameters())
 
-    train, chat = data.render_chat(train, tokenizer, cfg.dataset)  # conversations as their chat template renders them
-    test, test_chat = data.render_chat(test, tokenizer, cfg.eval_dataset or cfg.dataset)
-    train_pairs = data.encode_pairs(train, tokenizer, cfg.max_prompt_len, cfg.max_response_len,
-                                    f"{cfg.dataset} (train)", eos=not chat)
-    test_pairs = data.encode_pairs(test, tokenizer, cfg.max_prompt_len, cfg.max_response_len,
-                                   f"{cfg.eval_dataset or cfg.dataset} (held out)", eos=not test_chat)
-    data.show_example(tokenizer, train_pairs[0][0], train_pairs[1][0], f"{cfg.dataset} (chosen)")
+    train, test, train_pairs, test_pairs = data.encode_preferences(train, test, tokenizer, cfg)
     margins = torch.tensor(train["margin"], dtype=torch.float32) if "margin" in train.column_names else None
     # on the embedded task the noise of the labels is known: the best accuracy any model can reach
     bayes = tasks.bayes_accuracy(test) if (cfg.eval_dataset or cfg.dataset) in tasks.TASKS else None
