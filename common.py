@@ -861,25 +861,22 @@ def prepare_out_dir(cfg, d):
     entry = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv),
              "resumed_at_step": step, "changed": changed}
     if d.is_main:
-        config = os.path.join(out_dir, "run_config.json")
+        config, history = os.path.join(out_dir, "run_config.json"), []
         if resume_from:
-            history = []
             if os.path.isfile(config):
                 with open(config) as f:
                     history = json.load(f).get("history", [])
             _cut_metrics(os.path.join(out_dir, "metrics.jsonl"), step)
-        else:
-            history = []
-            if overwrite and any(os.path.exists(os.path.join(out_dir, n)) for n in RUN_FILES):
-                aside = os.path.join(out_dir, ".replaced")
-                os.makedirs(aside)
-                for name in RUN_FILES:
-                    if os.path.exists(os.path.join(out_dir, name)):
-                        os.rename(os.path.join(out_dir, name), os.path.join(aside, name))
-                _REPLACING.append(os.path.abspath(out_dir))
-            else:  # a fresh run, also a --resume that found nothing to resume: no rows of an old run stay
-                for name in RUN_FILES:
-                    _remove(os.path.join(out_dir, name))
+        elif overwrite and any(os.path.exists(os.path.join(out_dir, n)) for n in RUN_FILES):
+            aside = os.path.join(out_dir, ".replaced")
+            os.makedirs(aside)
+            for name in RUN_FILES:
+                if os.path.exists(os.path.join(out_dir, name)):
+                    os.rename(os.path.join(out_dir, name), os.path.join(aside, name))
+            _REPLACING.append(os.path.abspath(out_dir))
+        else:  # a fresh run, also a --resume that found nothing to resume: no rows of an old run stay
+            for name in RUN_FILES:
+                _remove(os.path.join(out_dir, name))
         _write_json(config, {**dataclasses.asdict(cfg), "history": history + [entry]})
     if d.world_size > 1:
         dist.barrier()

@@ -293,14 +293,10 @@ def added_tokens(tokenizer):
     """The ids a tokenizer's post-processor puts before and after every text: Llama and Gemma
     ([bos], []), some SentencePiece set-ups ([bos], [eos]), GPT-2 and Qwen ([], []). Found by
     tokenizing a probe with and without special tokens."""
-    cached = getattr(tokenizer, "_rlhf_added_tokens", None)
-    if cached is None:
-        full = tokenizer("a b")["input_ids"]
-        body = tokenizer("a b", add_special_tokens=False)["input_ids"]
-        at = next((i for i in range(len(full) - len(body) + 1) if full[i:i + len(body)] == body), None)
-        cached = ([], []) if at is None else (full[:at], full[at + len(body):])
-        tokenizer._rlhf_added_tokens = cached
-    return cached
+    full = tokenizer("a b")["input_ids"]
+    body = tokenizer("a b", add_special_tokens=False)["input_ids"]
+    at = next((i for i in range(len(full) - len(body) + 1) if full[i:i + len(body)] == body), None)
+    return ([], []) if at is None else (full[:at], full[at + len(body):])
 
 
 def encode_prompts(tokenizer, texts, max_len, source="prompts"):
@@ -352,6 +348,15 @@ def encode_pairs(ds, tokenizer, max_prompt_len, max_response_len, what, eos=True
         common.print0(f"{what}: truncated {p_cut} prompts (left), {c_cut} chosen and {r_cut} rejected responses "
                f"(right) of {len(prompts)} pairs to {max_prompt_len}/{max_response_len} tokens")
     return prompts, chosen, rejected
+
+
+def load_preferences(cfg):
+    """reward.py's and dpo.py's train and held-out pairs: --eval_dataset, or --eval_split of
+    --dataset, or (a local file without a held-out one) its prompt-hash split; n_eval rows."""
+    split = cfg.eval_dataset is None
+    train = load_pairs(cfg.dataset, "train", cfg.n_train, cfg.seed, holdout=split)
+    test = load_pairs(cfg.eval_dataset or cfg.dataset, cfg.eval_split, cfg.n_eval, cfg.seed, holdout=split)
+    return train, test.select(range(min(cfg.n_eval, len(test))))
 
 
 def encode_preferences(train, test, tokenizer, cfg):

@@ -194,10 +194,7 @@ def main(cfg):
         raise ValueError("--label_smoothing applies to --loss_type sigmoid only")
     micro = cfg.batch_size // (d.world_size * cfg.grad_accum)
     # the data first: a bad file or row stops the run before out_dir or any model is touched
-    split = cfg.eval_dataset is None  # a local file without a held-out one is split by prompt hash
-    train = data.load_pairs(cfg.dataset, "train", cfg.n_train, cfg.seed, holdout=split)
-    test = data.load_pairs(cfg.eval_dataset or cfg.dataset, cfg.eval_split, cfg.n_eval, cfg.seed, holdout=split)
-    test = test.select(range(min(cfg.n_eval, len(test))))
+    train, test = data.load_preferences(cfg)
     common.check_model_paths(cfg, "model", "ref_model")
     resume_from = common.prepare_out_dir(cfg, d)
     tokenizer = common.load_tokenizer(resume_from or cfg.model, cfg.trust_remote_code, cfg.chat_template)

@@ -557,7 +557,6 @@ def main(cfg):
         if not cfg.eval_pairs:  # the embedded task's label noise is known: the best accuracy there is
             bayes = tasks.bayes_accuracy(pairs)
 
-
     params = [p for p in model.parameters() if p.requires_grad]
     n_updates = cfg.num_iterations * cfg.num_mini_batches  # optimizer steps per rollout
     optimizer, scheduler = common.make_optimizer(params, cfg.lr, cfg.weight_decay, cfg.warmup_steps,
@@ -628,6 +627,7 @@ def main(cfg):
             fns = [f for f in batch["reward_fn"] for _ in range(n_sample)]
             answers = [a for a in batch["answer"] for _ in range(n_sample)] if "answer" in batch.column_names \
                 else [None] * len(fns)
+            # Python floats of Python functions: on the host, like the rest of the reward (to the device below)
             parts["rule"] = torch.tensor([tasks.REWARD_FNS[f](p, c, a)
                                           for f, p, c, a in zip(fns, prompts, texts, answers)])
         if rm is not None:

@@ -229,13 +229,10 @@ def decode_responses(tokenizer, response_ids, response_mask, prompt_ids=None):
     texts = []
     for row, keep, p in zip(ids, mask, last):
         r = [t for t, m in zip(row, keep) if m]
-        alone = tokenizer.decode(r, skip_special_tokens=True)
-        if p is None:
-            texts.append(alone)
-            continue
-        head = tokenizer.decode([p], skip_special_tokens=True)
-        joint = tokenizer.decode([p] + r, skip_special_tokens=True)
-        texts.append(joint[len(head):] if head and joint.startswith(head) else alone)
+        head = tokenizer.decode([p], skip_special_tokens=True) if p is not None else ""
+        joint = tokenizer.decode([p] + r, skip_special_tokens=True) if head else ""
+        texts.append(joint[len(head):] if head and joint.startswith(head) else
+                     tokenizer.decode(r, skip_special_tokens=True))
     return texts
 
 
