@@ -100,8 +100,10 @@ def family_tokenizer(kind, vocab_size=300, chat=False):
     "bpe": byte-level BPE, no BOS, no pad (GPT-2, Qwen); "bos": byte-level BPE whose post-
     processor adds BOS (Llama-3, Gemma); "bos_eos": a post-processor that adds BOS and appends
     EOS (some SentencePiece set-ups); "metaspace": SentencePiece-style pieces with BOS
-    (Llama-2, Mistral), whose decoder drops the leading space of a text. chat: ChatML special
-    tokens and template, with <|im_end|> as EOS."""
+    (Llama-2, Mistral), whose decoder drops the leading space of a text. chat: True or "chatml":
+    ChatML special tokens and template, with <|im_end|> as EOS; "llama3" or "gemma": that family's template,
+    which writes BOS into the text and ends a turn with a token that is not the EOS (the model's
+    generation_config lists both, as the instruct checkpoints do)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -124,12 +126,30 @@ def family_tokenizer(kind, vocab_size=300, chat=False):
     out = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos,
                                   unk_token="<unk>" if kind == "metaspace" else None)
     out.pad_token = out.eos_token  # pad == eos, as the scripts set it for tokenizers without one
-    if chat:  # ChatML, as Qwen and SmolLM2 use it: <|im_end|> ends a turn and is the EOS
+    if chat in (True, "chatml"):  # as Qwen and SmolLM2 use it: <|im_end|> ends a turn and is the EOS
         out.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
         out.eos_token = "<|im_end|>"
         out.chat_template = CHATML
+    elif chat:
+        out.add_special_tokens({"additional_special_tokens": TURN_TOKENS[chat]})
+        out.chat_template = TEMPLATES[chat]
     return out
 
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+TEMPLATES = {
+    "llama3": ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+               "{{ m['content'] }}<|eot_id|>{% endfor %}"
+               "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"),
+    "gemma": ("{{ bos_token }}{% for m in messages %}<start_of_turn>"
+              "{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] }}<end_of_turn>\n"
+              "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"),
+}
+"""chat templates in the style of Llama-3 and Gemma instruct: BOS written into the text, a turn
+ended by a token of its own"""
+
+TURN_TOKENS = {"llama3": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+               "gemma": ["<start_of_turn>", "<end_of_turn>"]}
+"""the special tokens of each template in TEMPLATES; the last one ends a turn"""
