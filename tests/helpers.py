@@ -57,6 +57,49 @@ def run_script(args, nproc=1, timeout=300, env=SUBPROCESS_ENV):
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
+def run_here(args):
+    """`python SCRIPT ARGS` run in this process, as run_script returns it: the script's
+    `common.run(main, Config)` under sys.argv = [SCRIPT, *ARGS], from ROOT, on one torch thread,
+    with its stdout and stderr captured; returncode 0, a SystemExit's code, or 1 with the
+    traceback on stderr. It saves the 6-8 s a new interpreter spends importing torch and
+    transformers. What only a process of its own shows (a kill, a signal, torchrun's ranks, an
+    environment) stays with run_script."""
+    import contextlib
+    import importlib
+    import io
+    import traceback
+
+    import torch
+
+    import common
+
+    script, *rest = args
+    module = importlib.import_module(os.path.splitext(os.path.basename(script))[0])
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    argv, cwd, threads = sys.argv, os.getcwd(), torch.get_num_threads()
+    sys.argv = [script, *rest]
+    os.chdir(ROOT)
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                common.run(module.main, module.Config)
+            except SystemExit as e:  # argparse's errors, Ctrl-C's 130
+                code = e.code if isinstance(e.code, int) else int(e.code is not None)
+                if isinstance(e.code, str):
+                    print(e.code, file=sys.stderr)
+            except Exception:
+                traceback.print_exc()
+                code = 1
+            finally:
+                common.cleanup_distributed()  # the process group and the out_dir lock of the run
+    finally:
+        sys.argv = argv
+        os.chdir(cwd)
+        torch.set_num_threads(threads)
+    return subprocess.CompletedProcess([sys.executable, *args], code, out.getvalue(), err.getvalue())
+
+
 def read_metrics(out_dir):
     """The rows of a run's metrics.jsonl, one dict per logged step."""
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:

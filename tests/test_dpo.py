@@ -10,7 +10,7 @@ import torch
 import common
 import data
 import dpo
-from helpers import checkpoint_weights, max_abs_diff, read_metrics, run_script, write_jsonl
+from helpers import checkpoint_weights, max_abs_diff, read_metrics, run_here, run_script, write_jsonl
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 D = common.Dist()
@@ -211,7 +211,8 @@ TINY = ["--model", "tiny", "--n_train", "48", "--steps", "3", "--batch_size", "8
 
 def run_dpo(out, *extra, nproc=1):
     """dpo.py on TINY and extra; the metrics it logged and its stdout."""
-    res = run_script(["dpo.py", "--out_dir", str(out), *TINY, *extra], nproc)
+    args = ["dpo.py", "--out_dir", str(out), *TINY, *extra]
+    res = run_here(args) if nproc == 1 else run_script(args, nproc)
     assert res.returncode == 0, res.stderr[-3000:]
     return read_metrics(out), res.stdout
 
@@ -297,7 +298,7 @@ def test_hh_jsonl_through_dpo(tmp_path):
         rows.append({"chosen": long_head + f" {i + 1}", "rejected": long_head + " no"})
     path = write_jsonl(tmp_path / "hh.jsonl", rows)
     out = tmp_path / "hh"
-    res = run_script(["dpo.py", "--model", "tiny", "--dataset", path, "--eval_dataset", path, "--out_dir", str(out),
+    res = run_here(["dpo.py", "--model", "tiny", "--dataset", path, "--eval_dataset", path, "--out_dir", str(out),
                       "--steps", "2", "--batch_size", "4", "--max_prompt_len", "48", "--max_response_len", "8"])
     assert res.returncode == 0, res.stderr[-3000:]
     assert "truncated 8 prompts (left)" in res.stdout

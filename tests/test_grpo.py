@@ -12,7 +12,7 @@ import grpo
 import tasks
 from grpo import (aggregate, check_config, group_advantages, grpo_loss, kl_per_token, loss_normaliser,
                   parse_weights, rejection_sample, truncate_mask)
-from helpers import checkpoint_weights, max_abs_diff, read_metrics, run_script, write_jsonl
+from helpers import checkpoint_weights, max_abs_diff, read_metrics, run_here, run_script, write_jsonl
 
 
 # -----------------------------------------------------------------------------
@@ -357,10 +357,13 @@ def run_grpo(tmp_path, *extra, nproc=1):
     """grpo.py for 2 steps on the tiny model, then extra; its out_dir and the metrics it logged.
     nproc > 1: under torchrun with its default rendezvous (127.0.0.1:29500, no --standalone)."""
     out = tmp_path / "run"
-    torchrun = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc)] if nproc > 1 else []
-    proc = run_script([*torchrun, "grpo.py", "--model", "tiny", "--steps", "2", "--prompts_per_step", "4",
-                       "--group_size", "4", "--max_new_tokens", "8", "--n_eval", "8", "--n_eval_pairs", "8",
-                       "--eval_every", "1", "--out_dir", str(out), *extra])
+    args = ["grpo.py", "--model", "tiny", "--steps", "2", "--prompts_per_step", "4", "--group_size", "4",
+            "--max_new_tokens", "8", "--n_eval", "8", "--n_eval_pairs", "8", "--eval_every", "1", "--out_dir", str(out),
+            *extra]
+    if nproc == 1:
+        proc = run_here(args)
+    else:
+        proc = run_script(["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), *args])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, read_metrics(out)
 

@@ -9,7 +9,7 @@ import torch
 import common
 import data
 import reward
-from helpers import checkpoint_weights, max_abs_diff, read_metrics, run_script
+from helpers import checkpoint_weights, max_abs_diff, read_metrics, run_here, run_script
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 D = common.Dist()
@@ -170,7 +170,8 @@ TINY = ["--model", "tiny", "--n_train", "64", "--steps", "4", "--batch_size", "8
 
 def run_reward(out, nproc=1):
     """reward.py on TINY; the metrics it logged."""
-    res = run_script(["reward.py", "--out_dir", str(out), *TINY], nproc)
+    args = ["reward.py", "--out_dir", str(out), *TINY]
+    res = run_here(args) if nproc == 1 else run_script(args, nproc)
     assert res.returncode == 0, res.stderr[-3000:]
     return read_metrics(out)
 

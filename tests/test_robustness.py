@@ -15,7 +15,7 @@ import common
 import sft
 
 from helpers import (ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, checkpoint_weights, free_port, max_abs_diff,
-                     read_metrics, run_script, write_jsonl)
+                     read_metrics, run_here, run_script, write_jsonl)
 
 # a few fast steps of each script on the tiny model
 FAST = {
@@ -26,12 +26,16 @@ FAST = {
     "dpo.py": ["--model", "tiny", "--n_train", "48", "--batch_size", "8", "--warmup_steps", "2", "--lr", "1e-3",
                "--n_eval", "8", "--n_eval_prompts", "4", "--max_response_len", "16", "--eval_every", "100"],
     "grpo.py": ["--model", "tiny", "--prompts_per_step", "4", "--group_size", "4", "--max_new_tokens", "8",
-                "--n_eval", "8", "--n_eval_pairs", "8", "--eval_every", "100", "--lr", "1e-3", "--warmup_steps", "2"],
+                "--n_eval", "8", "--n_eval_pairs", "8", "--eval_every", "100", "--lr", "1e-3", "--warmup_steps", "2",
+                "--entropy_coef", "0.01"],  # a gradient although the random policy's rewards are all 0
 }
 
 
 def run_fast(script, args, nproc=1, crash=None, timeout=300):
-    """A few fast steps of script (FAST) with ARGS; under tests/crash.py CRASH when given."""
+    """A few fast steps of script (FAST) with ARGS: in this process (helpers.run_here), or in
+    processes of their own for several ranks or under tests/crash.py CRASH."""
+    if nproc == 1 and crash is None:
+        return run_here([script, *FAST[script], *args])
     return run_script([*(["tests/crash.py", crash] if crash else []), script, *FAST[script], *args], nproc, timeout,
                       env=SUBPROCESS_ENV_NO_TOKENIZER_THREADS)
 

@@ -9,14 +9,16 @@ import common
 import data
 import sft
 import tasks
-from helpers import (SUBPROCESS_ENV_NO_TOKENIZER_THREADS, checkpoint_weights, max_abs_diff, read_metrics, run_script,
+from helpers import (SUBPROCESS_ENV_NO_TOKENIZER_THREADS, checkpoint_weights, max_abs_diff, read_metrics, run_here, run_script,
                      write_jsonl)
 
 FAST = ["--n_train", "256", "--n_eval", "8", "--batch_size", "8", "--max_response_len", "20", "--warmup_steps", "2"]
 
 
 def run_sft(args, nproc=1, timeout=300):
-    """python sft.py ARGS (torchrun with nproc processes when nproc > 1)."""
+    """python sft.py ARGS: in this process (helpers.run_here), under torchrun when nproc > 1."""
+    if nproc == 1:
+        return run_here(["sft.py", *args])
     return run_script(["sft.py", *args], nproc, timeout, env=SUBPROCESS_ENV_NO_TOKENIZER_THREADS)
 
 
