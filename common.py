@@ -638,12 +638,15 @@ def clip_grad_norm(model, max_norm):
 
 
 def optimizer_step(model, optimizer, scheduler, max_norm):
-    """Clip, step, advance the schedule, clear the gradients. Returns the pre-clip grad norm."""
+    """Clip, step, advance the schedule, clear the gradients. Returns the pre-clip grad norm and
+    the learning rate this update used (what a log's `lr` means; the scheduler holds the next
+    one by now: with warmup the first update's lr is 0)."""
     norm = clip_grad_norm(model, max_norm)
+    lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return norm
+    return norm, lr
 
 
 class DataOrder:
@@ -851,6 +854,8 @@ def prepare_out_dir(cfg, d):
         dist.barrier()
     found = resolve_checkpoint(out_dir)
     has_ckpt = os.path.isfile(os.path.join(found, "config.json"))
+    if d.world_size > 1:
+        agree_on_out_dir(out_dir, found, has_ckpt, d)
     if has_ckpt and not (resume or overwrite):
         raise FileExistsError(f"{out_dir} already holds a checkpoint ({found}); pass --resume to continue that run "
                               f"or --overwrite to replace it")
@@ -883,6 +888,27 @@ def prepare_out_dir(cfg, d):
     if resume and not has_ckpt:
         print0(f"--resume: no checkpoint in {out_dir}; starting a fresh run")
     return resume_from
+
+
+def agree_on_out_dir(out_dir, found, has_ckpt, d):
+    """Every rank must see the same out_dir: on nodes with node-local folders (not one shared
+    file system), the ranks of one node would resume while the others start afresh, and the run
+    would hang in its first mismatched collective. What each rank sees (its host, whether a
+    checkpoint is there and at which step) is gathered, and a disagreement stops every rank with
+    the same error. Collective: all ranks call."""
+    import socket
+
+    step = None
+    if has_ckpt and os.path.isfile(os.path.join(found, "trainer_state.json")):
+        with open(os.path.join(found, "trainer_state.json")) as f:
+            step = json.load(f).get("step")
+    views = [None] * d.world_size
+    dist.all_gather_object(views, (socket.gethostname(), has_ckpt, step))
+    if len({v[1:] for v in views}) > 1:
+        seen = "; ".join(f"rank {r} on {h}: " + (f"a checkpoint at step {s}" if c else "no checkpoint")
+                         for r, (h, c, s) in enumerate(views))
+        raise RuntimeError(f"the ranks see different contents in --out_dir {out_dir} ({seen}). Every node must see "
+                           f"the same folder: put out_dir on a file system all nodes share")
 
 
 def _cut_metrics(metrics, step):

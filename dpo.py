@@ -275,12 +275,12 @@ def main(cfg):
 
         # ---------------------------------------------------------------------
         # 4. optimizer step
-        grad_norm = common.optimizer_step(model, optimizer, scheduler, cfg.grad_clip)
+        grad_norm, lr = common.optimizer_step(model, optimizer, scheduler, cfg.grad_clip)
 
         # ---------------------------------------------------------------------
         # 5. metrics (one all-reduce), eval, log
         metrics = common.reduce_metrics(sums, d, same={"grad_norm": grad_norm})
-        metrics |= {"lr": scheduler.get_last_lr()[0], "time/step": time.time() - t0}
+        metrics |= {"lr": lr, "time/step": time.time() - t0}
         common.check_finite(step, metrics, ["loss"], last_ckpt)
         if step % cfg.eval_every == 0 or step == cfg.steps:
             metrics |= evaluate()

@@ -591,8 +591,8 @@ def main(cfg):
         return metrics
 
     peak_gib = 0.0  # the run's peak GPU memory, over the phases' windows
-    if start == 1:
-        logger.log(0, evaluate())
+    if start == 1 and (first := evaluate()):  # a prompt file without eval pairs has nothing to evaluate
+        logger.log(0, first)
     for step in range(start, cfg.steps + 1):
         t0 = time.time()
         phase_peak_memory(d)
@@ -692,7 +692,8 @@ def main(cfg):
                                         entropy.float(), cfg.entropy_coef, n_tokens)
                     common.backward(model, loss, d, sync=k == cfg.grad_accum - 1)
                     common.add_metrics(sums, m, weight=1 / n_updates)  # the mean over the step's updates
-                grad_norms.append(common.optimizer_step(model, optimizer, scheduler, cfg.grad_clip))
+                grad_norm, lr = common.optimizer_step(model, optimizer, scheduler, cfg.grad_clip)
+                grad_norms.append(grad_norm)
         if cfg.ref_refresh_every and step % cfg.ref_refresh_every == 0:
             refresh_reference(ref, model)
         sync(d)
@@ -703,7 +704,7 @@ def main(cfg):
         # 5. metrics (one all-reduce), eval, log
         metrics = common.reduce_metrics(sums, d, maxes={"completions/max_length": lengths.max()},
                                         same={"grad_norm": torch.stack(grad_norms).mean()})
-        metrics |= {"lr": scheduler.get_last_lr()[0], "time/rollout": t_rollout, "time/reward": t_reward,
+        metrics |= {"lr": lr, "time/rollout": t_rollout, "time/reward": t_reward,
                     "time/update": t_update}
         if d.device.type == "cuda":
             peak_gib = max(peak_gib, mem["mem/rollout_gib"], mem["mem/update_gib"])

@@ -218,12 +218,12 @@ def main(cfg):
 
         # ---------------------------------------------------------------------
         # 3. optimizer step
-        grad_norm = common.optimizer_step(model, optimizer, scheduler, cfg.grad_clip)
+        grad_norm, lr = common.optimizer_step(model, optimizer, scheduler, cfg.grad_clip)
 
         # ---------------------------------------------------------------------
         # 4. metrics (one all-reduce), eval, log
         metrics = common.reduce_metrics(sums, d, same={"grad_norm": grad_norm})
-        metrics |= {"lr": scheduler.get_last_lr()[0], "tokens": n_tokens, "time/step": time.time() - t0}
+        metrics |= {"lr": lr, "tokens": n_tokens, "time/step": time.time() - t0}
         common.check_finite(step, metrics, ["loss"], last_ckpt)
         if step % cfg.eval_every == 0 or step == cfg.steps:
             metrics |= evaluate()
