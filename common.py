@@ -37,6 +37,7 @@ import sys
 import textwrap
 import time
 import typing
+import warnings
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 
@@ -776,7 +777,7 @@ def lock_out_dir(out_dir):
 # gradient up to rounding), how often it evaluates, saves and logs. Every other flag defines the
 # run, and --resume refuses a difference (README, "Resuming").
 RESUME_MAY_CHANGE = ("steps", "grad_accum", "activation_checkpointing", "offload_frozen", "compile", "eval_every",
-                     "eval_batch_size", "save_every", "wandb", "trust_remote_code")
+                     "eval_batch_size", "save_every", "save_dtype", "wandb", "trust_remote_code")
 RUN_FILES = ("checkpoint", "checkpoint.old", "checkpoint.tmp", "metrics.jsonl", "run_config.json")
 _REPLACING = []  # out_dirs whose previous run this process moved aside (--overwrite), until its first checkpoint
 
@@ -937,36 +938,88 @@ def _rng_state():
     return state
 
 
-def save_checkpoint(model, tokenizer, out_dir, d, optimizer=None, scheduler=None, step=None, order=None,
-                    config=None):
-    """save_pretrained (model + tokenizer) into a temporary folder, then rename it into place.
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-    With an optimizer, `training_state.pt` goes beside the weights: optimizer and scheduler
-    state, RNG states of every rank, the step and the data order, for --resume; and
-    `trainer_state.json`, the step and the run's flags (`config`), which --resume compares. The
-    first checkpoint of an --overwrite run deletes the run it replaces (prepare_out_dir). A kill while
-    writing leaves the previous `checkpoint/` untouched (or, between the two renames, as
-    `checkpoint.old/`, which resolve_checkpoint finds). Collective: all ranks call.
+
+def export_dtype(cfg):
+    """--save_dtype as a torch dtype (None for float32: the weights as trained)."""
+    if cfg.save_dtype not in EXPORT_DTYPES:
+        raise ValueError(f"--save_dtype {cfg.save_dtype}: not one of {', '.join(EXPORT_DTYPES)}")
+    return None if cfg.save_dtype == "float32" else EXPORT_DTYPES[cfg.save_dtype]
+
+
+def _wait_for_rank0(d):
+    """A barrier for the ranks that wait while rank 0 alone writes files (a full export of a
+    large model can outlast the 10-minute collective timeout): on a gloo group of its own with
+    a 2-hour timeout, created the first time every rank comes here."""
+    if d.world_size == 1:
+        return
+    if not _WAIT_GROUP:
+        _WAIT_GROUP.append(dist.new_group(backend="gloo", timeout=timedelta(hours=2)))
+    dist.barrier(group=_WAIT_GROUP[0])
+
+
+_WAIT_GROUP = []
+
+
+@contextmanager
+def _one_process_dcp():
+    """torch.distributed.checkpoint warns on every save and load without a process group, even
+    when told (no_dist) that one process is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def save_checkpoint(model, tokenizer, out_dir, d, optimizer=None, scheduler=None, step=None, order=None,
+                    config=None, dtype=None):
+    """Write out_dir/checkpoint: a Hugging Face export (model + tokenizer, loadable by AutoModel*)
+    and, with an optimizer, the resumable training state. Collective: all ranks call.
+
+    - The export is gathered to rank 0's CPU memory only and written by rank 0, in `dtype`
+      (--save_dtype; None keeps the training dtype). The other ranks wait on _wait_for_rank0.
+    - `sharded/`: model and optimizer state as a torch.distributed.checkpoint, each rank writing
+      its own shards (no rank holds the whole optimizer state); it loads on any world size.
+      The model state here is the fp32 master copy, whatever dtype the export has.
+    - `training_state.pt` (small): scheduler, every rank's RNG state, the step, the data order;
+      `trainer_state.json`: the step and the run's flags (`config`), which --resume compares.
+    Everything is written into checkpoint.tmp/ and renamed into place: a kill while writing leaves
+    the previous checkpoint/ (or, between the two renames, checkpoint.old/, which
+    resolve_checkpoint finds). The first checkpoint of an --overwrite run deletes the run it
+    replaces (prepare_out_dir).
     """
-    state = full_state_dict(model, d)
+    state = full_state_dict(model, d)  # empty on ranks other than 0 under FSDP
+    path = os.path.join(out_dir, "checkpoint")
+    tmp, old = path + ".tmp", path + ".old"
+    if d.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if d.world_size > 1:
+        dist.barrier()
     extra = None
     if optimizer is not None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        optim = get_optimizer_state_dict(model, optimizer,
-                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        model_state, optim_state = get_state_dict(model, optimizer)
+        with _one_process_dcp():
+            dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=os.path.join(tmp, "sharded"),
+                     no_dist=not dist.is_initialized())
         rngs = [None] * d.world_size
         if d.world_size > 1:
             dist.all_gather_object(rngs, _rng_state())
         else:
             rngs = [_rng_state()]
-        extra = {"optimizer": optim, "scheduler": scheduler.state_dict() if scheduler else None, "rng": rngs,
-                 "step": step, **(order.state_dict() if order is not None else {})}
-    path = os.path.join(out_dir, "checkpoint")
+        extra = {"scheduler": scheduler.state_dict() if scheduler else None, "rng": rngs, "step": step,
+                 **(order.state_dict() if order is not None else {})}
     if d.is_main:
-        tmp, old = path + ".tmp", path + ".old"
-        shutil.rmtree(tmp, ignore_errors=True)
+        if dtype is not None:
+            state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
         model.save_pretrained(tmp, state_dict=state)
+        if dtype is not None:  # the config names the dtype the weights are stored in
+            with open(os.path.join(tmp, "config.json")) as f:
+                cfg_json = json.load(f)
+            cfg_json["dtype"] = str(dtype).removeprefix("torch.")
+            _write_json(os.path.join(tmp, "config.json"), cfg_json)
         tokenizer.save_pretrained(tmp)
         if extra is not None:
             torch.save(extra, os.path.join(tmp, "training_state.pt"))
@@ -980,28 +1033,39 @@ def save_checkpoint(model, tokenizer, out_dir, d, optimizer=None, scheduler=None
         if os.path.abspath(out_dir) in _REPLACING:  # the new run has its first checkpoint: the old one can go
             shutil.rmtree(os.path.join(out_dir, ".replaced"))
             _REPLACING.remove(os.path.abspath(out_dir))
-    if d.world_size > 1:
-        dist.barrier()
+    del state
+    _wait_for_rank0(d)
     return path
 
 
 def load_training_state(path, model, optimizer, scheduler, order, d):
-    """Restore optimizer, scheduler, data order and this rank's RNG state from `path` (the
-    weights were loaded with the model). Returns the step the checkpoint was written at."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    """Restore model and optimizer state (each rank reads its own shards of `sharded/`, on any
+    world size), scheduler, data order and, on the world size that wrote it, each rank's RNG
+    state. Returns the step the checkpoint was written at."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    if not os.path.isdir(os.path.join(path, "sharded")):
+        raise FileNotFoundError(f"{path} has no sharded/ training state (a checkpoint of an older version, which "
+                                f"kept it in training_state.pt): it cannot be resumed; start a new run from it "
+                                f"(--model {path})")
     state = torch.load(os.path.join(path, "training_state.pt"), weights_only=True, map_location="cpu")
-    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+    model_state, optim_state = get_state_dict(model, optimizer)  # the layout to read into
+    sharded = {"model": model_state, "optimizer": optim_state}
+    with _one_process_dcp():
+        dcp.load(sharded, checkpoint_id=os.path.join(path, "sharded"), no_dist=not dist.is_initialized())
+    set_state_dict(model, optimizer, model_state_dict=sharded["model"], optim_state_dict=sharded["optimizer"])
     if scheduler is not None and state["scheduler"] is not None:
         scheduler.load_state_dict(state["scheduler"])
-    if len(state["rng"]) != d.world_size:
-        raise ValueError(f"{path} was saved by {len(state['rng'])} ranks; resuming on {d.world_size} would change "
-                         f"sampling")
-    rng = state["rng"][d.rank]
-    random.setstate(rng["python"])
-    torch.set_rng_state(rng["torch"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda"])
+    if len(state["rng"]) == d.world_size:
+        rng = state["rng"][d.rank]
+        random.setstate(rng["python"])
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    else:  # sampling and data order are seeded by step and global row, not by these states
+        print0(f"note: {path} was written by {len(state['rng'])} rank(s), resumed on {d.world_size}: the weights, "
+               f"optimizer state and data order carry over; the per-rank RNG states do not")
     order.load_state_dict(state)
     print0(f"resumed from {path} at step {state['step']}")
     return state["step"]
@@ -1110,5 +1174,7 @@ def check_ranges(cfg):
         value, rng = getattr(cfg, f.name), field_range(docs.get(f.name, ""))
         if rng is not None and value is not None and not isinstance(value, bool) and not rng[1](value):
             bad.append(f"--{f.name} {value} is out of range {rng[0]}")
+    if getattr(cfg, "save_dtype", "float32") not in EXPORT_DTYPES:
+        bad.append(f"--save_dtype {cfg.save_dtype} is not one of {', '.join(EXPORT_DTYPES)}")
     if bad:
         raise ValueError("; ".join(bad))

@@ -80,6 +80,8 @@ class Config:
     """where metrics.jsonl and the checkpoint/ folder go"""
     save_every: int = 0
     """also write a resumable checkpoint (optimizer, data position) every this many steps (0: only at the end) [>= 0]"""
+    save_dtype: str = "float32"
+    """dtype of the exported weights in checkpoint/ (float32, bfloat16, float16); the resumable state stays fp32"""
     resume: bool = False
     """continue the run whose checkpoint is in out_dir"""
     overwrite: bool = False
@@ -230,9 +232,9 @@ def main(cfg):
         logger.log(step, metrics)
         if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
             last_ckpt = common.save_checkpoint(model, tokenizer, cfg.out_dir, d, optimizer, scheduler, step,
-                                                   order, cfg)
+                                                   order, cfg, common.export_dtype(cfg))
 
-    path = common.save_checkpoint(model, tokenizer, cfg.out_dir, d)
+    path = common.save_checkpoint(model, tokenizer, cfg.out_dir, d, dtype=common.export_dtype(cfg))
     common.print0(f"saved {path}")
     logger.close()
     common.cleanup_distributed()

@@ -2,7 +2,10 @@
 CPU (gloo). The workers are in tests/dist_worker.py."""
 import time
 
-from helpers import SUBPROCESS_ENV_NO_TOKENIZER_THREADS, run_script
+import pytest
+
+from helpers import SUBPROCESS_ENV_NO_TOKENIZER_THREADS, checkpoint_weights, max_abs_diff, read_metrics, run_script
+from test_robustness import run_fast
 
 
 def run_worker(name, *args, nproc=2, timeout=180):
@@ -21,3 +24,26 @@ def test_ranks_that_see_different_out_dirs_stop_with_one_error_not_a_hang(tmp_pa
         assert f"rank {rank} stopped: the ranks see different contents in --out_dir" in r.stdout, r.stdout + r.stderr
     assert "rank 0 on " in r.stdout and ": a checkpoint at step 4; rank 1 on " in r.stdout
     assert "put out_dir on a file system all nodes share" in r.stdout
+
+
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
+def test_resume_on_another_world_size_ends_with_the_same_weights(tmp_path, before, after):
+    """The sharded training state (torch.distributed.checkpoint) written by `before` processes,
+    killed right after the step-2 checkpoint, resumed on `after`: the same losses at steps 3 and
+    4 and the same final weights as an uninterrupted run (1 process; 1 == 2 processes to 1e-5 is
+    tests/test_sft.py's). Weights alone would not show lost Adam moments: steps 3 and 4 would
+    still move, by other amounts."""
+    args = ["--steps", "4", "--save_every", "2"]
+    full = run_fast("sft.py", args + ["--out_dir", str(tmp_path / "full")])
+    assert full.returncode == 0, full.stderr
+    out = ["--out_dir", str(tmp_path / "run")]
+    killed = run_fast("sft.py", args + out, nproc=before, crash="after_save:1")
+    assert killed.returncode != 0 and read_metrics(tmp_path / "run")[-1]["step"] == 2, killed.stderr[-2000:]
+    resumed = run_fast("sft.py", args + out + ["--resume"], nproc=after)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"written by {before} rank(s), resumed on {after}" in resumed.stdout
+    want, got = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "run")
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for a, b in zip(want[-2:], got[-2:]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a, b)
+    assert max_abs_diff(checkpoint_weights(tmp_path / "full"), checkpoint_weights(tmp_path / "run")) < 1e-5
