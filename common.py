@@ -229,6 +229,8 @@ def shard_model(model, d, mixed_precision=True, cpu_offload=False, activation_ch
         cpu_offload = False
     if not d.torchrun:
         return model.to(d.device)
+    from_rank0 = getattr(model, "_from_rank0", False)
+    full = model.state_dict() if from_rank0 and d.is_main else {}  # references, not copies
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -244,7 +246,23 @@ def shard_model(model, d, mixed_precision=True, cpu_offload=False, activation_ch
         fully_shard(block, **kw)
     frozen = not any(p.requires_grad for p in model.parameters())
     fully_shard(model, reshard_after_forward=True if frozen else None, **kw)
+    if from_rank0:
+        fill_from_rank0(model, full, d)
     return model
+
+
+def fill_from_rank0(model, full, d):
+    """Rank 0's weights (`full`, its whole state dict) into every rank's shards of a sharded
+    model whose other ranks were built on the meta device (load_model): each rank receives its
+    shards by broadcast. Buffers outside the state dict (rotary inv_freq, causal masks) are
+    broadcast whole. Collective: all ranks call."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if not d.is_main:
+        model.to_empty(device=d.device)
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for buf in model.buffers():
+        dist.broadcast(buf, src=0)
 
 
 def autocast(d, enabled=True):
@@ -540,7 +558,7 @@ class FP32Head(torch.nn.Linear):
                                               None if self.bias is None else self.bias.float())
 
 
-def load_model(name, tokenizer, kind="causal", dtype=torch.float32, trust_remote_code=False):
+def load_model(name, tokenizer, kind="causal", dtype=torch.float32, trust_remote_code=False, d=None):
     """`tiny` (a small GPT-2 built from a config, tasks.py), a hub id, or a local checkpoint folder.
 
     kind: "causal" (AutoModelForCausalLM; its LM head computes in fp32, FP32Head), "reward"
@@ -552,8 +570,13 @@ def load_model(name, tokenizer, kind="causal", dtype=torch.float32, trust_remote
     only when asked for. Dropout is switched off everywhere, as TRL does: RLHF compares
     log-probs of two forwards (policy and reference, new and old), and dropout would add noise
     to every ratio.
+
+    d: under torchrun with several ranks, only rank 0 reads the weights; the others build the
+    model on the `meta` device (no memory), and shard_model fills every rank's shards from rank
+    0's copy. One copy of the weights in host memory, not one per rank (a 7B model in fp32 is
+    28 GB).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
 
     if kind not in ("causal", "reward", "new_reward"):
         raise ValueError(f"unknown model kind {kind!r}")
@@ -576,8 +599,17 @@ def load_model(name, tokenizer, kind="causal", dtype=torch.float32, trust_remote
         if kind == "causal" and scores:
             raise ValueError(f"{name} is a reward model ({', '.join(archs)}), not a causal LM: pass a policy "
                              f"checkpoint (sft.py's out_dir) or a hub LM")
-        model = auto.from_pretrained(path, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code,
-                                     **extra)
+        from_rank0 = d is not None and d.torchrun and d.world_size > 1
+        if from_rank0 and not d.is_main:
+            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **extra)
+            with torch.device("meta"):
+                model = auto.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+            if os.path.isfile(os.path.join(path, "generation_config.json")):  # its stop ids, as rank 0 reads them
+                model.generation_config = GenerationConfig.from_pretrained(path)
+        else:
+            model = auto.from_pretrained(path, dtype=dtype, use_safetensors=True,
+                                         trust_remote_code=trust_remote_code, **extra)
+        model._from_rank0 = from_rank0  # shard_model broadcasts rank 0's weights
     n_emb = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > n_emb:
         raise ValueError(f"tokenizer of {name!r} has {len(tokenizer)} tokens but the model's embedding has "

@@ -213,7 +213,7 @@ def main(cfg):
     t_start = time.time()
     common.set_seed(cfg.seed)  # `--model tiny` builds random weights: the policy must start equal to its reference
     ref = common.load_model(cfg.ref_model or cfg.model, tokenizer, dtype=common.frozen_dtype(d),
-                            trust_remote_code=cfg.trust_remote_code)
+                            trust_remote_code=cfg.trust_remote_code, d=d)
     common.check_context(ref, cfg.max_prompt_len, cfg.max_response_len)
     ref = common.shard_model(ref.requires_grad_(False).eval(), d, cpu_offload=cfg.offload_frozen)
     ref_test = all_pair_logps(ref, test_pairs, pad_id, d, cfg.eval_batch_size)  # (N_eval, 2)
@@ -225,7 +225,7 @@ def main(cfg):
         common.print0(f"reference log-probs of {len(train)} train pairs in {time.time() - t_ref:.1f}s")
 
     common.set_seed(cfg.seed)
-    model = common.load_model(resume_from or cfg.model, tokenizer, trust_remote_code=cfg.trust_remote_code)
+    model = common.load_model(resume_from or cfg.model, tokenizer, trust_remote_code=cfg.trust_remote_code, d=d)
     model = common.shard_model(model, d, activation_checkpointing=cfg.activation_checkpointing)
     n_params = sum(p.numel() for p in model.parameters())
     optimizer, scheduler = common.make_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps,

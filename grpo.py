@@ -513,7 +513,7 @@ def main(cfg):
     common.check_model_paths(cfg, "model", "reward_model")
     resume_from = common.prepare_out_dir(cfg, d)
     tokenizer = common.load_tokenizer(resume_from or cfg.model, cfg.trust_remote_code, cfg.chat_template)
-    model = common.load_model(resume_from or cfg.model, tokenizer, trust_remote_code=cfg.trust_remote_code)
+    model = common.load_model(resume_from or cfg.model, tokenizer, trust_remote_code=cfg.trust_remote_code, d=d)
     common.check_context(model, cfg.max_prompt_len, cfg.max_new_tokens)
     ref = None  # with --lora: the policy with its adapters disabled
     if cfg.lora:
@@ -521,7 +521,7 @@ def main(cfg):
     elif resume_from and not cfg.ref_refresh_every:  # the reference is the starting policy
         common.set_seed(cfg.seed)  # as it was built (`--model tiny` draws random weights)
         ref = common.load_model(cfg.model, tokenizer, dtype=common.frozen_dtype(d),
-                                trust_remote_code=cfg.trust_remote_code)
+                                trust_remote_code=cfg.trust_remote_code, d=d)
     else:  # the starting policy, or the last refresh (a resumed checkpoint is one; see check_config)
         ref = copy.deepcopy(model).to(common.frozen_dtype(d))
     if ref is not None:  # frozen models: bf16 under FSDP on a GPU, sharded, optionally offloaded
@@ -531,7 +531,7 @@ def main(cfg):
     if cfg.reward_model:
         rm_tokenizer = common.load_tokenizer(cfg.reward_model, cfg.trust_remote_code)
         rm = common.load_model(cfg.reward_model, rm_tokenizer, kind="reward", dtype=common.frozen_dtype(d),
-                               trust_remote_code=cfg.trust_remote_code)
+                               trust_remote_code=cfg.trust_remote_code, d=d)
         rm = common.shard_model(rm.requires_grad_(False).eval(), d, cpu_offload=cfg.offload_frozen)
     truncate_id = None
     if cfg.truncate_token:

@@ -158,7 +158,7 @@ def normalization(model, tokenizer, cfg, prompts, d):
     population std over the samples). Returns (gain, bias, mean, std)."""
     name = cfg.normalize_policy or cfg.model
     p_tok = common.load_tokenizer(name, cfg.trust_remote_code)
-    policy = common.load_model(name, p_tok, dtype=common.frozen_dtype(d), trust_remote_code=cfg.trust_remote_code)
+    policy = common.load_model(name, p_tok, dtype=common.frozen_dtype(d), trust_remote_code=cfg.trust_remote_code, d=d)
     stops = common.stop_token_ids(p_tok, policy)
     policy = common.shard_model(policy.requires_grad_(False).eval(), d)
     u = sampling.rollout_uniforms(len(prompts), cfg.max_response_len, cfg.seed)  # by row: the same on any world size
@@ -203,7 +203,7 @@ def main(cfg):
     resume_from = common.prepare_out_dir(cfg, d)
     tokenizer = common.load_tokenizer(resume_from or cfg.model, cfg.trust_remote_code, cfg.chat_template)
     model = common.load_model(resume_from or cfg.model, tokenizer, kind="new_reward",
-                              trust_remote_code=cfg.trust_remote_code)
+                              trust_remote_code=cfg.trust_remote_code, d=d)
     common.check_context(model, cfg.max_prompt_len, cfg.max_response_len)
     model.config.reward_gain, model.config.reward_bias = 1.0, 0.0  # training sees raw scores
     model = common.shard_model(model, d, activation_checkpointing=cfg.activation_checkpointing)

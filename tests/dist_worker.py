@@ -31,5 +31,35 @@ def out_dir_seen_differently(base):
     common.cleanup_distributed()
 
 
+def loaded_from_rank0(folder):
+    """Only rank 0 reads the weights: the other ranks' models are on the meta device until
+    shard_model fills their shards by broadcast. The gathered weights equal the folder's, and
+    each rank's forward equals that of the model read whole (non-persistent buffers included:
+    Llama's rotary frequencies are in no state dict)."""
+    import torch
+    from safetensors.torch import load_file
+
+    d = common.setup_distributed(timeout_minutes=1.0)
+    tok = common.load_tokenizer(folder)
+    model = common.load_model(folder, tok, d=d)
+    on_meta = all(p.is_meta for p in model.parameters())
+    assert on_meta == (d.rank != 0), (d.rank, on_meta)
+    model = common.shard_model(model.eval(), d)
+    state = common.full_state_dict(model, d)  # rank 0's; empty elsewhere
+    if d.is_main:
+        want = load_file(os.path.join(folder, "model.safetensors"))
+        assert want.keys() == state.keys(), sorted(want.keys() ^ state.keys())
+        assert all(torch.equal(want[k], state[k]) for k in want)
+    whole = common.load_model(folder, tok).eval()
+    ids = torch.tensor([[5, 9, 2, 7, 3, 11, 4]])
+    with torch.no_grad():
+        diff = (model(input_ids=ids).logits - whole(input_ids=ids).logits).abs().max().item()
+    assert diff < 1e-6, (d.rank, diff)
+    print(f"rank {d.rank} ok: {'meta' if on_meta else 'read'} before sharding, logits within {diff:.1e}", flush=True)
+    del model
+    torch.distributed.barrier()
+    common.cleanup_distributed()
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]](*sys.argv[2:])

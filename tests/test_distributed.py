@@ -47,3 +47,24 @@ def test_resume_on_another_world_size_ends_with_the_same_weights(tmp_path, befor
     for a, b in zip(want[-2:], got[-2:]):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a, b)
     assert max_abs_diff(checkpoint_weights(tmp_path / "full"), checkpoint_weights(tmp_path / "run")) < 1e-5
+
+
+@pytest.mark.parametrize("config", ["GPT2Config", "LlamaConfig"])
+def test_only_rank_0_reads_the_weights_and_every_rank_gets_them(tmp_path, config):
+    """GPT-2 (tied input and output embeddings) and Llama (rotary frequencies in a buffer no
+    state dict holds), each saved to a folder, loaded on 2 ranks with load_model(..., d)."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from helpers import family_tokenizer
+
+    tok = family_tokenizer("bpe")
+    cfg = getattr(transformers, config)(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                        intermediate_size=64, max_position_embeddings=64, n_inner=64)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    r = run_worker("loaded_from_rank0", tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "rank 0 ok: read before sharding" in r.stdout and "rank 1 ok: meta before sharding" in r.stdout
