@@ -60,19 +60,42 @@ class Dist:
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
     torchrun: bool = False  # launched by torchrun: a process group exists and models are wrapped with FSDP2
+    hsdp: int = 0  # shard within groups of this many ranks, replicate across the groups (0: shard over all)
 
     @property
     def is_main(self):
         return self.rank == 0
 
+    @property
+    def layout(self):
+        """How models are spread, for the run's banner: "" or " (HSDP: 2 replicas x 4 shards)"."""
+        if not self.torchrun or self.mesh.ndim == 1:
+            return ""
+        return f" (HSDP: {self.mesh.shape[0]} replicas x {self.mesh.shape[1]} shards)"
 
-def setup_distributed(timeout_minutes=10.0):
+    @functools.cached_property
+    def mesh(self):
+        """The device mesh FSDP2 shards over, built once (every model of the run shares its
+        process groups): 1-D over all ranks, or with hsdp 2-D (replicate, shard), so that the
+        all-gathers of parameters stay inside a node and only the gradient all-reduce crosses
+        nodes (HSDP)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if self.hsdp and self.hsdp != self.world_size:
+            return init_device_mesh(self.device.type, (self.world_size // self.hsdp, self.hsdp),
+                                    mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh(self.device.type, (self.world_size,))
+
+
+def setup_distributed(timeout_minutes=10.0, hsdp=0):
     """Read RANK / WORLD_SIZE / LOCAL_RANK (set by torchrun) and join the process group.
 
     The device comes from LOCAL_RANK, not the global rank, so two nodes of 8 GPUs each use
     cuda:0-7 on each node. nccl on CUDA, gloo on CPU. Under torchrun there is a process group
     and FSDP2 even with one process (what CPU offload needs); plain `python` has neither. More
     processes per node than visible GPUs is refused: two ranks cannot share one GPU under nccl.
+    hsdp: the size of the groups that shard (--hsdp, usually the GPUs of a node; Dist.mesh); it
+    must divide the world size.
     """
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -90,13 +113,17 @@ def setup_distributed(timeout_minutes=10.0):
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes),
                                 device_id=device if device.type == "cuda" else None)
-    return Dist(rank, world_size, local_rank, device, torchrun)
+    if hsdp and world_size % hsdp:
+        raise ValueError(f"--hsdp {hsdp} must divide the world size {world_size} (ranks per shard group, usually the "
+                         f"GPUs of a node)")
+    return Dist(rank, world_size, local_rank, device, torchrun, hsdp)
 
 
 def cleanup_distributed():
     """The end of a run: leave the process group and release out_dir (lock_out_dir)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    _WAIT_GROUP.clear()  # destroyed with the process group
     while _LOCKS:
         _LOCKS.pop().close()
 
@@ -231,10 +258,9 @@ def shard_model(model, d, mixed_precision=True, cpu_offload=False, activation_ch
         return model.to(d.device)
     from_rank0 = getattr(model, "_from_rank0", False)
     full = model.state_dict() if from_rank0 and d.is_main else {}  # references, not copies
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    mesh = init_device_mesh(d.device.type, (d.world_size,))
+    mesh = d.mesh
     mp = MixedPrecisionPolicy()
     if mixed_precision and bf16_supported(d.device):
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -809,7 +835,7 @@ def lock_out_dir(out_dir):
 # gradient up to rounding), how often it evaluates, saves and logs. Every other flag defines the
 # run, and --resume refuses a difference (README, "Resuming").
 RESUME_MAY_CHANGE = ("steps", "grad_accum", "activation_checkpointing", "offload_frozen", "compile", "eval_every",
-                     "eval_batch_size", "save_every", "save_dtype", "wandb", "trust_remote_code")
+                     "eval_batch_size", "save_every", "save_dtype", "hsdp", "wandb", "trust_remote_code")
 RUN_FILES = ("checkpoint", "checkpoint.old", "checkpoint.tmp", "metrics.jsonl", "run_config.json")
 _REPLACING = []  # out_dirs whose previous run this process moved aside (--overwrite), until its first checkpoint
 

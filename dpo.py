@@ -96,6 +96,8 @@ class Config:
     """clip the global gradient norm to this (0: no clipping) [>= 0]"""
     activation_checkpointing: bool = False
     """recompute activations in the backward pass (less memory, ~30% more compute)"""
+    hsdp: int = 0
+    """under torchrun: shard each model within groups of this many ranks (the GPUs of a node) and replicate across the groups, so parameter all-gathers stay on intra-node links (0: shard over all ranks) [>= 0]"""
     offload_frozen: bool = False
     """keep the reference's parameters in CPU memory between uses (FSDP2 on GPUs, under torchrun)"""
     # --- evaluation ---
@@ -185,7 +187,7 @@ def all_pair_logps(model, pairs, pad_id, d, batch_size):
 def main(cfg):
     # 0. setup and checks that fail fast
     common.check_ranges(cfg)  # every numeric flag within the range its --help states
-    d = common.setup_distributed()
+    d = common.setup_distributed(hsdp=cfg.hsdp)
     common.set_seed(cfg.seed)
     if cfg.batch_size % (d.world_size * cfg.grad_accum):
         raise ValueError(f"--batch_size {cfg.batch_size} must be divisible by world size {d.world_size} "
@@ -232,7 +234,7 @@ def main(cfg):
                                                  cfg.steps)
     logger = common.Logger(cfg.out_dir, cfg, d, use_wandb=cfg.wandb, project="rlhf-dpo")
     common.print0(f"dpo: {n_params / 1e6:.2f}M parameters, {len(train)} train pairs, {len(test)} eval pairs, "
-                  f"world size {d.world_size}, micro-batch {micro} pairs x {cfg.grad_accum} accumulation, "
+                  f"world size {d.world_size}{d.layout}, micro-batch {micro} pairs x {cfg.grad_accum} accumulation, "
                   f"{'precomputed' if cfg.precompute_ref else 'live'} reference")
     order = common.DataOrder(len(train), cfg.seed)
     start, last_ckpt = 1, None

@@ -162,6 +162,8 @@ class Config:
     """clip the global gradient norm to this (0: no clipping) [>= 0]"""
     activation_checkpointing: bool = False
     """recompute activations in the backward pass (less memory, ~30% more compute)"""
+    hsdp: int = 0
+    """under torchrun: shard each model within groups of this many ranks (the GPUs of a node) and replicate across the groups, so parameter all-gathers stay on intra-node links (0: shard over all ranks) [>= 0]"""
     offload_frozen: bool = False
     """keep the reference and reward model's parameters in CPU memory between uses (FSDP2 on GPUs, under torchrun)"""
     # --- evaluation ---
@@ -491,7 +493,7 @@ def check_config(cfg, d):
 def main(cfg):
     # 0. setup: policy, reference, optional reward model, data
     common.check_ranges(cfg)  # every numeric flag within the range its --help states
-    d = common.setup_distributed()
+    d = common.setup_distributed(hsdp=cfg.hsdp)
     check_config(cfg, d)
     common.set_seed(cfg.seed)
     weights = parse_weights(cfg.reward_weights, bool(cfg.reward_model))
@@ -571,7 +573,7 @@ def main(cfg):
     rows_local = n_local * cfg.group_size  # sequences in the loss on this rank
     mini = rows_local // cfg.num_mini_batches
     micro = mini // cfg.grad_accum
-    common.print0(f"grpo: {sum(p.numel() for p in params) / 1e6:.2f}M trained parameters, world size {d.world_size}, "
+    common.print0(f"grpo: {sum(p.numel() for p in params) / 1e6:.2f}M trained parameters, world size {d.world_size}{d.layout}, "
                   f"{cfg.prompts_per_step} prompts x {cfg.group_size} completions per rollout"
                   f"{f' (kept of {n_sample})' if cfg.rs_samples else ''}, {cfg.num_iterations} pass(es) x "
                   f"{cfg.num_mini_batches} mini-batch(es) of {mini} x {cfg.grad_accum} micro per rank, rewards {weights}")

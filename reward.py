@@ -83,6 +83,8 @@ class Config:
     """clip the global gradient norm to this (0: no clipping) [>= 0]"""
     activation_checkpointing: bool = False
     """recompute activations in the backward pass (less memory, ~30% more compute)"""
+    hsdp: int = 0
+    """under torchrun: shard each model within groups of this many ranks (the GPUs of a node) and replicate across the groups, so parameter all-gathers stay on intra-node links (0: shard over all ranks) [>= 0]"""
     # --- normalisation ---
     normalize: bool = True
     """after training, set reward_gain/bias so the policy's samples score mean 0, std 1"""
@@ -191,7 +193,7 @@ def normalization(model, tokenizer, cfg, prompts, d):
 def main(cfg):
     # 0. setup: the same seed on every rank so every rank builds the same score head
     common.check_ranges(cfg)  # every numeric flag within the range its --help states
-    d = common.setup_distributed()
+    d = common.setup_distributed(hsdp=cfg.hsdp)
     common.set_seed(cfg.seed)
     if cfg.batch_size % (d.world_size * cfg.grad_accum):
         raise ValueError(f"--batch_size {cfg.batch_size} must be divisible by world size {d.world_size} "
@@ -218,7 +220,7 @@ def main(cfg):
                                                  cfg.steps)
     logger = common.Logger(cfg.out_dir, cfg, d, use_wandb=cfg.wandb, project="rlhf-rm")
     common.print0(f"reward: {n_params / 1e6:.2f}M parameters, {len(train)} train pairs, {len(test)} eval pairs, "
-                  f"world size {d.world_size}, micro-batch {micro} pairs x {cfg.grad_accum} accumulation")
+                  f"world size {d.world_size}{d.layout}, micro-batch {micro} pairs x {cfg.grad_accum} accumulation")
     order = common.DataOrder(len(train), cfg.seed)
     start, last_ckpt = 1, None
     if resume_from:

@@ -68,6 +68,8 @@ class Config:
     """clip the global gradient norm to this (0: no clipping) [>= 0]"""
     activation_checkpointing: bool = False
     """recompute activations in the backward pass (less memory, ~30% more compute)"""
+    hsdp: int = 0
+    """under torchrun: shard each model within groups of this many ranks (the GPUs of a node) and replicate across the groups, so parameter all-gathers stay on intra-node links (0: shard over all ranks) [>= 0]"""
     # --- evaluation ---
     eval_every: int = 100
     """evaluate every this many steps (and at the end) [>= 1]"""
@@ -151,7 +153,7 @@ def eval_loss(model, prompts, completions, pad_id, d, batch_size):
 def main(cfg):
     # 0. setup: the same seed on every rank so every rank builds the same initial weights
     common.check_ranges(cfg)  # every numeric flag within the range its --help states
-    d = common.setup_distributed()
+    d = common.setup_distributed(hsdp=cfg.hsdp)
     common.set_seed(cfg.seed)
     if cfg.batch_size % (d.world_size * cfg.grad_accum):
         raise ValueError(f"--batch_size {cfg.batch_size} must be divisible by world size {d.world_size} "
@@ -181,7 +183,7 @@ def main(cfg):
     optimizer, scheduler = common.make_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps,
                                                  cfg.steps)
     logger = common.Logger(cfg.out_dir, cfg, d, use_wandb=cfg.wandb, project="rlhf-sft")
-    common.print0(f"sft: {n_params / 1e6:.2f}M parameters, {len(train)} train rows, world size {d.world_size}, "
+    common.print0(f"sft: {n_params / 1e6:.2f}M parameters, {len(train)} train rows, world size {d.world_size}{d.layout}, "
                   f"micro-batch {micro} x {cfg.grad_accum} accumulation")
     order = common.DataOrder(len(train_p), cfg.seed)
     start, last_ckpt = 1, None

@@ -48,12 +48,15 @@ def worker(mode, folder, out):
 
     d = common.setup_distributed()
     torch.manual_seed(0)
-    rows = {}
+
+    def report(phase):  # a line per phase: a run the kernel kills keeps what it measured
+        print("ROW " + json.dumps({"mode": mode, "rank": d.rank, "phase": phase, "gib": peak_gib()}), flush=True)
+
     reset_peak()
     tok = common.load_tokenizer(folder)
     model = common.load_model(folder, tok, d=d if mode == "rank0" else None)
     model = common.shard_model(model, d)
-    rows["load"] = peak_gib()
+    report("load")
     optimizer, scheduler = common.make_optimizer(model.parameters(), 1e-5, 0.0, 0, 10)
     ids = torch.randint(0, len(tok), (1, 16))
     model(input_ids=ids, labels=ids).loss.backward()
@@ -72,7 +75,7 @@ def worker(mode, folder, out):
             torch.save({"optimizer": full}, os.path.join(out, "checkpoint", "training_state.pt"))
         del full
         dist.barrier()
-    rows["save"] = peak_gib()
+    report("save")
     reset_peak()
     if mode == "rank0":
         common.load_training_state(os.path.join(out, "checkpoint"), model, optimizer, scheduler, order, d)
@@ -82,8 +85,7 @@ def worker(mode, folder, out):
         state = torch.load(os.path.join(out, "checkpoint", "training_state.pt"), weights_only=True, map_location="cpu")
         set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
         del state
-    rows["resume"] = peak_gib()
-    print("ROW " + json.dumps({"mode": mode, "rank": d.rank, **rows}), flush=True)
+    report("resume")
     del model, optimizer
     dist.barrier()
     common.cleanup_distributed()
@@ -128,15 +130,20 @@ def main():
         r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
                             os.path.abspath(__file__), "--worker", mode, folder, out],
                            cwd=ROOT, env=env, capture_output=True, text=True)
-        if r.returncode != 0:
-            sys.exit(r.stdout[-3000:] + r.stderr[-5000:])
         rows += [json.loads(line[4:]) for line in r.stdout.splitlines() if line.startswith("ROW ")]
-        print(f"  {mode}: {time.time() - t0:.0f} s")
+        killed = "Signal 9" in r.stderr or "SIGKILL" in r.stderr
+        print(f"  {mode}: {time.time() - t0:.0f} s, exit {r.returncode}{' (a rank was killed: out of memory)' if killed else ''}")
+        if r.returncode != 0 and not killed:
+            sys.exit(r.stdout[-3000:] + r.stderr[-5000:])
     names = {"every": "every rank reads (before)", "rank0": "rank 0 reads, sharded state (now)"}
+    got = {(r["mode"], r["rank"], r["phase"]): r["gib"] for r in rows}
     print("\n| way | rank | load + shard | save (export + training state) | resume |\n|---|---|---|---|---|")
-    for r in sorted(rows, key=lambda r: (r["mode"] != "every", r["rank"])):
-        print(f"| {names[r['mode']]} | {r['rank']} | {r['load']:.2f} | {r['save']:.2f} | {r['resume']:.2f} |")
-    print("\npeak resident set per phase, GiB")
+    for mode in ("every", "rank0"):
+        for rank in range(args.nproc):
+            cells = [f"{got[mode, rank, ph]:.2f}" if (mode, rank, ph) in got else "killed (out of memory)"
+                     for ph in ("load", "save", "resume")]
+            print(f"| {names[mode]} | {rank} | " + " | ".join(cells) + " |")
+    print(f"\npeak resident set per phase and rank, GiB ({os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 2**30:.0f} GiB machine)")
 
 
 if __name__ == "__main__":

@@ -68,3 +68,21 @@ def test_only_rank_0_reads_the_weights_and_every_rank_gets_them(tmp_path, config
     r = run_worker("loaded_from_rank0", tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "rank 0 ok: read before sharding" in r.stdout and "rank 1 ok: meta before sharding" in r.stdout
+
+
+def test_hsdp_2_by_2_matches_one_process(tmp_path):
+    """--hsdp 2 on 4 ranks: a (replicate 2, shard 2) mesh, parameters sharded within each pair
+    and gradients averaged across the pairs; the same losses and final weights as 1 process."""
+    args = ["--steps", "2", "--warmup_steps", "0"]
+    one = run_fast("sft.py", args + ["--out_dir", str(tmp_path / "one")])
+    assert one.returncode == 0, one.stderr
+    four = run_fast("sft.py", args + ["--out_dir", str(tmp_path / "hsdp"), "--hsdp", "2"], nproc=4)
+    assert four.returncode == 0, four.stderr[-3000:]
+    assert "world size 4 (HSDP: 2 replicas x 2 shards)" in four.stdout
+    want, got = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "hsdp")
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for a, b in zip(want[1:], got[1:]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a, b)
+    assert max_abs_diff(checkpoint_weights(tmp_path / "one"), checkpoint_weights(tmp_path / "hsdp")) < 1e-5
+    bad = run_fast("sft.py", args + ["--out_dir", str(tmp_path / "bad"), "--hsdp", "3"], nproc=2)
+    assert bad.returncode != 0 and "--hsdp 3 must divide the world size 2" in bad.stderr
