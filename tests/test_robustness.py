@@ -255,3 +255,29 @@ def test_ctrl_c_ends_with_one_line_naming_the_checkpoint_and_the_resume_command(
     assert "Traceback" not in err, err[-2000:]
     assert f"interrupted. Last checkpoint: {out / 'checkpoint'} (step " in err
     assert "continue with: python sft.py --model tiny" in err and err.rstrip().endswith("--resume")
+
+
+def test_save_dtype_exports_bf16_while_resume_keeps_the_fp32_state(tmp_path):
+    """--save_dtype bfloat16: the export is the fp32 run's weights cast to bf16, loads with
+    AutoModelForCausalLM and says bfloat16 in its config; a run killed after its step-2
+    checkpoint and resumed continues from the fp32 state (sharded/), not from the rounded
+    export: steps 3 and 4 log the uninterrupted run's losses to 1e-6."""
+    import json
+
+    import torch
+
+    args = ["--steps", "4", "--save_every", "2"]
+    fp32 = run_fast("sft.py", args + ["--out_dir", str(tmp_path / "fp32")])
+    bf16 = run_fast("sft.py", args + ["--out_dir", str(tmp_path / "bf16"), "--save_dtype", "bfloat16"])
+    assert fp32.returncode == 0 and bf16.returncode == 0, fp32.stderr + bf16.stderr
+    want, got = checkpoint_weights(tmp_path / "fp32"), checkpoint_weights(tmp_path / "bf16")
+    assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], want[k].to(torch.bfloat16)) for k in want)
+    with open(tmp_path / "bf16" / "checkpoint" / "config.json") as f:
+        assert json.load(f)["dtype"] == "bfloat16"
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "bf16" / "checkpoint").dtype == torch.bfloat16
+    out = ["--out_dir", str(tmp_path / "resumed"), "--save_dtype", "bfloat16"]
+    assert run_fast("sft.py", args + out, crash="after_save:1").returncode == 9
+    resumed = run_fast("sft.py", args + out + ["--resume"])
+    assert resumed.returncode == 0, resumed.stderr
+    for a, b in zip(read_metrics(tmp_path / "fp32")[-2:], read_metrics(tmp_path / "resumed")[-2:]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=0), (a, b)
