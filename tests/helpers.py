@@ -134,6 +134,16 @@ def free_port():
         return s.getsockname()[1]
 
 
+def chat(*turns):
+    """("user", "hi"), ("assistant", "hello") -> TRL's conversational messages."""
+    return [{"role": r, "content": c} for r, c in turns]
+
+
+def question(i):
+    """A system and a user turn asking for i + 7: the prompt of the conversational test rows."""
+    return chat(("system", "Answer with a number."), ("user", f"What is {i} + 7?"))
+
+
 CORPUS = ["sort 3 1 2 = 1 2 3", "what is 12 + 7? 19", "hello world, this is a test", "the quick brown fox",
           "user assistant system", "Reply with the number only."] * 4
 

@@ -13,18 +13,10 @@ import dpo
 import grpo
 import reward
 import sft
-from helpers import family_tokenizer, read_metrics, write_jsonl
+from helpers import chat, family_tokenizer, question, read_metrics, write_jsonl
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-
-def chat(*turns):
-    """("user", "hi"), ("assistant", "hello") -> messages."""
-    return [{"role": r, "content": c} for r, c in turns]
-
-
-def question(i):
-    return chat(("system", "Answer with a number."), ("user", f"What is {i} + 7?"))
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import dpo
 import grpo
 import reward
 import sft
-from helpers import TURN_TOKENS, family_tokenizer, read_metrics, write_jsonl
+from helpers import TURN_TOKENS, chat, family_tokenizer, question, read_metrics, write_jsonl
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -38,13 +38,6 @@ FAMILIES = {
     "phi3": ("Phi3Config", "bos_eos", "chatml", {}),
 }
 
-
-def chat(*turns):
-    return [{"role": r, "content": c} for r, c in turns]
-
-
-def question(i):
-    return chat(("system", "Answer with a number."), ("user", f"What is {i} + 7?"))
 
 
 @pytest.fixture(scope="module")
