@@ -1,0 +1,224 @@
+"""Expected peak memory per device of each script, phase by phase, from a model's shape.
+
+    python bench/memory.py --model llama-3-8b --world 8                # each script, 8 GPUs under torchrun
+    python bench/memory.py --model path/to/config.json --world 1 --launcher python --script grpo
+    python bench/memory.py --validate       # against the peaks measured on this machine (bench/results)
+    python bench/memory.py --table          # which flags fit GPT-2 large, Qwen2.5-1.5B, Llama-3-8B on 80 GB
+
+What is counted (bytes per device; N parameters of the trained model, W ranks):
+- trained state: fp32 parameters, fp32 gradients and AdamW's two fp32 moments, 16N, divided by
+  W under torchrun (FSDP2 shards all of it); under torchrun also the bf16 copies FSDP2 gathers
+  for compute: the root (embeddings, head) and two blocks (one computing, one prefetched);
+- frozen models: the reference (DPO with a live reference, GRPO without --lora) and GRPO's
+  reward model: fp32 under plain `python`, bf16 and sharded under torchrun, nothing on the
+  device with --offload_frozen (common.frozen_dtype, shard_model);
+- activations of one micro-batch, per token and layer: the inputs each op keeps for the
+  backward pass (Korthikanti et al. 2022, arXiv:2205.05198, Sec. 4: 34 bytes x hidden per token
+  and layer for a GPT block in 16-bit, which is 6 x hidden + 2 x kv + 2 x intermediate
+  elements here; a gated MLP keeps 4 x intermediate), plus the attention probabilities where the
+  attention kernel keeps them (the CPU's math kernel; not flash/efficient attention on a GPU).
+  With --activation_checkpointing: one hidden state per token and layer, plus one block's full
+  activations while it is recomputed;
+- logits: fp32 (common.FP32Head) at the response positions only (logits_to_keep), and their
+  gradient; the reward model has a one-number head;
+- GRPO's rollout: under torchrun the whole policy gathered in bf16 (common.unsharded), the KV
+  cache of every row of the rank, and one step's logits; the gradients are freed by then.
+- the process: 0.45 GiB for Python with torch and transformers on the CPU (measured: the tiny
+  model's runs); on a GPU, 1 GiB of CUDA context and workspace, and 10% for the allocator's
+  fragmentation, in the "fits" verdict.
+Not counted: the data, the tokenizer, checkpoint writing (bench/load_memory.py measures that).
+"""
+import argparse
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GIB = 2**30
+
+SHAPES = {  # layers, hidden, heads, kv heads, MLP width, vocabulary, tied embeddings, gated MLP, learned positions
+    "gpt2": dict(L=12, h=768, heads=12, kv_heads=12, I=3072, V=50257, tied=True, gated=False, pos=1024),
+    "gpt2-large": dict(L=36, h=1280, heads=20, kv_heads=20, I=5120, V=50257, tied=True, gated=False, pos=1024),
+    "qwen2.5-1.5b": dict(L=28, h=1536, heads=12, kv_heads=2, I=8960, V=151936, tied=True, gated=True, pos=0),
+    "llama-3-8b": dict(L=32, h=4096, heads=32, kv_heads=8, I=14336, V=128256, tied=False, gated=True, pos=0),
+}
+
+
+def shape_of(name):
+    """A built-in shape, or a Hugging Face config.json (GPT-2 or Llama-style names)."""
+    if name in SHAPES:
+        return SHAPES[name]
+    with open(name) as f:
+        c = json.load(f)
+    h = c.get("hidden_size", c.get("n_embd"))
+    heads = c.get("num_attention_heads", c.get("n_head"))
+    gated = c.get("model_type") not in ("gpt2", "gpt_neox", "opt")
+    return dict(L=c.get("num_hidden_layers", c.get("n_layer")), h=h, heads=heads,
+                kv_heads=c.get("num_key_value_heads", heads),
+                I=c.get("intermediate_size") or c.get("n_inner") or 4 * h, V=c["vocab_size"],
+                tied=c.get("tie_word_embeddings", True), gated=gated,
+                pos=c.get("n_positions", 0) if c.get("model_type") == "gpt2" else 0)
+
+
+def n_params(s):
+    """(all parameters, one block's, the root's: embeddings, positions, final norm, untied head)."""
+    kv = s["kv_heads"] * s["h"] // s["heads"]
+    block = 2 * s["h"] * s["h"] + 2 * s["h"] * kv + (3 if s["gated"] else 2) * s["h"] * s["I"] + 4 * s["h"]
+    root = s["V"] * s["h"] * (1 if s["tied"] else 2) + s["pos"] * s["h"] + 2 * s["h"]
+    return s["L"] * block + root, block, root
+
+
+def estimate(s, script, world=1, launcher="torchrun", device="gpu", seqs=4, prompt_len=512, response_len=512,
+             rollout_rows=64, ac=False, offload_frozen=False, lora=False, precompute_ref=True, reward_model=True):
+    """Bytes per device of each phase's parts, {phase: {part: bytes}}. seqs: sequences of one
+    micro-batch (DPO and the reward model: pairs, two sequences each); rollout_rows: GRPO's
+    completions per rank in one rollout."""
+    N, n_block, n_root = n_params(s)
+    fsdp = launcher == "torchrun"
+    W = world if fsdp else 1
+    e = 2 if device == "gpu" else 4  # activations: bf16 autocast / FSDP bf16 on a GPU, fp32 on the CPU
+    kv = s["kv_heads"] * s["h"] // s["heads"]
+    S, R = prompt_len + response_len, response_len
+    parts = {}
+    if lora:  # frozen fp32 base under `python` (grpo.py refuses --lora under torchrun); adapters are small
+        parts["parameters"] = 4 * N
+    else:
+        parts["parameters"] = 4 * N / W
+        parts["gradients"] = 4 * N / W
+        parts["optimizer"] = 8 * N / W
+    if fsdp:
+        # the root, 2 blocks and a block's unsharded gradients, in bf16 on a GPU (fp32 on the CPU)
+        parts["gathered (FSDP)"] = e * (n_root + 3 * n_block)
+    frozen_bytes = 0 if offload_frozen else (2 * N / W if fsdp and device == "gpu" else 4 * N / W)
+    if script == "dpo" and not precompute_ref or script == "grpo" and not lora:
+        parts["reference"] = frozen_bytes
+    if script == "grpo" and reward_model:
+        parts["reward model"] = frozen_bytes
+    seq_factor = 2 if script in ("dpo", "reward") else 1
+    tokens = seqs * seq_factor * S
+    per_token_layer = e * (6 * s["h"] + 2 * kv + (4 if s["gated"] else 2) * s["I"])
+    probs = 4 * s["heads"] * S if device == "cpu" else 0  # the CPU's math attention keeps its probabilities
+    if ac:
+        parts["activations"] = tokens * (s["L"] * e * s["h"] + per_token_layer + probs)
+    else:
+        parts["activations"] = tokens * s["L"] * (per_token_layer + probs)
+    if script != "reward":
+        parts["logits"] = 2 * 4 * seqs * seq_factor * (R + 1) * s["V"]  # fp32 logits and their gradient
+    phases = {"update": parts}
+    if script == "grpo":
+        roll = {k: v for k, v in parts.items() if k not in ("gradients", "activations", "logits")}
+        if fsdp:
+            roll["gathered (FSDP)"] = e * N  # the whole policy, gathered for the rollout (common.unsharded)
+        roll["KV cache"] = rollout_rows * S * s["L"] * 2 * kv * e
+        roll["logits"] = 4 * rollout_rows * s["V"]
+        phases["rollout"] = roll
+    return phases
+
+
+def total(phases, device):
+    """(peak bytes, the phase it is in); on the CPU with the process's own 0.45 GiB."""
+    phase = max(phases, key=lambda p: sum(phases[p].values()))
+    return sum(phases[phase].values()) + (0.45 * GIB if device == "cpu" else 0), phase
+
+
+def fits(peak, gpu_gib=80):
+    """The verdict on a GPU: the estimate + 10% fragmentation + 1 GiB of CUDA context."""
+    return peak * 1.1 + GIB <= gpu_gib * GIB
+
+
+def validate():
+    """Estimate against every CPU peak in bench/results (the scripts under `python`, fp32)."""
+    rows = []
+    for name in ("steps-cpu.json", "steps-large-mem-cpu.json", "steps-large-mem-b4-cpu.json",
+                 "steps-ac-large-mem-cpu.json"):
+        with open(os.path.join(ROOT, "bench", "results", name)) as f:
+            res = json.load(f)
+        cfg = res["config"]
+        for c in res["cases"]:
+            if c["model"] == "tiny":
+                continue
+            shape = SHAPES[{"gpt2-small-random": "gpt2", "gpt2-large-random": "gpt2-large"}[c["model"]]]
+            rows_per_step = cfg["batch_size"] * cfg.get("group_size", 1) if c["algo"] == "grpo" else cfg["batch_size"]
+            phases = estimate(shape, c["algo"], launcher="python", device="cpu", seqs=rows_per_step,
+                              prompt_len=cfg["prompt_len"], response_len=cfg["response_len"],
+                              rollout_rows=rows_per_step, ac=cfg["activation_checkpointing"],
+                              reward_model=False)  # bench/steps.py's GRPO scores with a rule
+            peak, phase = total(phases, "cpu")
+            rows.append((name, c["algo"], c["model"], cfg["batch_size"], cfg["activation_checkpointing"], phase,
+                         peak / GIB, c["peak_rss_bytes"] / GIB))
+    print("| results file | script | model | batch | act. ckpt | peak phase | estimate GiB | measured GiB | error |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    worst = 0.0
+    for name, algo, model, b, ac, phase, est, meas in rows:
+        err = est / meas - 1
+        worst = max(worst, abs(err))
+        print(f"| {name} | {algo} | {model} | {b} | {ac} | {phase} | {est:.2f} | {meas:.2f} | {err:+.0%} |")
+    print(f"\nlargest error {worst:.0%}")
+    return worst
+
+
+def table():
+    """Which flags fit each script on 1 and 8 80-GB GPUs, for three model sizes (bf16 compute;
+    micro-batch 4 sequences of 512 + 512 tokens; GRPO: 64 completions per GPU per rollout)."""
+    options = {1: [("python", {}), ("torchrun", {}), ("torchrun", {"ac": True}),
+                   ("torchrun", {"ac": True, "offload_frozen": True}), ("python", {"lora": True, "ac": True})],
+               8: [("torchrun", {}), ("torchrun", {"ac": True}), ("torchrun", {"ac": True, "offload_frozen": True})]}
+    print("| model | GPUs | sft.py | reward.py | dpo.py (precomputed ref.) | grpo.py (with reward model) |")
+    print("|---|---|---|---|---|---|")
+    for model in ("gpt2-large", "qwen2.5-1.5b", "llama-3-8b"):
+        s = SHAPES[model]
+        for world in (1, 8):
+            cells = []
+            for script in ("sft", "reward", "dpo", "grpo"):
+                verdict = "does not fit"
+                for launcher, flags in options[world]:
+                    if flags.get("lora") and script != "grpo":
+                        continue
+                    peak, phase = total(estimate(s, script, world, launcher, **flags), "gpu")
+                    if fits(peak):
+                        names = {"ac": "--activation_checkpointing", "offload_frozen": "--offload_frozen",
+                                 "lora": "--lora"}
+                        how = " ".join([launcher if world == 1 else f"torchrun x{world}"] + [names[k] for k in flags])
+                        verdict = f"{how}: {peak / GIB:.0f} GiB ({phase})"
+                        break
+                cells.append(verdict)
+            print(f"| {model} ({n_params(s)[0] / 1e9:.2f}B) | {world} | " + " | ".join(cells) + " |")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="gpt2-large", help=f"one of {sorted(SHAPES)} or a config.json path")
+    p.add_argument("--script", default="sft,reward,dpo,grpo")
+    p.add_argument("--world", type=int, default=1)
+    p.add_argument("--launcher", default="torchrun", choices=["python", "torchrun"])
+    p.add_argument("--device", default="gpu", choices=["gpu", "cpu"])
+    p.add_argument("--seqs", type=int, default=4, help="sequences (pairs) of one micro-batch")
+    p.add_argument("--prompt_len", type=int, default=512)
+    p.add_argument("--response_len", type=int, default=512)
+    p.add_argument("--rollout_rows", type=int, default=64, help="GRPO: completions per rank in one rollout")
+    p.add_argument("--activation_checkpointing", action="store_true")
+    p.add_argument("--offload_frozen", action="store_true")
+    p.add_argument("--lora", action="store_true")
+    p.add_argument("--live_ref", action="store_true", help="DPO without a precomputed reference")
+    p.add_argument("--validate", action="store_true")
+    p.add_argument("--table", action="store_true")
+    args = p.parse_args()
+    if args.validate:
+        sys.exit(1 if validate() > 0.2 else 0)
+    if args.table:
+        return table()
+    s = shape_of(args.model)
+    print(f"{args.model}: {n_params(s)[0] / 1e9:.3f}B parameters; {args.launcher} on {args.world} {args.device}(s)")
+    for script in args.script.split(","):
+        phases = estimate(s, script, args.world, args.launcher, args.device, args.seqs, args.prompt_len,
+                          args.response_len, args.rollout_rows, args.activation_checkpointing, args.offload_frozen,
+                          args.lora, not args.live_ref)
+        peak, phase = total(phases, args.device)
+        verdict = f" ({'fits' if fits(peak) else 'does not fit'} on an 80-GB GPU)" if args.device == "gpu" else ""
+        print(f"\n{script}.py: peak {peak / GIB:.2f} GiB in its {phase} phase{verdict}")
+        for name, parts in phases.items():
+            print(f"  {name}: " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in parts.items()))
+
+
+if __name__ == "__main__":
+    main()
