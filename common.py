@@ -99,6 +99,9 @@ def setup_distributed(timeout_minutes=10.0, hsdp=0):
     """
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if hsdp and world_size % hsdp:
+        raise ValueError(f"--hsdp {hsdp} must divide the world size {world_size} (ranks per shard group, usually the "
+                         f"GPUs of a node)")
     device = torch.device("cpu")
     if torch.cuda.is_available():
         n_gpus = torch.cuda.device_count()
@@ -113,9 +116,6 @@ def setup_distributed(timeout_minutes=10.0, hsdp=0):
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes),
                                 device_id=device if device.type == "cuda" else None)
-    if hsdp and world_size % hsdp:
-        raise ValueError(f"--hsdp {hsdp} must divide the world size {world_size} (ranks per shard group, usually the "
-                         f"GPUs of a node)")
     return Dist(rank, world_size, local_rank, device, torchrun, hsdp)
 
 
