@@ -835,7 +835,7 @@ def lock_out_dir(out_dir):
 # gradient up to rounding), how often it evaluates, saves and logs. Every other flag defines the
 # run, and --resume refuses a difference (README, "Resuming").
 RESUME_MAY_CHANGE = ("steps", "grad_accum", "activation_checkpointing", "offload_frozen", "compile", "eval_every",
-                     "eval_batch_size", "save_every", "save_dtype", "hsdp", "wandb", "trust_remote_code")
+                     "eval_batch_size", "save_every", "save_dtype", "hsdp", "out_dir", "wandb", "trust_remote_code")
 RUN_FILES = ("checkpoint", "checkpoint.old", "checkpoint.tmp", "metrics.jsonl", "run_config.json")
 _REPLACING = []  # out_dirs whose previous run this process moved aside (--overwrite), until its first checkpoint
 
@@ -1000,9 +1000,8 @@ EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 
 
 def export_dtype(cfg):
-    """--save_dtype as a torch dtype (None for float32: the weights as trained)."""
-    if cfg.save_dtype not in EXPORT_DTYPES:
-        raise ValueError(f"--save_dtype {cfg.save_dtype}: not one of {', '.join(EXPORT_DTYPES)}")
+    """--save_dtype as a torch dtype (None for float32: the weights as trained); check_ranges
+    has refused any other name."""
     return None if cfg.save_dtype == "float32" else EXPORT_DTYPES[cfg.save_dtype]
 
 
@@ -1021,12 +1020,22 @@ _WAIT_GROUP = []
 
 
 @contextmanager
-def _one_process_dcp():
-    """torch.distributed.checkpoint warns on every save and load without a process group, even
-    when told (no_dist) that one process is meant."""
+def _dcp_call():
+    """Around a torch.distributed.checkpoint save or load: its warning on every call without a
+    process group (also when told, no_dist, that one process is meant) is silenced; and a Ctrl-C
+    in the middle, which it wraps with every other failure of its workers in a
+    CheckpointException, comes out as the KeyboardInterrupt it was, so that `run` ends the run
+    with its one line naming the last checkpoint, not a traceback."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+        try:
+            yield
+        except CheckpointException as e:
+            if any(isinstance(exc, KeyboardInterrupt) for exc, _ in e.failures.values()):
+                raise KeyboardInterrupt from e
+            raise
 
 
 def save_checkpoint(model, tokenizer, out_dir, d, optimizer=None, scheduler=None, step=None, order=None,
@@ -1059,7 +1068,7 @@ def save_checkpoint(model, tokenizer, out_dir, d, optimizer=None, scheduler=None
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optim_state = get_state_dict(model, optimizer)
-        with _one_process_dcp():
+        with _dcp_call():
             dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=os.path.join(tmp, "sharded"),
                      no_dist=not dist.is_initialized())
         rngs = [None] * d.world_size
@@ -1110,7 +1119,7 @@ def load_training_state(path, model, optimizer, scheduler, order, d):
     state = torch.load(os.path.join(path, "training_state.pt"), weights_only=True, map_location="cpu")
     model_state, optim_state = get_state_dict(model, optimizer)  # the layout to read into
     sharded = {"model": model_state, "optimizer": optim_state}
-    with _one_process_dcp():
+    with _dcp_call():
         dcp.load(sharded, checkpoint_id=os.path.join(path, "sharded"), no_dist=not dist.is_initialized())
     set_state_dict(model, optimizer, model_state_dict=sharded["model"], optim_state_dict=sharded["optimizer"])
     if scheduler is not None and state["scheduler"] is not None:

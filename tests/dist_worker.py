@@ -31,7 +31,14 @@ def out_dir_seen_differently(base):
     common.cleanup_distributed()
 
 
-def loaded_from_rank0(folder):
+def loaded_from_rank0(*folders):
+    """loaded_from_one(folder) for each folder, in one process group."""
+    for folder in folders:
+        loaded_from_one(folder)
+    common.cleanup_distributed()
+
+
+def loaded_from_one(folder):
     """Only rank 0 reads the weights: the other ranks' models are on the meta device until
     shard_model fills their shards by broadcast. The gathered weights equal the folder's, and
     each rank's forward equals that of the model read whole (non-persistent buffers included:
@@ -55,10 +62,10 @@ def loaded_from_rank0(folder):
     with torch.no_grad():
         diff = (model(input_ids=ids).logits - whole(input_ids=ids).logits).abs().max().item()
     assert diff < 1e-6, (d.rank, diff)
-    print(f"rank {d.rank} ok: {'meta' if on_meta else 'read'} before sharding, logits within {diff:.1e}", flush=True)
+    print(f"{os.path.basename(folder)}: rank {d.rank} ok: {'meta' if on_meta else 'read'} before sharding, logits "
+          f"within {diff:.1e}", flush=True)
     del model
     torch.distributed.barrier()
-    common.cleanup_distributed()
 
 
 if __name__ == "__main__":

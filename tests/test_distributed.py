@@ -26,32 +26,36 @@ def test_ranks_that_see_different_out_dirs_stop_with_one_error_not_a_hang(tmp_pa
     assert "put out_dir on a file system all nodes share" in r.stdout
 
 
-@pytest.mark.parametrize("before, after", [(2, 2), (2, 1), (1, 2)])
-def test_resume_on_another_world_size_ends_with_the_same_weights(tmp_path, before, after):
+@pytest.mark.parametrize("before, afters", [(2, (2, 1)), (1, (2,))], ids=["2to2and1", "1to2"])
+def test_resume_on_another_world_size_ends_with_the_same_weights(tmp_path, before, afters):
     """The sharded training state (torch.distributed.checkpoint) written by `before` processes,
-    killed right after the step-2 checkpoint, resumed on `after`: the same losses at steps 3 and
-    4 and the same final weights as an uninterrupted run: to 1e-6 on the same world size; across,
-    to 1e-5 against 1 process (1 == 2 processes to 1e-5 is tests/test_sft.py's). Weights alone
-    would not show lost Adam moments: steps 3 and 4 would still move, by other amounts."""
+    killed right after the step-2 checkpoint, resumed (from a copy each) on each of `afters`:
+    the same losses at steps 3 and 4 and the same final weights as an uninterrupted run: to 1e-6
+    on the same world size; across, to 1e-5 against 1 process (1 == 2 processes to 1e-5 is
+    tests/test_sft.py's). Weights alone would not show lost Adam moments: steps 3 and 4 would
+    still move, by other amounts."""
+    import shutil
+
     args = ["--steps", "4", "--save_every", "2"]
-    tol = 1e-6 if before == after else 1e-5
-    full = run_fast("sft.py", args + ["--out_dir", str(tmp_path / "full")], nproc=after if before == after else 1)
-    assert full.returncode == 0, full.stderr
-    out = ["--out_dir", str(tmp_path / "run")]
-    killed = run_fast("sft.py", args + out, nproc=before, crash="after_save:1")
-    assert killed.returncode != 0 and read_metrics(tmp_path / "run")[-1]["step"] == 2, killed.stderr[-2000:]
-    resumed = run_fast("sft.py", args + out + ["--resume"], nproc=after)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert (f"written by {before} rank(s), resumed on {after}" in resumed.stdout) == (before != after)
-    want, got = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "run")
-    assert [r["step"] for r in got] == [r["step"] for r in want]
-    for a, b in zip(want[-2:], got[-2:]):
-        assert b["loss"] == pytest.approx(a["loss"], rel=tol), (a, b)
-    assert max_abs_diff(checkpoint_weights(tmp_path / "full"), checkpoint_weights(tmp_path / "run")) < tol
+    killed = run_fast("sft.py", args + ["--out_dir", str(tmp_path / "killed")], nproc=before, crash="after_save:1")
+    assert killed.returncode != 0 and read_metrics(tmp_path / "killed")[-1]["step"] == 2, killed.stderr[-2000:]
+    for after in afters:
+        tol, n_full = (1e-6, after) if before == after else (1e-5, 1)
+        full, run = tmp_path / f"full{n_full}", tmp_path / f"on{after}"
+        if not full.exists():
+            assert run_fast("sft.py", args + ["--out_dir", str(full)], nproc=n_full).returncode == 0
+        shutil.copytree(tmp_path / "killed", run)
+        resumed = run_fast("sft.py", args + ["--out_dir", str(run), "--resume"], nproc=after)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert (f"written by {before} rank(s), resumed on {after}" in resumed.stdout) == (before != after)
+        want, got = read_metrics(full), read_metrics(run)
+        assert [r["step"] for r in got] == [r["step"] for r in want]
+        for a, b in zip(want[-2:], got[-2:]):
+            assert b["loss"] == pytest.approx(a["loss"], rel=tol), (after, a, b)
+        assert max_abs_diff(checkpoint_weights(full), checkpoint_weights(run)) < tol, after
 
 
-@pytest.mark.parametrize("config", ["GPT2Config", "LlamaConfig"])
-def test_only_rank_0_reads_the_weights_and_every_rank_gets_them(tmp_path, config):
+def test_only_rank_0_reads_the_weights_and_every_rank_gets_them(tmp_path):
     """GPT-2 (tied input and output embeddings) and Llama (rotary frequencies in a buffer no
     state dict holds), each saved to a folder, loaded on 2 ranks with load_model(..., d)."""
     import torch
@@ -61,14 +65,18 @@ def test_only_rank_0_reads_the_weights_and_every_rank_gets_them(tmp_path, config
     from helpers import family_tokenizer
 
     tok = family_tokenizer("bpe")
-    cfg = getattr(transformers, config)(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                        intermediate_size=64, max_position_embeddings=64, n_inner=64)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
-    tok.save_pretrained(tmp_path)
-    r = run_worker("loaded_from_rank0", tmp_path)
+    for config in ("GPT2Config", "LlamaConfig"):
+        cfg = getattr(transformers, config)(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2,
+                                            num_attention_heads=2, intermediate_size=64, max_position_embeddings=64,
+                                            n_inner=64)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / config)
+        tok.save_pretrained(tmp_path / config)
+    r = run_worker("loaded_from_rank0", tmp_path / "GPT2Config", tmp_path / "LlamaConfig")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    assert "rank 0 ok: read before sharding" in r.stdout and "rank 1 ok: meta before sharding" in r.stdout
+    for config in ("GPT2Config", "LlamaConfig"):
+        assert f"{config}: rank 0 ok: read before sharding" in r.stdout, r.stdout
+        assert f"{config}: rank 1 ok: meta before sharding" in r.stdout, r.stdout
 
 
 def test_hsdp_2_by_2_matches_one_process(tmp_path):

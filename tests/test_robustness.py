@@ -281,3 +281,24 @@ def test_save_dtype_exports_bf16_while_resume_keeps_the_fp32_state(tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     for a, b in zip(read_metrics(tmp_path / "fp32")[-2:], read_metrics(tmp_path / "resumed")[-2:]):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=0), (a, b)
+
+
+def test_ctrl_c_inside_a_sharded_save_ends_like_any_ctrl_c(tmp_path, monkeypatch):
+    """torch.distributed.checkpoint wraps whatever its workers raise, a KeyboardInterrupt too, in
+    a CheckpointException: a Ctrl-C that struck while a checkpoint was written ended in a
+    traceback and exit 1. It now ends as any Ctrl-C does: exit 130 and the line naming the last
+    whole checkpoint (step 2; the one of step 4 was being written)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    plan, calls = FileSystemWriter.prepare_local_plan, []
+
+    def interrupted_at_the_second_save(self, *a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return plan(self, *a, **kw)
+
+    monkeypatch.setattr(FileSystemWriter, "prepare_local_plan", interrupted_at_the_second_save)
+    r = run_fast("sft.py", ["--steps", "6", "--save_every", "2", "--out_dir", str(tmp_path / "run")])
+    assert r.returncode == 130 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert f"interrupted. Last checkpoint: {tmp_path / 'run' / 'checkpoint'} (step 2)" in r.stderr
