@@ -31,41 +31,90 @@ class Config:
     runs: str = "runs"
     """folder that holds one sub-folder per stage"""
     redo: str = ""
-    """comma-separated stages to run again even if finished (sft, rm, dpo, grpo_rm, grpo_gold, kl), or `all`"""
-    kl_compare: bool = True
-    """run the KL-estimator comparison: short GRPO runs optimising k1, k2, k3, ratio*k1 at one beta, and none"""
+    """comma-separated stages to run again even if finished (sft, rm, dpo, grpo_rm, grpo_gold, kl, overopt), or `all`"""
+    seeds: int = 1
+    """seeds of the five stages (0, 1, ...): seed 0 in RUNS/<stage>, seed k in RUNS/seed<k>/<stage>; the table
+    gives mean +- std over them [>= 1]"""
+    kl_compare: bool = False
+    """also run the KL-estimator comparison: short GRPO runs optimising k1, k2, k3, ratio*k1 at one beta, and
+    none, from seed 0's SFT model, each with --study_seeds seeds"""
     kl_beta: float = 0.5
     """beta of the KL-estimator comparison runs [> 0]"""
     kl_steps: int = 20
     """steps of each KL-estimator comparison run [>= 1]"""
+    overopt: bool = False
+    """also run the over-optimisation study: GRPO on seed 0's learned reward at each of --overopt_betas, each
+    with --study_seeds seeds, logging the reward-model score and the gold reward of the samples against KL"""
+    overopt_betas: str = "0.04,0.2,1.0"
+    """comma-separated KL coefficients of the over-optimisation runs"""
+    overopt_steps: int = 30
+    """steps of each over-optimisation run [>= 1]"""
+    study_seeds: int = 3
+    """seeds of each KL-estimator and over-optimisation run [>= 3]"""
     plots: bool = True
     """write the PNG plots (plots/plot.py) after the table"""
 
 
 SAVE_EVERY = 50  # steps between the resumable checkpoints of every stage (~0.1 s each for the tiny model)
 KL_RUNS = ("none", "k1", "k2", "k3", "ratio_k1")  # the KL term in the loss of each comparison run
+MAIN = ("sft", "rm", "dpo", "grpo_rm", "grpo_gold")
+
+
+def seed_dir(runs, seed):
+    """Seed 0 is the default run (RUNS/sft is every script's default --model); seed k > 0 lives in RUNS/seed<k>."""
+    return runs if seed == 0 else os.path.join(runs, f"seed{seed}")
+
+
+def kl_dir(runs, est, seed):
+    return os.path.join(runs, "kl", est, f"seed{seed}")
+
+
+def overopt_dir(runs, beta, seed):
+    return os.path.join(runs, "overopt", f"beta{beta}", f"seed{seed}")
+
+
+def overopt_betas(cfg):
+    try:
+        betas = [b.strip() for b in cfg.overopt_betas.split(",") if b.strip()]
+        if not betas or any(float(b) < 0 for b in betas):
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"--overopt_betas {cfg.overopt_betas!r}: expected comma-separated numbers >= 0") from None
+    return betas
 
 
 def stages(cfg):
-    r = lambda name: os.path.join(cfg.runs, name)  # noqa: E731
-    out = [
-        ("sft", ["sft.py", "--out_dir", r("sft")]),
-        ("rm", ["reward.py", "--model", r("sft"), "--out_dir", r("rm")]),
-        ("dpo", ["dpo.py", "--model", r("sft"), "--out_dir", r("dpo")]),
-        # beta 1.0: at the default 0.04 the policy over-optimises the learned reward within 10 steps
-        # (longer answers score higher; the gold reward falls), see README
-        ("grpo_rm", ["grpo.py", "--model", r("sft"), "--reward_model", r("rm"), "--beta", "1.0",
-                     "--out_dir", r("grpo_rm")]),
-        ("grpo_gold", ["grpo.py", "--model", r("sft"), "--out_dir", r("grpo_gold")]),
-    ]
-    if cfg.kl_compare:  # one pass per rollout, so rho = 1 and the estimators differ only by their gradients
+    """(group, argv) of every run, in order; the group is what --redo names."""
+    out = []
+    for seed in range(cfg.seeds):
+        r = lambda name: os.path.join(seed_dir(cfg.runs, seed), name)  # noqa: E731
+        s = ["--seed", str(seed)]
+        out += [
+            ("sft", ["sft.py", "--out_dir", r("sft"), *s]),
+            ("rm", ["reward.py", "--model", r("sft"), "--out_dir", r("rm"), *s]),
+            ("dpo", ["dpo.py", "--model", r("sft"), "--out_dir", r("dpo"), *s]),
+            # beta 1.0: at the default 0.04 the policy over-optimises the learned reward within 10 steps
+            # (longer answers score higher; the gold reward falls): the --overopt study
+            ("grpo_rm", ["grpo.py", "--model", r("sft"), "--reward_model", r("rm"), "--beta", "1.0",
+                         "--out_dir", r("grpo_rm"), *s]),
+            ("grpo_gold", ["grpo.py", "--model", r("sft"), "--out_dir", r("grpo_gold"), *s]),
+        ]
+    sft, rm = os.path.join(cfg.runs, "sft"), os.path.join(cfg.runs, "rm")
+    for seed in range(cfg.study_seeds) if cfg.kl_compare else ():
+        # one pass per rollout, so rho = 1 and the estimators differ only by their gradients
         for est in KL_RUNS:
             beta = "0" if est == "none" else str(cfg.kl_beta)
-            out.append((f"kl_{est}", ["grpo.py", "--model", r("sft"), "--out_dir", r(f"kl_{est}"), "--kl_estimator",
-                                      "k3" if est == "none" else est, "--beta", beta, "--steps", str(cfg.kl_steps),
-                                      "--prompts_per_step", "16", "--num_iterations", "1", "--num_mini_batches", "1",
-                                      "--lr", "3e-4", "--eval_every", str(cfg.kl_steps), "--n_eval", "200",
-                                      "--n_eval_pairs", "200"]))
+            out.append(("kl", ["grpo.py", "--model", sft, "--out_dir", kl_dir(cfg.runs, est, seed), "--kl_estimator",
+                               "k3" if est == "none" else est, "--beta", beta, "--steps", str(cfg.kl_steps),
+                               "--prompts_per_step", "16", "--num_iterations", "1", "--num_mini_batches", "1",
+                               "--lr", "3e-4", "--eval_every", str(cfg.kl_steps), "--n_eval", "200",
+                               "--n_eval_pairs", "200", "--seed", str(seed)]))
+    for seed in range(cfg.study_seeds) if cfg.overopt else ():
+        for beta in overopt_betas(cfg):  # the samples' RM score and gold reward are logged every step
+            out.append(("overopt", ["grpo.py", "--model", sft, "--reward_model", rm, "--beta", beta,
+                                    "--out_dir", overopt_dir(cfg.runs, beta, seed), "--steps", str(cfg.overopt_steps),
+                                    "--eval_every", str(cfg.overopt_steps), "--n_eval", "200",
+                                    "--n_eval_pairs", "200", "--seed", str(seed)]))
     return [(name, argv + ["--save_every", str(SAVE_EVERY)]) for name, argv in out]
 
 
@@ -82,7 +131,7 @@ def state_of(out_dir):
 
 def run_stage(name, argv, cfg, times):
     out_dir = argv[argv.index("--out_dir") + 1]
-    redo = cfg.redo == "all" or name in cfg.redo.split(",") or (name.startswith("kl_") and "kl" in cfg.redo.split(","))
+    redo = cfg.redo == "all" or name in cfg.redo.split(",")
     state = state_of(out_dir)
     if state == "done" and not redo:
         print(f"== {name}: done already ({out_dir}), skipped", flush=True)
@@ -105,7 +154,7 @@ def run_stage(name, argv, cfg, times):
                 proc.kill()
     if rc != 0:
         raise SystemExit(f"stage {name} failed: {' '.join(cmd)}")
-    times[name] = round(time.time() - t0, 1)
+    times[os.path.relpath(out_dir, cfg.runs)] = round(time.time() - t0, 1)
 
 
 def _end_with_parent():
@@ -121,54 +170,142 @@ def _end_with_parent():
 # the results table
 
 
+def read_rows(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def last_eval(out_dir):
     """The last value of every eval/* metric of a run."""
     found = {}
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        for line in f:
-            row = json.loads(line)
-            found |= {k: v for k, v in row.items() if k.startswith("eval/")}
-            if row["step"] == 0:
-                found |= {f"start/{k}": v for k, v in row.items() if k.startswith("eval/")}
+    for row in read_rows(out_dir):
+        found |= {k: v for k, v in row.items() if k.startswith("eval/")}
+        if row["step"] == 0:
+            found |= {f"start/{k}": v for k, v in row.items() if k.startswith("eval/")}
     return found
 
 
+def stats(values):
+    """mean, sample std (0 for one value), min, max of a list of numbers."""
+    n = len(values)
+    mean = sum(values) / n
+    std = (sum((v - mean) ** 2 for v in values) / (n - 1)) ** 0.5 if n > 1 else 0.0
+    return {"mean": mean, "std": std, "min": min(values), "max": max(values), "n": n}
+
+
+def cell(values, digits=3):
+    """A table cell: the value of one seed, or mean +- std of several."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return ""
+    s = stats(values)
+    return f"{s['mean']:.{digits}f}" if s["n"] == 1 else f"{s['mean']:.{digits}f} ± {s['std']:.{digits}f}"
+
+
+def seconds(times, dirs, runs):
+    """Mean wall time of the runs in dirs (those this folder has times for)."""
+    found = [times[k] for k in (os.path.relpath(d, runs) for d in dirs) if k in times]
+    return f"{sum(found) / len(found):.0f}" if found else ""
+
+
+STAGE_LABELS = [("sft", "SFT"), ("rm", "Reward model"), ("dpo", "DPO"), ("grpo_rm", "GRPO, learned reward"),
+                ("grpo_gold", "GRPO, gold reward")]
+
+
 def results_table(cfg, times):
-    rows = [("SFT", "sft"), ("Reward model", "rm"), ("DPO", "dpo"), ("GRPO, learned reward", "grpo_rm"),
-            ("GRPO, gold reward", "grpo_gold")]
-    fmt = lambda v: "" if v is None else f"{v:.3f}"  # noqa: E731
+    """The five stages' held-out figures, mean +- std over the seeds; and every seed's figures."""
     lines = ["| stage | pairwise accuracy (held-out) | Bayes ceiling | accuracy / ceiling | greedy exact-match | "
              "gold reward | wall time (s) |", "|---|---|---|---|---|---|---|"]
-    data = {}
-    for label, name in rows:
-        ev = last_eval(os.path.join(cfg.runs, name))
-        data[name] = ev
-        acc, bayes = ev.get("eval/accuracy"), ev.get("eval/bayes_accuracy")
-        ratio = acc / bayes if acc is not None and bayes else None
-        lines.append(f"| {label} | {fmt(acc)} | {fmt(bayes)} | {fmt(ratio)} | {fmt(ev.get('eval/exact_match'))} | "
-                     f"{fmt(ev.get('eval/gold_reward'))} | {times.get(name, '')} |")
-    return "\n".join(lines), data
+    by_seed = {}
+    for name, label in STAGE_LABELS:
+        dirs = [os.path.join(seed_dir(cfg.runs, s), name) for s in range(cfg.seeds)]
+        evs = [last_eval(d) for d in dirs]
+        for ev in evs:
+            if ev.get("eval/accuracy") is not None and ev.get("eval/bayes_accuracy"):
+                ev["eval/accuracy_over_bayes"] = ev["eval/accuracy"] / ev["eval/bayes_accuracy"]
+        by_seed[name] = evs
+        col = lambda key: cell([ev.get(key) for ev in evs])  # noqa: E731
+        lines.append(f"| {label} | {col('eval/accuracy')} | {col('eval/bayes_accuracy')} | "
+                     f"{col('eval/accuracy_over_bayes')} | {col('eval/exact_match')} | {col('eval/gold_reward')} | "
+                     f"{seconds(times, dirs, cfg.runs)} |")
+    return "\n".join(lines), by_seed
 
 
-def kl_table(cfg, times):
-    """The KL-estimator runs: measured KL (the k3 monitor `kl`) averaged over the second half of
-    the steps, and the gold reward of the greedy answers at the end."""
+def kl_curves(cfg):
+    """Per estimator: every seed's measured KL (the k3 monitor `kl`) at each step, and its final evaluation."""
+    out = {}
+    for est in KL_RUNS:
+        dirs = [kl_dir(cfg.runs, est, s) for s in range(cfg.study_seeds)]
+        rows = [read_rows(d) for d in dirs]
+        out[est] = {"beta": 0 if est == "none" else cfg.kl_beta,
+                    "steps": [r["step"] for r in rows[0] if "kl" in r],
+                    "kl_by_seed": [[r["kl"] for r in rs if "kl" in r] for rs in rows],
+                    "eval_by_seed": [last_eval(d) for d in dirs], "dirs": dirs}
+    return out
+
+
+def kl_table(cfg, curves, times):
+    """Measured KL averaged over the second half of the steps, and the greedy answers at the end:
+    mean +- std over the seeds."""
     lines = ["| KL term in the loss | beta | measured KL, mean of the last half of the steps | greedy exact-match | "
              "gold reward | wall time (s) |", "|---|---|---|---|---|---|"]
-    for est in KL_RUNS:
-        out_dir = os.path.join(cfg.runs, f"kl_{est}")
-        with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-            rows = [json.loads(line) for line in f]
-        kls = [r["kl"] for r in rows if "kl" in r and r["step"] > cfg.kl_steps // 2]
-        ev = last_eval(out_dir)
-        label, beta = ("none", 0) if est == "none" else (est, cfg.kl_beta)
-        lines.append(f"| {label} | {beta} | {sum(kls) / len(kls):.4f} | {ev['eval/exact_match']:.3f} | "
-                     f"{ev['eval/gold_reward']:.3f} | {times.get(f'kl_{est}', '')} |")
+    for est, c in curves.items():
+        half = [[v for step, v in zip(c["steps"], kls) if step > cfg.kl_steps // 2] for kls in c["kl_by_seed"]]
+        c["kl_last_half"] = [sum(h) / len(h) for h in half]
+        evs = c["eval_by_seed"]
+        lines.append(f"| {est} | {c['beta']} | {cell(c['kl_last_half'], 4)} | "
+                     f"{cell([e['eval/exact_match'] for e in evs])} | {cell([e['eval/gold_reward'] for e in evs])} | "
+                     f"{seconds(times, c['dirs'], cfg.runs)} |")
+    return "\n".join(lines)
+
+
+def overopt_curves(cfg):
+    """Per beta: every seed's samples at each step, their reward-model score, gold reward and
+    sqrt(KL) with KL per response (the per-token k3 monitor times the mean response length, which
+    is the sum over a response's tokens averaged over the responses), as Gao et al. 2022 plot them."""
+    out = {}
+    for beta in overopt_betas(cfg):
+        dirs = [overopt_dir(cfg.runs, beta, s) for s in range(cfg.study_seeds)]
+        rows = [[r for r in read_rows(d) if "kl" in r] for d in dirs]
+        out[beta] = {"steps": [r["step"] for r in rows[0]],
+                     "sqrt_kl_by_seed": [[max(r["kl"] * r["completions/mean_length"], 0.0) ** 0.5 for r in rs]
+                                         for rs in rows],
+                     "rm_by_seed": [[r["reward/model"] for r in rs] for rs in rows],
+                     "gold_by_seed": [[r["reward/rule"] for r in rs] for rs in rows],
+                     "eval_by_seed": [last_eval(d) for d in dirs], "dirs": dirs}
+    return out
+
+
+def _smoothed_mean(by_seed, window=3):
+    """Mean over the seeds at each step, then a centred moving average of `window` steps."""
+    mean = [sum(col) / len(col) for col in zip(*by_seed)]
+    h = window // 2
+    return [sum(mean[max(0, i - h):i + h + 1]) / len(mean[max(0, i - h):i + h + 1]) for i in range(len(mean))]
+
+
+def overopt_table(cfg, curves, times):
+    """Where the gold reward of the samples peaks and where it ends, against the RM's score."""
+    lines = ["| beta | sqrt(KL) at the end | RM score of the samples: start -> end | gold reward of the samples: "
+             "start -> peak (at sqrt KL) -> end | greedy gold reward at the end | wall time (s) |",
+             "|---|---|---|---|---|---|"]
+    for beta, c in curves.items():
+        gold = _smoothed_mean(c["gold_by_seed"])
+        sqrt_kl = [sum(col) / len(col) for col in zip(*c["sqrt_kl_by_seed"])]
+        peak = max(range(len(gold)), key=gold.__getitem__)
+        end = lambda by_seed: [sum(s[-3:]) / len(s[-3:]) for s in by_seed]  # noqa: E731  last 3 steps, per seed
+        start = lambda by_seed: [s[0] for s in by_seed]  # noqa: E731
+        c["peak"] = {"step": c["steps"][peak], "gold": gold[peak], "sqrt_kl": sqrt_kl[peak]}
+        lines.append(f"| {beta} | {cell(end(c['sqrt_kl_by_seed']), 2)} | {cell(start(c['rm_by_seed']), 2)} -> "
+                     f"{cell(end(c['rm_by_seed']), 2)} | {cell(start(c['gold_by_seed']))} -> {gold[peak]:.3f} "
+                     f"({sqrt_kl[peak]:.2f}, step {c['steps'][peak]}) -> {cell(end(c['gold_by_seed']))} | "
+                     f"{cell([e['eval/gold_reward'] for e in c['eval_by_seed']])} | "
+                     f"{seconds(times, c['dirs'], cfg.runs)} |")
     return "\n".join(lines)
 
 
 def main(cfg):
     common.check_ranges(cfg)
+    overopt_betas(cfg)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so that the running stage is ended
     os.makedirs(cfg.runs, exist_ok=True)
     times_path = os.path.join(cfg.runs, "pipeline_times.json")
@@ -178,23 +315,34 @@ def main(cfg):
         run_stage(name, argv, cfg, times)
         with open(times_path, "w") as f:
             json.dump(times, f, indent=1)
-    table, data = results_table(cfg, times)
-    kl_runs = [os.path.join(cfg.runs, f"kl_{e}") for e in KL_RUNS]
-    has_kl = all(os.path.isfile(os.path.join(p, "metrics.jsonl")) for p in kl_runs)
-    if has_kl:
-        table += f"\n\nKL estimators, GRPO with the gold reward, {cfg.kl_steps} steps:\n\n" + kl_table(cfg, times)
+    seeds = "seed 0" if cfg.seeds == 1 else f"mean ± std over seeds 0-{cfg.seeds - 1}"
+    table, by_seed = results_table(cfg, times)
+    table = f"The five stages ({seeds}):\n\n{table}"
+    results = {"seeds": cfg.seeds, "eval_by_seed": by_seed,
+               "eval": {k: {m: stats([e[m] for e in evs if m in e])["mean"] for m in evs[0]} for k, evs in by_seed.items()},
+               "eval_std": {k: {m: stats([e[m] for e in evs if m in e])["std"] for m in evs[0]}
+                            for k, evs in by_seed.items()}}
+    study = f"mean ± std over seeds 0-{cfg.study_seeds - 1}, each from seed 0's SFT model"
+    if cfg.kl_compare:
+        curves = kl_curves(cfg)
+        table += (f"\n\nKL estimators, GRPO with the gold reward, {cfg.kl_steps} steps ({study}):\n\n"
+                  + kl_table(cfg, curves, times))
+        results["kl"] = curves
+    if cfg.overopt:
+        curves = overopt_curves(cfg)
+        table += (f"\n\nOver-optimisation, GRPO on the learned reward, {cfg.overopt_steps} steps ({study} and "
+                  "reward model; the peak is of the seeds' mean, 3-step average):\n\n" + overopt_table(cfg, curves, times))
+        results["overopt"] = curves
+    results["wall_time_s"] = times
     with open(os.path.join(cfg.runs, "results.md"), "w") as f:
         f.write(table + "\n")
     with open(os.path.join(cfg.runs, "results.json"), "w") as f:
-        json.dump({"eval": data, "wall_time_s": times}, f, indent=1)
+        json.dump(results, f, indent=1)
     if cfg.plots:
-        runs = [os.path.join(cfg.runs, n) for n in ("sft", "rm", "dpo", "grpo_rm", "grpo_gold")]
-        cmd = [sys.executable, "plots/plot.py", *runs, "--summary", os.path.join(cfg.runs, "results.json"),
-               "--out", os.path.join(cfg.runs, "plots")]
-        subprocess.run(cmd, check=True)
-        if has_kl:
-            subprocess.run([sys.executable, "plots/plot.py", "--kl_compare", *kl_runs, "--out",
-                            os.path.join(cfg.runs, "plots")], check=True)
+        out = os.path.join(cfg.runs, "plots")
+        subprocess.run([sys.executable, "plots/plot.py", *(os.path.join(cfg.runs, n) for n in MAIN), "--out", out],
+                       check=True)
+        subprocess.run([sys.executable, "plots/plot.py", "--figures", cfg.runs, "--out", out], check=True)
     print(f"\nResults on the embedded sort task ({time.time() - t0:.0f} s this invocation; runs in {cfg.runs}/):\n")
     print(table)
 

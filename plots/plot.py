@@ -2,6 +2,11 @@
 
     python plots/plot.py RUN_DIR [RUN_DIR ...] --out DIR          # one figure per run
     python plots/plot.py --kl_compare RUN_DIR ... --out DIR       # KL estimators side by side
+    python plots/plot.py                                          # the README's figures: runs/ -> plots/
+
+The README's figures (plots/*.png) are drawn from pipeline.py's runs/results.json (the summary;
+with --kl_compare and --overopt, the KL estimators and over-optimisation curves over the seeds)
+and from bench/results/ (the TRL comparison).
 
 A run's kind (sft, rm, dpo, grpo) is read from the metric keys it logged, or from its
 run_config.json; each figure is a grid of panels, and panels whose metrics are absent are
@@ -252,40 +257,70 @@ SUMMARY_STAGES = [("sft", "SFT"), ("rm", "reward\nmodel"), ("dpo", "DPO"), ("grp
                   ("grpo_gold", "GRPO\ngold reward")]
 
 
+def _by_seed(results, stage, *keys):
+    """Every seed's value of the first of keys that a stage's evaluation holds (results.json of
+    pipeline.py; a file without eval_by_seed counts as one seed)."""
+    evals = results.get("eval_by_seed", {}).get(stage) or [results["eval"][stage]]
+    for key in keys:
+        vals = [e[key] for e in evals if e.get(key) is not None]
+        if vals:
+            return vals
+    return []
+
+
+def _mean_std(vals):
+    mean = sum(vals) / len(vals)
+    return mean, (sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5 if len(vals) > 1 else 0.0
+
+
 def plot_summary(results_path, out_dir):
     """The pipeline's results (pipeline.py's results.json) as two bar charts: held-out pairwise
-    accuracy against the Bayes ceiling, and greedy exact-match and gold reward per stage."""
+    accuracy against the Bayes ceiling, and greedy exact-match and gold reward per stage; with
+    several seeds, bars are means, whiskers one std, dots the seeds."""
     with open(results_path) as f:
-        evals = json.load(f)["eval"]
+        results = json.load(f)
+    evals = results["eval"]
+    n_seeds = results.get("seeds", 1)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
     names = [(k, label) for k, label in SUMMARY_STAGES if k in evals]
-    acc = [(label, evals[k].get("eval/accuracy", evals[k].get("eval/pref_accuracy"))) for k, label in names]
-    acc = [(label, v) for label, v in acc if v is not None]
-    ax1.bar([label for label, _ in acc], [v for _, v in acc], color="tab:blue")
-    bayes = [evals[k]["eval/bayes_accuracy"] for k, _ in names if "eval/bayes_accuracy" in evals[k]]
+
+    def bars(ax, x, vals, **kw):
+        mean, std = _mean_std(vals)
+        ax.bar(x, mean, yerr=std if len(vals) > 1 else None, capsize=4, **kw)
+        if len(vals) > 1:
+            ax.plot([x] * len(vals), vals, "k.", ms=4, zorder=3)
+        return mean, std
+
+    acc = [(label, _by_seed(results, k, "eval/accuracy", "eval/pref_accuracy")) for k, label in names]
+    acc = [(label, v) for label, v in acc if v]
+    for i, (_, vals) in enumerate(acc):
+        mean, std = bars(ax1, i, vals, color="tab:blue")
+        ax1.text(i, mean + std + 0.01, f"{mean:.3f}", ha="center")
+    ax1.set_xticks(range(len(acc)), [label for label, _ in acc])
+    bayes = [v for k, _ in names for v in _by_seed(results, k, "eval/bayes_accuracy")]
     if bayes:
-        ax1.axhline(bayes[0], color="black", linestyle="--", label=f"Bayes ceiling {bayes[0]:.3f}")
+        b = sum(bayes) / len(bayes)
+        ax1.axhline(b, color="black", linestyle="--", label=f"Bayes ceiling {b:.3f}" + (" (mean)" if n_seeds > 1 else ""))
         ax1.legend(loc="lower right")
     ax1.axhline(0.5, color="grey", linewidth=0.8)
-    for i, (_, v) in enumerate(acc):
-        ax1.text(i, v + 0.01, f"{v:.3f}", ha="center")
     ax1.set_ylim(0.4, 1.0)
     ax1.set_ylabel("accuracy on held-out preference pairs")
-    ax1.set_title("Which completion is preferred? (RM score; DPO/GRPO: beta log pi/pi_ref)")
-    gen = [(label, evals[k]) for k, label in names if "eval/exact_match" in evals[k]]
-    xs = range(len(gen))
+    ax1.set_title("Held-out pairs ranked right (RM score; DPO, GRPO: beta log pi/pi_ref)", fontsize=10)
+    gen = [(k, label) for k, label in names if _by_seed(results, k, "eval/exact_match")]
     for off, key, label in ((-0.2, "eval/exact_match", "greedy exact-match"), (0.2, "eval/gold_reward", "gold reward")):
-        vals = [e[key] for _, e in gen]
-        ax2.bar([x + off for x in xs], vals, width=0.4, label=label)
-        for x, v in zip(xs, vals):
-            ax2.text(x + off, v + 0.01, f"{v:.2f}", ha="center", fontsize=8)
-    ax2.set_xticks(list(xs), [label for label, _ in gen])
+        for x, (k, _) in enumerate(gen):
+            mean, std = bars(ax2, x + off, _by_seed(results, k, key), width=0.4, color=f"C{0 if off < 0 else 1}",
+                             label=label if x == 0 else None)
+            ax2.text(x + off, mean + std + 0.01, f"{mean:.2f}", ha="center", fontsize=8)
+    ax2.set_xticks(range(len(gen)), [label for _, label in gen])
     ax2.set_ylim(0, 1.1)
     ax2.set_ylabel("on held-out prompts (SFT, DPO: 200; GRPO: 500)")
     ax2.set_title("Greedy answers: exact-match and gold reward")
     ax2.legend(loc="upper left")
     for ax in (ax1, ax2):
         ax.grid(axis="y", alpha=0.3)
+    if n_seeds > 1:
+        fig.suptitle(f"Mean over {n_seeds} seeds (whiskers: one std; dots: the seeds)")
     fig.tight_layout()
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "summary.png")
@@ -294,21 +329,164 @@ def plot_summary(results_path, out_dir):
     return path
 
 
+def _band(ax, xs, by_seed, color, label, lw=1.8):
+    """The mean over the seeds as a line and their min-max as a band."""
+    cols = list(zip(*by_seed))
+    mean = [sum(c) / len(c) for c in cols]
+    ax.plot(xs, mean, color=color, lw=lw, label=label)
+    if len(by_seed) > 1:
+        ax.fill_between(xs, [min(c) for c in cols], [max(c) for c in cols], color=color, alpha=0.18, lw=0)
+
+
+def plot_kl_bands(results, out_dir):
+    """The KL-estimator comparison of pipeline.py --kl_compare: measured KL over the steps (mean
+    over the seeds, band min-max) and the greedy answers at the end."""
+    kl = results["kl"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.4), gridspec_kw={"width_ratios": [1.6, 1]})
+    n = len(next(iter(kl.values()))["kl_by_seed"])
+    for i, (est, c) in enumerate(kl.items()):
+        label = "none (beta=0)" if c["beta"] == 0 else f"{est} (beta={c['beta']})"
+        _band(ax1, c["steps"], c["kl_by_seed"], f"C{i}", label)
+    ax1.set_title(f"Measured KL by the KL term in the loss (mean of {n} seeds, band: min-max)")
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("KL(pi || pi_ref), k3 estimate per token")
+    ax1.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax1.grid(True, alpha=0.3)
+    ax1.legend()
+    for j, (key, label) in enumerate((("eval/gold_reward", "gold reward"), ("eval/exact_match", "exact-match"))):
+        for i, c in enumerate(kl.values()):
+            vals = [e[key] for e in c["eval_by_seed"]]
+            mean, std = _mean_std(vals)
+            x = i + (j - 0.5) * 0.4
+            ax2.bar(x, mean, width=0.4, yerr=std, capsize=3, color=f"C{i}", alpha=1.0 if j == 0 else 0.5,
+                    label=label if i == 0 else None, edgecolor="k", lw=0.5)
+            ax2.plot([x] * len(vals), vals, "k.", ms=3)
+    ax2.set_xticks(range(len(kl)), list(kl))
+    ax2.set_ylim(0, 1)
+    ax2.set_title("Greedy answers at the end (dark: gold reward, light: exact-match)")
+    ax2.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "kl_estimators.png")
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def centred_average(values, window=3):
+    h = window // 2
+    return [sum(values[max(0, i - h):i + h + 1]) / len(values[max(0, i - h):i + h + 1]) for i in range(len(values))]
+
+
+def plot_overopt(results, out_dir):
+    """Reward over-optimisation (Gao, Schulman and Hilton 2022, arXiv:2210.10760): the gold reward
+    and the learned reward model's score of the policy's samples against sqrt(KL) to the start,
+    one colour per beta; thin lines are the seeds, thick the mean over them at each step (a
+    centred 3-step average, as pipeline.py's table takes it)."""
+    runs = results["overopt"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.4))
+    for i, (beta, c) in enumerate(runs.items()):
+        xs_mean = [sum(col) / len(col) for col in zip(*c["sqrt_kl_by_seed"])]
+        for ax, key in ((ax1, "gold_by_seed"), (ax2, "rm_by_seed")):
+            for xs, ys in zip(c["sqrt_kl_by_seed"], c[key]):
+                ax.plot(xs, ys, color=f"C{i}", lw=0.6, alpha=0.35)
+            ys_mean = [sum(col) / len(col) for col in zip(*c[key])]
+            ax.plot(centred_average(xs_mean), centred_average(ys_mean), color=f"C{i}", lw=2, label=f"beta={beta}")
+    n = len(next(iter(runs.values()))["gold_by_seed"])
+    ax1.set_title(f"Gold reward (what we want), mean of {n} seeds")
+    ax1.set_ylabel("gold reward of the samples")
+    ax2.set_title("Learned reward model's score (what GRPO maximises)")
+    ax2.set_ylabel("reward-model score of the samples (normalised)")
+    for ax in (ax1, ax2):
+        ax.set_xlabel("sqrt(KL(pi || pi_start)), KL summed over a response's tokens")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle("Over-optimising a learned reward: GRPO on the pipeline's reward model")
+    fig.tight_layout()
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "overoptimisation.png")
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+TRL_RESULTS = ("trl-grpo-small-cpu.json", "trl-dpo-small-cpu.json")  # bench/trl_compare.py on GPT-2 small
+
+
+def plot_trl(paths, out_dir):
+    """bench/trl_compare.py's results side by side: throughput and peak memory of every variant of
+    ours and of TRL, one group per algorithm."""
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    x, ticks, device = 0, [], ""
+    for path in paths:
+        with open(path) as f:
+            res = json.load(f)
+        device = res["device"]
+        for case in res["cases"]:
+            color = "tab:blue" if case["side"] == "ours" else "tab:orange"
+            ax1.bar(x, case["tokens_per_s"], color=color)
+            ax1.text(x, case["tokens_per_s"], f"{case['tokens_per_s']:.0f}", ha="center", va="bottom", fontsize=8)
+            gib = case["peak_rss_bytes"] / 2**30
+            ax2.bar(x, gib, color=color)
+            ax2.text(x, gib, f"{gib:.1f}", ha="center", va="bottom", fontsize=8)
+            ticks.append((x, f"{case['algo'].upper()}\n{case['variant']}"))
+            x += 1
+        x += 0.6
+    for ax, ylabel in ((ax1, "tokens / s (higher is better)"), (ax2, "peak host memory, GiB (lower is better)")):
+        ax.set_xticks([t for t, _ in ticks], [label for _, label in ticks], fontsize=8)
+        ax.set_ylabel(ylabel)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"Ours (blue) against TRL {res.get('trl', '')} (orange), GPT-2 small, whole training steps, {device}")
+    fig.tight_layout()
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "trl_compare.png")
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def figures(runs, out_dir):
+    """The README's figures: from RUNS/results.json (pipeline.py) the summary, and where that run
+    made them the KL-estimator comparison and the over-optimisation curves; the TRL comparison from
+    bench/results/."""
+    results_path = os.path.join(runs, "results.json")
+    if not os.path.isfile(results_path):
+        raise FileNotFoundError(f"no {results_path}: run `python pipeline.py --runs {runs}` first")
+    with open(results_path) as f:
+        results = json.load(f)
+    paths = [plot_summary(results_path, out_dir)]
+    if "kl" in results:
+        paths.append(plot_kl_bands(results, out_dir))
+    if "overopt" in results:
+        paths.append(plot_overopt(results, out_dir))
+    bench = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", "results", f) for f in TRL_RESULTS]
+    if all(os.path.isfile(p) for p in bench):
+        paths.append(plot_trl(bench, out_dir))
+    return paths
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dirs", nargs="*", help="run out_dirs, each holding metrics.jsonl (and run_config.json)")
     p.add_argument("--summary", help="also draw pipeline.py's results.json as summary.png")
-    p.add_argument("--out", default="plots/out", help="folder for the PNGs")
+    p.add_argument("--out", help="folder for the PNGs (default: plots/ for --figures, else plots/out)")
+    p.add_argument("--figures", metavar="RUNS", help="the README's figures from RUNS/results.json (pipeline.py) and "
+                   "bench/results/ (the default when no run dir is given: --figures runs --out plots)")
     p.add_argument("--kl_compare", action="store_true", help="one KL-estimator comparison figure of all runs")
     p.add_argument("--kind", choices=sorted(PANELS), help="override the detected kind of run")
     p.add_argument("--smooth", type=int, default=0, help="moving-average window over train metrics (0: off)")
     args = p.parse_args(argv)
+    if not args.run_dirs and not args.summary and not args.figures:
+        args.figures = "runs"
+    args.out = args.out or ("plots" if args.figures else "plots/out")
     try:
-        if args.kl_compare:
+        if args.figures:
+            paths = figures(args.figures, args.out)
+        elif args.kl_compare:
             paths = [plot_kl_compare(args.run_dirs, args.out, args.smooth)]
         else:
             paths = [path for d in args.run_dirs for path in plot_run(d, args.out, args.smooth, args.kind)]
-        if args.summary:
+        if args.summary and not args.figures:
             paths.append(plot_summary(args.summary, args.out))
     except (OSError, ValueError) as e:  # a missing or broken metrics file: one clear line, no traceback
         p.exit(1, f"plot.py: error: {e}\n")

@@ -166,3 +166,40 @@ def test_summary_of_pipeline_results(tmp_path):
     results.write_text(json.dumps({"eval": evals, "wall_time_s": {}}))
     other = mpimg.imread(plot.plot_summary(str(results), str(tmp_path / "out2")))
     assert (img != other).any(axis=-1).mean() > 0.001
+
+
+def pipeline_results(scale=1.0):
+    """A results.json as `pipeline.py --seeds 3 --kl_compare --overopt` writes it (pipeline.py's
+    own tables are tested in test_pipeline.py)."""
+    by_seed = {stage: [{"eval/exact_match": 0.3 * scale + 0.02 * s, "eval/gold_reward": 0.6 + 0.01 * s,
+                        "eval/accuracy": 0.65 + 0.01 * s, "eval/bayes_accuracy": 0.75} for s in range(3)]
+               for stage in ("sft", "rm", "dpo", "grpo_rm", "grpo_gold")}
+    steps = list(range(1, 21))
+    kl = {est: {"beta": 0 if est == "none" else 0.5, "steps": steps,
+                "kl_by_seed": [[k * t * (1 + 0.1 * s) * scale for t in steps] for s in range(3)],
+                "eval_by_seed": by_seed["grpo_gold"]}
+          for est, k in (("none", 0.01), ("k1", 0.012), ("k2", 0.004), ("k3", 0.004), ("ratio_k1", 0.003))}
+    overopt = {beta: {"steps": steps, "sqrt_kl_by_seed": [[(b * t) ** 0.5 for t in steps] for s in range(3)],
+                      "rm_by_seed": [[0.1 * t * scale + 0.01 * s for t in steps] for s in range(3)],
+                      "gold_by_seed": [[0.6 + 0.03 * t - 0.002 * b * t * t for t in steps] for s in range(3)]}
+               for beta, b in (("0.04", 3.0), ("1.0", 0.3))}
+    return {"seeds": 3, "eval_by_seed": by_seed, "eval": {k: v[0] for k, v in by_seed.items()}, "kl": kl,
+            "overopt": overopt, "wall_time_s": {}}
+
+
+def test_readme_figures_from_pipeline_results(tmp_path):
+    """`python plots/plot.py` draws the README's figures from runs/results.json and bench/results/:
+    the summary with the seeds' spread, the KL bands, the over-optimisation curves, TRL side by side."""
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "results.json").write_text(json.dumps(pipeline_results()))
+    paths = plot.figures(str(tmp_path / "runs"), str(tmp_path / "out"))
+    names = ["summary.png", "kl_estimators.png", "overoptimisation.png", "trl_compare.png"]
+    assert [os.path.basename(p) for p in paths] == names
+    images = [check_png(p, min_w=800) for p in paths]
+    (tmp_path / "runs" / "results.json").write_text(json.dumps(pipeline_results(scale=2.0)))
+    for name, img in zip(names[:3], images):  # other numbers, other pictures (TRL's come from bench/)
+        other = mpimg.imread(os.path.join(plot.figures(str(tmp_path / "runs"), str(tmp_path / "out2"))[0]).replace(
+            "summary.png", name))
+        assert img.shape == other.shape and (img != other).any(axis=-1).mean() > 0.001, name
+    with pytest.raises(FileNotFoundError, match="pipeline.py --runs"):
+        plot.figures(str(tmp_path / "nothing"), str(tmp_path / "out"))

@@ -1,0 +1,126 @@
+"""pipeline.py's seeds: which runs it launches, and the tables it builds from their metrics
+(checked against hand-computed means, spreads and KL averages on synthetic runs)."""
+import json
+import math
+import os
+
+import pytest
+
+import pipeline
+from helpers import write_jsonl
+
+
+def argv_of(stages, out_dir):
+    return next(argv for _, argv in stages if argv[argv.index("--out_dir") + 1] == out_dir)
+
+
+def flag(argv, name):
+    return argv[argv.index(name) + 1]
+
+
+def test_every_seed_and_study_run_has_its_own_folder_seed_and_inputs(tmp_path):
+    runs = str(tmp_path)
+    cfg = pipeline.Config(runs=runs, seeds=2, kl_compare=True, overopt=True, study_seeds=3, overopt_betas="0.04,1")
+    stages = pipeline.stages(cfg)
+    dirs = [argv[argv.index("--out_dir") + 1] for _, argv in stages]
+    assert len(dirs) == len(set(dirs)) == 2 * 5 + 3 * 5 + 3 * 2
+    for seed, base in ((0, runs), (1, os.path.join(runs, "seed1"))):  # seed 0 where every script looks by default
+        sft, rm = os.path.join(base, "sft"), os.path.join(base, "rm")
+        for stage in pipeline.MAIN:
+            argv = argv_of(stages, os.path.join(base, stage))
+            assert flag(argv, "--seed") == str(seed)
+            if stage != "sft":
+                assert flag(argv, "--model") == sft  # each seed's own SFT model, not seed 0's
+        assert flag(argv_of(stages, os.path.join(base, "grpo_rm")), "--reward_model") == rm
+        assert "--reward_model" not in argv_of(stages, os.path.join(base, "grpo_gold"))
+    for seed in range(3):
+        for est in pipeline.KL_RUNS:
+            argv = argv_of(stages, pipeline.kl_dir(runs, est, seed))
+            assert flag(argv, "--seed") == str(seed) and flag(argv, "--model") == os.path.join(runs, "sft")
+            assert flag(argv, "--beta") == ("0" if est == "none" else str(cfg.kl_beta))
+            assert est == "none" or flag(argv, "--kl_estimator") == est
+        for beta in ("0.04", "1"):
+            argv = argv_of(stages, pipeline.overopt_dir(runs, beta, seed))
+            assert (flag(argv, "--beta"), flag(argv, "--seed")) == (beta, str(seed))
+            assert flag(argv, "--reward_model") == os.path.join(runs, "rm")
+    groups = {name for name, _ in stages}
+    assert groups == {*pipeline.MAIN, "kl", "overopt"}  # what --redo names
+
+
+def test_the_default_runs_only_seed_0_of_the_five_stages(tmp_path):
+    stages = pipeline.stages(pipeline.Config(runs=str(tmp_path)))
+    assert [name for name, _ in stages] == list(pipeline.MAIN)
+    with pytest.raises(SystemExit, match="--overopt_betas"):
+        pipeline.overopt_betas(pipeline.Config(overopt_betas="0.1,x"))
+
+
+def test_stats_and_cells():
+    s = pipeline.stats([1.0, 2.0, 4.0])
+    assert s["mean"] == pytest.approx(7 / 3)
+    assert s["std"] == pytest.approx(math.sqrt(((1 - 7 / 3) ** 2 + (2 - 7 / 3) ** 2 + (4 - 7 / 3) ** 2) / 2))  # n - 1
+    assert (s["min"], s["max"], s["n"]) == (1.0, 4.0, 3)
+    assert pipeline.cell([0.5]) == "0.500" and pipeline.cell([]) == "" and pipeline.cell([None, 0.25], 2) == "0.25"
+    assert pipeline.cell([0.1, 0.3]) == f"0.200 ± {math.sqrt(0.02):.3f}"
+
+
+def _run(path, rows):
+    os.makedirs(path, exist_ok=True)
+    write_jsonl(os.path.join(path, "metrics.jsonl"), rows)
+
+
+def test_tables_average_the_seeds_and_the_last_half_of_the_kl_steps(tmp_path):
+    runs = str(tmp_path)
+    cfg = pipeline.Config(runs=runs, seeds=2, kl_compare=True, overopt=True, study_seeds=3, kl_steps=4,
+                          overopt_betas="0.5")
+    for seed in range(2):
+        base = pipeline.seed_dir(runs, seed)
+        _run(os.path.join(base, "sft"), [{"step": 0, "eval/exact_match": 0.0, "eval/gold_reward": 0.1},
+                                         {"step": 9, "eval/exact_match": 0.3 + 0.1 * seed, "eval/gold_reward": 0.6}])
+        for stage in ("rm", "dpo", "grpo_rm", "grpo_gold"):
+            _run(os.path.join(base, stage), [{"step": 5, "eval/accuracy": 0.6 + 0.02 * seed,
+                                              "eval/bayes_accuracy": 0.75 + 0.05 * seed}])
+    table, by_seed = pipeline.results_table(cfg, {"sft": 10.0, "seed1/sft": 20.0})
+    assert [e["eval/exact_match"] for e in by_seed["sft"]] == [0.3, 0.4]  # the last evaluation, not step 0's
+    ratios = [0.6 / 0.75, 0.62 / 0.8]  # per seed, then averaged: not mean(acc) / mean(bayes)
+    assert [e["eval/accuracy_over_bayes"] for e in by_seed["rm"]] == pytest.approx(ratios)
+    rm_line = next(line for line in table.splitlines() if line.startswith("| Reward model"))
+    assert pipeline.cell(ratios) in rm_line and "0.610 ± 0.014" in rm_line
+    assert next(line for line in table.splitlines() if line.startswith("| SFT")).endswith("| 15 |")
+
+    kl = {"none": 0.5, "k1": 0.4, "k2": 0.1, "k3": 0.1, "ratio_k1": 0.05}
+    for seed in range(3):
+        for est, scale in kl.items():  # KL at step s: scale * s * (1 + seed); steps 3 and 4 are the last half
+            rows = [{"step": s, "kl": scale * s * (1 + seed)} for s in range(1, 5)]
+            _run(pipeline.kl_dir(runs, est, seed), rows + [{"step": 4, "eval/exact_match": 0.5,
+                                                            "eval/gold_reward": 0.8 + 0.01 * seed}])
+        rows = [{"step": s, "kl": 0.01 * s * s, "completions/mean_length": 4.0 + seed, "reward/model": 0.3 * s,
+                 "reward/rule": 0.5 + 0.24 * s - 0.04 * s * s} for s in range(1, 6)]
+        _run(pipeline.overopt_dir(runs, "0.5", seed), rows + [{"step": 5, "eval/gold_reward": 0.7}])
+    curves = pipeline.kl_curves(cfg)
+    pipeline.kl_table(cfg, curves, {})
+    for est, scale in kl.items():
+        assert curves[est]["kl_last_half"] == pytest.approx([scale * 3.5 * (1 + seed) for seed in range(3)])
+    oo = pipeline.overopt_curves(cfg)["0.5"]
+    assert oo["sqrt_kl_by_seed"][2] == pytest.approx([math.sqrt(0.01 * s * s * 6.0) for s in range(1, 6)])
+    table = pipeline.overopt_table(cfg, {"0.5": oo}, {})
+    gold = [0.5 + 0.24 * s - 0.04 * s * s for s in range(1, 6)]  # 0.70 0.82 0.86 0.82 0.70: the peak is step 3's
+    assert oo["peak"]["step"] == 3 and oo["peak"]["gold"] == pytest.approx(sum(gold[1:4]) / 3)
+    assert f"{sum(gold[-3:]) / 3:.3f} ± 0.000" in table
+
+
+def test_main_writes_the_tables_and_results_json(tmp_path, monkeypatch, capsys):
+    """main() with every stage already run (faked): results.md and results.json hold the seeds."""
+    runs = str(tmp_path)
+    for seed in range(2):
+        for stage in pipeline.MAIN:
+            _run(os.path.join(pipeline.seed_dir(runs, seed), stage),
+                 [{"step": 1, "eval/exact_match": 0.5 + 0.1 * seed, "eval/gold_reward": 0.9}])
+    monkeypatch.setattr(pipeline, "run_stage", lambda *a: None)
+    pipeline.main(pipeline.Config(runs=runs, seeds=2, plots=False))
+    out = capsys.readouterr().out
+    assert "mean ± std over seeds 0-1" in out and "0.550 ± 0.071" in out
+    with open(os.path.join(runs, "results.json")) as f:
+        results = json.load(f)
+    assert results["seeds"] == 2 and results["eval"]["dpo"]["eval/exact_match"] == pytest.approx(0.55)
+    assert [e["eval/exact_match"] for e in results["eval_by_seed"]["grpo_gold"]] == [0.5, 0.6]
+    assert open(os.path.join(runs, "results.md")).read().strip() in out
