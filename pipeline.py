@@ -1,19 +1,22 @@
-"""The whole RLHF pipeline on the embedded sort task in one command, then its results table.
+"""The whole RLHF pipeline on the embedded sort task in one command, then its results tables.
 
     SFT -> reward model -> DPO -> GRPO with the learned reward -> GRPO with the gold reward
-    -> the KL-estimator comparison: short GRPO runs with k1, k2, k3, ratio*k1 and no KL term
+    (--seeds N: each of seeds 0..N-1, the tables giving mean ± std)
+    --kl_compare: short GRPO runs with k1, k2, k3, ratio*k1 and no KL term in the loss
+    --overopt:    GRPO on the learned reward at several betas, the Goodhart curve of Gao et al. 2022
 
 Each stage is its own script run in a subprocess with its default flags (the defaults are
-tuned for this task), writing into runs/<stage>/ and a resumable checkpoint every
-SAVE_EVERY steps. A stage whose final checkpoint exists is skipped; an interrupted stage
-resumes from its last checkpoint (--resume, with the same flags). At the end the
-results table (held-out pairwise accuracy with the Bayes ceiling, greedy exact-match and gold
-reward, and the measured KL of each estimator) is printed and written to runs/results.md, and
-the plots to runs/plots/.
+tuned for this task), writing into runs/<stage>/ (seed k > 0: runs/seed<k>/<stage>/; the
+studies: runs/kl/<estimator>/seed<k>/, runs/overopt/beta<b>/seed<k>/) and a resumable
+checkpoint every SAVE_EVERY steps. A stage whose final checkpoint exists is skipped; an
+interrupted stage resumes from its last checkpoint (--resume, with the same flags). At the end
+the tables (held-out pairwise accuracy with the Bayes ceiling, greedy exact-match and gold
+reward; the measured KL of each estimator; where the gold reward turns) are printed and written
+to runs/results.md, every seed's figures to runs/results.json, the plots to runs/plots/.
 
-    python pipeline.py                      # about 7.5 minutes on 2 CPU cores
-    python pipeline.py --redo dpo,grpo_rm   # run these stages again (or --redo all)
-    python pipeline.py --no-kl_compare      # without the KL-estimator runs
+    python pipeline.py                                     # seed 0, about 9 minutes on 2 CPU cores
+    python pipeline.py --seeds 3 --kl_compare --overopt    # the README's tables, about 50 minutes
+    python pipeline.py --redo dpo,grpo_rm                  # run these stages again (or --redo all)
 """
 import json
 import os
