@@ -61,6 +61,7 @@ class Config:
 SAVE_EVERY = 50  # steps between the resumable checkpoints of every stage (~0.1 s each for the tiny model)
 KL_RUNS = ("none", "k1", "k2", "k3", "ratio_k1")  # the KL term in the loss of each comparison run
 MAIN = ("sft", "rm", "dpo", "grpo_rm", "grpo_gold")
+OVEROPT_EVAL_EVERY = 3  # greedy answers on 200 held-out prompts (~1 s for the tiny model): the gold curve's points
 
 
 def seed_dir(runs, seed):
@@ -116,7 +117,7 @@ def stages(cfg):
         for beta in overopt_betas(cfg):  # the samples' RM score and gold reward are logged every step
             out.append(("overopt", ["grpo.py", "--model", sft, "--reward_model", rm, "--beta", beta,
                                     "--out_dir", overopt_dir(cfg.runs, beta, seed), "--steps", str(cfg.overopt_steps),
-                                    "--eval_every", str(cfg.overopt_steps), "--n_eval", "200",
+                                    "--eval_every", str(OVEROPT_EVAL_EVERY), "--n_eval", "200",
                                     "--n_eval_pairs", "200", "--seed", str(seed)]))
     return [(name, argv + ["--save_every", str(SAVE_EVERY)]) for name, argv in out]
 
@@ -263,46 +264,48 @@ def kl_table(cfg, curves, times):
 
 
 def overopt_curves(cfg):
-    """Per beta: every seed's samples at each step, their reward-model score, gold reward and
-    sqrt(KL) with KL per response (the per-token k3 monitor times the mean response length, which
-    is the sum over a response's tokens averaged over the responses), as Gao et al. 2022 plot them."""
+    """Per beta and seed, against sqrt(KL) to the start as Gao et al. 2022 plot them: the gold
+    reward of the greedy answers on held-out prompts every OVEROPT_EVAL_EVERY steps, and the
+    reward-model score and gold reward of every step's samples. KL is per response: the per-token
+    k3 monitor times the mean response length (the sum over a response's tokens averaged over the
+    responses) of the step's rollouts; 0 before the first step."""
     out = {}
     for beta in overopt_betas(cfg):
         dirs = [overopt_dir(cfg.runs, beta, s) for s in range(cfg.study_seeds)]
-        rows = [[r for r in read_rows(d) if "kl" in r] for d in dirs]
-        out[beta] = {"steps": [r["step"] for r in rows[0]],
-                     "sqrt_kl_by_seed": [[max(r["kl"] * r["completions/mean_length"], 0.0) ** 0.5 for r in rs]
-                                         for rs in rows],
-                     "rm_by_seed": [[r["reward/model"] for r in rs] for rs in rows],
-                     "gold_by_seed": [[r["reward/rule"] for r in rs] for rs in rows],
-                     "eval_by_seed": [last_eval(d) for d in dirs], "dirs": dirs}
+        runs = [read_rows(d) for d in dirs]
+        train = [[r for r in rows if "kl" in r] for rows in runs]
+        sqrt_kl = [{r["step"]: max(r["kl"] * r["completions/mean_length"], 0.0) ** 0.5 for r in rows} for rows in train]
+        evals = [[r for r in rows if "eval/gold_reward" in r] for rows in runs]
+        out[beta] = {"steps": [r["step"] for r in train[0]],
+                     "sqrt_kl_by_seed": [[sk[r["step"]] for r in rows] for sk, rows in zip(sqrt_kl, train)],
+                     "rm_by_seed": [[r["reward/model"] for r in rows] for rows in train],
+                     "gold_by_seed": [[r["reward/rule"] for r in rows] for rows in train],
+                     "eval_steps": [r["step"] for r in evals[0]],
+                     "eval_sqrt_kl_by_seed": [[sk.get(r["step"], 0.0) for r in rows] for sk, rows in zip(sqrt_kl, evals)],
+                     "eval_gold_by_seed": [[r["eval/gold_reward"] for r in rows] for rows in evals],
+                     "dirs": dirs}
     return out
 
 
-def _smoothed_mean(by_seed, window=3):
-    """Mean over the seeds at each step, then a centred moving average of `window` steps."""
-    mean = [sum(col) / len(col) for col in zip(*by_seed)]
-    h = window // 2
-    return [sum(mean[max(0, i - h):i + h + 1]) / len(mean[max(0, i - h):i + h + 1]) for i in range(len(mean))]
-
-
 def overopt_table(cfg, curves, times):
-    """Where the gold reward of the samples peaks and where it ends, against the RM's score."""
-    lines = ["| beta | sqrt(KL) at the end | RM score of the samples: start -> end | gold reward of the samples: "
-             "start -> peak (at sqrt KL) -> end | greedy gold reward at the end | wall time (s) |",
-             "|---|---|---|---|---|---|"]
+    """Where the gold reward of the greedy answers peaks and where it ends (the seeds' mean), and
+    the reward model's score of the samples over the same run."""
+    lines = ["| beta | gold reward of greedy answers: start -> peak (step, sqrt KL) -> end | sqrt(KL) at the end | "
+             "RM score of the samples: first 3 steps -> last 3 | gold reward of the samples: first 3 -> last 3 | "
+             "wall time (s) |", "|---|---|---|---|---|---|"]
+    first = lambda by_seed: [sum(s[:3]) / 3 for s in by_seed]  # noqa: E731  per seed
+    last = lambda by_seed: [sum(s[-3:]) / 3 for s in by_seed]  # noqa: E731
     for beta, c in curves.items():
-        gold = _smoothed_mean(c["gold_by_seed"])
-        sqrt_kl = [sum(col) / len(col) for col in zip(*c["sqrt_kl_by_seed"])]
+        gold = [sum(col) / len(col) for col in zip(*c["eval_gold_by_seed"])]
+        sqrt_kl = [sum(col) / len(col) for col in zip(*c["eval_sqrt_kl_by_seed"])]
         peak = max(range(len(gold)), key=gold.__getitem__)
-        end = lambda by_seed: [sum(s[-3:]) / len(s[-3:]) for s in by_seed]  # noqa: E731  last 3 steps, per seed
-        start = lambda by_seed: [s[0] for s in by_seed]  # noqa: E731
-        c["peak"] = {"step": c["steps"][peak], "gold": gold[peak], "sqrt_kl": sqrt_kl[peak]}
-        lines.append(f"| {beta} | {cell(end(c['sqrt_kl_by_seed']), 2)} | {cell(start(c['rm_by_seed']), 2)} -> "
-                     f"{cell(end(c['rm_by_seed']), 2)} | {cell(start(c['gold_by_seed']))} -> {gold[peak]:.3f} "
-                     f"({sqrt_kl[peak]:.2f}, step {c['steps'][peak]}) -> {cell(end(c['gold_by_seed']))} | "
-                     f"{cell([e['eval/gold_reward'] for e in c['eval_by_seed']])} | "
-                     f"{seconds(times, c['dirs'], cfg.runs)} |")
+        c["peak"] = {"step": c["eval_steps"][peak], "gold": gold[peak], "sqrt_kl": sqrt_kl[peak]}
+        ends = [s[-1] for s in c["eval_gold_by_seed"]]
+        lines.append(f"| {beta} | {cell([s[0] for s in c['eval_gold_by_seed']])} -> {gold[peak]:.3f} "
+                     f"(step {c['eval_steps'][peak]}, {sqrt_kl[peak]:.2f}) -> {cell(ends)} | "
+                     f"{cell([s[-1] for s in c['eval_sqrt_kl_by_seed']], 2)} | {cell(first(c['rm_by_seed']), 2)} -> "
+                     f"{cell(last(c['rm_by_seed']), 2)} | {cell(first(c['gold_by_seed']))} -> "
+                     f"{cell(last(c['gold_by_seed']))} | {seconds(times, c['dirs'], cfg.runs)} |")
     return "\n".join(lines)
 
 
@@ -334,7 +337,7 @@ def main(cfg):
     if cfg.overopt:
         curves = overopt_curves(cfg)
         table += (f"\n\nOver-optimisation, GRPO on the learned reward, {cfg.overopt_steps} steps ({study} and "
-                  "reward model; the peak is of the seeds' mean, 3-step average):\n\n" + overopt_table(cfg, curves, times))
+                  "reward model; the peak is of the seeds' mean):\n\n" + overopt_table(cfg, curves, times))
         results["overopt"] = curves
     results["wall_time_s"] = times
     with open(os.path.join(cfg.runs, "results.md"), "w") as f:

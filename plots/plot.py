@@ -379,24 +379,27 @@ def centred_average(values, window=3):
 
 
 def plot_overopt(results, out_dir):
-    """Reward over-optimisation (Gao, Schulman and Hilton 2022, arXiv:2210.10760): the gold reward
-    and the learned reward model's score of the policy's samples against sqrt(KL) to the start,
-    one colour per beta; thin lines are the seeds, thick the mean over them at each step (a
-    centred 3-step average, as pipeline.py's table takes it)."""
+    """Reward over-optimisation (Gao, Schulman and Hilton 2022, arXiv:2210.10760) against sqrt(KL)
+    to the start, one colour per beta: the gold reward of the greedy answers on held-out prompts
+    (thin: each seed; thick: their mean at each evaluation), and the learned reward model's score
+    of the policy's samples (the mean over the seeds at each step, a centred 3-step average)."""
     runs = results["overopt"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.4))
     for i, (beta, c) in enumerate(runs.items()):
-        xs_mean = [sum(col) / len(col) for col in zip(*c["sqrt_kl_by_seed"])]
-        for ax, key in ((ax1, "gold_by_seed"), (ax2, "rm_by_seed")):
-            for xs, ys in zip(c["sqrt_kl_by_seed"], c[key]):
-                ax.plot(xs, ys, color=f"C{i}", lw=0.6, alpha=0.35)
-            ys_mean = [sum(col) / len(col) for col in zip(*c[key])]
-            ax.plot(centred_average(xs_mean), centred_average(ys_mean), color=f"C{i}", lw=2, label=f"beta={beta}")
-    n = len(next(iter(runs.values()))["gold_by_seed"])
-    ax1.set_title(f"Gold reward (what we want), mean of {n} seeds")
-    ax1.set_ylabel("gold reward of the samples")
-    ax2.set_title("Learned reward model's score (what GRPO maximises)")
-    ax2.set_ylabel("reward-model score of the samples (normalised)")
+        for xs, ys in zip(c["eval_sqrt_kl_by_seed"], c["eval_gold_by_seed"]):
+            ax1.plot(xs, ys, color=f"C{i}", lw=0.7, alpha=0.35)
+        mean = lambda by_seed: [sum(col) / len(col) for col in zip(*by_seed)]  # noqa: E731
+        ax1.plot(mean(c["eval_sqrt_kl_by_seed"]), mean(c["eval_gold_by_seed"]), "o-", color=f"C{i}", lw=2, ms=4,
+                 label=f"beta={beta}")
+        for xs, ys in zip(c["sqrt_kl_by_seed"], c["rm_by_seed"]):
+            ax2.plot(xs, ys, color=f"C{i}", lw=0.5, alpha=0.25)
+        ax2.plot(centred_average(mean(c["sqrt_kl_by_seed"])), centred_average(mean(c["rm_by_seed"])), color=f"C{i}",
+                 lw=2, label=f"beta={beta}")
+    n = len(next(iter(runs.values()))["eval_gold_by_seed"])
+    ax1.set_title(f"Gold reward of greedy answers (what we want), {n} seeds")
+    ax1.set_ylabel("gold reward, 200 held-out prompts")
+    ax2.set_title("Reward model's score of the samples (what GRPO maximises)")
+    ax2.set_ylabel("reward-model score (normalised at the start)")
     for ax in (ax1, ax2):
         ax.set_xlabel("sqrt(KL(pi || pi_start)), KL summed over a response's tokens")
         ax.grid(True, alpha=0.3)

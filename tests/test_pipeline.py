@@ -94,18 +94,22 @@ def test_tables_average_the_seeds_and_the_last_half_of_the_kl_steps(tmp_path):
             _run(pipeline.kl_dir(runs, est, seed), rows + [{"step": 4, "eval/exact_match": 0.5,
                                                             "eval/gold_reward": 0.8 + 0.01 * seed}])
         rows = [{"step": s, "kl": 0.01 * s * s, "completions/mean_length": 4.0 + seed, "reward/model": 0.3 * s,
-                 "reward/rule": 0.5 + 0.24 * s - 0.04 * s * s} for s in range(1, 6)]
-        _run(pipeline.overopt_dir(runs, "0.5", seed), rows + [{"step": 5, "eval/gold_reward": 0.7}])
+                 "reward/rule": 0.6 - 0.01 * s} for s in range(1, 7)]
+        evals = [{"step": s, "eval/gold_reward": g} for s, g in ((0, 0.6), (3, 0.8 + 0.01 * seed), (6, 0.5))]
+        _run(pipeline.overopt_dir(runs, "0.5", seed), rows[:3] + evals[:2] + rows[3:] + evals[2:])
     curves = pipeline.kl_curves(cfg)
     pipeline.kl_table(cfg, curves, {})
     for est, scale in kl.items():
         assert curves[est]["kl_last_half"] == pytest.approx([scale * 3.5 * (1 + seed) for seed in range(3)])
     oo = pipeline.overopt_curves(cfg)["0.5"]
-    assert oo["sqrt_kl_by_seed"][2] == pytest.approx([math.sqrt(0.01 * s * s * 6.0) for s in range(1, 6)])
+    assert oo["sqrt_kl_by_seed"][2] == pytest.approx([math.sqrt(0.01 * s * s * 6.0) for s in range(1, 7)])
+    assert oo["eval_steps"] == [0, 3, 6]  # each greedy evaluation at the KL of its own step, 0 at the start
+    assert oo["eval_sqrt_kl_by_seed"][2] == pytest.approx([0.0, math.sqrt(0.09 * 6.0), math.sqrt(0.36 * 6.0)])
     table = pipeline.overopt_table(cfg, {"0.5": oo}, {})
-    gold = [0.5 + 0.24 * s - 0.04 * s * s for s in range(1, 6)]  # 0.70 0.82 0.86 0.82 0.70: the peak is step 3's
-    assert oo["peak"]["step"] == 3 and oo["peak"]["gold"] == pytest.approx(sum(gold[1:4]) / 3)
-    assert f"{sum(gold[-3:]) / 3:.3f} ± 0.000" in table
+    assert oo["peak"]["step"] == 3 and oo["peak"]["gold"] == pytest.approx(0.81)
+    assert oo["peak"]["sqrt_kl"] == pytest.approx(sum(math.sqrt(0.09 * (4.0 + s)) for s in range(3)) / 3)
+    assert "| 0.600 ± 0.000 -> 0.810 (step 3, 0.67) -> 0.500 ± 0.000 |" in table
+    assert "| 0.60 ± 0.00 -> 1.50 ± 0.00 |" in table  # the RM score (0.3 s): first 3 steps -> last 3
 
 
 def test_main_writes_the_tables_and_results_json(tmp_path, monkeypatch, capsys):

@@ -181,7 +181,11 @@ def pipeline_results(scale=1.0):
           for est, k in (("none", 0.01), ("k1", 0.012), ("k2", 0.004), ("k3", 0.004), ("ratio_k1", 0.003))}
     overopt = {beta: {"steps": steps, "sqrt_kl_by_seed": [[(b * t) ** 0.5 for t in steps] for s in range(3)],
                       "rm_by_seed": [[0.1 * t * scale + 0.01 * s for t in steps] for s in range(3)],
-                      "gold_by_seed": [[0.6 + 0.03 * t - 0.002 * b * t * t for t in steps] for s in range(3)]}
+                      "gold_by_seed": [[0.6 + 0.03 * t - 0.002 * b * t * t for t in steps] for s in range(3)],
+                      "eval_steps": steps[::3],
+                      "eval_sqrt_kl_by_seed": [[(b * t) ** 0.5 for t in steps[::3]] for s in range(3)],
+                      "eval_gold_by_seed": [[0.6 + 0.03 * t - 0.002 * b * t * t * scale for t in steps[::3]]
+                                            for s in range(3)]}
                for beta, b in (("0.04", 3.0), ("1.0", 0.3))}
     return {"seeds": 3, "eval_by_seed": by_seed, "eval": {k: v[0] for k, v in by_seed.items()}, "kl": kl,
             "overopt": overopt, "wall_time_s": {}}
