@@ -347,7 +347,7 @@ def plot_kl_bands(results, out_dir):
     for i, (est, c) in enumerate(kl.items()):
         label = "none (beta=0)" if c["beta"] == 0 else f"{est} (beta={c['beta']})"
         _band(ax1, c["steps"], c["kl_by_seed"], f"C{i}", label)
-    ax1.set_title(f"Measured KL by the KL term in the loss (mean of {n} seeds, band: min-max)")
+    ax1.set_title(f"Measured KL by the KL term in the loss ({n} seeds: mean, band min-max)", fontsize=10)
     ax1.set_xlabel("step")
     ax1.set_ylabel("KL(pi || pi_ref), k3 estimate per token")
     ax1.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -363,7 +363,7 @@ def plot_kl_bands(results, out_dir):
             ax2.plot([x] * len(vals), vals, "k.", ms=3)
     ax2.set_xticks(range(len(kl)), list(kl))
     ax2.set_ylim(0, 1)
-    ax2.set_title("Greedy answers at the end (dark: gold reward, light: exact-match)")
+    ax2.set_title("Greedy answers at the end\n(dark: gold reward, light: exact-match)", fontsize=10)
     ax2.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     os.makedirs(out_dir, exist_ok=True)
