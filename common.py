@@ -33,6 +33,7 @@ import math
 import os
 import random
 import shutil
+import signal
 import sys
 import textwrap
 import time
@@ -700,6 +701,7 @@ def optimizer_step(model, optimizer, scheduler, max_norm):
     """Clip, step, advance the schedule, clear the gradients. Returns the pre-clip grad norm and
     the learning rate this update used (what a log's `lr` means; the scheduler holds the next
     one by now: with warmup the first update's lr is 0)."""
+    raise_if_interrupted()
     norm = clip_grad_norm(model, max_norm)
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
@@ -1158,11 +1160,34 @@ def _field_docs(cls):
     return docs
 
 
+_INTERRUPTED = False
+
+
+def _on_ctrl_c(signum, frame):
+    global _INTERRUPTED
+    _INTERRUPTED = True
+    raise KeyboardInterrupt
+
+
+def raise_if_interrupted():
+    """Python raises a Ctrl-C's KeyboardInterrupt wherever the main thread is; inside a finaliser
+    (a __del__ or weakref callback, run often while checkpoints are written) it is printed as
+    "Exception ignored" and dropped, and the run went on. `run` records every Ctrl-C, and each
+    optimizer step raises one that was dropped."""
+    if _INTERRUPTED:
+        raise KeyboardInterrupt
+
+
 def run(main, cls):
     """Parse the command line into cls and run main. Ctrl-C ends with one line naming the last
     resumable checkpoint and the command that continues from it, not a traceback. A run that
     fails or is interrupted before the first checkpoint of an --overwrite puts the old run back."""
+    global _INTERRUPTED
     cfg = parse_config(cls)
+    _INTERRUPTED = False
+    ours = signal.getsignal(signal.SIGINT) is signal.default_int_handler  # not when a caller installed its own
+    if ours:
+        signal.signal(signal.SIGINT, _on_ctrl_c)
     try:
         main(cfg)
     except BaseException as e:
@@ -1185,6 +1210,9 @@ def run(main, cls):
             print0(f"\ninterrupted before any resumable checkpoint in {cfg.out_dir} (--save_every N writes them)",
                    file=sys.stderr)
         sys.exit(130)
+    finally:
+        if ours:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def parse_config(cls, argv=None):

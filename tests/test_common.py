@@ -759,3 +759,30 @@ def test_prompts_get_one_bos_no_eos_and_keep_it_when_cut(kind):
     body = tok(long, add_special_tokens=False)["input_ids"]
     ids, cut = data.encode_prompts(tok, [long], 8)
     assert cut == 1 and ids == [head + body[-(8 - len(head)):]]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_ctrl_c_dropped_in_a_finaliser_stops_the_next_optimizer_step(monkeypatch):
+    """The Ctrl-C test once hung: a KeyboardInterrupt raised while Python ran a finaliser is
+    printed as "Exception ignored" and dropped, and training went on. common.run records the
+    signal; the next optimizer step raises it again."""
+    import signal
+
+    monkeypatch.setattr(common, "_INTERRUPTED", False)
+
+    class Finalised:
+        def __del__(self):
+            common._on_ctrl_c(signal.SIGINT, None)  # the signal lands here, inside a __del__
+
+    Finalised()  # the KeyboardInterrupt goes to sys.unraisablehook, not to us
+    model = torch.nn.Linear(2, 1)
+    model(torch.ones(1, 2)).sum().backward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    before = model.weight.detach().clone()
+    with pytest.raises(KeyboardInterrupt):
+        common.optimizer_step(model, opt, sched, max_norm=1.0)
+    assert torch.equal(model.weight, before)  # raised before the update
+    monkeypatch.setattr(common, "_INTERRUPTED", False)
+    common.optimizer_step(model, opt, sched, max_norm=1.0)
+    assert not torch.equal(model.weight, before)
