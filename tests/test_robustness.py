@@ -238,13 +238,19 @@ def _alive(pid):
         return False
 
 
+def _ctrl_c_as_in_a_terminal():
+    """A shell without job control starts `cmd &` with SIGINT ignored, and children inherit that:
+    a suite run in the background would see the script ignore the Ctrl-C (as it should there)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_ends_with_one_line_naming_the_checkpoint_and_the_resume_command(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "sft.py", "--model", "tiny", "--steps", "500", "--save_every", "2",
                              "--n_train", "64", "--eval_every", "500", "--n_eval", "8", "--batch_size", "8",
                              "--out_dir", str(out)],
                             cwd=ROOT, env=SUBPROCESS_ENV_NO_TOKENIZER_THREADS, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_ctrl_c_as_in_a_terminal)
     deadline = time.time() + 120
     while not (out / "checkpoint" / "training_state.pt").exists():
         assert time.time() < deadline and proc.poll() is None, "no checkpoint was written"
