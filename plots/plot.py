@@ -187,6 +187,16 @@ def plot_panels(rows, panels, title, path, smooth=0):
     return path
 
 
+def save(fig, out_dir, name):
+    """Write fig to out_dir/name (laid out, at DPI) and close it; returns the path."""
+    fig.tight_layout()
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
 def run_name(run_dir):
     return os.path.basename(os.path.normpath(os.path.abspath(run_dir)))
 
@@ -245,12 +255,7 @@ def plot_kl_compare(run_dirs, out_dir, smooth=0):
     ax.set_ylabel("KL(pi || pi_ref), k3 estimate per token")
     ax.grid(True, alpha=0.3)
     ax.legend(title="kl_estimator")
-    fig.tight_layout()
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "kl_estimators.png")
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
+    return save(fig, out_dir, "kl_estimators.png")
 
 
 SUMMARY_STAGES = [("sft", "SFT"), ("rm", "reward\nmodel"), ("dpo", "DPO"), ("grpo_rm", "GRPO\nlearned RM"),
@@ -321,12 +326,7 @@ def plot_summary(results_path, out_dir):
         ax.grid(axis="y", alpha=0.3)
     if n_seeds > 1:
         fig.suptitle(f"Mean over {n_seeds} seeds (whiskers: one std; dots: the seeds)")
-    fig.tight_layout()
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "summary.png")
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
+    return save(fig, out_dir, "summary.png")
 
 
 def _band(ax, xs, by_seed, color, label, lw=1.8):
@@ -365,12 +365,7 @@ def plot_kl_bands(results, out_dir):
     ax2.set_ylim(0, 1)
     ax2.set_title("Greedy answers at the end\n(dark: gold reward, light: exact-match)", fontsize=10)
     ax2.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "kl_estimators.png")
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
+    return save(fig, out_dir, "kl_estimators.png")
 
 
 def centred_average(values, window=3):
@@ -405,12 +400,7 @@ def plot_overopt(results, out_dir):
         ax.grid(True, alpha=0.3)
         ax.legend()
     fig.suptitle("Over-optimising a learned reward: GRPO on the pipeline's reward model")
-    fig.tight_layout()
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "overoptimisation.png")
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
+    return save(fig, out_dir, "overoptimisation.png")
 
 
 TRL_RESULTS = ("trl-grpo-small-cpu.json", "trl-dpo-small-cpu.json")  # bench/trl_compare.py on GPT-2 small
@@ -440,12 +430,7 @@ def plot_trl(paths, out_dir):
         ax.set_ylabel(ylabel)
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle(f"Ours (blue) against TRL {res.get('trl', '')} (orange), GPT-2 small, whole training steps, {device}")
-    fig.tight_layout()
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "trl_compare.png")
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
+    return save(fig, out_dir, "trl_compare.png")
 
 
 def figures(runs, out_dir):
