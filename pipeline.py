@@ -324,10 +324,10 @@ def main(cfg):
     seeds = "seed 0" if cfg.seeds == 1 else f"mean ± std over seeds 0-{cfg.seeds - 1}"
     table, by_seed = results_table(cfg, times)
     table = f"The five stages ({seeds}):\n\n{table}"
+    spread = {k: {m: stats([e[m] for e in evs if m in e]) for m in evs[0]} for k, evs in by_seed.items()}
     results = {"seeds": cfg.seeds, "eval_by_seed": by_seed,
-               "eval": {k: {m: stats([e[m] for e in evs if m in e])["mean"] for m in evs[0]} for k, evs in by_seed.items()},
-               "eval_std": {k: {m: stats([e[m] for e in evs if m in e])["std"] for m in evs[0]}
-                            for k, evs in by_seed.items()}}
+               "eval": {k: {m: s["mean"] for m, s in ms.items()} for k, ms in spread.items()},
+               "eval_std": {k: {m: s["std"] for m, s in ms.items()} for k, ms in spread.items()}}
     study = f"mean ± std over seeds 0-{cfg.study_seeds - 1}, each from seed 0's SFT model"
     if cfg.kl_compare:
         curves = kl_curves(cfg)
