@@ -72,7 +72,8 @@ class Config:
     model: str = "runs/sft"
     """the policy to start from: a checkpoint folder (runs/sft), a hub id, or `tiny` (random, for tests)"""
     dataset: str = "sort"
-    """embedded task name, a hub id, or a local .jsonl/.json/.parquet with a prompt (and reward_fn) column"""
+    """embedded task (sort; arith, a chat task for instruct models), a hub id, or a local .jsonl/.json/.parquet
+    with a prompt (and reward_fn) column"""
     chat_template: str = ""
     """a Jinja chat template file for conversational rows (default: the tokenizer's own)"""
     n_train: int = 20000
@@ -508,7 +509,7 @@ def main(cfg):
         answers = train["answer"] if "answer" in train.column_names else None
         tasks.check_rule_rows(train["reward_fn"], train["prompt"], cfg.dataset, answers and list(answers))
     pairs = None  # held-out preference pairs
-    if embedded or cfg.eval_pairs:
+    if cfg.eval_pairs or (embedded and "preference" in tasks.TASKS[cfg.dataset]):
         pairs = data.load_pairs(cfg.eval_pairs or cfg.dataset, cfg.eval_pairs_split if cfg.eval_pairs else "test",
                                 cfg.n_eval_pairs, cfg.seed)
         pairs = pairs.select(range(min(cfg.n_eval_pairs, len(pairs))))
@@ -550,9 +551,10 @@ def main(cfg):
     if n_cut:  # counted once here; each rollout cuts them again from the left
         common.print0(f"{cfg.dataset}: {n_cut} of {len(train)} prompts are longer than --max_prompt_len "
                       f"{cfg.max_prompt_len} tokens and are cut from the left")
-    eval_prompts = []  # held-out prompts for greedy answers (embedded task)
+    held_out = None  # an embedded task's held-out prompts (rendered) for greedy answers
     if embedded:
-        eval_prompts = [r["prompt"] for r in tasks.prompt_rows(cfg.n_eval, seed=cfg.seed, split="test")]
+        held_out, _ = data.render_chat(data.load_data(cfg.dataset, "test", ["prompt"], kind="prompt", n=cfg.n_eval,
+                                                      seed=cfg.seed), tokenizer, cfg.dataset)
     eval_pairs = bayes = None  # the pairs encoded, and the embedded task's best accuracy on them
     if pairs is not None:
         pairs, chat = data.render_chat(pairs, tokenizer, cfg.eval_pairs or cfg.dataset)
@@ -585,9 +587,11 @@ def main(cfg):
 
     def evaluate():
         metrics = {}
-        if embedded:
-            metrics |= sampling.evaluate_generations(model, tokenizer, eval_prompts, tasks.REWARD_FNS[cfg.dataset], d,
-                                                    cfg.max_prompt_len, cfg.max_new_tokens)
+        if held_out is not None:  # every row of a task has its rule
+            answers = held_out["answer"] if "answer" in held_out.column_names else None
+            metrics |= sampling.evaluate_generations(model, tokenizer, held_out["prompt"],
+                                                    tasks.REWARD_FNS[held_out["reward_fn"][0]], d, cfg.max_prompt_len,
+                                                    cfg.max_new_tokens, answers=answers)
         if eval_pairs is not None:
             metrics["eval/accuracy"] = pairwise_accuracy(model, ref, eval_pairs, tokenizer.pad_token_id, d)
         if bayes is not None:

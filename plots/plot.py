@@ -403,6 +403,26 @@ def plot_overopt(results, out_dir):
     return save(fig, out_dir, "overoptimisation.png")
 
 
+def plot_real(results, out_dir):
+    """pipeline.py --smollm2: greedy accuracy on held-out arith prompts over GRPO's steps (the
+    verifier reward: mean over the seeds with a min-max band, thin lines each seed; the learned
+    reward: seed 0), and where DPO's model ends (seed 0's prompts)."""
+    c = results["smollm2"]
+    fig, ax = plt.subplots(figsize=(7, 4.4))
+    for ys in c["grpo_by_seed"]:
+        ax.plot(c["steps"], ys, color="C0", lw=0.7, alpha=0.4)
+    _band(ax, c["steps"], c["grpo_by_seed"], "C0", f"GRPO, verifier reward ({len(c['grpo_by_seed'])} seeds)")
+    ax.plot(c["rm_steps"], c["grpo_rm"], "s--", color="C1", label="GRPO, learned reward model (seed 0)")
+    ax.plot([c["steps"][-1]], [c["dpo_accuracy"]], "D", color="C2", ms=8, label="DPO on on-policy pairs (seed 0)")
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("greedy accuracy, 100 held-out prompts")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("SmolLM2-135M-Instruct on arith (2 CPU cores)", fontsize=10)
+    return save(fig, out_dir, "smollm2_arith.png")
+
+
 TRL_RESULTS = ("trl-grpo-small-cpu.json", "trl-dpo-small-cpu.json")  # bench/trl_compare.py on GPT-2 small
 
 
@@ -442,6 +462,8 @@ def figures(runs, out_dir):
         raise FileNotFoundError(f"no {results_path}: run `python pipeline.py --runs {runs}` first")
     with open(results_path) as f:
         results = json.load(f)
+    if "smollm2" in results:  # pipeline.py --smollm2
+        return [plot_real(results, out_dir)]
     paths = [plot_summary(results_path, out_dir)]
     if "kl" in results:
         paths.append(plot_kl_bands(results, out_dir))

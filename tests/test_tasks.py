@@ -268,3 +268,59 @@ def test_math_rows_need_an_answer_with_a_number():
         tasks.check_rule_rows(["math"], ["q1"], "m.jsonl")
     with pytest.raises(ValueError, match=r"m.jsonl row 2: reward_fn 'math' has no number in its answer 'none'"):
         tasks.check_rule_rows(["math", "math"], ["q1", "q2"], "m.jsonl", ["#### 4", "none"])
+
+
+# -----------------------------------------------------------------------------
+# arith: the chat task for instruct models
+
+
+def solve(question):
+    """The answer of an arith question, worked out from its words (not by tasks.py)."""
+    import re
+
+    m = re.fullmatch(r"What is (\d+) ([-+*]) (\d+)\?", question)
+    if m:
+        a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
+        return {"+": a + b, "-": a - b, "*": a * b}[op]
+    m = re.fullmatch(r"(\w+) has (\d+) (\w+) and (gets|gives) (\d+) (?:more|away)\. How many \3 does \1 have "
+                     r"(now|left)\?", question)
+    assert m, question
+    a, b = int(m.group(2)), int(m.group(5))
+    assert (m.group(4), m.group(6)) in (("gets", "now"), ("gives", "left")), question
+    return a + b if m.group(4) == "gets" else a - b
+
+
+def test_arith_rows_are_chat_prompts_with_their_right_answer():
+    rows = tasks.arith_rows(500, seed=0)
+    kinds = set()
+    for row in rows:
+        (msg,) = row["prompt"]
+        assert msg["role"] == "user" and msg["content"].endswith(tasks.ARITH_INSTRUCTION)
+        question = msg["content"][:-len(tasks.ARITH_INSTRUCTION)]
+        answer = solve(question)
+        assert row["answer"] == str(answer) and answer >= 0 and row["reward_fn"] == "math"
+        assert REWARD_FNS["math"](None, f"{question[8:-1] if question.startswith('What') else 'So'} = {answer}.",
+                                  row["answer"]) == 1.0
+        assert REWARD_FNS["math"](None, f"The answer is {answer + 1}", row["answer"]) == 0.0
+        kinds.add(question.split()[2] if question.startswith("What is") else question.split()[4])
+    assert kinds == {"+", "-", "*", "gets", "gives"}
+
+
+def test_arith_splits_are_disjoint_and_fixed_by_the_seed():
+    train = {r["prompt"][0]["content"] for r in tasks.arith_rows(2000, seed=0)}
+    test = [r["prompt"][0]["content"] for r in tasks.arith_rows(300, seed=0, split="test")]
+    assert not train & set(test) and len(set(test)) > 100
+    assert all(is_test_prompt(q[:-len(tasks.ARITH_INSTRUCTION)]) for q in test)
+    assert tasks.arith_rows(50, seed=3) == tasks.arith_rows(50, seed=3) != tasks.arith_rows(50, seed=4)
+    assert task_rows("arith", "prompt", 20, seed=1, split="test") == tasks.arith_rows(20, seed=1, split="test")
+    with pytest.raises(ValueError, match="unknown kind 'preference' for task 'arith'"):
+        task_rows("arith", "preference", 5)
+
+
+@pytest.mark.parametrize("completion, reward", [
+    ("19", 1.0), ("12 + 7 = 19.", 1.0), ("-3", 1.0), ("It is 1,234. ", 1.0), ("$5", 1.0),
+    ("so he has 11 + 10 =", 0.0), ("The answer is 12 apples.", 0.0), ("", 0.0), ("To add 81 and 9", 1.0),
+    ("19 is the answer", 0.0),
+])
+def test_number_format_reward_hand_cases(completion, reward):
+    assert REWARD_FNS["number_format"](None, completion) == reward
