@@ -46,10 +46,22 @@ from bench import util  # noqa: E402
 ALGOS = ("sft", "reward", "dpo", "grpo")
 
 
-def make_data(path, n, prompt_len, response_len, seed=0):
-    """Rows of every column the scripts read, with exact character (= token) lengths."""
+def exact_alphabet(tokenizer):
+    """Characters that tokenize to one token each in any order: letters, digits and spaces for
+    the character tokenizer, digits alone for tokenizers that split numbers into digits
+    (SmolLM2, Llama-3, Qwen), so that rows of k characters are k tokens."""
+    for alphabet in ("abcdefghij 0123456789", "0123456789"):
+        rng = random.Random(0)
+        sample = "".join(rng.choice(alphabet) for _ in range(200))
+        if len(tokenizer(sample, add_special_tokens=False)["input_ids"]) == len(sample):
+            return alphabet
+    raise SystemExit(f"{type(tokenizer).__name__}: no alphabet tokenizes to one token per character")
+
+
+def make_data(path, n, prompt_len, response_len, seed=0, alphabet="abcdefghij 0123456789"):
+    """Rows of every column the scripts read, with exact character (= token, see exact_alphabet) lengths."""
     rng = random.Random(seed)
-    text = lambda k: "".join(rng.choice("abcdefghij 0123456789") for _ in range(k))  # noqa: E731
+    text = lambda k: "".join(rng.choice(alphabet) for _ in range(k))  # noqa: E731
     with open(path, "w") as f:
         for _ in range(n):
             f.write(json.dumps({"prompt": text(prompt_len), "completion": text(response_len - 1),

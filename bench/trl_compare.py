@@ -52,7 +52,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
 from bench import util  # noqa: E402
-from bench.steps import gpu_memory, make_data, run_case  # noqa: E402
+from bench.steps import exact_alphabet, gpu_memory, make_data, run_case  # noqa: E402
 
 GRPO_BETA, DPO_BETA = 0.04, 0.1
 TARGETS = {"grpo": 1.5, "dpo": 1.3}  # ours / TRL tokens/s wanted, like for like, at equal or lower memory
@@ -81,7 +81,8 @@ PAIRS = {"grpo": [("ours", "trl", "like for like", True),
 
 
 def save_model(shape, folder, seed=0):
-    """A random-weight GPT-2 of util.SHAPES[shape] with the character tokenizer, saved for both sides."""
+    """A random-weight GPT-2 of util.SHAPES[shape] with the character tokenizer, or a checkpoint
+    (`smollm2`, a folder) with its own tokenizer, saved for both sides."""
     return util.random_checkpoint(shape, folder, seed)
 
 
@@ -495,7 +496,8 @@ def main():
             for algo in a.algos.split(","):
                 # DPO: ours precomputes the reference over the whole file, so it holds just the rows trained on
                 n_rows = 512 if algo == "grpo" else a.batch_size * (a.steps + 1)
-                data = make_data(os.path.join(tmp, f"{algo}-rows.jsonl"), n_rows, a.prompt_len, a.response_len)
+                data = make_data(os.path.join(tmp, f"{algo}-rows.jsonl"), n_rows, a.prompt_len, a.response_len,
+                                 alphabet=exact_alphabet(common.load_tokenizer(model_dir)))
                 runs = {name: [] for name in VARIANTS[algo]}
                 for rep in range(a.repeats):  # round robin, so that a slow spell of the machine hits every variant
                     for name, (side, settings) in VARIANTS[algo].items():

@@ -413,7 +413,8 @@ def plot_real(results, out_dir):
         ax.plot(c["steps"], ys, color="C0", lw=0.7, alpha=0.4)
     _band(ax, c["steps"], c["grpo_by_seed"], "C0", f"GRPO, verifier reward ({len(c['grpo_by_seed'])} seeds)")
     ax.plot(c["rm_steps"], c["grpo_rm"], "s--", color="C1", label="GRPO, learned reward model (seed 0)")
-    ax.plot([c["steps"][-1]], [c["dpo_accuracy"]], "D", color="C2", ms=8, label="DPO on on-policy pairs (seed 0)")
+    ax.plot([c["steps"][-1]], [c["dpo_accuracy"]], "D", color="C2", ms=8,
+            label="DPO on the on-policy pairs: its final model (seed 0's prompts)")
     ax.set_xlabel("GRPO step")
     ax.set_ylabel("greedy accuracy, 100 held-out prompts")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
