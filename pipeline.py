@@ -4,6 +4,8 @@
     (--seeds N: each of seeds 0..N-1, the tables giving mean ± std)
     --kl_compare: short GRPO runs with k1, k2, k3, ratio*k1 and no KL term in the loss
     --overopt:    GRPO on the learned reward at several betas, the Goodhart curve of Gao et al. 2022
+    --smollm2:    instead, a real instruct model (SmolLM2-135M-Instruct) on the arith chat task:
+                  on-policy pairs, reward model, DPO, GRPO with the verifier (3 seeds) and the RM
 
 Each stage is its own script run in a subprocess with its default flags (the defaults are
 tuned for this task), writing into runs/<stage>/ (seed k > 0: runs/seed<k>/<stage>/; the
@@ -17,6 +19,7 @@ to runs/results.md, every seed's figures to runs/results.json, the plots to runs
     python pipeline.py                                     # seed 0, about 9 minutes on 2 CPU cores
     python pipeline.py --seeds 3 --kl_compare --overopt    # the README's tables, about 50 minutes
     python pipeline.py --redo dpo,grpo_rm                  # run these stages again (or --redo all)
+    python pipeline.py --smollm2                           # RUNS/smollm2/, about 41 minutes
 """
 import json
 import os
@@ -37,7 +40,8 @@ class Config:
     runs: str = "runs"
     """folder that holds one sub-folder per stage"""
     redo: str = ""
-    """comma-separated stages to run again even if finished (sft, rm, dpo, grpo_rm, grpo_gold, kl, overopt), or `all`"""
+    """comma-separated stages to run again even if finished (sft, rm, dpo, grpo_rm, grpo_gold, kl, overopt; with
+    --smollm2: pairs, grpo, rm, dpo, grpo_rm, eval), or `all`"""
     seeds: int = 1
     """seeds of the five stages (0, 1, ...): seed 0 in RUNS/<stage>, seed k in RUNS/seed<k>/<stage>; the table
     gives mean +- std over them [>= 1]"""
@@ -145,14 +149,19 @@ def state_of(out_dir):
     return "interrupted" if os.path.isfile(os.path.join(ckpt, "training_state.pt")) else "done"
 
 
+def redo(cfg, name):
+    """Whether --redo names this stage (or is `all`)."""
+    return cfg.redo == "all" or name in cfg.redo.split(",")
+
+
 def run_stage(name, argv, cfg, times):
     out_dir = argv[argv.index("--out_dir") + 1]
-    redo = cfg.redo == "all" or name in cfg.redo.split(",")
+    redo_it = redo(cfg, name)
     state = state_of(out_dir)
-    if state == "done" and not redo:
+    if state == "done" and not redo_it:
         print(f"== {name}: done already ({out_dir}), skipped", flush=True)
         return
-    extra = ["--overwrite"] if redo or state == "replacing" else (["--resume"] if state == "interrupted" else [])
+    extra = ["--overwrite"] if redo_it or state == "replacing" else (["--resume"] if state == "interrupted" else [])
     cmd = [sys.executable, *argv, *extra]
     print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
     t0 = time.time()
@@ -411,7 +420,7 @@ def real_pairs(cfg, times):
     wrong answer gives one pair, the first right answer chosen and the first wrong one rejected.
     Written as TRL's conversational preference rows, by rename (a kill leaves no half file)."""
     out = real_dir(cfg.runs, "pairs")
-    if all(os.path.isfile(os.path.join(out, f"{s}.jsonl")) for s in ("train", "test")) and "pairs" not in cfg.redo:
+    if all(os.path.isfile(os.path.join(out, f"{s}.jsonl")) for s in ("train", "test")) and not redo(cfg, "pairs"):
         print(f"== pairs: done already ({out}), skipped", flush=True)
         return
     print(f"== pairs: sampling {REAL_PAIRS['samples']} answers per prompt from {REAL}", flush=True)
@@ -441,7 +450,7 @@ def real_eval(cfg):
     """The greedy accuracy of the DPO model on GRPO seed 0's held-out prompts (GRPO logs its own),
     and REAL_EXAMPLES answers of the instruct model and of GRPO seed 0's model."""
     path = real_dir(cfg.runs, "eval.json")
-    if os.path.isfile(path) and "eval" not in cfg.redo:
+    if os.path.isfile(path) and not redo(cfg, "eval"):
         with open(path) as f:
             return json.load(f)
     rows = tasks.arith_rows(100, seed=0, split="test")  # grpo.py --n_eval 100 --seed 0: the same prompts
