@@ -500,6 +500,10 @@ def real_results(cfg, times):
 
 def run_real(cfg):
     """--smollm2: the real-model pipeline, its table, plot and examples (RUNS/smollm2/)."""
+    try:
+        common.gguf_file(REAL)  # the package and its reader are there, or the pip line to get them
+    except (FileNotFoundError, ModuleNotFoundError) as e:
+        raise SystemExit(f"--smollm2: {e}") from None
     os.makedirs(real_dir(cfg.runs), exist_ok=True)
     times_path = real_dir(cfg.runs, "times.json")
     times = json.load(open(times_path)) if os.path.isfile(times_path) else {}
