@@ -302,7 +302,7 @@ def test_arith_rows_are_chat_prompts_with_their_right_answer():
         assert REWARD_FNS["math"](None, f"{question[8:-1] if question.startswith('What') else 'So'} = {answer}.",
                                   row["answer"]) == 1.0
         assert REWARD_FNS["math"](None, f"The answer is {answer + 1}", row["answer"]) == 0.0
-        kinds.add(question.split()[2] if question.startswith("What is") else question.split()[4])
+        kinds.add(question.split()[3] if question.startswith("What is") else question.split()[5])
     assert kinds == {"+", "-", "*", "gets", "gives"}
 
 
