@@ -36,7 +36,7 @@ import tempfile
 import time
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
@@ -99,7 +99,7 @@ def step_work(algo, args, cfg, vocab):
     prefilled once, then one decode step per generated token.
     """
     L, dm = cfg["n_layer"], cfg["n_embd"]
-    body = 12 * L * dm * dm  # attention and MLP weights of the blocks
+    body = cfg.get("body") or 12 * L * dm * dm  # attention and MLP weights of the blocks (GPT-2: 12 d^2 a layer)
     P, R = args.prompt_len, args.response_len
     S = P + R
 
@@ -207,16 +207,22 @@ def main():
           flush=True)
     cases = []
     with tempfile.TemporaryDirectory() as tmp:
-        data = make_data(os.path.join(tmp, "rows.jsonl"), 512, args.prompt_len, args.response_len)
         for model in args.models.split(","):
-            config = util.model_config(model, tasks.char_tokenizer())
-            with torch.device("meta"):  # count the parameters without allocating them
-                n_params = sum(x.numel() for x in AutoModelForCausalLM.from_config(config).parameters())
-            cfg = {"n_layer": config.n_layer, "n_embd": config.n_embd}
             args.model = model  # `tiny` is built by the scripts; the larger shapes are saved for them
             if model != "tiny":
                 args.model = os.path.join(tmp, model)
-                util.random_checkpoint(model, args.model)
+                util.random_checkpoint(model, args.model)  # or a checkpoint (`smollm2`, a folder) as it is
+            if model in util.SHAPES:
+                config, tok = util.model_config(model, tasks.char_tokenizer()), tasks.char_tokenizer()
+            else:
+                config, tok = AutoConfig.from_pretrained(args.model), common.load_tokenizer(args.model)
+            with torch.device("meta"):  # count the parameters without allocating them
+                built = AutoModelForCausalLM.from_config(config)
+            n_params = sum(x.numel() for x in built.parameters())
+            cfg = {"n_layer": config.num_hidden_layers, "n_embd": config.hidden_size,
+                   "body": sum(x.numel() for block in common.transformer_blocks(built) for x in block.parameters())}
+            data = make_data(os.path.join(tmp, f"rows-{model}.jsonl"), 512, args.prompt_len, args.response_len,
+                             alphabet=exact_alphabet(tok))
             for algo in args.algos.split(","):
                 out_dir = os.path.join(tmp, f"{algo}-{model}")
                 argv = script_args(algo, args, data, out_dir)
