@@ -74,9 +74,9 @@ class Config:
     """strength of the KL regularisation towards the reference (the implicit reward's scale; 0.1 overshoots here)
     [> 0]"""
     loss_type: str = "sigmoid"
-    """sigmoid (DPO), ipo, or hinge (SLiC)"""
+    """sigmoid (DPO), ipo, hinge (SLiC), robust (rDPO), or apo_zero (APO-zero); TRL's names"""
     label_smoothing: float = 0.0
-    """cDPO: assumed probability that a label is flipped (sigmoid loss only) [0, 0.5)"""
+    """assumed probability that a label is flipped: cDPO with sigmoid, rDPO's epsilon with robust [0, 0.5)"""
     precompute_ref: bool = True
     """compute reference log-probs once before training and free the reference model"""
     # --- optimisation ---
@@ -128,7 +128,7 @@ class Config:
     """allow a hub model's own Python code to run"""
 
 
-LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "apo_zero")
 
 # -----------------------------------------------------------------------------
 # the loss
@@ -145,8 +145,8 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_r
     rewards beta * (log pi - log ref), detached.
     """
     h = (policy_chosen_logps - policy_rejected_logps) - (ref_chosen_logps - ref_rejected_logps)  # (B,)
-    if label_smoothing and loss_type != "sigmoid":
-        raise ValueError(f"label_smoothing applies to the sigmoid loss only, not {loss_type!r}")
+    if label_smoothing and loss_type not in ("sigmoid", "robust"):
+        raise ValueError(f"label_smoothing applies to the sigmoid and robust losses only, not {loss_type!r}")
     if loss_type == "sigmoid":
         # Eq. 7 of arXiv:2305.18290; with label_smoothing eps > 0 the expected loss under labels
         # flipped with probability eps (cDPO, Mitchell 2023)
@@ -155,6 +155,16 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_r
         losses = (h - 1 / (2 * beta)) ** 2  # Eq. 17 of arXiv:2310.12036: regress h onto 1/(2 beta)
     elif loss_type == "hinge":
         losses = torch.relu(1 - beta * h)  # SLiC calibration loss, arXiv:2305.10425 (margin 1/beta)
+    elif loss_type == "robust":
+        # rDPO, Eq. 8 of arXiv:2403.00409: with labels flipped with probability eps, its expectation
+        # over the flip is the clean sigmoid loss (unbiased), where cDPO's is not
+        eps = label_smoothing
+        losses = (-(1 - eps) * F.logsigmoid(beta * h) + eps * F.logsigmoid(-beta * h)) / (1 - 2 * eps)
+    elif loss_type == "apo_zero":
+        # APO-zero, arXiv:2408.06266: push the chosen log-ratio up and the rejected one down, each
+        # on its own (not only their difference): for chosen answers better than the policy's own
+        losses = (1 - torch.sigmoid(beta * (policy_chosen_logps - ref_chosen_logps))
+                  + torch.sigmoid(beta * (policy_rejected_logps - ref_rejected_logps)))
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}, expected one of {LOSS_TYPES}")
     r_c = beta * (policy_chosen_logps - ref_chosen_logps).detach()
@@ -194,8 +204,8 @@ def main(cfg):
                          f"x --grad_accum {cfg.grad_accum}")
     if cfg.loss_type not in LOSS_TYPES:
         raise ValueError(f"--loss_type {cfg.loss_type!r}: expected one of {LOSS_TYPES}")
-    if cfg.label_smoothing and cfg.loss_type != "sigmoid":
-        raise ValueError("--label_smoothing applies to --loss_type sigmoid only")
+    if cfg.label_smoothing and cfg.loss_type not in ("sigmoid", "robust"):
+        raise ValueError("--label_smoothing applies to --loss_type sigmoid and robust only")
     micro = cfg.batch_size // (d.world_size * cfg.grad_accum)
     # the data first: a bad file or row stops the run before out_dir or any model is touched
     train, test = data.load_preferences(cfg)

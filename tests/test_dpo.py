@@ -20,6 +20,10 @@ def softplus(x):
     return math.log1p(math.exp(x))
 
 
+def sigmoid(x):
+    return 1 / (1 + math.exp(-x))
+
+
 # -----------------------------------------------------------------------------
 # dpo_loss by hand: h = (pc - pr) - (rc - rr) = [1, -2], beta = 0.5, so beta*h = [0.5, -1]
 
@@ -34,6 +38,10 @@ BETA = 0.5
                       0.9 * softplus(1.0) + 0.1 * softplus(-1.0)]),      # cDPO
     ("ipo", 0.0, [(1 - 1) ** 2, (-2 - 1) ** 2]),                         # (h - 1/(2*0.5))^2
     ("hinge", 0.0, [1 - 0.5, 1 + 1.0]),                                  # relu(1 - beta*h)
+    ("robust", 0.1, [(0.9 * softplus(-0.5) - 0.1 * softplus(0.5)) / 0.8,
+                     (0.9 * softplus(1.0) - 0.1 * softplus(-1.0)) / 0.8]),  # rDPO
+    # APO-zero: beta * chosen log-ratios [0.25, -0.5], rejected [-0.25, 0.5]
+    ("apo_zero", 0.0, [1 - sigmoid(0.25) + sigmoid(-0.25), 1 - sigmoid(-0.5) + sigmoid(0.5)]),
 ])
 def test_dpo_loss_hand_values(loss_type, smoothing, expected):
     torch.testing.assert_close(per_pair_losses(PC, PR, RC, RR, BETA, loss_type, smoothing),
@@ -314,3 +322,36 @@ def test_hh_jsonl_through_dpo(tmp_path):
 def test_batch_arithmetic_is_checked():
     with pytest.raises(ValueError, match="divisible by world size 1 x --grad_accum 4"):
         dpo.main(replace(dpo.Config(), model="tiny", batch_size=6, grad_accum=4))
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1, 0.3])
+def test_robust_dpo_is_unbiased_under_flipped_labels(eps):
+    """rDPO's point: with each label flipped with probability eps, the expected robust loss (the
+    pair as given, weight 1 - eps, and swapped, weight eps) is the clean sigmoid loss, for every
+    pair; cDPO's (label smoothing) is not. At eps = 0 it is plain DPO."""
+    pc, pr, rc, rr = (t.detach() for t in _random_logps(3))
+    clean = per_pair_losses(pc, pr, rc, rr, 0.3)
+    given = per_pair_losses(pc, pr, rc, rr, 0.3, "robust", eps)
+    swapped = per_pair_losses(pr, pc, rr, rc, 0.3, "robust", eps)
+    torch.testing.assert_close((1 - eps) * given + eps * swapped, clean, atol=1e-5, rtol=0)
+    if eps:
+        c_given = per_pair_losses(pc, pr, rc, rr, 0.3, "sigmoid", eps)
+        c_swapped = per_pair_losses(pr, pc, rr, rc, 0.3, "sigmoid", eps)
+        assert ((1 - eps) * c_given + eps * c_swapped - clean).abs().max() > 1e-3
+
+
+def test_apo_zero_raises_the_chosen_and_lowers_the_rejected_each_on_its_own():
+    """Unlike DPO, whose gradient depends on the difference of the log-ratios only, APO-zero's
+    pushes each: d loss / d log pi(chosen) = -beta s(1 - s) at s = sigmoid(beta * chosen
+    log-ratio), d loss / d log pi(rejected) = +beta t(1 - t); moving both log-probs by the same
+    amount changes it (it does not change DPO's)."""
+    pc, pr = torch.tensor([-1.0, -3.0], requires_grad=True), torch.tensor([-2.0, -1.0], requires_grad=True)
+    loss, _ = dpo.dpo_loss(pc, pr, RC, RR, BETA, 2, "apo_zero")
+    loss.backward()
+    s, t = torch.sigmoid(BETA * (pc.detach() - RC)), torch.sigmoid(BETA * (pr.detach() - RR))
+    torch.testing.assert_close(pc.grad, -BETA * s * (1 - s) / 2, atol=1e-6, rtol=0)
+    torch.testing.assert_close(pr.grad, BETA * t * (1 - t) / 2, atol=1e-6, rtol=0)
+    shifted = dpo.dpo_loss(PC + 1, PR + 1, RC, RR, BETA, 2, "apo_zero")[0]
+    assert abs(shifted.item() - loss.item()) > 1e-3
+    assert dpo.dpo_loss(PC + 1, PR + 1, RC, RR, BETA, 2)[0].item() == pytest.approx(
+        dpo.dpo_loss(PC, PR, RC, RR, BETA, 2)[0].item(), abs=1e-6)
