@@ -207,3 +207,21 @@ def test_readme_figures_from_pipeline_results(tmp_path):
         assert img.shape == other.shape and (img != other).any(axis=-1).mean() > 0.001, name
     with pytest.raises(FileNotFoundError, match="pipeline.py --runs"):
         plot.figures(str(tmp_path / "nothing"), str(tmp_path / "out"))
+
+
+def test_the_smollm2_figure_from_the_real_model_pipeline(tmp_path):
+    """pipeline.py --smollm2's results.json (the committed run's, plots/smollm2/) draws
+    smollm2_arith.png, and other accuracies draw another picture."""
+    with open(os.path.join(ROOT, "plots", "smollm2", "results.json")) as f:
+        results = json.load(f)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "results.json").write_text(json.dumps(results))
+    (path,) = plot.figures(str(tmp_path / "a"), str(tmp_path / "out"))
+    assert os.path.basename(path) == "smollm2_arith.png"
+    img = check_png(path)
+    c = results["smollm2"]
+    c["grpo_by_seed"] = [[v * 0.5 for v in seed] for seed in c["grpo_by_seed"]]
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "results.json").write_text(json.dumps(results))
+    other = mpimg.imread(plot.figures(str(tmp_path / "b"), str(tmp_path / "out2"))[0])
+    assert img.shape == other.shape and (img != other).any(axis=-1).mean() > 0.001
