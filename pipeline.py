@@ -149,6 +149,14 @@ def state_of(out_dir):
     return "interrupted" if os.path.isfile(os.path.join(ckpt, "training_state.pt")) else "done"
 
 
+def load_times(path):
+    """The wall times of the stages an earlier invocation ran ({} if none)."""
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
 def redo(cfg, name):
     """Whether --redo names this stage (or is `all`)."""
     return cfg.redo == "all" or name in cfg.redo.split(",")
@@ -180,6 +188,14 @@ def run_stage(name, argv, cfg, times):
     if rc != 0:
         raise SystemExit(f"stage {name} failed: {' '.join(cmd)}")
     times[os.path.relpath(out_dir, cfg.runs)] = round(time.time() - t0, 1)
+
+
+def run_stages(stage_list, cfg, times, times_path):
+    """run_stage for each, the wall times written after each (a later invocation keeps them)."""
+    for name, argv in stage_list:
+        run_stage(name, argv, cfg, times)
+        with open(times_path, "w") as f:
+            json.dump(times, f, indent=1)
 
 
 def _end_with_parent():
@@ -342,15 +358,18 @@ def overopt_table(cfg, curves, times):
 # weight on ~100 pairs for a few dozen steps.
 
 REAL = "smollm2"
-REAL_LEN = ["--max_prompt_len", "96"]  # the default system prompt and a question: 50-75 tokens
-REAL_PAIRS = dict(train=192, test=96, samples=4, temperature=0.7, max_new_tokens=32)
+REAL_PROMPT_LEN = 96  # the default system prompt and a question: 50-75 tokens
+REAL_NEW_TOKENS = 32  # answers' tokens, sampled and greedy
+REAL_N_EVAL = 100  # held-out prompts of each greedy evaluation
+REAL_LEN = ["--max_prompt_len", str(REAL_PROMPT_LEN)]
+REAL_PAIRS = dict(train=192, test=96, samples=4, temperature=0.7)
 REAL_PAIR_FLAGS = ["--max_response_len", "40", "--batch_size", "8", "--steps", "24", "--warmup_steps", "2",
                    "--eval_every", "12", "--eval_batch_size", "16"]
 # sampling at 0.7: at 1.0 this small model's samples are far worse than its greedy answers (8% right
 # against 36%), so the rollouts would teach about text the greedy answers never contain
-REAL_GRPO_FLAGS = ["--lora", "--prompts_per_step", "6", "--group_size", "8", "--max_new_tokens", "32",
+REAL_GRPO_FLAGS = ["--lora", "--prompts_per_step", "6", "--group_size", "8", "--max_new_tokens", str(REAL_NEW_TOKENS),
                    "--temperature", "0.7", "--num_iterations", "1", "--num_mini_batches", "2", "--lr", "5e-4",
-                   "--warmup_steps", "0", "--n_eval", "100"]
+                   "--warmup_steps", "0", "--n_eval", str(REAL_N_EVAL)]
 REAL_EXAMPLES = 3  # held-out prompts whose greedy answers before and after GRPO are shown
 
 
@@ -377,24 +396,21 @@ def load_policy(name):
     return tok, common.load_model(name, tok).eval()
 
 
-def greedy_or_sampled(tok, model, rows, max_new_tokens, temperature=0.0, seed=0, batch_size=64):
-    """The model's answers to chat `rows` (rendered with its template), `temperature` 0: greedy."""
+def answers(tok, model, rows, temperature=0.0, seed=0, batch_size=64):
+    """The model's answers to arith chat `rows` (rendered with its template): greedy at
+    temperature 0, else sampled with the rows' own draws."""
     import data
     import datasets
     import sampling
 
     prompts = data.render_chat(datasets.Dataset.from_list(rows), tok, "arith")[0]["prompt"]
     stops = common.stop_token_ids(tok, model)
-    u = sampling.rollout_uniforms(len(prompts), max_new_tokens, seed) if temperature else None
+    u = sampling.rollout_uniforms(len(prompts), REAL_NEW_TOKENS, seed) if temperature else None
     texts = []
-    for i in range(0, len(prompts), batch_size):
-        p_ids, p_mask = common.pad(data.encode_prompts(tok, prompts[i:i + batch_size], 96)[0], tok.pad_token_id,
-                                   side="left")
-        with torch.no_grad():
-            r_ids, r_mask = sampling.generate(model, p_ids, p_mask, max_new_tokens, stops[0], tok.pad_token_id,
-                                              temperature=temperature, stop_ids=stops[1:],
-                                              uniforms=None if u is None else u[i:i + batch_size])
-        texts += sampling.decode_responses(tok, r_ids, r_mask, p_ids)
+    with torch.no_grad():
+        for i in range(0, len(prompts), batch_size):
+            texts += sampling.respond(model, tok, prompts[i:i + batch_size], REAL_PROMPT_LEN, REAL_NEW_TOKENS, stops,
+                                      model.device, temperature, None if u is None else u[i:i + batch_size])
     return texts
 
 
@@ -431,8 +447,8 @@ def real_pairs(cfg, times):
     for split in ("train", "test"):
         rows = tasks.arith_rows(REAL_PAIRS[split], seed=0, split=split)
         k = REAL_PAIRS["samples"]
-        texts = greedy_or_sampled(tok, model, [r for r in rows for _ in range(k)], REAL_PAIRS["max_new_tokens"],
-                                  REAL_PAIRS["temperature"], seed=0 if split == "train" else 1)
+        texts = answers(tok, model, [r for r in rows for _ in range(k)], REAL_PAIRS["temperature"],
+                        seed=0 if split == "train" else 1)
         pairs, right = verifier_pairs(rows, [texts[i * k:(i + 1) * k] for i in range(len(rows))])
         path = os.path.join(out, f"{split}.jsonl")
         with open(path + ".tmp", "w") as f:
@@ -453,16 +469,16 @@ def real_eval(cfg):
     if os.path.isfile(path) and not redo(cfg, "eval"):
         with open(path) as f:
             return json.load(f)
-    rows = tasks.arith_rows(100, seed=0, split="test")  # grpo.py --n_eval 100 --seed 0: the same prompts
+    rows = tasks.arith_rows(REAL_N_EVAL, seed=0, split="test")  # grpo.py's --seed 0 evaluations: the same prompts
     found = {}
     tok, model = load_policy(real_dir(cfg.runs, "dpo"))
-    texts = greedy_or_sampled(tok, model, rows, 32)
+    texts = answers(tok, model, rows)
     found["dpo_accuracy"] = sum(tasks.math_reward(None, t, r["answer"]) for t, r in zip(texts, rows)) / len(rows)
     examples = rows[:REAL_EXAMPLES]
     found["examples"] = [{"question": r["prompt"][0]["content"], "answer": r["answer"]} for r in examples]
     for name, folder in (("before", REAL), ("after", real_dir(cfg.runs, "grpo", "seed0"))):
         tok, model = load_policy(folder)
-        for ex, text in zip(found["examples"], greedy_or_sampled(tok, model, examples, 32)):
+        for ex, text in zip(found["examples"], answers(tok, model, examples)):
             ex[name] = text
     with open(path, "w") as f:
         json.dump(found, f, indent=1)
@@ -506,13 +522,10 @@ def run_real(cfg):
         raise SystemExit(f"--smollm2: {e}") from None
     os.makedirs(real_dir(cfg.runs), exist_ok=True)
     times_path = real_dir(cfg.runs, "times.json")
-    times = json.load(open(times_path)) if os.path.isfile(times_path) else {}
+    times = load_times(times_path)
     t0 = time.time()
     real_pairs(cfg, times)
-    for name, argv in real_stages(cfg):
-        run_stage(name, argv, cfg, times)
-        with open(times_path, "w") as f:
-            json.dump(times, f, indent=1)
+    run_stages(real_stages(cfg), cfg, times, times_path)
     table, curves, shown = real_results(cfg, times)
     with open(real_dir(cfg.runs, "results.json"), "w") as f:
         json.dump({"smollm2": curves, "wall_time_s": times}, f, indent=1)
@@ -533,12 +546,9 @@ def main(cfg):
         return run_real(cfg)
     os.makedirs(cfg.runs, exist_ok=True)
     times_path = os.path.join(cfg.runs, "pipeline_times.json")
-    times = json.load(open(times_path)) if os.path.isfile(times_path) else {}
+    times = load_times(times_path)
     t0 = time.time()
-    for name, argv in stages(cfg):
-        run_stage(name, argv, cfg, times)
-        with open(times_path, "w") as f:
-            json.dump(times, f, indent=1)
+    run_stages(stages(cfg), cfg, times, times_path)
     seeds = "seed 0" if cfg.seeds == 1 else f"mean ± std over seeds 0-{cfg.seeds - 1}"
     table, by_seed = results_table(cfg, times)
     table = f"The five stages ({seeds}):\n\n{table}"

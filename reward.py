@@ -167,15 +167,11 @@ def normalization(model, tokenizer, cfg, prompts, d):
 
     def rewards(rows):
         texts = [prompts[i] for i in rows]
-        p_ids, p_mask = common.pad(data.encode_prompts(p_tok, texts, cfg.max_prompt_len)[0], p_tok.pad_token_id,
-                                   side="left")
         with common.autocast(d):
-            r_ids, r_mask = sampling.generate(policy, p_ids.to(d.device), p_mask.to(d.device), cfg.max_response_len,
-                                             stops[0], p_tok.pad_token_id, temperature=1.0, uniforms=u[rows],
-                                             stop_ids=stops[1:])
-        # decode and re-encode: the policy's tokenizer need not be the reward model's
-        responses, _ = data.encode_responses(tokenizer, sampling.decode_responses(p_tok, r_ids, r_mask, p_ids),
-                                             cfg.max_response_len)  # a cut-off sample keeps no EOS
+            replies = sampling.respond(policy, p_tok, texts, cfg.max_prompt_len, cfg.max_response_len, stops, d.device,
+                                       temperature=1.0, uniforms=u[rows])
+        # re-encoded: the policy's tokenizer need not be the reward model's
+        responses, _ = data.encode_responses(tokenizer, replies, cfg.max_response_len)  # a cut-off sample keeps no EOS
         ids, attn, _ = common.join_prompt_response(data.encode_prompts(tokenizer, texts, cfg.max_prompt_len)[0],
                                                    responses, tokenizer.pad_token_id)
         with common.autocast(d):

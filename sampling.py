@@ -236,6 +236,19 @@ def decode_responses(tokenizer, response_ids, response_mask, prompt_ids=None):
     return texts
 
 
+def respond(model, tokenizer, prompts, max_prompt_len, max_new_tokens, stops, device, temperature=0.0,
+            uniforms=None):
+    """The model's responses to text prompts (a chat already rendered), as text: the prompts
+    encoded (data.encode_prompts) and left-padded, generated until one of `stops`
+    (common.stop_token_ids), decoded as they continue their prompt (decode_responses).
+    temperature 0 is greedy; uniforms: the rows' draws (rollout_uniforms)."""
+    p_ids, p_mask = common.pad(data.encode_prompts(tokenizer, prompts, max_prompt_len)[0], tokenizer.pad_token_id,
+                               side="left")
+    r_ids, r_mask = generate(model, p_ids.to(device), p_mask.to(device), max_new_tokens, stops[0],
+                             tokenizer.pad_token_id, temperature=temperature, stop_ids=stops[1:], uniforms=uniforms)
+    return decode_responses(tokenizer, r_ids, r_mask, p_ids)
+
+
 def evaluate_generations(model, tokenizer, prompts, reward_fn, d, max_prompt_len, max_new_tokens, batch_size=256,
                          answers=None):
     """Greedy answers to held-out prompts (text, a chat already rendered), scored by a gold reward
@@ -244,11 +257,9 @@ def evaluate_generations(model, tokenizer, prompts, reward_fn, d, max_prompt_len
     def score(rows):
         texts = [prompts[i] for i in rows]
         refs = [answers[i] for i in rows] if answers is not None else [None] * len(rows)
-        p_ids, p_mask = common.pad(data.encode_prompts(tokenizer, texts, max_prompt_len)[0], tokenizer.pad_token_id, side="left")
         with common.autocast(d):
-            r_ids, r_mask = generate(model, p_ids.to(d.device), p_mask.to(d.device), max_new_tokens, stops[0],
-                                     tokenizer.pad_token_id, temperature=0, stop_ids=stops[1:])
-        rewards = [reward_fn(p, c, a) for p, c, a in zip(texts, decode_responses(tokenizer, r_ids, r_mask, p_ids), refs)]
+            replies = respond(model, tokenizer, texts, max_prompt_len, max_new_tokens, stops, d.device)
+        rewards = [reward_fn(p, c, a) for p, c, a in zip(texts, replies, refs)]
         return torch.tensor([[r, float(r == 1.0)] for r in rewards], dtype=torch.float64, device=d.device)
 
     stops = common.stop_token_ids(tokenizer, model)

@@ -163,12 +163,13 @@ def _rng(seed, split):
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     return random.Random(seed + SPLIT_SEED_OFFSET[split])
 
-def _split_prompt(rng, split):
-    # rejection sampling keeps the prompt distribution uniform within each split
+def _in_split(rng, split, draw=random_prompt, text=lambda x: x):
+    """draw(rng) until text(draw) falls in `split`: rejection sampling keeps the distribution
+    uniform within each split."""
     while True:
-        prompt = random_prompt(rng)
-        if is_test_prompt(prompt) == (split == "test"):
-            return prompt
+        x = draw(rng)
+        if is_test_prompt(text(x)) == (split == "test"):
+            return x
 
 # -----------------------------------------------------------------------------
 # edits: the ways a completion can go wrong
@@ -213,7 +214,7 @@ def sft_rows(n, seed=0, split="train"):
     rng = _rng(seed, split)
     rows = []
     for _ in range(n):
-        prompt = _split_prompt(rng, split)
+        prompt = _in_split(rng, split)
         items = sorted(parse_prompt(prompt))
         if _has_repeat(items) and rng.random() < DEDUP_PROB:
             items = _dedup(items, rng)
@@ -233,7 +234,7 @@ def preference_rows(n, seed=0, split="train"):
     rng = _rng(seed, split)
     rows = []
     for _ in range(n):
-        prompt = _split_prompt(rng, split)
+        prompt = _in_split(rng, split)
         while True:  # equal rewards carry no preference signal, so draw again
             c1, c2 = _noisy_completion(prompt, rng), _noisy_completion(prompt, rng)
             r1, r2 = sort_reward(prompt, c1), sort_reward(prompt, c2)
@@ -257,7 +258,7 @@ def bayes_accuracy(rows, temperature=PREF_TEMPERATURE):
 def prompt_rows(n, seed=0, split="train"):
     """Prompts for on-policy RL (GRPO), each naming the rule-based reward to score it with."""
     rng = _rng(seed, split)
-    return [dict(prompt=_split_prompt(rng, split), reward_fn="sort") for _ in range(n)]
+    return [dict(prompt=_in_split(rng, split), reward_fn="sort") for _ in range(n)]
 
 # -----------------------------------------------------------------------------
 # arith: a verifiable chat task for real instruct models (pipeline.py --smollm2)
@@ -296,19 +297,12 @@ def arith_problem(rng):
     return f"{name} has {a} {item} and gives {b} away. How many {item} does {name} have left?", a - b
 
 
-def _arith_split_problem(rng, split):
-    while True:  # the same hash split as the sort prompts, on the question's text
-        question, answer = arith_problem(rng)
-        if is_test_prompt(question) == (split == "test"):
-            return question, answer
-
-
 def arith_rows(n, seed=0, split="train"):
     """Conversational prompt rows (TRL's format) with the reference `answer` and the `math` rule."""
     rng = _rng(seed, split)
     rows = []
     for _ in range(n):
-        question, answer = _arith_split_problem(rng, split)
+        question, answer = _in_split(rng, split, arith_problem, text=lambda qa: qa[0])  # split by question
         rows.append(dict(prompt=[{"role": "user", "content": question + ARITH_INSTRUCTION}], answer=str(answer),
                          reward_fn="math"))
     return rows
