@@ -102,21 +102,32 @@ def default_device():
 
 
 # -----------------------------------------------------------------------------
-# models: `tiny` and GPT-2 small and large shapes with random weights and the real vocabulary
-# size (throughput does not depend on the weights), all with the character tokenizer
+# models: `tiny`, GPT-2 small and large and SmolLM2-135M shapes with random weights and the real
+# vocabulary size (throughput does not depend on the weights), all with the character tokenizer
 
 
 SHAPES = {
     "tiny": {},
     "gpt2-small-random": dict(n_layer=12, n_embd=768, n_head=12, n_positions=1024, vocab_size=50257),
     "gpt2-large-random": dict(n_layer=36, n_embd=1280, n_head=20, n_positions=1024, vocab_size=50257),
+    # SmolLM2-135M-Instruct's architecture (Llama: SwiGLU, grouped-query attention with 3 KV heads,
+    # RoPE, tied head), for machines without the 92-MB pip package (the GPU machine)
+    "smollm2-random": dict(llama=True, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                           num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                           rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True, vocab_size=49152),
 }
 
 
 def model_config(shape, tokenizer):
     if shape not in SHAPES:
         raise SystemExit(f"model {shape!r} is not one of {sorted(SHAPES)}")
-    return tasks.char_gpt2_config(tokenizer, **SHAPES[shape])
+    shape = dict(SHAPES[shape])
+    if shape.pop("llama", False):
+        from transformers import LlamaConfig
+
+        return LlamaConfig(**shape, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+                           pad_token_id=tokenizer.pad_token_id)
+    return tasks.char_gpt2_config(tokenizer, **shape)
 
 
 def random_model(shape, seed=0):
