@@ -363,8 +363,8 @@ REAL_NEW_TOKENS = 32  # answers' tokens, sampled and greedy
 REAL_N_EVAL = 100  # held-out prompts of each greedy evaluation
 REAL_LEN = ["--max_prompt_len", str(REAL_PROMPT_LEN)]
 REAL_PAIRS = dict(train=192, test=96, samples=4, temperature=0.7)
-REAL_PAIR_FLAGS = ["--max_response_len", "40", "--batch_size", "8", "--steps", "24", "--warmup_steps", "2",
-                   "--eval_every", "12", "--eval_batch_size", "16"]
+REAL_PAIR_FLAGS = ["--max_response_len", "40", "--batch_size", "8", "--steps", "16", "--warmup_steps", "2",
+                   "--eval_every", "8", "--eval_batch_size", "16"]
 # sampling at 0.7: at 1.0 this small model's samples are far worse than its greedy answers (8% right
 # against 36%), so the rollouts would teach about text the greedy answers never contain
 REAL_GRPO_FLAGS = ["--lora", "--prompts_per_step", "6", "--group_size", "8", "--max_new_tokens", str(REAL_NEW_TOKENS),
