@@ -147,6 +147,15 @@ def all_reduce_sum(x, d):
     return x
 
 
+def all_gather(x, d):
+    """Every rank's x (equal shapes) concatenated along dim 0, on every rank. Collective."""
+    if d.world_size == 1:
+        return x
+    out = x.new_empty((d.world_size * x.shape[0], *x.shape[1:]))
+    dist.all_gather_into_tensor(out, x.contiguous())
+    return out
+
+
 def shard_batch(n, d):
     """The slice of a global batch of n rows that this rank takes."""
     if n % d.world_size:

@@ -4,9 +4,12 @@ DPO (Rafailov et al. 2023, arXiv:2305.18290) minimises, over pairs (x, y_w, y_l)
     -log sigmoid(beta * h),   h = [log pi(y_w|x) - log pi(y_l|x)] - [log ref(y_w|x) - log ref(y_l|x)]
 (Eq. 7), where log pi(y|x) is summed over the response tokens and ref is the frozen SFT model.
 beta * log(pi / ref) is the implicit reward; its pairwise accuracy on held-out pairs is the
-evaluation. Variants, each a few lines of dpo_loss: cDPO label smoothing
-(Mitchell 2023, "A note on DPO with noisy preferences"), IPO (Azar et al. 2023,
-arXiv:2310.12036, Eq. 17) and the SLiC hinge (Zhao et al. 2023, arXiv:2305.10425).
+evaluation. Variants, each a few lines of dpo_loss (--loss_type, TRL's names): cDPO label
+smoothing (Mitchell 2023, "A note on DPO with noisy preferences"), IPO (arXiv:2310.12036 Eq. 17),
+the SLiC hinge (arXiv:2305.10425), robust DPO (arXiv:2403.00409 Eq. 8), APO-zero
+(arXiv:2408.06266), length-normalised DPO (sigmoid_norm: Tulu 3's dpo_norm, arXiv:2411.15124),
+SimPO (arXiv:2405.14734: average log-probs and a margin, no reference model) and, added to any
+of them, RPO's NLL term on the chosen response (--rpo_alpha, arXiv:2404.19733).
 
 Deliberate choices and departures:
 1. Chosen and rejected go through ONE forward: the batch holds each prompt block twice,
@@ -74,9 +77,14 @@ class Config:
     """strength of the KL regularisation towards the reference (the implicit reward's scale; 0.1 overshoots here)
     [> 0]"""
     loss_type: str = "sigmoid"
-    """sigmoid (DPO), ipo, hinge (SLiC), robust (rDPO), or apo_zero (APO-zero); TRL's names"""
+    """sigmoid (DPO), sigmoid_norm (log-ratios averaged over tokens: Tulu 3's dpo_norm), ipo, hinge (SLiC),
+    robust (rDPO), apo_zero (APO-zero), or simpo (SimPO: average log-probs, no reference model); TRL's names"""
     label_smoothing: float = 0.0
     """assumed probability that a label is flipped: cDPO with sigmoid, rDPO's epsilon with robust [0, 0.5)"""
+    simpo_gamma: float = 0.5
+    """SimPO's target margin gamma, in reward units (TRL's name) [>= 0]"""
+    rpo_alpha: float = 0.0
+    """RPO (arXiv:2404.19733): add alpha x the chosen response's NLL per token (0: off) [>= 0]"""
     precompute_ref: bool = True
     """compute reference log-probs once before training and free the reference model"""
     # --- optimisation ---
@@ -128,29 +136,46 @@ class Config:
     """allow a hub model's own Python code to run"""
 
 
-LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "apo_zero")
+LOSS_TYPES = ("sigmoid", "sigmoid_norm", "ipo", "hinge", "robust", "apo_zero", "simpo")
 
 # -----------------------------------------------------------------------------
 # the loss
 
 
+def log_ratios(policy_logps, ref_logps, lengths, loss_type):
+    """The implicit reward / beta of each response, from log-probs summed over its tokens and its
+    length (all (B,)): log pi - log ref; averaged over tokens for sigmoid_norm (Tulu 3, so long
+    responses do not dominate); for simpo the average log pi alone (SimPO Eq. 4: no reference)."""
+    if loss_type == "simpo":
+        return policy_logps / lengths
+    if loss_type == "sigmoid_norm":
+        return (policy_logps - ref_logps) / lengths
+    return policy_logps - ref_logps
+
+
 def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, beta, n_pairs,
-             loss_type="sigmoid", label_smoothing=0.0):
+             loss_type="sigmoid", label_smoothing=0.0, lengths=None, simpo_gamma=0.5, rpo_alpha=0.0):
     """Preference loss of a micro-batch of pairs, divided by the pairs of the global batch
     (common.py's rule 1: summed over micro-batches and ranks, the mean over the global batch).
 
     policy_chosen_logps, policy_rejected_logps: (B,) log pi(y|x) summed over response tokens;
-    ref_chosen_logps, ref_rejected_logps: (B,) the same under the reference (no gradient);
-    n_pairs: pairs in the global batch. Returns (loss, metrics); rewards/* are the implicit
-    rewards beta * (log pi - log ref), detached.
+    ref_chosen_logps, ref_rejected_logps: (B,) the same under the reference (no gradient; unused
+    by simpo); lengths: (chosen, rejected) response tokens, (B,) each, for sigmoid_norm, simpo
+    and rpo_alpha; n_pairs: pairs in the global batch. Returns (loss, metrics); rewards/* are the
+    implicit rewards beta * log_ratios, detached.
     """
-    h = (policy_chosen_logps - policy_rejected_logps) - (ref_chosen_logps - ref_rejected_logps)  # (B,)
-    if label_smoothing and loss_type not in ("sigmoid", "robust"):
-        raise ValueError(f"label_smoothing applies to the sigmoid and robust losses only, not {loss_type!r}")
-    if loss_type == "sigmoid":
+    len_c, len_r = lengths if lengths is not None else (None, None)
+    lr_c = log_ratios(policy_chosen_logps, ref_chosen_logps, len_c, loss_type)  # (B,)
+    lr_r = log_ratios(policy_rejected_logps, ref_rejected_logps, len_r, loss_type)
+    h = lr_c - lr_r  # (B,)
+    if label_smoothing and loss_type not in ("sigmoid", "sigmoid_norm", "robust"):
+        raise ValueError(f"label_smoothing applies to the sigmoid(_norm) and robust losses only, not {loss_type!r}")
+    if loss_type in ("sigmoid", "sigmoid_norm"):
         # Eq. 7 of arXiv:2305.18290; with label_smoothing eps > 0 the expected loss under labels
         # flipped with probability eps (cDPO, Mitchell 2023)
         losses = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+    elif loss_type == "simpo":
+        losses = -F.logsigmoid(beta * h - simpo_gamma)  # SimPO Eq. 6: a target margin gamma
     elif loss_type == "ipo":
         losses = (h - 1 / (2 * beta)) ** 2  # Eq. 17 of arXiv:2310.12036: regress h onto 1/(2 beta)
     elif loss_type == "hinge":
@@ -163,12 +188,12 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_r
     elif loss_type == "apo_zero":
         # APO-zero, arXiv:2408.06266: push the chosen log-ratio up and the rejected one down, each
         # on its own (not only their difference): for chosen answers better than the policy's own
-        losses = (1 - torch.sigmoid(beta * (policy_chosen_logps - ref_chosen_logps))
-                  + torch.sigmoid(beta * (policy_rejected_logps - ref_rejected_logps)))
+        losses = 1 - torch.sigmoid(beta * lr_c) + torch.sigmoid(beta * lr_r)
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}, expected one of {LOSS_TYPES}")
-    r_c = beta * (policy_chosen_logps - ref_chosen_logps).detach()
-    r_r = beta * (policy_rejected_logps - ref_rejected_logps).detach()
+    if rpo_alpha:  # RPO Eq. 4: the chosen response's NLL per token keeps its likelihood from falling
+        losses = losses - rpo_alpha * policy_chosen_logps / len_c
+    r_c, r_r = beta * lr_c.detach(), beta * lr_r.detach()
     right = (r_c > r_r).float() + 0.5 * (r_c == r_r).float()  # a tie (policy == ref) is a coin flip
     loss = losses.sum() / n_pairs
     metrics = {"rewards/chosen": r_c, "rewards/rejected": r_r, "rewards/accuracies": right,
@@ -204,8 +229,8 @@ def main(cfg):
                          f"x --grad_accum {cfg.grad_accum}")
     if cfg.loss_type not in LOSS_TYPES:
         raise ValueError(f"--loss_type {cfg.loss_type!r}: expected one of {LOSS_TYPES}")
-    if cfg.label_smoothing and cfg.loss_type not in ("sigmoid", "robust"):
-        raise ValueError("--label_smoothing applies to --loss_type sigmoid and robust only")
+    if cfg.label_smoothing and cfg.loss_type not in ("sigmoid", "sigmoid_norm", "robust"):
+        raise ValueError("--label_smoothing applies to --loss_type sigmoid, sigmoid_norm and robust only")
     micro = cfg.batch_size // (d.world_size * cfg.grad_accum)
     # the data first: a bad file or row stops the run before out_dir or any model is touched
     train, test = data.load_preferences(cfg)
@@ -215,6 +240,9 @@ def main(cfg):
     pad_id = tokenizer.pad_token_id
 
     train, test, train_pairs, test_pairs = data.encode_preferences(train, test, tokenizer, cfg)
+    # response tokens (N, 2) of chosen and rejected: sigmoid_norm's, simpo's and RPO's per-token averages
+    train_len, test_len = (torch.tensor([[len(c), len(r)] for c, r in zip(pairs[1], pairs[2])], dtype=torch.float,
+                                        device=d.device) for pairs in (train_pairs, test_pairs))
     embedded = (cfg.eval_dataset or cfg.dataset) in tasks.TASKS
     if embedded:  # the label noise is known: the best accuracy any model can reach on these pairs
         bayes = tasks.bayes_accuracy(test)
@@ -223,14 +251,17 @@ def main(cfg):
     # -------------------------------------------------------------------------
     # 1. the reference: log-probs of every train and eval pair once, or a live frozen model
     t_start = time.time()
-    common.set_seed(cfg.seed)  # `--model tiny` builds random weights: the policy must start equal to its reference
-    ref = common.load_model(cfg.ref_model or cfg.model, tokenizer, dtype=common.frozen_dtype(d),
-                            trust_remote_code=cfg.trust_remote_code, d=d)
-    common.check_context(ref, cfg.max_prompt_len, cfg.max_response_len)
-    ref = common.shard_model(ref.requires_grad_(False).eval(), d, cpu_offload=cfg.offload_frozen)
-    ref_test = all_pair_logps(ref, test_pairs, pad_id, d, cfg.eval_batch_size)  # (N_eval, 2)
-    ref_train = None
-    if cfg.precompute_ref:
+    if cfg.loss_type == "simpo":  # reference-free: no reference model is loaded
+        ref_test, ref_train = (torch.zeros(len(x), 2, device=d.device) for x in (test, train))
+    else:
+        common.set_seed(cfg.seed)  # `--model tiny` builds random weights: the policy must start equal to its reference
+        ref = common.load_model(cfg.ref_model or cfg.model, tokenizer, dtype=common.frozen_dtype(d),
+                                trust_remote_code=cfg.trust_remote_code, d=d)
+        common.check_context(ref, cfg.max_prompt_len, cfg.max_response_len)
+        ref = common.shard_model(ref.requires_grad_(False).eval(), d, cpu_offload=cfg.offload_frozen)
+        ref_test = all_pair_logps(ref, test_pairs, pad_id, d, cfg.eval_batch_size)  # (N_eval, 2)
+        ref_train = None
+    if cfg.precompute_ref and ref_train is None:
         t_ref = time.time()
         ref_train = all_pair_logps(ref, train_pairs, pad_id, d, cfg.eval_batch_size)  # (N_train, 2)
         del ref
@@ -245,7 +276,7 @@ def main(cfg):
     logger = common.Logger(cfg.out_dir, cfg, d, use_wandb=cfg.wandb, project="rlhf-dpo")
     common.print0(f"dpo: {n_params / 1e6:.2f}M parameters, {len(train)} train pairs, {len(test)} eval pairs, "
                   f"world size {d.world_size}{d.layout}, micro-batch {micro} pairs x {cfg.grad_accum} accumulation, "
-                  f"{'precomputed' if cfg.precompute_ref else 'live'} reference")
+                  f"{'no' if cfg.loss_type == 'simpo' else 'precomputed' if cfg.precompute_ref else 'live'} reference")
     order = common.DataOrder(len(train), cfg.seed)
     start, last_ckpt = 1, None
     if resume_from:
@@ -254,7 +285,8 @@ def main(cfg):
 
     def evaluate():
         pol = all_pair_logps(model, test_pairs, pad_id, d, cfg.eval_batch_size)  # (N_eval, 2)
-        h = (pol[:, 0] - pol[:, 1]) - (ref_test[:, 0] - ref_test[:, 1])  # (N_eval,) implicit reward margin / beta
+        h = (log_ratios(pol[:, 0], ref_test[:, 0], test_len[:, 0], cfg.loss_type)
+             - log_ratios(pol[:, 1], ref_test[:, 1], test_len[:, 1], cfg.loss_type))  # (N_eval,) reward margin / beta
         metrics = {"eval/accuracy": common.ranking_accuracy(h, torch.zeros_like(h)).item(),
                    "eval/margin": (cfg.beta * h).mean().item()}
         if embedded:
@@ -278,12 +310,13 @@ def main(cfg):
             mb = rows[k * micro:(k + 1) * micro]
             batch = data.pair_batch(train_pairs, mb, pad_id, d.device)
             pi_c, pi_r = common.sequence_logprobs(model, batch, d).chunk(2)  # (micro,), (micro,)
-            if cfg.precompute_ref:
+            if ref_train is not None:  # precomputed (or simpo's zeros)
                 ref_c, ref_r = ref_train[mb].unbind(1)
             else:
                 with torch.no_grad():
                     ref_c, ref_r = common.sequence_logprobs(ref, batch, d).chunk(2)
-            loss, m = dpo_loss(pi_c, pi_r, ref_c, ref_r, cfg.beta, cfg.batch_size, cfg.loss_type, cfg.label_smoothing)
+            loss, m = dpo_loss(pi_c, pi_r, ref_c, ref_r, cfg.beta, cfg.batch_size, cfg.loss_type, cfg.label_smoothing,
+                               train_len[mb].unbind(1), cfg.simpo_gamma, cfg.rpo_alpha)
             common.backward(model, loss, d, sync=k == cfg.grad_accum - 1)
             common.add_metrics(sums, m)
 

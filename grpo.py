@@ -25,6 +25,15 @@ Knobs, each a flag that changes a few visible lines:
 - reference: a frozen copy, refreshed every N steps (the policy drifts far from the SFT model
   on long runs), or with --lora the same network with its adapters disabled (no second copy).
 
+Variants (flags named as in TRL 1.16, else verl; each a few lines, equations at the functions):
+- the policy term (`policy_loss`): the clipped surrogate, CISPO or SAPO, with INTELLECT-2's
+  delta and dual-clip bounds; the ratio per token or per sequence (GSPO, `importance_ratio`);
+- advantages (`group_advantages`): group-normalised, RLOO or REINFORCE++-baseline;
+- DAPO's dynamic sampling (`informative_rollout` in main) and soft overlong punishment;
+- weights of the policy term: DeepSeek-V3.2's off-policy sequence mask, the top-entropy tokens
+  ("80/20"), truncated importance sampling against the sampler's own log-probs, whose gap to
+  the trainer's is logged every step (rollout/logp_diff).
+
 Deliberate departures:
 1. Each loss normaliser (tokens, sequences, or the Dr. GRPO constant) is computed over the
    whole global mini-batch (all micro-batches, all ranks) before the forward passes, so
@@ -64,6 +73,9 @@ import tasks
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "ratio_k1", "ratio_k3")
 LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "constant")
+LOSS_TYPES = ("grpo", "cispo", "sapo")
+IS_LEVELS = ("token", "sequence", "sequence_token")
+ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
 
 
 @dataclass
@@ -108,8 +120,20 @@ class Config:
     """weighted sum of rewards, e.g. `rule:1.0,model:0.5` (empty: `model:1` with --reward_model, else `rule:1`)"""
     no_eos_penalty: float = 0.0
     """subtracted from the reward of a completion that never stops (no EOS or truncate token) [>= 0]"""
-    mask_truncated: bool = False
+    mask_truncated_completions: bool = False
     """leave completions that never stop out of the loss"""
+    overlong_buffer_len: int = 0
+    """DAPO's soft overlong punishment (arXiv:2503.14476 Eq. 13; verl's overlong_buffer.len): a reward term
+    falling linearly from 0 at max_new_tokens minus this many tokens to -overlong_penalty_factor at
+    max_new_tokens (0: off) [>= 0]"""
+    overlong_penalty_factor: float = 1.0
+    """the overlong term at max_new_tokens (verl's overlong_buffer.penalty_factor) [>= 0]"""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling (arXiv:2503.14476 Sec. 3.2; verl's filter_groups): groups whose rewards are all
+    equal carry no gradient; replace them by the groups of new prompts, sampled round after round"""
+    max_num_gen_batches: int = 4
+    """rollout rounds per step at most with --dynamic_sampling; groups still missing after them are filled with
+    equal-reward ones, counted in dynamic_sampling/unfilled_groups (verl's name) [1, 15]"""
     rs_samples: int = 0
     """rejection sampling: sample this many per prompt and keep group_size of them (0: off) [>= 0]"""
     rs_mode: str = "rso"
@@ -117,6 +141,10 @@ class Config:
     rs_gamma: float = 2.0
     """RSO temperature: accept with probability exp((r - r_max) / gamma) [> 0]"""
     # --- loss ---
+    adv_estimator: str = "grpo"
+    """advantages (verl's name): grpo (reward - group mean, then --scale_rewards); rloo (reward - mean of the
+    group's others, arXiv:2402.14740); reinforce_pp (reward - group mean, then whitened over the whole batch:
+    REINFORCE++-baseline, arXiv:2501.03262). rloo and reinforce_pp take --scale_rewards none"""
     scale_rewards: str = "group"
     """divide centred rewards by the std of their group, of the whole batch, or `none` (Dr. GRPO)"""
     global_norm: bool = False
@@ -124,7 +152,37 @@ class Config:
     epsilon_low: float = 0.2
     """clip rho below at 1 - epsilon_low [0, 1)"""
     epsilon_high: float = 0.28
-    """clip rho above at 1 + epsilon_high (DAPO clip-higher) [>= 0]"""
+    """clip rho above at 1 + epsilon_high (DAPO clip-higher; cispo: the IS weight's cap) [>= 0]"""
+    loss_type: str = "grpo"
+    """the policy term (TRL's values): grpo (PPO's clipped surrogate), cispo (the clipped IS weight, without
+    gradient, times every token's REINFORCE term: arXiv:2506.13585), sapo (a soft gate instead of the clip:
+    arXiv:2511.20347); how it is averaged is --loss_agg"""
+    importance_sampling_level: str = "token"
+    """rho per token (PPO), per sequence (GSPO, arXiv:2507.18071: exp of the mean token log-ratio, one per
+    sequence; GSPO clips at 3e-4 / 4e-4) or sequence_token (GSPO-token: the sequence's value, each token's
+    gradient) (TRL's name)"""
+    delta: float = 0.0
+    """INTELLECT-2's two-sided clip (arXiv:2505.07291): rho capped at delta in the unclipped term, so negative
+    advantages cannot weigh without bound (0: off; else > 1 + epsilon_high) (TRL's name) [>= 0]"""
+    clip_ratio_c: float = 0.0
+    """dual-clip PPO (arXiv:1912.09729 Eq. 5): for negative advantages the loss is at most c |A| (0: off; else
+    > 1, verl uses 3) (verl's name) [>= 0]"""
+    sapo_temperature_pos: float = 1.0
+    """sapo's gate temperature for positive advantages (TRL's name) [> 0]"""
+    sapo_temperature_neg: float = 1.05
+    """sapo's gate temperature for negative advantages (TRL's name) [> 0]"""
+    off_policy_mask_threshold: float = 0.0
+    """DeepSeek-V3.2's off-policy sequence masking (arXiv:2512.02556 Eq. 9): sequences with a negative advantage
+    whose mean token log(pi_rollout / pi) exceeds this leave the policy term (0: off) (TRL's name) [>= 0]"""
+    top_entropy_quantile: float = 1.0
+    """only the response tokens in this top share of the rollout policy's entropies (over the whole rollout)
+    get the policy gradient (arXiv:2506.01939 keeps 0.2; 1: every token) (TRL's name) (0, 1]"""
+    vllm_importance_sampling_correction: bool = False
+    """truncated importance sampling (TIS): weight each token's policy term by min(pi_old / pi_rollout, cap),
+    pi_rollout the sampler's own log-probs, to correct for its numerics differing from the trainer's (TRL's
+    name, made for vLLM rollouts; here sampling.py's; their gap is logged as rollout/logp_diff either way)"""
+    vllm_importance_sampling_clip_max: float = 3.0
+    """the TIS cap (TRL's name) [> 0]"""
     beta: float = 0.04
     """KL coefficient [>= 0]"""
     kl_estimator: str = "k3"
@@ -253,17 +311,28 @@ def _global_mean_std(x, d):
     return mean.float(), var.clamp(min=0).sqrt().float()
 
 
-def group_advantages(rewards, scale="group", global_norm=False, d=common.Dist(), eps=1e-4):
+def group_advantages(rewards, scale="group", global_norm=False, d=common.Dist(), eps=1e-4, estimator="grpo"):
     """Group-relative advantages. rewards: (B, G), one row per prompt -> advantages (B, G).
 
-    A = (r - mean_group(r)) / (std + eps), std of the group (GRPO Sec. 4.1.2), of the whole
+    grpo: A = (r - mean_group(r)) / (std + eps), std of the group (GRPO Sec. 4.1.2), of the whole
     batch over all ranks (`batch`), or 1 (`none`, Dr. GRPO). global_norm then rescales A to mean
-    0 and std 1 over the batch on all ranks. Stds are unbiased (n - 1). The metrics are this
-    rank's share of the global-batch mean (every rank holds B groups: common.py's rule 2).
+    0 and std 1 over the batch on all ranks. Stds are unbiased (n - 1).
+    rloo: A_i = r_i - mean_{j != i} r_j = G / (G - 1) (r_i - mean_group(r)) (RLOO, arXiv:2402.14740).
+    reinforce_pp: r - mean_group(r), then whitened over the whole batch (REINFORCE++-baseline,
+    arXiv:2501.03262 Sec. 3: grpo with scale none and global_norm).
+    The metrics are this rank's share of the global-batch mean (every rank holds B groups:
+    common.py's rule 2).
     """
+    G = rewards.shape[1]
     mean = rewards.mean(1, keepdim=True)
-    std = rewards.std(1, keepdim=True) if rewards.shape[1] > 1 else torch.zeros_like(mean)
+    std = rewards.std(1, keepdim=True) if G > 1 else torch.zeros_like(mean)
     adv = rewards - mean
+    if estimator == "rloo":
+        adv = adv * G / (G - 1)
+    elif estimator == "reinforce_pp":
+        global_norm = True
+    elif estimator != "grpo":
+        raise ValueError(f"unknown adv_estimator {estimator!r}, expected one of {ADV_ESTIMATORS}")
     if scale == "group":
         adv = adv / (std + eps)
     elif scale == "batch":
@@ -323,19 +392,110 @@ def loss_normaliser(mask, agg, max_new_tokens, d=common.Dist()):
     return common.all_reduce_sum(n.double(), d)  # a tensor: no host sync per mini-batch
 
 
+def importance_ratio(logps, old_logps, mask, level="token"):
+    """rho (B, T) of every response token, from log-probs (B, T) and the response mask.
+
+    token:          rho_t = pi(o_t) / pi_old(o_t)                             (PPO)
+    sequence:       s = exp(mean_t log rho_t), the same for every token       (GSPO Eq. 7)
+    sequence_token: sg[s] * pi(o_t) / sg[pi(o_t)]: value s, gradient of log pi(o_t) times s
+                    (GSPO Eq. 13; equal to `sequence` in value, and in gradient when the
+                    advantage is the same for every token of a sequence)
+    The sequence ratio is length-normalised so that its clip range does not depend on length.
+    """
+    log_rho = logps - old_logps
+    if level == "token":
+        return torch.exp(log_rho)
+    seq = (log_rho * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # (B, 1)
+    if level == "sequence":
+        return torch.exp(seq).expand_as(logps)
+    if level == "sequence_token":
+        return torch.exp(seq.detach() + logps - logps.detach())
+    raise ValueError(f"unknown importance_sampling_level {level!r}, expected one of {IS_LEVELS}")
+
+
+def policy_loss(rho, logps, A, loss_type="grpo", epsilon_low=0.2, epsilon_high=0.2, delta=0.0, clip_ratio_c=0.0,
+                sapo_temperatures=(1.0, 1.05)):
+    """The per-token policy term (B, T) to minimise, from rho (B, T), log-probs (B, T) and A (B, 1).
+
+    grpo:  max(-A rho', -A clip(rho, 1 - eps_low, 1 + eps_high))        (PPO, GRPO Eq. 3)
+           rho' = min(rho, delta) with delta (INTELLECT-2), and for A < 0 at most -A c with
+           clip_ratio_c = c (dual-clip): a token far off-policy cannot weigh without bound.
+    cispo: -sg[min(rho, 1 + eps_high)] A log pi                         (MiniMax-M1 Eq. 4)
+           clipping the weight, not the token: every token keeps its REINFORCE gradient.
+    sapo:  -A (4 / tau) sigmoid(tau (rho - 1)), tau by the sign of A    (SAPO)
+           a soft gate: gradient A rho at rho = 1, fading smoothly off-policy.
+    All three have the gradient -A grad(rho) at rho = 1 (on-policy): they differ off-policy only.
+    """
+    if loss_type == "grpo":
+        rho_1 = torch.clamp(rho, max=delta) if delta else rho
+        pg = torch.maximum(-A * rho_1, -A * torch.clamp(rho, 1 - epsilon_low, 1 + epsilon_high))
+        if clip_ratio_c:
+            pg = torch.where(A < 0, torch.minimum(pg, -A * clip_ratio_c), pg)
+        return pg
+    if loss_type == "cispo":
+        return -torch.clamp(rho, max=1 + epsilon_high).detach() * A * logps
+    if loss_type == "sapo":
+        tau = torch.where(A > 0, sapo_temperatures[0], sapo_temperatures[1])
+        return -A * torch.sigmoid(tau * (rho - 1)) * 4 / tau
+    raise ValueError(f"unknown loss_type {loss_type!r}, expected one of {LOSS_TYPES}")
+
+
+def off_policy_mask(logps, rollout_logps, advantages, mask, threshold):
+    """(B, 1): 0 for the sequences DeepSeek-V3.2 leaves out of the policy term (arXiv:2512.02556
+    Eq. 9): a negative advantage and a mean token log(pi_rollout / pi) above threshold (the
+    policy has drifted from the one that sampled them, and pushing down its mistakes then
+    destabilises training), else 1. No gradient."""
+    kl = ((rollout_logps - logps.detach()) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    return ((advantages[:, None] >= 0) | (kl <= threshold)).float()
+
+
+def top_entropy_mask(entropy, mask, quantile, d=common.Dist(), width=None):
+    """(B, T): 1 on the ceil(quantile x n) highest-entropy response tokens of the global rollout
+    (all ranks, each padded to `width` columns; n its response tokens; ties kept), else 0: only
+    these "forking" tokens get the policy gradient (arXiv:2506.01939). Collective."""
+    vals = torch.where(mask.bool(), entropy.float(), float("nan"))
+    vals = torch.nn.functional.pad(vals, (0, (width or vals.shape[1]) - vals.shape[1]), value=float("nan"))
+    vals = common.all_gather(vals, d).flatten()
+    vals = vals[~vals.isnan()]
+    if vals.numel() == 0:
+        return torch.zeros_like(mask, dtype=torch.float)
+    k = max(1, math.ceil(quantile * vals.numel()))
+    threshold = torch.kthvalue(vals, vals.numel() - k + 1).values  # the k-th largest
+    return ((entropy >= threshold) & mask.bool()).float()
+
+
+def truncated_is_weights(old_logps, rollout_logps, cap):
+    """min(pi_old / pi_rollout, cap) per token, (B, T), no gradient (truncated importance
+    sampling: Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
+    training"). The sampler's numbers differ from the trainer's (bf16 decode kernels, another
+    engine), so its samples come from pi_rollout, not pi_old: this ratio corrects the
+    expectation, and the cap bounds the variance."""
+    return torch.exp(old_logps - rollout_logps).clamp(max=cap).detach()
+
+
+def overlong_penalty(lengths, max_len, buffer, factor):
+    """DAPO's soft overlong punishment (arXiv:2503.14476 Eq. 13), (B,): 0 up to max_len - buffer
+    tokens, then falling linearly to -factor at max_len, where a completion is cut."""
+    return -factor * ((lengths - (max_len - buffer)) / buffer).clamp(min=0, max=1)
+
+
 def grpo_loss(logps, old_logps, ref_logps, advantages, mask, normaliser, epsilon_low=0.2, epsilon_high=0.2,
-              beta=0.0, kl_estimator="k3", agg="token_mean", entropy=None, entropy_coef=0.0, n_tokens=None):
-    """Clipped surrogate + beta * KL - entropy_coef * entropy, aggregated (GRPO Eq. 3, DAPO Eq. 10).
+              beta=0.0, kl_estimator="k3", agg="token_mean", entropy=None, entropy_coef=0.0, n_tokens=None,
+              loss_type="grpo", level="token", delta=0.0, clip_ratio_c=0.0, sapo_temperatures=(1.0, 1.05),
+              pg_weights=None):
+    """Policy term + beta * KL - entropy_coef * entropy, aggregated (GRPO Eq. 3, DAPO Eq. 10).
 
     logps, old_logps, ref_logps, mask: (B, T) per response token; advantages: (B,) per sequence;
-    entropy: (B, T) or None; normaliser: the global mini-batch's (loss_normaliser). Returns
-    (loss, metrics), 0-d tensors; the token metrics are divided by n_tokens, the tokens of the
-    global mini-batch (None: this micro-batch's), so they add up like the loss (common.py's rule 1).
+    entropy: (B, T) or None; normaliser: the global mini-batch's (loss_normaliser); pg_weights:
+    (B, T) or (B, 1) weights of the policy term alone (the masks and truncated IS weights),
+    leaving the normaliser as it is. Returns (loss, metrics), 0-d tensors; the token metrics are
+    divided by n_tokens, the tokens of the global mini-batch (None: this micro-batch's), so they
+    add up like the loss (common.py's rule 1).
     """
     A = advantages[:, None]  # (B, 1): outcome supervision, one advantage for every token
-    rho = torch.exp(logps - old_logps)
-    pg = torch.maximum(-A * rho, -A * torch.clamp(rho, 1 - epsilon_low, 1 + epsilon_high))  # (B, T)
-    loss = aggregate(pg, mask, agg, normaliser)
+    rho = importance_ratio(logps, old_logps, mask, level)
+    pg = policy_loss(rho, logps, A, loss_type, epsilon_low, epsilon_high, delta, clip_ratio_c, sapo_temperatures)
+    loss = aggregate(pg if pg_weights is None else pg * pg_weights, mask, agg, normaliser)
     kl = kl_per_token(logps, ref_logps, old_logps, kl_estimator)
     if beta != 0:
         loss = loss + beta * aggregate(kl, mask, agg, normaliser)
@@ -350,16 +510,19 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, normaliser, epsilon
     metrics = {"loss": loss.detach(), "kl": mean(kl_per_token(logps, ref_logps, old_logps, "k3")), "kl/optimized": mean(kl),
                "clip_ratio/low": mean((rho < 1 - epsilon_low) & (A < 0)),
                "clip_ratio/high": mean((rho > 1 + epsilon_high) & (A > 0))}
+    if clip_ratio_c:
+        metrics["clip_ratio/dual"] = mean((rho > clip_ratio_c) & (A < 0))
     if entropy is not None:
         metrics["entropy"] = mean(entropy)
     return loss, metrics
 
 
-def stream_seed(seed, step, stream, rank=0):
+def stream_seed(seed, step, stream, rank=0, round_=0):
     """The seed of one random stream of one step (0: sampling, the same on every rank; 1:
-    rejection sampling and 2: mini-batch order, per rank): distinct for every (run seed, step,
-    stream, rank), which a sum like seed + step would not be (seed 1 step 2 = seed 2 step 1)."""
-    return seed * 1_000_003 + step + 2**32 * stream + 2**40 * rank
+    rejection sampling and 2: mini-batch order, per rank), in rollout round round_ (< 16,
+    --dynamic_sampling): distinct for every (run seed, step, stream, round, rank), which a sum
+    like seed + step would not be (seed 1 step 2 = seed 2 step 1)."""
+    return seed * 1_000_003 + step + 2**32 * stream + 2**36 * round_ + 2**40 * rank
 
 
 def parse_weights(spec, has_model):
@@ -407,14 +570,17 @@ def refresh_reference(ref, model):
 
 
 @torch.no_grad()
-def batched_logprobs(model, ids, attn, n_response, temperature, d, rows_per_forward):
-    """Log-probs of the response block of every row, in chunks (no graph)."""
+def batched_logprobs(model, ids, attn, n_response, temperature, d, rows_per_forward, with_entropy=False):
+    """Log-probs of the response block of every row, in chunks (no graph); with_entropy: and the
+    entropy of each position's distribution."""
     out = []
     for i in range(0, ids.shape[0], rows_per_forward):
         with common.autocast(d):
             out.append(common.response_logprobs(model, ids[i:i + rows_per_forward], attn[i:i + rows_per_forward],
-                                                n_response, temperature).float())
-    return torch.cat(out)
+                                                n_response, temperature, with_entropy))
+    if with_entropy:
+        return tuple(torch.cat([o[j] for o in out]).float() for j in (0, 1))
+    return torch.cat(out).float()
 
 
 @torch.no_grad()
@@ -441,6 +607,25 @@ def pairwise_accuracy(model, ref, pairs, pad_id, d, batch_size=128):
     with common.evaluating(model):
         m = common.map_rows(margins, len(pairs[0]), d, batch_size)
     return common.ranking_accuracy(m[:, 0], m[:, 1]).item()
+
+
+def select_rows(roll, idx):
+    """The rows idx (a 1-D index) of every tensor of a rollout dict, on each tensor's device."""
+    return {k: v[idx.to(v.device)] for k, v in roll.items()}
+
+
+def cat_rows(rolls, pad_id):
+    """Several rollout dicts as one: the prompt blocks (p_*) left-padded and the response blocks
+    (r_*) right-padded to the longest of them, ids with pad_id and the rest with 0."""
+    P, R = (max(roll[k].shape[1] for roll in rolls) for k in ("p_ids", "r_ids"))
+
+    def fit(k, x):
+        if k[:2] not in ("p_", "r_"):
+            return x
+        side = (P - x.shape[1], 0) if k[:2] == "p_" else (0, R - x.shape[1])
+        return torch.nn.functional.pad(x, side, value=pad_id if k.endswith("_ids") else 0)
+
+    return {k: torch.cat([fit(k, roll[k]) for roll in rolls]) for k in rolls[0]}
 
 
 def sync(d):
@@ -478,6 +663,19 @@ def check_config(cfg, d):
         (cfg.kl_estimator in KL_ESTIMATORS, f"--kl_estimator {cfg.kl_estimator!r}: expected one of {KL_ESTIMATORS}"),
         (cfg.loss_agg in LOSS_AGGS, f"--loss_agg {cfg.loss_agg!r}: expected one of {LOSS_AGGS}"),
         (cfg.scale_rewards in ("group", "batch", "none"), f"--scale_rewards {cfg.scale_rewards!r}: expected group, batch or none"),
+        (cfg.loss_type in LOSS_TYPES, f"--loss_type {cfg.loss_type!r}: expected one of {LOSS_TYPES}"),
+        (cfg.importance_sampling_level in IS_LEVELS,
+         f"--importance_sampling_level {cfg.importance_sampling_level!r}: expected one of {IS_LEVELS}"),
+        (cfg.adv_estimator in ADV_ESTIMATORS, f"--adv_estimator {cfg.adv_estimator!r}: expected one of {ADV_ESTIMATORS}"),
+        (cfg.adv_estimator == "grpo" or (cfg.scale_rewards == "none" and not cfg.global_norm),
+         f"--adv_estimator {cfg.adv_estimator} sets its own scale: pass --scale_rewards none and no --global_norm"),
+        (not (cfg.delta or cfg.clip_ratio_c) or cfg.loss_type == "grpo",
+         f"--delta and --clip_ratio_c bound the clipped surrogate: they need --loss_type grpo, not {cfg.loss_type}"),
+        (not cfg.delta or cfg.delta > 1 + cfg.epsilon_high,
+         f"--delta {cfg.delta} must exceed 1 + --epsilon_high ({1 + cfg.epsilon_high}) or be 0 (off)"),
+        (not cfg.clip_ratio_c or cfg.clip_ratio_c > 1, f"--clip_ratio_c {cfg.clip_ratio_c} must exceed 1 or be 0 (off)"),
+        (cfg.overlong_buffer_len <= cfg.max_new_tokens,
+         f"--overlong_buffer_len {cfg.overlong_buffer_len} must be at most --max_new_tokens {cfg.max_new_tokens}"),
         (not (cfg.lora and cfg.ref_refresh_every), "--ref_refresh_every needs a reference copy; it does not combine with --lora"),
         (not (cfg.lora and d.torchrun), "--lora runs without torchrun only (merging sharded adapters is not supported)"),
         (not (cfg.lora and (cfg.save_every or cfg.resume)), "--save_every / --resume do not combine with --lora "
@@ -598,37 +796,33 @@ def main(cfg):
             metrics |= {"eval/bayes_accuracy": bayes, "eval/accuracy_over_bayes": metrics["eval/accuracy"] / bayes}
         return metrics
 
-    peak_gib = 0.0  # the run's peak GPU memory, over the phases' windows
-    if start == 1 and (first := evaluate()):  # a prompt file without eval pairs has nothing to evaluate
-        logger.log(0, first)
-    for step in range(start, cfg.steps + 1):
+    def rollout(step, k):
+        """Round k of a step's rollout (1) and rewards (2) on this rank: its slice of
+        prompts_per_step new prompts, group_size completions each (the kept ones of n_sample
+        with --rs_samples). A dict of row tensors (groups contiguous) and the phases' seconds."""
         t0 = time.time()
-        phase_peak_memory(d)
-        # ---------------------------------------------------------------------
         # 1. rollout: every rank draws the same prompts and takes its slice; n_sample each
         rows = order.next(cfg.prompts_per_step)[common.shard_batch(cfg.prompts_per_step, d)]
         batch = train.select(rows)
         prompts = [p for p in batch["prompt"] for _ in range(n_sample)]  # (n_local*n_sample,), groups contiguous
         # the random numbers of the whole global rollout, seeded by step; this rank's rows of them
         u = sampling.rollout_uniforms(cfg.prompts_per_step * n_sample, cfg.max_new_tokens,
-                                     stream_seed(cfg.seed, step, stream=0))
+                                     stream_seed(cfg.seed, step, stream=0, round_=k))
         u = u[common.shard_batch(cfg.prompts_per_step * n_sample, d)]  # (n_local*n_sample, max_new_tokens)
         p_ids, _ = data.encode_prompts(tokenizer, prompts, cfg.max_prompt_len)
         p_ids, p_mask = (t.to(d.device) for t in common.pad(p_ids, tokenizer.pad_token_id, side="left"))
         with common.evaluating(model, gather=True), common.autocast(d):
-            r_ids, r_mask = sampling.generate(model, p_ids, p_mask, cfg.max_new_tokens, tokenizer.eos_token_id,
-                                             tokenizer.pad_token_id, cfg.temperature, cfg.top_k, cfg.top_p,
-                                             stop_ids, uniforms=u, compile=cfg.compile)
+            r_ids, r_mask, r_logps = sampling.generate(model, p_ids, p_mask, cfg.max_new_tokens, tokenizer.eos_token_id,
+                                                      tokenizer.pad_token_id, cfg.temperature, cfg.top_k, cfg.top_p,
+                                                      stop_ids, uniforms=u, compile=cfg.compile, return_logprobs=True)
         r_mask = truncate_mask(r_ids, r_mask, truncate_id)  # (N, R); N = n_local * n_sample
         is_stop = torch.isin(r_ids, stops)  # EOS, another end-of-turn id, or the truncate token
         stopped = (is_stop & r_mask.bool()).any(-1)  # (N,) ended with EOS or the truncate token
         sync(d)  # each phase's clock read after its GPU work is done
-        t_rollout = time.time() - t0
-        mem = {"mem/rollout_gib": phase_peak_memory(d)}
-
-        # ---------------------------------------------------------------------
-        # 2. reward: rule functions named per row, a reward model, or a weighted sum
         t1 = time.time()
+        stats = {"time/rollout": t1 - t0, "mem/rollout_gib": phase_peak_memory(d)}
+
+        # 2. reward: rule functions named per row, a reward model, or a weighted sum
         texts = sampling.decode_responses(tokenizer, r_ids, r_mask * (~is_stop).long(), p_ids)  # no EOS / truncate token
         parts = {}
         if "reward_fn" in batch.column_names:  # each row's rule (logged even when not optimised), given its answer
@@ -641,19 +835,63 @@ def main(cfg):
         if rm is not None:
             parts["model"] = learned_rewards(rm, rm_tokenizer, prompts, texts, cfg, d).cpu()
         rewards = sum(w * parts[k] for k, w in weights.items()) - cfg.no_eos_penalty * (~stopped).float().cpu()
+        if cfg.overlong_buffer_len:  # a reward term, logged as reward/overlong
+            parts["overlong"] = overlong_penalty(r_mask.sum(-1).float().cpu(), cfg.max_new_tokens,
+                                                 cfg.overlong_buffer_len, cfg.overlong_penalty_factor)
+            rewards = rewards + parts["overlong"]
+        roll = dict(p_ids=p_ids, p_mask=p_mask, r_ids=r_ids, r_mask=r_mask, r_logps=r_logps, stopped=stopped,
+                    rewards=rewards, **{f"reward/{k}": v for k, v in parts.items()})
         if cfg.rs_samples:  # keep group_size of the n_sample completions of each prompt
-            rs_gen = torch.Generator().manual_seed(stream_seed(cfg.seed, step, stream=1, rank=d.rank))
+            rs_gen = torch.Generator().manual_seed(stream_seed(cfg.seed, step, stream=1, rank=d.rank, round_=k))
             keep = rejection_sample(rewards.view(n_local, n_sample), cfg.group_size, cfg.rs_gamma, cfg.rs_mode,
                                     rs_gen)
-            idx = (keep + torch.arange(n_local)[:, None] * n_sample).flatten()
-            rewards = rewards[idx]
-            parts = {k: v[idx] for k, v in parts.items()}
-            r_ids, r_mask, stopped, p_ids, p_mask = (t[idx.to(d.device)] for t in (r_ids, r_mask, stopped, p_ids, p_mask))
+            roll = select_rows(roll, (keep + torch.arange(n_local)[:, None] * n_sample).flatten())
+        return roll, stats | {"time/reward": time.time() - t1}
+
+    def informative_rollout(step):
+        """--dynamic_sampling: rounds of rollout(step, k) until this rank holds n_local groups whose
+        rewards differ (DAPO Sec. 3.2), on every rank for as many rounds as the rank that needs
+        the most (the reward model's forwards are collective), at most max_num_gen_batches;
+        groups still missing are filled with equal-reward ones and counted. One host sync per
+        round."""
+        kept, spare, stats = [], [], {}
+        for k in range(cfg.max_num_gen_batches):
+            roll, s = rollout(step, k)
+            stats = {key: max(v, stats.get(key, 0.0)) if key.startswith("mem/") else v + stats.get(key, 0.0)
+                     for key, v in s.items()}
+            g = roll["rewards"].view(-1, cfg.group_size)
+            ok = (g.amax(1) > g.amin(1)).repeat_interleave(cfg.group_size)  # (rows,) in groups
+            kept.append(select_rows(roll, ok.nonzero().flatten()))
+            spare.append(select_rows(roll, (~ok).nonzero().flatten()))
+            missing = max(rows_local - sum(len(r["rewards"]) for r in kept), 0) // cfg.group_size
+            if common.all_reduce_sum(torch.tensor(float(missing), device=d.device), d).item() == 0:
+                break
+        roll = select_rows(cat_rows(kept + spare, tokenizer.pad_token_id), torch.arange(rows_local))
+        return roll, stats, {"dynamic_sampling/rounds": torch.tensor(k + 1.0) / d.world_size,
+                             "dynamic_sampling/unfilled_groups": torch.tensor(float(missing))}
+
+    by_entropy = cfg.top_entropy_quantile < 1
+    sapo = (cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
+    peak_gib = 0.0  # the run's peak GPU memory, over the phases' windows
+    if start == 1 and (first := evaluate()):  # a prompt file without eval pairs has nothing to evaluate
+        logger.log(0, first)
+    for step in range(start, cfg.steps + 1):
+        t0 = time.time()
+        phase_peak_memory(d)
+        # ---------------------------------------------------------------------
+        # 1-2. rollout and rewards (rollout() above); with --dynamic_sampling, groups whose rewards
+        #      are all equal (no advantage, so no gradient) are replaced by those of new prompts
+        if cfg.dynamic_sampling:
+            roll, stats, sums = informative_rollout(step)
+        else:
+            (roll, stats), sums = rollout(step, 0), {}
+        p_ids, p_mask, r_ids, r_mask, r_logps, stopped, rewards = (
+            roll[k] for k in ("p_ids", "p_mask", "r_ids", "r_mask", "r_logps", "stopped", "rewards"))
+        parts = {k.removeprefix("reward/"): v for k, v in roll.items() if k.startswith("reward/")}
         ids = torch.cat([p_ids, r_ids], 1)  # (rows_local, P+R)
         attn = torch.cat([p_mask, r_mask], 1)
-        loss_mask = r_mask * stopped[:, None].long() if cfg.mask_truncated else r_mask
+        loss_mask = r_mask * stopped[:, None].long() if cfg.mask_truncated_completions else r_mask
         R = r_ids.shape[1]
-        t_reward = time.time() - t1
 
         # ---------------------------------------------------------------------
         # 3. advantages, after the reference (and, for mu > 1 or several mini-batches, the
@@ -661,14 +899,20 @@ def main(cfg):
         t2 = time.time()
         with reference_context(model, ref):
             ref_logps = batched_logprobs(model if ref is None else ref, ids, attn, R, cfg.temperature, d, micro)
-        need_old = cfg.num_iterations > 1 or cfg.num_mini_batches > 1 or cfg.kl_in_reward
-        old_logps = batched_logprobs(model, ids, attn, R, cfg.temperature, d, micro) if need_old else None
+        need_old = cfg.num_iterations > 1 or cfg.num_mini_batches > 1 or cfg.kl_in_reward or by_entropy
+        old_logps = keep = None  # keep: the tokens that get the policy gradient (--top_entropy_quantile)
+        if by_entropy:
+            old_logps, entropy = batched_logprobs(model, ids, attn, R, cfg.temperature, d, micro, with_entropy=True)
+            keep = top_entropy_mask(entropy, loss_mask, cfg.top_entropy_quantile, d, cfg.max_new_tokens)
+        elif need_old:
+            old_logps = batched_logprobs(model, ids, attn, R, cfg.temperature, d, micro)
         if cfg.kl_in_reward:  # beta * sum_t KL_t of each sequence, taken from its reward (the loss has none)
             kl_seq = (kl_per_token(old_logps, ref_logps, old_logps, cfg.kl_estimator) * r_mask).sum(-1).cpu()
             rewards = rewards - cfg.beta * kl_seq
             parts["kl_penalty"] = cfg.beta * kl_seq  # logged as reward/kl_penalty
-        adv, sums = group_advantages(rewards.view(n_local, cfg.group_size).to(d.device), cfg.scale_rewards,
-                                     cfg.global_norm, d)
+        adv, adv_metrics = group_advantages(rewards.view(n_local, cfg.group_size).to(d.device), cfg.scale_rewards,
+                                            cfg.global_norm, d, estimator=cfg.adv_estimator)
+        sums |= adv_metrics
         adv = adv.flatten()  # (rows_local,)
         n_rows = rows_local * d.world_size  # sequences in the global batch
         lengths = r_mask.sum(-1).float()
@@ -679,10 +923,10 @@ def main(cfg):
         # ---------------------------------------------------------------------
         # 4. update: num_iterations passes, each over num_mini_batches optimizer steps of
         #    grad_accum micro-batches; every normaliser is that of the global mini-batch
-        grad_norms = []
+        grad_norms, gap_max = [], torch.zeros((), device=d.device)
         perm_gen = torch.Generator().manual_seed(stream_seed(cfg.seed, step, stream=2, rank=d.rank))
         beta_loss = 0.0 if cfg.kl_in_reward else cfg.beta
-        for _ in range(cfg.num_iterations):
+        for it in range(cfg.num_iterations):
             perm = torch.randperm(rows_local, generator=perm_gen).to(d.device)
             for mb in range(cfg.num_mini_batches):
                 mb_rows = perm[mb * mini:(mb + 1) * mini]
@@ -694,10 +938,23 @@ def main(cfg):
                         logps, entropy = common.response_logprobs(model, ids[r], attn[r], R, cfg.temperature,
                                                                   with_entropy=True,
                                                                   entropy_grad=cfg.entropy_coef != 0)
+                    logps, mask = logps.float(), loss_mask[r].float()
                     old = logps.detach() if old_logps is None else old_logps[r]
-                    loss, m = grpo_loss(logps.float(), old, ref_logps[r], adv[r], loss_mask[r].float(), normaliser,
-                                        cfg.epsilon_low, cfg.epsilon_high, beta_loss, cfg.kl_estimator, cfg.loss_agg,
-                                        entropy.float(), cfg.entropy_coef, n_tokens)
+                    w = torch.ones_like(mask[:, :1])  # the policy term's weights: masks, truncated IS
+                    if cfg.off_policy_mask_threshold:
+                        w = w * off_policy_mask(logps, r_logps[r], adv[r], mask, cfg.off_policy_mask_threshold)
+                    if keep is not None:
+                        w = w * keep[r]
+                    if cfg.vllm_importance_sampling_correction:
+                        w = w * truncated_is_weights(old, r_logps[r], cfg.vllm_importance_sampling_clip_max)
+                    loss, m = grpo_loss(logps, old, ref_logps[r], adv[r], mask, normaliser, cfg.epsilon_low,
+                                        cfg.epsilon_high, beta_loss, cfg.kl_estimator, cfg.loss_agg, entropy.float(),
+                                        cfg.entropy_coef, n_tokens, cfg.loss_type, cfg.importance_sampling_level,
+                                        cfg.delta, cfg.clip_ratio_c, sapo, w)
+                    if it == 0:  # the sampler's log-probs against the trainer's, once per token
+                        gap = (old - r_logps[r]).abs() * mask
+                        m["rollout/logp_diff"] = gap.sum() / n_tokens * cfg.num_iterations  # the weight undone
+                        gap_max = torch.maximum(gap_max, gap.max())
                     common.backward(model, loss, d, sync=k == cfg.grad_accum - 1)
                     common.add_metrics(sums, m, weight=1 / n_updates)  # the mean over the step's updates
                 grad_norm, lr = common.optimizer_step(model, optimizer, scheduler, cfg.grad_clip)
@@ -706,17 +963,19 @@ def main(cfg):
             refresh_reference(ref, model)
         sync(d)
         t_update = time.time() - t2
-        mem["mem/update_gib"] = phase_peak_memory(d)  # reward, reference and update phases
+        stats["mem/update_gib"] = phase_peak_memory(d)  # reward, reference and update phases
 
         # ---------------------------------------------------------------------
         # 5. metrics (one all-reduce), eval, log
-        metrics = common.reduce_metrics(sums, d, maxes={"completions/max_length": lengths.max()},
+        metrics = common.reduce_metrics(sums, d, maxes={"completions/max_length": lengths.max(),
+                                                        "rollout/logp_diff_max": gap_max},
                                         same={"grad_norm": torch.stack(grad_norms).mean()})
-        metrics |= {"lr": lr, "time/rollout": t_rollout, "time/reward": t_reward,
+        metrics |= {"lr": lr, "time/rollout": stats["time/rollout"], "time/reward": stats["time/reward"],
                     "time/update": t_update}
         if d.device.type == "cuda":
-            peak_gib = max(peak_gib, mem["mem/rollout_gib"], mem["mem/update_gib"])
-            metrics |= {**mem, "mem/peak_gib": peak_gib}
+            peak_gib = max(peak_gib, stats["mem/rollout_gib"], stats["mem/update_gib"])
+            metrics |= {"mem/rollout_gib": stats["mem/rollout_gib"], "mem/update_gib": stats["mem/update_gib"],
+                        "mem/peak_gib": peak_gib}
         common.check_finite(step, metrics, ["loss", "kl", "grad_norm"], last_ckpt)
         metrics["time/step"] = time.time() - t0  # training only: evaluation is not part of a step
         if step % cfg.eval_every == 0 or step == cfg.steps:

@@ -4,6 +4,8 @@
     (--seeds N: each of seeds 0..N-1, the tables giving mean ± std)
     --kl_compare: short GRPO runs with k1, k2, k3, ratio*k1 and no KL term in the loss
     --overopt:    GRPO on the learned reward at several betas, the Goodhart curve of Gao et al. 2022
+    --variants:   the GRPO variants (Dr. GRPO, GSPO, CISPO, SAPO, RLOO, DAPO dynamic sampling) and the
+                  DPO variants (IPO, length-normalised, SimPO, RPO) side by side, several seeds each
     --smollm2:    instead, a real instruct model (SmolLM2-135M-Instruct) on the arith chat task:
                   on-policy pairs, reward model, DPO, GRPO with the verifier (3 seeds) and the RM
 
@@ -19,7 +21,8 @@ to runs/results.md, every seed's figures to runs/results.json, the plots to runs
     python pipeline.py                                     # seed 0, about 9 minutes on 2 CPU cores
     python pipeline.py --seeds 3 --kl_compare --overopt    # the README's tables, about 50 minutes
     python pipeline.py --redo dpo,grpo_rm                  # run these stages again (or --redo all)
-    python pipeline.py --smollm2                           # RUNS/smollm2/, about 41 minutes
+    python pipeline.py --variants                          # + the variants, about 35 minutes
+    python pipeline.py --smollm2                           # RUNS/smollm2/, about 40 minutes
 """
 import json
 import os
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 import common
+import sampling
 import tasks
 
 
@@ -40,7 +44,7 @@ class Config:
     runs: str = "runs"
     """folder that holds one sub-folder per stage"""
     redo: str = ""
-    """comma-separated stages to run again even if finished (sft, rm, dpo, grpo_rm, grpo_gold, kl, overopt; with
+    """comma-separated stages to run again even if finished (sft, rm, dpo, grpo_rm, grpo_gold, kl, overopt, variants; with
     --smollm2: pairs, grpo, rm, dpo, grpo_rm, eval), or `all`"""
     seeds: int = 1
     """seeds of the five stages (0, 1, ...): seed 0 in RUNS/<stage>, seed k in RUNS/seed<k>/<stage>; the table
@@ -59,6 +63,11 @@ class Config:
     """comma-separated KL coefficients of the over-optimisation runs"""
     overopt_steps: int = 30
     """steps of each over-optimisation run [>= 1]"""
+    variants: bool = False
+    """also run the variants comparison: GRPO (gold reward) and DPO variants from seed 0's SFT model, each with
+    --study_seeds seeds; the tables and plot in RUNS/variants.{md,json}, RUNS/plots/variants.png"""
+    variant_steps: int = 20
+    """steps of each GRPO variant run (each DPO variant run: 5x as many) [>= 1]"""
     study_seeds: int = 3
     """seeds of each KL-estimator and over-optimisation run [>= 3]"""
     plots: bool = True
@@ -77,6 +86,27 @@ class Config:
 SAVE_EVERY = 50  # steps between the resumable checkpoints of every stage (~0.1 s each for the tiny model)
 KL_RUNS = ("none", "k1", "k2", "k3", "ratio_k1")  # the KL term in the loss of each comparison run
 MAIN = ("sft", "rm", "dpo", "grpo_rm", "grpo_gold")
+# the variants compared (pipeline.py --variants): the flags of each beside the scripts' defaults
+VARIANTS = {
+    "grpo": {
+        "grpo": [],
+        "dr_grpo": ["--loss_agg", "constant", "--scale_rewards", "none"],
+        "gspo": ["--importance_sampling_level", "sequence", "--loss_agg", "seq_mean_token_mean",
+                 "--epsilon_low", "3e-4", "--epsilon_high", "4e-4"],  # GSPO's clip range (Sec. 5.1)
+        "cispo": ["--loss_type", "cispo", "--epsilon_high", "4"],  # the IS weight capped at 5 (ScaleRL's)
+        "sapo": ["--loss_type", "sapo"],
+        "rloo": ["--adv_estimator", "rloo", "--scale_rewards", "none"],
+        "dynamic_sampling": ["--dynamic_sampling"],
+    },
+    "dpo": {  # beta 0.3 (dpo.py's default) where the scale is a summed log-ratio
+        "sigmoid": [],
+        "ipo": ["--loss_type", "ipo"],
+        "sigmoid_norm": ["--loss_type", "sigmoid_norm", "--beta", "3"],  # ~0.3 x the ~10-token responses
+        "simpo": ["--loss_type", "simpo", "--beta", "2", "--simpo_gamma", "0.5"],  # SimPO's smallest beta
+        "rpo": ["--rpo_alpha", "1"],  # RPO's alpha
+    },
+}
+VARIANT_KL_PROMPTS = 200  # held-out prompts, one sample each, for the KL of a trained policy to the SFT model
 OVEROPT_EVAL_EVERY = 3  # greedy answers on 200 held-out prompts (~1 s for the tiny model): the gold curve's points
 
 
@@ -91,6 +121,10 @@ def kl_dir(runs, est, seed):
 
 def overopt_dir(runs, beta, seed):
     return os.path.join(runs, "overopt", f"beta{beta}", f"seed{seed}")
+
+
+def variant_dir(runs, algo, name, seed):
+    return os.path.join(runs, "variants", algo, name, f"seed{seed}")
 
 
 def overopt_betas(cfg):
@@ -135,6 +169,17 @@ def stages(cfg):
                                     "--out_dir", overopt_dir(cfg.runs, beta, seed), "--steps", str(cfg.overopt_steps),
                                     "--eval_every", str(OVEROPT_EVAL_EVERY), "--n_eval", "200",
                                     "--n_eval_pairs", "200", "--seed", str(seed)]))
+    for seed in range(cfg.study_seeds) if cfg.variants else ():
+        for name, flags in VARIANTS["grpo"].items():  # the default 2 passes x 2 mini-batches: rho leaves 1
+            out.append(("variants", ["grpo.py", "--model", sft, "--out_dir", variant_dir(cfg.runs, "grpo", name, seed),
+                                     *flags, "--steps", str(cfg.variant_steps), "--prompts_per_step", "16",
+                                     "--eval_every", str(cfg.variant_steps), "--n_eval", "200", "--n_eval_pairs", "200",
+                                     "--seed", str(seed)]))
+        for name, flags in VARIANTS["dpo"].items():
+            steps = 5 * cfg.variant_steps
+            out.append(("variants", ["dpo.py", "--model", sft, "--out_dir", variant_dir(cfg.runs, "dpo", name, seed),
+                                     *flags, "--steps", str(steps), "--warmup_steps", str(steps // 10),
+                                     "--eval_every", str(steps), "--seed", str(seed)]))
     return [(name, argv + ["--save_every", str(SAVE_EVERY)]) for name, argv in out]
 
 
@@ -344,6 +389,61 @@ def overopt_table(cfg, curves, times):
                      f"{cell(last(c['rm_by_seed']), 2)} | {cell(first(c['gold_by_seed']))} -> "
                      f"{cell(last(c['gold_by_seed']))} | {seconds(times, c['dirs'], cfg.runs)} |")
     return "\n".join(lines)
+
+
+# -----------------------------------------------------------------------------
+# the variants (--variants): the held-out figures of each against its KL to the SFT model
+
+
+@torch.no_grad()
+def policy_kl(policy, reference, n=VARIANT_KL_PROMPTS, new_tokens=32):
+    """KL(pi || pi_ref) per response of a trained policy to its start, on n held-out prompts of
+    the sort task, one sample each at temperature 1 (seeded): the k3 estimate summed over each
+    response's tokens (unbiased for the sequence KL), averaged. One measure for every variant,
+    where the scripts' own monitors differ (GRPO's is per token on its rollouts; DPO has none)."""
+    tok, pi = load_policy(policy)
+    ref = load_policy(reference)[1]
+    prompts = [r["prompt"] for r in tasks.prompt_rows(n, split="test")]
+    p_ids, p_mask = common.pad([tok(p)["input_ids"] for p in prompts], tok.pad_token_id, side="left")
+    r_ids, r_mask = sampling.generate(pi, p_ids, p_mask, new_tokens, tok.eos_token_id, tok.pad_token_id, 1.0,
+                                      uniforms=sampling.rollout_uniforms(n, new_tokens, 0))
+    ids, attn = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1)
+    log_r = common.response_logprobs(ref, ids, attn, r_ids.shape[1]) - common.response_logprobs(pi, ids, attn,
+                                                                                                 r_ids.shape[1])
+    return ((log_r.exp() - log_r - 1) * r_mask).sum(-1).mean().item()
+
+
+def cached_kl(run_dir, reference):
+    """policy_kl of a finished run, written beside its metrics once (kl_to_start.json)."""
+    path = os.path.join(run_dir, "kl_to_start.json")
+    if not os.path.isfile(path) or os.path.getmtime(path) < os.path.getmtime(os.path.join(run_dir, "metrics.jsonl")):
+        with open(path, "w") as f:
+            json.dump({"kl": policy_kl(run_dir, reference), "reference": reference}, f)
+    with open(path) as f:
+        return json.load(f)["kl"]
+
+
+def variants_results(cfg, times):
+    """Per algorithm and variant, every seed's final evaluation and KL to the SFT model, and the
+    two tables (mean +- std over the seeds)."""
+    sft, out, tables = os.path.join(cfg.runs, "sft"), {}, []
+    heads = {"grpo": "| variant | flags | gold reward (greedy, held-out) | exact-match | KL to SFT per response | "
+                     "wall time (s) |\n|---|---|---|---|---|---|",
+             "dpo": "| variant | flags | held-out pairwise accuracy | accuracy / Bayes ceiling | gold reward (greedy) | "
+                    "KL to SFT per response | wall time (s) |\n|---|---|---|---|---|---|---|"}
+    for algo, variants in VARIANTS.items():
+        lines = [heads[algo]]
+        for name, flags in variants.items():
+            dirs = [variant_dir(cfg.runs, algo, name, s) for s in range(cfg.study_seeds)]
+            evs, kls = [last_eval(d) for d in dirs], [cached_kl(d, sft) for d in dirs]
+            out.setdefault(algo, {})[name] = {"flags": flags, "eval_by_seed": evs, "kl_by_seed": kls, "dirs": dirs}
+            col = lambda key: cell([e.get(key) for e in evs])  # noqa: E731
+            cols = [col("eval/gold_reward"), col("eval/exact_match")] if algo == "grpo" else \
+                [col("eval/accuracy"), col("eval/accuracy_over_bayes"), col("eval/gold_reward")]
+            lines.append(f"| {name} | {' '.join(flags) or '(defaults)'} | {' | '.join(cols)} | {cell(kls, 2)} | "
+                         f"{seconds(times, dirs, cfg.runs)} |")
+        tables.append("\n".join(lines))
+    return tables, out
 
 
 # -----------------------------------------------------------------------------
@@ -567,6 +667,15 @@ def main(cfg):
         table += (f"\n\nOver-optimisation, GRPO on the learned reward, {cfg.overopt_steps} steps ({study} and "
                   "reward model; the peak is of the seeds' mean):\n\n" + overopt_table(cfg, curves, times))
         results["overopt"] = curves
+    if cfg.variants:  # a file of its own: a --variants run need not redo the tables above with all their seeds
+        (grpo_t, dpo_t), curves = variants_results(cfg, times)
+        variants = (f"GRPO variants, gold reward, {cfg.variant_steps} steps x 16 prompts x 8 samples ({study}):\n\n"
+                    f"{grpo_t}\n\nDPO variants, {5 * cfg.variant_steps} steps x 64 pairs ({study}):\n\n{dpo_t}")
+        table += "\n\n" + variants
+        with open(os.path.join(cfg.runs, "variants.md"), "w") as f:
+            f.write(variants + "\n")
+        with open(os.path.join(cfg.runs, "variants.json"), "w") as f:
+            json.dump({"variants": curves, "variant_steps": cfg.variant_steps, "wall_time_s": times}, f, indent=1)
     results["wall_time_s"] = times
     with open(os.path.join(cfg.runs, "results.md"), "w") as f:
         f.write(table + "\n")

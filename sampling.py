@@ -132,7 +132,7 @@ def _fill_cache(cache, prefill, inverse, P):
 
 @torch.no_grad()
 def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, temperature=1.0, top_k=0,
-             top_p=1.0, stop_ids=(), generator=None, compile=False, uniforms=None):
+             top_p=1.0, stop_ids=(), generator=None, compile=False, uniforms=None, return_logprobs=False):
     """Sample responses for left-padded prompts with a KV cache.
 
     Random numbers come from `generator`, or from `uniforms` (B, >= max_new_tokens): column t
@@ -141,7 +141,10 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
     Returns response ids (B, R) right-padded with pad_id, and response_mask (B, R) that is 1
     up to and including the first EOS (or stop token). R <= max_new_tokens; the loop ends
     early once every row has stopped. Only local forwards: under FSDP call it inside
-    `unsharded(model)`, and ranks may stop at different steps.
+    `unsharded(model)`, and ranks may stop at different steps. return_logprobs: also the
+    log-prob (B, R) of each sampled token under the distribution at the sampling temperature
+    (before top-k / top-p: the one the trainer computes), from the sampler's own logits, so that
+    the trainer can measure and correct the gap between its numbers and the sampler's.
 
     Greedy output is identical to model.generate's. Speed against it: bench/sampler.py.
     1. each distinct prompt is prefilled once and its keys/values copied to its repeats (GRPO
@@ -196,12 +199,15 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
     check_every = 8 if device.type == "cuda" else 1
     tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
     response_mask = torch.zeros((B, max_new_tokens), dtype=torch.long, device=device)
+    logps = torch.zeros((B, max_new_tokens), dtype=torch.float, device=device) if return_logprobs else None
     done = torch.zeros(B, dtype=torch.bool, device=device)
     bad = torch.zeros((), dtype=torch.bool, device=device)  # any row with non-finite logits
     for t in range(max_new_tokens):
         u = None if uniforms is None else uniforms[:, t]
         tok = sample_token(logits, temperature, top_k, top_p, generator, u, bad).masked_fill(done, pad_id)
         tokens[:, t] = tok
+        if return_logprobs:
+            logps[:, t] = torch.log_softmax(logits.float() / (temperature or 1.0), -1).gather(-1, tok[:, None]).squeeze(-1)
         response_mask[:, t] = ~done  # the stop token itself counts
         done = done | torch.isin(tok, stops)
         if t == max_new_tokens - 1 or (t % check_every == check_every - 1 and done.all()):
@@ -212,6 +218,8 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
     if bad:
         raise RuntimeError(NAN_LOGITS)
     R = int(response_mask.any(0).sum())  # the longest response: its columns are the first R
+    if return_logprobs:
+        return tokens[:, :R], response_mask[:, :R], logps[:, :R] * response_mask[:, :R]
     return tokens[:, :R], response_mask[:, :R]
 
 

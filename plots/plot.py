@@ -5,7 +5,8 @@
     python plots/plot.py                                          # the README's figures: runs/ -> plots/
 
 The README's figures (plots/*.png) are drawn from pipeline.py's runs/results.json (the summary;
-with --kl_compare and --overopt, the KL estimators and over-optimisation curves over the seeds)
+with --kl_compare and --overopt, the KL estimators and over-optimisation curves over the seeds;
+from runs/variants.json, with --variants, the variants side by side)
 and from bench/results/ (the TRL comparison).
 
 A run's kind (sft, rm, dpo, grpo) is read from the metric keys it logged, or from its
@@ -403,6 +404,31 @@ def plot_overopt(results, out_dir):
     return save(fig, out_dir, "overoptimisation.png")
 
 
+def plot_variants(variants, out_dir):
+    """The variants comparison of pipeline.py --variants: each variant's held-out figure (GRPO:
+    gold reward of the greedy answers; DPO: pairwise accuracy) against its KL to the SFT model,
+    the seeds' mean with one std each way and every seed as a dot."""
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+    for ax, (algo, key, ylabel) in zip(axes, (("grpo", "eval/gold_reward", "gold reward of greedy answers"),
+                                              ("dpo", "eval/accuracy", "held-out pairwise accuracy"))):
+        for i, (name, c) in enumerate(variants[algo].items()):
+            ys, xs = [e[key] for e in c["eval_by_seed"]], c["kl_by_seed"]
+            (my, sy), (mx, sx) = _mean_std(ys), _mean_std(xs)
+            ax.errorbar(mx, my, xerr=sx, yerr=sy, fmt="o", color=f"C{i}", capsize=3, label=name, ms=7)
+            ax.plot(xs, ys, ".", color=f"C{i}", alpha=0.5, ms=4)
+            ax.annotate(name, (mx, my), textcoords="offset points", xytext=(6, 4), fontsize=8, color=f"C{i}")
+        n = len(next(iter(variants[algo].values()))["kl_by_seed"])
+        ax.set_title(f"{algo.upper()} variants ({n} seeds: mean ± std, dots the seeds)", fontsize=10)
+        ax.set_xlabel("KL(pi || pi_SFT) per response, nats (200 held-out prompts)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    if "eval/bayes_accuracy" in next(iter(variants["dpo"].values()))["eval_by_seed"][0]:
+        axes[1].axhline(next(iter(variants["dpo"].values()))["eval_by_seed"][0]["eval/bayes_accuracy"], color="k",
+                        ls="--", lw=1, label="Bayes ceiling")
+    axes[1].legend(fontsize=8, loc="lower right")
+    return save(fig, out_dir, "variants.png")
+
+
 def plot_real(results, out_dir):
     """pipeline.py --smollm2: greedy accuracy on held-out arith prompts over GRPO's steps (the
     verifier reward: mean over the seeds with a min-max band, thin lines each seed; the learned
@@ -466,6 +492,9 @@ def figures(runs, out_dir):
     if "smollm2" in results:  # pipeline.py --smollm2
         return [plot_real(results, out_dir)]
     paths = [plot_summary(results_path, out_dir)]
+    if os.path.isfile(os.path.join(runs, "variants.json")):  # pipeline.py --variants
+        with open(os.path.join(runs, "variants.json")) as f:
+            paths.append(plot_variants(json.load(f)["variants"], out_dir))
     if "kl" in results:
         paths.append(plot_kl_bands(results, out_dir))
     if "overopt" in results:

@@ -1,0 +1,373 @@
+"""The GRPO and DPO variants (issue: GSPO, CISPO, SAPO, dual-clip, delta, off-policy masking,
+entropy masking, truncated IS, RLOO, REINFORCE++, DAPO overlong and dynamic sampling;
+length-normalised DPO, SimPO, RPO): each against an independent computation on hand-sized
+inputs (a per-sequence or per-token loop, a closed form, enumeration), the identities that must
+hold, and a planted-bug case each would miss if it were wrong."""
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import common
+import dpo
+import grpo
+import sampling
+import tasks
+from grpo import (grpo_loss, importance_ratio, off_policy_mask, overlong_penalty, policy_loss, top_entropy_mask,
+                  truncated_is_weights)
+from helpers import read_metrics, run_here, write_jsonl
+
+f64 = dict(dtype=torch.float64)
+
+
+def batch(seed=0, B=4, T=5, spread=0.3):
+    """log-probs, old and reference log-probs, advantages (distinct, both signs) and a mask with
+    rows of lengths 5, 3, 4, 2 (padding with values that would change any result it leaked into)."""
+    g = torch.Generator().manual_seed(seed)
+    logps = (-torch.rand(B, T, generator=g, **f64) * 2).requires_grad_()
+    old = logps.detach() + spread * torch.randn(B, T, generator=g, **f64)
+    ref = logps.detach() + spread * torch.randn(B, T, generator=g, **f64)
+    adv = torch.tensor([1.3, -0.7, 0.4, -1.9], **f64)[:B]
+    lengths = torch.tensor([5, 3, 4, 2])[:B]
+    mask = (torch.arange(T)[None] < lengths[:, None]).to(torch.float64)
+    return logps, old, ref, adv, mask
+
+
+def grad(loss, x):
+    return torch.autograd.grad(loss, x, retain_graph=True)[0]
+
+
+# -----------------------------------------------------------------------------
+# importance ratio level: token, sequence (GSPO), sequence_token (GSPO-token)
+
+
+def test_sequence_ratio_is_the_exp_of_the_mean_log_ratio_over_each_rows_own_tokens():
+    logps, old, _, _, mask = batch()
+    rho = importance_ratio(logps, old, mask, "sequence")
+    for i in range(4):  # a per-row loop over the valid tokens only
+        n = int(mask[i].sum())
+        s = math.exp(sum((logps[i, t] - old[i, t]).item() for t in range(n)) / n)
+        assert torch.allclose(rho[i, :n], torch.full((n,), s, **f64))
+    # a mean over every column (padding included) is a different number: the mask matters here
+    assert not torch.allclose(rho[1, 0], torch.exp((logps - old)[1].mean()))
+    torch.testing.assert_close(importance_ratio(logps, old, mask, "token"), torch.exp(logps - old))
+
+
+def test_gspo_on_policy_gradient_equals_the_token_level_one_under_each_aggregation():
+    """One pass on-policy (old = logps): s_i's gradient is s_i times the mean of its tokens'
+    log-prob gradients, and each sequence weighs its tokens alike under every aggregation, so
+    GSPO, GSPO-token and the token ratio give one gradient per aggregation. Off-policy they part."""
+    logps, old_off, ref, adv, mask = batch()
+    for agg, norm in (("seq_mean_token_mean", 4.0), ("token_mean", mask.sum()), ("constant", 20.0)):
+        g = {}
+        for level in ("token", "sequence", "sequence_token"):
+            for where, old in (("on", logps.detach()), ("off", old_off)):
+                g[level, where] = grad(grpo_loss(logps, old, ref, adv, mask, norm, agg=agg, level=level)[0], logps)
+        torch.testing.assert_close(g["sequence", "on"], g["token", "on"])
+        torch.testing.assert_close(g["sequence_token", "on"], g["token", "on"])
+        assert not torch.allclose(g["sequence", "off"], g["token", "off"])
+
+
+def test_gspo_clips_whole_sequences_like_a_naive_per_sequence_objective():
+    """GSPO Eq. 5 written per sequence: J = mean_i min(s_i A_i, clip(s_i, 1 - e_l, 1 + e_h) A_i).
+    Off-policy (the rows' ratios 1.74, 1.10, 0.91, 0.73) with e = 0.1, rows 0 and 3 are clipped
+    as a whole; loss and gradient agree with the loop."""
+    logps, old, ref, adv, mask = batch(seed=1, spread=0.4)
+    loss, m = grpo_loss(logps, old, ref, adv, mask, 4.0, 0.1, 0.1, agg="seq_mean_token_mean", level="sequence")
+    naive = 0
+    for i in range(4):
+        n = int(mask[i].sum())
+        s = torch.exp((logps[i, :n] - old[i, :n]).mean())
+        naive = naive - torch.minimum(s * adv[i], s.clamp(0.9, 1.1) * adv[i]) / 4
+    torch.testing.assert_close(loss, naive)
+    torch.testing.assert_close(grad(loss, logps), grad(naive, logps))
+    s = importance_ratio(logps, old, mask, "sequence")[:, 0]
+    clipped = ((s > 1.1) & (adv > 0)) | ((s < 0.9) & (adv < 0))
+    assert clipped.tolist() == [True, False, False, True]
+    g = grad(grpo_loss(logps, old, ref, adv, mask, 4.0, 0.1, 0.1, agg="seq_mean_token_mean",
+                       level="sequence")[0], logps)
+    assert (g[clipped] == 0).all() and (g[~clipped] * mask[~clipped] != 0).any()
+
+
+def test_gspo_token_has_the_sequence_value_and_each_tokens_own_gradient():
+    logps, old, _, _, mask = batch(seed=1)
+    st = importance_ratio(logps, old, mask, "sequence_token")
+    s = importance_ratio(logps, old, mask, "sequence")
+    torch.testing.assert_close(st, s)
+    # d st[i, t] / d logps[i, t] = s_i, and nothing for the other tokens (stop-gradient on s)
+    g = grad(st[1, 0], logps)
+    assert g[1, 0] == pytest.approx(s[1, 0].item()) and (g != 0).sum() == 1
+
+
+# -----------------------------------------------------------------------------
+# the policy term: grpo (+ delta, dual-clip), cispo, sapo
+
+
+def test_every_policy_term_has_the_token_level_gradient_on_policy():
+    logps, _, ref, adv, mask = batch()
+    old = logps.detach()
+    base = grad(grpo_loss(logps, old, ref, adv, mask, mask.sum())[0], logps)
+    for kw in (dict(loss_type="cispo"), dict(loss_type="sapo"), dict(delta=2.0), dict(clip_ratio_c=3.0)):
+        torch.testing.assert_close(grad(grpo_loss(logps, old, ref, adv, mask, mask.sum(), **kw)[0], logps), base)
+
+
+def test_cispo_matches_a_per_token_loop_with_the_weight_held_constant():
+    """MiniMax-M1 Eq. 4 token by token: - min(rho_t, 1 + e_h) A log pi_t with the weight a
+    Python float (no gradient through it). Tokens whose ratio is clipped keep a gradient (the
+    clipped surrogate gives them none)."""
+    logps, old, ref, adv, mask = batch(seed=2, spread=0.5)
+    loss, _ = grpo_loss(logps, old, ref, adv, mask, mask.sum(), epsilon_high=0.28, loss_type="cispo")
+    naive = 0
+    for i in range(4):
+        for t in range(int(mask[i].sum())):
+            w = min(math.exp((logps[i, t] - old[i, t]).item()), 1.28)
+            naive = naive - w * adv[i].item() * logps[i, t] / mask.sum()
+    torch.testing.assert_close(loss, naive)
+    g = grad(loss, logps)
+    torch.testing.assert_close(g, grad(naive, logps))
+    rho = torch.exp(logps - old).detach()
+    high = (rho > 1.28) & (adv[:, None] > 0) & mask.bool()
+    assert high.any() and (g[high] != 0).all()  # clipped, still trained
+    ppo = grad(grpo_loss(logps, old, ref, adv, mask, mask.sum(), epsilon_high=0.28)[0], logps)
+    assert (ppo[high] == 0).all()
+
+
+def test_sapo_gradient_is_the_closed_form_with_the_temperature_of_the_advantages_sign():
+    """d/d log pi of -A (4 / tau) sigmoid(tau (rho - 1)) = -A 4 sigma(x) (1 - sigma(x)) rho,
+    x = tau (rho - 1), tau_pos for A > 0 and tau_neg otherwise (distinct here, so swapping them fails)."""
+    logps, old, _, adv, mask = batch(seed=4, spread=0.6)
+    taus = (0.7, 1.9)
+    rho = torch.exp(logps - old)
+    pg = policy_loss(rho, logps, adv[:, None], "sapo", sapo_temperatures=taus)
+    tau = torch.tensor([taus[0] if a > 0 else taus[1] for a in adv.tolist()], **f64)[:, None]
+    x = tau * (rho.detach() - 1)
+    want = -adv[:, None] * 4 * torch.sigmoid(x) * (1 - torch.sigmoid(x)) * rho.detach()
+    torch.testing.assert_close(grad(pg.sum(), logps), want)
+
+
+@pytest.mark.parametrize("rho, adv, kw, loss, slope", [
+    (5.0, -1.0, dict(clip_ratio_c=3.0), 3.0, 0.0),    # dual-clip: a negative advantage far off-policy is capped at c|A|
+    (2.0, -1.0, dict(clip_ratio_c=3.0), 2.0, 2.0),    # below c: the clipped surrogate as it was
+    (5.0, +1.0, dict(clip_ratio_c=3.0), -1.28, 0.0),  # positive advantages: untouched (clipped at 1 + e_h)
+    (3.0, -1.0, dict(delta=2.0), 2.0, 0.0),           # delta caps rho in the unclipped term
+    (1.5, -1.0, dict(delta=2.0), 1.5, 1.5),           # below delta: unchanged
+    (3.0, -1.0, {}, 3.0, 3.0),                        # without either: -A rho, unbounded
+])
+def test_dual_clip_and_delta_hand_values(rho, adv, kw, loss, slope):
+    """The loss value and its slope d loss / d log pi for one token (slope = -A rho on the
+    unclipped side, 0 where a bound holds)."""
+    logp = torch.tensor([[0.0]], **f64).requires_grad_()
+    old = torch.tensor([[-math.log(rho)]], **f64)
+    pg = policy_loss(torch.exp(logp - old), logp, torch.tensor([[adv]], **f64), "grpo", 0.2, 0.28, **kw)
+    assert pg.item() == pytest.approx(loss)
+    assert grad(pg.sum(), logp).item() == pytest.approx(slope, abs=1e-12)
+
+
+# -----------------------------------------------------------------------------
+# masks and weights of the policy term
+
+
+def test_off_policy_mask_drops_negative_advantage_sequences_past_the_threshold_only():
+    """Rows: A > 0 drifted (kept), A < 0 drifted (dropped), A < 0 close (kept), A < 0 drifted
+    only in a padded column (kept: padding is not evidence)."""
+    logps = torch.zeros(4, 3, **f64)
+    rollout = torch.tensor([[0.9, 0.9, 0.9], [0.9, 0.9, 0.9], [0.1, 0.1, 0.1], [0.1, 0.1, 9.0]], **f64)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 1, 0]], **f64)
+    adv = torch.tensor([1.0, -1.0, -1.0, -1.0], **f64)
+    keep = off_policy_mask(logps, rollout, adv, mask, 0.5)
+    assert keep.flatten().tolist() == [1.0, 0.0, 1.0, 1.0]
+    # in the loss it weighs the policy term only: a dropped row keeps its KL gradient
+    lp = logps.clone().requires_grad_()
+    g = grad(grpo_loss(lp, lp.detach(), rollout, adv, mask, mask.sum(), beta=0.1, pg_weights=keep)[0], lp)
+    g_kl = grad(grpo_loss(lp, lp.detach(), rollout, adv * 0, mask, mask.sum(), beta=0.1)[0], lp)
+    torch.testing.assert_close(g[1], g_kl[1])
+    assert not torch.allclose(g[0], g_kl[0])
+
+
+def test_top_entropy_mask_keeps_the_top_share_of_real_tokens_by_enumeration():
+    g = torch.Generator().manual_seed(0)
+    entropy = torch.rand(3, 6, generator=g) * 5
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0]])
+    entropy[mask == 0] = 100.0  # padding with the largest entropies must not be picked
+    real = sorted(entropy[mask.bool()].tolist(), reverse=True)  # 13 tokens
+    for q, k in ((0.2, 3), (0.5, 7), (1.0, 13), (0.01, 1)):  # ceil(q * 13)
+        keep = top_entropy_mask(entropy, mask, q)
+        assert keep.sum() == k and (keep * (1 - mask)).sum() == 0
+        assert sorted(entropy[keep.bool()].tolist(), reverse=True) == real[:k]
+
+
+def test_truncated_is_weights_hand_values_and_no_gradient():
+    old = torch.tensor([[0.0, -1.0, -2.0]], **f64).requires_grad_()
+    rollout = torch.tensor([[-0.5, -1.0, 0.0]], **f64)
+    w = truncated_is_weights(old, rollout, 1.5)
+    torch.testing.assert_close(w, torch.tensor([[1.5, 1.0, math.exp(-2.0)]], **f64))  # exp(0.5) = 1.65 capped
+    assert not w.requires_grad
+
+
+def test_sampler_log_probs_are_the_trainers_at_the_sampling_temperature():
+    """generate(return_logprobs=True) returns log pi(token) of what it sampled, at the temperature,
+    equal (fp32 on the CPU) to the trainer's response_logprobs of the same sequences: the gap
+    logged as rollout/logp_diff is numerics only. Without the temperature it would not be."""
+    torch.manual_seed(0)
+    tok = tasks.char_tokenizer()
+    model = common.load_model("tiny", tok).eval()
+    p_ids, p_mask = common.pad([tok(t)["input_ids"] for t in ["sort 3 1 2 =", "sort 9 =", "sort 5 4 =", "sort 1 ="]],
+                               tok.pad_token_id, side="left")
+    with torch.no_grad():
+        r_ids, r_mask, r_logps = sampling.generate(model, p_ids, p_mask, 6, tok.eos_token_id, tok.pad_token_id,
+                                                   0.7, generator=torch.Generator().manual_seed(1),
+                                                   return_logprobs=True)
+        ids, attn = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1)
+        trainer = common.response_logprobs(model, ids, attn, r_ids.shape[1], 0.7) * r_mask
+        at_one = common.response_logprobs(model, ids, attn, r_ids.shape[1], 1.0) * r_mask
+    torch.testing.assert_close(r_logps, trainer, atol=1e-5, rtol=0)
+    assert (r_logps - at_one).abs().max() > 1e-2
+
+
+# -----------------------------------------------------------------------------
+# advantages and rewards
+
+
+def test_rloo_is_the_leave_one_out_baseline_by_a_loop():
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0, 3.0], [2.0, -1.0, 0.5, 0.5, 4.0]], **f64)
+    adv, _ = grpo.group_advantages(r, "none", estimator="rloo")
+    for b in range(2):
+        for i in range(5):
+            others = [r[b, j].item() for j in range(5) if j != i]
+            assert adv[b, i].item() == pytest.approx(r[b, i].item() - sum(others) / 4)
+
+
+def test_reinforce_pp_centres_per_group_then_whitens_over_the_batch():
+    r = torch.tensor([[1.0, 0.0, 2.0], [3.0, 3.0, 6.0]], **f64)
+    adv, _ = grpo.group_advantages(r, "none", estimator="reinforce_pp", eps=0.0)
+    centred = [0.0, -1.0, 1.0, -1.0, -1.0, 2.0]  # r - group mean; batch mean 0
+    std = math.sqrt(sum(c * c for c in centred) / 5)  # unbiased
+    torch.testing.assert_close(adv.flatten(), torch.tensor([c / std for c in centred], **f64))
+
+
+@pytest.mark.parametrize("length, want", [(5, 0.0), (6, 0.0), (7, -0.5), (9, -1.5), (10, -2.0)])
+def test_overlong_penalty_is_dapo_eq_13(length, want):
+    """L_max 10, buffer 4, factor 2: 0 up to 6 tokens, then -2 (|y| - 6) / 4."""
+    assert overlong_penalty(torch.tensor([float(length)]), 10, 4, 2.0).item() == pytest.approx(want)
+
+
+# -----------------------------------------------------------------------------
+# the script: flags refused together, dynamic sampling
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(adv_estimator="rloo"), "--scale_rewards none"),
+    (dict(adv_estimator="reinforce_pp", scale_rewards="none", global_norm=True), "no --global_norm"),
+    (dict(loss_type="cispo", delta=2.0), "need --loss_type grpo"),
+    (dict(clip_ratio_c=3.0, loss_type="sapo"), "need --loss_type grpo"),
+    (dict(delta=1.1), "must exceed 1 + --epsilon_high"),
+    (dict(clip_ratio_c=0.5), "must exceed 1"),
+    (dict(loss_type="gspo"), "--loss_type 'gspo'"),
+    (dict(importance_sampling_level="seq"), "--importance_sampling_level 'seq'"),
+    (dict(overlong_buffer_len=30, max_new_tokens=24), "at most --max_new_tokens"),
+])
+def test_flags_that_cannot_go_together_are_refused(flags, message):
+    with pytest.raises(ValueError, match=message.replace("+", r"\+").replace("(", r"\(")):
+        grpo.check_config(replace(grpo.Config(), **flags), common.Dist())
+
+
+def run_grpo(tmp_path, *extra):
+    out = tmp_path / "run"
+    args = ["grpo.py", "--model", "tiny", "--steps", "2", "--prompts_per_step", "4", "--group_size", "4",
+            "--max_new_tokens", "8", "--n_eval", "8", "--n_eval_pairs", "8", "--eval_every", "2",
+            "--out_dir", str(out), *extra]
+    proc = run_here(args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [r for r in read_metrics(out) if "loss" in r]
+
+
+def test_dynamic_sampling_leaves_only_unfilled_groups_with_equal_rewards(tmp_path):
+    """The random tiny policy's samples all score 0 on the sort task: with one round nothing can
+    be replaced and every group is unfilled. With half the prompts scored by the digits reward
+    (which its samples vary under) and up to 8 rounds, more rounds are drawn, and the
+    equal-reward groups left are exactly the unfilled ones: none."""
+    one = run_grpo(tmp_path / "one", "--dynamic_sampling", "--max_num_gen_batches", "1")  # the sort reward: all 0
+    mixed = write_jsonl(tmp_path / "p.jsonl", [{"prompt": r["prompt"], "reward_fn": ("sort", "digits")[i % 2]}
+                                              for i, r in enumerate(tasks.prompt_rows(64))])
+    many = run_grpo(tmp_path / "many", "--dataset", mixed, "--dynamic_sampling", "--max_num_gen_batches", "8")
+    for rows, rounds in ((one, 1), (many, None)):
+        for r in rows:
+            assert r["frac_reward_zero_std"] * 4 == pytest.approx(r["dynamic_sampling/unfilled_groups"])
+            assert rounds is None or r["dynamic_sampling/rounds"] == rounds
+    assert any(r["dynamic_sampling/unfilled_groups"] > 0 for r in one)
+    assert all(r["dynamic_sampling/unfilled_groups"] == 0 for r in many)
+    assert any(r["dynamic_sampling/rounds"] > 1 for r in many)
+
+
+def test_every_variant_flag_runs_and_logs_the_rollout_gap(tmp_path):
+    rows = run_grpo(tmp_path, "--loss_type", "cispo", "--importance_sampling_level", "sequence",
+                    "--off_policy_mask_threshold", "0.5", "--top_entropy_quantile", "0.2",
+                    "--vllm_importance_sampling_correction", "--adv_estimator", "rloo", "--scale_rewards", "none",
+                    "--overlong_buffer_len", "4", "--num_iterations", "2")
+    for r in rows:
+        assert r["rollout/logp_diff"] < 1e-4 and r["rollout/logp_diff_max"] < 1e-4  # fp32 on the CPU: noise
+        assert r["reward/overlong"] <= 0
+
+
+# -----------------------------------------------------------------------------
+# DPO: sigmoid_norm, simpo, rpo
+
+
+def pairs(seed=0, B=3):
+    g = torch.Generator().manual_seed(seed)
+    pc, pr = (-torch.rand(B, generator=g, **f64) * 20).requires_grad_(), (-torch.rand(B, generator=g, **f64) * 20).requires_grad_()
+    rc, rr = -torch.rand(B, generator=g, **f64) * 20, -torch.rand(B, generator=g, **f64) * 20
+    return pc, pr, rc, rr
+
+
+def test_sigmoid_norm_equals_dpo_with_beta_over_l_when_every_response_has_length_l():
+    pc, pr, rc, rr = pairs()
+    L = torch.full((3,), 7.0, **f64)
+    a, _ = dpo.dpo_loss(pc, pr, rc, rr, 0.7, 3, "sigmoid_norm", lengths=(L, L))
+    b, _ = dpo.dpo_loss(pc, pr, rc, rr, 0.1, 3, "sigmoid")
+    torch.testing.assert_close(a, b)
+    torch.testing.assert_close(grad(a, pc), grad(b, pc))
+
+
+def test_sigmoid_norm_and_simpo_hand_values_with_distinct_lengths():
+    pc, pr, rc, rr = (torch.tensor([v], **f64) for v in (-6.0, -12.0, -4.0, -9.0))
+    lc, lr = torch.tensor([2.0], **f64), torch.tensor([4.0], **f64)
+    h = (-6 + 4) / 2 - (-12 + 9) / 4  # -1 + 0.75
+    loss, m = dpo.dpo_loss(pc, pr, rc, rr, 0.5, 1, "sigmoid_norm", lengths=(lc, lr))
+    assert loss.item() == pytest.approx(-math.log(1 / (1 + math.exp(-0.5 * h))))
+    assert m["rewards/chosen"].item() == pytest.approx(0.5 * -1)
+    # simpo: average log-probs alone (the reference values are ignored), margin gamma subtracted
+    loss, m = dpo.dpo_loss(pc, pr, rc + 100, rr - 100, 2.0, 1, "simpo", lengths=(lc, lr), simpo_gamma=0.5)
+    z = 2.0 * (-6 / 2 - -12 / 4) - 0.5  # 2 * 0 - 0.5
+    assert loss.item() == pytest.approx(-math.log(1 / (1 + math.exp(-z))))
+    assert m["rewards/chosen"].item() == pytest.approx(-6.0) and m["rewards/rejected"].item() == pytest.approx(-6.0)
+
+
+def test_rpo_adds_alpha_times_the_chosen_nll_per_token_and_alpha_0_is_dpo():
+    pc, pr, rc, rr = pairs(1)
+    lengths = (torch.tensor([3.0, 5.0, 8.0], **f64), torch.tensor([4.0, 4.0, 2.0], **f64))
+    base, _ = dpo.dpo_loss(pc, pr, rc, rr, 0.1, 6, "sigmoid", lengths=lengths)
+    zero, _ = dpo.dpo_loss(pc, pr, rc, rr, 0.1, 6, "sigmoid", lengths=lengths, rpo_alpha=0.0)
+    rpo, _ = dpo.dpo_loss(pc, pr, rc, rr, 0.1, 6, "sigmoid", lengths=lengths, rpo_alpha=0.5)
+    torch.testing.assert_close(zero, base)
+    nll = sum(-pc[i].item() / lengths[0][i].item() for i in range(3))
+    assert rpo.item() == pytest.approx(base.item() + 0.5 * nll / 6)
+    # its gradient adds -alpha / (L_c n_pairs) on the chosen log-prob only
+    torch.testing.assert_close(grad(rpo, pc) - grad(base, pc), -0.5 / lengths[0] / 6)
+    torch.testing.assert_close(grad(rpo, pr), grad(base, pr))
+
+
+def test_simpo_loads_no_reference_and_trains(tmp_path, monkeypatch):
+    loaded = []
+    load = common.load_model
+    monkeypatch.setattr(common, "load_model", lambda name, *a, **kw: loaded.append(name) or load(name, *a, **kw))
+    out = tmp_path / "run"
+    proc = run_here(["dpo.py", "--model", "tiny", "--loss_type", "simpo", "--beta", "2.0", "--steps", "3",
+                     "--batch_size", "8", "--n_train", "64", "--n_eval", "16", "--n_eval_prompts", "4",
+                     "--eval_every", "3", "--out_dir", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert loaded == ["tiny"]  # the policy alone
+    rows = read_metrics(out)
+    assert rows[-1]["rewards/chosen"] < 0 and rows[-1]["loss"] > 0
