@@ -452,15 +452,13 @@ def off_policy_mask(logps, rollout_logps, advantages, mask, threshold):
 def top_entropy_mask(entropy, mask, quantile, d=common.Dist(), width=None):
     """(B, T): 1 on the ceil(quantile x n) highest-entropy response tokens of the global rollout
     (all ranks, each padded to `width` columns; n its response tokens; ties kept), else 0: only
-    these "forking" tokens get the policy gradient (arXiv:2506.01939). Collective."""
-    vals = torch.where(mask.bool(), entropy.float(), float("nan"))
-    vals = torch.nn.functional.pad(vals, (0, (width or vals.shape[1]) - vals.shape[1]), value=float("nan"))
-    vals = common.all_gather(vals, d).flatten()
-    vals = vals[~vals.isnan()]
-    if vals.numel() == 0:
-        return torch.zeros_like(mask, dtype=torch.float)
-    k = max(1, math.ceil(quantile * vals.numel()))
-    threshold = torch.kthvalue(vals, vals.numel() - k + 1).values  # the k-th largest
+    these "forking" tokens get the policy gradient (arXiv:2506.01939). Collective; no host sync
+    (the k-th largest is read by a gather on the device)."""
+    vals = torch.where(mask.bool(), entropy.float(), float("-inf"))  # entropies are >= 0: -inf marks padding
+    vals = torch.nn.functional.pad(vals, (0, (width or vals.shape[1]) - vals.shape[1]), value=float("-inf"))
+    vals = common.all_gather(vals, d).flatten().sort(descending=True).values
+    k = (quantile * (vals > float("-inf")).sum()).ceil().long().clamp(min=1)
+    threshold = vals.gather(0, (k - 1).reshape(1))  # the k-th largest
     return ((entropy >= threshold) & mask.bool()).float()
 
 

@@ -40,6 +40,17 @@ def test_grpo_math_runs_on_one_device_without_host_syncs():
     loss, m = grpo.grpo_loss(lp, lp, lp, torch.zeros(6, device="meta"), mask, grpo.loss_normaliser(mask, "token_mean", 5, META),
                              beta=0.1, entropy=lp, entropy_coef=0.01)
     assert loss.device.type == "meta" and all(torch.is_tensor(v) and v.device.type == "meta" for v in m.values())
+    # the variants: every policy term and ratio level, the masks and weights, the advantage estimators
+    adv = torch.zeros(6, device="meta")
+    w = grpo.off_policy_mask(lp, lp, adv, mask, 0.5) * grpo.top_entropy_mask(lp, mask, 0.2, META, width=7) \
+        * grpo.truncated_is_weights(lp, lp, 3.0)
+    for loss_type, level in zip(grpo.LOSS_TYPES, grpo.IS_LEVELS):
+        loss, m = grpo.grpo_loss(lp, lp, lp, adv, mask, 30.0, loss_type=loss_type, level=level,
+                                 clip_ratio_c=3.0 if loss_type == "grpo" else 0.0, pg_weights=w)
+        assert loss.device.type == "meta" and all(v.device.type == "meta" for v in m.values())
+    for estimator in grpo.ADV_ESTIMATORS:
+        assert grpo.group_advantages(rewards, "none", d=META, estimator=estimator)[0].device.type == "meta"
+    assert grpo.overlong_penalty(mask.sum(-1), 5, 2, 1.0).device.type == "meta"
 
 
 def test_ranking_accuracy_counts_ties_half():
