@@ -145,7 +145,7 @@ LOSS_TYPES = ("sigmoid", "sigmoid_norm", "ipo", "hinge", "robust", "apo_zero", "
 def log_ratios(policy_logps, ref_logps, lengths, loss_type):
     """The implicit reward / beta of each response, from log-probs summed over its tokens and its
     length (all (B,)): log pi - log ref; averaged over tokens for sigmoid_norm (Tulu 3, so long
-    responses do not dominate); for simpo the average log pi alone (SimPO Eq. 4: no reference)."""
+    responses do not dominate); for simpo the average log pi alone (SimPO: no reference)."""
     if loss_type == "simpo":
         return policy_logps / lengths
     if loss_type == "sigmoid_norm":
@@ -175,7 +175,7 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_r
         # flipped with probability eps (cDPO, Mitchell 2023)
         losses = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
     elif loss_type == "simpo":
-        losses = -F.logsigmoid(beta * h - simpo_gamma)  # SimPO Eq. 6: a target margin gamma
+        losses = -F.logsigmoid(beta * h - simpo_gamma)  # SimPO: a target margin gamma
     elif loss_type == "ipo":
         losses = (h - 1 / (2 * beta)) ** 2  # Eq. 17 of arXiv:2310.12036: regress h onto 1/(2 beta)
     elif loss_type == "hinge":
@@ -191,7 +191,7 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_r
         losses = 1 - torch.sigmoid(beta * lr_c) + torch.sigmoid(beta * lr_r)
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}, expected one of {LOSS_TYPES}")
-    if rpo_alpha:  # RPO Eq. 4: the chosen response's NLL per token keeps its likelihood from falling
+    if rpo_alpha:  # RPO: the chosen response's NLL per token keeps its likelihood from falling
         losses = losses - rpo_alpha * policy_chosen_logps / len_c
     r_c, r_r = beta * lr_c.detach(), beta * lr_r.detach()
     right = (r_c > r_r).float() + 0.5 * (r_c == r_r).float()  # a tie (policy == ref) is a coin flip

@@ -165,7 +165,7 @@ class Config:
     """INTELLECT-2's two-sided clip (arXiv:2505.07291): rho capped at delta in the unclipped term, so negative
     advantages cannot weigh without bound (0: off; else > 1 + epsilon_high) (TRL's name) [>= 0]"""
     clip_ratio_c: float = 0.0
-    """dual-clip PPO (arXiv:1912.09729 Eq. 5): for negative advantages the loss is at most c |A| (0: off; else
+    """dual-clip PPO (arXiv:1912.09729): for negative advantages the loss is at most c |A| (0: off; else
     > 1, verl uses 3) (verl's name) [>= 0]"""
     sapo_temperature_pos: float = 1.0
     """sapo's gate temperature for positive advantages (TRL's name) [> 0]"""
@@ -396,9 +396,9 @@ def importance_ratio(logps, old_logps, mask, level="token"):
     """rho (B, T) of every response token, from log-probs (B, T) and the response mask.
 
     token:          rho_t = pi(o_t) / pi_old(o_t)                             (PPO)
-    sequence:       s = exp(mean_t log rho_t), the same for every token       (GSPO Eq. 7)
+    sequence:       s = exp(mean_t log rho_t), the same for every token       (GSPO)
     sequence_token: sg[s] * pi(o_t) / sg[pi(o_t)]: value s, gradient of log pi(o_t) times s
-                    (GSPO Eq. 13; equal to `sequence` in value, and in gradient when the
+                    (GSPO-token; equal to `sequence` in value, and in gradient when the
                     advantage is the same for every token of a sequence)
     The sequence ratio is length-normalised so that its clip range does not depend on length.
     """
@@ -420,7 +420,7 @@ def policy_loss(rho, logps, A, loss_type="grpo", epsilon_low=0.2, epsilon_high=0
     grpo:  max(-A rho', -A clip(rho, 1 - eps_low, 1 + eps_high))        (PPO, GRPO Eq. 3)
            rho' = min(rho, delta) with delta (INTELLECT-2), and for A < 0 at most -A c with
            clip_ratio_c = c (dual-clip): a token far off-policy cannot weigh without bound.
-    cispo: -sg[min(rho, 1 + eps_high)] A log pi                         (MiniMax-M1 Eq. 4)
+    cispo: -sg[min(rho, 1 + eps_high)] A log pi                         (CISPO, MiniMax-M1)
            clipping the weight, not the token: every token keeps its REINFORCE gradient.
     sapo:  -A (4 / tau) sigmoid(tau (rho - 1)), tau by the sign of A    (SAPO)
            a soft gate: gradient A rho at rho = 1, fading smoothly off-policy.

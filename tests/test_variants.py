@@ -71,7 +71,7 @@ def test_gspo_on_policy_gradient_equals_the_token_level_one_under_each_aggregati
 
 
 def test_gspo_clips_whole_sequences_like_a_naive_per_sequence_objective():
-    """GSPO Eq. 5 written per sequence: J = mean_i min(s_i A_i, clip(s_i, 1 - e_l, 1 + e_h) A_i).
+    """GSPO's objective written per sequence: J = mean_i min(s_i A_i, clip(s_i, 1 - e_l, 1 + e_h) A_i).
     Off-policy (the rows' ratios 1.74, 1.10, 0.91, 0.73) with e = 0.1, rows 0 and 3 are clipped
     as a whole; loss and gradient agree with the loop."""
     logps, old, ref, adv, mask = batch(seed=1, spread=0.4)
@@ -114,7 +114,7 @@ def test_every_policy_term_has_the_token_level_gradient_on_policy():
 
 
 def test_cispo_matches_a_per_token_loop_with_the_weight_held_constant():
-    """MiniMax-M1 Eq. 4 token by token: - min(rho_t, 1 + e_h) A log pi_t with the weight a
+    """CISPO (MiniMax-M1) token by token: - min(rho_t, 1 + e_h) A log pi_t with the weight a
     Python float (no gradient through it). Tokens whose ratio is clipped keep a gradient (the
     clipped surrogate gives them none)."""
     logps, old, ref, adv, mask = batch(seed=2, spread=0.5)
