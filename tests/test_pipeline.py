@@ -244,13 +244,14 @@ def test_policy_kl_is_zero_to_itself_and_the_naive_per_row_k3_sum_otherwise(tmp_
         tok.save_pretrained(tmp_path / name)
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     assert pipeline.policy_kl(a, a, n=8) == pytest.approx(0.0, abs=1e-6)
-    got = pipeline.policy_kl(a, b, n=8, new_tokens=6)
+    got = pipeline.policy_kl(a, b, n=8)
     pi, ref = pipeline.load_policy(a)[1], pipeline.load_policy(b)[1]
     prompts = [r["prompt"] for r in tasks.prompt_rows(8, split="test")]
     p_ids, p_mask = common.pad([tok(p)["input_ids"] for p in prompts], tok.pad_token_id, side="left")
     with torch.no_grad():
-        r_ids, r_mask = sampling.generate(pi, p_ids, p_mask, 6, tok.eos_token_id, tok.pad_token_id, 1.0,
-                                          uniforms=sampling.rollout_uniforms(8, 6, 0))
+        r_ids, r_mask = sampling.generate(pi, p_ids, p_mask, 32, tok.eos_token_id, tok.pad_token_id, 1.0,
+                                          uniforms=sampling.rollout_uniforms(8, 32, 0))
+        assert (r_mask.sum(-1) < r_mask.shape[1]).any()  # some responses stop early: the mask matters
         total = 0.0
         for i, p in enumerate(prompts):
             resp = r_ids[i, :int(r_mask[i].sum())].tolist()
