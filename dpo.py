@@ -231,6 +231,8 @@ def main(cfg):
         raise ValueError(f"--loss_type {cfg.loss_type!r}: expected one of {LOSS_TYPES}")
     if cfg.label_smoothing and cfg.loss_type not in ("sigmoid", "sigmoid_norm", "robust"):
         raise ValueError("--label_smoothing applies to --loss_type sigmoid, sigmoid_norm and robust only")
+    if cfg.ref_model and cfg.loss_type == "simpo":
+        raise ValueError("--loss_type simpo uses no reference model: drop --ref_model")
     micro = cfg.batch_size // (d.world_size * cfg.grad_accum)
     # the data first: a bad file or row stops the run before out_dir or any model is touched
     train, test = data.load_preferences(cfg)
@@ -269,6 +271,7 @@ def main(cfg):
 
     common.set_seed(cfg.seed)
     model = common.load_model(resume_from or cfg.model, tokenizer, trust_remote_code=cfg.trust_remote_code, d=d)
+    common.check_context(model, cfg.max_prompt_len, cfg.max_response_len)
     model = common.shard_model(model, d, activation_checkpointing=cfg.activation_checkpointing)
     n_params = sum(p.numel() for p in model.parameters())
     optimizer, scheduler = common.make_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps,

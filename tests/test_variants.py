@@ -394,5 +394,8 @@ def test_simpo_loads_no_reference_and_trains(tmp_path, monkeypatch):
                      "--eval_every", "3", "--out_dir", str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert loaded == ["tiny"]  # the policy alone
+    refused = run_here(["dpo.py", "--model", "tiny", "--loss_type", "simpo", "--ref_model", "tiny",
+                        "--out_dir", str(tmp_path / "refused")])
+    assert refused.returncode != 0 and "drop --ref_model" in refused.stderr and not (tmp_path / "refused").exists()
     rows = read_metrics(out)
     assert rows[-1]["rewards/chosen"] < 0 and rows[-1]["loss"] > 0
