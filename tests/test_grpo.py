@@ -597,9 +597,9 @@ def test_rollouts_stop_at_every_end_of_turn_id_and_rewards_see_the_text_after_th
 
     def spy_generate(model, p_ids, p_mask, n, eos, pad, *args, **kw):
         calls["generate"].append((eos, args[3] if len(args) > 3 else kw.get("stop_ids")))
-        r_ids, r_mask = generate(model, p_ids, p_mask, n, eos, pad, *args, **kw)
+        r_ids, r_mask, *logps = generate(model, p_ids, p_mask, n, eos, pad, *args, **kw)  # + the rollout's log-probs
         r_ids[:, 0], r_mask[:, 0], r_mask[:, 1:] = end_of_turn, 1, 0  # every rollout ends its turn at once
-        return r_ids, r_mask
+        return r_ids, r_mask, *logps
 
     def spy_decode(tokenizer, r_ids, r_mask, prompt_ids=None):
         calls["decode"].append(prompt_ids is not None)
