@@ -1310,7 +1310,10 @@ def run(main, cls):
         if restored:
             print0(f"\nthe run stopped before its first checkpoint: the run it was replacing in {cfg.out_dir} is "
                    f"restored", file=sys.stderr)
-        if not isinstance(e, KeyboardInterrupt):
+        # a Ctrl-C can surface as another exception: one raised by a context's __exit__ that the
+        # KeyboardInterrupt was unwinding through (torch.save's zip writer: "unexpected pos"),
+        # which torch.distributed.checkpoint then wraps; the handler's record says what it was
+        if not (isinstance(e, KeyboardInterrupt) or _INTERRUPTED):
             raise
         if restored:
             sys.exit(130)

@@ -308,3 +308,31 @@ def test_ctrl_c_inside_a_sharded_save_ends_like_any_ctrl_c(tmp_path, monkeypatch
     r = run_fast("sft.py", ["--steps", "6", "--save_every", "2", "--out_dir", str(tmp_path / "run")])
     assert r.returncode == 130 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert f"interrupted. Last checkpoint: {tmp_path / 'run' / 'checkpoint'} (step 2)" in r.stderr
+
+
+def test_ctrl_c_that_a_writer_turns_into_another_error_ends_like_any_ctrl_c(tmp_path, monkeypatch):
+    """A real SIGINT while a shard file is written, whose writer's __exit__ then fails ("unexpected
+    pos", as torch.save's zip writer did when a Ctrl-C cut its write): the KeyboardInterrupt is
+    replaced by a RuntimeError, which torch.distributed.checkpoint wraps. It ends as a Ctrl-C: exit
+    130 and the line naming the last whole checkpoint (step 2), no traceback."""
+    import torch.distributed.checkpoint.filesystem as fs
+
+    plan, write, saves = fs.FileSystemWriter.prepare_local_plan, fs._write_item, []
+
+    def counted(self, *a, **kw):
+        saves.append(1)
+        return plan(self, *a, **kw)
+
+    def cut_by_ctrl_c(*a, **kw):
+        if len(saves) < 2:
+            return write(*a, **kw)
+        try:
+            os.kill(os.getpid(), signal.SIGINT)  # the run's handler raises KeyboardInterrupt here
+        finally:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(fs.FileSystemWriter, "prepare_local_plan", counted)
+    monkeypatch.setattr(fs, "_write_item", cut_by_ctrl_c)
+    r = run_fast("sft.py", ["--steps", "6", "--save_every", "2", "--out_dir", str(tmp_path / "run")])
+    assert r.returncode == 130 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert f"interrupted. Last checkpoint: {tmp_path / 'run' / 'checkpoint'} (step 2)" in r.stderr
