@@ -67,7 +67,7 @@ def sample_token(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None, u=
 def _next_logits(model, input_ids, attention_mask, position_ids, cache, kw):
     """(B, T) ids through the model with a KV cache -> (B, V) logits of the token after them."""
     return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                 past_key_values=cache, use_cache=True, **kw).logits[:, -1]
+                 cache=cache, use_cache=True, **kw).logits[:, -1]
 
 
 def _next_logits_unfused(model, *args):
@@ -186,7 +186,7 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
     else:
         out = model(input_ids=ids, attention_mask=mask, position_ids=common.position_ids_from_mask(mask), use_cache=True, **kw)
         logits = out.logits[:, -1]  # (U, V)
-        _fill_cache(cache, out.past_key_values, inverse if dedup else None, P)
+        _fill_cache(cache, out.cache, inverse if dedup else None, P)
         del out
     if dedup:
         logits = logits[inverse]  # (B, V)
