@@ -21,7 +21,7 @@ to runs/results.md, every seed's figures to runs/results.json, the plots to runs
     python pipeline.py                                     # seed 0, about 9 minutes on 2 CPU cores
     python pipeline.py --seeds 3 --kl_compare --overopt    # the README's tables, about 50 minutes
     python pipeline.py --redo dpo,grpo_rm                  # run these stages again (or --redo all)
-    python pipeline.py --variants                          # + the variants, about 35 minutes
+    python pipeline.py --variants                          # + the variants, about 32 minutes
     python pipeline.py --smollm2                           # RUNS/smollm2/, about 38 minutes
 """
 import json

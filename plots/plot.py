@@ -405,27 +405,33 @@ def plot_overopt(results, out_dir):
 
 
 def plot_variants(variants, out_dir):
-    """The variants comparison of pipeline.py --variants: each variant's held-out figure (GRPO:
-    gold reward of the greedy answers; DPO: pairwise accuracy) against its KL to the SFT model,
-    the seeds' mean with one std each way and every seed as a dot."""
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
-    for ax, (algo, key, ylabel) in zip(axes, (("grpo", "eval/gold_reward", "gold reward of greedy answers"),
-                                              ("dpo", "eval/accuracy", "held-out pairwise accuracy"))):
+    """The variants comparison of pipeline.py --variants: each variant's held-out figures (GRPO:
+    gold reward of the greedy answers; DPO: pairwise accuracy, and the gold reward of its greedy
+    answers) against its KL to the SFT model, the seeds' mean with one std each way and every seed
+    as a dot. DPO's KL spans two orders of magnitude (IPO to SimPO): a log axis."""
+    panels = (("grpo", "eval/gold_reward", "gold reward of greedy answers"),
+              ("dpo", "eval/accuracy", "held-out pairwise accuracy"),
+              ("dpo", "eval/gold_reward", "gold reward of greedy answers"))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    for ax, (algo, key, ylabel) in zip(axes, panels):
         for i, (name, c) in enumerate(variants[algo].items()):
             ys, xs = [e[key] for e in c["eval_by_seed"]], c["kl_by_seed"]
             (my, sy), (mx, sx) = _mean_std(ys), _mean_std(xs)
-            ax.errorbar(mx, my, xerr=sx, yerr=sy, fmt="o", color=f"C{i}", capsize=3, label=name, ms=7)
+            ax.errorbar(mx, my, xerr=sx, yerr=sy, fmt="o", color=f"C{i}", capsize=3, ms=7)
             ax.plot(xs, ys, ".", color=f"C{i}", alpha=0.5, ms=4)
-            ax.annotate(name, (mx, my), textcoords="offset points", xytext=(6, 4), fontsize=8, color=f"C{i}")
+            ax.annotate(name, (mx, my), textcoords="offset points", xytext=(6, 6 - 11 * (i % 3)), fontsize=8,
+                        color=f"C{i}")
         n = len(next(iter(variants[algo].values()))["kl_by_seed"])
         ax.set_title(f"{algo.upper()} variants ({n} seeds: mean ± std, dots the seeds)", fontsize=10)
         ax.set_xlabel("KL(pi || pi_SFT) per response, nats (200 held-out prompts)")
         ax.set_ylabel(ylabel)
-        ax.grid(True, alpha=0.3)
-    if "eval/bayes_accuracy" in next(iter(variants["dpo"].values()))["eval_by_seed"][0]:
-        axes[1].axhline(next(iter(variants["dpo"].values()))["eval_by_seed"][0]["eval/bayes_accuracy"], color="k",
-                        ls="--", lw=1, label="Bayes ceiling")
-    axes[1].legend(fontsize=8, loc="lower right")
+        if algo == "dpo":
+            ax.set_xscale("log")
+        ax.grid(True, alpha=0.3, which="both")
+    first = next(iter(variants["dpo"].values()))["eval_by_seed"][0]
+    if "eval/bayes_accuracy" in first:
+        axes[1].axhline(first["eval/bayes_accuracy"], color="k", ls="--", lw=1, label="Bayes ceiling")
+        axes[1].legend(fontsize=8, loc="lower right")
     return save(fig, out_dir, "variants.png")
 
 
