@@ -147,6 +147,14 @@ def all_reduce_sum(x, d):
     return x
 
 
+def all_reduce_max(x, d):
+    """The elementwise maximum of a tensor over ranks. Collective."""
+    if d.world_size > 1:
+        x = x.clone()
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x
+
+
 def all_gather(x, d):
     """Every rank's x (equal shapes) concatenated along dim 0, on every rank. Collective."""
     if d.world_size == 1:
@@ -285,6 +293,25 @@ def shard_model(model, d, mixed_precision=True, cpu_offload=False, activation_ch
     if from_rank0:
         fill_from_rank0(model, full, d)
     return model
+
+
+def freeze(model, d, cpu_offload=False):
+    """A frozen model (reference, reward model) on its device: no gradients, eval mode, sharded,
+    its parameters in frozen_dtype(d). Parameters only: a buffer such as a Llama's rotary
+    inv_freq stays fp32, as it does in the policy under FSDP's MixedPrecisionPolicy; in bf16
+    (model.to(bf16) casts it) the reference would not compute the policy's function (relative
+    error up to 2e-3 in the frequencies, so KL != 0 at step 0)."""
+    dtype = frozen_dtype(d)
+    for p in model.parameters():
+        p.requires_grad_(False)
+        p.data = p.data.to(dtype)
+    return shard_model(model.eval(), d, cpu_offload=cpu_offload)
+
+
+def load_frozen(name, tokenizer, d, kind="causal", trust_remote_code=False, cpu_offload=False):
+    """load_model in frozen_dtype(d) (bf16 read as bf16: half the host memory), then freeze."""
+    model = load_model(name, tokenizer, kind=kind, dtype=frozen_dtype(d), trust_remote_code=trust_remote_code, d=d)
+    return freeze(model, d, cpu_offload=cpu_offload)
 
 
 def fill_from_rank0(model, full, d):
@@ -778,12 +805,13 @@ def stop_token_ids(tokenizer, model):
     return ids
 
 
-def check_context(model, max_prompt_len, max_response_len):
-    """Prompt + response must fit the model's context (position embeddings), checked up front."""
+def check_context(model, prompt_len, response_len, response_flag="--max_response_len", name="the model"):
+    """Prompt + response must fit the model's context (position embeddings), checked up front for
+    every model a run uses; the error names the flags to change."""
     n = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
-    if n is not None and max_prompt_len + max_response_len > n:
-        raise ValueError(f"--max_prompt_len {max_prompt_len} + --max_response_len {max_response_len} = "
-                         f"{max_prompt_len + max_response_len} tokens exceeds the model's context of {n}")
+    if n is not None and prompt_len + response_len > n:
+        raise ValueError(f"--max_prompt_len {prompt_len} + {response_flag} {response_len} = {prompt_len + response_len} "
+                         f"tokens exceeds {name}'s context of {n}")
 
 
 # -----------------------------------------------------------------------------

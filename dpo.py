@@ -257,10 +257,9 @@ def main(cfg):
         ref_test, ref_train = (torch.zeros(len(x), 2, device=d.device) for x in (test, train))
     else:
         common.set_seed(cfg.seed)  # `--model tiny` builds random weights: the policy must start equal to its reference
-        ref = common.load_model(cfg.ref_model or cfg.model, tokenizer, dtype=common.frozen_dtype(d),
-                                trust_remote_code=cfg.trust_remote_code, d=d)
+        ref = common.load_frozen(cfg.ref_model or cfg.model, tokenizer, d, trust_remote_code=cfg.trust_remote_code,
+                                 cpu_offload=cfg.offload_frozen)
         common.check_context(ref, cfg.max_prompt_len, cfg.max_response_len)
-        ref = common.shard_model(ref.requires_grad_(False).eval(), d, cpu_offload=cfg.offload_frozen)
         ref_test = all_pair_logps(ref, test_pairs, pad_id, d, cfg.eval_batch_size)  # (N_eval, 2)
         ref_train = None
     if cfg.precompute_ref and ref_train is None:

@@ -143,8 +143,9 @@ class Config:
     # --- loss ---
     adv_estimator: str = "grpo"
     """advantages (verl's name): grpo (reward - group mean, then --scale_rewards); rloo (reward - mean of the
-    group's others, arXiv:2402.14740); reinforce_pp (reward - group mean, then whitened over the whole batch:
-    REINFORCE++-baseline, arXiv:2501.03262). rloo and reinforce_pp take --scale_rewards none"""
+    group's others, arXiv:2402.14740); reinforce_pp (reward - group mean, then whitened over every response token
+    of the batch, as verl and OpenRLHF do: REINFORCE++-baseline, arXiv:2501.03262). rloo and reinforce_pp take
+    --scale_rewards none"""
     scale_rewards: str = "group"
     """divide centred rewards by the std of their group, of the whole batch, or `none` (Dr. GRPO)"""
     global_norm: bool = False
@@ -152,15 +153,16 @@ class Config:
     epsilon_low: float = 0.2
     """clip rho below at 1 - epsilon_low [0, 1)"""
     epsilon_high: float = 0.28
-    """clip rho above at 1 + epsilon_high (DAPO clip-higher; cispo: the IS weight's cap) [>= 0]"""
+    """clip rho above at 1 + epsilon_high (DAPO clip-higher); with --loss_type cispo the IS weight's cap itself, as
+    in TRL (which suggests 5; MiniMax-M1 and verl write the cap as 1 + eps_high) (TRL's name) [>= 0]"""
     loss_type: str = "grpo"
     """the policy term (TRL's values): grpo (PPO's clipped surrogate), cispo (the clipped IS weight, without
     gradient, times every token's REINFORCE term: arXiv:2506.13585), sapo (a soft gate instead of the clip:
     arXiv:2511.20347); how it is averaged is --loss_agg"""
     importance_sampling_level: str = "token"
     """rho per token (PPO), per sequence (GSPO, arXiv:2507.18071: exp of the mean token log-ratio, one per
-    sequence; GSPO clips at 3e-4 / 4e-4) or sequence_token (GSPO-token: the sequence's value, each token's
-    gradient) (TRL's name)"""
+    sequence; GSPO clips at 3e-4 / 4e-4) (TRL's name and values), or sequence_token (GSPO-token: the sequence's
+    value, each token's gradient; TRL has it only in an experimental trainer of its own, not as a value here)"""
     delta: float = 0.0
     """INTELLECT-2's two-sided clip (arXiv:2505.07291): rho capped at delta in the unclipped term, so negative
     advantages cannot weigh without bound (0: off; else > 1 + epsilon_high) (TRL's name) [>= 0]"""
@@ -174,9 +176,11 @@ class Config:
     off_policy_mask_threshold: float = 0.0
     """DeepSeek-V3.2's off-policy sequence masking (arXiv:2512.02556 Eq. 9): sequences with a negative advantage
     whose mean token log(pi_rollout / pi) exceeds this leave the policy term (0: off) (TRL's name) [>= 0]"""
-    top_entropy_quantile: float = 1.0
-    """only the response tokens in this top share of the rollout policy's entropies (over the whole rollout)
-    get the policy gradient (arXiv:2506.01939 keeps 0.2; 1: every token) (TRL's name) (0, 1]"""
+    top_entropy_share: float = 1.0
+    """only this share of the rollout's response tokens, those of highest entropy under the rollout policy (the
+    ceil(share x n) highest of all n, over all ranks), get the policy gradient (arXiv:2506.01939 keeps 0.2; 1: every
+    token). TRL's top_entropy_quantile differs: floor(1 + q (n - 1)) tokens of each micro-batch by the current
+    policy's entropy, which depends on how the batch is split (0, 1]"""
     vllm_importance_sampling_correction: bool = False
     """truncated importance sampling (TIS): weight each token's policy term by min(pi_old / pi_rollout, cap),
     pi_rollout the sampler's own log-probs, to correct for its numerics differing from the trainer's (TRL's
@@ -280,6 +284,8 @@ def rejection_sample(rewards, k, gamma, mode="rso", generator=None):
     each is accepted with probability exp((r - r_max) / gamma), r_max the best remaining reward,
     until k are accepted. Small gamma keeps the best, large gamma samples uniformly.
     topbottom: the k - k//2 highest and k//2 lowest rewards (ties by index).
+    generator: one for all rows, or a list of one per row (grpo.py seeds each by its prompt's
+    global index, so that any number of ranks keeps the same samples).
     """
     B, N = rewards.shape
     if mode == "topbottom":
@@ -288,11 +294,12 @@ def rejection_sample(rewards, k, gamma, mode="rso", generator=None):
     if mode != "rso":
         raise ValueError(f"unknown rejection sampling mode {mode!r}")
     kept = []
-    for row in rewards.tolist():
+    gens = generator if isinstance(generator, list) else [generator] * B
+    for row, gen in zip(rewards.tolist(), gens):
         left, accepted = list(range(N)), []
         while len(accepted) < k:
             r_max = max(row[i] for i in left)
-            u = torch.rand(len(left), generator=generator).tolist()
+            u = torch.rand(len(left), generator=gen).tolist()
             for i, u_i in zip(left, u):
                 if u_i < math.exp((row[i] - r_max) / gamma):
                     accepted.append(i)
@@ -303,23 +310,27 @@ def rejection_sample(rewards, k, gamma, mode="rso", generator=None):
     return torch.tensor(kept, dtype=torch.long)
 
 
-def _global_mean_std(x, d):
-    """Mean and (unbiased) std of every element of x over all ranks. Collective."""
-    s = common.all_reduce_sum(torch.stack([x.sum(), (x * x).sum(), x.new_tensor(float(x.numel()))]).double(), d)
+def _global_mean_std(x, d, weights=None):
+    """Mean and unbiased std of the elements of x over all ranks, each element counted `weights`
+    times (a tensor like x; None: once): Bessel's correction over the total weight. Collective."""
+    w = torch.ones_like(x) if weights is None else weights.to(x)
+    s = common.all_reduce_sum(torch.stack([(w * x).sum(), (w * x * x).sum(), w.sum()]).double(), d)
     mean = s[0] / s[2]
     var = (s[1] - s[2] * mean * mean) / (s[2] - 1).clamp(min=1)
     return mean.float(), var.clamp(min=0).sqrt().float()
 
 
-def group_advantages(rewards, scale="group", global_norm=False, d=common.Dist(), eps=1e-4, estimator="grpo"):
+def group_advantages(rewards, scale="group", global_norm=False, d=common.Dist(), eps=1e-4, estimator="grpo",
+                     lengths=None):
     """Group-relative advantages. rewards: (B, G), one row per prompt -> advantages (B, G).
 
     grpo: A = (r - mean_group(r)) / (std + eps), std of the group (GRPO Sec. 4.1.2), of the whole
     batch over all ranks (`batch`), or 1 (`none`, Dr. GRPO). global_norm then rescales A to mean
     0 and std 1 over the batch on all ranks. Stds are unbiased (n - 1).
     rloo: A_i = r_i - mean_{j != i} r_j = G / (G - 1) (r_i - mean_group(r)) (RLOO, arXiv:2402.14740).
-    reinforce_pp: r - mean_group(r), then whitened over the whole batch (REINFORCE++-baseline,
-    arXiv:2501.03262 Sec. 3: grpo with scale none and global_norm).
+    reinforce_pp: r - mean_group(r), then whitened over every response token of the batch on all
+    ranks (REINFORCE++-baseline, arXiv:2501.03262 Sec. 3, as verl and OpenRLHF compute it: each
+    response weighs as many times as it has tokens, lengths (B, G); (A - mean) / sqrt(var + 1e-8)).
     The metrics are this rank's share of the global-batch mean (every rank holds B groups:
     common.py's rule 2).
     """
@@ -330,7 +341,8 @@ def group_advantages(rewards, scale="group", global_norm=False, d=common.Dist(),
     if estimator == "rloo":
         adv = adv * G / (G - 1)
     elif estimator == "reinforce_pp":
-        global_norm = True
+        t_mean, t_std = _global_mean_std(adv, d, weights=lengths)
+        adv = (adv - t_mean) * torch.rsqrt(t_std * t_std + 1e-8)
     elif estimator != "grpo":
         raise ValueError(f"unknown adv_estimator {estimator!r}, expected one of {ADV_ESTIMATORS}")
     if scale == "group":
@@ -420,8 +432,9 @@ def policy_loss(rho, logps, A, loss_type="grpo", epsilon_low=0.2, epsilon_high=0
     grpo:  max(-A rho', -A clip(rho, 1 - eps_low, 1 + eps_high))        (PPO, GRPO Eq. 3)
            rho' = min(rho, delta) with delta (INTELLECT-2), and for A < 0 at most -A c with
            clip_ratio_c = c (dual-clip): a token far off-policy cannot weigh without bound.
-    cispo: -sg[min(rho, 1 + eps_high)] A log pi                         (CISPO, MiniMax-M1)
-           clipping the weight, not the token: every token keeps its REINFORCE gradient.
+    cispo: -sg[min(rho, eps_high)] A log pi                             (CISPO, MiniMax-M1)
+           clipping the weight, not the token: every token keeps its REINFORCE gradient. The cap
+           is eps_high itself, as in TRL (ScaleRL's eps_max); MiniMax-M1 and verl write 1 + eps_high.
     sapo:  -A (4 / tau) sigmoid(tau (rho - 1)), tau by the sign of A    (SAPO)
            a soft gate: gradient A rho at rho = 1, fading smoothly off-policy.
     All three have the gradient -A grad(rho) at rho = 1 (on-policy): they differ off-policy only.
@@ -433,7 +446,7 @@ def policy_loss(rho, logps, A, loss_type="grpo", epsilon_low=0.2, epsilon_high=0
             pg = torch.where(A < 0, torch.minimum(pg, -A * clip_ratio_c), pg)
         return pg
     if loss_type == "cispo":
-        return -torch.clamp(rho, max=1 + epsilon_high).detach() * A * logps
+        return -torch.clamp(rho, max=epsilon_high).detach() * A * logps
     if loss_type == "sapo":
         tau = torch.where(A > 0, sapo_temperatures[0], sapo_temperatures[1])
         return -A * torch.sigmoid(tau * (rho - 1)) * 4 / tau
@@ -515,12 +528,13 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, normaliser, epsilon
     return loss, metrics
 
 
-def stream_seed(seed, step, stream, rank=0, round_=0):
-    """The seed of one random stream of one step (0: sampling, the same on every rank; 1:
-    rejection sampling and 2: mini-batch order, per rank), in rollout round round_ (< 16,
-    --dynamic_sampling): distinct for every (run seed, step, stream, round, rank), which a sum
-    like seed + step would not be (seed 1 step 2 = seed 2 step 1)."""
-    return seed * 1_000_003 + step + 2**32 * stream + 2**36 * round_ + 2**40 * rank
+def stream_seed(seed, step, stream, index=0, round_=0):
+    """The seed of one random stream of one step (0: sampling; 1: rejection sampling, one stream
+    per prompt, `index` its global index; 2: mini-batch order), in rollout round round_ (< 16,
+    --dynamic_sampling): distinct for every (run seed, step, stream, round, index), which a sum
+    like seed + step would not be (seed 1 step 2 = seed 2 step 1). None depends on the rank:
+    1 and N processes draw alike."""
+    return seed * 1_000_003 + step + 2**32 * stream + 2**36 * round_ + 2**40 * index
 
 
 def parse_weights(spec, has_model):
@@ -530,9 +544,12 @@ def parse_weights(spec, has_model):
     weights = {}
     for part in spec.split(","):
         name, _, w = part.partition(":")
-        if name.strip() not in ("rule", "model") or not w:
-            raise ValueError(f"--reward_weights {spec!r}: expected parts like rule:1.0 or model:0.5")
-        weights[name.strip()] = float(w)
+        try:
+            weights[name.strip()] = float(w)
+        except ValueError:
+            w = "nan"
+        if name.strip() not in ("rule", "model") or not math.isfinite(float(w)):
+            raise ValueError(f"--reward_weights {spec!r}: expected parts like rule:1.0 or model:0.5 (finite weights)")
     if "model" in weights and not has_model:
         raise ValueError(f"--reward_weights {spec!r} uses `model` but no --reward_model is given")
     return weights
@@ -607,23 +624,66 @@ def pairwise_accuracy(model, ref, pairs, pad_id, d, batch_size=128):
     return common.ranking_accuracy(m[:, 0], m[:, 1]).item()
 
 
-def select_rows(roll, idx):
-    """The rows idx (a 1-D index) of every tensor of a rollout dict, on each tensor's device."""
-    return {k: v[idx.to(v.device)] for k, v in roll.items()}
+@dataclass
+class Rollout:
+    """The rows of a rollout on this rank, each prompt's G completions contiguous; the prompt block
+    left-padded to P tokens and the response block right-padded to R (common.py's layout)."""
+    p_ids: torch.Tensor  # (N, P)
+    p_mask: torch.Tensor  # (N, P)
+    r_ids: torch.Tensor  # (N, R)
+    r_mask: torch.Tensor  # (N, R) 1 up to and including the stop token
+    r_logps: torch.Tensor  # (N, R) the sampler's log-probs of its tokens
+    stopped: torch.Tensor  # (N,) ended with EOS, an end-of-turn id or the truncate token
+    rewards: torch.Tensor  # (N,)
+    parts: dict  # each term of the reward, (N,): logged as reward/<name>
+
+    def map(self, fn):
+        """A rollout of fn(name, tensor) for every tensor."""
+        tensors = {f: fn(f, getattr(self, f)) for f in self.__dataclass_fields__ if f != "parts"}
+        return Rollout(**tensors, parts={k: fn(k, v) for k, v in self.parts.items()})
+
+    def select(self, idx):
+        """The rows idx (a 1-D index)."""
+        return self.map(lambda name, x: x[idx.to(x.device)])
+
+    def padded(self, P, R, pad_id):
+        """The prompt block left-padded to P tokens, the response block right-padded to R."""
+        def pad(name, x):
+            if name[:2] not in ("p_", "r_"):
+                return x
+            side = (P - x.shape[1], 0) if name[:2] == "p_" else (0, R - x.shape[1])
+            return torch.nn.functional.pad(x, side, value=pad_id if name.endswith("_ids") else 0)
+        return self.map(pad)
+
+    @staticmethod
+    def cat(rolls, pad_id):
+        """Several rollouts as one, padded to the longest prompt and response blocks."""
+        P, R = max(r.p_ids.shape[1] for r in rolls), max(r.r_ids.shape[1] for r in rolls)
+        rolls = [r.padded(P, R, pad_id) for r in rolls]
+        tensors = [f for f in Rollout.__dataclass_fields__ if f != "parts"]
+        return Rollout(**{f: torch.cat([getattr(r, f) for r in rolls]) for f in tensors},
+                       parts={k: torch.cat([r.parts[k] for r in rolls]) for k in rolls[0].parts})
+
+    def gather(self, pad_id, d):
+        """Every rank's rows, in rank order (the global rollout), on every rank. Collective."""
+        if d.world_size == 1:
+            return self
+        P, R = common.all_reduce_max(self.p_ids.new_tensor(self.p_ids.shape[1:] + self.r_ids.shape[1:]), d).tolist()
+        return self.padded(P, R, pad_id).map(lambda name, x: common.all_gather(x.int(), d).bool()
+                                             if x.dtype == torch.bool else common.all_gather(x, d))
 
 
-def cat_rows(rolls, pad_id):
-    """Several rollout dicts as one: the prompt blocks (p_*) left-padded and the response blocks
-    (r_*) right-padded to the longest of them, ids with pad_id and the rest with 0."""
-    P, R = (max(roll[k].shape[1] for roll in rolls) for k in ("p_ids", "r_ids"))
-
-    def fit(k, x):
-        if k[:2] not in ("p_", "r_"):
-            return x
-        side = (P - x.shape[1], 0) if k[:2] == "p_" else (0, R - x.shape[1])
-        return torch.nn.functional.pad(x, side, value=pad_id if k.endswith("_ids") else 0)
-
-    return {k: torch.cat([fit(k, roll[k]) for roll in rolls]) for k in rolls[0]}
+def minibatch_rows(n_rows, n_minibatches, generator, local=slice(None)):
+    """The rows of each mini-batch, (K, n_rows / K): each K consecutive rows of the global rollout
+    are dealt one to each of the K mini-batches, in a random order. A rank's share of the rollout
+    is a run of whole blocks of K rows (check_config), so every mini-batch holds the same rows on
+    any number of ranks, and the same number on each; `local`: this rank's slice of the global
+    rows (the indices returned are within it). The generator must be the same on every rank."""
+    K = n_minibatches
+    deal = torch.rand(n_rows // K, K, generator=generator).argsort(1)  # (n/K, K): the row of each block for mb j
+    rows = (torch.arange(n_rows // K)[:, None] * K + deal).T  # (K, n/K) global rows of each mini-batch
+    start, stop = local.start or 0, n_rows if local.stop is None else local.stop
+    return rows[:, start // K:stop // K] - start
 
 
 def sync(d):
@@ -667,6 +727,9 @@ def check_config(cfg, d):
         (cfg.adv_estimator in ADV_ESTIMATORS, f"--adv_estimator {cfg.adv_estimator!r}: expected one of {ADV_ESTIMATORS}"),
         (cfg.adv_estimator == "grpo" or (cfg.scale_rewards == "none" and not cfg.global_norm),
          f"--adv_estimator {cfg.adv_estimator} sets its own scale: pass --scale_rewards none and no --global_norm"),
+        (cfg.loss_type != "cispo" or cfg.epsilon_high >= 1,
+         f"--loss_type cispo caps the IS weight at --epsilon_high itself, as TRL does: {cfg.epsilon_high} would "
+         f"scale every token down; pass a cap above 1 (TRL suggests 5, ScaleRL's eps_max)"),
         (not (cfg.delta or cfg.clip_ratio_c) or cfg.loss_type == "grpo",
          f"--delta and --clip_ratio_c bound the clipped surrogate: they need --loss_type grpo, not {cfg.loss_type}"),
         (not cfg.delta or cfg.delta > 1 + cfg.epsilon_high,
@@ -713,25 +776,25 @@ def main(cfg):
     resume_from = common.prepare_out_dir(cfg, d)
     tokenizer = common.load_tokenizer(resume_from or cfg.model, cfg.trust_remote_code, cfg.chat_template)
     model = common.load_model(resume_from or cfg.model, tokenizer, trust_remote_code=cfg.trust_remote_code, d=d)
-    common.check_context(model, cfg.max_prompt_len, cfg.max_new_tokens)
+    common.check_context(model, cfg.max_prompt_len, cfg.max_new_tokens, "--max_new_tokens")
     ref = None  # with --lora: the policy with its adapters disabled
     if cfg.lora:
         model = add_lora(model, cfg.lora_r, cfg.lora_alpha)
     elif resume_from and not cfg.ref_refresh_every:  # the reference is the starting policy
         common.set_seed(cfg.seed)  # as it was built (`--model tiny` draws random weights)
-        ref = common.load_model(cfg.model, tokenizer, dtype=common.frozen_dtype(d),
-                                trust_remote_code=cfg.trust_remote_code, d=d)
+        ref = common.load_frozen(cfg.model, tokenizer, d, trust_remote_code=cfg.trust_remote_code,
+                                 cpu_offload=cfg.offload_frozen)
     else:  # the starting policy, or the last refresh (a resumed checkpoint is one; see check_config)
-        ref = copy.deepcopy(model).to(common.frozen_dtype(d))
-    if ref is not None:  # frozen models: bf16 under FSDP on a GPU, sharded, optionally offloaded
-        ref = common.shard_model(ref.requires_grad_(False).eval(), d, cpu_offload=cfg.offload_frozen)
+        ref = common.freeze(copy.deepcopy(model), d, cpu_offload=cfg.offload_frozen)
     model = common.shard_model(model, d, activation_checkpointing=cfg.activation_checkpointing)
     rm = rm_tokenizer = None
     if cfg.reward_model:
         rm_tokenizer = common.load_tokenizer(cfg.reward_model, cfg.trust_remote_code)
-        rm = common.load_model(cfg.reward_model, rm_tokenizer, kind="reward", dtype=common.frozen_dtype(d),
-                               trust_remote_code=cfg.trust_remote_code, d=d)
-        rm = common.shard_model(rm.requires_grad_(False).eval(), d, cpu_offload=cfg.offload_frozen)
+        rm = common.load_frozen(cfg.reward_model, rm_tokenizer, d, kind="reward",
+                                trust_remote_code=cfg.trust_remote_code, cpu_offload=cfg.offload_frozen)
+        # the reward model reads the prompt and the completion re-tokenised (learned_rewards)
+        common.check_context(rm, cfg.max_prompt_len, cfg.max_new_tokens + 1, "--max_new_tokens (+1)",
+                             f"--reward_model {cfg.reward_model}")
     truncate_id = None
     if cfg.truncate_token:
         t_ids = tokenizer(cfg.truncate_token, add_special_tokens=False)["input_ids"]
@@ -741,6 +804,7 @@ def main(cfg):
     eos_ids = common.stop_token_ids(tokenizer, model)  # EOS, and every end-of-turn id of the generation config
     stop_ids = eos_ids[1:] + ([truncate_id] if truncate_id is not None else [])
     stops = torch.tensor(eos_ids[:1] + stop_ids, device=d.device)
+    rule_prompts = list(train["prompt"])  # each row's own prompt, text or messages: what rule rewards read (TRL's)
     train, _ = data.render_chat(train, tokenizer, cfg.dataset)  # conversational prompts, with the generation prompt
     p_ids, n_cut = data.encode_prompts(tokenizer, train["prompt"], cfg.max_prompt_len, cfg.dataset)
     data.show_example(tokenizer, p_ids[0], None, cfg.dataset)
@@ -749,9 +813,8 @@ def main(cfg):
                       f"{cfg.max_prompt_len} tokens and are cut from the left")
     held_out = None  # an embedded task's held-out prompts (rendered) for greedy answers
     if embedded:
-        held_out, _ = data.render_chat(data.load_data(cfg.dataset, "test", ["prompt"], kind="prompt", n=cfg.n_eval,
-                                                      seed=cfg.seed), tokenizer, cfg.dataset)
-        held_out = held_out[:]  # columns as lists: a Dataset column indexed row by row is ~100x slower
+        held_out = data.load_data(cfg.dataset, "test", ["prompt"], kind="prompt", n=cfg.n_eval, seed=cfg.seed)
+        held_out = {**data.render_chat(held_out, tokenizer, cfg.dataset)[0][:], "own_prompt": list(held_out["prompt"])}
     eval_pairs = bayes = None  # the pairs encoded, and the embedded task's best accuracy on them
     if pairs is not None:
         pairs, chat = data.render_chat(pairs, tokenizer, cfg.eval_pairs or cfg.dataset)
@@ -787,7 +850,8 @@ def main(cfg):
         if held_out is not None:  # every row of a task has its rule
             metrics |= sampling.evaluate_generations(model, tokenizer, held_out["prompt"],
                                                     tasks.REWARD_FNS[held_out["reward_fn"][0]], d, cfg.max_prompt_len,
-                                                    cfg.max_new_tokens, answers=held_out.get("answer"))
+                                                    cfg.max_new_tokens, answers=held_out.get("answer"),
+                                                    own_prompts=held_out["own_prompt"])
         if eval_pairs is not None:
             metrics["eval/accuracy"] = pairwise_accuracy(model, ref, eval_pairs, tokenizer.pad_token_id, d)
         if bayes is not None:
@@ -827,48 +891,50 @@ def main(cfg):
             fns = [f for f in batch["reward_fn"] for _ in range(n_sample)]
             answers = [a for a in batch["answer"] for _ in range(n_sample)] if "answer" in batch.column_names \
                 else [None] * len(fns)
-            # Python floats of Python functions: on the host, like the rest of the reward (to the device below)
-            parts["rule"] = torch.tensor([tasks.REWARD_FNS[f](p, c, a)
-                                          for f, p, c, a in zip(fns, prompts, texts, answers)])
+            own = [rule_prompts[i] for i in rows for _ in range(n_sample)]  # the row's prompt, as TRL passes it
+            # Python floats of Python functions, computed on the host
+            parts["rule"] = torch.tensor([tasks.REWARD_FNS[f](p, c, a) for f, p, c, a in zip(fns, own, texts, answers)],
+                                         device=d.device)
         if rm is not None:
-            parts["model"] = learned_rewards(rm, rm_tokenizer, prompts, texts, cfg, d).cpu()
-        rewards = sum(w * parts[k] for k, w in weights.items()) - cfg.no_eos_penalty * (~stopped).float().cpu()
+            parts["model"] = learned_rewards(rm, rm_tokenizer, prompts, texts, cfg, d)
+        rewards = sum(w * parts[k] for k, w in weights.items()) - cfg.no_eos_penalty * (~stopped).float()
         if cfg.overlong_buffer_len:  # a reward term, logged as reward/overlong
-            parts["overlong"] = overlong_penalty(r_mask.sum(-1).float().cpu(), cfg.max_new_tokens,
-                                                 cfg.overlong_buffer_len, cfg.overlong_penalty_factor)
+            parts["overlong"] = overlong_penalty(r_mask.sum(-1).float(), cfg.max_new_tokens, cfg.overlong_buffer_len,
+                                                 cfg.overlong_penalty_factor)
             rewards = rewards + parts["overlong"]
-        roll = dict(p_ids=p_ids, p_mask=p_mask, r_ids=r_ids, r_mask=r_mask, r_logps=r_logps, stopped=stopped,
-                    rewards=rewards, **{f"reward/{k}": v for k, v in parts.items()})
-        if cfg.rs_samples:  # keep group_size of the n_sample completions of each prompt
-            rs_gen = torch.Generator().manual_seed(stream_seed(cfg.seed, step, stream=1, rank=d.rank, round_=k))
-            keep = rejection_sample(rewards.view(n_local, n_sample), cfg.group_size, cfg.rs_gamma, cfg.rs_mode,
-                                    rs_gen)
-            roll = select_rows(roll, (keep + torch.arange(n_local)[:, None] * n_sample).flatten())
+        roll = Rollout(p_ids, p_mask, r_ids, r_mask, r_logps, stopped, rewards, parts)
+        if cfg.rs_samples:  # keep group_size of the n_sample completions of each prompt, one stream per prompt
+            gens = [torch.Generator().manual_seed(stream_seed(cfg.seed, step, stream=1, index=i, round_=k))
+                    for i in range(d.rank * n_local, (d.rank + 1) * n_local)]
+            keep = rejection_sample(rewards.view(n_local, n_sample), cfg.group_size, cfg.rs_gamma, cfg.rs_mode, gens)
+            roll = roll.select((keep + torch.arange(n_local)[:, None] * n_sample).flatten())
         return roll, stats | {"time/reward": time.time() - t1}
 
     def informative_rollout(step):
-        """--dynamic_sampling: rounds of rollout(step, k) until this rank holds n_local groups whose
-        rewards differ (DAPO Sec. 3.2), on every rank for as many rounds as the rank that needs
-        the most (the reward model's forwards are collective), at most max_num_gen_batches;
-        groups still missing are filled with equal-reward ones and counted. One host sync per
-        round."""
+        """--dynamic_sampling: rounds of rollout(step, k) until prompts_per_step groups whose rewards
+        differ (DAPO Sec. 3.2) are found, at most max_num_gen_batches; groups still missing are
+        filled with equal-reward ones and counted. Each round's rollout is gathered from every
+        rank, and the first groups found in global order are dealt to the ranks as any rollout
+        is: the same groups on any number of ranks. One host sync per round."""
         kept, spare, stats = [], [], {}
         for k in range(cfg.max_num_gen_batches):
             roll, s = rollout(step, k)
             stats = {key: max(v, stats.get(key, 0.0)) if key.startswith("mem/") else v + stats.get(key, 0.0)
                      for key, v in s.items()}
-            g = roll["rewards"].view(-1, cfg.group_size)
+            roll = roll.gather(tokenizer.pad_token_id, d)  # the round's global rollout, on every rank
+            g = roll.rewards.view(-1, cfg.group_size)
             ok = (g.amax(1) > g.amin(1)).repeat_interleave(cfg.group_size)  # (rows,) in groups
-            kept.append(select_rows(roll, ok.nonzero().flatten()))
-            spare.append(select_rows(roll, (~ok).nonzero().flatten()))
-            missing = max(rows_local - sum(len(r["rewards"]) for r in kept), 0) // cfg.group_size
-            if common.all_reduce_sum(torch.tensor(float(missing), device=d.device), d).item() == 0:
+            kept.append(roll.select(ok.nonzero().flatten()))
+            spare.append(roll.select((~ok).nonzero().flatten()))
+            missing = max(cfg.prompts_per_step - sum(len(r.rewards) for r in kept) // cfg.group_size, 0)
+            if missing == 0:
                 break
-        roll = select_rows(cat_rows(kept + spare, tokenizer.pad_token_id), torch.arange(rows_local))
-        return roll, stats, {"dynamic_sampling/rounds": torch.tensor(k + 1.0) / d.world_size,
-                             "dynamic_sampling/unfilled_groups": torch.tensor(float(missing))}
+        roll = Rollout.cat(kept + spare, tokenizer.pad_token_id)
+        roll = roll.select(torch.arange(d.rank * rows_local, (d.rank + 1) * rows_local))
+        return roll, stats, {"dynamic_sampling/rounds": torch.tensor(k + 1.0, device=d.device) / d.world_size,
+                             "dynamic_sampling/unfilled_groups": torch.tensor(missing / d.world_size, device=d.device)}
 
-    by_entropy = cfg.top_entropy_quantile < 1
+    by_entropy = cfg.top_entropy_share < 1
     sapo = (cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
     peak_gib = 0.0  # the run's peak GPU memory, over the phases' windows
     if start == 1 and (first := evaluate()):  # a prompt file without eval pairs has nothing to evaluate
@@ -883,9 +949,8 @@ def main(cfg):
             roll, stats, sums = informative_rollout(step)
         else:
             (roll, stats), sums = rollout(step, 0), {}
-        p_ids, p_mask, r_ids, r_mask, r_logps, stopped, rewards = (
-            roll[k] for k in ("p_ids", "p_mask", "r_ids", "r_mask", "r_logps", "stopped", "rewards"))
-        parts = {k.removeprefix("reward/"): v for k, v in roll.items() if k.startswith("reward/")}
+        p_ids, p_mask, r_ids, r_mask, r_logps = roll.p_ids, roll.p_mask, roll.r_ids, roll.r_mask, roll.r_logps
+        stopped, rewards, parts = roll.stopped, roll.rewards, roll.parts
         ids = torch.cat([p_ids, r_ids], 1)  # (rows_local, P+R)
         attn = torch.cat([p_mask, r_mask], 1)
         loss_mask = r_mask * stopped[:, None].long() if cfg.mask_truncated_completions else r_mask
@@ -898,18 +963,19 @@ def main(cfg):
         with reference_context(model, ref):
             ref_logps = batched_logprobs(model if ref is None else ref, ids, attn, R, cfg.temperature, d, micro)
         need_old = cfg.num_iterations > 1 or cfg.num_mini_batches > 1 or cfg.kl_in_reward or by_entropy
-        old_logps = keep = None  # keep: the tokens that get the policy gradient (--top_entropy_quantile)
+        old_logps = keep = None  # keep: the tokens that get the policy gradient (--top_entropy_share)
         if by_entropy:
             old_logps, entropy = batched_logprobs(model, ids, attn, R, cfg.temperature, d, micro, with_entropy=True)
-            keep = top_entropy_mask(entropy, loss_mask, cfg.top_entropy_quantile, d, cfg.max_new_tokens)
+            keep = top_entropy_mask(entropy, loss_mask, cfg.top_entropy_share, d, cfg.max_new_tokens)
         elif need_old:
             old_logps = batched_logprobs(model, ids, attn, R, cfg.temperature, d, micro)
         if cfg.kl_in_reward:  # beta * sum_t KL_t of each sequence, taken from its reward (the loss has none)
-            kl_seq = (kl_per_token(old_logps, ref_logps, old_logps, cfg.kl_estimator) * r_mask).sum(-1).cpu()
+            kl_seq = (kl_per_token(old_logps, ref_logps, old_logps, cfg.kl_estimator) * r_mask).sum(-1)
             rewards = rewards - cfg.beta * kl_seq
             parts["kl_penalty"] = cfg.beta * kl_seq  # logged as reward/kl_penalty
-        adv, adv_metrics = group_advantages(rewards.view(n_local, cfg.group_size).to(d.device), cfg.scale_rewards,
-                                            cfg.global_norm, d, estimator=cfg.adv_estimator)
+        adv, adv_metrics = group_advantages(rewards.view(n_local, cfg.group_size), cfg.scale_rewards, cfg.global_norm,
+                                            d, estimator=cfg.adv_estimator,
+                                            lengths=loss_mask.sum(-1).view(n_local, cfg.group_size))
         sums |= adv_metrics
         adv = adv.flatten()  # (rows_local,)
         n_rows = rows_local * d.world_size  # sequences in the global batch
@@ -922,12 +988,12 @@ def main(cfg):
         # 4. update: num_iterations passes, each over num_mini_batches optimizer steps of
         #    grad_accum micro-batches; every normaliser is that of the global mini-batch
         grad_norms, gap_max = [], torch.zeros((), device=d.device)
-        perm_gen = torch.Generator().manual_seed(stream_seed(cfg.seed, step, stream=2, rank=d.rank))
+        deal_gen = torch.Generator().manual_seed(stream_seed(cfg.seed, step, stream=2))  # the same on every rank
         beta_loss = 0.0 if cfg.kl_in_reward else cfg.beta
         for it in range(cfg.num_iterations):
-            perm = torch.randperm(rows_local, generator=perm_gen).to(d.device)
-            for mb in range(cfg.num_mini_batches):
-                mb_rows = perm[mb * mini:(mb + 1) * mini]
+            batches = minibatch_rows(rows_local * d.world_size, cfg.num_mini_batches, deal_gen,
+                                     common.shard_batch(rows_local * d.world_size, d)).to(d.device)
+            for mb_rows in batches:
                 normaliser = loss_normaliser(loss_mask[mb_rows], cfg.loss_agg, cfg.max_new_tokens, d)
                 n_tokens = loss_normaliser(loss_mask[mb_rows], "token_mean", 0, d).clamp(min=1)  # the metrics' denominator
                 for k in range(cfg.grad_accum):

@@ -93,7 +93,7 @@ VARIANTS = {
         "dr_grpo": ["--loss_agg", "constant", "--scale_rewards", "none"],
         "gspo": ["--importance_sampling_level", "sequence", "--loss_agg", "seq_mean_token_mean",
                  "--epsilon_low", "3e-4", "--epsilon_high", "4e-4"],  # GSPO's clip range (Sec. 5.1)
-        "cispo": ["--loss_type", "cispo", "--epsilon_high", "4"],  # the IS weight capped at 5 (ScaleRL's)
+        "cispo": ["--loss_type", "cispo", "--epsilon_high", "5"],  # the IS weight capped at 5 (ScaleRL's, TRL's)
         "sapo": ["--loss_type", "sapo"],
         "rloo": ["--adv_estimator", "rloo", "--scale_rewards", "none"],
         "dynamic_sampling": ["--dynamic_sampling"],

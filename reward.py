@@ -160,9 +160,8 @@ def normalization(model, tokenizer, cfg, prompts, d):
     population std over the samples). Returns (gain, bias, mean, std)."""
     name = cfg.normalize_policy or cfg.model
     p_tok = common.load_tokenizer(name, cfg.trust_remote_code)
-    policy = common.load_model(name, p_tok, dtype=common.frozen_dtype(d), trust_remote_code=cfg.trust_remote_code, d=d)
+    policy = common.load_frozen(name, p_tok, d, trust_remote_code=cfg.trust_remote_code)
     stops = common.stop_token_ids(p_tok, policy)
-    policy = common.shard_model(policy.requires_grad_(False).eval(), d)
     u = sampling.rollout_uniforms(len(prompts), cfg.max_response_len, cfg.seed)  # by row: the same on any world size
 
     def rewards(rows):

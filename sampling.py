@@ -258,16 +258,19 @@ def respond(model, tokenizer, prompts, max_prompt_len, max_new_tokens, stops, de
 
 
 def evaluate_generations(model, tokenizer, prompts, reward_fn, d, max_prompt_len, max_new_tokens, batch_size=256,
-                         answers=None):
+                         answers=None, own_prompts=None):
     """Greedy answers to held-out prompts (text, a chat already rendered), scored by a gold reward
-    fn(prompt, completion, answer) of tasks.REWARD_FNS, given each row's `answers` where the rule
+    fn(prompt, completion, answer) of tasks.REWARD_FNS, given each row's own prompt (`own_prompts`:
+    the messages of a conversational row; default `prompts`) and its `answers` where the rule
     needs one: mean reward and the share of exact answers (reward 1)."""
+    own_prompts = prompts if own_prompts is None else own_prompts
+
     def score(rows):
         texts = [prompts[i] for i in rows]
         refs = [answers[i] for i in rows] if answers is not None else [None] * len(rows)
         with common.autocast(d):
             replies = respond(model, tokenizer, texts, max_prompt_len, max_new_tokens, stops, d.device)
-        rewards = [reward_fn(p, c, a) for p, c, a in zip(texts, replies, refs)]
+        rewards = [reward_fn(own_prompts[i], c, a) for i, c, a in zip(rows, replies, refs)]
         return torch.tensor([[r, float(r == 1.0)] for r in rewards], dtype=torch.float64, device=d.device)
 
     stops = common.stop_token_ids(tokenizer, model)

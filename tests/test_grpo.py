@@ -321,6 +321,9 @@ def test_parse_weights():
         parse_weights("rule:1,model:1", False)
     with pytest.raises(ValueError):
         parse_weights("gold:1", False)
+    for bad in ("rule:nan", "rule:inf", "rule:x", "rule:"):
+        with pytest.raises(ValueError, match="finite weights"):
+            parse_weights(bad, False)
 
 
 # -----------------------------------------------------------------------------
@@ -531,27 +534,120 @@ def test_script_lora_checkpoint_is_merged(tmp_path):
     assert moved_from_the_initial_weights(out) > 1e-3
 
 
-def test_two_processes_match_one_process(tmp_path):
-    """FSDP2 on 2 ranks (gloo) against 1 process on the same global batch, with reference refresh,
-    batch-std scaling and global normalisation (collectives). The sampler's random numbers are
-    indexed by global row (sampling.rollout_uniforms), so both draw the same completions; then the
-    rewards, the loss of every step and the final weights agree (fp32)."""
-    args = ("--dataset", write_digits_prompts(tmp_path / "prompts.jsonl", 16), "--num_iterations", "2",
-            "--num_mini_batches", "1", "--ref_refresh_every", "1", "--scale_rewards", "batch", "--global_norm",
+def assert_same_run(one, two, keys=("reward", "reward_std", "completions/mean_length", "loss", "grad_norm")):
+    """The logged training rows of two runs agree step for step."""
+    one, two = ([r for r in rows if "loss" in r] for rows in (one, two))  # step 0 has no eval here
+    assert [r["step"] for r in two] == [1, 2] and all(r["reward_std"] > 0 for r in one)
+    for a, b in zip(one, two, strict=True):
+        for key in keys:
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
+
+
+def test_two_processes_match_one_process_at_the_default_flags(tmp_path):
+    """FSDP2 on 2 ranks (gloo) against 1 process, every algorithm flag at its default (mu 2 passes
+    over 2 mini-batches among them). The sampler's random numbers are indexed by global row
+    (sampling.rollout_uniforms) and the mini-batches are dealt from the global rollout
+    (minibatch_rows), so both draw the same completions and optimise the same mini-batches: the
+    rewards, the loss of every step and the final weights agree (fp32). With each rank shuffling
+    its own rows, step 1's grad norm differed (1.534 against 1.672 in the report)."""
+    args = ("--dataset", write_digits_prompts(tmp_path / "prompts.jsonl", 16), "--lr", "1e-4", "--warmup_steps", "0")
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    out1, one = run_grpo(tmp_path / "one", *args)
+    out2, two = run_grpo(tmp_path / "two", *args, nproc=2)
+    assert_same_run(one, two)
+    # Adam turns rounding noise in near-zero gradients into steps of up to lr: a small lr keeps
+    # that noise under the tolerance, while the weights still move 10x more than it
+    assert max_abs_diff(checkpoint_weights(out1), checkpoint_weights(out2)) < 1e-5
+    assert moved_from_the_initial_weights(out1) > 1e-4
+
+
+def test_two_processes_match_one_with_rejection_and_dynamic_sampling_and_batch_statistics(tmp_path):
+    """The collectives and the per-prompt random streams: rejection sampling (each prompt's draws
+    seeded by its global index), dynamic sampling (each round's groups gathered from every rank
+    and dealt in global order), batch-std scaling, global normalisation and a reference refreshed
+    every step. Half the prompts are scored by the sort rule, which the random policy never
+    satisfies (all-equal groups that dynamic sampling must replace), half by the digits rule."""
+    rows = [{"prompt": r["prompt"], "reward_fn": ("sort", "digits")[i % 2]} for i, r in enumerate(tasks.prompt_rows(48))]
+    args = ("--dataset", write_jsonl(tmp_path / "p.jsonl", rows), "--rs_samples", "6", "--dynamic_sampling",
+            "--max_num_gen_batches", "3", "--scale_rewards", "batch", "--global_norm", "--ref_refresh_every", "1",
             "--lr", "1e-4", "--warmup_steps", "0")
     (tmp_path / "one").mkdir()
     (tmp_path / "two").mkdir()
     out1, one = run_grpo(tmp_path / "one", *args, "--grad_accum", "2")
     out2, two = run_grpo(tmp_path / "two", *args, nproc=2)
-    one, two = ([r for r in rows if "loss" in r] for rows in (one, two))  # step 0 has no eval here
-    assert [r["step"] for r in two] == [1, 2] and all(r["reward_std"] > 0 for r in one)
-    for a, b in zip(one, two, strict=True):
-        for key in ("reward", "reward_std", "completions/mean_length", "loss", "grad_norm"):
-            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
-    # Adam turns rounding noise in near-zero gradients into steps of up to lr: a small lr keeps
-    # that noise under the tolerance, while the weights still move 10x more than it
+    assert_same_run(one, two, keys=("reward", "reward_std", "loss", "grad_norm", "dynamic_sampling/rounds",
+                                    "dynamic_sampling/unfilled_groups"))
+    assert any(r.get("dynamic_sampling/rounds", 0) > 1 for r in one)  # groups were replaced
     assert max_abs_diff(checkpoint_weights(out1), checkpoint_weights(out2)) < 1e-5
-    assert moved_from_the_initial_weights(out1) > 1e-4
+
+
+@pytest.mark.parametrize("K", [1, 2, 4])
+def test_minibatches_hold_the_same_rows_on_any_number_of_ranks(K):
+    """minibatch_rows on 1, 2 and 4 ranks (each rank its contiguous share of 16 global rows): the
+    global rows of every mini-batch are the same set, each rank holds an equal part of each, and
+    every row is in exactly one mini-batch per pass."""
+    def deal(world):
+        per = 16 // world
+        parts = [grpo.minibatch_rows(16, K, torch.Generator().manual_seed(3), slice(r * per, (r + 1) * per)) + r * per
+                 for r in range(world)]
+        assert all(p.shape == (K, per // K) for p in parts)
+        return [sorted(torch.cat([p[j] for p in parts]).tolist()) for j in range(K)]
+
+    one = deal(1)
+    assert sorted(sum(one, [])) == list(range(16))
+    assert deal(2) == one and deal(4) == one
+    if K > 1:  # random: another seed deals other rows
+        assert grpo.minibatch_rows(16, K, torch.Generator().manual_seed(4)).sort(1).values.tolist() != one
+
+
+def test_the_update_computes_log_probs_at_the_sampling_temperature(tmp_path):
+    """lr 0 and temperature 0.7, two passes over two mini-batches: the policy never moves, so the
+    update's forward must reproduce the old and reference log-probs exactly (both at the sampling
+    temperature): ratio 1 (no clipping), KL 0, and the sampler's log-probs within rounding.
+    An update forward at temperature 1 gives KL > 0 and clips."""
+    out, rows = run_grpo(tmp_path, "--dataset", write_digits_prompts(tmp_path / "p.jsonl", 16), "--lr", "0",
+                         "--temperature", "0.7", "--beta", "0.1")
+    rows = [r for r in rows if "loss" in r]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["kl"] == 0 and r["kl/optimized"] == 0, r
+        assert r["clip_ratio/low"] == 0 and r["clip_ratio/high"] == 0, r
+        assert r["rollout/logp_diff"] < 1e-5, r
+
+
+def test_the_reference_of_a_rope_model_computes_the_policy_under_mixed_precision():
+    """On a GPU under torchrun the reference is a bf16 copy of the policy, whose forward FSDP's
+    MixedPrecisionPolicy runs with bf16 parameters and its buffers as they are. A config-built
+    Llama: the frozen copy keeps the rotary frequencies (a buffer) in fp32 like the policy, and
+    its log-probs equal those of the policy's mixed-precision forward (parameters cast to bf16,
+    buffers untouched: torch.func.functional_call), so KL is 0 at step 0. A copy cast whole
+    (model.to(bf16)) rounds inv_freq (relative error up to 2e-3) and KL is not 0."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      intermediate_size=64, max_position_embeddings=256, rope_theta=10000.0)
+    policy = AutoModelForCausalLM.from_config(cfg).eval()
+    gpu = common.Dist(torchrun=True)  # frozen_dtype: bf16 where the policy computes in bf16
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(common, "frozen_dtype", lambda d: torch.bfloat16)
+        mp.setattr(common, "shard_model", lambda model, d, **kw: model)  # the placement is not under test
+        ref = common.freeze(copy.deepcopy(policy), gpu)
+    assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in ref.parameters())
+    for (name, b), (_, b_ref) in zip(policy.named_buffers(), ref.named_buffers()):
+        assert b_ref.dtype == b.dtype == torch.float32 and torch.equal(b, b_ref), name
+    ids = torch.randint(0, 64, (2, 200))
+    attn = torch.ones_like(ids)
+    bf16 = {n: p.detach().to(torch.bfloat16) for n, p in policy.named_parameters()}
+    with torch.no_grad():
+        pi = torch.func.functional_call(policy, bf16, (), dict(input_ids=ids, attention_mask=attn)).logits
+        ref_logits = ref(input_ids=ids, attention_mask=attn).logits
+        whole = copy.deepcopy(policy).to(torch.bfloat16)(input_ids=ids, attention_mask=attn).logits
+    lp, lp_ref, lp_whole = (torch.log_softmax(x.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None]) for x in
+                            (pi, ref_logits, whole))
+    assert grpo.kl_per_token(lp, lp_ref, lp, "k3").abs().max() == 0
+    assert grpo.kl_per_token(lp, lp_whole, lp, "k3").max() > 0
 
 
 def test_bad_rule_rows_stop_grpo_at_load_time(tmp_path):

@@ -217,7 +217,7 @@ def test_the_variants_tables_from_synthetic_runs(tmp_path, monkeypatch):
     (grpo_t, dpo_t), curves = pipeline.variants_results(cfg, {})
     line = next(x for x in grpo_t.splitlines() if x.startswith("| cispo |"))
     i = list(pipeline.VARIANTS["grpo"]).index("cispo")
-    assert line.startswith("| cispo | --loss_type cispo --epsilon_high 4 | ")
+    assert line.startswith("| cispo | --loss_type cispo --epsilon_high 5 | ")
     assert f"| {0.7 + 0.1 * i:.3f} ± 0.200 | 0.300 ± 0.000 | {2 + i:.2f} ± 1.00 |" in line
     assert "| sigmoid | (defaults) | 0.600 ± 0.000 | 0.800 ± 0.000 | 0.700 ± 0.000 | 3.00 ± 3.00 |" in dpo_t
     assert curves["grpo"]["rloo"]["kl_by_seed"] == [6.0, 7.0, 8.0]

@@ -109,16 +109,16 @@ def test_every_policy_term_has_the_token_level_gradient_on_policy():
     logps, _, ref, adv, mask = batch()
     old = logps.detach()
     base = grad(grpo_loss(logps, old, ref, adv, mask, mask.sum())[0], logps)
-    for kw in (dict(loss_type="cispo"), dict(loss_type="sapo"), dict(delta=2.0), dict(clip_ratio_c=3.0)):
+    for kw in (dict(loss_type="cispo", epsilon_high=5.0), dict(loss_type="sapo"), dict(delta=2.0), dict(clip_ratio_c=3.0)):
         torch.testing.assert_close(grad(grpo_loss(logps, old, ref, adv, mask, mask.sum(), **kw)[0], logps), base)
 
 
 def test_cispo_matches_a_per_token_loop_with_the_weight_held_constant():
-    """CISPO (MiniMax-M1) token by token: - min(rho_t, 1 + e_h) A log pi_t with the weight a
+    """CISPO (MiniMax-M1) token by token: - min(rho_t, e_h) A log pi_t (TRL's cap) with the weight a
     Python float (no gradient through it). Tokens whose ratio is clipped keep a gradient (the
     clipped surrogate gives them none)."""
     logps, old, ref, adv, mask = batch(seed=2, spread=0.5)
-    loss, _ = grpo_loss(logps, old, ref, adv, mask, mask.sum(), epsilon_high=0.28, loss_type="cispo")
+    loss, _ = grpo_loss(logps, old, ref, adv, mask, mask.sum(), epsilon_high=1.28, loss_type="cispo")
     naive = 0
     for i in range(4):
         for t in range(int(mask[i].sum())):
@@ -239,12 +239,45 @@ def test_rloo_is_the_leave_one_out_baseline_by_a_loop():
             assert adv[b, i].item() == pytest.approx(r[b, i].item() - sum(others) / 4)
 
 
-def test_reinforce_pp_centres_per_group_then_whitens_over_the_batch():
+def test_reinforce_pp_whitens_over_tokens_as_verl_does():
+    """verl's and OpenRLHF's REINFORCE++-baseline: r - group mean, then whitened over every response
+    token of the batch (a response of L tokens counts L times; Bessel over tokens; rsqrt(var +
+    1e-8)). The hand case of the report: rewards [[1, 0], [1, 0]], lengths [1, 3, 1, 1] give verl's
+    [1.291, -0.645, 1.291, -0.645] (a per-sequence whitening gives +-0.866), and a naive loop over
+    the tokens of a second case."""
+    import statistics
+
+    adv, _ = grpo.group_advantages(torch.tensor([[1.0, 0.0], [1.0, 0.0]], **f64), "none", estimator="reinforce_pp",
+                                   lengths=torch.tensor([[1, 3], [1, 1]]))
+    torch.testing.assert_close(adv.flatten(), torch.tensor([1.290994, -0.645497, 1.290994, -0.645497], **f64),
+                               atol=1e-6, rtol=0)
     r = torch.tensor([[1.0, 0.0, 2.0], [3.0, 3.0, 6.0]], **f64)
-    adv, _ = grpo.group_advantages(r, "none", estimator="reinforce_pp", eps=0.0)
-    centred = [0.0, -1.0, 1.0, -1.0, -1.0, 2.0]  # r - group mean; batch mean 0
-    std = math.sqrt(sum(c * c for c in centred) / 5)  # unbiased
-    torch.testing.assert_close(adv.flatten(), torch.tensor([c / std for c in centred], **f64))
+    lengths = torch.tensor([[2, 5, 1], [4, 3, 7]])
+    adv, _ = grpo.group_advantages(r, "none", estimator="reinforce_pp", lengths=lengths)
+    centred = (r - r.mean(1, keepdim=True)).flatten().tolist()
+    tokens = [c for c, n in zip(centred, lengths.flatten().tolist()) for _ in range(n)]
+    mean, var = statistics.fmean(tokens), statistics.variance(tokens)
+    torch.testing.assert_close(adv.flatten(), torch.tensor([(c - mean) / math.sqrt(var + 1e-8) for c in centred], **f64))
+
+
+def test_cispo_caps_the_weight_at_epsilon_high_itself_as_trl_does():
+    """TRL's cispo: -min(rho, epsilon_high) A log pi (TRL suggests epsilon_high 5). rho 6 and 0.5
+    under a cap of 5: weights 5 and 0.5 (with 1 + eps_high, the MiniMax-M1 writing, 6 and 0.5)."""
+    logps = torch.tensor([[-1.0, -2.0]], **f64).requires_grad_()
+    old = logps.detach() - torch.tensor([[math.log(6.0), math.log(0.5)]], **f64)
+    mask, A = torch.ones(1, 2, **f64), torch.tensor([2.0], **f64)
+    loss, _ = grpo_loss(logps, old, old, A, mask, 2.0, epsilon_high=5.0, loss_type="cispo")
+    assert loss.item() == pytest.approx(-(5 * 2 * -1.0 + 0.5 * 2 * -2.0) / 2)
+    torch.testing.assert_close(grad(loss, logps), torch.tensor([[-5.0, -0.5]], **f64))
+
+
+def test_top_entropy_share_keeps_ceil_share_of_the_rollout_not_trls_count():
+    """--top_entropy_share keeps ceil(q n) tokens of the whole rollout: 2 of 4 at q 0.3, where TRL's
+    top_entropy_quantile keeps floor(1 + q (n - 1)) = 1 of each micro-batch: a flag of another name
+    because it means another thing (its --help says how)."""
+    keep = top_entropy_mask(torch.tensor([[0.4, 0.1, 0.3, 0.2]]), torch.ones(1, 4), 0.3)
+    assert keep.tolist() == [[1.0, 0.0, 1.0, 0.0]]
+    assert "TRL's top_entropy_quantile differs" in common._field_docs(grpo.Config)["top_entropy_share"]
 
 
 @pytest.mark.parametrize("length, want", [(5, 0.0), (6, 0.0), (7, -0.5), (9, -1.5), (10, -2.0)])
@@ -260,7 +293,8 @@ def test_overlong_penalty_is_dapo_eq_13(length, want):
 @pytest.mark.parametrize("flags, message", [
     (dict(adv_estimator="rloo"), "--scale_rewards none"),
     (dict(adv_estimator="reinforce_pp", scale_rewards="none", global_norm=True), "no --global_norm"),
-    (dict(loss_type="cispo", delta=2.0), "need --loss_type grpo"),
+    (dict(loss_type="cispo", epsilon_high=5.0, delta=6.0), "need --loss_type grpo"),
+    (dict(loss_type="cispo"), "caps the IS weight at --epsilon_high itself, as TRL does"),
     (dict(clip_ratio_c=3.0, loss_type="sapo"), "need --loss_type grpo"),
     (dict(delta=1.1), "must exceed 1 + --epsilon_high"),
     (dict(clip_ratio_c=0.5), "must exceed 1"),
@@ -302,8 +336,8 @@ def test_dynamic_sampling_leaves_only_unfilled_groups_with_equal_rewards(tmp_pat
 
 
 def test_every_variant_flag_runs_and_logs_the_rollout_gap(tmp_path):
-    rows = run_grpo(tmp_path, "--loss_type", "cispo", "--importance_sampling_level", "sequence",
-                    "--off_policy_mask_threshold", "0.5", "--top_entropy_quantile", "0.2",
+    rows = run_grpo(tmp_path, "--loss_type", "cispo", "--epsilon_high", "5", "--importance_sampling_level", "sequence",
+                    "--off_policy_mask_threshold", "0.5", "--top_entropy_share", "0.2",
                     "--vllm_importance_sampling_correction", "--adv_estimator", "rloo", "--scale_rewards", "none",
                     "--overlong_buffer_len", "4", "--num_iterations", "2")
     for r in rows:
@@ -319,8 +353,9 @@ def test_two_processes_match_one_process_with_the_variants_collectives(tmp_path)
     from test_grpo import moved_from_the_initial_weights, run_grpo as run_grpo_n, write_digits_prompts
 
     args = ("--dataset", write_digits_prompts(tmp_path / "prompts.jsonl", 16), "--num_iterations", "2",
-            "--num_mini_batches", "1", "--loss_type", "cispo", "--importance_sampling_level", "sequence_token",
-            "--top_entropy_quantile", "0.5", "--off_policy_mask_threshold", "0.01",
+            "--num_mini_batches", "1", "--loss_type", "cispo", "--epsilon_high", "5", "--importance_sampling_level",
+            "sequence_token",
+            "--top_entropy_share", "0.5", "--off_policy_mask_threshold", "0.01",
             "--vllm_importance_sampling_correction", "--adv_estimator", "reinforce_pp", "--scale_rewards", "none",
             "--lr", "1e-4", "--warmup_steps", "0")
     (tmp_path / "one").mkdir()
