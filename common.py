@@ -700,13 +700,13 @@ def load_tokenizer(name, trust_remote_code=False, chat_template=""):
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(model_folder(name), trust_remote_code=trust_remote_code)
+    import data
+
+    data.check_tokenizer(tok, name)
     if tok.pad_token is None:  # GPT-2 and Pythia have none; masks, not pad ids, decide what is padding
         tok.pad_token = tok.eos_token
     if chat_template:
-        if not os.path.isfile(chat_template):
-            raise FileNotFoundError(f"--chat_template {chat_template}: no such file")
-        with open(chat_template) as f:
-            tok.chat_template = f.read()
+        tok.chat_template = data.read_chat_template(chat_template)
     return tok
 
 

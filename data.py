@@ -4,7 +4,9 @@
 Anthropic HH format split into prompt and responses) and prompts; tokenised with the
 truncation rules every script shares, and batched in the layout of common.py.
 """
+import csv
 import hashlib
+import io
 import json
 import os
 
@@ -12,6 +14,8 @@ import common
 
 FILE_TYPES = (".jsonl", ".json", ".csv", ".parquet")
 HOLDOUT = 0.05  # share of a local file's prompts held out for evaluation when no --eval_dataset is given
+# the columns the scripts read: one of them that cannot be stored is an error, any other is left out
+COLUMNS = ("prompt", "completion", "chosen", "rejected", "messages", "reward_fn", "answer", "margin")
 
 
 def _decode(path, raw):
@@ -35,7 +39,8 @@ def _json_rows(path, text):
             raise ValueError(f"{path}: expected a JSON list of objects (one per row)")
         return rows
     rows = []
-    for n, line in enumerate(text.splitlines(), 1):
+    # not splitlines(): U+2028, U+2029 and U+0085 may sit inside a JSON string; CRLF's "\r" is JSON whitespace
+    for n, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:
@@ -48,42 +53,91 @@ def _json_rows(path, text):
     return rows
 
 
+def _csv_rows(path, text):
+    """The rows of a .csv file, every cell text exactly as written (pyarrow would read a column of
+    " 19" and "046" as the numbers 19 and 46), an empty cell None (missing), `margin` a float."""
+    reader = csv.reader(io.StringIO(text, newline=""))
+    header = next(reader, [])
+    rows = []
+    for n, cells in enumerate((c for c in reader if c), 1):  # blank lines skipped
+        if len(cells) != len(header):
+            raise ValueError(f"{path} row {n}: {len(cells)} fields, while the header names {len(header)}; quote "
+                             f"each field that holds a comma")
+        row = dict(zip(header, (v or None for v in cells)))  # an empty cell is a missing value
+        if row.get("margin") is not None:
+            try:
+                row["margin"] = float(row["margin"])
+            except ValueError:
+                raise ValueError(f"{path} row {n}: field 'margin' is {row['margin']!r}, not a number") from None
+        rows.append(row)
+    return rows
+
+
+def _arrow_column(values, column):
+    """values as one Arrow array; ValueError naming the first row (1-based) whose value cannot share
+    a type with the rows before it."""
+    import pyarrow
+
+    kinds = {type(v) for v in values if v is not None}
+    if len(kinds - {int, float}) + bool(kinds & {int, float}) > 1:  # ints and floats mix as floats
+        first = next(type(v) for v in values if v is not None)
+        i = next(i for i, v in enumerate(values) if v is not None and type(v) is not first
+                 and not {type(v), first} <= {int, float})
+        raise ValueError(f"row {i + 1}: field {column!r} is {type(values[i]).__name__}, while earlier rows hold "
+                         f"{first.__name__}")
+    try:
+        return pyarrow.array(values)
+    except (pyarrow.ArrowException, OverflowError) as e:  # nested values of different types
+        lo, hi = 1, len(values)  # the shortest prefix that fails ends at the row to name
+        while lo < hi:
+            mid = (lo + hi) // 2
+            try:
+                pyarrow.array(values[:mid])
+                lo = mid + 1
+            except (pyarrow.ArrowException, OverflowError):
+                hi = mid
+        raise ValueError(f"row {lo}: field {column!r} does not match the types of the rows before it ({e}); give "
+                         f"it the same structure in every row") from None
+
+
 def read_file(path):
     """A local .jsonl / .json / .csv / .parquet file as an in-memory `datasets.Dataset`: nothing
     is copied into the datasets cache (~/.cache/huggingface/datasets), which a
     `load_dataset("json", data_files=...)` would fill with an Arrow copy on every new file.
-    Every column any row has is kept (missing values are None, for the row checks to name)."""
+    Every column any row has is kept (missing values are None, for the row checks to name), but one
+    that no script reads (not in COLUMNS) and whose rows do not share one type is left out, with
+    a note. The file is checked before it is opened: a FIFO would block, and load_data reads it twice."""
     import datasets
 
     if os.path.isdir(path):
         raise ValueError(f"{path} is a directory; pass one data file ({', '.join(FILE_TYPES)})")
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise ValueError(f"{path} is not a regular file (a FIFO/device/socket); pass a data file")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"data file {path} does not exist")
+    if not path.endswith(FILE_TYPES):
+        raise ValueError(f"{path}: unknown file type; data files are {', '.join(FILE_TYPES)}")
     if os.path.getsize(path) == 0:
         raise ValueError(f"{path} is empty")
-    if path.endswith((".csv", ".parquet")):
-        import pyarrow.csv
+    if path.endswith(".parquet"):
         import pyarrow.parquet
 
         try:
-            table = pyarrow.csv.read_csv(path) if path.endswith(".csv") else pyarrow.parquet.read_table(path)
+            table = pyarrow.parquet.read_table(path)
         except Exception as e:  # pyarrow's messages do not name the file
-            raise ValueError(f"{path}: could not be read as {path.rsplit('.', 1)[1]}: {e}") from None
+            raise ValueError(f"{path}: could not be read as parquet: {e}") from None
         return datasets.Dataset.from_dict(table.to_pydict())
     with open(path, "rb") as f:
-        rows = _json_rows(path, _decode(path, f.read()))
-    columns = list(dict.fromkeys(k for r in rows for k in r))
+        text = _decode(path, f.read()).removeprefix("\ufeff")  # a byte-order mark (Excel) is no part of a name
+    rows = _csv_rows(path, text) if path.endswith(".csv") else _json_rows(path, text)
     data = {}
-    for c in columns:
-        values = [r.get(c) for r in rows]
-        kinds = {type(v) for v in values if v is not None}
-        if len(kinds - {int, float}) + bool(kinds & {int, float}) > 1:  # ints and floats mix as floats
-            first = next(type(v) for v in values if v is not None)
-            i = next(i for i, v in enumerate(values) if v is not None and type(v) is not first
-                     and not {type(v), first} <= {int, float})
-            raise ValueError(f"{path} row {i + 1}: field {c!r} is {type(values[i]).__name__}, while earlier rows "
-                             f"hold {first.__name__}")
-        data[c] = values
+    for c in dict.fromkeys(k for r in rows for k in r):
+        try:
+            data[c] = _arrow_column([r.get(c) for r in rows], c)
+        except ValueError as e:
+            if c in COLUMNS:
+                raise ValueError(f"{path} {e}") from None
+            common.print0(f"{path}: left out column {c!r}, which no script reads: {e}")
     return datasets.Dataset.from_dict(data)
 
 
@@ -123,9 +177,7 @@ def load_data(name, split, columns, kind=None, n=None, seed=0, holdout=False):
     if name in tasks.TASKS:
         split = "test" if split in ("test", "validation", "eval") else split
         ds = datasets.Dataset.from_list(tasks.task_rows(name, kind, n, seed=seed, split=split))
-    elif name.endswith(FILE_TYPES) or os.path.isfile(name):
-        if not name.endswith(FILE_TYPES):
-            raise ValueError(f"{name}: unknown file type; data files are {', '.join(FILE_TYPES)}")
+    elif name.endswith(FILE_TYPES) or (os.path.exists(name) and not os.path.isdir(name)):
         ds = read_file(name)
     elif common.looks_local(name) and not os.path.isdir(name):
         raise FileNotFoundError(f"{name}: no such file or folder (a local path, not a hub id)")
@@ -227,13 +279,20 @@ def render_chat(ds, tokenizer, source):
     if not tokenizer.chat_template:
         raise ValueError(f"{source}: conversational rows need a chat template, and this tokenizer has none: pass "
                          f"--chat_template FILE (a Jinja template), or give the rows as plain text")
-    template = lambda msgs, **kw: tokenizer.apply_chat_template(msgs, tokenize=False, **kw)  # noqa: E731
-    prompts = [template(list(p), add_generation_prompt=True) for p in ds["prompt"]]
+
+    def template(i, msgs, **kw):
+        try:
+            return tokenizer.apply_chat_template(msgs, tokenize=False, **kw)
+        except Exception as e:  # the template's own raise_exception("Conversation roles must alternate ...")
+            raise ValueError(f"{source} row {i + 1}: the chat template cannot render this row "
+                             f"({type(e).__name__}: {e})") from None
+
+    prompts = [template(i, list(p), add_generation_prompt=True) for i, p in enumerate(ds["prompt"])]
     out = {"prompt": prompts}
     for c in columns[1:]:
         texts = []
         for i, (p, p_text, msgs) in enumerate(zip(ds["prompt"], prompts, ds[c])):
-            full = template(list(p) + list(msgs))
+            full = template(i, list(p) + list(msgs))
             if not full.startswith(p_text):
                 raise ValueError(f"{source} row {i + 1}: the chat template renders the prompt differently once the "
                                  f"{c} follows it, so the {c} cannot be cut off as the text after the prompt")
@@ -241,6 +300,29 @@ def render_chat(ds, tokenizer, source):
         out[c] = texts
     other = {c: ds[c] for c in ds.column_names if c not in out}
     return datasets.Dataset.from_dict({**out, **other}), True
+
+
+def read_chat_template(path):
+    """The text of a --chat_template file, refused when it is missing, empty, or not a template
+    that transformers can compile (its own compiler: the sandbox, filters and tags it renders
+    with)."""
+    import jinja2
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    flag = f"--chat_template {path}"
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise ValueError(f"{flag} is not a regular file; pass a Jinja template file")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{flag}: no such file")
+    with open(path, "rb") as f:
+        text = _decode(flag, f.read())
+    if not text.strip():
+        raise ValueError(f"{flag} is empty; pass a file holding a Jinja chat template")
+    try:
+        _compile_jinja_template(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"{flag} line {e.lineno}: not a valid Jinja template ({e.message})") from None
+    return text
 
 
 HH_MARKER = "\n\nAssistant:"
@@ -284,9 +366,21 @@ def load_pairs(name, split, n=None, seed=0, holdout=False):
         prompt, chosen, rejected = map(list, zip(*triples))
         other = {c: ds[c] for c in ds.column_names if c not in ("chosen", "rejected")}
         ds = datasets.Dataset.from_dict({"prompt": prompt, "chosen": chosen, "rejected": rejected, **other})
+    if "margin" in ds.column_names:  # reward.py's per-pair margin: a number in every row
+        bad = next((i for i, m in enumerate(ds["margin"]) if isinstance(m, bool) or not isinstance(m, (int, float))), None)
+        if bad is not None:
+            raise ValueError(f"{name} row {bad + 1}: field 'margin' is {ds[bad]['margin']!r}, not a number")
     if holdout and os.path.isfile(name):
         ds = hold_out(ds, name, split)
     return ds
+
+
+def check_tokenizer(tokenizer, name):
+    """Refuse a tokenizer without an EOS token, right after loading: every response ends with one
+    (and padding uses it when there is no pad token)."""
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"{name}: its tokenizer has no EOS token (eos_token is None): responses could not end. "
+                         f"Set eos_token in its tokenizer_config.json, or use a checkpoint whose tokenizer has one")
 
 
 def added_tokens(tokenizer):

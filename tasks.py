@@ -42,6 +42,16 @@ _PROMPT_RE = re.compile(r"sort((?: \d){3,8}) =")
 # -----------------------------------------------------------------------------
 # prompts, answers, rewards
 
+def prompt_text(prompt):
+    """A row's prompt as the rules read it: the text, or of a conversation (a list of messages, as
+    TRL passes it) the content of its last "user" message."""
+    if isinstance(prompt, str):
+        return prompt
+    users = [m["content"] for m in prompt if m.get("role") == "user"]
+    if not users:
+        raise ValueError('a conversation without a "user" message')
+    return users[-1]
+
 def parse_prompt(prompt):
     m = _PROMPT_RE.fullmatch(prompt)
     if m is None:
@@ -56,7 +66,7 @@ def target_completion(prompt):
 
 def sort_reward(prompt, completion, answer=None):
     """Share of positions holding the right digit; the max() punishes both missing and extra items."""
-    target = [str(d) for d in sorted(parse_prompt(prompt))]
+    target = [str(d) for d in sorted(parse_prompt(prompt_text(prompt)))]
     items = completion.split()
     if not items:
         return 0.0
@@ -65,7 +75,7 @@ def sort_reward(prompt, completion, answer=None):
 
 def format_reward(prompt, completion, answer=None):
     """1.0 for the right shape (" d d d", one digit per prompt digit), whatever the order."""
-    n = len(parse_prompt(prompt))
+    n = len(parse_prompt(prompt_text(prompt)))
     return float(re.fullmatch(r"(?: \d)*", completion) is not None and len(completion) == 2 * n)
 
 def digits_reward(prompt, completion, answer=None):
@@ -95,11 +105,19 @@ def final_answer(text):
     return float(numbers[-1].replace(",", "")) if numbers else None
 
 
+def reference_number(answer):
+    """The number a row's reference `answer` holds: a JSON number (not a bool) as it is, the
+    final answer of a text; None when there is none."""
+    if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+        return float(answer) if math.isfinite(answer) else None
+    return final_answer(answer) if isinstance(answer, str) else None
+
+
 def math_reward(prompt, completion, answer=None):
     """1.0 when the completion's final answer equals the row's reference `answer` numerically
-    (GSM8K's "... #### 72" or a bare number), else 0.0: the correctness reward of verifiable-
-    reward RL (DeepSeek-R1, arXiv:2501.12948; TRL's accuracy_reward)."""
-    want, got = final_answer(answer or ""), final_answer(completion)
+    (GSM8K's "... #### 72", a bare number, or a JSON number), else 0.0: the correctness reward of
+    verifiable-reward RL (DeepSeek-R1, arXiv:2501.12948; TRL's accuracy_reward)."""
+    want, got = reference_number(answer), final_answer(completion)
     return float(want is not None and got is not None and abs(want - got) <= 1e-6 * max(1.0, abs(want)))
 
 
@@ -128,19 +146,19 @@ NEEDS_ANSWER = ("math",)
 
 def check_rule_rows(reward_fns, prompts, source, answers=None):
     """Every row's rule exists and can score its row, checked when the data is loaded: a bad row
-    found at step 2 would have cost a run. The sort rules parse the prompt; `math` needs an
-    `answer` with a number in it."""
+    found at step 2 would have cost a run. The sort rules parse the prompt (of a conversation, its
+    last user message); `math` needs an `answer` that is or holds a number."""
     for i, (fn, prompt) in enumerate(zip(reward_fns, prompts)):
         if fn not in REWARD_FNS:
             raise ValueError(f"{source} row {i + 1}: reward_fn {fn!r} is not one of {sorted(REWARD_FNS)}")
         if fn in NEEDS_SORT_PROMPT:
             try:
-                parse_prompt(prompt)
+                parse_prompt(prompt_text(prompt))
             except ValueError as e:
                 raise ValueError(f"{source} row {i + 1}: reward_fn {fn!r} cannot score this prompt ({e})") from None
         if fn in NEEDS_ANSWER:
             answer = answers[i] if answers is not None else None
-            if not isinstance(answer, str) or final_answer(answer) is None:
+            if reference_number(answer) is None:
                 what = "has no `answer` column" if answers is None else f"has no number in its answer {answer!r}"
                 raise ValueError(f"{source} row {i + 1}: reward_fn {fn!r} {what}")
 

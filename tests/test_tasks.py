@@ -234,6 +234,19 @@ def test_rule_rows_are_checked_naming_the_row():
         tasks.check_rule_rows(["sort"] * 3, ["sort 3 1 2 =", "sort 4 1 2 =", "write a poem"], "p.jsonl")
 
 
+def test_rules_read_a_conversational_prompt_as_its_last_user_message():
+    """TRL passes a reward function the row's own prompt: a string, or the list of messages."""
+    conv = [{"role": "system", "content": "Sort the digits."}, {"role": "user", "content": "sort 1 2 3 ="},
+            {"role": "assistant", "content": " 1 2 3"}, {"role": "user", "content": "sort 4 8 5 ="}]
+    assert sort_reward(conv, " 4 5 8") == 1.0 and sort_reward(conv, " 4 8 5") == 1 / 3
+    assert format_reward(conv, " 8 5 4") == 1.0 and format_reward(conv, " 4 5") == 0.0
+    tasks.check_rule_rows(["sort", "sort_format"], [conv, conv[:2]], "p.jsonl")
+    no_user = [{"role": "system", "content": "sort 4 8 5 ="}]
+    with pytest.raises(ValueError, match=r"p.jsonl row 2: reward_fn 'sort_format' cannot score this prompt "
+                                         r"\(a conversation without a \"user\" message\)"):
+        tasks.check_rule_rows(["sort", "sort_format"], [conv, no_user], "p.jsonl")
+
+
 @pytest.mark.parametrize("completion, answer, reward", [
     ("She has 3 + 4 = 7 apples.\n#### 7", "Natalia sold 48/2 = 24 clips.\n#### 7", 1.0),
     ("The answer is \\boxed{1,234}.", "#### 1234", 1.0),
@@ -268,6 +281,17 @@ def test_math_rows_need_an_answer_with_a_number():
         tasks.check_rule_rows(["math"], ["q1"], "m.jsonl")
     with pytest.raises(ValueError, match=r"m.jsonl row 2: reward_fn 'math' has no number in its answer 'none'"):
         tasks.check_rule_rows(["math", "math"], ["q1", "q2"], "m.jsonl", ["#### 4", "none"])
+
+
+def test_a_numeric_answer_is_a_number():
+    """`"answer": 1` in a JSON file is read as the number it is; a bool is not a number."""
+    tasks.check_rule_rows(["math"] * 3, ["q1", "q2", "q3"], "m.jsonl", [1, 2.5, 0])
+    assert tasks.math_reward("q", "It is 1.", 1) == 1.0 and tasks.math_reward("q", "It is 2.", 1) == 0.0
+    assert tasks.math_reward("q", "so 2.50", 2.5) == 1.0 and tasks.math_reward("q", "0", 0) == 1.0
+    for bad in (True, float("nan"), [1]):
+        with pytest.raises(ValueError, match=r"m.jsonl row 2: reward_fn 'math' has no number in its answer"):
+            tasks.check_rule_rows(["math", "math"], ["q1", "q2"], "m.jsonl", [1, bad])
+        assert tasks.math_reward("q", "1", bad) == 0.0
 
 
 # -----------------------------------------------------------------------------
