@@ -11,6 +11,7 @@ import json
 import os
 
 import common
+import run
 
 FILE_TYPES = (".jsonl", ".json", ".csv", ".parquet")
 HOLDOUT = 0.05  # share of a local file's prompts held out for evaluation when no --eval_dataset is given
@@ -179,7 +180,7 @@ def load_data(name, split, columns, kind=None, n=None, seed=0, holdout=False):
         ds = datasets.Dataset.from_list(tasks.task_rows(name, kind, n, seed=seed, split=split))
     elif name.endswith(FILE_TYPES) or (os.path.exists(name) and not os.path.isdir(name)):
         ds = read_file(name)
-    elif common.looks_local(name) and not os.path.isdir(name):
+    elif run.looks_local(name) and not os.path.isdir(name):
         raise FileNotFoundError(f"{name}: no such file or folder (a local path, not a hub id)")
     else:  # a hub id, or a local dataset folder with its own split files
         try:

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 import common
+import run
 import data
 import sampling
 import tasks
@@ -221,7 +222,7 @@ def all_pair_logps(model, pairs, pad_id, d, batch_size):
 
 def main(cfg):
     # 0. setup and checks that fail fast
-    common.check_ranges(cfg)  # every numeric flag within the range its --help states
+    run.check_ranges(cfg)  # every numeric flag within the range its --help states
     d = common.setup_distributed(hsdp=cfg.hsdp)
     common.set_seed(cfg.seed)
     if cfg.batch_size % (d.world_size * cfg.grad_accum):
@@ -236,8 +237,8 @@ def main(cfg):
     micro = cfg.batch_size // (d.world_size * cfg.grad_accum)
     # the data first: a bad file or row stops the run before out_dir or any model is touched
     train, test = data.load_preferences(cfg)
-    common.check_model_paths(cfg, "model", "ref_model")
-    resume_from = common.prepare_out_dir(cfg, d)
+    run.check_model_paths(cfg, "model", "ref_model")
+    resume_from = run.prepare_out_dir(cfg, d)
     tokenizer = common.load_tokenizer(resume_from or cfg.model, cfg.trust_remote_code, cfg.chat_template)
     pad_id = tokenizer.pad_token_id
 
@@ -275,14 +276,14 @@ def main(cfg):
     n_params = sum(p.numel() for p in model.parameters())
     optimizer, scheduler = common.make_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps,
                                                  cfg.steps)
-    logger = common.Logger(cfg.out_dir, cfg, d, use_wandb=cfg.wandb, project="rlhf-dpo")
+    logger = run.Logger(cfg.out_dir, cfg, d, use_wandb=cfg.wandb, project="rlhf-dpo")
     common.print0(f"dpo: {n_params / 1e6:.2f}M parameters, {len(train)} train pairs, {len(test)} eval pairs, "
                   f"world size {d.world_size}{d.layout}, micro-batch {micro} pairs x {cfg.grad_accum} accumulation, "
                   f"{'no' if cfg.loss_type == 'simpo' else 'precomputed' if cfg.precompute_ref else 'live'} reference")
     order = common.DataOrder(len(train), cfg.seed)
     start, last_ckpt = 1, None
     if resume_from:
-        start = common.load_training_state(resume_from, model, optimizer, scheduler, order, d) + 1
+        start = run.load_training_state(resume_from, model, optimizer, scheduler, order, d) + 1
         last_ckpt = resume_from
 
     def evaluate():
@@ -330,19 +331,19 @@ def main(cfg):
         # 5. metrics (one all-reduce), eval, log
         metrics = common.reduce_metrics(sums, d, same={"grad_norm": grad_norm})
         metrics |= {"lr": lr, "time/step": time.time() - t0}
-        common.check_finite(step, metrics, ["loss"], last_ckpt)
+        run.check_finite(step, metrics, ["loss"], last_ckpt)
         if step % cfg.eval_every == 0 or step == cfg.steps:
             metrics |= evaluate()
         logger.log(step, metrics)
         if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
-            last_ckpt = common.save_checkpoint(model, tokenizer, cfg.out_dir, d, optimizer, scheduler, step,
-                                                   order, cfg, common.export_dtype(cfg))
+            last_ckpt = run.save_checkpoint(model, tokenizer, cfg.out_dir, d, optimizer, scheduler, step,
+                                                   order, cfg, run.export_dtype(cfg))
 
-    path = common.save_checkpoint(model, tokenizer, cfg.out_dir, d, dtype=common.export_dtype(cfg))
+    path = run.save_checkpoint(model, tokenizer, cfg.out_dir, d, dtype=run.export_dtype(cfg))
     common.print0(f"saved {path} ({time.time() - t_start:.0f}s)")
     logger.close()
-    common.cleanup_distributed()
+    run.release()
 
 
 if __name__ == "__main__":
-    common.run(main, Config)
+    run.script(main, Config)

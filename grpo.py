@@ -67,6 +67,7 @@ from dataclasses import dataclass
 import torch
 
 import common
+import run
 import data
 import sampling
 import tasks
@@ -708,7 +709,7 @@ def phase_peak_memory(d):
 
 def check_config(cfg, d):
     """Batch arithmetic and flag combinations, with messages that say what to change (the range of
-    each flag alone: common.check_ranges)."""
+    each flag alone: run.check_ranges)."""
     checks = [
         (cfg.prompts_per_step % d.world_size == 0,
          f"--prompts_per_step {cfg.prompts_per_step} must be divisible by world size {d.world_size} (groups stay on one rank)"),
@@ -752,7 +753,7 @@ def check_config(cfg, d):
 
 def main(cfg):
     # 0. setup: policy, reference, optional reward model, data
-    common.check_ranges(cfg)  # every numeric flag within the range its --help states
+    run.check_ranges(cfg)  # every numeric flag within the range its --help states
     d = common.setup_distributed(hsdp=cfg.hsdp)
     check_config(cfg, d)
     common.set_seed(cfg.seed)
@@ -772,8 +773,8 @@ def main(cfg):
         pairs = data.load_pairs(cfg.eval_pairs or cfg.dataset, cfg.eval_pairs_split if cfg.eval_pairs else "test",
                                 cfg.n_eval_pairs, cfg.seed)
         pairs = pairs.select(range(min(cfg.n_eval_pairs, len(pairs))))
-    common.check_model_paths(cfg, "model", "reward_model")
-    resume_from = common.prepare_out_dir(cfg, d)
+    run.check_model_paths(cfg, "model", "reward_model")
+    resume_from = run.prepare_out_dir(cfg, d)
     tokenizer = common.load_tokenizer(resume_from or cfg.model, cfg.trust_remote_code, cfg.chat_template)
     model = common.load_model(resume_from or cfg.model, tokenizer, trust_remote_code=cfg.trust_remote_code, d=d)
     common.check_context(model, cfg.max_prompt_len, cfg.max_new_tokens, "--max_new_tokens")
@@ -827,7 +828,7 @@ def main(cfg):
     n_updates = cfg.num_iterations * cfg.num_mini_batches  # optimizer steps per rollout
     optimizer, scheduler = common.make_optimizer(params, cfg.lr, cfg.weight_decay, cfg.warmup_steps,
                                                  cfg.steps * n_updates)
-    logger = common.Logger(cfg.out_dir, cfg, d, use_wandb=cfg.wandb, project="rlhf-grpo",
+    logger = run.Logger(cfg.out_dir, cfg, d, use_wandb=cfg.wandb, project="rlhf-grpo",
                            show=["reward", "kl", "clip_ratio/low", "clip_ratio/high", "completions/mean_length",
                                  "eval/exact_match", "eval/gold_reward", "eval/accuracy", "time/step"])
     n_local = cfg.prompts_per_step // d.world_size  # prompts on this rank per rollout
@@ -842,7 +843,7 @@ def main(cfg):
     order = common.DataOrder(len(train), cfg.seed)
     start, last_ckpt = 1, None
     if resume_from:
-        start = common.load_training_state(resume_from, model, optimizer, scheduler, order, d) + 1
+        start = run.load_training_state(resume_from, model, optimizer, scheduler, order, d) + 1
         last_ckpt = resume_from
 
     def evaluate():
@@ -1040,22 +1041,22 @@ def main(cfg):
             peak_gib = max(peak_gib, stats["mem/rollout_gib"], stats["mem/update_gib"])
             metrics |= {"mem/rollout_gib": stats["mem/rollout_gib"], "mem/update_gib": stats["mem/update_gib"],
                         "mem/peak_gib": peak_gib}
-        common.check_finite(step, metrics, ["loss", "kl", "grad_norm"], last_ckpt)
+        run.check_finite(step, metrics, ["loss", "kl", "grad_norm"], last_ckpt)
         metrics["time/step"] = time.time() - t0  # training only: evaluation is not part of a step
         if step % cfg.eval_every == 0 or step == cfg.steps:
             metrics |= evaluate()
         logger.log(step, metrics)
         if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
-            last_ckpt = common.save_checkpoint(model, tokenizer, cfg.out_dir, d, optimizer, scheduler, step,
-                                                   order, cfg, common.export_dtype(cfg))
+            last_ckpt = run.save_checkpoint(model, tokenizer, cfg.out_dir, d, optimizer, scheduler, step,
+                                                   order, cfg, run.export_dtype(cfg))
 
     if cfg.lora:  # fold the adapters into the weights so the checkpoint loads with AutoModelForCausalLM
         model = model.merge_and_unload()
-    path = common.save_checkpoint(model, tokenizer, cfg.out_dir, d, dtype=common.export_dtype(cfg))
+    path = run.save_checkpoint(model, tokenizer, cfg.out_dir, d, dtype=run.export_dtype(cfg))
     common.print0(f"saved {path}")
     logger.close()
-    common.cleanup_distributed()
+    run.release()
 
 
 if __name__ == "__main__":
-    common.run(main, Config)
+    run.script(main, Config)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 import common
+import run
 import sampling
 import tasks
 
@@ -188,7 +189,7 @@ def state_of(out_dir):
     first checkpoint, the old run aside in .replaced/) or 'new'."""
     if os.path.isdir(os.path.join(out_dir, ".replaced")):
         return "replacing"
-    ckpt = common.resolve_checkpoint(out_dir)
+    ckpt = run.resolve_checkpoint(out_dir)
     if not os.path.isfile(os.path.join(ckpt, "config.json")):
         return "new"
     return "interrupted" if os.path.isfile(os.path.join(ckpt, "training_state.pt")) else "done"
@@ -617,7 +618,7 @@ def real_results(cfg, times):
 def run_real(cfg):
     """--smollm2: the real-model pipeline, its table, plot and examples (RUNS/smollm2/)."""
     try:
-        common.gguf_file(REAL)  # the package and its reader are there, or the pip line to get them
+        run.gguf_file(REAL)  # the package and its reader are there, or the pip line to get them
     except (FileNotFoundError, ModuleNotFoundError) as e:
         raise SystemExit(f"--smollm2: {e}") from None
     os.makedirs(real_dir(cfg.runs), exist_ok=True)
@@ -639,7 +640,7 @@ def run_real(cfg):
 
 
 def main(cfg):
-    common.check_ranges(cfg)
+    run.check_ranges(cfg)
     overopt_betas(cfg)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so that the running stage is ended
     if cfg.smollm2:
@@ -691,4 +692,4 @@ def main(cfg):
 
 
 if __name__ == "__main__":
-    main(common.parse_config(Config))
+    main(run.parse_config(Config))

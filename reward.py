@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 import common
+import run
 import data
 import sampling
 import tasks
@@ -187,7 +188,7 @@ def normalization(model, tokenizer, cfg, prompts, d):
 
 def main(cfg):
     # 0. setup: the same seed on every rank so every rank builds the same score head
-    common.check_ranges(cfg)  # every numeric flag within the range its --help states
+    run.check_ranges(cfg)  # every numeric flag within the range its --help states
     d = common.setup_distributed(hsdp=cfg.hsdp)
     common.set_seed(cfg.seed)
     if cfg.batch_size % (d.world_size * cfg.grad_accum):
@@ -196,8 +197,8 @@ def main(cfg):
     micro = cfg.batch_size // (d.world_size * cfg.grad_accum)
     # the data first: a bad file or row stops the run before out_dir or any model is touched
     train, test = data.load_preferences(cfg)
-    common.check_model_paths(cfg, "model", "normalize_policy")
-    resume_from = common.prepare_out_dir(cfg, d)
+    run.check_model_paths(cfg, "model", "normalize_policy")
+    resume_from = run.prepare_out_dir(cfg, d)
     tokenizer = common.load_tokenizer(resume_from or cfg.model, cfg.trust_remote_code, cfg.chat_template)
     model = common.load_model(resume_from or cfg.model, tokenizer, kind="new_reward",
                               trust_remote_code=cfg.trust_remote_code, d=d)
@@ -213,13 +214,13 @@ def main(cfg):
 
     optimizer, scheduler = common.make_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps,
                                                  cfg.steps)
-    logger = common.Logger(cfg.out_dir, cfg, d, use_wandb=cfg.wandb, project="rlhf-rm")
+    logger = run.Logger(cfg.out_dir, cfg, d, use_wandb=cfg.wandb, project="rlhf-rm")
     common.print0(f"reward: {n_params / 1e6:.2f}M parameters, {len(train)} train pairs, {len(test)} eval pairs, "
                   f"world size {d.world_size}{d.layout}, micro-batch {micro} pairs x {cfg.grad_accum} accumulation")
     order = common.DataOrder(len(train), cfg.seed)
     start, last_ckpt = 1, None
     if resume_from:
-        start = common.load_training_state(resume_from, model, optimizer, scheduler, order, d) + 1
+        start = run.load_training_state(resume_from, model, optimizer, scheduler, order, d) + 1
         last_ckpt = resume_from
 
     def evaluate():
@@ -269,21 +270,21 @@ def main(cfg):
         # 4. metrics (one all-reduce), eval, log
         metrics = common.reduce_metrics(sums, d, same={"grad_norm": grad_norm})
         metrics |= {"lr": lr, "time/step": time.time() - t0}
-        common.check_finite(step, metrics, ["loss"], last_ckpt)
+        run.check_finite(step, metrics, ["loss"], last_ckpt)
         if step % cfg.eval_every == 0 or step == cfg.steps:
             metrics |= evaluate()
         if step == cfg.steps and cfg.normalize:  # 5. after training: its figures join the last step's row
             metrics |= normalize()
         logger.log(step, metrics)
         if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
-            last_ckpt = common.save_checkpoint(model, tokenizer, cfg.out_dir, d, optimizer, scheduler, step,
-                                                   order, cfg, common.export_dtype(cfg))
+            last_ckpt = run.save_checkpoint(model, tokenizer, cfg.out_dir, d, optimizer, scheduler, step,
+                                                   order, cfg, run.export_dtype(cfg))
 
-    path = common.save_checkpoint(model, tokenizer, cfg.out_dir, d, dtype=common.export_dtype(cfg))
+    path = run.save_checkpoint(model, tokenizer, cfg.out_dir, d, dtype=run.export_dtype(cfg))
     common.print0(f"saved {path} ({time.time() - t_start:.0f}s)")
     logger.close()
-    common.cleanup_distributed()
+    run.release()
 
 
 if __name__ == "__main__":
-    common.run(main, Config)
+    run.script(main, Config)

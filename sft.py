@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 import common
+import run
 import data
 import sampling
 import tasks
@@ -152,7 +153,7 @@ def eval_loss(model, prompts, completions, pad_id, d, batch_size):
 
 def main(cfg):
     # 0. setup: the same seed on every rank so every rank builds the same initial weights
-    common.check_ranges(cfg)  # every numeric flag within the range its --help states
+    run.check_ranges(cfg)  # every numeric flag within the range its --help states
     d = common.setup_distributed(hsdp=cfg.hsdp)
     common.set_seed(cfg.seed)
     if cfg.batch_size % (d.world_size * cfg.grad_accum):
@@ -165,8 +166,8 @@ def main(cfg):
     train = data.load_data(cfg.dataset, "train", columns, kind="sft", n=cfg.n_train, seed=cfg.seed, holdout=split)
     test = data.load_data(cfg.eval_dataset or cfg.dataset, cfg.eval_split, columns, kind="sft", n=cfg.n_eval,
                           seed=cfg.seed, holdout=split)
-    common.check_model_paths(cfg, "model")
-    resume_from = common.prepare_out_dir(cfg, d)
+    run.check_model_paths(cfg, "model")
+    resume_from = run.prepare_out_dir(cfg, d)
     tokenizer = common.load_tokenizer(resume_from or cfg.model, cfg.trust_remote_code, cfg.chat_template)
     model = common.load_model(resume_from or cfg.model, tokenizer, trust_remote_code=cfg.trust_remote_code, d=d)
     common.check_context(model, cfg.max_prompt_len, cfg.max_response_len)
@@ -182,13 +183,13 @@ def main(cfg):
 
     optimizer, scheduler = common.make_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps,
                                                  cfg.steps)
-    logger = common.Logger(cfg.out_dir, cfg, d, use_wandb=cfg.wandb, project="rlhf-sft")
+    logger = run.Logger(cfg.out_dir, cfg, d, use_wandb=cfg.wandb, project="rlhf-sft")
     common.print0(f"sft: {n_params / 1e6:.2f}M parameters, {len(train)} train rows, world size {d.world_size}{d.layout}, "
                   f"micro-batch {micro} x {cfg.grad_accum} accumulation")
     order = common.DataOrder(len(train_p), cfg.seed)
     start, last_ckpt = 1, None
     if resume_from:
-        start = common.load_training_state(resume_from, model, optimizer, scheduler, order, d) + 1
+        start = run.load_training_state(resume_from, model, optimizer, scheduler, order, d) + 1
         last_ckpt = resume_from
 
     def evaluate():
@@ -228,19 +229,19 @@ def main(cfg):
         # 4. metrics (one all-reduce), eval, log
         metrics = common.reduce_metrics(sums, d, same={"grad_norm": grad_norm})
         metrics |= {"lr": lr, "tokens": n_tokens, "time/step": time.time() - t0}
-        common.check_finite(step, metrics, ["loss"], last_ckpt)
+        run.check_finite(step, metrics, ["loss"], last_ckpt)
         if step % cfg.eval_every == 0 or step == cfg.steps:
             metrics |= evaluate()
         logger.log(step, metrics)
         if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
-            last_ckpt = common.save_checkpoint(model, tokenizer, cfg.out_dir, d, optimizer, scheduler, step,
-                                                   order, cfg, common.export_dtype(cfg))
+            last_ckpt = run.save_checkpoint(model, tokenizer, cfg.out_dir, d, optimizer, scheduler, step,
+                                                   order, cfg, run.export_dtype(cfg))
 
-    path = common.save_checkpoint(model, tokenizer, cfg.out_dir, d, dtype=common.export_dtype(cfg))
+    path = run.save_checkpoint(model, tokenizer, cfg.out_dir, d, dtype=run.export_dtype(cfg))
     common.print0(f"saved {path}")
     logger.close()
-    common.cleanup_distributed()
+    run.release()
 
 
 if __name__ == "__main__":
-    common.run(main, Config)
+    run.script(main, Config)

@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
+import run
 import sampling  # noqa: E402
 from bench import util  # noqa: E402
 
@@ -76,7 +77,7 @@ def child(args):
         del model
     if d.is_main:
         print(json.dumps({"world_size": d.world_size, "cases": cases}))
-    common.cleanup_distributed()
+    run.release()
 
 
 def title(args, threads, device):

@@ -46,6 +46,8 @@ def worker(mode, folder, out):
 
     import common
 
+    import run
+
     d = common.setup_distributed()
     torch.manual_seed(0)
 
@@ -64,11 +66,11 @@ def worker(mode, folder, out):
     order = common.DataOrder(8, 0)
     reset_peak()
     if mode == "rank0":
-        common.save_checkpoint(model, tok, out, d, optimizer, scheduler, 1, order)
+        run.save_checkpoint(model, tok, out, d, optimizer, scheduler, 1, order)
     else:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        common.save_checkpoint(model, tok, out, d)  # the export, as before: gathered to rank 0
+        run.save_checkpoint(model, tok, out, d)  # the export, as before: gathered to rank 0
         full = get_optimizer_state_dict(model, optimizer,
                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if d.is_main:
@@ -78,7 +80,7 @@ def worker(mode, folder, out):
     report("save")
     reset_peak()
     if mode == "rank0":
-        common.load_training_state(os.path.join(out, "checkpoint"), model, optimizer, scheduler, order, d)
+        run.load_training_state(os.path.join(out, "checkpoint"), model, optimizer, scheduler, order, d)
     else:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
@@ -88,7 +90,7 @@ def worker(mode, folder, out):
     report("resume")
     del model, optimizer
     dist.barrier()
-    common.cleanup_distributed()
+    run.release()
 
 
 def build(folder, layers, width, heads):
@@ -96,6 +98,7 @@ def build(folder, layers, width, heads):
     from transformers import AutoModelForCausalLM, GPT2Config
 
     import common
+
 
     if os.path.isfile(os.path.join(folder, "model.safetensors")):
         return

@@ -7,6 +7,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import common  # noqa: E402
+import run
 
 
 def out_dir_seen_differently(base):
@@ -23,19 +24,19 @@ def out_dir_seen_differently(base):
             with open(os.path.join(ckpt, name), "w") as f:
                 f.write(text)
     try:
-        common.prepare_out_dir(sft.Config(out_dir=out, resume=True), d)
+        run.prepare_out_dir(sft.Config(out_dir=out, resume=True), d)
     except RuntimeError as e:
         print(f"rank {d.rank} stopped: {e}", flush=True)
-        common.cleanup_distributed()
+        run.release()
         sys.exit(3)
-    common.cleanup_distributed()
+    run.release()
 
 
 def loaded_from_rank0(*folders):
     """loaded_from_one(folder) for each folder, in one process group."""
     for folder in folders:
         loaded_from_one(folder)
-    common.cleanup_distributed()
+    run.release()
 
 
 def loaded_from_one(folder):
@@ -52,7 +53,7 @@ def loaded_from_one(folder):
     on_meta = all(p.is_meta for p in model.parameters())
     assert on_meta == (d.rank != 0), (d.rank, on_meta)
     model = common.shard_model(model.eval(), d)
-    state = common.full_state_dict(model, d)  # rank 0's; empty elsewhere
+    state = run.full_state_dict(model, d)  # rank 0's; empty elsewhere
     if d.is_main:
         want = load_file(os.path.join(folder, "model.safetensors"))
         assert want.keys() == state.keys(), sorted(want.keys() ^ state.keys())

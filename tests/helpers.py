@@ -59,7 +59,7 @@ def run_script(args, nproc=1, timeout=300, env=SUBPROCESS_ENV):
 
 def run_here(args):
     """`python SCRIPT ARGS` run in this process, as run_script returns it: the script's
-    `common.run(main, Config)` under sys.argv = [SCRIPT, *ARGS], from ROOT, on one torch thread,
+    `run.script(main, Config)` under sys.argv = [SCRIPT, *ARGS], from ROOT, on one torch thread,
     with its stdout and stderr captured; returncode 0, a SystemExit's code, or 1 with the
     traceback on stderr. It saves the 6-8 s a new interpreter spends importing torch and
     transformers. What only a process of its own shows (a kill, a signal, torchrun's ranks, an
@@ -71,7 +71,8 @@ def run_here(args):
 
     import torch
 
-    import common
+
+    import run
 
     script, *rest = args
     module = importlib.import_module(os.path.splitext(os.path.basename(script))[0])
@@ -83,7 +84,7 @@ def run_here(args):
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
-                common.run(module.main, module.Config)
+                run.script(module.main, module.Config)
             except SystemExit as e:  # argparse's errors, Ctrl-C's 130
                 code = e.code if isinstance(e.code, int) else int(e.code is not None)
                 if isinstance(e.code, str):
@@ -92,7 +93,7 @@ def run_here(args):
                 traceback.print_exc()
                 code = 1
             finally:
-                common.cleanup_distributed()  # the process group and the out_dir lock of the run
+                run.release()  # the process group and the out_dir lock of the run
     finally:
         sys.argv = argv
         os.chdir(cwd)

@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common
+import run
 import data
 import dpo
 import sampling
@@ -41,27 +42,27 @@ class _Cfg:
 
 
 def test_parse_config_defaults_and_forms():
-    assert common.parse_config(_Cfg, []) == _Cfg()
-    assert common.parse_config(_Cfg, ["--lr", "1e-6"]).lr == 1e-6
-    assert common.parse_config(_Cfg, ["--lr=2e-6", "--steps=3"]) == _Cfg(lr=2e-6, steps=3)
-    assert common.parse_config(_Cfg, ["--no-flag"]).flag is False
-    assert common.parse_config(_Cfg, ["--no-flag", "--flag"]).flag is True
-    assert common.parse_config(_Cfg, ["--maybe", "x.jsonl"]).maybe == "x.jsonl"
-    assert common.parse_config(_Cfg, ["--maybe", "none"]).maybe is None
+    assert run.parse_config(_Cfg, []) == _Cfg()
+    assert run.parse_config(_Cfg, ["--lr", "1e-6"]).lr == 1e-6
+    assert run.parse_config(_Cfg, ["--lr=2e-6", "--steps=3"]) == _Cfg(lr=2e-6, steps=3)
+    assert run.parse_config(_Cfg, ["--no-flag"]).flag is False
+    assert run.parse_config(_Cfg, ["--no-flag", "--flag"]).flag is True
+    assert run.parse_config(_Cfg, ["--maybe", "x.jsonl"]).maybe == "x.jsonl"
+    assert run.parse_config(_Cfg, ["--maybe", "none"]).maybe is None
 
 
 @pytest.mark.parametrize("argv, named", [(["--lrr", "1"], "--lrr"), (["--steps", "ten"], "--steps"),
                                          (["--lr"], "--lr"), (["--l", "1"], "--l")])
 def test_parse_config_errors_name_the_flag(argv, named, capsys):
     with pytest.raises(SystemExit) as e:
-        common.parse_config(_Cfg, argv)
+        run.parse_config(_Cfg, argv)
     assert e.value.code == 2
     assert named in capsys.readouterr().err
 
 
 def test_parse_config_help_comes_from_field_docs(capsys):
     with pytest.raises(SystemExit):
-        common.parse_config(_Cfg, ["--help"])
+        run.parse_config(_Cfg, ["--help"])
     out = capsys.readouterr().out
     assert "peak learning rate" in out and "an optional path" in out and "--no-flag" in out
 
@@ -228,14 +229,14 @@ def test_tokenizer_that_does_not_match_the_model_is_refused(tmp_path):
 def test_save_checkpoint_replaces_atomically_and_loads(tmp_path, tiny):
     model, tok = tiny
     d = common.Dist()
-    common.save_checkpoint(model, tok, tmp_path, d)
+    run.save_checkpoint(model, tok, tmp_path, d)
     with torch.no_grad():
         model.transformer.ln_f.bias.add_(1.0)
-    path = common.save_checkpoint(model, tok, tmp_path, d)
+    path = run.save_checkpoint(model, tok, tmp_path, d)
     assert sorted(os.listdir(tmp_path)) == ["checkpoint"]  # no .tmp / .old left behind
     loaded = AutoModelForCausalLM.from_pretrained(path)
     torch.testing.assert_close(loaded.transformer.ln_f.bias, model.transformer.ln_f.bias)
-    assert common.resolve_checkpoint(str(tmp_path)) == path
+    assert run.resolve_checkpoint(str(tmp_path)) == path
     with torch.no_grad():
         model.transformer.ln_f.bias.sub_(1.0)
 
@@ -520,7 +521,7 @@ def _numeric_fields():
 
 def test_every_numeric_flag_states_its_range():
     missing = [f"{name}.py --{field}" for name, cls, field in _numeric_fields()
-               if common.field_range(common._field_docs(cls)[field]) is None]
+               if run.field_range(run._field_docs(cls)[field]) is None]
     assert not missing, missing
 
 
@@ -538,19 +539,19 @@ def _outside_and_inside(text):
 
 @pytest.mark.parametrize("name, cls, field", list(_numeric_fields()), ids=lambda x: x if isinstance(x, str) else "")
 def test_each_flag_range_is_enforced(name, cls, field):
-    text, _ = common.field_range(common._field_docs(cls)[field])
-    assert f"{text}" in common._field_docs(cls)[field]  # what --help shows
+    text, _ = run.field_range(run._field_docs(cls)[field])
+    assert f"{text}" in run._field_docs(cls)[field]  # what --help shows
     outside, inside = _outside_and_inside(text)
     tp = typing.get_type_hints(cls)[field]
     for v in outside:
         if tp is int and v != int(v):
             continue
         with pytest.raises(ValueError, match=rf"--{field} \S+ is out of range {re.escape(text)}"):
-            common.check_ranges(dataclasses.replace(cls(), **{field: tp(v)}))
+            run.check_ranges(dataclasses.replace(cls(), **{field: tp(v)}))
     for v in inside:
         if tp is int and v != int(v):
             continue
-        common.check_ranges(dataclasses.replace(cls(), **{field: tp(v)}))  # no error
+        run.check_ranges(dataclasses.replace(cls(), **{field: tp(v)}))  # no error
 
 
 @pytest.mark.parametrize("script, argv", [
@@ -564,9 +565,9 @@ def test_degenerate_values_are_refused_naming_the_flag(script, argv):
     import importlib
 
     module = importlib.import_module(script)
-    cfg = common.parse_config(module.Config, argv)
+    cfg = run.parse_config(module.Config, argv)
     with pytest.raises(ValueError, match=f"{argv[-2]} {argv[-1]}\\S* is out of range"):
-        common.check_ranges(cfg)
+        run.check_ranges(cfg)
 
 
 def test_out_of_range_flag_stops_the_script_before_anything_is_written(tmp_path):
@@ -600,9 +601,9 @@ def test_resume_without_a_checkpoint_starts_fresh_without_the_old_rows(tmp_path)
     (tmp_path / "metrics.jsonl").write_text('{"step": 0, "loss": 1.0}\n{"step": 1, "loss": 0.9}\n')
     try:
         cfg = sft.Config(model="tiny", out_dir=str(tmp_path), resume=True)
-        assert common.prepare_out_dir(cfg, common.Dist()) is None
+        assert run.prepare_out_dir(cfg, common.Dist()) is None
     finally:
-        common.cleanup_distributed()  # releases the out_dir lock this process took
+        run.release()  # releases the out_dir lock this process took
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
@@ -615,25 +616,25 @@ def test_resume_refuses_other_flags_and_keeps_the_history(tmp_path, tiny):
     cfg = sft.Config(model="tiny", out_dir=out, steps=4, eval_every=100)
     opt, sched = common.make_optimizer(model.parameters(), 1e-3, 0.0, 0, 4)
     try:
-        common.prepare_out_dir(cfg, d)
-        path = common.save_checkpoint(model, tok, out, d, opt, sched, 2, common.DataOrder(8, 0), cfg)
+        run.prepare_out_dir(cfg, d)
+        path = run.save_checkpoint(model, tok, out, d, opt, sched, 2, common.DataOrder(8, 0), cfg)
     finally:
-        common.cleanup_distributed()
+        run.release()
     config = json.loads((tmp_path / "run_config.json").read_text())
     for change, named in [(dict(lr=2e-3), "--lr 0.001 (the run) vs 0.002 (now)"),
                           (dict(dataset="other.jsonl"), "--dataset 'sort' (the run) vs 'other.jsonl' (now)"),
                           (dict(batch_size=32, seed=1), "--batch_size 64 (the run) vs 32 (now); --seed 0")]:
         try:
             with pytest.raises(ValueError, match=re.escape(named)):
-                common.prepare_out_dir(dataclasses.replace(cfg, resume=True, **change), d)
+                run.prepare_out_dir(dataclasses.replace(cfg, resume=True, **change), d)
         finally:
-            common.cleanup_distributed()
+            run.release()
         assert json.loads((tmp_path / "run_config.json").read_text()) == config  # a refused resume writes nothing
     try:
         again = dataclasses.replace(cfg, resume=True, steps=8, eval_every=3, grad_accum=2)
-        assert common.prepare_out_dir(again, d) == path
+        assert run.prepare_out_dir(again, d) == path
     finally:
-        common.cleanup_distributed()
+        run.release()
     config = json.loads((tmp_path / "run_config.json").read_text())
     assert config["steps"] == 8 and config["lr"] == 1e-3
     assert [h["resumed_at_step"] for h in config["history"]] == [None, 2]
@@ -645,7 +646,7 @@ def test_help_shows_every_flag(script, capsys):
     """--help renders every field's docstring (a "%" in one broke argparse's formatting)."""
     module = __import__(script)
     with pytest.raises(SystemExit) as e:
-        common.parse_config(module.Config, ["--help"])
+        run.parse_config(module.Config, ["--help"])
     out = capsys.readouterr().out
     assert e.value.code == 0 and all(f"--{f.name}" in out for f in dataclasses.fields(module.Config))
     if script == "sft":
@@ -656,7 +657,7 @@ def test_readme_lists_the_flags_a_resume_may_change():
     readme = open(os.path.join(ROOT, "README.md")).read()
     section = readme[readme.index("### Resuming"):]
     section = section[:section.index("\n#", 1)]
-    assert all(f"`--{k}`" in section for k in common.RESUME_MAY_CHANGE), section
+    assert all(f"`--{k}`" in section for k in run.RESUME_MAY_CHANGE), section
 
 
 def test_an_overwrite_that_ends_early_is_undone_even_after_a_kill_mid_restore(tmp_path):
@@ -670,9 +671,9 @@ def test_an_overwrite_that_ends_early_is_undone_even_after_a_kill_mid_restore(tm
     (out / "checkpoint").mkdir()
     (out / "checkpoint" / "config.json").write_text("{}")
     try:
-        assert common.prepare_out_dir(sft.Config(model="tiny", out_dir=str(out), overwrite=True), common.Dist()) is None
+        assert run.prepare_out_dir(sft.Config(model="tiny", out_dir=str(out), overwrite=True), common.Dist()) is None
     finally:
-        common.cleanup_distributed()
+        run.release()
     assert sorted(os.listdir(out / ".replaced")) == ["checkpoint", "metrics.jsonl", "run_config.json"]
     (out / "metrics.jsonl").write_text('{"step": 0, "new": 1}\n')  # the new run's first row
     (out / "checkpoint.tmp").mkdir()  # and its first checkpoint, half written
@@ -687,13 +688,13 @@ def test_an_overwrite_that_ends_early_is_undone_even_after_a_kill_mid_restore(tm
     os.rename = die_at_second_move
     try:
         with pytest.raises(KeyboardInterrupt):
-            common.restore_replaced(str(out))
+            run.restore_replaced(str(out))
     finally:
         os.rename = rename
-    assert common.restore_replaced(str(out))
+    assert run.restore_replaced(str(out))
     assert sorted(os.listdir(out)) == [".lock", "checkpoint", "metrics.jsonl", "run_config.json"]
     assert all((out / name).read_text() == text for name, text in old.items())
-    assert not common.restore_replaced(str(out))  # nothing aside any more
+    assert not run.restore_replaced(str(out))  # nothing aside any more
 
 
 def test_model_paths_that_cannot_be_hub_ids_are_refused_before_anything_runs(tmp_path, monkeypatch):
@@ -701,7 +702,7 @@ def test_model_paths_that_cannot_be_hub_ids_are_refused_before_anything_runs(tmp
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "killed").mkdir()  # an out_dir whose run never wrote a checkpoint
     (tmp_path / "model.safetensors").write_text("")
-    check = lambda **kw: common.check_model_paths(dpo.Config(**kw), "model", "ref_model")  # noqa: E731
+    check = lambda **kw: run.check_model_paths(dpo.Config(**kw), "model", "ref_model")  # noqa: E731
     cases = [(dict(), "--model runs/sft does not exist. It is the default, where `python sft.py` writes"),
              (dict(model="runs/sftt"), "--model runs/sftt: no such folder"),
              (dict(model="./my-model"), "--model ./my-model: no such folder"),
@@ -720,7 +721,7 @@ def test_a_second_run_on_a_busy_out_dir_is_refused_and_touches_nothing(tmp_path)
     """While a run holds out_dir (here this test process, through the same lock), a second run on
     it stops at once, naming the holder, and leaves the first run's files as they were."""
     out = tmp_path / "run"
-    common.lock_out_dir(str(out))
+    run.lock_out_dir(str(out))
     try:
         (out / "metrics.jsonl").write_text('{"step": 0}\n')
         r = subprocess.run([sys.executable, "sft.py", "--model", "tiny", "--steps", "1", "--out_dir", str(out)],
@@ -730,16 +731,16 @@ def test_a_second_run_on_a_busy_out_dir_is_refused_and_touches_nothing(tmp_path)
         assert (out / "metrics.jsonl").read_text() == '{"step": 0}\n'
         assert sorted(os.listdir(out)) == [".lock", "metrics.jsonl"]
     finally:
-        common._LOCKS.pop().close()
+        run._LOCKS.pop().close()
 
 
 def test_a_lock_left_by_a_dead_run_is_taken_over(tmp_path):
     (tmp_path / ".lock").write_text("pid 999999 on nowhere, started long ago: sft.py\n")  # its process is gone
-    common.lock_out_dir(str(tmp_path))
+    run.lock_out_dir(str(tmp_path))
     try:
         assert f"pid {os.getpid()} on" in (tmp_path / ".lock").read_text()
     finally:
-        common._LOCKS.pop().close()
+        run._LOCKS.pop().close()
 
 
 @pytest.mark.parametrize("kind", ["bpe", "bos", "bos_eos", "metaspace"])
@@ -764,15 +765,15 @@ def test_prompts_get_one_bos_no_eos_and_keep_it_when_cut(kind):
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_ctrl_c_dropped_in_a_finaliser_stops_the_next_optimizer_step(monkeypatch):
     """The Ctrl-C test once hung: a KeyboardInterrupt raised while Python ran a finaliser is
-    printed as "Exception ignored" and dropped, and training went on. common.run records the
-    signal; the next optimizer step raises it again."""
+    printed as "Exception ignored" and dropped, and training went on. run.script records the
+    signal (run.script); the next optimizer step raises it again."""
     import signal
 
-    monkeypatch.setattr(common, "_INTERRUPTED", False)
+    monkeypatch.setattr(run, "_INTERRUPTED", False)
 
     class Finalised:
         def __del__(self):
-            common._on_ctrl_c(signal.SIGINT, None)  # the signal lands here, inside a __del__
+            run._on_ctrl_c(signal.SIGINT, None)  # the signal lands here, inside a __del__
 
     Finalised()  # the KeyboardInterrupt goes to sys.unraisablehook, not to us
     model = torch.nn.Linear(2, 1)
@@ -783,6 +784,6 @@ def test_a_ctrl_c_dropped_in_a_finaliser_stops_the_next_optimizer_step(monkeypat
     with pytest.raises(KeyboardInterrupt):
         common.optimizer_step(model, opt, sched, max_norm=1.0)
     assert torch.equal(model.weight, before)  # raised before the update
-    monkeypatch.setattr(common, "_INTERRUPTED", False)
+    monkeypatch.setattr(run, "_INTERRUPTED", False)
     common.optimizer_step(model, opt, sched, max_norm=1.0)
     assert not torch.equal(model.weight, before)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import common
+import run
 import grpo
 import sampling
 import tasks
@@ -157,7 +158,7 @@ def test_frozen_fsdp_root_reshards_after_a_no_grad_forward(tiny, monkeypatch):
             frozen(input_ids=ids)
         assert all(isinstance(p, DTensor) for p in frozen.parameters())  # unsharded restores it
     finally:
-        common.cleanup_distributed()
+        run.release()
 
 
 def test_non_finite_logits_give_valid_ids_and_a_clear_error(tiny):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import common
+import run
 import data
 import reward
 from helpers import checkpoint_weights, max_abs_diff, read_metrics, run_here, run_script
@@ -230,7 +231,7 @@ def test_reward_model_learns_the_right_direction(tmp_path):
     """A reward model that learns chosen < rejected trains just as smoothly (the BT loss falls,
     every norm is finite) and passes every shape and equality test; only held-out accuracy shows
     it. 0.53 sits between the two measured accuracies, with margin on both sides."""
-    reward.main(common.parse_config(reward.Config, ["--out_dir", str(tmp_path), *LEARN]))  # in this process
+    reward.main(run.parse_config(reward.Config, ["--out_dir", str(tmp_path), *LEARN]))  # in this process
     final = [r for r in read_metrics(tmp_path) if "eval/accuracy" in r][-1]
     assert final["step"] == 20
     assert final["eval/accuracy"] > 0.53 and final["eval/margin"] > 0, final

@@ -11,7 +11,7 @@ import time
 import pytest
 from transformers import AutoModelForCausalLM
 
-import common
+import run
 import sft
 
 from helpers import (ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, checkpoint_weights, free_port, max_abs_diff,
@@ -107,7 +107,7 @@ def test_overwrite_replaces_the_old_run_only_with_a_new_checkpoint(tmp_path):
         with pytest.raises(FileExistsError, match="already holds a checkpoint.*--resume.*--overwrite"):
             sft.main(sft.Config(steps=2, lr=0.1, out_dir=str(out)))
     finally:
-        common.cleanup_distributed()  # the lock this process took
+        run.release()  # the lock this process took
     assert _files(out) == old
     with pytest.raises(FileNotFoundError, match="typo.jsonl does not exist"):
         sft.main(sft.Config(steps=2, out_dir=str(out), overwrite=True, dataset=str(tmp_path / "typo.jsonl")))

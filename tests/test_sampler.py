@@ -13,6 +13,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
 
 import common
+import run
 import sampling
 from helpers import ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, run_script
 
@@ -218,7 +219,7 @@ def _fsdp_worker():
     common.print0(f"fsdp ok: {steps} steps over 2 ranks ({lengths[0]} + {lengths[1]})")
     del model  # FSDP's device mesh holds the process group: release it before the group is destroyed
     torch.distributed.barrier()
-    common.cleanup_distributed()
+    run.release()
 
 
 def test_generate_under_fsdp2_with_ranks_stopping_at_different_steps():

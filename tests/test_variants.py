@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import common
+import run
 import dpo
 import grpo
 import sampling
@@ -277,7 +277,7 @@ def test_top_entropy_share_keeps_ceil_share_of_the_rollout_not_trls_count():
     because it means another thing (its --help says how)."""
     keep = top_entropy_mask(torch.tensor([[0.4, 0.1, 0.3, 0.2]]), torch.ones(1, 4), 0.3)
     assert keep.tolist() == [[1.0, 0.0, 1.0, 0.0]]
-    assert "TRL's top_entropy_quantile differs" in common._field_docs(grpo.Config)["top_entropy_share"]
+    assert "TRL's top_entropy_quantile differs" in run._field_docs(grpo.Config)["top_entropy_share"]
 
 
 @pytest.mark.parametrize("length, want", [(5, 0.0), (6, 0.0), (7, -0.5), (9, -1.5), (10, -2.0)])
