@@ -621,11 +621,13 @@ def load_model(name, tokenizer, kind="causal", dtype=torch.float32, trust_remote
             config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **extra)
             with torch.device("meta"):
                 model = auto.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
-            if os.path.isfile(os.path.join(path, "generation_config.json")):  # its stop ids, as rank 0 reads them
-                model.generation_config = GenerationConfig.from_pretrained(path)
         else:
             model = auto.from_pretrained(path, dtype=dtype, use_safetensors=True,
                                          trust_remote_code=trust_remote_code, **extra)
+        if from_rank0:  # the stop ids every rank samples with: rank 0's generation config, read as it was
+            gen = [model.generation_config.to_dict() if d.is_main else None]
+            dist.broadcast_object_list(gen, src=0, device=d.device if d.device.type == "cuda" else None)
+            model.generation_config = GenerationConfig.from_dict(gen[0])
         model._from_rank0 = from_rank0  # shard_model broadcasts rank 0's weights
     n_emb = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > n_emb:
@@ -706,9 +708,14 @@ def optimizer_step(model, optimizer, scheduler, max_norm):
 class DataOrder:
     """The rows of each global batch: one seeded permutation per epoch, the same on every rank
     (each then takes its slice, shard_batch). Its state goes into checkpoints, so a resumed run
-    draws exactly the rows the uninterrupted one would have."""
+    draws exactly the rows the uninterrupted one would have. A data set of fewer rows than one
+    batch is refused (`source` names it, `flag` the batch's size): the batch would be short, and
+    every loss divided by the full batch's size."""
 
-    def __init__(self, n, seed):
+    def __init__(self, n, seed, batch=1, source="the data set", flag="--batch_size"):
+        if n < batch:
+            raise ValueError(f"{source} has {n} training rows, fewer than one batch ({flag} {batch}): give it more "
+                             f"rows or pass a smaller {flag}")
         self.n, self.gen = n, torch.Generator().manual_seed(seed)
         self.order, self.pos = torch.randperm(n, generator=self.gen), 0
 

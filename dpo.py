@@ -79,13 +79,15 @@ class Config:
     [> 0]"""
     loss_type: str = "sigmoid"
     """sigmoid (DPO), sigmoid_norm (log-ratios averaged over tokens: Tulu 3's dpo_norm), ipo, hinge (SLiC),
-    robust (rDPO), apo_zero (APO-zero), or simpo (SimPO: average log-probs, no reference model); TRL's names"""
+    robust (rDPO), apo_zero (APO-zero), or simpo (SimPO: average log-probs, no reference model); TRL's names (simpo:
+    its CPO trainer's)"""
     label_smoothing: float = 0.0
     """assumed probability that a label is flipped: cDPO with sigmoid, rDPO's epsilon with robust [0, 0.5)"""
     simpo_gamma: float = 0.5
-    """SimPO's target margin gamma, in reward units (TRL's name) [>= 0]"""
+    """SimPO's target margin gamma, in reward units (TRL's CPO trainer's name) [>= 0]"""
     rpo_alpha: float = 0.0
-    """RPO (arXiv:2404.19733): add alpha x the chosen response's NLL per token (0: off) [>= 0]"""
+    """RPO (arXiv:2404.19733): add alpha x the chosen response's NLL per token (0: off); older TRL's name (TRL 1.x
+    has no such flag: it writes RPO as loss_type [sigmoid, sft] with loss_weights [1, alpha]) [>= 0]"""
     precompute_ref: bool = True
     """compute reference log-probs once before training and free the reference model"""
     # --- optimisation ---
@@ -130,7 +132,7 @@ class Config:
     overwrite: bool = False
     """replace the checkpoint and metrics already in out_dir"""
     seed: int = 0
-    """seed for data order (the same on every rank) [>= 0]"""
+    """seed for data order (the same on every rank) [0, 4294967295]"""
     wandb: bool = False
     """also log to Weights & Biases"""
     trust_remote_code: bool = False
@@ -237,8 +239,10 @@ def main(cfg):
     micro = cfg.batch_size // (d.world_size * cfg.grad_accum)
     # the data first: a bad file or row stops the run before out_dir or any model is touched
     train, test = data.load_preferences(cfg)
+    order = common.DataOrder(len(train), cfg.seed, batch=cfg.batch_size, source=f"--dataset {cfg.dataset}")
     run.check_model_paths(cfg, "model", "ref_model")
-    resume_from = run.prepare_out_dir(cfg, d)
+    job = run.Run(cfg, d)  # checks and locks out_dir; writes nothing yet
+    resume_from = job.resume_from
     tokenizer = common.load_tokenizer(resume_from or cfg.model, cfg.trust_remote_code, cfg.chat_template)
     pad_id = tokenizer.pad_token_id
 
@@ -253,7 +257,6 @@ def main(cfg):
 
     # -------------------------------------------------------------------------
     # 1. the reference: log-probs of every train and eval pair once, or a live frozen model
-    t_start = time.time()
     if cfg.loss_type == "simpo":  # reference-free: no reference model is loaded
         ref_test, ref_train = (torch.zeros(len(x), 2, device=d.device) for x in (test, train))
     else:
@@ -276,15 +279,10 @@ def main(cfg):
     n_params = sum(p.numel() for p in model.parameters())
     optimizer, scheduler = common.make_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps,
                                                  cfg.steps)
-    logger = run.Logger(cfg.out_dir, cfg, d, use_wandb=cfg.wandb, project="rlhf-dpo")
     common.print0(f"dpo: {n_params / 1e6:.2f}M parameters, {len(train)} train pairs, {len(test)} eval pairs, "
                   f"world size {d.world_size}{d.layout}, micro-batch {micro} pairs x {cfg.grad_accum} accumulation, "
                   f"{'no' if cfg.loss_type == 'simpo' else 'precomputed' if cfg.precompute_ref else 'live'} reference")
-    order = common.DataOrder(len(train), cfg.seed)
-    start, last_ckpt = 1, None
-    if resume_from:
-        start = run.load_training_state(resume_from, model, optimizer, scheduler, order, d) + 1
-        last_ckpt = resume_from
+    start = job.begin(model, tokenizer, optimizer, scheduler, order)  # restores a resumed run's state
 
     def evaluate():
         pol = all_pair_logps(model, test_pairs, pad_id, d, cfg.eval_batch_size)  # (N_eval, 2)
@@ -299,7 +297,7 @@ def main(cfg):
         return metrics
 
     if start == 1:
-        logger.log(0, evaluate())  # the SFT start
+        job.log(0, evaluate())  # the SFT start
     for step in range(start, cfg.steps + 1):
         t0 = time.time()
         # ---------------------------------------------------------------------
@@ -331,19 +329,12 @@ def main(cfg):
         # 5. metrics (one all-reduce), eval, log
         metrics = common.reduce_metrics(sums, d, same={"grad_norm": grad_norm})
         metrics |= {"lr": lr, "time/step": time.time() - t0}
-        run.check_finite(step, metrics, ["loss"], last_ckpt)
+        job.check(step, metrics)  # a NaN loss stops the run, naming the last good checkpoint
         if step % cfg.eval_every == 0 or step == cfg.steps:
             metrics |= evaluate()
-        logger.log(step, metrics)
-        if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
-            last_ckpt = run.save_checkpoint(model, tokenizer, cfg.out_dir, d, optimizer, scheduler, step,
-                                                   order, cfg, run.export_dtype(cfg))
+        job.log(step, metrics)  # and a checkpoint every --save_every steps
 
-    path = run.save_checkpoint(model, tokenizer, cfg.out_dir, d, dtype=run.export_dtype(cfg))
-    common.print0(f"saved {path} ({time.time() - t_start:.0f}s)")
-    logger.close()
-    run.release()
-
+    job.finish()
 
 if __name__ == "__main__":
     run.script(main, Config)

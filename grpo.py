@@ -254,7 +254,7 @@ class Config:
     overwrite: bool = False
     """replace the checkpoint and metrics already in out_dir"""
     seed: int = 0
-    """seed for data order and sampling (the same rollouts on any number of ranks, unless --rs_samples) [>= 0]"""
+    """seed for data order and sampling (the same rollouts on any number of ranks) [0, 4294967295]"""
     wandb: bool = False
     """also log to Weights & Biases"""
     trust_remote_code: bool = False
@@ -773,8 +773,11 @@ def main(cfg):
         pairs = data.load_pairs(cfg.eval_pairs or cfg.dataset, cfg.eval_pairs_split if cfg.eval_pairs else "test",
                                 cfg.n_eval_pairs, cfg.seed)
         pairs = pairs.select(range(min(cfg.n_eval_pairs, len(pairs))))
+    order = common.DataOrder(len(train), cfg.seed, batch=cfg.prompts_per_step, source=f"--dataset {cfg.dataset}",
+                             flag="--prompts_per_step")
     run.check_model_paths(cfg, "model", "reward_model")
-    resume_from = run.prepare_out_dir(cfg, d)
+    job = run.Run(cfg, d)  # checks and locks out_dir; writes nothing yet
+    resume_from = job.resume_from
     tokenizer = common.load_tokenizer(resume_from or cfg.model, cfg.trust_remote_code, cfg.chat_template)
     model = common.load_model(resume_from or cfg.model, tokenizer, trust_remote_code=cfg.trust_remote_code, d=d)
     common.check_context(model, cfg.max_prompt_len, cfg.max_new_tokens, "--max_new_tokens")
@@ -828,9 +831,6 @@ def main(cfg):
     n_updates = cfg.num_iterations * cfg.num_mini_batches  # optimizer steps per rollout
     optimizer, scheduler = common.make_optimizer(params, cfg.lr, cfg.weight_decay, cfg.warmup_steps,
                                                  cfg.steps * n_updates)
-    logger = run.Logger(cfg.out_dir, cfg, d, use_wandb=cfg.wandb, project="rlhf-grpo",
-                           show=["reward", "kl", "clip_ratio/low", "clip_ratio/high", "completions/mean_length",
-                                 "eval/exact_match", "eval/gold_reward", "eval/accuracy", "time/step"])
     n_local = cfg.prompts_per_step // d.world_size  # prompts on this rank per rollout
     n_sample = cfg.rs_samples or cfg.group_size  # completions sampled per prompt
     rows_local = n_local * cfg.group_size  # sequences in the loss on this rank
@@ -840,11 +840,9 @@ def main(cfg):
                   f"{cfg.prompts_per_step} prompts x {cfg.group_size} completions per rollout"
                   f"{f' (kept of {n_sample})' if cfg.rs_samples else ''}, {cfg.num_iterations} pass(es) x "
                   f"{cfg.num_mini_batches} mini-batch(es) of {mini} x {cfg.grad_accum} micro per rank, rewards {weights}")
-    order = common.DataOrder(len(train), cfg.seed)
-    start, last_ckpt = 1, None
-    if resume_from:
-        start = run.load_training_state(resume_from, model, optimizer, scheduler, order, d) + 1
-        last_ckpt = resume_from
+    start = job.begin(model, tokenizer, optimizer, scheduler, order,  # restores a resumed run's state
+                      show=["reward", "kl", "clip_ratio/low", "clip_ratio/high", "completions/mean_length",
+                            "eval/exact_match", "eval/gold_reward", "eval/accuracy", "time/step"])
 
     def evaluate():
         metrics = {}
@@ -939,7 +937,7 @@ def main(cfg):
     sapo = (cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
     peak_gib = 0.0  # the run's peak GPU memory, over the phases' windows
     if start == 1 and (first := evaluate()):  # a prompt file without eval pairs has nothing to evaluate
-        logger.log(0, first)
+        job.log(0, first)
     for step in range(start, cfg.steps + 1):
         t0 = time.time()
         phase_peak_memory(d)
@@ -1041,22 +1039,14 @@ def main(cfg):
             peak_gib = max(peak_gib, stats["mem/rollout_gib"], stats["mem/update_gib"])
             metrics |= {"mem/rollout_gib": stats["mem/rollout_gib"], "mem/update_gib": stats["mem/update_gib"],
                         "mem/peak_gib": peak_gib}
-        run.check_finite(step, metrics, ["loss", "kl", "grad_norm"], last_ckpt)
+        job.check(step, metrics, ["loss", "kl", "grad_norm"])  # a NaN stops the run, naming the last good checkpoint
         metrics["time/step"] = time.time() - t0  # training only: evaluation is not part of a step
         if step % cfg.eval_every == 0 or step == cfg.steps:
             metrics |= evaluate()
-        logger.log(step, metrics)
-        if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
-            last_ckpt = run.save_checkpoint(model, tokenizer, cfg.out_dir, d, optimizer, scheduler, step,
-                                                   order, cfg, run.export_dtype(cfg))
+        job.log(step, metrics)  # and a checkpoint every --save_every steps
 
-    if cfg.lora:  # fold the adapters into the weights so the checkpoint loads with AutoModelForCausalLM
-        model = model.merge_and_unload()
-    path = run.save_checkpoint(model, tokenizer, cfg.out_dir, d, dtype=run.export_dtype(cfg))
-    common.print0(f"saved {path}")
-    logger.close()
-    run.release()
-
+    # LoRA: the adapters folded into the weights, so that the checkpoint loads with AutoModelForCausalLM
+    job.finish(model.merge_and_unload() if cfg.lora else None)
 
 if __name__ == "__main__":
     run.script(main, Config)

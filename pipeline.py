@@ -185,14 +185,13 @@ def stages(cfg):
 
 
 def state_of(out_dir):
-    """'done', 'interrupted' (a resumable checkpoint), 'replacing' (a --redo that ended before its
-    first checkpoint, the old run aside in .replaced/) or 'new'."""
-    if os.path.isdir(os.path.join(out_dir, ".replaced")):
-        return "replacing"
+    """'done', 'interrupted' (a resumable checkpoint), 'failed' (files of a run that ended before
+    its first checkpoint) or 'new' (an empty or absent folder)."""
     ckpt = run.resolve_checkpoint(out_dir)
-    if not os.path.isfile(os.path.join(ckpt, "config.json")):
-        return "new"
-    return "interrupted" if os.path.isfile(os.path.join(ckpt, "training_state.pt")) else "done"
+    if os.path.isfile(os.path.join(ckpt, "config.json")):
+        return "interrupted" if os.path.isfile(os.path.join(ckpt, "training_state.pt")) else "done"
+    held = set(os.listdir(out_dir)) - {".lock"} if os.path.isdir(out_dir) else set()
+    return "failed" if held else "new"
 
 
 def load_times(path):
@@ -215,7 +214,8 @@ def run_stage(name, argv, cfg, times):
     if state == "done" and not redo_it:
         print(f"== {name}: done already ({out_dir}), skipped", flush=True)
         return
-    extra = ["--overwrite"] if redo_it or state == "replacing" else (["--resume"] if state == "interrupted" else [])
+    # a failed stage's files are moved aside (out_dir.replaced-<time>) by --overwrite, never deleted
+    extra = ["--overwrite"] if redo_it or state == "failed" else (["--resume"] if state == "interrupted" else [])
     cmd = [sys.executable, *argv, *extra]
     print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
     t0 = time.time()

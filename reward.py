@@ -112,7 +112,7 @@ class Config:
     overwrite: bool = False
     """replace the checkpoint and metrics already in out_dir"""
     seed: int = 0
-    """seed for the head's init and data order (the same on every rank) [>= 0]"""
+    """seed for the head's init and data order (the same on every rank) [0, 4294967295]"""
     wandb: bool = False
     """also log to Weights & Biases"""
     trust_remote_code: bool = False
@@ -197,8 +197,10 @@ def main(cfg):
     micro = cfg.batch_size // (d.world_size * cfg.grad_accum)
     # the data first: a bad file or row stops the run before out_dir or any model is touched
     train, test = data.load_preferences(cfg)
+    order = common.DataOrder(len(train), cfg.seed, batch=cfg.batch_size, source=f"--dataset {cfg.dataset}")
     run.check_model_paths(cfg, "model", "normalize_policy")
-    resume_from = run.prepare_out_dir(cfg, d)
+    job = run.Run(cfg, d)  # checks and locks out_dir; writes nothing yet
+    resume_from = job.resume_from
     tokenizer = common.load_tokenizer(resume_from or cfg.model, cfg.trust_remote_code, cfg.chat_template)
     model = common.load_model(resume_from or cfg.model, tokenizer, kind="new_reward",
                               trust_remote_code=cfg.trust_remote_code, d=d)
@@ -214,14 +216,9 @@ def main(cfg):
 
     optimizer, scheduler = common.make_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps,
                                                  cfg.steps)
-    logger = run.Logger(cfg.out_dir, cfg, d, use_wandb=cfg.wandb, project="rlhf-rm")
     common.print0(f"reward: {n_params / 1e6:.2f}M parameters, {len(train)} train pairs, {len(test)} eval pairs, "
                   f"world size {d.world_size}{d.layout}, micro-batch {micro} pairs x {cfg.grad_accum} accumulation")
-    order = common.DataOrder(len(train), cfg.seed)
-    start, last_ckpt = 1, None
-    if resume_from:
-        start = run.load_training_state(resume_from, model, optimizer, scheduler, order, d) + 1
-        last_ckpt = resume_from
+    start = job.begin(model, tokenizer, optimizer, scheduler, order)  # restores a resumed run's state
 
     def evaluate():
         r = score_pairs(model, test_pairs, tokenizer.pad_token_id, d, cfg.eval_batch_size)  # (N, 2)
@@ -240,9 +237,8 @@ def main(cfg):
                       f"mean {mean:.4f} std {std:.4f} -> gain {gain:.4f} bias {bias:.4f}")
         return {"normalize/mean": mean, "normalize/std": std, "normalize/gain": gain, "normalize/bias": bias}
 
-    t_start = time.time()
     if start == 1:
-        logger.log(0, evaluate())
+        job.log(0, evaluate())
     for step in range(start, cfg.steps + 1):
         t0 = time.time()
         # ---------------------------------------------------------------------
@@ -270,21 +266,14 @@ def main(cfg):
         # 4. metrics (one all-reduce), eval, log
         metrics = common.reduce_metrics(sums, d, same={"grad_norm": grad_norm})
         metrics |= {"lr": lr, "time/step": time.time() - t0}
-        run.check_finite(step, metrics, ["loss"], last_ckpt)
+        job.check(step, metrics)  # a NaN loss stops the run, naming the last good checkpoint
         if step % cfg.eval_every == 0 or step == cfg.steps:
             metrics |= evaluate()
         if step == cfg.steps and cfg.normalize:  # 5. after training: its figures join the last step's row
             metrics |= normalize()
-        logger.log(step, metrics)
-        if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
-            last_ckpt = run.save_checkpoint(model, tokenizer, cfg.out_dir, d, optimizer, scheduler, step,
-                                                   order, cfg, run.export_dtype(cfg))
+        job.log(step, metrics)  # and a checkpoint every --save_every steps
 
-    path = run.save_checkpoint(model, tokenizer, cfg.out_dir, d, dtype=run.export_dtype(cfg))
-    common.print0(f"saved {path} ({time.time() - t_start:.0f}s)")
-    logger.close()
-    run.release()
-
+    job.finish()
 
 if __name__ == "__main__":
     run.script(main, Config)

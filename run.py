@@ -150,12 +150,17 @@ def check_model_paths(cfg, *flags):
     """Each model flag names a checkpoint folder, `tiny`, a GGUF file or packaged model (gguf_file)
     or a hub id: a local path that does not exist, or a GGUF model that cannot be read, is refused
     here, before anything is written, instead of becoming a hub look-up (a repo-id error, or a
-    minute of network retries offline). A flag left at its default, the
-    out_dir of an earlier stage (runs/sft), says which script writes it."""
+    minute of network retries offline). A flag left at its default, the out_dir of an earlier
+    stage (runs/sft), says which script writes it. A model inside --out_dir is refused: the run
+    would replace it (--overwrite moves it aside, a save overwrites it)."""
+    out_dir = os.path.realpath(cfg.out_dir) if getattr(cfg, "out_dir", "") else None
     for flag in flags:
         name = getattr(cfg, flag)
         if not name or name == "tiny":
             continue
+        if out_dir and os.path.exists(name) and (os.path.realpath(name) + os.sep).startswith(out_dir + os.sep):
+            raise ValueError(f"--{flag} {name} is inside --out_dir {cfg.out_dir}: the run would write over the "
+                             f"model it reads; pass another --out_dir")
         try:
             if gguf_file(name):  # there, and readable
                 continue
@@ -177,73 +182,245 @@ def check_model_paths(cfg, *flags):
             raise FileNotFoundError(f"--{flag} {name}: no such folder (a local path, not a hub id)")
 
 
-
-def check_finite(step, metrics, keys, last_checkpoint):
-    """Stop on a NaN or infinite loss (or other named metric), naming the last good checkpoint."""
-    bad = {k: metrics[k] for k in keys if not math.isfinite(metrics[k])}  # floats, already on the host
-    if bad:
-        raise FloatingPointError(f"step {step}: {', '.join(f'{k} is {v}' for k, v in bad.items())}; stopping. "
-                                 f"Last good checkpoint: {last_checkpoint or 'none written yet'}")
-
-
-class Logger:
-    """metrics.jsonl (every metric, one row per step) on rank 0 (run_config.json is written by
-    prepare_out_dir); a step line on stdout with the `show` metrics (all when None); wandb when asked for."""
-
-    def __init__(self, out_dir, cfg, d, use_wandb=False, project="rlhf", show=None):
-        self.enabled, self.wandb, self.t0, self.show = d.is_main, None, time.time(), show
-        if not self.enabled:
-            return
-        os.makedirs(out_dir, exist_ok=True)
-        self.file = open(os.path.join(out_dir, "metrics.jsonl"), "a")
-        if use_wandb:
-            import wandb  # optional extra
-
-            self.wandb = wandb.init(project=project, config=dataclasses.asdict(cfg))
-
-    def log(self, step, metrics, echo=True):
-        if not self.enabled:
-            return
-        if torch.cuda.is_available() and "mem/peak_gib" not in metrics:  # the run's peak so far
-            metrics = {**metrics, "mem/peak_gib": torch.cuda.max_memory_allocated() / 2**30}
-        row = {"step": step, "time": round(time.time() - self.t0, 2), **metrics}
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
-        if self.wandb is not None:
-            self.wandb.log(metrics, step=step)
-        if echo:
-            keys = [k for k in (self.show or metrics) if k in metrics]
-            print(f"step {step:5d} | " + " | ".join(f"{k} {_fmt(metrics[k])}" for k in keys), flush=True)
-
-    def close(self):
-        if self.enabled:
-            self.file.close()
-            if self.wandb is not None:
-                self.wandb.finish()
-
-
-def _fmt(v):
-    if isinstance(v, float):
-        return f"{v:.4g}" if abs(v) >= 1e-3 or v == 0 else f"{v:.2e}"
-    return str(v)
-
-
 # -----------------------------------------------------------------------------
-# checkpoints: Hugging Face native, written so that a kill never leaves a broken one
+# the run: out_dir holds one run (its lock, run_config.json, metrics.jsonl and checkpoint/)
 
 
-def full_state_dict(model, d):
-    """The full (unsharded) state dict on CPU. Collective under FSDP: call on every rank."""
-    if not d.torchrun:
-        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    else:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+# Flags a resumed run may change: how far it goes (--steps extends it; the cosine decay is then
+# recomputed for the new total), how it is split into micro-batches and kept in memory (the same
+# gradient up to rounding), how often it evaluates, saves and logs. Every other flag defines the
+# run, and --resume refuses a difference (README, "Resuming").
+RESUME_MAY_CHANGE = ("steps", "grad_accum", "activation_checkpointing", "offload_frozen", "compile", "eval_every",
+                     "eval_batch_size", "save_every", "save_dtype", "hsdp", "out_dir", "wandb", "trust_remote_code")
+# the flags that name a model or data: what each names is recorded, by content, with the run
+INPUT_FLAGS = ("model", "ref_model", "reward_model", "normalize_policy", "dataset", "eval_dataset", "eval_pairs",
+               "chat_template")
+RUN_FILES = ("checkpoint", "checkpoint.old", "checkpoint.tmp", "metrics.jsonl", "run_config.json")
+_RUNS = []  # the runs of this process, for `script` to tidy up after a failure
 
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    # tied weights (GPT-2's lm_head = wte) are one Parameter under two names: keep one name,
-    # as save_pretrained does; FSDP's gathered copies no longer share storage to show it
-    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
-    return {k: v for k, v in state.items() if k not in aliases}
+
+def _digest(path):
+    """A short sha256 of a file: of its bytes; of a large one (> 256 MiB: weights), of its size
+    and 64 evenly spaced 64 KiB blocks, which tell two checkpoints apart without reading them."""
+    import hashlib
+
+    h, size = hashlib.sha256(), os.path.getsize(path)
+    with open(path, "rb") as f:
+        if size <= 2**28:
+            for block in iter(lambda: f.read(2**20), b""):
+                h.update(block)
+        else:
+            h.update(str(size).encode())
+            for i in range(64):
+                f.seek(i * (size - 2**16) // 63)
+                h.update(f.read(2**16))
+    return h.hexdigest()[:16]
+
+
+def fingerprint(value):
+    """What a model or data flag names, by content: a file (data, chat template, GGUF) by its
+    digest, a checkpoint folder (or a run's out_dir) by the digests of its files, anything else (a
+    hub id, an embedded task, `tiny`) by the name alone."""
+    try:
+        path = gguf_file(value) or value
+    except (FileNotFoundError, ModuleNotFoundError):
+        path = value
+    if os.path.isfile(path):
+        return _digest(path)
+    if os.path.isdir(path):
+        folder = resolve_checkpoint(path)
+        files = sorted(n for n in os.listdir(folder) if os.path.isfile(os.path.join(folder, n)))
+        return "|".join(f"{n}:{_digest(os.path.join(folder, n))}" for n in files)
+    return value
+
+
+def _trainer_state(folder):
+    """A checkpoint's trainer_state.json (its step, flags and inputs); None when it has none (a
+    final export); a file that is not one is named."""
+    path = os.path.join(folder, "trainer_state.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            state = json.load(f)
+        if not isinstance(state.get("step"), int) or not isinstance(state.get("config"), dict):
+            raise ValueError("no step and config")
+    except (ValueError, AttributeError) as e:
+        raise ValueError(f"{path} is damaged ({e}): this checkpoint cannot be resumed; pass --overwrite to start "
+                         f"afresh, or restore the file") from None
+    return state
+
+
+def _compare(cfg, state, inputs, found):
+    """--resume: the flags that define the run, and what its model and data flags name, must be
+    those its checkpoint was written with. Returns the flags that changed, {flag: [then, now]}."""
+    then, now = state["config"], dataclasses.asdict(cfg)
+    free = RESUME_MAY_CHANGE + ("resume", "overwrite")
+    diff = [f"--{k} {then.get(k, '(absent)')!r} (the run) vs {now.get(k, '(absent)')!r} (now)"
+            for k in dict.fromkeys([*then, *now]) if k not in free and then.get(k) != now.get(k)]
+    if diff:
+        raise ValueError(f"--resume: {found} was written with other flags: {'; '.join(diff)}. Resume with the "
+                         f"run's flags (only {', '.join('--' + k for k in RESUME_MAY_CHANGE)} may change), or "
+                         f"start a new run (--overwrite, or another --out_dir)")
+    moved = [f"--{k} {now[k]}" for k, v in state.get("inputs", {}).items() if inputs.get(k) != v]
+    if moved:
+        raise ValueError(f"--resume: {', '.join(moved)} no longer hold{'s' if len(moved) == 1 else ''} what the run "
+                         f"started from (its files changed since {found} was written): a resumed run would go on from "
+                         f"other weights or rows. Put back what the run started from, or start a new run")
+    return {k: [then.get(k), now[k]] for k in RESUME_MAY_CHANGE if k in now and then.get(k) != now[k]}
+
+
+def _agree(view, d):
+    """Every rank must see the same out_dir and the same data and model files: on nodes with
+    node-local folders, the ranks of one node would resume while the others start afresh, or
+    train on other rows, and hang or diverge without a word. What each rank sees ({flag: what})
+    is gathered, and a disagreement stops every rank with the same error. Collective."""
+    import socket
+
+    views = [None] * d.world_size
+    dist.all_gather_object(views, (socket.gethostname(), view))
+    differ = [k for k in view if len({repr(v[k]) for _, v in views}) > 1]
+    if differ:
+        seen = "; ".join(f"rank {r} on {h}: " + ", ".join(f"{k} {v[k]}" for k in differ) for r, (h, v) in enumerate(views))
+        raise RuntimeError(f"the ranks see different files ({seen}). Every node must see the same --out_dir, data "
+                           f"and model files: put them on a file system all nodes share")
+
+
+class Run:
+    """One training run in cfg.out_dir, from its checks to its last checkpoint. Not a trainer: the
+    loop stays in each script's main(); a Run holds what the loop's ends need (what to resume,
+    the log, when to save, the last good checkpoint).
+
+    Run(cfg, d) checks and locks out_dir (rank 0) and writes nothing else: a run that stops
+    before `begin` (a bad flag, a model that does not load) leaves out_dir as it found it.
+    - Without --resume or --overwrite, out_dir must be empty or absent: a checkpoint or any
+      other file there stops the run, with what to do.
+    - --resume: the flags must be the checkpoint's (RESUME_MAY_CHANGE excepted), and what the
+      model and data flags name must be what the run started from (fingerprint); metrics rows past
+      its step are cut at `begin`, and run_config.json gains an entry in its "history". With no
+      checkpoint to resume, the run starts afresh.
+    - --overwrite (or --resume with files but no checkpoint): at `begin`, whatever out_dir holds is
+      moved, in one rename, to a sibling out_dir.replaced-<time>, which nothing deletes.
+    """
+
+    def __init__(self, cfg, d):
+        if not cfg.out_dir:
+            raise ValueError("--out_dir is empty: pass the folder the run writes into")
+        self.cfg, self.d, self.out_dir = cfg, d, cfg.out_dir
+        self.inputs = {f: fingerprint(getattr(cfg, f)) for f in INPUT_FLAGS if getattr(cfg, f, None)}
+        self.created = not os.path.exists(cfg.out_dir)
+        self.started, self.replaced, self.logger = False, None, None
+        _RUNS.append(self)
+        if d.is_main:
+            lock_out_dir(cfg.out_dir)
+        if d.world_size > 1:
+            dist.barrier()
+        found = resolve_checkpoint(cfg.out_dir)
+        has_ckpt = os.path.isfile(os.path.join(found, "config.json"))
+        held = sorted(set(os.listdir(cfg.out_dir)) - {".lock"}) if os.path.isdir(cfg.out_dir) else ["(no folder)"]
+        state = _trainer_state(found) if has_ckpt and cfg.resume else None
+        if d.world_size > 1:
+            seen = f"a checkpoint at step {state['step']}" if state else f"holding {', '.join(held)}" if held else "empty"
+            _agree({"--out_dir": seen, **{f"--{k}": v for k, v in self.inputs.items()}}, d)
+        if has_ckpt and not (cfg.resume or cfg.overwrite):
+            raise FileExistsError(f"{cfg.out_dir} already holds a checkpoint ({found}); pass --resume to continue that "
+                                  f"run or --overwrite to replace it")
+        if held and not (cfg.resume or cfg.overwrite):
+            raise FileExistsError(f"{cfg.out_dir} is not empty (it holds {', '.join(held[:4])}"
+                                  f"{', ...' if len(held) > 4 else ''}) and has no checkpoint: pass another --out_dir, "
+                                  f"or --overwrite to move what it holds aside")
+        self.resume_from = found if has_ckpt and cfg.resume else None
+        self.last_ckpt, self.step, self.changed = self.resume_from, None, {}
+        if self.resume_from:
+            if state is None:
+                raise FileNotFoundError(f"{found} has no trainer_state.json (a final checkpoint): it cannot be resumed; "
+                                        f"start a new run from it (--model {found})")
+            self.step, self.changed = state["step"], _compare(cfg, state, self.inputs, found)
+            if self.step >= cfg.steps:
+                raise ValueError(f"--resume: {found} is at step {self.step}, and --steps {cfg.steps} ends there or "
+                                 f"before: nothing to train. Pass --steps above {self.step} to go on")
+        self.move_aside = bool(held) and not self.resume_from
+        if cfg.resume and not has_ckpt:
+            common.print0(f"--resume: no checkpoint in {cfg.out_dir}; starting a fresh run")
+
+    def begin(self, model, tokenizer, optimizer, scheduler, order, show=None):
+        """The run's first writes, once everything has loaded: restore the training state when
+        resuming, move the old contents aside, record the run in run_config.json, open the log.
+        Returns the first step to train. Collective."""
+        self.model, self.tokenizer, self.optimizer, self.scheduler, self.order = (model, tokenizer, optimizer,
+                                                                                  scheduler, order)
+        start = 1
+        if self.resume_from:
+            start = load_training_state(self.resume_from, model, optimizer, scheduler, order, self.d) + 1
+        if self.d.is_main:
+            if self.move_aside:
+                self.replaced = f"{os.path.normpath(self.out_dir)}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
+                while os.path.exists(self.replaced):
+                    self.replaced += "+"
+                os.rename(self.out_dir, self.replaced)  # one rename: the old run is whole in one of the two places
+                lock_out_dir(self.out_dir)
+                _LOCKS.pop(-2).close()  # the old lock went with the old run
+                common.print0(f"note: what {self.out_dir} held is now in {self.replaced} (delete it when done with it)")
+            config, history = os.path.join(self.out_dir, "run_config.json"), []
+            if self.resume_from:
+                if os.path.isfile(config):
+                    with open(config) as f:
+                        history = json.load(f).get("history", [])
+                _cut_metrics(os.path.join(self.out_dir, "metrics.jsonl"), self.step)
+            entry = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv),
+                     "resumed_at_step": self.step, "changed": self.changed}
+            _write_json(config, {**dataclasses.asdict(self.cfg), "inputs": self.inputs, "history": history + [entry]})
+        _wait_for_rank0(self.d)  # also makes its process group now, not hours in at the first save
+        self.started = True
+        self.logger = Logger(self.out_dir, self.cfg, self.d, show)
+        return start
+
+    def check(self, step, metrics, keys=("loss",)):
+        """Stop on a NaN or infinite loss (or other named metric), naming the last good checkpoint."""
+        bad = {k: metrics[k] for k in keys if not math.isfinite(metrics[k])}  # floats, already on the host
+        if bad:
+            raise FloatingPointError(f"step {step}: {', '.join(f'{k} is {v}' for k, v in bad.items())}; stopping. "
+                                     f"Last good checkpoint: {self.last_ckpt or 'none written yet'}")
+
+    def log(self, step, metrics):
+        """Log a step's metrics; every --save_every steps, write a resumable checkpoint."""
+        self.logger.log(step, metrics)
+        if self.cfg.save_every and 0 < step < self.cfg.steps and step % self.cfg.save_every == 0:
+            self.last_ckpt = self.save(step)
+
+    def save(self, step=None, model=None):
+        """A checkpoint: resumable (optimizer, data order) with a step, the final export without.
+        Weights that are not finite are never written: the last good checkpoint stays the last."""
+        model = model or self.model
+        params = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+        bad = common.all_reduce_sum(torch.stack([~torch.isfinite(p).all() for p in params]).sum().float(), self.d)
+        if bad.item():
+            raise FloatingPointError(f"{'step %d: ' % step if step else ''}the weights hold NaN or inf after the "
+                                     f"update; no checkpoint written. Last good checkpoint: "
+                                     f"{self.last_ckpt or 'none written yet'}")
+        resumable = dict(optimizer=self.optimizer, scheduler=self.scheduler, step=step, order=self.order,
+                         config=self.cfg, inputs=self.inputs) if step else {}
+        return save_checkpoint(model, self.tokenizer, self.out_dir, self.d, dtype=export_dtype(self.cfg), **resumable)
+
+    def finish(self, model=None):
+        """The final export (model: another module to export, e.g. LoRA merged into the weights),
+        then the end of the run. Returns the checkpoint's path."""
+        path = self.save(model=model)
+        common.print0(f"saved {path}")
+        self.logger.close()
+        release()
+        return path
+
+    def abandon(self):
+        """After a failure: a run that wrote nothing removes the out_dir it created (its lock
+        file alone); one that moved the old contents aside says where they are."""
+        if not self.d.is_main:
+            return
+        if not self.started and self.created and os.listdir(self.out_dir) == [".lock"]:
+            os.remove(os.path.join(self.out_dir, ".lock"))
+            os.rmdir(self.out_dir)
+        if self.replaced:
+            common.print0(f"what {self.out_dir} held before this run is in {self.replaced}", file=sys.stderr)
 
 
 def release():
@@ -283,144 +460,11 @@ def lock_out_dir(out_dir):
     _LOCKS.append(f)
 
 
-# Flags a resumed run may change: how far it goes (--steps extends it; the cosine decay is then
-# recomputed for the new total), how it is split into micro-batches and kept in memory (the same
-# gradient up to rounding), how often it evaluates, saves and logs. Every other flag defines the
-# run, and --resume refuses a difference (README, "Resuming").
-RESUME_MAY_CHANGE = ("steps", "grad_accum", "activation_checkpointing", "offload_frozen", "compile", "eval_every",
-                     "eval_batch_size", "save_every", "save_dtype", "hsdp", "out_dir", "wandb", "trust_remote_code")
-RUN_FILES = ("checkpoint", "checkpoint.old", "checkpoint.tmp", "metrics.jsonl", "run_config.json")
-_REPLACING = []  # out_dirs whose previous run this process moved aside (--overwrite), until its first checkpoint
-
-
-def _remove(path):
-    if os.path.isdir(path):
-        shutil.rmtree(path)
-    elif os.path.exists(path):
-        os.remove(path)
-
-
-def restore_replaced(out_dir):
-    """Put back the run that an --overwrite moved into out_dir/.replaced/ and did not replace
-    (it failed, was interrupted or killed before its first checkpoint): the new run's files go,
-    the old ones return. Safe to repeat after a kill in the middle (the .cleared mark). Returns
-    whether there was one."""
-    aside = os.path.join(out_dir, ".replaced")
-    if not os.path.isdir(aside):
-        return False
-    if not os.path.exists(os.path.join(aside, ".cleared")):
-        for name in RUN_FILES:
-            _remove(os.path.join(out_dir, name))
-        open(os.path.join(aside, ".cleared"), "w").close()
-    for name in os.listdir(aside):
-        if name != ".cleared":
-            os.rename(os.path.join(aside, name), os.path.join(out_dir, name))
-    shutil.rmtree(aside)
-    if os.path.abspath(out_dir) in _REPLACING:
-        _REPLACING.remove(os.path.abspath(out_dir))
-    return True
-
-
-def _compare_flags(cfg, found):
-    """--resume: the flags that define the run must be those its checkpoint was written with.
-    Returns the checkpoint's step and the flags that changed, {flag: [then, now]}."""
-    with open(os.path.join(found, "trainer_state.json")) as f:
-        state = json.load(f)
-    then, now = state["config"], dataclasses.asdict(cfg)
-    free = RESUME_MAY_CHANGE + ("resume", "overwrite")
-    diff = [f"--{k} {then.get(k, '(absent)')!r} (the run) vs {now.get(k, '(absent)')!r} (now)"
-            for k in dict.fromkeys([*then, *now]) if k not in free and then.get(k) != now.get(k)]
-    if diff:
-        raise ValueError(f"--resume: {found} was written with other flags: {'; '.join(diff)}. Resume with the "
-                         f"run's flags (only {', '.join('--' + k for k in RESUME_MAY_CHANGE)} may change), or "
-                         f"start a new run (--overwrite, or another --out_dir)")
-    return state["step"], {k: [then.get(k), now[k]] for k in RESUME_MAY_CHANGE if k in now and then.get(k) != now[k]}
-
-
 def _write_json(path, obj):
     """Write a JSON file whole or not at all (a temporary file renamed into place)."""
     with open(path + ".tmp", "w") as f:
         json.dump(obj, f, indent=2)
     os.replace(path + ".tmp", path)
-
-
-def prepare_out_dir(cfg, d):
-    """Lock cfg.out_dir for this run (rank 0), record the run in run_config.json, and return the
-    checkpoint to resume from, or None for a fresh run.
-
-    - Without --resume or --overwrite, an out_dir holding a checkpoint stops the run.
-    - --resume: the flags must match the checkpoint's (RESUME_MAY_CHANGE excepted); metrics rows
-      past its step (from the interrupted run) are cut so none appear twice; run_config.json
-      gains an entry in its "history". With nothing to resume, it starts afresh (no old rows).
-    - --overwrite: the old run is moved aside into out_dir/.replaced/, and deleted only when the
-      new run writes its first checkpoint. If the new run fails, is interrupted or killed before
-      that, the old run is put back (restore_replaced: by `run`, or by the next start).
-    """
-    out_dir, resume, overwrite = cfg.out_dir, cfg.resume, cfg.overwrite
-    if d.is_main:
-        lock_out_dir(out_dir)
-        if restore_replaced(out_dir):
-            common.print0(f"note: an --overwrite of {out_dir} ended before its first checkpoint; the run it was replacing "
-                   f"is restored")
-    if d.world_size > 1:
-        dist.barrier()
-    found = resolve_checkpoint(out_dir)
-    has_ckpt = os.path.isfile(os.path.join(found, "config.json"))
-    if d.world_size > 1:
-        agree_on_out_dir(out_dir, found, has_ckpt, d)
-    if has_ckpt and not (resume or overwrite):
-        raise FileExistsError(f"{out_dir} already holds a checkpoint ({found}); pass --resume to continue that run "
-                              f"or --overwrite to replace it")
-    resume_from = found if (has_ckpt and resume) else None
-    if resume_from and not os.path.isfile(os.path.join(found, "trainer_state.json")):
-        raise FileNotFoundError(f"{found} has no trainer_state.json (a final-only checkpoint): cannot --resume")
-    step, changed = _compare_flags(cfg, found) if resume_from else (None, {})
-    entry = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv),
-             "resumed_at_step": step, "changed": changed}
-    if d.is_main:
-        config, history = os.path.join(out_dir, "run_config.json"), []
-        if resume_from:
-            if os.path.isfile(config):
-                with open(config) as f:
-                    history = json.load(f).get("history", [])
-            _cut_metrics(os.path.join(out_dir, "metrics.jsonl"), step)
-        elif overwrite and any(os.path.exists(os.path.join(out_dir, n)) for n in RUN_FILES):
-            aside = os.path.join(out_dir, ".replaced")
-            os.makedirs(aside)
-            for name in RUN_FILES:
-                if os.path.exists(os.path.join(out_dir, name)):
-                    os.rename(os.path.join(out_dir, name), os.path.join(aside, name))
-            _REPLACING.append(os.path.abspath(out_dir))
-        else:  # a fresh run, also a --resume that found nothing to resume: no rows of an old run stay
-            for name in RUN_FILES:
-                _remove(os.path.join(out_dir, name))
-        _write_json(config, {**dataclasses.asdict(cfg), "history": history + [entry]})
-    if d.world_size > 1:
-        dist.barrier()
-    if resume and not has_ckpt:
-        common.print0(f"--resume: no checkpoint in {out_dir}; starting a fresh run")
-    return resume_from
-
-
-def agree_on_out_dir(out_dir, found, has_ckpt, d):
-    """Every rank must see the same out_dir: on nodes with node-local folders (not one shared
-    file system), the ranks of one node would resume while the others start afresh, and the run
-    would hang in its first mismatched collective. What each rank sees (its host, whether a
-    checkpoint is there and at which step) is gathered, and a disagreement stops every rank with
-    the same error. Collective: all ranks call."""
-    import socket
-
-    step = None
-    if has_ckpt and os.path.isfile(os.path.join(found, "trainer_state.json")):
-        with open(os.path.join(found, "trainer_state.json")) as f:
-            step = json.load(f).get("step")
-    views = [None] * d.world_size
-    dist.all_gather_object(views, (socket.gethostname(), has_ckpt, step))
-    if len({v[1:] for v in views}) > 1:
-        seen = "; ".join(f"rank {r} on {h}: " + (f"a checkpoint at step {s}" if c else "no checkpoint")
-                         for r, (h, c, s) in enumerate(views))
-        raise RuntimeError(f"the ranks see different contents in --out_dir {out_dir} ({seen}). Every node must see "
-                           f"the same folder: put out_dir on a file system all nodes share")
 
 
 def _cut_metrics(metrics, step):
@@ -440,6 +484,66 @@ def _cut_metrics(metrics, step):
     with open(metrics + ".tmp", "w") as f:
         f.writelines(keep)
     os.replace(metrics + ".tmp", metrics)
+
+
+class Logger:
+    """metrics.jsonl (every metric, one row per step) on rank 0; a step line on stdout with the
+    `show` metrics (all when None); wandb (project rlhf-<script>) with --wandb."""
+
+    def __init__(self, out_dir, cfg, d, show=None):
+        self.enabled, self.wandb, self.t0, self.show = d.is_main, None, time.time(), show
+        if not self.enabled:
+            return
+        self.file = open(os.path.join(out_dir, "metrics.jsonl"), "a")
+        if cfg.wandb:
+            import wandb  # optional extra
+
+            self.wandb = wandb.init(project=f"rlhf-{type(cfg).__module__}", config=dataclasses.asdict(cfg))
+
+    def log(self, step, metrics, echo=True):
+        if not self.enabled:
+            return
+        if torch.cuda.is_available() and "mem/peak_gib" not in metrics:  # the run's peak so far
+            metrics = {**metrics, "mem/peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+        row = {"step": step, "time": round(time.time() - self.t0, 2), **metrics}
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        if echo:
+            keys = [k for k in (self.show or metrics) if k in metrics]
+            print(f"step {step:5d} | " + " | ".join(f"{k} {_fmt(metrics[k])}" for k in keys), flush=True)
+
+    def close(self):
+        if self.enabled:
+            self.file.close()
+            if self.wandb is not None:
+                self.wandb.finish()
+
+
+def _fmt(v):
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) >= 1e-3 or v == 0 else f"{v:.2e}"
+    return str(v)
+
+
+# -----------------------------------------------------------------------------
+# checkpoints: Hugging Face native, written so that a kill never leaves a broken one, and read
+# so that a checkpoint folder from elsewhere can run no code
+
+
+def full_state_dict(model, d):
+    """The full (unsharded) state dict on CPU. Collective under FSDP: call on every rank."""
+    if not d.torchrun:
+        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    else:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # tied weights (GPT-2's lm_head = wte) are one Parameter under two names: keep one name,
+    # as save_pretrained does; FSDP's gathered copies no longer share storage to show it
+    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+    return {k: v for k, v in state.items() if k not in aliases}
 
 
 def _rng_state():
@@ -473,12 +577,14 @@ _WAIT_GROUP = []
 
 
 @contextmanager
-def _dcp_call():
-    """Around a torch.distributed.checkpoint save or load: its warning on every call without a
-    process group (also when told, no_dist, that one process is meant) is silenced; and a Ctrl-C
-    in the middle, which it wraps with every other failure of its workers in a
-    CheckpointException, comes out as the KeyboardInterrupt it was, so that `run` ends the run
-    with its one line naming the last checkpoint, not a traceback."""
+def _dcp_call(folder):
+    """Around a torch.distributed.checkpoint save or load of `folder`: its warning on every call
+    without a process group (also when told, no_dist, that one process is meant) is silenced; a
+    Ctrl-C in the middle, which it wraps with every other failure of its workers in a
+    CheckpointException, comes out as the KeyboardInterrupt it was (`script` then ends the run
+    with its one line); a value refused by the safe reader (_SafeLoadPlanner) names the folder."""
+    import pickle
+
     from torch.distributed.checkpoint.api import CheckpointException
 
     with warnings.catch_warnings():
@@ -486,13 +592,63 @@ def _dcp_call():
         try:
             yield
         except CheckpointException as e:
-            if any(isinstance(exc, KeyboardInterrupt) for exc, _ in e.failures.values()):
+            failures = [exc for exc, _ in e.failures.values()]
+            if any(isinstance(exc, KeyboardInterrupt) for exc in failures):
                 raise KeyboardInterrupt from e
+            if any(isinstance(exc, pickle.UnpicklingError) for exc in failures):
+                raise ValueError(f"{folder} holds values other than tensors and plain Python values: refusing to "
+                                 f"read them (they could run code)") from None
             raise
 
 
+# The classes a checkpoint's .metadata holds (torch.distributed.checkpoint's own, and the torch
+# types of its tensors): anything else in the pickle is refused before it is unpickled.
+_METADATA_CLASSES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                     ("collections", "OrderedDict"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")} | {
+    ("torch.distributed.checkpoint.metadata", n) for n in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
+        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")}
+
+
+def _check_metadata(folder):
+    """torch.distributed.checkpoint reads a checkpoint's .metadata with pickle.load, which runs
+    whatever a crafted file asks (os.system...). Read it first with an unpickler that knows only
+    the classes real metadata holds; refuse the folder, naming the file, otherwise."""
+    import pickle
+
+    class Restricted(pickle.Unpickler):
+        def find_class(self, module, name):
+            if (module, name) in _METADATA_CLASSES or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                       torch.dtype)):
+                return super().find_class(module, name)
+            raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+
+    path = os.path.join(folder, ".metadata")
+    try:
+        with open(path, "rb") as f:
+            Restricted(f).load()
+    except Exception as e:
+        raise ValueError(f"{path} is not a checkpoint's metadata ({type(e).__name__}: {e}); refusing to read it, as "
+                         f"it could run code") from None
+
+
+def _safe_load_planner():
+    """torch.distributed.checkpoint's DefaultLoadPlanner reads a checkpoint's non-tensor values
+    (the optimizer's hyper-parameters) with torch.load(weights_only=False): read each with
+    weights_only=True first, so that only tensors and plain Python values get through."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            torch.load(value, weights_only=True)  # raises UnpicklingError on anything else
+            value.seek(0)
+            super().load_bytes(read_item, value)
+
+    return SafeLoadPlanner()
+
+
 def save_checkpoint(model, tokenizer, out_dir, d, optimizer=None, scheduler=None, step=None, order=None,
-                    config=None, dtype=None):
+                    config=None, dtype=None, inputs=None):
     """Write out_dir/checkpoint: a Hugging Face export (model + tokenizer, loadable by AutoModel*)
     and, with an optimizer, the resumable training state. Collective: all ranks call.
 
@@ -502,12 +658,14 @@ def save_checkpoint(model, tokenizer, out_dir, d, optimizer=None, scheduler=None
       its own shards (no rank holds the whole optimizer state); it loads on any world size.
       The model state here is the fp32 master copy, whatever dtype the export has.
     - `training_state.pt` (small): scheduler, every rank's RNG state, the step, the data order;
-      `trainer_state.json`: the step and the run's flags (`config`), which --resume compares.
+      `trainer_state.json`: the step, the run's flags (`config`) and what its model and data
+      flags named (`inputs`), which --resume compares.
     Everything is written into checkpoint.tmp/ and renamed into place: a kill while writing leaves
     the previous checkpoint/ (or, between the two renames, checkpoint.old/, which
-    resolve_checkpoint finds). The first checkpoint of an --overwrite run deletes the run it
-    replaces (prepare_out_dir).
+    resolve_checkpoint finds); so does a write that fails (a full disk: the error says so).
     """
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
     state = full_state_dict(model, d)  # empty on ranks other than 0 under FSDP
     path = os.path.join(out_dir, "checkpoint")
     tmp, old = path + ".tmp", path + ".old"
@@ -515,44 +673,49 @@ def save_checkpoint(model, tokenizer, out_dir, d, optimizer=None, scheduler=None
         shutil.rmtree(tmp, ignore_errors=True)
     if d.world_size > 1:
         dist.barrier()
-    extra = None
-    if optimizer is not None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+    try:
+        extra = None
+        if optimizer is not None:
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_state, optim_state = get_state_dict(model, optimizer)
-        with _dcp_call():
-            dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=os.path.join(tmp, "sharded"),
-                     no_dist=not dist.is_initialized())
-        rngs = [None] * d.world_size
-        if d.world_size > 1:
-            dist.all_gather_object(rngs, _rng_state())
-        else:
-            rngs = [_rng_state()]
-        extra = {"scheduler": scheduler.state_dict() if scheduler else None, "rng": rngs, "step": step,
-                 **(order.state_dict() if order is not None else {})}
+            model_state, optim_state = get_state_dict(model, optimizer)
+            with _dcp_call(tmp):
+                dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=os.path.join(tmp, "sharded"),
+                         no_dist=not dist.is_initialized())
+            rngs = [None] * d.world_size
+            if d.world_size > 1:
+                dist.all_gather_object(rngs, _rng_state())
+            else:
+                rngs = [_rng_state()]
+            extra = {"scheduler": scheduler.state_dict() if scheduler else None, "rng": rngs, "step": step,
+                     **(order.state_dict() if order is not None else {})}
+        if d.is_main:
+            if dtype is not None:
+                state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+            model.save_pretrained(tmp, state_dict=state)
+            if dtype is not None:  # the config names the dtype the weights are stored in
+                with open(os.path.join(tmp, "config.json")) as f:
+                    cfg_json = json.load(f)
+                cfg_json["dtype"] = str(dtype).removeprefix("torch.")
+                _write_json(os.path.join(tmp, "config.json"), cfg_json)
+            tokenizer.save_pretrained(tmp)
+            if extra is not None:
+                torch.save(extra, os.path.join(tmp, "training_state.pt"))
+                _write_json(os.path.join(tmp, "trainer_state.json"),
+                            {"step": step, "config": dataclasses.asdict(config) if config else {}, "inputs": inputs or {}})
+    except (Exception, CheckpointException) as e:  # most often a full disk: torch's writers say "unexpected pos"
+        free = shutil.disk_usage(out_dir).free
+        full = free < 2**26 or "No space left" in str(e)
+        raise OSError(f"{'no space left on the device: ' if full else ''}writing the checkpoint into {tmp} failed "
+                      f"({type(e).__name__}: {e}); {free / 2**20:.0f} MiB are free there. The last checkpoint "
+                      f"({path}) is untouched") from e
     if d.is_main:
-        if dtype is not None:
-            state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-        model.save_pretrained(tmp, state_dict=state)
-        if dtype is not None:  # the config names the dtype the weights are stored in
-            with open(os.path.join(tmp, "config.json")) as f:
-                cfg_json = json.load(f)
-            cfg_json["dtype"] = str(dtype).removeprefix("torch.")
-            _write_json(os.path.join(tmp, "config.json"), cfg_json)
-        tokenizer.save_pretrained(tmp)
-        if extra is not None:
-            torch.save(extra, os.path.join(tmp, "training_state.pt"))
-            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-                json.dump({"step": step, "config": dataclasses.asdict(config) if config else {}}, f, indent=2)
         if os.path.isdir(path):
             shutil.rmtree(old, ignore_errors=True)
             os.rename(path, old)
         os.rename(tmp, path)
         shutil.rmtree(old, ignore_errors=True)
-        if os.path.abspath(out_dir) in _REPLACING:  # the new run has its first checkpoint: the old one can go
-            shutil.rmtree(os.path.join(out_dir, ".replaced"))
-            _REPLACING.remove(os.path.abspath(out_dir))
     del state
     _wait_for_rank0(d)
     return path
@@ -561,19 +724,22 @@ def save_checkpoint(model, tokenizer, out_dir, d, optimizer=None, scheduler=None
 def load_training_state(path, model, optimizer, scheduler, order, d):
     """Restore model and optimizer state (each rank reads its own shards of `sharded/`, on any
     world size), scheduler, data order and, on the world size that wrote it, each rank's RNG
-    state. Returns the step the checkpoint was written at."""
+    state. Returns the step the checkpoint was written at. Only tensors and plain values are
+    read: the metadata through a restricted unpickler, everything else with weights_only."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    if not os.path.isdir(os.path.join(path, "sharded")):
+    sharded_dir = os.path.join(path, "sharded")
+    if not os.path.isdir(sharded_dir):
         raise FileNotFoundError(f"{path} has no sharded/ training state (a checkpoint of an older version, which "
                                 f"kept it in training_state.pt): it cannot be resumed; start a new run from it "
                                 f"(--model {path})")
+    _check_metadata(sharded_dir)
     state = torch.load(os.path.join(path, "training_state.pt"), weights_only=True, map_location="cpu")
     model_state, optim_state = get_state_dict(model, optimizer)  # the layout to read into
     sharded = {"model": model_state, "optimizer": optim_state}
-    with _dcp_call():
-        dcp.load(sharded, checkpoint_id=os.path.join(path, "sharded"), no_dist=not dist.is_initialized())
+    with _dcp_call(sharded_dir):
+        dcp.load(sharded, checkpoint_id=sharded_dir, planner=_safe_load_planner(), no_dist=not dist.is_initialized())
     set_state_dict(model, optimizer, model_state_dict=sharded["model"], optim_state_dict=sharded["optimizer"])
     if scheduler is not None and state["scheduler"] is not None:
         scheduler.load_state_dict(state["scheduler"])
@@ -584,15 +750,15 @@ def load_training_state(path, model, optimizer, scheduler, order, d):
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
     else:  # sampling and data order are seeded by step and global row, not by these states
-        common.print0(f"note: {path} was written by {len(state['rng'])} rank(s), resumed on {d.world_size}: the weights, "
-               f"optimizer state and data order carry over; the per-rank RNG states do not")
+        common.print0(f"note: {path} was written by {len(state['rng'])} rank(s), resumed on {d.world_size}: the "
+                      f"weights, optimizer state and data order carry over; the per-rank RNG states do not")
     order.load_state_dict(state)
     common.print0(f"resumed from {path} at step {state['step']}")
     return state["step"]
 
 
 # -----------------------------------------------------------------------------
-# config: one flat dataclass per script, parsed from the command line
+# the command line: one flat dataclass per script; Ctrl-C and SIGTERM
 
 
 @functools.lru_cache(maxsize=None)
@@ -611,67 +777,79 @@ def _field_docs(cls):
     return docs
 
 
-_INTERRUPTED = False
+_INTERRUPTED = None  # the signal that interrupted the run (SIGINT or SIGTERM), once one has
 
 
-def _on_ctrl_c(signum, frame):
+def _on_signal(signum, frame):
     global _INTERRUPTED
-    _INTERRUPTED = True
+    _INTERRUPTED = signum
     raise KeyboardInterrupt
 
 
 def raise_if_interrupted():
     """Python raises a Ctrl-C's KeyboardInterrupt wherever the main thread is; inside a finaliser
     (a __del__ or weakref callback, run often while checkpoints are written) it is printed as
-    "Exception ignored" and dropped, and the run went on. `run` records every Ctrl-C, and each
+    "Exception ignored" and dropped, and the run went on. `script` records every signal, and each
     optimizer step raises one that was dropped."""
     if _INTERRUPTED:
         raise KeyboardInterrupt
 
 
+def _command():
+    """The command that started this process, without --resume and --overwrite: `python ...`, or
+    torchrun's (add your rendezvous flags on several nodes)."""
+    args = " ".join(a for a in sys.argv if a not in ("--resume", "--overwrite"))
+    if "LOCAL_WORLD_SIZE" not in os.environ:
+        return f"python {args}"
+    local, nodes = os.environ["LOCAL_WORLD_SIZE"], int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"])
+    return f"torchrun {f'--nnodes {nodes} ' if nodes > 1 else ''}--nproc_per_node {local} {args}"
+
+
 def script(main, cls):
-    """Parse the command line into cls and run main. Ctrl-C ends with one line naming the last
-    resumable checkpoint and the command that continues from it, not a traceback. A run that
-    fails or is interrupted before the first checkpoint of an --overwrite puts the old run back."""
+    """Parse the command line into cls and run main. A Ctrl-C (SIGINT) or a SIGTERM (a scheduler's,
+    or torchrun's as it stops) ends the run with one line naming the last resumable checkpoint
+    and the command that continues from it, not a traceback; exit status 130 or 143. A Ctrl-C
+    is ignored where the shell asked for that (a background job `cmd &` starts with SIGINT
+    ignored); SIGTERM is not. A run that fails leaves out_dir as `Run.abandon` says."""
     global _INTERRUPTED
     cfg = parse_config(cls)
-    _INTERRUPTED = False
-    ours = signal.getsignal(signal.SIGINT) is signal.default_int_handler  # not when a caller installed its own
-    if ours:
-        signal.signal(signal.SIGINT, _on_ctrl_c)
+    _INTERRUPTED, installed = None, {}
+    for sig, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
+        if signal.getsignal(sig) is default:  # not when ignored, nor when a caller installed its own
+            installed[sig] = signal.signal(sig, _on_signal)
     try:
         main(cfg)
     except BaseException as e:
-        restored = os.path.abspath(cfg.out_dir) in _REPLACING and restore_replaced(cfg.out_dir)
-        if restored:
-            common.print0(f"\nthe run stopped before its first checkpoint: the run it was replacing in {cfg.out_dir} is "
-                   f"restored", file=sys.stderr)
+        for r in _RUNS:
+            r.abandon()
         # a Ctrl-C can surface as another exception: one raised by a context's __exit__ that the
         # KeyboardInterrupt was unwinding through (torch.save's zip writer: "unexpected pos"),
         # which torch.distributed.checkpoint then wraps; the handler's record says what it was
         if not (isinstance(e, KeyboardInterrupt) or _INTERRUPTED):
             raise
-        if restored:
-            sys.exit(130)
         ckpt = resolve_checkpoint(cfg.out_dir)
-        if os.path.isfile(os.path.join(ckpt, "trainer_state.json")):
-            with open(os.path.join(ckpt, "trainer_state.json")) as f:
-                step = json.load(f)["step"]
-            again = " ".join(a for a in sys.argv if a not in ("--resume", "--overwrite"))
-            common.print0(f"\ninterrupted. Last checkpoint: {ckpt} (step {step}); continue with: "
-                   f"python {again} --resume", file=sys.stderr)
+        try:
+            state = _trainer_state(ckpt) if cfg.out_dir else None
+        except ValueError:
+            state = None
+        what = "terminated (SIGTERM)" if _INTERRUPTED == signal.SIGTERM else "interrupted"
+        if state is not None:
+            line = f"{what}. Last checkpoint: {ckpt} (step {state['step']}); continue with: {_command()} --resume"
         else:
-            common.print0(f"\ninterrupted before any resumable checkpoint in {cfg.out_dir} (--save_every N writes them)",
-                   file=sys.stderr)
-        sys.exit(130)
+            line = f"{what} before any resumable checkpoint in {cfg.out_dir} (--save_every N writes them)"
+        if "LOCAL_WORLD_SIZE" in os.environ:
+            line += "\n(a traceback of torchrun's that may follow reports the same signal)"
+        common.print0("\n" + line, file=sys.stderr)
+        sys.exit(128 + (_INTERRUPTED or signal.SIGINT))
     finally:
-        if ours:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+        _RUNS.clear()
+        for sig, old in installed.items():
+            signal.signal(sig, old)
 
 
 def parse_config(cls, argv=None):
     """Build a Config from the command line: `--lr 1e-6`, `--lr=1e-6`, `--flag` / `--no-flag`,
-    `--x none` for an optional field. An unknown flag or a value of the wrong type exits with an
+    `--x none` (or `--x ""`) for an optional field. An unknown flag or a value of the wrong type exits with an
     error that names it (argparse)."""
     docs, hints = _field_docs(cls), typing.get_type_hints(cls)
     parser = argparse.ArgumentParser(description=(sys.modules[cls.__module__].__doc__ or "").split("\n\n")[0],
@@ -688,7 +866,7 @@ def parse_config(cls, argv=None):
             continue
         convert = tp
         if optional:
-            convert = lambda s, tp=tp: None if s.lower() == "none" else tp(s)
+            convert = lambda s, tp=tp: None if s.lower() in ("none", "") else tp(s)
             convert.__name__ = tp.__name__
         parser.add_argument(f"--{f.name}", type=convert, metavar=tp.__name__.upper(), **kw)
     return cls(**vars(parser.parse_args(argv)))

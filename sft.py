@@ -90,7 +90,7 @@ class Config:
     overwrite: bool = False
     """replace the checkpoint and metrics already in out_dir"""
     seed: int = 0
-    """seed for model init and data order (the same on every rank) [>= 0]"""
+    """seed for model init and data order (the same on every rank) [0, 4294967295]"""
     wandb: bool = False
     """also log to Weights & Biases"""
     trust_remote_code: bool = False
@@ -166,8 +166,10 @@ def main(cfg):
     train = data.load_data(cfg.dataset, "train", columns, kind="sft", n=cfg.n_train, seed=cfg.seed, holdout=split)
     test = data.load_data(cfg.eval_dataset or cfg.dataset, cfg.eval_split, columns, kind="sft", n=cfg.n_eval,
                           seed=cfg.seed, holdout=split)
+    order = common.DataOrder(len(train), cfg.seed, batch=cfg.batch_size, source=f"--dataset {cfg.dataset}")
     run.check_model_paths(cfg, "model")
-    resume_from = run.prepare_out_dir(cfg, d)
+    job = run.Run(cfg, d)  # checks and locks out_dir; writes nothing yet
+    resume_from = job.resume_from
     tokenizer = common.load_tokenizer(resume_from or cfg.model, cfg.trust_remote_code, cfg.chat_template)
     model = common.load_model(resume_from or cfg.model, tokenizer, trust_remote_code=cfg.trust_remote_code, d=d)
     common.check_context(model, cfg.max_prompt_len, cfg.max_response_len)
@@ -183,14 +185,9 @@ def main(cfg):
 
     optimizer, scheduler = common.make_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps,
                                                  cfg.steps)
-    logger = run.Logger(cfg.out_dir, cfg, d, use_wandb=cfg.wandb, project="rlhf-sft")
     common.print0(f"sft: {n_params / 1e6:.2f}M parameters, {len(train)} train rows, world size {d.world_size}{d.layout}, "
                   f"micro-batch {micro} x {cfg.grad_accum} accumulation")
-    order = common.DataOrder(len(train_p), cfg.seed)
-    start, last_ckpt = 1, None
-    if resume_from:
-        start = run.load_training_state(resume_from, model, optimizer, scheduler, order, d) + 1
-        last_ckpt = resume_from
+    start = job.begin(model, tokenizer, optimizer, scheduler, order)  # restores a resumed run's state
 
     def evaluate():
         metrics = {"eval/loss": eval_loss(model, test_p, test_c, tokenizer.pad_token_id, d, cfg.eval_batch_size)}
@@ -200,7 +197,7 @@ def main(cfg):
         return metrics
 
     if start == 1:
-        logger.log(0, evaluate())
+        job.log(0, evaluate())
     for step in range(start, cfg.steps + 1):
         t0 = time.time()
         # ---------------------------------------------------------------------
@@ -229,18 +226,12 @@ def main(cfg):
         # 4. metrics (one all-reduce), eval, log
         metrics = common.reduce_metrics(sums, d, same={"grad_norm": grad_norm})
         metrics |= {"lr": lr, "tokens": n_tokens, "time/step": time.time() - t0}
-        run.check_finite(step, metrics, ["loss"], last_ckpt)
+        job.check(step, metrics)  # a NaN loss stops the run, naming the last good checkpoint
         if step % cfg.eval_every == 0 or step == cfg.steps:
             metrics |= evaluate()
-        logger.log(step, metrics)
-        if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
-            last_ckpt = run.save_checkpoint(model, tokenizer, cfg.out_dir, d, optimizer, scheduler, step,
-                                                   order, cfg, run.export_dtype(cfg))
+        job.log(step, metrics)  # and a checkpoint every --save_every steps
 
-    path = run.save_checkpoint(model, tokenizer, cfg.out_dir, d, dtype=run.export_dtype(cfg))
-    common.print0(f"saved {path}")
-    logger.close()
-    run.release()
+    job.finish()
 
 
 if __name__ == "__main__":

@@ -24,7 +24,31 @@ def out_dir_seen_differently(base):
             with open(os.path.join(ckpt, name), "w") as f:
                 f.write(text)
     try:
-        run.prepare_out_dir(sft.Config(out_dir=out, resume=True), d)
+        run.Run(sft.Config(out_dir=out, resume=True), d)
+    except RuntimeError as e:
+        print(f"rank {d.rank} stopped: {e}", flush=True)
+        run.release()
+        sys.exit(3)
+    run.release()
+
+
+def data_seen_differently(base):
+    """Node-local data, simulated: the same --dataset path names 200 rows on one node and 150 on
+    the other (each rank works in a folder of its own). Every rank must stop with one message,
+    not train on other rows."""
+    import json
+
+    import sft
+
+    d = common.setup_distributed(timeout_minutes=1.0)
+    node = os.path.join(base, f"node{d.rank}")
+    os.makedirs(node, exist_ok=True)
+    with open(os.path.join(node, "data.jsonl"), "w") as f:
+        for i in range(200 if d.rank == 0 else 150):
+            f.write(json.dumps({"prompt": f"sort {i % 10} 1 2 =", "completion": " 1 2"}) + "\n")
+    os.chdir(node)
+    try:
+        run.Run(sft.Config(dataset="data.jsonl", out_dir=os.path.join(base, "out")), d)
     except RuntimeError as e:
         print(f"rank {d.rank} stopped: {e}", flush=True)
         run.release()
@@ -67,6 +91,15 @@ def loaded_from_one(folder):
           f"within {diff:.1e}", flush=True)
     del model
     torch.distributed.barrier()
+
+
+def stop_ids(name):
+    """The ids each rank stops sampling at, for a model named by hub id (read from the hub cache)."""
+    d = common.setup_distributed(timeout_minutes=1.0)
+    tok = common.load_tokenizer(name)
+    model = common.load_model(name, tok, d=d)
+    print(f"rank {d.rank} stops at {common.stop_token_ids(tok, model)}", flush=True)
+    run.release()
 
 
 if __name__ == "__main__":

@@ -597,45 +597,81 @@ def test_a_model_of_the_wrong_kind_is_refused_by_name(tmp_path):
 
 def test_resume_without_a_checkpoint_starts_fresh_without_the_old_rows(tmp_path):
     """--resume on a folder with metrics but no checkpoint (killed before its first save) is a
-    fresh run: its step rows must not follow the old ones (steps 0-20 appeared twice)."""
-    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "loss": 1.0}\n{"step": 1, "loss": 0.9}\n')
+    fresh run: its step rows must not follow the old ones (steps 0-20 appeared twice). The old
+    rows are not deleted either: they move, with the folder, to out_dir.replaced-<time>."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 0, "loss": 1.0}\n{"step": 1, "loss": 0.9}\n')
     try:
-        cfg = sft.Config(model="tiny", out_dir=str(tmp_path), resume=True)
-        assert run.prepare_out_dir(cfg, common.Dist()) is None
+        job = run.Run(sft.Config(model="tiny", out_dir=str(out), resume=True), common.Dist())
+        assert job.resume_from is None
+        assert job.begin(None, None, None, None, None) == 1
+        job.logger.close()
     finally:
         run.release()  # releases the out_dir lock this process took
-    assert not (tmp_path / "metrics.jsonl").exists()
+    assert (out / "metrics.jsonl").read_text() == ""
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("run.replaced-")]
+    assert (aside / "metrics.jsonl").read_text().count("step") == 2
 
 
-def test_resume_refuses_other_flags_and_keeps_the_history(tmp_path, tiny):
+def test_resume_refuses_other_flags_and_inputs_and_keeps_the_history(tmp_path, tiny):
     """--resume with another --lr kept the old base lr (the scheduler's state) while
-    run_config.json recorded the new one; another --dataset crashed after overwriting it. The
-    flags that define the run must match the checkpoint's; those that may change are recorded."""
+    run_config.json recorded the new one; another --dataset crashed after overwriting it; a data
+    file shortened, or another checkpoint put where --model points, went on silently from other
+    rows or weights. The flags that define the run, and what its model and data flags name, must
+    be the checkpoint's; the flags that may change are recorded; a --steps the checkpoint has
+    already reached is refused instead of exporting it as final."""
+    import shutil
+
     model, tok = tiny
-    d, out = common.Dist(), str(tmp_path)
-    cfg = sft.Config(model="tiny", out_dir=out, steps=4, eval_every=100)
+    d = common.Dist()
+    data_file = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"p{i}", "completion": "c"} for i in range(8)])
+    (tmp_path / "base").mkdir()
+    model.save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    out = tmp_path / "out"
+    cfg = sft.Config(model=str(tmp_path / "base"), dataset=data_file, out_dir=str(out), steps=4, eval_every=100)
     opt, sched = common.make_optimizer(model.parameters(), 1e-3, 0.0, 0, 4)
+    order = common.DataOrder(8, 0)
     try:
-        run.prepare_out_dir(cfg, d)
-        path = run.save_checkpoint(model, tok, out, d, opt, sched, 2, common.DataOrder(8, 0), cfg)
+        job = run.Run(cfg, d)
+        job.begin(model, tok, opt, sched, order)
+        path = job.save(step=2)
+        job.logger.close()
     finally:
         run.release()
-    config = json.loads((tmp_path / "run_config.json").read_text())
-    for change, named in [(dict(lr=2e-3), "--lr 0.001 (the run) vs 0.002 (now)"),
-                          (dict(dataset="other.jsonl"), "--dataset 'sort' (the run) vs 'other.jsonl' (now)"),
-                          (dict(batch_size=32, seed=1), "--batch_size 64 (the run) vs 32 (now); --seed 0")]:
+    config = json.loads((out / "run_config.json").read_text())
+    assert set(config["inputs"]) == {"model", "dataset"}
+
+    def refused(match, **change):
         try:
-            with pytest.raises(ValueError, match=re.escape(named)):
-                run.prepare_out_dir(dataclasses.replace(cfg, resume=True, **change), d)
+            with pytest.raises(ValueError, match=re.escape(match)):
+                run.Run(dataclasses.replace(cfg, resume=True, **change), d)
         finally:
             run.release()
-        assert json.loads((tmp_path / "run_config.json").read_text()) == config  # a refused resume writes nothing
+        assert json.loads((out / "run_config.json").read_text()) == config  # a refused resume writes nothing
+
+    refused("--lr 0.001 (the run) vs 0.002 (now)", lr=2e-3)
+    refused("--n_train 50000 (the run) vs 5 (now)", n_train=5)
+    refused("--batch_size 64 (the run) vs 32 (now); --seed 0", batch_size=32, seed=1)
+    refused("is at step 2, and --steps 2 ends there", steps=2)
+    write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"p{i}", "completion": "c"} for i in range(6)])  # shortened
+    refused(f"--dataset {data_file} no longer holds what the run started from")
+    write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"p{i}", "completion": "c"} for i in range(8)])  # put back
+    shutil.copy(tmp_path / "base" / "config.json", tmp_path / "config.json")
+    torch.manual_seed(1)
+    common.load_model("tiny", tok).save_pretrained(tmp_path / "base")  # another checkpoint where --model points
+    refused(f"--model {tmp_path / 'base'} no longer holds what the run started from")
+    model.save_pretrained(tmp_path / "base")
     try:
         again = dataclasses.replace(cfg, resume=True, steps=8, eval_every=3, grad_accum=2)
-        assert run.prepare_out_dir(again, d) == path
+        job = run.Run(again, d)
+        assert job.resume_from == path
+        assert job.begin(model, tok, opt, sched, order) == 3
+        job.logger.close()
     finally:
         run.release()
-    config = json.loads((tmp_path / "run_config.json").read_text())
+    config = json.loads((out / "run_config.json").read_text())
     assert config["steps"] == 8 and config["lr"] == 1e-3
     assert [h["resumed_at_step"] for h in config["history"]] == [None, 2]
     assert config["history"][1]["changed"] == {"steps": [4, 8], "grad_accum": [1, 2], "eval_every": [100, 3]}
@@ -658,43 +694,6 @@ def test_readme_lists_the_flags_a_resume_may_change():
     section = readme[readme.index("### Resuming"):]
     section = section[:section.index("\n#", 1)]
     assert all(f"`--{k}`" in section for k in run.RESUME_MAY_CHANGE), section
-
-
-def test_an_overwrite_that_ends_early_is_undone_even_after_a_kill_mid_restore(tmp_path):
-    """prepare_out_dir(--overwrite) moves the old run aside; restore_replaced puts it back and
-    removes the new run's files; killed between its two passes, a second call still restores."""
-    out = tmp_path / "run"
-    out.mkdir()
-    old = {"metrics.jsonl": '{"step": 0}\n', "run_config.json": '{"lr": 1}'}
-    for name, text in old.items():
-        (out / name).write_text(text)
-    (out / "checkpoint").mkdir()
-    (out / "checkpoint" / "config.json").write_text("{}")
-    try:
-        assert run.prepare_out_dir(sft.Config(model="tiny", out_dir=str(out), overwrite=True), common.Dist()) is None
-    finally:
-        run.release()
-    assert sorted(os.listdir(out / ".replaced")) == ["checkpoint", "metrics.jsonl", "run_config.json"]
-    (out / "metrics.jsonl").write_text('{"step": 0, "new": 1}\n')  # the new run's first row
-    (out / "checkpoint.tmp").mkdir()  # and its first checkpoint, half written
-    rename, calls = os.rename, []
-
-    def die_at_second_move(src, dst):  # a kill in the middle of the restore
-        calls.append(src)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        rename(src, dst)
-
-    os.rename = die_at_second_move
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            run.restore_replaced(str(out))
-    finally:
-        os.rename = rename
-    assert run.restore_replaced(str(out))
-    assert sorted(os.listdir(out)) == [".lock", "checkpoint", "metrics.jsonl", "run_config.json"]
-    assert all((out / name).read_text() == text for name, text in old.items())
-    assert not run.restore_replaced(str(out))  # nothing aside any more
 
 
 def test_model_paths_that_cannot_be_hub_ids_are_refused_before_anything_runs(tmp_path, monkeypatch):
@@ -769,11 +768,11 @@ def test_a_ctrl_c_dropped_in_a_finaliser_stops_the_next_optimizer_step(monkeypat
     signal (run.script); the next optimizer step raises it again."""
     import signal
 
-    monkeypatch.setattr(run, "_INTERRUPTED", False)
+    monkeypatch.setattr(run, "_INTERRUPTED", None)
 
     class Finalised:
         def __del__(self):
-            run._on_ctrl_c(signal.SIGINT, None)  # the signal lands here, inside a __del__
+            run._on_signal(signal.SIGINT, None)  # the signal lands here, inside a __del__
 
     Finalised()  # the KeyboardInterrupt goes to sys.unraisablehook, not to us
     model = torch.nn.Linear(2, 1)
@@ -784,6 +783,6 @@ def test_a_ctrl_c_dropped_in_a_finaliser_stops_the_next_optimizer_step(monkeypat
     with pytest.raises(KeyboardInterrupt):
         common.optimizer_step(model, opt, sched, max_norm=1.0)
     assert torch.equal(model.weight, before)  # raised before the update
-    monkeypatch.setattr(run, "_INTERRUPTED", False)
+    monkeypatch.setattr(run, "_INTERRUPTED", None)
     common.optimizer_step(model, opt, sched, max_norm=1.0)
     assert not torch.equal(model.weight, before)

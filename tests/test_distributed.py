@@ -21,9 +21,20 @@ def test_ranks_that_see_different_out_dirs_stop_with_one_error_not_a_hang(tmp_pa
     r = run_worker("out_dir_seen_differently", tmp_path)
     assert r.returncode != 0 and time.time() - t0 < 60
     for rank in (0, 1):
-        assert f"rank {rank} stopped: the ranks see different contents in --out_dir" in r.stdout, r.stdout + r.stderr
-    assert "rank 0 on " in r.stdout and ": a checkpoint at step 4; rank 1 on " in r.stdout
-    assert "put out_dir on a file system all nodes share" in r.stdout
+        assert f"rank {rank} stopped: the ranks see different files" in r.stdout, r.stdout + r.stderr
+    assert "rank 0 on " in r.stdout and ": --out_dir a checkpoint at step 4; rank 1 on " in r.stdout
+    assert ": --out_dir holding checkpoint)" in r.stdout and "on a file system all nodes share" in r.stdout
+
+
+def test_ranks_that_see_different_data_stop_with_one_error(tmp_path):
+    """Node-local data files: 200 rows on one node, 150 on the other, under the same path. The
+    ranks trained without a word on different rows; now each data file is fingerprinted and
+    every rank stops with the same message naming the flag."""
+    r = run_worker("data_seen_differently", tmp_path)
+    assert r.returncode != 0
+    for rank in (0, 1):
+        assert f"rank {rank} stopped: the ranks see different files (rank 0 on " in r.stdout, r.stdout + r.stderr
+    assert r.stdout.count("--dataset ") >= 4  # each rank's line names it for both ranks
 
 
 @pytest.mark.parametrize("before, afters", [(2, (2, 1)), (1, (2,))], ids=["2to2and1", "1to2"])
@@ -77,6 +88,37 @@ def test_only_rank_0_reads_the_weights_and_every_rank_gets_them(tmp_path):
     for config in ("GPT2Config", "LlamaConfig"):
         assert f"{config}: rank 0 ok: read before sharding" in r.stdout, r.stdout
         assert f"{config}: rank 1 ok: meta before sharding" in r.stdout, r.stdout
+
+
+def test_every_rank_stops_at_the_generation_configs_end_ids_for_a_hub_model(tmp_path):
+    """A hub id whose generation_config.json adds an end-of-turn id to config.json's EOS: rank 0
+    reads the model with from_pretrained (and so the generation config); the other ranks build
+    theirs from config.json on the meta device. They read generation_config.json only from a
+    local folder, so under a hub id rank 1 sampled past the end of turn that rank 0 stopped at.
+    The hub here is a cache folder (HF_HUB_OFFLINE), as a downloaded model sits on disk."""
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import tasks
+
+    tok = tasks.char_tokenizer()
+    end_of_turn = tok.convert_tokens_to_ids("|")
+    snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / ("0" * 40)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tasks.char_gpt2_config(tok, n_layer=1, n_embd=32, n_head=2))
+    model.generation_config.eos_token_id = [tok.eos_token_id, end_of_turn]
+    model.save_pretrained(snapshot)
+    tok.save_pretrained(snapshot)
+    (tmp_path / "hub" / "models--org--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--tiny" / "refs" / "main").write_text("0" * 40)
+    env = {**SUBPROCESS_ENV_NO_TOKENIZER_THREADS, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    r = run_script(["tests/dist_worker.py", "stop_ids", "org/tiny"], 2, 180, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank} stops at {[tok.eos_token_id, end_of_turn]}" in r.stdout, r.stdout
+    assert "org--tiny" not in os.listdir(tmp_path)  # read through the cache, not a local path
 
 
 def test_hsdp_2_by_2_matches_one_process(tmp_path):

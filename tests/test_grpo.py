@@ -672,7 +672,8 @@ def test_prompt_truncation_is_counted_at_load_time(tmp_path, monkeypatch, capsys
     path = write_jsonl(tmp_path / "p.jsonl", rows)  # 12, 20 and 14 characters: the tokens of the char tokenizer
     monkeypatch.setattr(common, "make_optimizer", stop)
     with pytest.raises(Loaded):
-        grpo.main(grpo.Config(model="tiny", dataset=path, out_dir=str(tmp_path / "o"), max_prompt_len=13))
+        grpo.main(grpo.Config(model="tiny", dataset=path, out_dir=str(tmp_path / "o"), max_prompt_len=13,
+                              prompts_per_step=2))
     assert "2 of 3 prompts are longer than --max_prompt_len 13 tokens" in capsys.readouterr().out
 
 

@@ -4,6 +4,7 @@ length-normalised DPO, SimPO, RPO): each against an independent computation on h
 inputs (a per-sequence or per-token loop, a closed form, enumeration), the identities that must
 hold, and a planted-bug case each would miss if it were wrong."""
 import math
+import re
 from dataclasses import replace
 
 import pytest
@@ -237,6 +238,30 @@ def test_rloo_is_the_leave_one_out_baseline_by_a_loop():
         for i in range(5):
             others = [r[b, j].item() for j in range(5) if j != i]
             assert adv[b, i].item() == pytest.approx(r[b, i].item() - sum(others) / 4)
+
+
+# the fields of TRL's GRPOConfig and (for simpo_gamma) its experimental CPOConfig, read from TRL's source
+TRL_FIELDS = {
+    "grpo": {"beta", "num_iterations", "epsilon", "delta", "epsilon_high", "sapo_temperature_neg", "sapo_temperature_pos",
+             "importance_sampling_level", "reward_weights", "scale_rewards", "loss_type", "mask_truncated_completions",
+             "top_entropy_quantile", "entropy_coef", "vllm_importance_sampling_correction",
+             "vllm_importance_sampling_clip_max", "off_policy_mask_threshold", "temperature", "top_p", "top_k"},
+    "dpo": {"beta", "loss_type", "label_smoothing", "precompute_ref_log_probs", "simpo_gamma"},
+}
+
+
+@pytest.mark.parametrize("script", ["grpo", "dpo"])
+def test_a_flag_said_to_be_trls_is_a_trl_flag(script):
+    """--help says whose name each flag is. `sequence_token` and `rpo_alpha` were called TRL's but
+    are not in TRL's configs; a flag that keeps TRL's name keeps TRL's meaning (cispo's cap, above),
+    and one that means something else has another name (--top_entropy_share)."""
+    docs = run._field_docs(__import__(script).Config)
+    claimed = {name for name, doc in docs.items() if re.search(r"\(TRL's (CPO trainer's )?name", doc)}
+    assert claimed and claimed <= TRL_FIELDS[script], claimed - TRL_FIELDS[script]
+    if script == "grpo":
+        assert "not as a value here" in docs["importance_sampling_level"] and "top_entropy_quantile" not in docs
+    else:
+        assert "TRL 1.x has no such flag" in docs["rpo_alpha"] and "CPO trainer" in docs["simpo_gamma"]
 
 
 def test_reinforce_pp_whitens_over_tokens_as_verl_does():

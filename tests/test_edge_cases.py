@@ -1,0 +1,276 @@
+"""What a careless user does, and what a run on many GPUs meets: each case either works or stops
+with a message that names the flag, file or row, and nothing is written first, lost, or run from
+a checkpoint folder. Each test failed before its fix (the report's case is in its docstring)."""
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import common
+import run
+from helpers import (ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, chat, checkpoint_weights, read_metrics, run_here,
+                     write_jsonl)
+from test_robustness import FAST, run_fast
+
+# -----------------------------------------------------------------------------
+# checkpoints: never named good with NaN weights; safe to read; a full disk said so
+
+
+def _nan_at_update(monkeypatch, n):
+    """The n-th optimizer step writes NaN into a weight: the loss of that step, computed before
+    the update, is still finite."""
+    step, calls = common.optimizer_step, []
+
+    def poisoned(model, *a, **kw):
+        out = step(model, *a, **kw)
+        calls.append(1)
+        if len(calls) == n:
+            with torch.no_grad():
+                next(model.parameters()).view(-1)[0] = float("nan")
+        return out
+
+    monkeypatch.setattr(common, "optimizer_step", poisoned)
+
+
+def test_a_checkpoint_with_nan_weights_is_never_written_nor_named_good(tmp_path, monkeypatch):
+    """`sft.py --lr inf --warmup_steps 0 --save_every 1 --steps 3` named as the last good checkpoint
+    one whose every weight was NaN: the finiteness check read the loss of the step before the
+    update, and the checkpoint was written after it. Now the weights are checked before any save:
+    with NaN after step 2, the step-1 checkpoint stays, finite, and the error names it."""
+    out = tmp_path / "run"
+    _nan_at_update(monkeypatch, 2)
+    r = run_fast("sft.py", ["--steps", "4", "--save_every", "1", "--out_dir", str(out)])
+    assert r.returncode != 0 and "step 2: the weights hold NaN or inf" in r.stderr, r.stderr[-2000:]
+    assert f"Last good checkpoint: {out / 'checkpoint'}" in r.stderr
+    assert json.loads((out / "checkpoint" / "trainer_state.json").read_text())["step"] == 1
+    assert all(torch.isfinite(w).all() for w in checkpoint_weights(out).values())
+    r = run_fast("sft.py", ["--lr", "inf", "--warmup_steps", "0", "--save_every", "1", "--steps", "3", "--out_dir",
+                            str(tmp_path / "inf")])
+    assert r.returncode != 0 and "Last good checkpoint: none written yet" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "inf" / "checkpoint").exists()
+
+
+class _Payload:
+    """A pickle that creates a file when unpickled: what a crafted checkpoint could run."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_checkpoint_folder_runs_no_code_on_resume(tmp_path):
+    """torch.distributed.checkpoint reads sharded/.metadata with pickle.load: a .metadata whose
+    __reduce__ runs code ran it on --resume, before failing. Now it is read with an unpickler that
+    knows only the classes of checkpoint metadata: nothing runs, and the message names the file.
+    The non-tensor values of the shards (read by torch.load(weights_only=False) in torch's
+    planner) are read with weights_only=True first: the same payload there is refused too."""
+    out = tmp_path / "run"
+    assert run_fast("sft.py", ["--steps", "3", "--save_every", "2", "--out_dir", str(out)], crash="after_save:1").returncode == 9
+    metadata, marker = out / "checkpoint" / "sharded" / ".metadata", tmp_path / "ran"
+    real = metadata.read_bytes()
+    metadata.write_bytes(pickle.dumps(_Payload(str(marker))))
+    r = run_fast("sft.py", ["--steps", "3", "--save_every", "2", "--out_dir", str(out), "--resume"])
+    assert r.returncode != 0 and f"{metadata} is not a checkpoint's metadata" in r.stderr, r.stderr[-2000:]
+    assert not marker.exists()
+    metadata.write_bytes(real)
+    import io
+
+    planner = run._safe_load_planner()
+    with pytest.raises(pickle.UnpicklingError):
+        planner.load_bytes(None, io.BytesIO(pickle.dumps(_Payload(str(marker)))))
+    assert not marker.exists()
+    assert run_fast("sft.py", ["--steps", "3", "--save_every", "2", "--out_dir", str(out), "--resume"]).returncode == 0
+
+
+def test_a_full_disk_is_named_and_leaves_the_last_checkpoint(tmp_path, monkeypatch):
+    """A disk that filled up during the sharded save ended in `unexpected pos 704 vs 598` (torch's
+    zip writer). The message now says that no space is left, where, and that the last
+    checkpoint is untouched (here the step-2 one, while step 4's was written)."""
+    import shutil
+
+    out = tmp_path / "run"
+    save, usage = torch.save, shutil.disk_usage
+
+    def full(*a, **kw):
+        if (out / "checkpoint").exists():  # the disk fills up after the first checkpoint
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+        return save(*a, **kw)
+
+    monkeypatch.setattr(torch, "save", full)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(path)._replace(free=2**20))
+    r = run_fast("sft.py", ["--steps", "6", "--save_every", "2", "--out_dir", str(out)])
+    assert r.returncode != 0 and "no space left on the device: writing the checkpoint into" in r.stderr, r.stderr[-2000:]
+    assert "1 MiB are free there" in r.stderr and f"The last checkpoint ({out / 'checkpoint'}) is untouched" in r.stderr
+    assert json.loads((out / "checkpoint" / "trainer_state.json").read_text())["step"] == 2
+
+
+def test_a_damaged_trainer_state_is_named(tmp_path):
+    out = tmp_path / "run"
+    assert run_fast("sft.py", ["--steps", "3", "--save_every", "2", "--out_dir", str(out)], crash="after_save:1").returncode == 9
+    (out / "checkpoint" / "trainer_state.json").write_text('{"step": 2, "conf')
+    r = run_fast("sft.py", ["--steps", "3", "--save_every", "2", "--out_dir", str(out), "--resume"])
+    assert r.returncode != 0 and "trainer_state.json is damaged" in r.stderr and "Traceback" not in r.stderr[-300:]
+
+
+# -----------------------------------------------------------------------------
+# the run directory
+
+
+def test_nothing_is_written_before_a_run_can_start(tmp_path):
+    """run_config.json was written, and out_dir made, before a bad chat template or a model too
+    short for the prompts stopped the run. Now a run that stops before it begins leaves no
+    trace: the folder it made goes again."""
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }")
+    for args, message in [(["--chat_template", str(template)], "not a valid Jinja template"),
+                          (["--max_prompt_len", "120"], "exceeds the model's context of 128"),
+                          (["--seed", str(10**23)], "--seed 100000000000000000000000 is out of range"),
+                          (["--out_dir", ""], "--out_dir is empty")]:
+        out = tmp_path / "never"
+        r = run_fast("sft.py", ["--steps", "1", "--out_dir", str(out), *args])
+        assert r.returncode != 0 and message in r.stderr, (args, r.stderr[-2000:])
+        assert not out.exists(), args
+
+
+def test_a_model_inside_out_dir_is_refused(tmp_path):
+    """`--model X --out_dir X --overwrite` moved the model away from under the run reading it."""
+    out = tmp_path / "run"
+    assert run_fast("sft.py", ["--steps", "1", "--out_dir", str(out)]).returncode == 0
+    for model in (out, out / "checkpoint"):
+        r = run_fast("sft.py", ["--steps", "1", "--model", str(model), "--out_dir", str(out), "--overwrite"])
+        assert r.returncode != 0 and f"--model {model} is inside --out_dir {out}" in r.stderr, r.stderr[-2000:]
+    assert (out / "checkpoint" / "config.json").exists()
+
+
+def test_resuming_past_the_last_step_is_refused(tmp_path):
+    """`--resume --steps 20` on a step-105 checkpoint saved the step-105 weights as the final
+    checkpoint and dropped the resumable state without a word."""
+    out = tmp_path / "run"
+    assert run_fast("sft.py", ["--steps", "5", "--save_every", "4", "--out_dir", str(out)], crash="after_save:1").returncode == 9
+    r = run_fast("sft.py", ["--steps", "3", "--save_every", "4", "--out_dir", str(out), "--resume"])
+    assert r.returncode != 0 and "is at step 4, and --steps 3 ends there or before" in r.stderr, r.stderr[-2000:]
+    assert (out / "checkpoint" / "training_state.pt").exists()
+
+
+def test_an_empty_eval_dataset_means_none(tmp_path):
+    """`--eval_dataset ""` trained and evaluated on the same rows; "" now means what None does:
+    the file's hash split."""
+    rows = [{"prompt": f"sort {i % 10} {i // 10 % 10} 3 =", "completion": " 1"} for i in range(200)]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    r = run_here(["sft.py", *FAST["sft.py"], "--dataset", data, "--eval_dataset", "", "--steps", "1",
+                  "--out_dir", str(tmp_path / "o")])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "are kept for evaluation, not trained on" in r.stdout
+
+
+# -----------------------------------------------------------------------------
+# data smaller than a batch, on every script and world size
+
+
+SMALL = {"sft.py": ({"prompt": "sort 3 1 =", "completion": " 1 3"}, ["--batch_size", "8"], "--batch_size 8"),
+         "reward.py": ({"prompt": "sort 3 1 =", "chosen": " 1 3", "rejected": " 3"}, ["--batch_size", "8"],
+                       "--batch_size 8"),
+         "dpo.py": ({"prompt": "sort 3 1 =", "chosen": " 1 3", "rejected": " 3"}, ["--batch_size", "8"],
+                    "--batch_size 8"),
+         "grpo.py": ({"prompt": "sort 3 1 2 =", "reward_fn": "sort"}, ["--prompts_per_step", "8"], "--prompts_per_step 8")}
+
+
+@pytest.mark.parametrize("script", SMALL)
+def test_a_data_set_smaller_than_a_batch_is_refused(tmp_path, script):
+    """dpo.py with 3 pairs and --batch_size 8 trained each step on 3 pairs divided by 8 (loss
+    ln2 x 3/8, accuracy 0.1875); reward.py the same; sft.py died on rank 1 of 2 (`max() arg is an
+    empty sequence`); grpo.py crashed on a shape. Every script refuses, naming the file and the
+    flag, before it loads a model or writes anything."""
+    row, flags, flag = SMALL[script]
+    data = write_jsonl(tmp_path / "small.jsonl", [row] * 3)
+    r = run_fast(script, ["--dataset", data, "--eval_dataset" if script != "grpo.py" else "--n_eval", data if script != "grpo.py" else "4",
+                          *flags, "--out_dir", str(tmp_path / "o")])
+    assert r.returncode != 0 and f"--dataset {data} has 3 training rows, fewer than one batch ({flag})" in r.stderr, \
+        r.stderr[-2000:]
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_data_set_smaller_than_a_batch_is_refused_on_every_rank(tmp_path):
+    row, flags, flag = SMALL["sft.py"]
+    data = write_jsonl(tmp_path / "small.jsonl", [row] * 3)
+    r = run_fast("sft.py", ["--dataset", data, "--eval_dataset", data, *flags, "--out_dir", str(tmp_path / "o")], nproc=2)
+    assert r.returncode != 0 and r.stderr.count("has 3 training rows, fewer than one batch") >= 2, r.stderr[-3000:]
+
+
+# -----------------------------------------------------------------------------
+# signals: SIGTERM where Ctrl-C is ignored; the command that resumes
+
+
+def test_a_background_run_ends_cleanly_on_sigterm(tmp_path):
+    """A run started as a background job (`cmd &` in a script, nohup, a scheduler) has SIGINT
+    ignored: a Ctrl-C never reaches it, as the shell intends. What it does get, SIGTERM (a
+    scheduler's, or torchrun's as it stops), ends it as a Ctrl-C would: one line naming the last
+    checkpoint and the command to resume, exit 143, no traceback."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "sft.py", *FAST["sft.py"], "--steps", "500", "--save_every", "2",
+                             "--out_dir", str(out)], cwd=ROOT, env=SUBPROCESS_ENV_NO_TOKENIZER_THREADS,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    deadline = time.time() + 120
+    while not (out / "checkpoint" / "training_state.pt").exists():
+        assert time.time() < deadline and proc.poll() is None, "no checkpoint was written"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and "Traceback" not in err, err[-2000:]
+    assert f"terminated (SIGTERM). Last checkpoint: {out / 'checkpoint'} (step " in err
+    assert "continue with: python sft.py" in err and err.rstrip().endswith("--resume")
+
+
+def test_the_resume_command_is_the_launchers(monkeypatch):
+    """Under torchrun the resume hint said `python ...`."""
+    monkeypatch.setattr(sys, "argv", ["grpo.py", "--lr", "1e-6", "--overwrite"])
+    assert run._command() == "python grpo.py --lr 1e-6"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert run._command() == "torchrun --nproc_per_node 8 grpo.py --lr 1e-6"
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    assert run._command() == "torchrun --nnodes 2 --nproc_per_node 8 grpo.py --lr 1e-6"
+
+
+# -----------------------------------------------------------------------------
+# conversational rows read by rule rewards, end to end
+
+
+def test_rule_rewards_read_the_rows_own_conversation(tmp_path, monkeypatch):
+    """`"prompt": [{"role": "user", "content": "sort 4 5 8 ="}], "reward_fn": "sort"` crashed at
+    load (a list where the rule expected text). Rules now get the row's own prompt, as TRL passes
+    it: the sort rule reads the user's message, the math rule the row's answer (a JSON number
+    here). Completions are fixed, every other one right, so the rule reward is exactly 0.5."""
+    import grpo
+    import tasks
+
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}assistant:{% endif %}")
+    rows = [{"prompt": chat(("user", "sort 4 5 8 =")), "reward_fn": "sort", "answer": None},
+            {"prompt": chat(("user", "What is 3 + 4?")), "reward_fn": "math", "answer": 7}] * 4
+    right = {"sort 4 5 8 =": " 4 5 8", "What is 3 + 4?": " 7"}
+    seen = []
+
+    def fixed(tokenizer, r_ids, r_mask, prompt_ids=None):
+        texts = tokenizer.batch_decode(prompt_ids, skip_special_tokens=True)
+        seen.extend(texts)
+        users = [t.split("user: ")[1].split("\n")[0] for t in texts]
+        return [right[u] if k % 2 == 0 else " 0" for k, u in enumerate(users)]
+
+    monkeypatch.setattr(grpo.sampling, "decode_responses", fixed)
+    grpo.main(grpo.Config(model="tiny", dataset=write_jsonl(tmp_path / "c.jsonl", rows), chat_template=str(template),
+                          out_dir=str(tmp_path / "g"), steps=2, prompts_per_step=2, group_size=2, max_new_tokens=4,
+                          eval_every=100, n_eval_pairs=4, warmup_steps=0))
+    assert seen and all(t.startswith("user: ") for t in seen)  # the sampler saw the rendered template
+    assert [r["reward/rule"] for r in read_metrics(tmp_path / "g")] == [0.5, 0.5]
+    assert tasks.REWARD_FNS["sort"](rows[0]["prompt"], " 4 5 8") == 1.0
