@@ -8,7 +8,9 @@ lengths, beta, learning rate, AdamW, precision and number of optimizer steps. Ev
 in a fresh subprocess: ours is the real script, timed from its metrics.jsonl (`time/step`);
 TRL is this file in `--child` mode, timed per optimizer step by a TrainerCallback
 (on_step_begin -> on_step_end, each after a device sync). The first step is warm-up and left
-out; the figure is the median of the rest. Peak memory is the child's peak RSS (os.wait4) on
+out; the figure is the median of the rest. Every case runs --repeats times (3), ours and TRL
+alternating, the order flipped every repeat (ABBA): each ratio is computed within a repeat, from
+runs side by side, and the median over repeats is reported with the range of the repeats. Peak memory is the child's peak RSS (os.wait4) on
 CPU; on GPU torch.cuda.max_memory_allocated since the child started (model load, reference,
 optimizer state and every step included) on both sides: ours logs it as mem/peak_gib, TRL's
 is read at the end of every step.
@@ -42,6 +44,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -327,8 +330,8 @@ def read_ours(out_dir, log_path):
     return res
 
 
-def run_variant(algo, name, side, settings, a, model_dir, data, tmp, dtype):
-    tag = f"{algo}-{name}-{os.path.basename(model_dir)}"
+def run_variant(algo, name, side, settings, a, model_dir, data, tmp, dtype, rep=0):
+    tag = f"{algo}-{name}-{os.path.basename(model_dir)}-r{rep}"
     out_dir, log = os.path.join(tmp, tag), os.path.join(tmp, tag + ".log")
     steps = a.steps + 1  # one warm-up step, left out
     t0 = time.time()
@@ -346,6 +349,7 @@ def run_variant(algo, name, side, settings, a, model_dir, data, tmp, dtype):
                              "--result", res_path], log)
         with open(res_path) as f:
             res = json.load(f)
+    shutil.rmtree(out_dir, ignore_errors=True)  # a checkpoint of GPT-2 small per run would fill the disk
     times = res["step_s"]
     if len(times) != steps:
         raise RuntimeError(f"{tag}: {len(times)} step times for {steps} steps (see {log})")
@@ -382,23 +386,36 @@ def mem_of(case, cuda):
     return case["peak_gpu_bytes"] if cuda else case["peak_rss_bytes"]
 
 
-def print_table(groups, cuda):
+def order_of(algo):
+    """The variants of an algorithm with each like-for-like pair (ours, TRL) next to each other."""
+    names = [n for ours, theirs, _, _ in PAIRS[algo] for n in (ours, theirs)]
+    return list(dict.fromkeys(names + list(VARIANTS[algo])))
+
+
+def median_run(runs):
+    """A variant's repeats as one case: the run of median seconds per step, with every repeat's."""
+    by_time = sorted(runs, key=lambda c: c["step_seconds"])
+    return by_time[(len(by_time) - 1) // 2] | {"repeats_step_seconds": [c["step_seconds"] for c in runs]}
+
+
+def print_table(groups, ratios, cuda):
     mem = "peak GPU GiB" if cuda else "peak RSS GiB"
     for (model, algo), a in groups.items():
-        print(f"\n{algo.upper()} on {model}")
+        print(f"\n{algo.upper()} on {model} (the median repeat)")
         print(f"  {'variant':12s} {'s/step':>8s} {'tok/s':>9s} {'compl.len':>9s} {mem:>12s} {'precompute s':>12s}")
         for c in a.values():
             pre = f"{c['precompute_s']:.2f}" if c.get("precompute_s") is not None else "-"
             print(f"  {c['variant']:12s} {c['step_seconds']:8.3f} {c['tokens_per_s']:9.0f} "
                   f"{c['mean_completion_len']:9.2f} {mem_of(c, cuda) / 2**30:12.3f} {pre:>12s}")
-        for ours, theirs, what, like in PAIRS[algo]:
-            o, t = a[ours], a[theirs]
-            speed, memr = o["tokens_per_s"] / t["tokens_per_s"], mem_of(o, cuda) / mem_of(t, cuda)
+        for r in (r for r in ratios if (r["model"], r["algo"]) == (model, algo)):
+            per = r["tokens_per_s_ratio_repeats"]
+            spread = f" (repeats {min(per):.2f}-{max(per):.2f})" if len(per) > 1 else ""
             verdict = ""
-            if like:
-                ok = speed >= TARGETS[algo] and memr <= 1.0
+            if r["like_for_like"]:
+                ok = r["tokens_per_s_ratio"] >= TARGETS[algo] and r["peak_memory_ratio"] <= 1.0
                 verdict = f"  (target >= {TARGETS[algo]}x at <= memory: {'met' if ok else 'NOT met'})"
-            print(f"  {ours} / {theirs} ({what}): tokens/s x{speed:.2f}, memory x{memr:.2f}{verdict}")
+            print(f"  {r['ours']} / {r['trl']} ({r['what']}): tokens/s x{r['tokens_per_s_ratio']:.2f}{spread}, "
+                  f"memory x{r['peak_memory_ratio']:.2f}{verdict}")
 
 
 def plot(groups, path, title, cuda):
@@ -443,8 +460,9 @@ def main():
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--tag", default="", help="suffix of the results file name (bench/results/trl[-TAG]-cpu.json)")
     p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of every child (default: torch's)")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="run every variant this many times, round robin, and keep its fastest run (noisy machines)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="run every variant this many times, ours and TRL alternating (ABBA); each ratio is the median "
+                        "of the repeats' ratios, their range shown")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
                    help="auto: fp32 on CPU, bf16 (autocast, fp32 weights) on a GPU that supports it: the "
                         "precision ours runs in, and the only one accepted")
@@ -483,7 +501,7 @@ def main():
     print(f"trl {trl.__version__}, torch {torch.__version__}, {util.device_name(device)}, {dtype}; "
           f"B={a.batch_size} G={a.group_size} P={a.prompt_len} R={a.response_len}, {a.steps} timed steps + 1 warm-up",
           flush=True)
-    groups, all_runs, baselines = {}, [], {}
+    groups, all_runs, baselines, ratios = {}, [], {}, []
     with tempfile.TemporaryDirectory() as tmp:
         for side in ("ours", "trl"):
             baselines[side] = run_case([os.path.relpath(__file__, util.ROOT), "--child", f"imports_{side}"],
@@ -499,9 +517,12 @@ def main():
                 data = make_data(os.path.join(tmp, f"{algo}-rows.jsonl"), n_rows, a.prompt_len, a.response_len,
                                  alphabet=exact_alphabet(common.load_tokenizer(model_dir)))
                 runs = {name: [] for name in VARIANTS[algo]}
-                for rep in range(a.repeats):  # round robin, so that a slow spell of the machine hits every variant
-                    for name, (side, settings) in VARIANTS[algo].items():
-                        case = run_variant(algo, name, side, settings, a, model_dir, data, tmp, dtype)
+                for rep in range(a.repeats):
+                    # ours and TRL alternate, and the order flips every repeat (ABBA): a slow spell of the
+                    # machine, or a drift, then weighs on both sides of every ratio alike
+                    for name in (order_of(algo) if rep % 2 == 0 else order_of(algo)[::-1]):
+                        side, settings = VARIANTS[algo][name]
+                        case = run_variant(algo, name, side, settings, a, model_dir, data, tmp, dtype, rep)
                         case |= {"model": model, "params": n_params, "repeat": rep}
                         runs[name].append(case)
                         all_runs.append(case)
@@ -513,17 +534,15 @@ def main():
                         if rep == 0:
                             who = "TRL" if side == "trl" else "ours"
                             print(f"     {who} ran: {json.dumps(case['checks'])}", flush=True)
-                groups[(model, algo)] = {name: min(r, key=lambda c: c["step_seconds"]) | {  # the fastest repeat
-                    "repeats_step_seconds": [c["step_seconds"] for c in r]} for name, r in runs.items()}
-    print_table(groups, cuda)
-    ratios = []
-    for (model, algo), g in groups.items():
-        for ours, theirs, what, like in PAIRS[algo]:
-            o, t = g[ours], g[theirs]
-            ratios.append({"model": model, "algo": algo, "ours": ours, "trl": theirs, "what": what,
-                           "like_for_like": like,
-                           "tokens_per_s_ratio": o["tokens_per_s"] / t["tokens_per_s"],
-                           "peak_memory_ratio": mem_of(o, cuda) / mem_of(t, cuda)})
+                groups[(model, algo)] = {name: median_run(r) for name, r in runs.items()}
+                for ours, theirs, what, like in PAIRS[algo]:  # one ratio per repeat, from runs side by side
+                    per = [o["tokens_per_s"] / t["tokens_per_s"] for o, t in zip(runs[ours], runs[theirs])]
+                    mem = [mem_of(o, cuda) / mem_of(t, cuda) for o, t in zip(runs[ours], runs[theirs])]
+                    ratios.append({"model": model, "algo": algo, "ours": ours, "trl": theirs, "what": what,
+                                   "like_for_like": like, "tokens_per_s_ratio": statistics.median(per),
+                                   "tokens_per_s_ratio_repeats": per, "peak_memory_ratio": statistics.median(mem),
+                                   "peak_memory_ratio_repeats": mem})
+    print_table(groups, ratios, cuda)
     config = {k: v for k, v in vars(a).items() if k not in ("child", "spec", "result")}
     config |= {"grpo_beta": GRPO_BETA, "dpo_beta": DPO_BETA}
     payload = {"trl": trl.__version__, "dtype": dtype, "config": config,

@@ -4,6 +4,7 @@ a checkpoint folder. Each test failed before its fix (the report's case is in it
 import json
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -274,3 +275,25 @@ def test_rule_rewards_read_the_rows_own_conversation(tmp_path, monkeypatch):
     assert seen and all(t.startswith("user: ") for t in seen)  # the sampler saw the rendered template
     assert [r["reward/rule"] for r in read_metrics(tmp_path / "g")] == [0.5, 0.5]
     assert tasks.REWARD_FNS["sort"](rows[0]["prompt"], " 4 5 8") == 1.0
+
+
+def test_every_models_context_is_checked_before_the_first_step(tmp_path):
+    """A reward model whose context is shorter than prompt + response failed at step 1 with an
+    IndexError in reward_scores; the policy's context error named --max_response_len, a flag
+    grpo.py does not have. Both are refused up front, naming grpo.py's own flags."""
+    import grpo
+    import tasks
+    from transformers import AutoModelForSequenceClassification
+
+    tok = tasks.char_tokenizer()
+    rm = AutoModelForSequenceClassification.from_config(tasks.char_gpt2_config(tok, n_layer=1, n_embd=32, n_head=2,
+                                                                               n_positions=64, num_labels=1))
+    rm.save_pretrained(tmp_path / "rm")
+    tok.save_pretrained(tmp_path / "rm")
+    base = ["grpo.py", "--model", "tiny", "--out_dir", str(tmp_path / "o"), "--steps", "1", "--prompts_per_step", "4"]
+    r = run_here(base + ["--reward_model", str(tmp_path / "rm")])
+    assert r.returncode != 0 and re.search(r"--max_prompt_len 64 \+ --max_new_tokens \(\+1\) 25 = 89 tokens exceeds "
+                                           r"--reward_model .*/rm's context of 64", r.stderr), r.stderr[-2000:]
+    r = run_here(base + ["--max_prompt_len", "120"])
+    assert r.returncode != 0 and "--max_prompt_len 120 + --max_new_tokens 24 = 144 tokens exceeds" in r.stderr
+    assert not (tmp_path / "o").exists()
