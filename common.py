@@ -1,31 +1,23 @@
 """What sft.py, reward.py, dpo.py and grpo.py share: distributed setup and FSDP2, padding and
-position ids, log-probs and reward scores, loading models, the optimizer step. The math of each
-algorithm lives in its own script, the sampler in sampling.py, data in data.py, and what it
-takes to run a script (flags, run directory, checkpoints, logging) in run.py.
+position ids, log-probs and reward scores, loading models, the optimizer step (each algorithm's
+math is in its script, the sampler in sampling.py, data in data.py, running a script in run.py).
 
 Shapes, named alike in every file: B rows (sequences) of a batch, G completions per prompt (a
 group), P prompt tokens, R response tokens, V vocabulary entries; N rows of a whole rollout or
-data set. A shape comment (B, P+R) follows the line that makes a tensor.
-
-Batch layout used everywhere: a prompt block left-padded to P tokens followed by a response
-block right-padded to R tokens, with no padding in the middle:
+data set. A shape comment (B, P+R) follows the line that makes a tensor. Every batch is a prompt
+block left-padded to P tokens, then a response block right-padded to R, no padding between:
 
     input_ids       (B, P+R)   [pad pad p1 p2 p3 | r1 r2 EOS pad]
     attention_mask  (B, P+R)   [ 0   0  1  1  1  |  1  1  1   0 ]
     response_mask   (B, R)                        [ 1  1  1   0 ]
 
-GPT-2 has absolute position embeddings and does not derive position ids from the attention
-mask, so every forward passes position_ids = cumsum(mask) - 1 (tests/test_common.py::
-test_left_padded_batch_matches_rows_alone shows the log-probs change without them).
-
 Three rules every script follows, so that the scripts differ only in their math:
-1. Loss: a loss function takes the global-batch denominator (tokens or pairs over all
-   micro-batches and ranks) and returns (loss, metrics), both divided by it; `backward` does
-   the rest. Accumulation and the number of ranks then never change the gradient (trl #3021).
-2. Metrics: the detached metrics of each micro-batch are added up on the device
-   (`add_metrics`) and read once per step (`reduce_metrics`: one all-reduce, one host sync).
-3. Evaluation: `map_rows` computes per-row values with the same number of forwards on every
-   rank, inside `evaluating`.
+1. Loss: a loss function takes the global-batch denominator (tokens or pairs over all micro-
+   batches and ranks) and divides loss and metrics by it; `backward` does the rest: neither
+   accumulation nor the number of ranks changes the gradient (trl #3021).
+2. Metrics: each micro-batch's detached metrics are added up on the device (`add_metrics`) and
+   read once per step (`reduce_metrics`: one all-reduce, one host sync).
+3. Evaluation: `map_rows` computes per-row values with as many forwards on every rank.
 """
 import dataclasses
 import functools
@@ -69,10 +61,8 @@ class Dist:
 
     @functools.cached_property
     def mesh(self):
-        """The device mesh FSDP2 shards over, built once (every model of the run shares its
-        process groups): 1-D over all ranks, or with hsdp 2-D (replicate, shard), so that the
-        all-gathers of parameters stay inside a node and only the gradient all-reduce crosses
-        nodes (HSDP)."""
+        """The device mesh FSDP2 shards over, one for the run: 1-D over all ranks, or with hsdp
+        (replicate, shard), so that all-gathers stay inside a node (HSDP)."""
         from torch.distributed.device_mesh import init_device_mesh
 
         if self.hsdp and self.hsdp != self.world_size:
@@ -82,15 +72,10 @@ class Dist:
 
 
 def setup_distributed(timeout_minutes=10.0, hsdp=0):
-    """Read RANK / WORLD_SIZE / LOCAL_RANK (set by torchrun) and join the process group.
-
-    The device comes from LOCAL_RANK, not the global rank, so two nodes of 8 GPUs each use
-    cuda:0-7 on each node. nccl on CUDA, gloo on CPU. Under torchrun there is a process group
-    and FSDP2 even with one process (what CPU offload needs); plain `python` has neither. More
-    processes per node than visible GPUs is refused: two ranks cannot share one GPU under nccl.
-    hsdp: the size of the groups that shard (--hsdp, usually the GPUs of a node; Dist.mesh); it
-    must divide the world size.
-    """
+    """Read RANK / WORLD_SIZE / LOCAL_RANK (torchrun's) and join the process group (nccl on CUDA,
+    gloo on CPU): under torchrun a process group and FSDP2 even for one process, under `python`
+    neither. The device is LOCAL_RANK's (cuda:0-7 on each node of 8 GPUs); more ranks per node
+    than GPUs are refused. hsdp: the size of the groups that shard (Dist.mesh)."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if hsdp and world_size % hsdp:
@@ -110,7 +95,7 @@ def setup_distributed(timeout_minutes=10.0, hsdp=0):
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes),
                                 device_id=device if device.type == "cuda" else None)
-    return Dist(rank, world_size, local_rank, device, torchrun, hsdp)
+    return Dist(rank, world_size, local_rank, device=device, torchrun=torchrun, hsdp=hsdp)
 
 
 def cleanup_distributed():
@@ -163,11 +148,9 @@ def shard_batch(n, d):
 
 
 def backward(model, loss, d, sync=True):
-    """Backpropagate a micro-batch's loss, already divided by its global-batch denominator.
-
-    FSDP averages gradients over ranks; the factor world_size turns that average into the sum,
-    so the gradient is that of the global-batch loss. `sync`: reduce-scatter the gradients after
-    this backward (the last micro-batch of an optimizer step); the others only accumulate."""
+    """Backpropagate a micro-batch's loss, already divided by its global-batch denominator. FSDP
+    averages gradients over ranks: x world_size makes that the sum, the global-batch loss's
+    gradient. `sync`: reduce-scatter after this backward (an optimizer step's last micro-batch)."""
     if hasattr(model, "set_requires_gradient_sync"):
         model.set_requires_gradient_sync(sync)
     (loss * d.world_size).backward()
@@ -182,11 +165,9 @@ def add_metrics(sums, metrics, weight=1.0):
 
 
 def reduce_metrics(sums, d, maxes=None, same=None):
-    """The step's metrics as floats, in one host sync. Collective: call on every rank.
-
-    sums: summed over ranks (each rank's share of a global-batch mean). maxes: the maximum over
-    ranks. same: values as they are (equal on every rank, like the grad norm, or a rank's own,
-    like its timings). Values may be tensors on the device or floats."""
+    """The step's metrics as floats, in one host sync. Collective. sums: summed over ranks (each
+    rank's share of a global-batch mean); maxes: the maximum over ranks; same: as they are (the
+    grad norm, a rank's timings). Values: tensors on the device, or floats."""
     def stack(values):
         return torch.stack([torch.as_tensor(v).to(d.device, torch.float64) for v in values]) if values else \
             torch.zeros(0, dtype=torch.float64, device=d.device)
@@ -199,13 +180,10 @@ def reduce_metrics(sums, d, maxes=None, same=None):
 
 
 def map_rows(fn, n, d, batch_size):
-    """fn(rows) -> (len(rows), k) values of the given rows; returns them for all n rows, (n, k),
-    on every rank. Collective.
-
-    Each rank computes a strided share in chunks of batch_size, the same number of chunks on
-    every rank (a short share is padded with row 0, computed and discarded): FSDP gathers each
-    layer collectively, so a rank with one forward more would wait for the others until the
-    collective timeout. The zero-filled results are summed over ranks."""
+    """fn(rows) -> (len(rows), k) values; returns them for all n rows, (n, k), on every rank.
+    Collective. Each rank computes a strided share in chunks of batch_size, the same number of
+    chunks on every rank (a short one padded with row 0, discarded): FSDP gathers each layer
+    collectively, and a rank with one forward more would wait out the collective timeout."""
     mine = list(range(d.rank, n, d.world_size))
     n_chunks = -(-(-(-n // d.world_size)) // batch_size)
     out = None
@@ -223,9 +201,8 @@ def map_rows(fn, n, d, batch_size):
 
 
 def transformer_blocks(model):
-    """Modules named by any `_no_split_modules` found in the model tree. Searching the whole
-    tree (not only the root) means a causal LM inside a wrapper (a PeftModel) is still sharded
-    block by block; FSDP1's transformer_auto_wrap_policy missed that."""
+    """Modules named by any `_no_split_modules` of the model tree: the whole tree, so that a causal
+    LM inside a wrapper (a PeftModel) is still sharded block by block."""
     names = set()
     for m in model.modules():
         names |= set(getattr(m, "_no_split_modules", None) or [])
@@ -237,24 +214,18 @@ def bf16_supported(device):
 
 
 def frozen_dtype(d):
-    """The dtype frozen models (reference, reward model) are loaded in: bf16 under FSDP on a GPU,
-    where the policy's forward sees bf16 parameters too (MixedPrecisionPolicy), so the reference
-    computes exactly the policy's function at half the memory. Under plain `python` the policy
-    runs fp32 weights through autocast, whose numerics a bf16 copy would not reproduce: the
-    frozen models stay fp32 there, and KL is 0 while pi = ref."""
+    """Frozen models' dtype: bf16 under FSDP on a GPU, where the policy computes with bf16
+    parameters too (MixedPrecisionPolicy): the reference's function at half the memory. Under
+    `python` the policy runs fp32 weights through autocast, which a bf16 copy would not match."""
     return torch.bfloat16 if d.torchrun and bf16_supported(d.device) else torch.float32
 
 
 def shard_model(model, d, mixed_precision=True, cpu_offload=False, activation_checkpointing=False):
-    """Place the model on its device: FSDP2 under torchrun, a plain move otherwise.
-
-    FSDP2 computes in bf16 with fp32 master weights and fp32 gradient reduction on GPUs that
-    support it (bf16 master weights lose small updates); fp32 on CPU. Pass the model on the CPU:
-    `fully_shard` moves one block at a time to the GPU and keeps its shard. `cpu_offload` keeps
-    the sharded parameters in host memory between uses (frozen models; needs a GPU). A frozen
-    model also reshards its root after every forward: FSDP keeps a root gathered for the backward
-    that follows, and a frozen model has none. Activation checkpointing recomputes each block's
-    activations in the backward pass."""
+    """The model on its device: FSDP2 under torchrun (each block, then the root), else a move.
+    FSDP2 computes in bf16 with fp32 master weights and gradient reduction where the GPU has
+    bf16, fp32 elsewhere; `fully_shard` moves block by block from the CPU. cpu_offload: the
+    shards in host memory between uses (frozen models; a GPU). A frozen root reshards after each
+    forward (no backward follows that would need it gathered)."""
     if activation_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.train()  # from_pretrained returns eval mode, in which HF models skip the checkpointing
@@ -286,11 +257,9 @@ def shard_model(model, d, mixed_precision=True, cpu_offload=False, activation_ch
 
 
 def freeze(model, d, cpu_offload=False):
-    """A frozen model (reference, reward model) on its device: no gradients, eval mode, sharded,
-    its parameters in frozen_dtype(d). Parameters only: a buffer such as a Llama's rotary
-    inv_freq stays fp32, as it does in the policy under FSDP's MixedPrecisionPolicy; in bf16
-    (model.to(bf16) casts it) the reference would not compute the policy's function (relative
-    error up to 2e-3 in the frequencies, so KL != 0 at step 0)."""
+    """A frozen model (reference, reward model): no gradients, eval mode, sharded, its parameters
+    in frozen_dtype(d). Parameters only: a Llama's rotary inv_freq buffer stays fp32, as in the
+    policy under MixedPrecisionPolicy (model.to(bf16) rounds it by up to 2e-3: KL != 0 at step 0)."""
     dtype = frozen_dtype(d)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -305,10 +274,9 @@ def load_frozen(name, tokenizer, d, kind="causal", trust_remote_code=False, cpu_
 
 
 def fill_from_rank0(model, full, d):
-    """Rank 0's weights (`full`, its whole state dict) into every rank's shards of a sharded
-    model whose other ranks were built on the meta device (load_model): each rank receives its
-    shards by broadcast. Buffers outside the state dict (rotary inv_freq, causal masks) are
-    broadcast whole. Collective: all ranks call."""
+    """Rank 0's weights (`full`, its state dict) into every rank's shards of a sharded model built
+    on the meta device elsewhere (load_model), by broadcast; buffers outside the state dict (rotary
+    inv_freq, causal masks) whole. Collective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     if not d.is_main:
@@ -327,8 +295,8 @@ def autocast(d, enabled=True):
 
 @contextmanager
 def unsharded(model):
-    """Gather FSDP parameters once for a whole rollout instead of once per generated token
-    (pytorch #123962), and keep them gathered until the block ends. No-op without FSDP."""
+    """Gather FSDP parameters once for a whole rollout, not once per token (pytorch #123962), until
+    the block ends. No-op without FSDP."""
     from torch.distributed.fsdp import FSDPModule
 
     mods = [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -349,9 +317,9 @@ def unsharded(model):
 
 @contextmanager
 def evaluating(model, gather=False):
-    """Eval mode and no gradients for the block, then the mode the model had. With `gather`, the
-    parameters are gathered once for the block (`unsharded`): for generation, whose forward count
-    differs from rank to rank; without it, every rank must run as many forwards (`map_rows`)."""
+    """Eval mode and no gradients for the block. gather: the parameters gathered once (`unsharded`),
+    for generation, whose forwards differ in number between ranks; without it every rank must run
+    as many forwards (`map_rows`)."""
     was_training = model.training
     model.eval()
     try:
@@ -385,10 +353,8 @@ def pad(seqs, pad_id, side="right", length=None):
 
 
 def join_prompt_response(prompts, responses, pad_id):
-    """Left-pad the prompts, right-pad the responses, and join them: no padding in the middle.
-
-    Returns input_ids (B, P+R), attention_mask (B, P+R) and response_mask (B, R).
-    """
+    """Prompts left-padded, responses right-padded, joined: input_ids, attention_mask (B, P+R)
+    and response_mask (B, R)."""
     p_ids, p_mask = pad(prompts, pad_id, side="left")
     r_ids, r_mask = pad(responses, pad_id, side="right")
     return torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1), r_mask
@@ -399,13 +365,9 @@ def join_prompt_response(prompts, responses, pad_id):
 
 
 class _SelectiveLogSoftmax(torch.autograd.Function):
-    """log softmax(x)[y] chunk by chunk, with a hand-written backward into one gradient buffer.
-
-    d/dx_j log softmax(x)[y] = 1[j = y] - softmax(x)_j, so the backward needs only the saved
-    logits: no (N, V) log_softmax is ever stored, and autograd does not allocate a full-size
-    zero gradient per chunk as it would through slicing. Each chunk uses the fused
-    log_softmax / softmax kernels (one pass each; logsumexp takes several on CPU).
-    """
+    """log softmax(x)[y] chunk by chunk, with a hand-written backward into one gradient buffer:
+    d/dx_j log softmax(x)[y] = 1[j = y] - softmax(x)_j needs only the saved logits, so no (N, V)
+    log_softmax is stored and no full-size zero gradient allocated per chunk (as slicing would)."""
 
     @staticmethod
     def forward(ctx, logits, labels, rows):  # (N, V), (N,)
@@ -429,9 +391,8 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
 
 
 def _chunk_rows(logits, chunk_elems):
-    """Rows per chunk of about `chunk_elems` logits: 2^22 (16 MB in fp32) on a CPU, small enough
-    for its allocator to reuse; 2^26 on a GPU, where 16 MB chunks left the kernels too short to
-    fill the device (bench/logprobs.py)."""
+    """Rows per chunk of about `chunk_elems` logits: 2^22 (16 MB in fp32) on a CPU, for its
+    allocator to reuse; 2^26 on a GPU, where smaller chunks starve the kernels (bench/logprobs.py)."""
     if chunk_elems is None:
         chunk_elems = 2**26 if logits.device.type == "cuda" else 2**22
     return max(1, chunk_elems // logits.shape[-1])
@@ -467,14 +428,10 @@ def _accepts(model, arg):
 
 def response_logprobs(model, input_ids, attention_mask, n_response, temperature=1.0, with_entropy=False,
                       entropy_grad=False):
-    """Per-token log-probs of the response block, (B, R), from one forward with position ids;
-    with_entropy: also the entropy of each position's distribution, (B, R), detached unless
-    `entropy_grad` (an entropy bonus in the loss). Both at the sampling temperature.
-
-    The logit at position t predicts token t+1, so the R response tokens are predicted by the
-    R positions before them: logits[:, P-1 : P+R-1]. Only those are computed when the model
-    accepts `logits_to_keep` (all HF causal LMs do), which avoids a (B, P+R, V) tensor.
-    """
+    """Per-token log-probs of the response block, (B, R), at the sampling temperature, from one
+    forward with position ids (GPT-2 does not derive them from the mask); with_entropy: also each
+    position's entropy, detached unless entropy_grad. Position t predicts token t+1: only the R
+    positions before the response are computed (`logits_to_keep`), never a (B, P+R, V) tensor."""
     kw = dict(input_ids=input_ids, attention_mask=attention_mask,
               position_ids=position_ids_from_mask(attention_mask), use_cache=False)
     if _accepts(model, "logits_to_keep"):
@@ -498,13 +455,9 @@ def sequence_logprobs(model, batch, d):
 
 
 def reward_scores(model, input_ids, attention_mask):
-    """Scalar score of each sequence from an AutoModelForSequenceClassification, (B,).
-
-    Read at the last real token (by the attention mask, whatever the padding side, so pad ==
-    eos does no harm; transformers #35352), with position ids. The per-position scores are
-    taken from the `score` head inside the model's own forward, so FSDP gathers the head's
-    weights as usual. A gain and bias stored in the config (reward.py --normalize) apply.
-    """
+    """Scalar score of each sequence, (B,), from an AutoModelForSequenceClassification's `score`
+    head (hooked inside its forward, so FSDP gathers it as usual), read at the last real token by
+    the mask (pad == eos does no harm: transformers #35352); the config's gain and bias apply."""
     head = getattr(model, "score", None)
     if head is None:
         raise ValueError(f"{type(model).__name__} has no `score` head: not a sequence-classification model")
@@ -533,9 +486,8 @@ def ranking_accuracy(chosen, rejected):
 
 
 def load_tokenizer(name, trust_remote_code=False, chat_template=""):
-    """`tiny` (the embedded task's character tokenizer), a local checkpoint folder, a GGUF file or
-    packaged model (model_folder), or a hub id.
-    chat_template: a Jinja file that replaces the tokenizer's own (saved with the checkpoint)."""
+    """`tiny` (the embedded task's), a checkpoint folder, a GGUF file or packaged model, or a hub
+    id; chat_template: a Jinja file that replaces the tokenizer's own."""
     if name == "tiny":
         import tasks
 
@@ -557,14 +509,9 @@ def load_tokenizer(name, trust_remote_code=False, chat_template=""):
 
 
 class FP32Head(torch.nn.Linear):
-    """An LM head that computes its logits in fp32, whatever the dtype of its input and weight.
-
-    In bf16, logits of GPT-2 (often 30-120) have steps of 0.25-0.5: the same token's log-prob
-    could move by ~0.1 between two batch layouts, so rho != 1 on the first pass, clipping fires
-    where nothing changed and KL != 0 while pi = pi_ref. In fp32 the bf16 operands multiply
-    exactly (TF32 on a GPU: the flag at the top of this file) and accumulate in fp32. Costs an
-    fp32 copy of the weight per forward; only the positions of `logits_to_keep` pass through it.
-    """
+    """An LM head that computes its logits in fp32. In bf16, GPT-2's logits (often 30-120) have
+    steps of 0.25-0.5: a log-prob could move by ~0.1 between two batch layouts, so rho != 1 on the
+    first pass and KL != 0 while pi = pi_ref. bf16 operands multiply exactly in fp32 (TF32)."""
 
     def forward(self, x):
         with torch.autocast(x.device.type, enabled=False) if x.device.type in ("cuda", "cpu") else nullcontext():
@@ -573,24 +520,13 @@ class FP32Head(torch.nn.Linear):
 
 
 def load_model(name, tokenizer, kind="causal", dtype=torch.float32, trust_remote_code=False, d=None):
-    """`tiny` (a small GPT-2 built from a config, tasks.py), a hub id, a local checkpoint folder, or
-    a GGUF file or packaged model (model_folder: converted once into a cached folder).
-
-    kind: "causal" (AutoModelForCausalLM; its LM head computes in fp32, FP32Head), "reward"
-    (AutoModelForSequenceClassification with one label: a trained reward model, whose score head
-    the checkpoint holds) or "new_reward" (the same, from any checkpoint: a causal LM gets a new
-    score head, as reward.py starts from the SFT model). A checkpoint of the other kind is
-    refused by name: a causal LM as a reward model would score with a random head, a reward
-    model as a policy would have no LM head. Weights load from safetensors only; remote code
-    only when asked for. Dropout is switched off everywhere, as TRL does: RLHF compares
-    log-probs of two forwards (policy and reference, new and old), and dropout would add noise
-    to every ratio.
-
-    d: under torchrun with several ranks, only rank 0 reads the weights; the others build the
-    model on the `meta` device (no memory), and shard_model fills every rank's shards from rank
-    0's copy. One copy of the weights in host memory, not one per rank (a 7B model in fp32 is
-    28 GB).
-    """
+    """`tiny` (a small GPT-2, tasks.py), a hub id, a checkpoint folder, or a GGUF file or packaged
+    model (run.model_folder). kind: "causal" (its LM head in fp32, FP32Head), "reward" (a trained
+    reward model) or "new_reward" (a new score head on any checkpoint: reward.py's start); a
+    checkpoint of the other kind is refused (a random score head, or no LM head). Safetensors
+    only; dropout off (RLHF compares log-probs of two forwards). d: under torchrun only rank 0
+    reads the weights, the others build on `meta` and shard_model fills them (one copy in host
+    memory, not one per rank)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
 
     if kind not in ("causal", "reward", "new_reward"):
@@ -643,15 +579,20 @@ def load_model(name, tokenizer, kind="causal", dtype=torch.float32, trust_remote
     return model
 
 
-def stop_token_ids(tokenizer, model):
-    """The ids that end a response, as model.generate stops: the tokenizer's EOS, then every id
-    of the model's generation_config.eos_token_id (Llama-3 and Qwen instruct list two: end of
-    turn and end of text; the tokenizer's EOS may be either)."""
+def stop_token_ids(tokenizer, model, truncate_token=""):
+    """The ids that end a response, as model.generate stops: EOS, then every id of the generation
+    config's eos_token_id (instruct models list end of turn and end of text), then a truncate
+    token (a string of one token: grpo.py's --truncate_token) last."""
     ids = [tokenizer.eos_token_id]
     extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     for i in [extra] if isinstance(extra, int) else list(extra or []):
         if i not in ids:
             ids.append(i)
+    if truncate_token:
+        t_ids = tokenizer(truncate_token, add_special_tokens=False)["input_ids"]
+        if len(t_ids) != 1:
+            raise ValueError(f"--truncate_token {truncate_token!r} is {len(t_ids)} tokens; it must be one")
+        ids += t_ids
     return ids
 
 
@@ -665,21 +606,37 @@ def check_context(model, prompt_len, response_len, response_flag="--max_response
 
 
 # -----------------------------------------------------------------------------
-# the training loop's pieces: optimizer, data order, logging
+# loading what a script trains, and its optimizer step
 
 
-def lr_schedule(optimizer, warmup_steps, total_steps):
-    """Linear warmup then cosine decay to zero (the transformers implementation)."""
-    from transformers import get_cosine_schedule_with_warmup
+def micro_batch(batch_size, grad_accum, d, flag="--batch_size"):
+    """Rows per micro-batch on each rank; the global batch must split evenly over ranks and
+    accumulation steps (checked up front, naming the flags)."""
+    if batch_size % (d.world_size * grad_accum):
+        raise ValueError(f"{flag} {batch_size} must be divisible by world size {d.world_size} x --grad_accum "
+                         f"{grad_accum}")
+    return batch_size // (d.world_size * grad_accum)
 
-    return get_cosine_schedule_with_warmup(optimizer, warmup_steps, max(total_steps, 1))
+
+def load_policy(name, cfg, d, response_len, response_flag="--max_response_len", kind="causal", shard=True):
+    """The tokenizer and the model a script trains, from --model or the checkpoint it resumes:
+    loaded (load_tokenizer, load_model), its context checked against prompt + response, and
+    sharded (FSDP2 under torchrun) unless shard=False (grpo.py copies its reference first)."""
+    tokenizer = load_tokenizer(name, cfg.trust_remote_code, cfg.chat_template)
+    model = load_model(name, tokenizer, kind=kind, trust_remote_code=cfg.trust_remote_code, d=d)
+    check_context(model, cfg.max_prompt_len, response_len, response_flag)
+    if shard:
+        model = shard_model(model, d, activation_checkpointing=cfg.activation_checkpointing)
+    return tokenizer, model
 
 
 def make_optimizer(params, lr, weight_decay, warmup_steps, total_steps):
     """AdamW (betas 0.9, 0.95; fused: one kernel for all parameters, bench/test_micro.py) and its
-    learning-rate schedule."""
+    schedule: linear warmup, then cosine decay to zero (transformers')."""
+    from transformers import get_cosine_schedule_with_warmup
+
     optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, fused=True)
-    return optimizer, lr_schedule(optimizer, warmup_steps, total_steps)
+    return optimizer, get_cosine_schedule_with_warmup(optimizer, warmup_steps, max(total_steps, 1))
 
 
 def clip_grad_norm(model, max_norm):
@@ -692,8 +649,7 @@ def clip_grad_norm(model, max_norm):
 
 def optimizer_step(model, optimizer, scheduler, max_norm):
     """Clip, step, advance the schedule, clear the gradients. Returns the pre-clip grad norm and
-    the learning rate this update used (what a log's `lr` means; the scheduler holds the next
-    one by now: with warmup the first update's lr is 0)."""
+    the learning rate this update used (with warmup the first is 0)."""
     import run
 
     run.raise_if_interrupted()
@@ -703,34 +659,3 @@ def optimizer_step(model, optimizer, scheduler, max_norm):
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return norm, lr
-
-
-class DataOrder:
-    """The rows of each global batch: one seeded permutation per epoch, the same on every rank
-    (each then takes its slice, shard_batch). Its state goes into checkpoints, so a resumed run
-    draws exactly the rows the uninterrupted one would have. A data set of fewer rows than one
-    batch is refused (`source` names it, `flag` the batch's size): the batch would be short, and
-    every loss divided by the full batch's size."""
-
-    def __init__(self, n, seed, batch=1, source="the data set", flag="--batch_size"):
-        if n < batch:
-            raise ValueError(f"{source} has {n} training rows, fewer than one batch ({flag} {batch}): give it more "
-                             f"rows or pass a smaller {flag}")
-        self.n, self.gen = n, torch.Generator().manual_seed(seed)
-        self.order, self.pos = torch.randperm(n, generator=self.gen), 0
-
-    def next(self, k):
-        """The next k row indices (a list); a new permutation when the epoch has fewer left."""
-        if self.pos + k > self.n:
-            self.order, self.pos = torch.randperm(self.n, generator=self.gen), 0
-        rows = self.order[self.pos:self.pos + k].tolist()
-        self.pos += k
-        return rows
-
-    def state_dict(self):
-        return {"order": self.order, "pos": self.pos, "order_gen": self.gen.get_state()}
-
-    def load_state_dict(self, state):
-        self.order, self.pos = state["order"], state["pos"]
-        self.gen.set_state(state["order_gen"])
-

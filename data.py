@@ -10,6 +10,8 @@ import io
 import json
 import os
 
+import torch
+
 import common
 import run
 
@@ -201,6 +203,36 @@ def load_data(name, split, columns, kind=None, n=None, seed=0, holdout=False):
     return ds
 
 
+class DataOrder:
+    """The rows of each global batch: one seeded permutation per epoch, the same on every rank
+    (each then takes its slice, shard_batch). Its state goes into checkpoints, so a resumed run
+    draws exactly the rows the uninterrupted one would have. A data set of fewer rows than one
+    batch is refused (`source` names it, `flag` the batch's size): the batch would be short, and
+    every loss divided by the full batch's size."""
+
+    def __init__(self, n, seed, batch=1, source="the data set", flag="--batch_size"):
+        if n < batch:
+            raise ValueError(f"{source} has {n} training rows, fewer than one batch ({flag} {batch}): give it more "
+                             f"rows or pass a smaller {flag}")
+        self.n, self.gen = n, torch.Generator().manual_seed(seed)
+        self.order, self.pos = torch.randperm(n, generator=self.gen), 0
+
+    def next(self, k):
+        """The next k row indices (a list); a new permutation when the epoch has fewer left."""
+        if self.pos + k > self.n:
+            self.order, self.pos = torch.randperm(self.n, generator=self.gen), 0
+        rows = self.order[self.pos:self.pos + k].tolist()
+        self.pos += k
+        return rows
+
+    def state_dict(self):
+        return {"order": self.order, "pos": self.pos, "order_gen": self.gen.get_state()}
+
+    def load_state_dict(self, state):
+        self.order, self.pos = state["order"], state["pos"]
+        self.gen.set_state(state["order_gen"])
+
+
 # -----------------------------------------------------------------------------
 # conversational rows (TRL's formats): lists of {"role", "content"} messages, rendered to text
 # with the tokenizer's own chat template
@@ -382,6 +414,42 @@ def check_tokenizer(tokenizer, name):
     if tokenizer.eos_token_id is None:
         raise ValueError(f"{name}: its tokenizer has no EOS token (eos_token is None): responses could not end. "
                          f"Set eos_token in its tokenizer_config.json, or use a checkpoint whose tokenizer has one")
+
+
+def load_prompts(cfg, rules):
+    """grpo.py's training prompts (--dataset, --n_train of an embedded task). Where rules are
+    scored, every row gets its rule (`reward_fn`: the row's own, else --reward_fn), checked
+    against its prompt and answer here: a bad row found at step 2 would have cost a run."""
+    import tasks
+
+    columns = ["prompt"] + (["reward_fn"] if rules and not cfg.reward_fn else [])
+    train = load_data(cfg.dataset, "train", columns, kind="prompt", n=cfg.n_train, seed=cfg.seed)
+    if rules and "reward_fn" not in train.column_names:  # --reward_fn for every row
+        train = train.add_column("reward_fn", [cfg.reward_fn] * len(train))
+    if rules:
+        answers = list(train["answer"]) if "answer" in train.column_names else None
+        tasks.check_rule_rows(train["reward_fn"], train["prompt"], cfg.dataset, answers)
+    return train
+
+
+def grpo_evals(cfg, tokenizer):
+    """What grpo.py evaluates on: an embedded task's held-out prompts (rendered, and as given), and
+    held-out preference pairs (--eval_pairs, or the task's own) encoded; None where there are none."""
+    import tasks
+
+    embedded = cfg.dataset in tasks.TASKS
+    held_out = pairs = gold_pairs = None
+    if embedded:
+        rows = load_data(cfg.dataset, "test", ["prompt"], kind="prompt", n=cfg.n_eval, seed=cfg.seed)
+        held_out = {**render_chat(rows, tokenizer, cfg.dataset)[0][:], "own_prompt": list(rows["prompt"])}
+    if cfg.eval_pairs or (embedded and "preference" in tasks.TASKS[cfg.dataset]):
+        rows = load_pairs(cfg.eval_pairs or cfg.dataset, cfg.eval_pairs_split if cfg.eval_pairs else "test",
+                               cfg.n_eval_pairs, cfg.seed)
+        rows, chat = render_chat(rows.select(range(min(cfg.n_eval_pairs, len(rows)))), tokenizer,
+                                      cfg.eval_pairs or cfg.dataset)
+        pairs = encode_pairs(rows, tokenizer, cfg.max_prompt_len, cfg.max_new_tokens, "eval pairs", eos=not chat)
+        gold_pairs = None if cfg.eval_pairs else rows  # the embedded task's label noise is known
+    return {"held_out": held_out, "pairs": pairs, "gold_pairs": gold_pairs}
 
 
 def added_tokens(tokenizer):

@@ -40,47 +40,47 @@ Run:
 """
 import time
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
 
 import common
-import run
 import data
-import sampling
+import run
 import tasks
+
+LossType = Literal["sigmoid", "sigmoid_norm", "ipo", "hinge", "robust", "apo_zero", "simpo"]
 
 
 @dataclass
-class Config:
+class Config(run.SharedConfig):
     # --- model and data ---
     model: str = "runs/sft"
     """the policy's initial weights: a local checkpoint, `tiny`, or a hub id"""
     ref_model: str | None = None
     """the frozen reference (None: the same weights as --model)"""
     dataset: str = "sort"
-    """embedded task name, hub id, or local .jsonl/.json/.parquet: prompt, chosen, rejected (or HH: chosen, rejected)"""
+    """embedded task name, hub id, or local .jsonl/.json/.parquet: prompt, chosen, rejected (or HH: chosen,
+    rejected)"""
     eval_split: str = "test"
-    """split of --dataset holding the held-out pairs (a local file without --eval_dataset: its prompts hashing
-    into a held-out 5%, data.hold_out)"""
+    """split of --dataset holding the held-out pairs (a local file without --eval_dataset: its prompts hashing into
+    a held-out 5%, data.hold_out)"""
     eval_dataset: str | None = None
     """held-out pairs from another source (e.g. a second .jsonl); None: --eval_split of --dataset"""
-    chat_template: str = ""
-    """a Jinja chat template file for conversational rows (default: the tokenizer's own)"""
     n_train: int = 8000
-    """pairs drawn from an embedded task (ignored for files and hub data sets); 250 steps of 64 see each twice [>= 1]"""
-    max_prompt_len: int = 64
-    """prompt tokens kept (from the right) [>= 1]"""
+    """pairs drawn from an embedded task (ignored for files and hub data sets); 250 steps of 64 see each twice [>=
+    1]"""
     max_response_len: int = 32
     """response tokens kept, EOS included [>= 1]"""
     # --- loss ---
     beta: float = 0.3
-    """strength of the KL regularisation towards the reference (the implicit reward's scale; 0.1 overshoots here)
-    [> 0]"""
-    loss_type: str = "sigmoid"
-    """sigmoid (DPO), sigmoid_norm (log-ratios averaged over tokens: Tulu 3's dpo_norm), ipo, hinge (SLiC),
-    robust (rDPO), apo_zero (APO-zero), or simpo (SimPO: average log-probs, no reference model); TRL's names (simpo:
-    its CPO trainer's)"""
+    """strength of the KL regularisation towards the reference (the implicit reward's scale; 0.1 overshoots here) [>
+    0]"""
+    loss_type: LossType = "sigmoid"
+    """sigmoid (DPO), sigmoid_norm (log-ratios averaged over tokens: Tulu 3's dpo_norm), ipo, hinge (SLiC), robust
+    (rDPO), apo_zero (APO-zero), or simpo (SimPO: average log-probs, no reference model); TRL's names (simpo: its
+    CPO trainer's)"""
     label_smoothing: float = 0.0
     """assumed probability that a label is flipped: cDPO with sigmoid, rDPO's epsilon with robust [0, 0.5)"""
     simpo_gamma: float = 0.5
@@ -101,14 +101,6 @@ class Config:
     """peak learning rate (AdamW; 0 trains nothing, a check that KL and clipping stay 0) [>= 0]"""
     warmup_steps: int = 20
     """linear warmup steps before the cosine decay [>= 0]"""
-    weight_decay: float = 0.0
-    """AdamW weight decay [>= 0]"""
-    grad_clip: float = 1.0
-    """clip the global gradient norm to this (0: no clipping) [>= 0]"""
-    activation_checkpointing: bool = False
-    """recompute activations in the backward pass (less memory, ~30% more compute)"""
-    hsdp: int = 0
-    """under torchrun: shard each model within groups of this many ranks (the GPUs of a node) and replicate across the groups, so parameter all-gathers stay on intra-node links (0: shard over all ranks) [>= 0]"""
     offload_frozen: bool = False
     """keep the reference's parameters in CPU memory between uses (FSDP2 on GPUs, under torchrun)"""
     # --- evaluation ---
@@ -123,23 +115,11 @@ class Config:
     # --- run ---
     out_dir: str = "runs/dpo"
     """where metrics.jsonl and the checkpoint/ folder go"""
-    save_every: int = 0
-    """also write a resumable checkpoint (optimizer, data position) every this many steps (0: only at the end) [>= 0]"""
-    save_dtype: str = "float32"
-    """dtype of the exported weights in checkpoint/ (float32, bfloat16, float16); the resumable state stays fp32"""
-    resume: bool = False
-    """continue the run whose checkpoint is in out_dir"""
-    overwrite: bool = False
-    """replace the checkpoint and metrics already in out_dir"""
     seed: int = 0
     """seed for data order (the same on every rank) [0, 4294967295]"""
-    wandb: bool = False
-    """also log to Weights & Biases"""
-    trust_remote_code: bool = False
-    """allow a hub model's own Python code to run"""
 
 
-LOSS_TYPES = ("sigmoid", "sigmoid_norm", "ipo", "hinge", "robust", "apo_zero", "simpo")
+LOSS_TYPES = get_args(LossType)
 
 # -----------------------------------------------------------------------------
 # the loss
@@ -222,41 +202,54 @@ def all_pair_logps(model, pairs, pad_id, d, batch_size):
 # -----------------------------------------------------------------------------
 
 
-def main(cfg):
-    # 0. setup and checks that fail fast
-    run.check_ranges(cfg)  # every numeric flag within the range its --help states
-    d = common.setup_distributed(hsdp=cfg.hsdp)
-    common.set_seed(cfg.seed)
-    if cfg.batch_size % (d.world_size * cfg.grad_accum):
-        raise ValueError(f"--batch_size {cfg.batch_size} must be divisible by world size {d.world_size} "
-                         f"x --grad_accum {cfg.grad_accum}")
-    if cfg.loss_type not in LOSS_TYPES:
-        raise ValueError(f"--loss_type {cfg.loss_type!r}: expected one of {LOSS_TYPES}")
+def check_config(cfg):
+    """Flags that do not go together (each flag's own range and choices: run.check_ranges)."""
     if cfg.label_smoothing and cfg.loss_type not in ("sigmoid", "sigmoid_norm", "robust"):
         raise ValueError("--label_smoothing applies to --loss_type sigmoid, sigmoid_norm and robust only")
     if cfg.ref_model and cfg.loss_type == "simpo":
         raise ValueError("--loss_type simpo uses no reference model: drop --ref_model")
-    micro = cfg.batch_size // (d.world_size * cfg.grad_accum)
-    # the data first: a bad file or row stops the run before out_dir or any model is touched
-    train, test = data.load_preferences(cfg)
-    order = common.DataOrder(len(train), cfg.seed, batch=cfg.batch_size, source=f"--dataset {cfg.dataset}")
-    run.check_model_paths(cfg, "model", "ref_model")
-    job = run.Run(cfg, d)  # checks and locks out_dir; writes nothing yet
-    resume_from = job.resume_from
-    tokenizer = common.load_tokenizer(resume_from or cfg.model, cfg.trust_remote_code, cfg.chat_template)
-    pad_id = tokenizer.pad_token_id
 
+
+def evaluate(model, tokenizer, held_out, gold_prompts, cfg, d):
+    """The implicit reward's pairwise accuracy and mean margin on the held-out pairs (held_out: the
+    pairs encoded, their reference log-probs (N, 2) and response lengths (N, 2)); on the embedded
+    task also against the best accuracy its label noise allows, and greedy answers scored by the
+    gold reward."""
+    pairs, ref_logps, lengths = held_out
+    pol = all_pair_logps(model, pairs, tokenizer.pad_token_id, d, cfg.eval_batch_size)  # (N, 2)
+    h = (log_ratios(pol[:, 0], ref_logps[:, 0], lengths[:, 0], cfg.loss_type)
+         - log_ratios(pol[:, 1], ref_logps[:, 1], lengths[:, 1], cfg.loss_type))  # (N,) reward margin / beta
+    metrics = {"eval/accuracy": common.ranking_accuracy(h, torch.zeros_like(h)).item(),
+               "eval/margin": (cfg.beta * h).mean().item()}
+    if gold_prompts:
+        metrics |= tasks.against_bayes(metrics["eval/accuracy"], gold_prompts["pairs"])
+        metrics |= tasks.evaluate_generations(model, tokenizer, gold_prompts["prompts"], tasks.REWARD_FNS["sort"], d,
+                                              max_prompt_len=cfg.max_prompt_len, max_new_tokens=cfg.max_response_len)
+    return metrics
+
+
+# -----------------------------------------------------------------------------
+
+
+def main(cfg):
+    # 0. setup and checks that fail fast
+    d = run.start(cfg)  # flags checked, process group joined, seed set
+    micro = common.micro_batch(cfg.batch_size, cfg.grad_accum, d)
+    check_config(cfg)
+    train, test = data.load_preferences(cfg)
+    order = data.DataOrder(len(train), cfg.seed, batch=cfg.batch_size, source=f"--dataset {cfg.dataset}")
+    job = run.Run(cfg, d, models=["model", "ref_model"])  # out_dir checked and locked; nothing written yet
+    tokenizer = common.load_tokenizer(job.resume_from or cfg.model, cfg.trust_remote_code, cfg.chat_template)
     train, test, train_pairs, test_pairs = data.encode_preferences(train, test, tokenizer, cfg)
     # response tokens (N, 2) of chosen and rejected: sigmoid_norm's, simpo's and RPO's per-token averages
     train_len, test_len = (torch.tensor([[len(c), len(r)] for c, r in zip(pairs[1], pairs[2])], dtype=torch.float,
                                         device=d.device) for pairs in (train_pairs, test_pairs))
-    embedded = (cfg.eval_dataset or cfg.dataset) in tasks.TASKS
-    if embedded:  # the label noise is known: the best accuracy any model can reach on these pairs
-        bayes = tasks.bayes_accuracy(test)
-        eval_prompts = [r["prompt"] for r in tasks.prompt_rows(cfg.n_eval_prompts, seed=cfg.seed, split="test")]
+    gold = {"pairs": test, "prompts": tasks.test_prompts(cfg.n_eval_prompts, cfg.seed)} \
+        if (cfg.eval_dataset or cfg.dataset) in tasks.TASKS else None  # the embedded task's gold reward
 
     # -------------------------------------------------------------------------
     # 1. the reference: log-probs of every train and eval pair once, or a live frozen model
+    ref = ref_train = None
     if cfg.loss_type == "simpo":  # reference-free: no reference model is loaded
         ref_test, ref_train = (torch.zeros(len(x), 2, device=d.device) for x in (test, train))
     else:
@@ -264,40 +257,24 @@ def main(cfg):
         ref = common.load_frozen(cfg.ref_model or cfg.model, tokenizer, d, trust_remote_code=cfg.trust_remote_code,
                                  cpu_offload=cfg.offload_frozen)
         common.check_context(ref, cfg.max_prompt_len, cfg.max_response_len)
-        ref_test = all_pair_logps(ref, test_pairs, pad_id, d, cfg.eval_batch_size)  # (N_eval, 2)
-        ref_train = None
-    if cfg.precompute_ref and ref_train is None:
-        t_ref = time.time()
-        ref_train = all_pair_logps(ref, train_pairs, pad_id, d, cfg.eval_batch_size)  # (N_train, 2)
-        del ref
-        common.print0(f"reference log-probs of {len(train)} train pairs in {time.time() - t_ref:.1f}s")
-
+        ref_test = all_pair_logps(ref, test_pairs, tokenizer.pad_token_id, d, cfg.eval_batch_size)  # (N_eval, 2)
+        if cfg.precompute_ref:
+            t_ref = time.time()
+            ref_train = all_pair_logps(ref, train_pairs, tokenizer.pad_token_id, d, cfg.eval_batch_size)  # (N, 2)
+            ref = None  # freed
+            common.print0(f"reference log-probs of {len(train)} train pairs in {time.time() - t_ref:.1f}s")
     common.set_seed(cfg.seed)
-    model = common.load_model(resume_from or cfg.model, tokenizer, trust_remote_code=cfg.trust_remote_code, d=d)
-    common.check_context(model, cfg.max_prompt_len, cfg.max_response_len)
-    model = common.shard_model(model, d, activation_checkpointing=cfg.activation_checkpointing)
-    n_params = sum(p.numel() for p in model.parameters())
+    _, model = common.load_policy(job.resume_from or cfg.model, cfg, d, response_len=cfg.max_response_len)
     optimizer, scheduler = common.make_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps,
                                                  cfg.steps)
-    common.print0(f"dpo: {n_params / 1e6:.2f}M parameters, {len(train)} train pairs, {len(test)} eval pairs, "
-                  f"world size {d.world_size}{d.layout}, micro-batch {micro} pairs x {cfg.grad_accum} accumulation, "
-                  f"{'no' if cfg.loss_type == 'simpo' else 'precomputed' if cfg.precompute_ref else 'live'} reference")
+    common.print0(f"dpo: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {len(train)} train pairs, "
+                  f"{len(test)} eval pairs, world size {d.world_size}{d.layout}, micro-batch {micro} pairs x "
+                  f"{cfg.grad_accum}, {'live' if ref else 'no' if cfg.loss_type == 'simpo' else 'precomputed'} reference")
+    knobs = dict(beta=cfg.beta, loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing,
+                 simpo_gamma=cfg.simpo_gamma, rpo_alpha=cfg.rpo_alpha)
     start = job.begin(model, tokenizer, optimizer, scheduler, order)  # restores a resumed run's state
-
-    def evaluate():
-        pol = all_pair_logps(model, test_pairs, pad_id, d, cfg.eval_batch_size)  # (N_eval, 2)
-        h = (log_ratios(pol[:, 0], ref_test[:, 0], test_len[:, 0], cfg.loss_type)
-             - log_ratios(pol[:, 1], ref_test[:, 1], test_len[:, 1], cfg.loss_type))  # (N_eval,) reward margin / beta
-        metrics = {"eval/accuracy": common.ranking_accuracy(h, torch.zeros_like(h)).item(),
-                   "eval/margin": (cfg.beta * h).mean().item()}
-        if embedded:
-            metrics |= {"eval/bayes_accuracy": bayes, "eval/accuracy_over_bayes": metrics["eval/accuracy"] / bayes}
-            metrics |= sampling.evaluate_generations(model, tokenizer, eval_prompts, tasks.REWARD_FNS["sort"], d,
-                                                    cfg.max_prompt_len, cfg.max_response_len)
-        return metrics
-
-    if start == 1:
-        job.log(0, evaluate())  # the SFT start
+    if start == 1:  # the SFT start
+        job.log(0, evaluate(model, tokenizer, (test_pairs, ref_test, test_len), gold, cfg=cfg, d=d))
     for step in range(start, cfg.steps + 1):
         t0 = time.time()
         # ---------------------------------------------------------------------
@@ -309,15 +286,15 @@ def main(cfg):
         sums = {}
         for k in range(cfg.grad_accum):
             mb = rows[k * micro:(k + 1) * micro]
-            batch = data.pair_batch(train_pairs, mb, pad_id, d.device)
+            batch = data.pair_batch(train_pairs, mb, tokenizer.pad_token_id, d.device)  # 2 x micro rows
             pi_c, pi_r = common.sequence_logprobs(model, batch, d).chunk(2)  # (micro,), (micro,)
-            if ref_train is not None:  # precomputed (or simpo's zeros)
+            if ref is None:  # precomputed (or simpo's zeros)
                 ref_c, ref_r = ref_train[mb].unbind(1)
             else:
                 with torch.no_grad():
                     ref_c, ref_r = common.sequence_logprobs(ref, batch, d).chunk(2)
-            loss, m = dpo_loss(pi_c, pi_r, ref_c, ref_r, cfg.beta, cfg.batch_size, cfg.loss_type, cfg.label_smoothing,
-                               train_len[mb].unbind(1), cfg.simpo_gamma, cfg.rpo_alpha)
+            loss, m = dpo_loss(pi_c, pi_r, ref_c, ref_r, n_pairs=cfg.batch_size, lengths=train_len[mb].unbind(1),
+                               **knobs)
             common.backward(model, loss, d, sync=k == cfg.grad_accum - 1)
             common.add_metrics(sums, m)
 
@@ -326,15 +303,15 @@ def main(cfg):
         grad_norm, lr = common.optimizer_step(model, optimizer, scheduler, cfg.grad_clip)
 
         # ---------------------------------------------------------------------
-        # 5. metrics (one all-reduce), eval, log
+        # 5. metrics (one all-reduce), eval, log, checkpoint
         metrics = common.reduce_metrics(sums, d, same={"grad_norm": grad_norm})
         metrics |= {"lr": lr, "time/step": time.time() - t0}
         job.check(step, metrics)  # a NaN loss stops the run, naming the last good checkpoint
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            metrics |= evaluate()
+            metrics |= evaluate(model, tokenizer, (test_pairs, ref_test, test_len), gold, cfg=cfg, d=d)
         job.log(step, metrics)  # and a checkpoint every --save_every steps
-
     job.finish()
+
 
 if __name__ == "__main__":
     run.script(main, Config)

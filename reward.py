@@ -37,31 +37,27 @@ import torch
 import torch.nn.functional as F
 
 import common
-import run
 import data
+import run
 import sampling
 import tasks
 
 
 @dataclass
-class Config:
+class Config(run.SharedConfig):
     # --- model and data ---
     model: str = "runs/sft"
     """initial weights: a causal LM checkpoint (its LM head is replaced by a new score head), `tiny`, or a hub id"""
     dataset: str = "sort"
-    """embedded task, hub id (trl-lib/tldr-preference), or local .jsonl/.json/.parquet: prompt, chosen, rejected
-    (or Anthropic HH rows: chosen, rejected)"""
+    """embedded task, hub id (trl-lib/tldr-preference), or local .jsonl/.json/.parquet: prompt, chosen, rejected (or
+    Anthropic HH rows: chosen, rejected)"""
     eval_split: str = "test"
-    """split of --dataset holding the held-out pairs (a local file without --eval_dataset: its prompts hashing
-    into a held-out 5%, data.hold_out)"""
+    """split of --dataset holding the held-out pairs (a local file without --eval_dataset: its prompts hashing into
+    a held-out 5%, data.hold_out)"""
     eval_dataset: str | None = None
     """held-out pairs from another source (e.g. a second .jsonl); None: --eval_split of --dataset"""
-    chat_template: str = ""
-    """a Jinja chat template file for conversational rows (default: the tokenizer's own)"""
     n_train: int = 20000
     """pairs drawn from an embedded task (ignored for files and hub data sets) [>= 1]"""
-    max_prompt_len: int = 64
-    """prompt tokens kept (from the right) [>= 1]"""
     max_response_len: int = 32
     """response tokens kept, EOS included [>= 1]"""
     # --- loss ---
@@ -78,14 +74,6 @@ class Config:
     """peak learning rate (AdamW; 0 trains nothing, a check that KL and clipping stay 0) [>= 0]"""
     warmup_steps: int = 20
     """linear warmup steps before the cosine decay [>= 0]"""
-    weight_decay: float = 0.0
-    """AdamW weight decay [>= 0]"""
-    grad_clip: float = 1.0
-    """clip the global gradient norm to this (0: no clipping) [>= 0]"""
-    activation_checkpointing: bool = False
-    """recompute activations in the backward pass (less memory, ~30% more compute)"""
-    hsdp: int = 0
-    """under torchrun: shard each model within groups of this many ranks (the GPUs of a node) and replicate across the groups, so parameter all-gathers stay on intra-node links (0: shard over all ranks) [>= 0]"""
     # --- normalisation ---
     normalize: bool = True
     """after training, set reward_gain/bias so the policy's samples score mean 0, std 1"""
@@ -103,20 +91,8 @@ class Config:
     # --- run ---
     out_dir: str = "runs/rm"
     """where metrics.jsonl and the checkpoint/ folder go"""
-    save_every: int = 0
-    """also write a resumable checkpoint (optimizer, data position) every this many steps (0: only at the end) [>= 0]"""
-    save_dtype: str = "float32"
-    """dtype of the exported weights in checkpoint/ (float32, bfloat16, float16); the resumable state stays fp32"""
-    resume: bool = False
-    """continue the run whose checkpoint is in out_dir"""
-    overwrite: bool = False
-    """replace the checkpoint and metrics already in out_dir"""
     seed: int = 0
     """seed for the head's init and data order (the same on every rank) [0, 4294967295]"""
-    wandb: bool = False
-    """also log to Weights & Biases"""
-    trust_remote_code: bool = False
-    """allow a hub model's own Python code to run"""
 
 
 # -----------------------------------------------------------------------------
@@ -168,7 +144,8 @@ def normalization(model, tokenizer, cfg, prompts, d):
     def rewards(rows):
         texts = [prompts[i] for i in rows]
         with common.autocast(d):
-            replies = sampling.respond(policy, p_tok, texts, cfg.max_prompt_len, cfg.max_response_len, stops, d.device,
+            replies = sampling.respond(policy, p_tok, texts, max_prompt_len=cfg.max_prompt_len,
+                                       max_new_tokens=cfg.max_response_len, stops=stops, device=d.device,
                                        temperature=1.0, uniforms=u[rows])
         # re-encoded: the policy's tokenizer need not be the reward model's
         responses, _ = data.encode_responses(tokenizer, replies, cfg.max_response_len)  # a cut-off sample keeps no EOS
@@ -186,59 +163,50 @@ def normalization(model, tokenizer, cfg, prompts, d):
 # -----------------------------------------------------------------------------
 
 
+def evaluate(model, tokenizer, pairs, gold_pairs, cfg, d):
+    """Pairwise accuracy and mean margin of the rewards on held-out pairs; on the embedded task
+    (gold_pairs: its rows) also against the best accuracy its label noise allows."""
+    r = score_pairs(model, pairs, tokenizer.pad_token_id, d, cfg.eval_batch_size)  # (N, 2)
+    metrics = {"eval/accuracy": common.ranking_accuracy(r[:, 0], r[:, 1]).item(),
+               "eval/margin": (r[:, 0] - r[:, 1]).mean().item()}
+    return metrics | (tasks.against_bayes(metrics["eval/accuracy"], gold_pairs) if gold_pairs is not None else {})
+
+
+def normalize(model, tokenizer, train, cfg, d):
+    """After training: the gain and bias from the policy's own samples on train prompts, set in the
+    model's config (what the checkpoint saves), and their figures for the log."""
+    prompts = list(dict.fromkeys(train["prompt"]))[:cfg.n_normalize]
+    gain, bias, mean, std = normalization(model, tokenizer, cfg, prompts, d)
+    model.config.reward_gain, model.config.reward_bias = gain, bias
+    common.print0(f"normalize: raw reward of {len(prompts)} samples from {cfg.normalize_policy or cfg.model}: "
+                  f"mean {mean:.4f} std {std:.4f} -> gain {gain:.4f} bias {bias:.4f}")
+    return {"normalize/mean": mean, "normalize/std": std, "normalize/gain": gain, "normalize/bias": bias}
+
+
+# -----------------------------------------------------------------------------
+
+
 def main(cfg):
     # 0. setup: the same seed on every rank so every rank builds the same score head
-    run.check_ranges(cfg)  # every numeric flag within the range its --help states
-    d = common.setup_distributed(hsdp=cfg.hsdp)
-    common.set_seed(cfg.seed)
-    if cfg.batch_size % (d.world_size * cfg.grad_accum):
-        raise ValueError(f"--batch_size {cfg.batch_size} must be divisible by world size {d.world_size} "
-                         f"x --grad_accum {cfg.grad_accum}")
-    micro = cfg.batch_size // (d.world_size * cfg.grad_accum)
-    # the data first: a bad file or row stops the run before out_dir or any model is touched
+    d = run.start(cfg)  # flags checked, process group joined, seed set
+    micro = common.micro_batch(cfg.batch_size, cfg.grad_accum, d)
     train, test = data.load_preferences(cfg)
-    order = common.DataOrder(len(train), cfg.seed, batch=cfg.batch_size, source=f"--dataset {cfg.dataset}")
-    run.check_model_paths(cfg, "model", "normalize_policy")
-    job = run.Run(cfg, d)  # checks and locks out_dir; writes nothing yet
-    resume_from = job.resume_from
-    tokenizer = common.load_tokenizer(resume_from or cfg.model, cfg.trust_remote_code, cfg.chat_template)
-    model = common.load_model(resume_from or cfg.model, tokenizer, kind="new_reward",
-                              trust_remote_code=cfg.trust_remote_code, d=d)
-    common.check_context(model, cfg.max_prompt_len, cfg.max_response_len)
+    order = data.DataOrder(len(train), cfg.seed, batch=cfg.batch_size, source=f"--dataset {cfg.dataset}")
+    job = run.Run(cfg, d, models=["model", "normalize_policy"])  # out_dir checked and locked; nothing written yet
+    tokenizer, model = common.load_policy(job.resume_from or cfg.model, cfg, d, response_len=cfg.max_response_len,
+                                          kind="new_reward")
     model.config.reward_gain, model.config.reward_bias = 1.0, 0.0  # training sees raw scores
-    model = common.shard_model(model, d, activation_checkpointing=cfg.activation_checkpointing)
-    n_params = sum(p.numel() for p in model.parameters())
-
     train, test, train_pairs, test_pairs = data.encode_preferences(train, test, tokenizer, cfg)
     margins = torch.tensor(train["margin"], dtype=torch.float32) if "margin" in train.column_names else None
-    # on the embedded task the noise of the labels is known: the best accuracy any model can reach
-    bayes = tasks.bayes_accuracy(test) if (cfg.eval_dataset or cfg.dataset) in tasks.TASKS else None
-
+    gold_pairs = test if (cfg.eval_dataset or cfg.dataset) in tasks.TASKS else None  # the embedded task's noise
     optimizer, scheduler = common.make_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps,
                                                  cfg.steps)
-    common.print0(f"reward: {n_params / 1e6:.2f}M parameters, {len(train)} train pairs, {len(test)} eval pairs, "
-                  f"world size {d.world_size}{d.layout}, micro-batch {micro} pairs x {cfg.grad_accum} accumulation")
+    common.print0(f"reward: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {len(train)} train pairs, "
+                  f"{len(test)} eval pairs, world size {d.world_size}{d.layout}, micro-batch {micro} pairs x "
+                  f"{cfg.grad_accum}")
     start = job.begin(model, tokenizer, optimizer, scheduler, order)  # restores a resumed run's state
-
-    def evaluate():
-        r = score_pairs(model, test_pairs, tokenizer.pad_token_id, d, cfg.eval_batch_size)  # (N, 2)
-        metrics = {"eval/accuracy": common.ranking_accuracy(r[:, 0], r[:, 1]).item(),
-                   "eval/margin": (r[:, 0] - r[:, 1]).mean().item()}
-        if bayes is not None:
-            metrics |= {"eval/bayes_accuracy": bayes, "eval/accuracy_over_bayes": metrics["eval/accuracy"] / bayes}
-        return metrics
-
-    def normalize():
-        """Set the gain and bias from the policy's own samples (step 5, after the last update)."""
-        prompts = list(dict.fromkeys(train["prompt"]))[:cfg.n_normalize]
-        gain, bias, mean, std = normalization(model, tokenizer, cfg, prompts, d)
-        model.config.reward_gain, model.config.reward_bias = gain, bias
-        common.print0(f"normalize: raw reward of {len(prompts)} samples from {cfg.normalize_policy or cfg.model}: "
-                      f"mean {mean:.4f} std {std:.4f} -> gain {gain:.4f} bias {bias:.4f}")
-        return {"normalize/mean": mean, "normalize/std": std, "normalize/gain": gain, "normalize/bias": bias}
-
     if start == 1:
-        job.log(0, evaluate())
+        job.log(0, evaluate(model, tokenizer, test_pairs, gold_pairs, cfg=cfg, d=d))
     for step in range(start, cfg.steps + 1):
         t0 = time.time()
         # ---------------------------------------------------------------------
@@ -250,11 +218,11 @@ def main(cfg):
         sums = {}
         for k in range(cfg.grad_accum):
             mb = rows[k * micro:(k + 1) * micro]
-            ids, attn, _ = data.pair_batch(train_pairs, mb, tokenizer.pad_token_id, d.device)
+            ids, attn, _ = data.pair_batch(train_pairs, mb, tokenizer.pad_token_id, d.device)  # (2 micro, P+R)
             with common.autocast(d):
                 r_chosen, r_rejected = common.reward_scores(model, ids, attn).chunk(2)  # (micro,), (micro,)
             margin = margins[mb].to(d.device) if margins is not None else None
-            loss, m = bt_loss(r_chosen, r_rejected, cfg.batch_size, margin, cfg.center_coef)
+            loss, m = bt_loss(r_chosen, r_rejected, cfg.batch_size, margin=margin, center_coef=cfg.center_coef)
             common.backward(model, loss, d, sync=k == cfg.grad_accum - 1)
             common.add_metrics(sums, m)
 
@@ -263,17 +231,17 @@ def main(cfg):
         grad_norm, lr = common.optimizer_step(model, optimizer, scheduler, cfg.grad_clip)
 
         # ---------------------------------------------------------------------
-        # 4. metrics (one all-reduce), eval, log
+        # 4. metrics (one all-reduce), eval, log, checkpoint
         metrics = common.reduce_metrics(sums, d, same={"grad_norm": grad_norm})
         metrics |= {"lr": lr, "time/step": time.time() - t0}
         job.check(step, metrics)  # a NaN loss stops the run, naming the last good checkpoint
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            metrics |= evaluate()
+            metrics |= evaluate(model, tokenizer, test_pairs, gold_pairs, cfg=cfg, d=d)
         if step == cfg.steps and cfg.normalize:  # 5. after training: its figures join the last step's row
-            metrics |= normalize()
+            metrics |= normalize(model, tokenizer, train, cfg, d)
         job.log(step, metrics)  # and a checkpoint every --save_every steps
-
     job.finish()
+
 
 if __name__ == "__main__":
     run.script(main, Config)

@@ -291,8 +291,9 @@ class Run:
     loop stays in each script's main(); a Run holds what the loop's ends need (what to resume,
     the log, when to save, the last good checkpoint).
 
-    Run(cfg, d) checks and locks out_dir (rank 0) and writes nothing else: a run that stops
-    before `begin` (a bad flag, a model that does not load) leaves out_dir as it found it.
+    Run(cfg, d, models) checks the model flags (check_model_paths) and out_dir, locks out_dir
+    (rank 0) and writes nothing else: a run that stops before `begin` (a bad flag, a model that
+    does not load) leaves out_dir as it found it.
     - Without --resume or --overwrite, out_dir must be empty or absent: a checkpoint or any
       other file there stops the run, with what to do.
     - --resume: the flags must be the checkpoint's (RESUME_MAY_CHANGE excepted), and what the
@@ -303,9 +304,10 @@ class Run:
       moved, in one rename, to a sibling out_dir.replaced-<time>, which nothing deletes.
     """
 
-    def __init__(self, cfg, d):
+    def __init__(self, cfg, d, models=("model",)):
         if not cfg.out_dir:
             raise ValueError("--out_dir is empty: pass the folder the run writes into")
+        check_model_paths(cfg, *models)
         self.cfg, self.d, self.out_dir = cfg, d, cfg.out_dir
         self.inputs = {f: fingerprint(getattr(cfg, f)) for f in INPUT_FLAGS if getattr(cfg, f, None)}
         self.created = not os.path.exists(cfg.out_dir)
@@ -351,7 +353,7 @@ class Run:
                                                                                   scheduler, order)
         start = 1
         if self.resume_from:
-            start = load_training_state(self.resume_from, model, optimizer, scheduler, order, self.d) + 1
+            start = load_training_state(self.resume_from, model, optimizer, scheduler=scheduler, order=order, d=self.d) + 1
         if self.d.is_main:
             if self.move_aside:
                 self.replaced = f"{os.path.normpath(self.out_dir)}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -486,6 +488,23 @@ def _cut_metrics(metrics, step):
     os.replace(metrics + ".tmp", metrics)
 
 
+def sync(d):
+    """Wait for the device's queued work, so that a wall clock read next measures it (CUDA runs
+    asynchronously: without this a phase's time spills into the next one's)."""
+    if d.device.type == "cuda":
+        torch.cuda.synchronize(d.device)
+
+
+def peak_memory(d):
+    """Peak GPU memory (GiB) allocated since the last call, which starts a new window: a script's
+    phases (rollout, update) are logged apart. 0 on CPU."""
+    if d.device.type != "cuda":
+        return 0.0
+    peak = torch.cuda.max_memory_allocated(d.device) / 2**30
+    torch.cuda.reset_peak_memory_stats(d.device)
+    return peak
+
+
 class Logger:
     """metrics.jsonl (every metric, one row per step) on rank 0; a step line on stdout with the
     `show` metrics (all when None); wandb (project rlhf-<script>) with --wandb."""
@@ -557,8 +576,7 @@ EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 
 
 def export_dtype(cfg):
-    """--save_dtype as a torch dtype (None for float32: the weights as trained); check_ranges
-    has refused any other name."""
+    """--save_dtype as a torch dtype (None for float32: the weights as trained)."""
     return None if cfg.save_dtype == "float32" else EXPORT_DTYPES[cfg.save_dtype]
 
 
@@ -761,6 +779,53 @@ def load_training_state(path, model, optimizer, scheduler, order, d):
 # the command line: one flat dataclass per script; Ctrl-C and SIGTERM
 
 
+@dataclasses.dataclass
+class SharedConfig:
+    """The flags every script has, declared once; each script's Config adds its own (and gives
+    out_dir its default). --help lists a script's own flags first, then these."""
+    # --- data ---
+    chat_template: str = ""
+    """a Jinja chat template file for conversational rows (default: the tokenizer's own)"""
+    max_prompt_len: int = 64
+    """prompt tokens kept (from the right) [>= 1]"""
+    # --- optimisation ---
+    weight_decay: float = 0.0
+    """AdamW weight decay [>= 0]"""
+    grad_clip: float = 1.0
+    """clip the global gradient norm to this (0: no clipping) [>= 0]"""
+    activation_checkpointing: bool = False
+    """recompute activations in the backward pass (less memory, ~30% more compute)"""
+    hsdp: int = 0
+    """under torchrun: shard each model within groups of this many ranks (the GPUs of a node) and replicate across
+    the groups, so parameter all-gathers stay on intra-node links (0: shard over all ranks) [>= 0]"""
+    # --- run ---
+    out_dir: str = "runs/run"
+    """where metrics.jsonl and the checkpoint/ folder go"""
+    save_every: int = 0
+    """also write a resumable checkpoint (optimizer, data position) every this many steps (0: only at the end) [>=
+    0]"""
+    save_dtype: typing.Literal["float32", "bfloat16", "float16"] = "float32"
+    """dtype of the exported weights in checkpoint/; the resumable state stays fp32"""
+    resume: bool = False
+    """continue the run whose checkpoint is in out_dir"""
+    overwrite: bool = False
+    """replace the checkpoint and metrics already in out_dir"""
+    wandb: bool = False
+    """also log to Weights & Biases"""
+    trust_remote_code: bool = False
+    """allow a hub model's own Python code to run"""
+
+
+def start(cfg):
+    """A script's first lines: every flag within the range --help states and among its choices
+    (before anything is loaded or written), torchrun's process group (or a world of one), the
+    seed. Returns the common.Dist."""
+    check_ranges(cfg)
+    d = common.setup_distributed(hsdp=cfg.hsdp)
+    common.set_seed(cfg.seed)
+    return d
+
+
 @functools.lru_cache(maxsize=None)
 def _field_docs(cls):
     """The string literal under each dataclass field (its docstring) becomes its --help."""
@@ -849,12 +914,14 @@ def script(main, cls):
 
 def parse_config(cls, argv=None):
     """Build a Config from the command line: `--lr 1e-6`, `--lr=1e-6`, `--flag` / `--no-flag`,
-    `--x none` (or `--x ""`) for an optional field. An unknown flag or a value of the wrong type exits with an
-    error that names it (argparse)."""
+    `--x none` (or `--x ""`) for an optional field, one of a Literal's values for a field typed
+    with one. An unknown flag, a value of the wrong type or not among the choices exits with an
+    error that names it (argparse). A Config's own flags are listed before the shared ones."""
     docs, hints = _field_docs(cls), typing.get_type_hints(cls)
     parser = argparse.ArgumentParser(description=(sys.modules[cls.__module__].__doc__ or "").split("\n\n")[0],
                                      allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for f in dataclasses.fields(cls):
+    shared = {f.name for f in dataclasses.fields(SharedConfig)} - set(cls.__dict__.get("__annotations__", {}))
+    for f in sorted(dataclasses.fields(cls), key=lambda f: f.name in shared):
         tp = hints[f.name]
         optional = type(None) in typing.get_args(tp)
         if optional:
@@ -863,6 +930,9 @@ def parse_config(cls, argv=None):
         kw = dict(default=default, help=docs.get(f.name, " ").replace("%", "%%"), dest=f.name)  # argparse formats %
         if tp is bool:
             parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, **kw)
+            continue
+        if typing.get_origin(tp) is typing.Literal:
+            parser.add_argument(f"--{f.name}", choices=typing.get_args(tp), **kw)
             continue
         convert = tp
         if optional:
@@ -892,16 +962,17 @@ def field_range(doc):
 
 
 def check_ranges(cfg):
-    """Refuse every numeric field outside the range its docstring ends with (shown by --help),
-    naming the flag and the range: called first thing in main, before anything is loaded or
-    written."""
-    docs = _field_docs(type(cfg))
+    """Refuse every numeric field outside the range its docstring ends with (shown by --help), and
+    every Literal field off its choices, naming the flag: the parser refuses both on the command
+    line; this catches a Config built in code (tests, the pipeline)."""
+    docs, hints = _field_docs(type(cfg)), typing.get_type_hints(type(cfg))
     bad = []
     for f in dataclasses.fields(cfg):
         value, rng = getattr(cfg, f.name), field_range(docs.get(f.name, ""))
         if rng is not None and value is not None and not isinstance(value, bool) and not rng[1](value):
             bad.append(f"--{f.name} {value} is out of range {rng[0]}")
-    if getattr(cfg, "save_dtype", "float32") not in EXPORT_DTYPES:
-        bad.append(f"--save_dtype {cfg.save_dtype} is not one of {', '.join(EXPORT_DTYPES)}")
+        choices = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is typing.Literal else ()
+        if choices and value not in choices:
+            bad.append(f"--{f.name} {value!r} is not one of {', '.join(choices)}")
     if bad:
         raise ValueError("; ".join(bad))

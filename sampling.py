@@ -3,12 +3,37 @@ model.generate() does, minus its per-step overhead), shared by grpo.py, reward.p
 normalisation and every script's evaluation. Its speed against model.generate:
 bench/sampler.py; its correctness: tests/test_sampler.py.
 """
+import time
 import weakref
+from dataclasses import dataclass
 
 import torch
 
 import common
 import data
+import run
+
+
+def stream_seed(seed, step, stream, index=0, round_=0):
+    """The seed of one random stream of one step (0: sampling; 1: rejection sampling, one stream
+    per prompt, `index` its global index; 2: mini-batch order), in rollout round round_ (< 16,
+    --dynamic_sampling): distinct for every (run seed, step, stream, round, index), which a sum
+    like seed + step would not be (seed 1 step 2 = seed 2 step 1). None depends on the rank:
+    1 and N processes draw alike."""
+    return seed * 1_000_003 + step + 2**32 * stream + 2**36 * round_ + 2**40 * index
+
+
+def truncate_mask(response_ids, response_mask, truncate_id):
+    """Zero the mask after the first truncate token of each row (the token itself is kept).
+
+    response_ids, response_mask: (B, R). Returns (B, R). The reward and the loss both see this
+    cut response, so nothing after the truncate token is rewarded or trained on.
+    """
+    if truncate_id is None:
+        return response_mask
+    hit = (response_ids == truncate_id) & response_mask.bool()
+    after = (hit.long().cumsum(-1) - hit.long()) > 0  # strictly after the first hit
+    return response_mask * (~after).long()
 
 
 def rollout_uniforms(n_rows, n_tokens, seed):
@@ -70,11 +95,11 @@ def _next_logits(model, input_ids, attention_mask, position_ids, cache, kw):
                  cache=cache, use_cache=True, **kw).logits[:, -1]
 
 
-def _next_logits_unfused(model, *args):
+def _next_logits_unfused(model, *args, **kwargs):
     """_next_logits with attention as matmul -> softmax -> matmul (SDPA's math backend), which
     inductor fuses on CPU: faster than the CPU flash kernel (bench/results/sampler-*.json)."""
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
-        return _next_logits(model, *args)
+        return _next_logits(model, *args, **kwargs)
 
 
 _compiled = {}  # torch.compile of the step, made once; dynamo keeps a graph per model and shape
@@ -180,7 +205,7 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
         from transformers import StaticCache
 
         cache = StaticCache(config=model.config, max_cache_len=L)
-        logits = _next_logits(model, ids, mask, common.position_ids_from_mask(mask), cache, kw)  # (U, V)
+        logits = _next_logits(model, ids, mask, common.position_ids_from_mask(mask), cache=cache, kw=kw)  # (U, V)
         if dedup:
             cache.reorder_cache(inverse)
     else:
@@ -204,7 +229,8 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
     bad = torch.zeros((), dtype=torch.bool, device=device)  # any row with non-finite logits
     for t in range(max_new_tokens):
         u = None if uniforms is None else uniforms[:, t]
-        tok = sample_token(logits, temperature, top_k, top_p, generator, u, bad).masked_fill(done, pad_id)
+        tok = sample_token(logits, temperature, top_k=top_k, top_p=top_p, generator=generator, u=u,
+                           bad=bad).masked_fill(done, pad_id)
         tokens[:, t] = tok
         if return_logprobs:
             logps[:, t] = torch.log_softmax(logits.float() / (temperature or 1.0), -1).gather(-1, tok[:, None]).squeeze(-1)
@@ -214,7 +240,7 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
             break
         if graphs:  # each step's logits are read before the next replay overwrites them
             torch.compiler.cudagraph_mark_step_begin()
-        logits = step(model, tok[:, None], mask, pos + t, cache, kw)
+        logits = step(model, tok[:, None], mask, pos + t, cache=cache, kw=kw)
     if bad:
         raise RuntimeError(NAN_LOGITS)
     R = int(response_mask.any(0).sum())  # the longest response: its columns are the first R
@@ -252,29 +278,88 @@ def respond(model, tokenizer, prompts, max_prompt_len, max_new_tokens, stops, de
     temperature 0 is greedy; uniforms: the rows' draws (rollout_uniforms)."""
     p_ids, p_mask = common.pad(data.encode_prompts(tokenizer, prompts, max_prompt_len)[0], tokenizer.pad_token_id,
                                side="left")
-    r_ids, r_mask = generate(model, p_ids.to(device), p_mask.to(device), max_new_tokens, stops[0],
-                             tokenizer.pad_token_id, temperature=temperature, stop_ids=stops[1:], uniforms=uniforms)
+    r_ids, r_mask = generate(model, p_ids.to(device), p_mask.to(device), max_new_tokens, eos_id=stops[0],
+                             pad_id=tokenizer.pad_token_id, temperature=temperature, stop_ids=stops[1:],
+                             uniforms=uniforms)
     return decode_responses(tokenizer, r_ids, r_mask, p_ids)
 
 
-def evaluate_generations(model, tokenizer, prompts, reward_fn, d, max_prompt_len, max_new_tokens, batch_size=256,
-                         answers=None, own_prompts=None):
-    """Greedy answers to held-out prompts (text, a chat already rendered), scored by a gold reward
-    fn(prompt, completion, answer) of tasks.REWARD_FNS, given each row's own prompt (`own_prompts`:
-    the messages of a conversational row; default `prompts`) and its `answers` where the rule
-    needs one: mean reward and the share of exact answers (reward 1)."""
-    own_prompts = prompts if own_prompts is None else own_prompts
+# -----------------------------------------------------------------------------
+# GRPO's rollouts: the sampled rows of a step, on this rank
 
-    def score(rows):
-        texts = [prompts[i] for i in rows]
-        refs = [answers[i] for i in rows] if answers is not None else [None] * len(rows)
-        with common.autocast(d):
-            replies = respond(model, tokenizer, texts, max_prompt_len, max_new_tokens, stops, d.device)
-        rewards = [reward_fn(own_prompts[i], c, a) for i, c, a in zip(rows, replies, refs)]
-        return torch.tensor([[r, float(r == 1.0)] for r in rewards], dtype=torch.float64, device=d.device)
 
-    stops = common.stop_token_ids(tokenizer, model)
-    with common.evaluating(model, gather=True):
-        r = common.map_rows(score, len(prompts), d, batch_size)  # (n, 2)
-    gold, exact = r.mean(0).tolist()
-    return {"eval/gold_reward": gold, "eval/exact_match": exact}
+@dataclass
+class Rollout:
+    """The rows of a rollout on this rank, each prompt's G completions contiguous; the prompt block
+    left-padded to P tokens and the response block right-padded to R (common.py's layout)."""
+    p_ids: torch.Tensor  # (N, P)
+    p_mask: torch.Tensor  # (N, P)
+    r_ids: torch.Tensor  # (N, R)
+    r_mask: torch.Tensor  # (N, R) 1 up to and including the stop token
+    r_logps: torch.Tensor  # (N, R) the sampler's log-probs of its tokens
+    stopped: torch.Tensor  # (N,) ended with EOS, an end-of-turn id or the truncate token
+    prompt_idx: torch.Tensor  # (N,) each row's prompt: its row in the data set
+    rewards: torch.Tensor  # (N,) 0 until `reward`
+    parts: dict  # each term of the reward, (N,): logged as reward/<name>
+
+    def map(self, fn):
+        """A rollout of fn(name, tensor) for every tensor."""
+        tensors = {f: fn(f, getattr(self, f)) for f in self.__dataclass_fields__ if f != "parts"}
+        return Rollout(**tensors, parts={k: fn(k, v) for k, v in self.parts.items()})
+
+    def select(self, idx):
+        """The rows idx (a 1-D index)."""
+        return self.map(lambda name, x: x[idx.to(x.device)])
+
+    def padded(self, P, R, pad_id):
+        """The prompt block left-padded to P tokens, the response block right-padded to R."""
+        def pad(name, x):
+            if name[:2] not in ("p_", "r_"):
+                return x
+            side = (P - x.shape[1], 0) if name[:2] == "p_" else (0, R - x.shape[1])
+            return torch.nn.functional.pad(x, side, value=pad_id if name.endswith("_ids") else 0)
+        return self.map(pad)
+
+    @staticmethod
+    def cat(rolls, pad_id):
+        """Several rollouts as one, padded to the longest prompt and response blocks."""
+        P, R = max(r.p_ids.shape[1] for r in rolls), max(r.r_ids.shape[1] for r in rolls)
+        rolls = [r.padded(P, R, pad_id) for r in rolls]
+        tensors = [f for f in Rollout.__dataclass_fields__ if f != "parts"]
+        return Rollout(**{f: torch.cat([getattr(r, f) for r in rolls]) for f in tensors},
+                       parts={k: torch.cat([r.parts[k] for r in rolls]) for k in rolls[0].parts})
+
+    def gather(self, pad_id, d):
+        """Every rank's rows, in rank order (the global rollout), on every rank. Collective."""
+        if d.world_size == 1:
+            return self
+        P, R = common.all_reduce_max(self.p_ids.new_tensor(self.p_ids.shape[1:] + self.r_ids.shape[1:]), d).tolist()
+        return self.padded(P, R, pad_id).map(lambda name, x: common.all_gather(x.int(), d).bool()
+                                             if x.dtype == torch.bool else common.all_gather(x, d))
+
+
+def rollout(model, env, cfg, d, step, round_=0):
+    """Phase 1: this rank's share of prompts_per_step new prompts, n_sample completions each
+    (rs_samples, or group_size), groups contiguous. The random numbers are those of the whole
+    global rollout, seeded by step and round and indexed by row: any number of ranks samples the
+    same completions. Returns the Rollout (no rewards yet) and its seconds."""
+    t0, n_sample = time.time(), cfg.rs_samples or cfg.group_size
+    rows = env.order.next(cfg.prompts_per_step)[common.shard_batch(cfg.prompts_per_step, d)]
+    prompts = [p for p in env.prompts.select(rows)["prompt"] for _ in range(n_sample)]  # groups contiguous
+    u = rollout_uniforms(cfg.prompts_per_step * n_sample, cfg.max_new_tokens,
+                                  stream_seed(cfg.seed, step, stream=0, round_=round_))
+    u = u[common.shard_batch(cfg.prompts_per_step * n_sample, d)]  # (N, max_new_tokens) this rank's rows
+    p_ids, _ = data.encode_prompts(env.tokenizer, prompts, cfg.max_prompt_len)
+    p_ids, p_mask = (t.to(d.device) for t in common.pad(p_ids, env.tokenizer.pad_token_id, side="left"))  # (N, P)
+    with common.evaluating(model, gather=True), common.autocast(d):
+        r_ids, r_mask, r_logps = generate(
+            model, p_ids, p_mask, cfg.max_new_tokens, eos_id=env.stop_ids[0], pad_id=env.tokenizer.pad_token_id,
+            temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, stop_ids=env.stop_ids[1:], uniforms=u,
+            compile=cfg.compile, return_logprobs=True)  # (N, R) each
+    r_mask = truncate_mask(r_ids, r_mask, env.truncate_id)
+    stopped = (torch.isin(r_ids, r_ids.new_tensor(env.stop_ids)) & r_mask.bool()).any(-1)  # (N,)
+    prompt_idx = torch.tensor(rows, device=d.device).repeat_interleave(n_sample)  # (N,)
+    run.sync(d)  # each phase's clock read after its GPU work is done
+    roll = Rollout(p_ids, p_mask, r_ids, r_mask, r_logps, stopped=stopped, prompt_idx=prompt_idx,
+                   rewards=torch.zeros_like(r_logps[:, 0]), parts={})
+    return roll, time.time() - t0

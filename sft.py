@@ -28,28 +28,23 @@ import torch
 import common
 import run
 import data
-import sampling
 import tasks
 
 
 @dataclass
-class Config:
+class Config(run.SharedConfig):
     # --- model and data ---
     model: str = "tiny"
     """`tiny` (a small GPT-2 built in code), a hub id such as gpt2, or a local checkpoint folder"""
     dataset: str = "sort"
     """embedded task name, a hub id (trl-lib/tldr), or a local .jsonl/.json/.csv/.parquet with prompt, completion"""
     eval_split: str = "test"
-    """split of --dataset holding the held-out rows (a local file without --eval_dataset: its prompts hashing
-    into a held-out 5%, data.hold_out)"""
+    """split of --dataset holding the held-out rows (a local file without --eval_dataset: its prompts hashing into a
+    held-out 5%, data.hold_out)"""
     eval_dataset: str | None = None
     """held-out rows from another source (e.g. a second .jsonl); None: --eval_split of --dataset"""
-    chat_template: str = ""
-    """a Jinja chat template file for conversational rows (default: the tokenizer's own)"""
     n_train: int = 50000
     """rows drawn from an embedded task (ignored for files and hub data sets) [>= 1]"""
-    max_prompt_len: int = 64
-    """prompt tokens kept (from the right) [>= 1]"""
     max_response_len: int = 32
     """completion tokens kept, EOS included [>= 1]"""
     # --- optimisation ---
@@ -63,14 +58,6 @@ class Config:
     """peak learning rate (AdamW; 0 trains nothing, a check that KL and clipping stay 0) [>= 0]"""
     warmup_steps: int = 50
     """linear warmup steps before the cosine decay [>= 0]"""
-    weight_decay: float = 0.0
-    """AdamW weight decay [>= 0]"""
-    grad_clip: float = 1.0
-    """clip the global gradient norm to this (0: no clipping) [>= 0]"""
-    activation_checkpointing: bool = False
-    """recompute activations in the backward pass (less memory, ~30% more compute)"""
-    hsdp: int = 0
-    """under torchrun: shard each model within groups of this many ranks (the GPUs of a node) and replicate across the groups, so parameter all-gathers stay on intra-node links (0: shard over all ranks) [>= 0]"""
     # --- evaluation ---
     eval_every: int = 100
     """evaluate every this many steps (and at the end) [>= 1]"""
@@ -81,20 +68,8 @@ class Config:
     # --- run ---
     out_dir: str = "runs/sft"
     """where metrics.jsonl and the checkpoint/ folder go"""
-    save_every: int = 0
-    """also write a resumable checkpoint (optimizer, data position) every this many steps (0: only at the end) [>= 0]"""
-    save_dtype: str = "float32"
-    """dtype of the exported weights in checkpoint/ (float32, bfloat16, float16); the resumable state stays fp32"""
-    resume: bool = False
-    """continue the run whose checkpoint is in out_dir"""
-    overwrite: bool = False
-    """replace the checkpoint and metrics already in out_dir"""
     seed: int = 0
     """seed for model init and data order (the same on every rank) [0, 4294967295]"""
-    wandb: bool = False
-    """also log to Weights & Biases"""
-    trust_remote_code: bool = False
-    """allow a hub model's own Python code to run"""
 
 
 # -----------------------------------------------------------------------------
@@ -114,6 +89,9 @@ def sft_loss(logps, mask, n_tokens):
 
 # -----------------------------------------------------------------------------
 # data
+
+
+COLUMNS = ["prompt", "completion"]
 
 
 def encode_sft(ds, tokenizer, cfg, source):
@@ -148,56 +126,43 @@ def eval_loss(model, prompts, completions, pad_id, d, batch_size):
     return (total[0] / total[1]).item()
 
 
+def evaluate(model, tokenizer, held_out, cfg, d):
+    """The held-out NLL and, on the embedded task, greedy answers scored by the gold reward."""
+    prompts, completions, gold_prompts = held_out
+    metrics = {"eval/loss": eval_loss(model, prompts, completions, tokenizer.pad_token_id, d=d,
+                                      batch_size=cfg.eval_batch_size)}
+    if gold_prompts:
+        metrics |= tasks.evaluate_generations(model, tokenizer, gold_prompts, tasks.REWARD_FNS["sort"], d,
+                                              max_prompt_len=cfg.max_prompt_len, max_new_tokens=cfg.max_response_len)
+    return metrics
+
+
 # -----------------------------------------------------------------------------
 
 
 def main(cfg):
-    # 0. setup: the same seed on every rank so every rank builds the same initial weights
-    run.check_ranges(cfg)  # every numeric flag within the range its --help states
-    d = common.setup_distributed(hsdp=cfg.hsdp)
-    common.set_seed(cfg.seed)
-    if cfg.batch_size % (d.world_size * cfg.grad_accum):
-        raise ValueError(f"--batch_size {cfg.batch_size} must be divisible by world size {d.world_size} "
-                         f"x --grad_accum {cfg.grad_accum}")
-    micro = cfg.batch_size // (d.world_size * cfg.grad_accum)
-    # the data first: a bad file or row stops the run before out_dir or any model is touched
+    # 0. setup: one seed on every rank, so that every rank builds the same initial weights
+    d = run.start(cfg)  # flags checked, process group joined, seed set
+    micro = common.micro_batch(cfg.batch_size, cfg.grad_accum, d)
     split = cfg.eval_dataset is None  # a local file without a held-out one is split by prompt hash
-    columns = ["prompt", "completion"]
-    train = data.load_data(cfg.dataset, "train", columns, kind="sft", n=cfg.n_train, seed=cfg.seed, holdout=split)
-    test = data.load_data(cfg.eval_dataset or cfg.dataset, cfg.eval_split, columns, kind="sft", n=cfg.n_eval,
+    train = data.load_data(cfg.dataset, "train", COLUMNS, kind="sft", n=cfg.n_train, seed=cfg.seed, holdout=split)
+    test = data.load_data(cfg.eval_dataset or cfg.dataset, cfg.eval_split, COLUMNS, kind="sft", n=cfg.n_eval,
                           seed=cfg.seed, holdout=split)
-    order = common.DataOrder(len(train), cfg.seed, batch=cfg.batch_size, source=f"--dataset {cfg.dataset}")
-    run.check_model_paths(cfg, "model")
-    job = run.Run(cfg, d)  # checks and locks out_dir; writes nothing yet
-    resume_from = job.resume_from
-    tokenizer = common.load_tokenizer(resume_from or cfg.model, cfg.trust_remote_code, cfg.chat_template)
-    model = common.load_model(resume_from or cfg.model, tokenizer, trust_remote_code=cfg.trust_remote_code, d=d)
-    common.check_context(model, cfg.max_prompt_len, cfg.max_response_len)
-    model = common.shard_model(model, d, activation_checkpointing=cfg.activation_checkpointing)
-    n_params = sum(p.numel() for p in model.parameters())
-
+    order = data.DataOrder(len(train), cfg.seed, batch=cfg.batch_size, source=f"--dataset {cfg.dataset}")
+    job = run.Run(cfg, d, models=["model"])  # out_dir checked and locked; nothing is written before job.begin
+    tokenizer, model = common.load_policy(job.resume_from or cfg.model, cfg, d, response_len=cfg.max_response_len)
     train_p, train_c = encode_sft(train, tokenizer, cfg, cfg.dataset)
     data.show_example(tokenizer, train_p[0], train_c[0], cfg.dataset)
-    test_p, test_c = encode_sft(test.select(range(min(cfg.n_eval, len(test)))), tokenizer, cfg,
-                                f"{cfg.eval_dataset or cfg.dataset} (held out)")
-    embedded = (cfg.eval_dataset or cfg.dataset) in tasks.TASKS
-    eval_prompts = [r["prompt"] for r in tasks.prompt_rows(cfg.n_eval, seed=cfg.seed, split="test")] if embedded else []
-
+    held_out = (*encode_sft(test.select(range(min(cfg.n_eval, len(test)))), tokenizer, cfg,
+                            f"{cfg.eval_dataset or cfg.dataset} (held out)"),
+                tasks.test_prompts(cfg.n_eval, cfg.seed) if (cfg.eval_dataset or cfg.dataset) in tasks.TASKS else [])
     optimizer, scheduler = common.make_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps,
                                                  cfg.steps)
-    common.print0(f"sft: {n_params / 1e6:.2f}M parameters, {len(train)} train rows, world size {d.world_size}{d.layout}, "
-                  f"micro-batch {micro} x {cfg.grad_accum} accumulation")
+    common.print0(f"sft: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {len(train)} train "
+                  f"rows, world size {d.world_size}{d.layout}, micro-batch {micro} x {cfg.grad_accum} accumulation")
     start = job.begin(model, tokenizer, optimizer, scheduler, order)  # restores a resumed run's state
-
-    def evaluate():
-        metrics = {"eval/loss": eval_loss(model, test_p, test_c, tokenizer.pad_token_id, d, cfg.eval_batch_size)}
-        if embedded:
-            metrics |= sampling.evaluate_generations(model, tokenizer, eval_prompts, tasks.REWARD_FNS["sort"], d,
-                                                    cfg.max_prompt_len, cfg.max_response_len)
-        return metrics
-
     if start == 1:
-        job.log(0, evaluate())
+        job.log(0, evaluate(model, tokenizer, held_out, cfg, d))
     for step in range(start, cfg.steps + 1):
         t0 = time.time()
         # ---------------------------------------------------------------------
@@ -211,7 +176,7 @@ def main(cfg):
         sums = {}
         for k in range(cfg.grad_accum):
             ids, attn, resp = make_batch(train_p, train_c, rows[k * micro:(k + 1) * micro], tokenizer.pad_token_id,
-                                         d.device)
+                                         d.device)  # (micro, P+R), (micro, P+R), (micro, R)
             with common.autocast(d):
                 logps = common.response_logprobs(model, ids, attn, resp.shape[1])  # (micro, R)
             loss, m = sft_loss(logps, resp, n_tokens)
@@ -223,14 +188,13 @@ def main(cfg):
         grad_norm, lr = common.optimizer_step(model, optimizer, scheduler, cfg.grad_clip)
 
         # ---------------------------------------------------------------------
-        # 4. metrics (one all-reduce), eval, log
+        # 4. metrics (one all-reduce), eval, log, checkpoint
         metrics = common.reduce_metrics(sums, d, same={"grad_norm": grad_norm})
         metrics |= {"lr": lr, "tokens": n_tokens, "time/step": time.time() - t0}
         job.check(step, metrics)  # a NaN loss stops the run, naming the last good checkpoint
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            metrics |= evaluate()
+            metrics |= evaluate(model, tokenizer, held_out, cfg, d)
         job.log(step, metrics)  # and a checkpoint every --save_every steps
-
     job.finish()
 
 

@@ -165,6 +165,35 @@ def check_rule_rows(reward_fns, prompts, source, answers=None):
 def sigmoid(x):
     return 1.0 / (1.0 + math.exp(-x))
 
+def evaluate_generations(model, tokenizer, prompts, reward_fn, d, max_prompt_len, max_new_tokens, batch_size=256,
+                         answers=None, own_prompts=None):
+    """Greedy answers to held-out prompts (text, a chat already rendered), scored by a gold reward
+    fn(prompt, completion, answer) of tasks.REWARD_FNS, given each row's own prompt (`own_prompts`:
+    the messages of a conversational row; default `prompts`) and its `answers` where the rule
+    needs one: mean reward and the share of exact answers (reward 1)."""
+    import torch
+
+    import common
+    import sampling
+
+    own_prompts = prompts if own_prompts is None else own_prompts
+
+    def score(rows):
+        texts = [prompts[i] for i in rows]
+        refs = [answers[i] for i in rows] if answers is not None else [None] * len(rows)
+        with common.autocast(d):
+            replies = sampling.respond(model, tokenizer, texts, max_prompt_len=max_prompt_len,
+                                       max_new_tokens=max_new_tokens, stops=stops, device=d.device)
+        rewards = [reward_fn(own_prompts[i], c, a) for i, c, a in zip(rows, replies, refs)]
+        return torch.tensor([[r, float(r == 1.0)] for r in rewards], dtype=torch.float64, device=d.device)
+
+    stops = common.stop_token_ids(tokenizer, model)
+    with common.evaluating(model, gather=True):
+        r = common.map_rows(score, len(prompts), d, batch_size)  # (n, 2)
+    gold, exact = r.mean(0).tolist()
+    return {"eval/gold_reward": gold, "eval/exact_match": exact}
+
+
 # -----------------------------------------------------------------------------
 # splits and prompt sampling
 
@@ -272,6 +301,18 @@ def bayes_accuracy(rows, temperature=PREF_TEMPERATURE):
         dr = sort_reward(row["prompt"], row["chosen"]) - sort_reward(row["prompt"], row["rejected"])
         total += sigmoid(abs(dr) / temperature)
     return total / len(rows)
+
+def test_prompts(n, seed=0):
+    """n held-out prompts of the sort task, for greedy answers scored by the gold reward."""
+    return [r["prompt"] for r in prompt_rows(n, seed=seed, split="test")]
+
+
+def against_bayes(accuracy, pairs):
+    """A pairwise accuracy on the task's held-out pairs beside the best one any model can reach on
+    them (bayes_accuracy), as logged metrics."""
+    bayes = bayes_accuracy(pairs)
+    return {"eval/bayes_accuracy": bayes, "eval/accuracy_over_bayes": accuracy / bayes}
+
 
 def prompt_rows(n, seed=0, split="train"):
     """Prompts for on-policy RL (GRPO), each naming the rule-based reward to score it with."""

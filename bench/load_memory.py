@@ -45,6 +45,7 @@ def worker(mode, folder, out):
     import torch.distributed as dist
 
     import common
+import data
 
     import run
 
@@ -63,7 +64,7 @@ def worker(mode, folder, out):
     ids = torch.randint(0, len(tok), (1, 16))
     model(input_ids=ids, labels=ids).loss.backward()
     common.optimizer_step(model, optimizer, scheduler, 1.0)  # Adam moments exist from here
-    order = common.DataOrder(8, 0)
+    order = data.DataOrder(8, 0)
     reset_peak()
     if mode == "rank0":
         run.save_checkpoint(model, tok, out, d, optimizer, scheduler, 1, order)

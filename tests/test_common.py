@@ -449,8 +449,7 @@ def test_lr_schedule_is_linear_warmup_then_cosine_by_hand():
 
     lr, warmup, total = 0.5, 3, 8
     param = torch.nn.Parameter(torch.zeros(1))
-    opt = torch.optim.SGD([param], lr=lr)
-    sched = common.lr_schedule(opt, warmup, total)
+    opt, sched = common.make_optimizer([param], lr, 0.0, warmup, total)
     seen = []
     for _ in range(total + 1):  # the lr each optimizer step 0..total-1 uses, and the one after the last
         seen.append(opt.param_groups[0]["lr"])
@@ -632,7 +631,7 @@ def test_resume_refuses_other_flags_and_inputs_and_keeps_the_history(tmp_path, t
     out = tmp_path / "out"
     cfg = sft.Config(model=str(tmp_path / "base"), dataset=data_file, out_dir=str(out), steps=4, eval_every=100)
     opt, sched = common.make_optimizer(model.parameters(), 1e-3, 0.0, 0, 4)
-    order = common.DataOrder(8, 0)
+    order = data.DataOrder(8, 0)
     try:
         job = run.Run(cfg, d)
         job.begin(model, tok, opt, sched, order)
@@ -689,10 +688,10 @@ def test_help_shows_every_flag(script, capsys):
         assert "held-out 5%" in out
 
 
-def test_readme_lists_the_flags_a_resume_may_change():
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    section = readme[readme.index("### Resuming"):]
-    section = section[:section.index("\n#", 1)]
+def test_the_docs_list_the_flags_a_resume_may_change():
+    readme = open(os.path.join(ROOT, "docs", "distributed.md")).read()
+    section = readme[readme.index("## Resuming"):]
+    section = section[:section.find("\n#", 1) % (len(section) + 1)]  # to the next heading, or the end
     assert all(f"`--{k}`" in section for k in run.RESUME_MAY_CHANGE), section
 
 

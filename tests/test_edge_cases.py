@@ -2,7 +2,6 @@
 with a message that names the flag, file or row, and nothing is written first, lost, or run from
 a checkpoint folder. Each test failed before its fix (the report's case is in its docstring)."""
 import json
-import os
 import pickle
 import re
 import signal
@@ -281,7 +280,6 @@ def test_every_models_context_is_checked_before_the_first_step(tmp_path):
     """A reward model whose context is shorter than prompt + response failed at step 1 with an
     IndexError in reward_scores; the policy's context error named --max_response_len, a flag
     grpo.py does not have. Both are refused up front, naming grpo.py's own flags."""
-    import grpo
     import tasks
     from transformers import AutoModelForSequenceClassification
 

@@ -9,9 +9,11 @@ import torch
 
 import common
 import grpo
+import run
 import tasks
 from grpo import (aggregate, check_config, group_advantages, grpo_loss, kl_per_token, loss_normaliser,
-                  parse_weights, rejection_sample, truncate_mask)
+                  parse_weights, rejection_sample)
+from sampling import truncate_mask
 from helpers import checkpoint_weights, max_abs_diff, read_metrics, run_here, run_script, write_jsonl
 
 
@@ -305,10 +307,11 @@ def test_rejection_sampler_limits_and_topbottom():
 def test_batch_arithmetic_is_checked():
     base = dict(prompts_per_step=4, group_size=4)
     check_config(grpo.Config(**base), common.Dist())
-    for bad, match in [(dict(num_mini_batches=3), "equal micro-batches"),
-                       (dict(rs_samples=2), "rs_samples"), (dict(kl_estimator="k4"), "kl_estimator")]:
+    for bad, match in [(dict(num_mini_batches=3), "equal micro-batches"), (dict(rs_samples=2), "rs_samples")]:
         with pytest.raises(ValueError, match=match):
             check_config(grpo.Config(**(base | bad)), common.Dist())
+    with pytest.raises(ValueError, match="--kl_estimator 'k4' is not one of k1, k2, k3, ratio_k1, ratio_k3"):
+        run.check_ranges(grpo.Config(kl_estimator="k4"))
     with pytest.raises(ValueError, match="divisible by world size"):
         check_config(grpo.Config(prompts_per_step=3), common.Dist(world_size=2))
 
@@ -692,9 +695,9 @@ def test_rollouts_stop_at_every_end_of_turn_id_and_rewards_see_the_text_after_th
     calls = {"generate": [], "decode": []}
     generate, decode = grpo.sampling.generate, grpo.sampling.decode_responses
 
-    def spy_generate(model, p_ids, p_mask, n, eos, pad, *args, **kw):
-        calls["generate"].append((eos, args[3] if len(args) > 3 else kw.get("stop_ids")))
-        r_ids, r_mask, *logps = generate(model, p_ids, p_mask, n, eos, pad, *args, **kw)  # + the rollout's log-probs
+    def spy_generate(model, p_ids, p_mask, n, eos_id, pad_id, **kw):
+        calls["generate"].append((eos_id, kw.get("stop_ids")))
+        r_ids, r_mask, *logps = generate(model, p_ids, p_mask, n, eos_id, pad_id, **kw)  # + the rollout's log-probs
         r_ids[:, 0], r_mask[:, 0], r_mask[:, 1:] = end_of_turn, 1, 0  # every rollout ends its turn at once
         return r_ids, r_mask, *logps
 

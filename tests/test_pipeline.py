@@ -7,6 +7,7 @@ import os
 import pytest
 
 import pipeline
+import studies
 from helpers import write_jsonl
 
 
@@ -34,13 +35,13 @@ def test_every_seed_and_study_run_has_its_own_folder_seed_and_inputs(tmp_path):
         assert flag(argv_of(stages, os.path.join(base, "grpo_rm")), "--reward_model") == rm
         assert "--reward_model" not in argv_of(stages, os.path.join(base, "grpo_gold"))
     for seed in range(3):
-        for est in pipeline.KL_RUNS:
-            argv = argv_of(stages, pipeline.kl_dir(runs, est, seed))
+        for est in studies.KL_RUNS:
+            argv = argv_of(stages, studies.kl_dir(runs, est, seed))
             assert flag(argv, "--seed") == str(seed) and flag(argv, "--model") == os.path.join(runs, "sft")
             assert flag(argv, "--beta") == ("0" if est == "none" else str(cfg.kl_beta))
             assert est == "none" or flag(argv, "--kl_estimator") == est
         for beta in ("0.04", "1"):
-            argv = argv_of(stages, pipeline.overopt_dir(runs, beta, seed))
+            argv = argv_of(stages, studies.overopt_dir(runs, beta, seed))
             assert (flag(argv, "--beta"), flag(argv, "--seed")) == (beta, str(seed))
             assert flag(argv, "--reward_model") == os.path.join(runs, "rm")
     groups = {name for name, _ in stages}
@@ -51,7 +52,7 @@ def test_the_default_runs_only_seed_0_of_the_five_stages(tmp_path):
     stages = pipeline.stages(pipeline.Config(runs=str(tmp_path)))
     assert [name for name, _ in stages] == list(pipeline.MAIN)
     with pytest.raises(SystemExit, match="--overopt_betas"):
-        pipeline.overopt_betas(pipeline.Config(overopt_betas="0.1,x"))
+        studies.overopt_betas(pipeline.Config(overopt_betas="0.1,x"))
 
 
 def test_stats_and_cells():
@@ -91,21 +92,21 @@ def test_tables_average_the_seeds_and_the_last_half_of_the_kl_steps(tmp_path):
     for seed in range(3):
         for est, scale in kl.items():  # KL at step s: scale * s * (1 + seed); steps 3 and 4 are the last half
             rows = [{"step": s, "kl": scale * s * (1 + seed)} for s in range(1, 5)]
-            _run(pipeline.kl_dir(runs, est, seed), rows + [{"step": 4, "eval/exact_match": 0.5,
+            _run(studies.kl_dir(runs, est, seed), rows + [{"step": 4, "eval/exact_match": 0.5,
                                                             "eval/gold_reward": 0.8 + 0.01 * seed}])
         rows = [{"step": s, "kl": 0.01 * s * s, "completions/mean_length": 4.0 + seed, "reward/model": 0.3 * s,
                  "reward/rule": 0.6 - 0.01 * s} for s in range(1, 7)]
         evals = [{"step": s, "eval/gold_reward": g} for s, g in ((0, 0.6), (3, 0.8 + 0.01 * seed), (6, 0.5))]
-        _run(pipeline.overopt_dir(runs, "0.5", seed), rows[:3] + evals[:2] + rows[3:] + evals[2:])
-    curves = pipeline.kl_curves(cfg)
-    pipeline.kl_table(cfg, curves, {})
+        _run(studies.overopt_dir(runs, "0.5", seed), rows[:3] + evals[:2] + rows[3:] + evals[2:])
+    curves = studies.kl_curves(cfg)
+    studies.kl_table(cfg, curves, {})
     for est, scale in kl.items():
         assert curves[est]["kl_last_half"] == pytest.approx([scale * 3.5 * (1 + seed) for seed in range(3)])
-    oo = pipeline.overopt_curves(cfg)["0.5"]
+    oo = studies.overopt_curves(cfg)["0.5"]
     assert oo["sqrt_kl_by_seed"][2] == pytest.approx([math.sqrt(0.01 * s * s * 6.0) for s in range(1, 7)])
     assert oo["eval_steps"] == [0, 3, 6]  # each greedy evaluation at the KL of its own step, 0 at the start
     assert oo["eval_sqrt_kl_by_seed"][2] == pytest.approx([0.0, math.sqrt(0.09 * 6.0), math.sqrt(0.36 * 6.0)])
-    table = pipeline.overopt_table(cfg, {"0.5": oo}, {})
+    table = studies.overopt_table(cfg, {"0.5": oo}, {})
     assert oo["peak"]["step"] == 3 and oo["peak"]["gold"] == pytest.approx(0.81)
     assert oo["peak"]["sqrt_kl"] == pytest.approx(sum(math.sqrt(0.09 * (4.0 + s)) for s in range(3)) / 3)
     assert "| 0.600 ± 0.000 -> 0.810 (step 3, 0.67) -> 0.500 ± 0.000 |" in table
@@ -135,7 +136,7 @@ def test_verifier_pairs_take_the_first_right_and_the_first_wrong_answer():
     answers = [["2 + 1 = 3", "It is 1", "1", "one"],  # row 0 (answer 1): the final number decides
                ["2", "2", "2", "2"],  # row 1: all right, no pair
                ["4", "0 + 3 = 3.", "5", "3"]]  # row 2: wrong, right, wrong, right
-    pairs, right = pipeline.verifier_pairs(rows, answers)
+    pairs, right = studies.verifier_pairs(rows, answers)
     assert right == pytest.approx(8 / 12)
     assert [(p["answer"], p["chosen"][0]["content"], p["rejected"][0]["content"]) for p in pairs] == [
         ("1", "It is 1", "2 + 1 = 3"), ("3", "0 + 3 = 3.", "4")]
@@ -158,7 +159,7 @@ def test_the_real_model_table_from_synthetic_runs(tmp_path):
     write_jsonl(tmp_path / "smollm2" / "rm" / "metrics.jsonl", [{"step": 24, "eval/accuracy": 0.75}])
     write_jsonl(tmp_path / "smollm2" / "dpo" / "metrics.jsonl", [{"step": 24, "eval/accuracy": 0.6}])
     (tmp_path / "smollm2" / "eval.json").write_text(json.dumps({"dpo_accuracy": 0.42, "examples": []}))
-    table, curves, _ = pipeline.real_results(cfg, {})
+    table, curves, _ = studies.real_results(cfg, {})
     gains = [0.20, 0.05, 0.25]
     mean, std = sum(gains) / 3, math.sqrt(sum((g - sum(gains) / 3) ** 2 for g in gains) / 2)
     assert f"0.350 ± 0.050 -> 0.517 ± 0.076 (gain {mean:.3f} ± {std:.3f})" in table
@@ -181,16 +182,16 @@ def test_each_variant_run_has_its_own_folder_flags_seed_and_the_seed_0_sft_start
     runs = str(tmp_path)
     cfg = pipeline.Config(runs=runs, variants=True, study_seeds=3, variant_steps=10)
     stages = [s for s in pipeline.stages(cfg) if s[0] == "variants"]
-    assert len(stages) == 3 * (len(pipeline.VARIANTS["grpo"]) + len(pipeline.VARIANTS["dpo"]))
+    assert len(stages) == 3 * (len(studies.VARIANTS["grpo"]) + len(studies.VARIANTS["dpo"]))
     for seed in range(3):
-        for algo, variants in pipeline.VARIANTS.items():
+        for algo, variants in studies.VARIANTS.items():
             for name, flags in variants.items():
-                argv = argv_of(stages, pipeline.variant_dir(runs, algo, name, seed))
+                argv = argv_of(stages, studies.variant_dir(runs, algo, name, seed))
                 assert argv[0] == f"{algo}.py" and flag(argv, "--seed") == str(seed)
                 assert flag(argv, "--model") == os.path.join(runs, "sft")
                 assert " ".join(flags) in " ".join(argv)  # the variant's own flags, in order
                 assert flag(argv, "--steps") == ("10" if algo == "grpo" else "50")
-    assert pipeline.VARIANTS["grpo"]["gspo"][:2] == ["--importance_sampling_level", "sequence"]
+    assert studies.VARIANTS["grpo"]["gspo"][:2] == ["--importance_sampling_level", "sequence"]
 
 
 def test_the_variants_tables_from_synthetic_runs(tmp_path, monkeypatch):
@@ -202,21 +203,21 @@ def test_the_variants_tables_from_synthetic_runs(tmp_path, monkeypatch):
     for stage in pipeline.MAIN:
         _run(os.path.join(runs, stage), [{"step": 1}])
     for seed in range(3):
-        for i, name in enumerate(pipeline.VARIANTS["grpo"]):
-            d = pipeline.variant_dir(runs, "grpo", name, seed)
+        for i, name in enumerate(studies.VARIANTS["grpo"]):
+            d = studies.variant_dir(runs, "grpo", name, seed)
             _run(d, [{"step": 0, "eval/gold_reward": 0.1}, {"step": 20, "eval/gold_reward": 0.5 + 0.1 * i + 0.2 * seed,
                                                              "eval/exact_match": 0.3}])
             kl[d] = 1.0 + i + seed
-        for i, name in enumerate(pipeline.VARIANTS["dpo"]):
-            d = pipeline.variant_dir(runs, "dpo", name, seed)
+        for i, name in enumerate(studies.VARIANTS["dpo"]):
+            d = studies.variant_dir(runs, "dpo", name, seed)
             _run(d, [{"step": 100, "eval/accuracy": 0.6 + 0.01 * i, "eval/accuracy_over_bayes": 0.8,
                       "eval/gold_reward": 0.7}])
             kl[d] = 3.0 * seed
-    monkeypatch.setattr(pipeline, "cached_kl", lambda d, ref: kl[d])
+    monkeypatch.setattr(studies, "cached_kl", lambda d, ref: kl[d])
     monkeypatch.setattr(pipeline, "run_stage", lambda *a: None)
-    (grpo_t, dpo_t), curves = pipeline.variants_results(cfg, {})
+    (grpo_t, dpo_t), curves = studies.variants_results(cfg, {})
     line = next(x for x in grpo_t.splitlines() if x.startswith("| cispo |"))
-    i = list(pipeline.VARIANTS["grpo"]).index("cispo")
+    i = list(studies.VARIANTS["grpo"]).index("cispo")
     assert line.startswith("| cispo | --loss_type cispo --epsilon_high 5 | ")
     assert f"| {0.7 + 0.1 * i:.3f} ± 0.200 | 0.300 ± 0.000 | {2 + i:.2f} ± 1.00 |" in line
     assert "| sigmoid | (defaults) | 0.600 ± 0.000 | 0.800 ± 0.000 | 0.700 ± 0.000 | 3.00 ± 3.00 |" in dpo_t
@@ -224,7 +225,7 @@ def test_the_variants_tables_from_synthetic_runs(tmp_path, monkeypatch):
     pipeline.main(cfg)
     with open(os.path.join(runs, "variants.json")) as f:
         saved = json.load(f)
-    assert saved["variants"]["dpo"]["simpo"]["flags"] == pipeline.VARIANTS["dpo"]["simpo"]
+    assert saved["variants"]["dpo"]["simpo"]["flags"] == studies.VARIANTS["dpo"]["simpo"]
     assert "GRPO variants" in open(os.path.join(runs, "variants.md")).read()
 
 
@@ -243,9 +244,9 @@ def test_policy_kl_is_zero_to_itself_and_the_naive_per_row_k3_sum_otherwise(tmp_
         common.load_model("tiny", tok).save_pretrained(tmp_path / name)
         tok.save_pretrained(tmp_path / name)
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    assert pipeline.policy_kl(a, a, n=8) == pytest.approx(0.0, abs=1e-6)
-    got = pipeline.policy_kl(a, b, n=8)
-    pi, ref = pipeline.load_policy(a)[1], pipeline.load_policy(b)[1]
+    assert studies.policy_kl(a, a, n=8) == pytest.approx(0.0, abs=1e-6)
+    got = studies.policy_kl(a, b, n=8)
+    pi, ref = studies.load_policy(a)[1], studies.load_policy(b)[1]
     prompts = [r["prompt"] for r in tasks.prompt_rows(8, split="test")]
     p_ids, p_mask = common.pad([tok(p)["input_ids"] for p in prompts], tok.pad_token_id, side="left")
     with torch.no_grad():

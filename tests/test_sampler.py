@@ -270,11 +270,12 @@ def test_greedy_evaluation_stops_at_every_end_of_turn_id_of_the_generation_confi
     real = sampling.generate
 
     def spy(*args, **kw):
-        seen.append((args[4], kw["stop_ids"]))
+        seen.append((kw["eos_id"], kw["stop_ids"]))
         return real(*args, **kw)
 
     monkeypatch.setattr(sampling, "generate", spy)
-    sampling.evaluate_generations(model, tok, ["sort 3 1 2 ="], tasks.REWARD_FNS["sort"], common.Dist(), 16, 4)
+    tasks.evaluate_generations(model, tok, ["sort 3 1 2 ="], tasks.REWARD_FNS["sort"], common.Dist(),
+                               max_prompt_len=16, max_new_tokens=4)
     assert seen == [(tok.eos_token_id, [end_of_turn])]
 
 
@@ -293,8 +294,8 @@ def test_greedy_evaluation_scores_each_prompt_against_its_own_answer():
         seen[prompt] = answer
         return 1.0 if int(answer) % 3 == 0 else 0.25
 
-    out = sampling.evaluate_generations(model, tok, prompts, rule, common.Dist(), 16, 3, batch_size=3,
-                                        answers=[str(10 * i) for i in range(7)])
+    out = tasks.evaluate_generations(model, tok, prompts, rule, common.Dist(), max_prompt_len=16, max_new_tokens=3,
+                                     batch_size=3, answers=[str(10 * i) for i in range(7)])
     assert seen == {f"q{i} =": str(10 * i) for i in range(7)}
     assert out == pytest.approx({"eval/gold_reward": (3 + 4 * 0.25) / 7, "eval/exact_match": 3 / 7})
 

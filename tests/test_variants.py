@@ -329,7 +329,9 @@ def test_overlong_penalty_is_dapo_eq_13(length, want):
 ])
 def test_flags_that_cannot_go_together_are_refused(flags, message):
     with pytest.raises(ValueError, match=message.replace("+", r"\+").replace("(", r"\(")):
-        grpo.check_config(replace(grpo.Config(), **flags), common.Dist())
+        cfg = replace(grpo.Config(), **flags)
+        run.check_ranges(cfg)  # each flag's range and choices
+        grpo.check_config(cfg, common.Dist())  # the flags that do not go together
 
 
 def run_grpo(tmp_path, *extra):
