@@ -52,13 +52,6 @@ class Dist:
     def is_main(self):
         return self.rank == 0
 
-    @property
-    def layout(self):
-        """How models are spread, for the run's banner: "" or " (HSDP: 2 replicas x 4 shards)"."""
-        if not self.torchrun or self.mesh.ndim == 1:
-            return ""
-        return f" (HSDP: {self.mesh.shape[0]} replicas x {self.mesh.shape[1]} shards)"
-
     @functools.cached_property
     def mesh(self):
         """The device mesh FSDP2 shards over, one for the run: 1-D over all ranks, or with hsdp
@@ -119,14 +112,6 @@ def all_reduce_sum(x, d):
     if d.world_size > 1:
         x = x.clone()
         dist.all_reduce(x, op=dist.ReduceOp.SUM)
-    return x
-
-
-def all_reduce_max(x, d):
-    """The elementwise maximum of a tensor over ranks. Collective."""
-    if d.world_size > 1:
-        x = x.clone()
-        dist.all_reduce(x, op=dist.ReduceOp.MAX)
     return x
 
 
@@ -482,30 +467,7 @@ def ranking_accuracy(chosen, rejected):
 
 
 # -----------------------------------------------------------------------------
-# loading: models, tokenizers and data
-
-
-def load_tokenizer(name, trust_remote_code=False, chat_template=""):
-    """`tiny` (the embedded task's), a checkpoint folder, a GGUF file or packaged model, or a hub
-    id; chat_template: a Jinja file that replaces the tokenizer's own."""
-    if name == "tiny":
-        import tasks
-
-        tok = tasks.char_tokenizer()
-    else:
-        from transformers import AutoTokenizer
-
-        import run
-
-        tok = AutoTokenizer.from_pretrained(run.model_folder(name), trust_remote_code=trust_remote_code)
-    import data
-
-    data.check_tokenizer(tok, name)
-    if tok.pad_token is None:  # GPT-2 and Pythia have none; masks, not pad ids, decide what is padding
-        tok.pad_token = tok.eos_token
-    if chat_template:
-        tok.chat_template = data.read_chat_template(chat_template)
-    return tok
+# loading models (tokenizers and data: data.py)
 
 
 class FP32Head(torch.nn.Linear):
@@ -522,11 +484,9 @@ class FP32Head(torch.nn.Linear):
 def load_model(name, tokenizer, kind="causal", dtype=torch.float32, trust_remote_code=False, d=None):
     """`tiny` (a small GPT-2, tasks.py), a hub id, a checkpoint folder, or a GGUF file or packaged
     model (run.model_folder). kind: "causal" (its LM head in fp32, FP32Head), "reward" (a trained
-    reward model) or "new_reward" (a new score head on any checkpoint: reward.py's start); a
-    checkpoint of the other kind is refused (a random score head, or no LM head). Safetensors
-    only; dropout off (RLHF compares log-probs of two forwards). d: under torchrun only rank 0
-    reads the weights, the others build on `meta` and shard_model fills them (one copy in host
-    memory, not one per rank)."""
+    reward model) or "new_reward" (a new score head: reward.py's start). Safetensors only; dropout
+    off (RLHF compares log-probs of two forwards). d: under torchrun only rank 0 reads the weights,
+    the others build on `meta` and shard_model fills them (one copy in host memory, not one per rank)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
 
     if kind not in ("causal", "reward", "new_reward"):
@@ -543,15 +503,7 @@ def load_model(name, tokenizer, kind="causal", dtype=torch.float32, trust_remote
     else:
         import run
 
-        path = run.model_folder(name)
-        archs = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).architectures or []
-        scores = any(a.endswith("ForSequenceClassification") for a in archs)
-        if kind == "reward" and not scores:
-            raise ValueError(f"{name} is not a reward model ({', '.join(archs) or 'no architecture'}): its score "
-                             f"head would be random. Pass a checkpoint of reward.py (its out_dir)")
-        if kind == "causal" and scores:
-            raise ValueError(f"{name} is a reward model ({', '.join(archs)}), not a causal LM: pass a policy "
-                             f"checkpoint (sft.py's out_dir) or a hub LM")
+        path = run.model_folder(name, kind=kind, trust_remote_code=trust_remote_code)  # of that kind
         from_rank0 = d is not None and d.torchrun and d.world_size > 1
         if from_rank0 and not d.is_main:
             config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **extra)
@@ -579,23 +531,6 @@ def load_model(name, tokenizer, kind="causal", dtype=torch.float32, trust_remote
     return model
 
 
-def stop_token_ids(tokenizer, model, truncate_token=""):
-    """The ids that end a response, as model.generate stops: EOS, then every id of the generation
-    config's eos_token_id (instruct models list end of turn and end of text), then a truncate
-    token (a string of one token: grpo.py's --truncate_token) last."""
-    ids = [tokenizer.eos_token_id]
-    extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    for i in [extra] if isinstance(extra, int) else list(extra or []):
-        if i not in ids:
-            ids.append(i)
-    if truncate_token:
-        t_ids = tokenizer(truncate_token, add_special_tokens=False)["input_ids"]
-        if len(t_ids) != 1:
-            raise ValueError(f"--truncate_token {truncate_token!r} is {len(t_ids)} tokens; it must be one")
-        ids += t_ids
-    return ids
-
-
 def check_context(model, prompt_len, response_len, response_flag="--max_response_len", name="the model"):
     """Prompt + response must fit the model's context (position embeddings), checked up front for
     every model a run uses; the error names the flags to change."""
@@ -609,20 +544,13 @@ def check_context(model, prompt_len, response_len, response_flag="--max_response
 # loading what a script trains, and its optimizer step
 
 
-def micro_batch(batch_size, grad_accum, d, flag="--batch_size"):
-    """Rows per micro-batch on each rank; the global batch must split evenly over ranks and
-    accumulation steps (checked up front, naming the flags)."""
-    if batch_size % (d.world_size * grad_accum):
-        raise ValueError(f"{flag} {batch_size} must be divisible by world size {d.world_size} x --grad_accum "
-                         f"{grad_accum}")
-    return batch_size // (d.world_size * grad_accum)
-
-
 def load_policy(name, cfg, d, response_len, response_flag="--max_response_len", kind="causal", shard=True):
     """The tokenizer and the model a script trains, from --model or the checkpoint it resumes:
-    loaded (load_tokenizer, load_model), its context checked against prompt + response, and
+    loaded (data.load_tokenizer, load_model), its context checked against prompt + response, and
     sharded (FSDP2 under torchrun) unless shard=False (grpo.py copies its reference first)."""
-    tokenizer = load_tokenizer(name, cfg.trust_remote_code, cfg.chat_template)
+    import data
+
+    tokenizer = data.load_tokenizer(name, cfg.trust_remote_code, cfg.chat_template)
     model = load_model(name, tokenizer, kind=kind, trust_remote_code=cfg.trust_remote_code, d=d)
     check_context(model, cfg.max_prompt_len, response_len, response_flag)
     if shard:

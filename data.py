@@ -5,6 +5,7 @@ Anthropic HH format split into prompt and responses) and prompts; tokenised with
 truncation rules every script shares, and batched in the layout of common.py.
 """
 import csv
+import dataclasses
 import hashlib
 import io
 import json
@@ -416,6 +417,42 @@ def check_tokenizer(tokenizer, name):
                          f"Set eos_token in its tokenizer_config.json, or use a checkpoint whose tokenizer has one")
 
 
+def load_tokenizer(name, trust_remote_code=False, chat_template=""):
+    """`tiny` (the embedded task's), a checkpoint folder, a GGUF file or packaged model, or a hub
+    id; chat_template: a Jinja file that replaces the tokenizer's own."""
+    if name == "tiny":
+        import tasks
+
+        tok = tasks.char_tokenizer()
+    else:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(run.model_folder(name), trust_remote_code=trust_remote_code)
+    check_tokenizer(tok, name)
+    if tok.pad_token is None:  # GPT-2 and Pythia have none; masks, not pad ids, decide what is padding
+        tok.pad_token = tok.eos_token
+    if chat_template:
+        tok.chat_template = read_chat_template(chat_template)
+    return tok
+
+
+def stop_token_ids(tokenizer, model, truncate_token=""):
+    """The ids that end a response, as model.generate stops: EOS, then every id of the generation
+    config's eos_token_id (instruct models list end of turn and end of text), then a truncate
+    token (a string of one token: grpo.py's --truncate_token) last."""
+    ids = [tokenizer.eos_token_id]
+    extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for i in [extra] if isinstance(extra, int) else list(extra or []):
+        if i not in ids:
+            ids.append(i)
+    if truncate_token:
+        t_ids = tokenizer(truncate_token, add_special_tokens=False)["input_ids"]
+        if len(t_ids) != 1:
+            raise ValueError(f"--truncate_token {truncate_token!r} is {len(t_ids)} tokens; it must be one")
+        ids += t_ids
+    return ids
+
+
 def load_prompts(cfg, rules):
     """grpo.py's training prompts (--dataset, --n_train of an embedded task). Where rules are
     scored, every row gets its rule (`reward_fn`: the row's own, else --reward_fn), checked
@@ -450,6 +487,55 @@ def grpo_evals(cfg, tokenizer):
         pairs = encode_pairs(rows, tokenizer, cfg.max_prompt_len, cfg.max_new_tokens, "eval pairs", eos=not chat)
         gold_pairs = None if cfg.eval_pairs else rows  # the embedded task's label noise is known
     return {"held_out": held_out, "pairs": pairs, "gold_pairs": gold_pairs}
+
+
+@dataclasses.dataclass
+class Env:
+    """What a rollout samples and what scores it, built once (make_env): the prompts rendered (with
+    reward_fn and answer where the rules need them) and as given (text or messages: what the rules
+    read, as TRL passes them), their order, the stop ids (EOS first), the rewards."""
+    prompts: object  # a datasets.Dataset
+    own_prompts: list
+    order: DataOrder
+    tokenizer: object
+    stop_ids: list
+    truncate_id: int | None
+    weights: dict
+    rm: object = None
+    rm_tokenizer: object = None
+
+
+def make_env(cfg, d, prompts, order, tokenizer, model, weights):
+    """The Env of a run: conversational prompts rendered with the generation prompt (and their
+    tokens cut from the left counted once, here), the stop ids, and the reward model, loaded
+    frozen with its context checked against prompt + completion (re-tokenised: learned_rewards)."""
+    rm = rm_tokenizer = None
+    if cfg.reward_model:
+        rm_tokenizer = load_tokenizer(cfg.reward_model, cfg.trust_remote_code)
+        rm = common.load_frozen(cfg.reward_model, rm_tokenizer, d, kind="reward", trust_remote_code=cfg.trust_remote_code,
+                                cpu_offload=cfg.offload_frozen)
+        common.check_context(rm, cfg.max_prompt_len, cfg.max_new_tokens + 1, "--max_new_tokens (+1)",
+                             f"--reward_model {cfg.reward_model}")
+    stop_ids = stop_token_ids(tokenizer, model, cfg.truncate_token)  # EOS first, the truncate token last
+    rendered, _ = render_chat(prompts, tokenizer, cfg.dataset)
+    p_ids, n_cut = encode_prompts(tokenizer, rendered["prompt"], cfg.max_prompt_len, cfg.dataset)
+    show_example(tokenizer, p_ids[0], None, cfg.dataset)
+    if n_cut:  # counted once here; each rollout cuts them again from the left
+        common.print0(f"{cfg.dataset}: {n_cut} of {len(prompts)} prompts are longer than --max_prompt_len "
+                      f"{cfg.max_prompt_len} tokens and are cut from the left")
+    return Env(prompts=rendered, own_prompts=list(prompts["prompt"]), order=order, tokenizer=tokenizer,
+               stop_ids=stop_ids, truncate_id=stop_ids[-1] if cfg.truncate_token else None, weights=weights, rm=rm,
+               rm_tokenizer=rm_tokenizer)
+
+
+@torch.no_grad()
+def learned_rewards(env, prompts, completions, cfg, d):
+    """Reward model scores of prompt + completion re-tokenized with the RM's tokenizer, (N,)."""
+    p_ids, _ = encode_prompts(env.rm_tokenizer, prompts, cfg.max_prompt_len)
+    r_ids, _ = encode_responses(env.rm_tokenizer, completions, cfg.max_new_tokens + 1)
+    ids, attn, _ = common.join_prompt_response(p_ids, r_ids, env.rm_tokenizer.pad_token_id)  # (N, P+R)
+    with common.autocast(d):
+        return common.reward_scores(env.rm, ids.to(d.device), attn.to(d.device)).float()
 
 
 def added_tokens(tokenizer):

@@ -234,12 +234,12 @@ def evaluate(model, tokenizer, held_out, gold_prompts, cfg, d):
 def main(cfg):
     # 0. setup and checks that fail fast
     d = run.start(cfg)  # flags checked, process group joined, seed set
-    micro = common.micro_batch(cfg.batch_size, cfg.grad_accum, d)
+    micro = run.micro_batch(cfg.batch_size, cfg.grad_accum, d)
     check_config(cfg)
     train, test = data.load_preferences(cfg)
     order = data.DataOrder(len(train), cfg.seed, batch=cfg.batch_size, source=f"--dataset {cfg.dataset}")
     job = run.Run(cfg, d, models=["model", "ref_model"])  # out_dir checked and locked; nothing written yet
-    tokenizer = common.load_tokenizer(job.resume_from or cfg.model, cfg.trust_remote_code, cfg.chat_template)
+    tokenizer = data.load_tokenizer(job.resume_from or cfg.model, cfg.trust_remote_code, cfg.chat_template)
     train, test, train_pairs, test_pairs = data.encode_preferences(train, test, tokenizer, cfg)
     # response tokens (N, 2) of chosen and rejected: sigmoid_norm's, simpo's and RPO's per-token averages
     train_len, test_len = (torch.tensor([[len(c), len(r)] for c, r in zip(pairs[1], pairs[2])], dtype=torch.float,
@@ -268,7 +268,7 @@ def main(cfg):
     optimizer, scheduler = common.make_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps,
                                                  cfg.steps)
     common.print0(f"dpo: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {len(train)} train pairs, "
-                  f"{len(test)} eval pairs, world size {d.world_size}{d.layout}, micro-batch {micro} pairs x "
+                  f"{len(test)} eval pairs, world size {d.world_size}{run.layout(d)}, micro-batch {micro} pairs x "
                   f"{cfg.grad_accum}, {'live' if ref else 'no' if cfg.loss_type == 'simpo' else 'precomputed'} reference")
     knobs = dict(beta=cfg.beta, loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing,
                  simpo_gamma=cfg.simpo_gamma, rpo_alpha=cfg.rpo_alpha)

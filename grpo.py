@@ -1,43 +1,37 @@
 """Group Relative Policy Optimization (GRPO): on-policy RL from a reward, without a value model.
 
-For each prompt, G completions are sampled from the policy; each completion's advantage is
-its reward minus the mean reward of its group, divided by the group's std (Eq. 3 / Sec. 4.1.2
-of DeepSeekMath, arXiv:2402.03300). The policy maximises the PPO clipped surrogate
-(arXiv:1707.06347) with a KL penalty against a reference policy (GRPO Eq. 3 and Eq. 4):
+For each prompt, G completions are sampled from the policy; each completion's advantage is its
+reward minus the mean reward of its group, divided by the group's std (DeepSeekMath Sec. 4.1.2,
+arXiv:2402.03300). The policy maximises PPO's clipped surrogate (arXiv:1707.06347) with a KL
+penalty against a reference policy (GRPO Eq. 3 and 4):
 
     J = E[ agg_t( min(rho_t A, clip(rho_t, 1 - eps_low, 1 + eps_high) A) - beta KL_t ) ],
     rho_t = pi(o_t | q, o_<t) / pi_old(o_t | q, o_<t).
 
-Every knob and variant is a flag that changes a few visible lines; --help names the paper of
-each and whose name the flag is (TRL's, else verl's), and the functions below carry the
-equations: the policy term (`policy_loss`: clipped surrogate, CISPO, SAPO), the importance ratio
-per token or sequence (GSPO), advantages (`group_advantages`: GRPO, RLOO, REINFORCE++), the KL
-estimators (`kl_per_token`), loss aggregation (`aggregate`: Dr. GRPO), rejection sampling (RSO),
-DAPO's dynamic sampling and overlong term, and the policy term's weights (DeepSeek-V3.2's
+Every variant is a flag that changes a few visible lines (--help names its paper, and whose name
+the flag is: TRL's, else verl's); the functions below carry the equations: the policy term
+(`policy_loss`: clipped surrogate, CISPO, SAPO), the ratio per token or sequence (GSPO),
+advantages (GRPO, RLOO, REINFORCE++), KL estimators, aggregation (Dr. GRPO), rejection sampling
+(RSO), DAPO's dynamic sampling and overlong term, and weights of the policy term (DeepSeek-V3.2's
 off-policy mask, high-entropy tokens, truncated importance sampling).
 
 Deliberate departures:
-1. Each loss normaliser (tokens, sequences, or the Dr. GRPO constant) is computed over the
-   whole global mini-batch (all micro-batches, all ranks) before the forward passes, so
-   gradient accumulation and world size do not change the gradient (common.py's rule 1).
-2. The KL monitor `kl` is always the k3 estimate (unbiased, non-negative), whatever estimator
-   is optimised (`kl/optimized`): k1 in the loss has zero expected gradient, so its own value
-   says little about the KL that training keeps.
-3. With one pass over one mini-batch the old log-probs equal the current ones, so that forward
-   is skipped and rho = exp(logp - logp.detach()) (value 1, gradient kept; trl #2703).
-4. Rewards are rule-based functions named per row (a `reward_fn` column: one data set can mix
-   tasks), a learned reward model, or a weighted sum of both.
-5. The eval pairs' implicit reward beta*log(pi/pi_ref) uses the current reference, which is
-   the SFT model unless --ref_refresh_every is set.
-6. Nothing random depends on the rank: the sampler's numbers are drawn for the global rollout
-   and indexed by row (sampling.rollout_uniforms), rejection sampling draws per prompt, the
-   mini-batches are dealt from the global rollout (minibatch_rows) and dynamic sampling picks
-   groups in global order. A 2-rank run reproduces the 1-process run step for step.
+1. Each loss normaliser (tokens, sequences, or Dr. GRPO's constant) is that of the whole global
+   mini-batch (all micro-batches, all ranks), so accumulation and world size do not change the
+   gradient (common.py's rule 1).
+2. The `kl` metric is always k3 (unbiased, non-negative), whatever estimator is optimised
+   (`kl/optimized`): k1's expected gradient is zero, so its value says little.
+3. With one pass over one mini-batch, old log-probs equal the current ones: that forward is
+   skipped and rho = exp(logp - logp.detach()) (value 1, gradient kept; trl #2703).
+4. Rewards: a rule named per row (a `reward_fn` column: one data set can mix tasks), a reward
+   model, or a weighted sum of both.
+5. Nothing random depends on the rank: the sampler's numbers are drawn for the global rollout and
+   indexed by row, rejection sampling draws per prompt, mini-batches are dealt from the global
+   rollout and dynamic sampling picks groups in global order: 2 ranks reproduce 1 process.
 
 Run:
     python grpo.py                                     # from runs/sft, gold reward, CPU
     python grpo.py --reward_model runs/rm --out_dir runs/grpo-rm   # the learned reward
-    torchrun --nproc_per_node 2 grpo.py                # the same on 2 processes (FSDP2)
     torchrun --nproc_per_node 8 grpo.py --model runs/sft-gpt2 --dataset trl-lib/tldr \\
         --reward_model runs/rm-gpt2 --max_prompt_len 384 --max_new_tokens 56 --lr 1e-6
 """
@@ -224,19 +218,16 @@ class Config(run.SharedConfig):
     """seed for data order and sampling (the same rollouts on any number of ranks) [0, 4294967295]"""
 
 
-
-
 # -----------------------------------------------------------------------------
 # the math: pure functions of tensors, each returning detached metrics beside its result
 
 
 def rejection_sample(rewards, k, gamma, mode="rso", generator=None):
     """Keep k of N samples per prompt. rewards: (B, N) -> indices (B, k), ascending per row.
-
     rso: RSO Algorithm 1 (arXiv:2309.06657): rounds over the remaining candidates, each accepted
-    with probability exp((r - r_max) / gamma), r_max the best remaining reward, until k are. Small
-    gamma keeps the best, large gamma samples uniformly. topbottom: the k - k//2 highest and k//2
-    lowest rewards. generator: one, or one per row (grpo.py seeds each by its prompt's index)."""
+    with probability exp((r - r_max) / gamma), r_max the best remaining reward, until k are (small
+    gamma keeps the best, large samples uniformly). topbottom: the k - k//2 highest and k//2 lowest
+    rewards. generator: one, or one per row (grpo.py seeds each by its prompt's index)."""
     B, N = rewards.shape
     if mode == "topbottom":
         order = torch.argsort(-rewards, dim=1, stable=True)
@@ -280,7 +271,7 @@ def group_advantages(rewards, scale="group", global_norm=False, d=common.Dist(),
     rloo: A_i = r_i - mean_{j != i} r_j = G / (G - 1) (r_i - mean_group(r)) (arXiv:2402.14740).
     reinforce_pp: r - mean_group(r), whitened over every response token of the batch (each
     response counted `lengths` (B, G) times: (A - mean) / sqrt(var + 1e-8), as verl and OpenRLHF
-    compute REINFORCE++-baseline, arXiv:2501.03262 Sec. 3). Metrics: common.py's rule 2."""
+    compute REINFORCE++-baseline, arXiv:2501.03262 Sec. 3)."""
     G = rewards.shape[1]
     mean = rewards.mean(1, keepdim=True)
     std = rewards.std(1, keepdim=True) if G > 1 else torch.zeros_like(mean)
@@ -312,8 +303,7 @@ def kl_per_token(logps, ref_logps, old_logps, estimator):
 
     log r = log pi_ref - log pi;  k1 = -log r;  k2 = (log r)^2 / 2;  k3 = r - log r - 1.
     ratio_k* multiply by rho = pi / pi_old (value 1 on-policy, gradient not): their expected
-    gradient is that of KL(pi || pi_ref), which k1's (zero) and k3's (KL(pi_ref || pi)) are not.
-    """
+    gradient is that of KL(pi || pi_ref), which k1's (zero) and k3's (KL(pi_ref || pi)) are not."""
     log_r = ref_logps - logps
     if estimator in ("k1", "ratio_k1"):
         kl = -log_r
@@ -335,8 +325,7 @@ def aggregate(x, mask, agg, normaliser):
       token_mean:          sum of x over tokens / tokens in the global mini-batch
       seq_mean_token_mean: sum over sequences of (token mean of the sequence) / sequences
       constant:            sum of x over tokens / (max_new_tokens x sequences)  (Dr. GRPO)
-    Summing this over micro-batches gives exactly the value of the whole mini-batch.
-    """
+    Summing this over micro-batches gives exactly the value of the whole mini-batch."""
     if agg == "seq_mean_token_mean":
         return ((x * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / normaliser
     if agg in ("token_mean", "constant"):
@@ -359,8 +348,7 @@ def importance_ratio(logps, old_logps, mask, level="token"):
     sequence_token: sg[s] * pi(o_t) / sg[pi(o_t)]: value s, gradient of log pi(o_t) times s
                     (GSPO-token; equal to `sequence` in value, and in gradient when the
                     advantage is the same for every token of a sequence)
-    The sequence ratio is length-normalised so that its clip range does not depend on length.
-    """
+    The sequence ratio is length-normalised so that its clip range does not depend on length."""
     log_rho = logps - old_logps
     if level == "token":
         return torch.exp(log_rho)
@@ -384,8 +372,7 @@ def policy_loss(rho, logps, A, loss_type="grpo", epsilon_low=0.2, epsilon_high=0
            is eps_high itself, as in TRL (ScaleRL's eps_max); MiniMax-M1 and verl write 1 + eps_high.
     sapo:  -A (4 / tau) sigmoid(tau (rho - 1)), tau by the sign of A    (SAPO)
            a soft gate: gradient A rho at rho = 1, fading smoothly off-policy.
-    All three have the gradient -A grad(rho) at rho = 1 (on-policy): they differ off-policy only.
-    """
+    All three have the gradient -A grad(rho) at rho = 1 (on-policy): they differ off-policy only."""
     if loss_type == "grpo":
         rho_1 = torch.clamp(rho, max=delta) if delta else rho
         pg = torch.maximum(-A * rho_1, -A * torch.clamp(rho, 1 - epsilon_low, 1 + epsilon_high))
@@ -469,23 +456,6 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, normaliser, epsilon
     return loss, metrics
 
 
-def parse_weights(spec, has_model):
-    """`rule:1.0,model:0.5` -> {"rule": 1.0, "model": 0.5}; empty picks the one reward there is."""
-    if not spec:
-        return {"model": 1.0} if has_model else {"rule": 1.0}
-    weights = {name.strip(): w for name, _, w in (part.partition(":") for part in spec.split(","))}
-    for name, w in weights.items():
-        try:
-            weights[name] = float(w)
-        except ValueError:
-            weights[name] = math.nan
-        if name not in ("rule", "model") or not math.isfinite(weights[name]):
-            raise ValueError(f"--reward_weights {spec!r}: expected parts like rule:1.0 or model:0.5 (finite weights)")
-    if "model" in weights and not has_model:
-        raise ValueError(f"--reward_weights {spec!r} uses `model` but no --reward_model is given")
-    return weights
-
-
 # -----------------------------------------------------------------------------
 # models: the reference, LoRA, log-probs of a rollout, rewards, evaluation
 
@@ -529,20 +499,10 @@ def batched_logprobs(model, ids, attn, n_response, temperature, d, rows_per_forw
     return torch.cat(out).float()
 
 
-@torch.no_grad()
-def learned_rewards(env, prompts, completions, cfg, d):
-    """Reward model scores of prompt + completion re-tokenized with the RM's tokenizer, (N,)."""
-    p_ids, _ = data.encode_prompts(env.rm_tokenizer, prompts, cfg.max_prompt_len)
-    r_ids, _ = data.encode_responses(env.rm_tokenizer, completions, cfg.max_new_tokens + 1)
-    ids, attn, _ = common.join_prompt_response(p_ids, r_ids, env.rm_tokenizer.pad_token_id)  # (N, P+R)
-    with common.autocast(d):
-        return common.reward_scores(env.rm, ids.to(d.device), attn.to(d.device)).float()
-
-
 def pairwise_accuracy(model, ref, pairs, pad_id, d, batch_size=128):
-    """Share of held-out preference pairs (encoded, data.encode_pairs) whose implicit reward
-    log(pi/pi_ref) ranks chosen above rejected, ties counting half: does RL on the reward also
-    move the policy towards what people preferred?"""
+    """Share of held-out pairs (data.encode_pairs) whose implicit reward log(pi/pi_ref), against the
+    current reference, ranks chosen above rejected (ties half): does RL on the reward also move the
+    policy towards what people preferred?"""
     def margins(rows):  # (b, 2): log pi - log pi_ref of chosen and of rejected
         batch = data.pair_batch(pairs, rows, pad_id, d.device)
         pi = common.sequence_logprobs(model, batch, d)
@@ -559,45 +519,6 @@ def pairwise_accuracy(model, ref, pairs, pad_id, d, batch_size=128):
 # the rollout's rewards (phase 2; sampling.rollout samples it, phase 1)
 
 
-@dataclass
-class Env:
-    """What a rollout samples and what scores it, built once (make_env): the prompts rendered (with
-    reward_fn and answer where the rules need them) and as given (text or messages: what the rules
-    read, as TRL passes them), their order, the stop ids (EOS first), the rewards."""
-    prompts: object  # a datasets.Dataset
-    own_prompts: list
-    order: data.DataOrder
-    tokenizer: object
-    stop_ids: list
-    truncate_id: int | None
-    weights: dict
-    rm: object = None
-    rm_tokenizer: object = None
-
-
-def make_env(cfg, d, prompts, order, tokenizer, model, weights):
-    """The Env of a run: conversational prompts rendered with the generation prompt (and their
-    tokens cut from the left counted once, here), the stop ids, and the reward model, loaded
-    frozen with its context checked against prompt + completion (re-tokenised: learned_rewards)."""
-    rm = rm_tokenizer = None
-    if cfg.reward_model:
-        rm_tokenizer = common.load_tokenizer(cfg.reward_model, cfg.trust_remote_code)
-        rm = common.load_frozen(cfg.reward_model, rm_tokenizer, d, kind="reward", trust_remote_code=cfg.trust_remote_code,
-                                cpu_offload=cfg.offload_frozen)
-        common.check_context(rm, cfg.max_prompt_len, cfg.max_new_tokens + 1, "--max_new_tokens (+1)",
-                             f"--reward_model {cfg.reward_model}")
-    stop_ids = common.stop_token_ids(tokenizer, model, cfg.truncate_token)  # EOS first, the truncate token last
-    rendered, _ = data.render_chat(prompts, tokenizer, cfg.dataset)
-    p_ids, n_cut = data.encode_prompts(tokenizer, rendered["prompt"], cfg.max_prompt_len, cfg.dataset)
-    data.show_example(tokenizer, p_ids[0], None, cfg.dataset)
-    if n_cut:  # counted once here; each rollout cuts them again from the left
-        common.print0(f"{cfg.dataset}: {n_cut} of {len(prompts)} prompts are longer than --max_prompt_len "
-                      f"{cfg.max_prompt_len} tokens and are cut from the left")
-    return Env(prompts=rendered, own_prompts=list(prompts["prompt"]), order=order, tokenizer=tokenizer,
-               stop_ids=stop_ids, truncate_id=stop_ids[-1] if cfg.truncate_token else None, weights=weights, rm=rm,
-               rm_tokenizer=rm_tokenizer)
-
-
 def reward(roll, env, cfg, d, step, round_=0):
     """Phase 2: each completion's reward: its row's rule (logged even when not optimised), a reward
     model, or their weighted sum, minus --no_eos_penalty, plus DAPO's overlong term; then with
@@ -612,7 +533,7 @@ def reward(roll, env, cfg, d, step, round_=0):
         parts["rule"] = torch.tensor([tasks.REWARD_FNS[f](env.own_prompts[i], c, a)
                                       for f, i, c, a in zip(rows["reward_fn"], idx, texts, answers)], device=d.device)
     if env.rm is not None:
-        parts["model"] = learned_rewards(env, rows["prompt"], texts, cfg, d)
+        parts["model"] = data.learned_rewards(env, rows["prompt"], texts, cfg, d)
     rewards = sum(w * parts[k] for k, w in env.weights.items()) - cfg.no_eos_penalty * (~roll.stopped).float()
     if cfg.overlong_buffer_len:  # a reward term, logged as reward/overlong
         parts["overlong"] = overlong_penalty(roll.r_mask.sum(-1).float(), cfg.max_new_tokens, cfg.overlong_buffer_len,
@@ -698,10 +619,9 @@ def check_config(cfg, d):
         (not cfg.clip_ratio_c or cfg.clip_ratio_c > 1, f"--clip_ratio_c {cfg.clip_ratio_c} must exceed 1 or be 0 (off)"),
         (cfg.overlong_buffer_len <= cfg.max_new_tokens,
          f"--overlong_buffer_len {cfg.overlong_buffer_len} must be at most --max_new_tokens {cfg.max_new_tokens}"),
-        (not (cfg.lora and cfg.ref_refresh_every), "--ref_refresh_every needs a reference copy; it does not combine with --lora"),
-        (not (cfg.lora and d.torchrun), "--lora runs without torchrun only (merging sharded adapters is not supported)"),
-        (not (cfg.lora and (cfg.save_every or cfg.resume)), "--save_every / --resume do not combine with --lora "
-         "(the checkpoint holds merged weights)"),
+        (not (cfg.lora and (cfg.ref_refresh_every or d.torchrun or cfg.save_every or cfg.resume)),
+         "--lora runs under `python` (sharded adapters are not merged), without --ref_refresh_every (its reference is "
+         "the adapters switched off), --save_every or --resume (its checkpoint holds merged weights)"),
         (not (cfg.save_every and cfg.ref_refresh_every and cfg.save_every % cfg.ref_refresh_every),
          f"--save_every {cfg.save_every} must be a multiple of --ref_refresh_every {cfg.ref_refresh_every} "
          f"(a resumed run rebuilds its reference from the checkpoint)"),
@@ -715,10 +635,9 @@ def main(cfg):
     # 0. setup: policy, reference, optional reward model, data
     d = run.start(cfg)  # flags checked, process group joined, seed set
     check_config(cfg, d)
-    weights = parse_weights(cfg.reward_weights, bool(cfg.reward_model))
+    weights = run.parse_weights(cfg.reward_weights, bool(cfg.reward_model))
     train = data.load_prompts(cfg, rules="rule" in weights or cfg.dataset in tasks.TASKS)
-    order = data.DataOrder(len(train), cfg.seed, batch=cfg.prompts_per_step, source=f"--dataset {cfg.dataset}",
-                           flag="--prompts_per_step")
+    order = data.DataOrder(len(train), cfg.seed, cfg.prompts_per_step, f"--dataset {cfg.dataset}", "--prompts_per_step")
     job = run.Run(cfg, d, models=["model", "reward_model"])  # out_dir checked and locked; nothing written yet
     tokenizer, model = common.load_policy(job.resume_from or cfg.model, cfg, d, response_len=cfg.max_new_tokens,
                                           response_flag="--max_new_tokens", shard=False)
@@ -732,17 +651,16 @@ def main(cfg):
     else:  # the starting policy, or the last refresh (a resumed checkpoint is one; see check_config)
         ref = common.freeze(copy.deepcopy(model), d, cpu_offload=cfg.offload_frozen)
     model = common.shard_model(model, d, activation_checkpointing=cfg.activation_checkpointing)
-    env = make_env(cfg, d, prompts=train, order=order, tokenizer=tokenizer, model=model, weights=weights)
+    env = data.make_env(cfg, d, prompts=train, order=order, tokenizer=tokenizer, model=model, weights=weights)
     evals = data.grpo_evals(cfg, tokenizer)  # the embedded task's held-out prompts, and held-out pairs
     params = [p for p in model.parameters() if p.requires_grad]
     n_updates = cfg.num_iterations * cfg.num_mini_batches  # optimizer steps per rollout
     optimizer, scheduler = common.make_optimizer(params, cfg.lr, cfg.weight_decay, cfg.warmup_steps,
                                                  cfg.steps * n_updates)
-    n_local = cfg.prompts_per_step // d.world_size  # prompts on this rank per rollout
-    rows_local = n_local * cfg.group_size  # sequences in the loss on this rank
-    micro = rows_local // cfg.num_mini_batches // cfg.grad_accum
+    n_local, rows_local = cfg.prompts_per_step // d.world_size, cfg.prompts_per_step // d.world_size * cfg.group_size
+    micro = rows_local // cfg.num_mini_batches // cfg.grad_accum  # rows per forward on this rank
     common.print0(f"grpo: {sum(p.numel() for p in params) / 1e6:.2f}M trained parameters, world size {d.world_size}"
-                  f"{d.layout}, {cfg.prompts_per_step} prompts x {cfg.group_size} completions per rollout"
+                  f"{run.layout(d)}, {cfg.prompts_per_step} prompts x {cfg.group_size} completions per rollout"
                   f"{f' (kept of {cfg.rs_samples})' if cfg.rs_samples else ''}, {cfg.num_iterations} pass(es) x "
                   f"{cfg.num_mini_batches} mini-batch(es) of {micro * cfg.grad_accum} x {cfg.grad_accum} micro per "
                   f"rank, rewards {weights}")
@@ -754,7 +672,7 @@ def main(cfg):
                       show=["reward", "kl", "clip_ratio/low", "clip_ratio/high", "completions/mean_length",
                             "eval/exact_match", "eval/gold_reward", "eval/accuracy", "time/step"])
     peak_gib = 0.0  # the run's peak GPU memory, over the phases' windows
-    if start == 1 and (first := evaluate(model, ref, tokenizer, evals, cfg=cfg, d=d)):  # prompts alone: nothing to evaluate
+    if start == 1 and (first := evaluate(model, ref, tokenizer, evals, cfg=cfg, d=d)):  # prompts alone: no evaluation
         job.log(0, first)
     for step in range(start, cfg.steps + 1):
         t0 = time.time()
@@ -768,7 +686,7 @@ def main(cfg):
             roll, seconds = sampling.rollout(model, env, cfg, d, step=step, round_=k)  # 1
             t_roll, mem_rollout = t_roll + seconds, max(mem_rollout, run.peak_memory(d))
             roll, seconds = reward(roll, env, cfg, d, step=step, round_=k)  # 2
-            t_rew += seconds
+            t_rew = t_rew + seconds
             if cfg.dynamic_sampling:  # the groups found so far, from every rank, in global order
                 rounds.append(roll.gather(tokenizer.pad_token_id, d))
                 roll, missing = dynamic_sample(rounds, cfg, d, tokenizer.pad_token_id)
@@ -776,8 +694,7 @@ def main(cfg):
                         "dynamic_sampling/unfilled_groups": torch.tensor(missing / d.world_size, device=d.device)}
                 if missing == 0:
                     break
-        ids = torch.cat([roll.p_ids, roll.r_ids], 1)  # (rows_local, P+R)
-        attn = torch.cat([roll.p_mask, roll.r_mask], 1)
+        ids, attn = torch.cat([roll.p_ids, roll.r_ids], 1), torch.cat([roll.p_mask, roll.r_mask], 1)  # (rows, P+R)
         loss_mask = roll.r_mask * roll.stopped[:, None].long() if cfg.mask_truncated_completions else roll.r_mask
         R, rewards, parts = roll.r_ids.shape[1], roll.rewards, dict(roll.parts)
 
@@ -788,13 +705,12 @@ def main(cfg):
         with reference_context(model, ref):
             ref_logps = batched_logprobs(model if ref is None else ref, ids, attn, R, temperature=cfg.temperature, d=d,
                                          rows_per_forward=micro)  # (rows_local, R)
-        need_old = cfg.num_iterations > 1 or cfg.num_mini_batches > 1 or cfg.kl_in_reward
         old_logps = keep = None  # keep: the tokens that get the policy gradient (--top_entropy_share)
         if cfg.top_entropy_share < 1:
             old_logps, entropy = batched_logprobs(model, ids, attn, R, temperature=cfg.temperature, d=d,
                                                   rows_per_forward=micro, with_entropy=True)
             keep = top_entropy_mask(entropy, loss_mask, cfg.top_entropy_share, d, cfg.max_new_tokens)
-        elif need_old:
+        elif cfg.num_iterations > 1 or cfg.num_mini_batches > 1 or cfg.kl_in_reward:  # else old = pi (departure 3)
             old_logps = batched_logprobs(model, ids, attn, R, temperature=cfg.temperature, d=d, rows_per_forward=micro)
         if cfg.kl_in_reward:  # beta * sum_t KL_t of each sequence, taken from its reward (the loss has none)
             parts["kl_penalty"] = cfg.beta * (kl_per_token(old_logps, ref_logps, old_logps, cfg.kl_estimator)

@@ -136,9 +136,9 @@ def normalization(model, tokenizer, cfg, prompts, d):
     """Gain and bias that give the policy's samples on `prompts` reward mean 0 and std 1 (the
     population std over the samples). Returns (gain, bias, mean, std)."""
     name = cfg.normalize_policy or cfg.model
-    p_tok = common.load_tokenizer(name, cfg.trust_remote_code)
+    p_tok = data.load_tokenizer(name, cfg.trust_remote_code)
     policy = common.load_frozen(name, p_tok, d, trust_remote_code=cfg.trust_remote_code)
-    stops = common.stop_token_ids(p_tok, policy)
+    stops = data.stop_token_ids(p_tok, policy)
     u = sampling.rollout_uniforms(len(prompts), cfg.max_response_len, cfg.seed)  # by row: the same on any world size
 
     def rewards(rows):
@@ -189,7 +189,7 @@ def normalize(model, tokenizer, train, cfg, d):
 def main(cfg):
     # 0. setup: the same seed on every rank so every rank builds the same score head
     d = run.start(cfg)  # flags checked, process group joined, seed set
-    micro = common.micro_batch(cfg.batch_size, cfg.grad_accum, d)
+    micro = run.micro_batch(cfg.batch_size, cfg.grad_accum, d)
     train, test = data.load_preferences(cfg)
     order = data.DataOrder(len(train), cfg.seed, batch=cfg.batch_size, source=f"--dataset {cfg.dataset}")
     job = run.Run(cfg, d, models=["model", "normalize_policy"])  # out_dir checked and locked; nothing written yet
@@ -202,7 +202,7 @@ def main(cfg):
     optimizer, scheduler = common.make_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps,
                                                  cfg.steps)
     common.print0(f"reward: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {len(train)} train pairs, "
-                  f"{len(test)} eval pairs, world size {d.world_size}{d.layout}, micro-batch {micro} pairs x "
+                  f"{len(test)} eval pairs, world size {d.world_size}{run.layout(d)}, micro-batch {micro} pairs x "
                   f"{cfg.grad_accum}")
     start = job.begin(model, tokenizer, optimizer, scheduler, order)  # restores a resumed run's state
     if start == 1:

@@ -131,11 +131,25 @@ def convert_gguf(path):
     return out
 
 
-def model_folder(name):
+def model_folder(name, kind=None, trust_remote_code=False):
     """The folder a model flag names: a GGUF file or packaged short name converted (convert_gguf),
-    a run's out_dir or checkpoint folder (resolve_checkpoint), or the name itself (a hub id)."""
+    a run's out_dir or checkpoint folder (resolve_checkpoint), or the name itself (a hub id).
+    kind ("causal", "reward"): a checkpoint of the other kind is refused (a random score head, or no
+    LM head); "new_reward" takes any."""
     path = gguf_file(name)
-    return resolve_checkpoint(convert_gguf(path) if path else name)
+    path = resolve_checkpoint(convert_gguf(path) if path else name)
+    if kind in ("causal", "reward"):
+        from transformers import AutoConfig
+
+        archs = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).architectures or []
+        scores = any(a.endswith("ForSequenceClassification") for a in archs)
+        if kind == "reward" and not scores:
+            raise ValueError(f"{name} is not a reward model ({', '.join(archs) or 'no architecture'}): its score "
+                             f"head would be random. Pass a checkpoint of reward.py (its out_dir)")
+        if kind == "causal" and scores:
+            raise ValueError(f"{name} is a reward model ({', '.join(archs)}), not a causal LM: pass a policy "
+                             f"checkpoint (sft.py's out_dir) or a hub LM")
+    return path
 
 
 def looks_local(name):
@@ -976,3 +990,36 @@ def check_ranges(cfg):
             bad.append(f"--{f.name} {value!r} is not one of {', '.join(choices)}")
     if bad:
         raise ValueError("; ".join(bad))
+
+
+def micro_batch(batch_size, grad_accum, d, flag="--batch_size"):
+    """Rows per micro-batch on each rank; the global batch must split evenly over ranks and
+    accumulation steps (checked up front, naming the flags)."""
+    if batch_size % (d.world_size * grad_accum):
+        raise ValueError(f"{flag} {batch_size} must be divisible by world size {d.world_size} x --grad_accum "
+                         f"{grad_accum}")
+    return batch_size // (d.world_size * grad_accum)
+
+
+def parse_weights(spec, has_model):
+    """`rule:1.0,model:0.5` -> {"rule": 1.0, "model": 0.5}; empty picks the one reward there is."""
+    if not spec:
+        return {"model": 1.0} if has_model else {"rule": 1.0}
+    weights = {name.strip(): w for name, _, w in (part.partition(":") for part in spec.split(","))}
+    for name, w in weights.items():
+        try:
+            weights[name] = float(w)
+        except ValueError:
+            weights[name] = math.nan
+        if name not in ("rule", "model") or not math.isfinite(weights[name]):
+            raise ValueError(f"--reward_weights {spec!r}: expected parts like rule:1.0 or model:0.5 (finite weights)")
+    if "model" in weights and not has_model:
+        raise ValueError(f"--reward_weights {spec!r} uses `model` but no --reward_model is given")
+    return weights
+
+
+def layout(d):
+    """How models are spread, for the run's banner: "" or " (HSDP: 2 replicas x 4 shards)"."""
+    if not d.torchrun or d.mesh.ndim == 1:
+        return ""
+    return f" (HSDP: {d.mesh.shape[0]} replicas x {d.mesh.shape[1]} shards)"

@@ -15,20 +15,15 @@ import run
 
 
 def stream_seed(seed, step, stream, index=0, round_=0):
-    """The seed of one random stream of one step (0: sampling; 1: rejection sampling, one stream
-    per prompt, `index` its global index; 2: mini-batch order), in rollout round round_ (< 16,
-    --dynamic_sampling): distinct for every (run seed, step, stream, round, index), which a sum
-    like seed + step would not be (seed 1 step 2 = seed 2 step 1). None depends on the rank:
-    1 and N processes draw alike."""
+    """The seed of a random stream of a step (0: sampling; 1: rejection sampling, per prompt of
+    global `index`; 2: mini-batch order) in rollout round round_ (< 16): distinct for every
+    (seed, step, stream, round, index), unlike seed + step. None depends on the rank."""
     return seed * 1_000_003 + step + 2**32 * stream + 2**36 * round_ + 2**40 * index
 
 
 def truncate_mask(response_ids, response_mask, truncate_id):
-    """Zero the mask after the first truncate token of each row (the token itself is kept).
-
-    response_ids, response_mask: (B, R). Returns (B, R). The reward and the loss both see this
-    cut response, so nothing after the truncate token is rewarded or trained on.
-    """
+    """(B, R) mask zeroed after each row's first truncate token (kept): nothing after it is
+    rewarded or trained on."""
     if truncate_id is None:
         return response_mask
     hit = (response_ids == truncate_id) & response_mask.bool()
@@ -37,12 +32,8 @@ def truncate_mask(response_ids, response_mask, truncate_id):
 
 
 def rollout_uniforms(n_rows, n_tokens, seed):
-    """U(0, 1) draws (n_rows, n_tokens), float64, one per row and sampled token of a global batch.
-
-    Each rank indexes its own rows, so a row's samples depend on its global index and not on
-    the number of ranks: 1 process and 8 draw the same rollout (tests/test_grpo.py). Costs 8
-    bytes per row and token on every rank.
-    """
+    """U(0, 1) draws (n_rows, n_tokens), float64, one per row and token of a global batch: each
+    rank indexes its own rows, so 1 process and 8 draw the same rollout."""
     return torch.rand(n_rows, n_tokens, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
@@ -50,15 +41,10 @@ NAN_LOGITS = "sample_token: logits with NaN or +inf, or all -inf (a diverged mod
 
 
 def sample_token(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None, u=None, bad=None):
-    """One token per row from (B, V) logits; temperature 0 means greedy.
-
-    Draws by inverting the CDF with one uniform number per row (`u`, (B,), or drawn from
-    `generator`). torch.multinomial (like the Gumbel trick) draws one random number per
-    vocabulary entry, which is slow on CPU for a vocabulary of GPT-2's size (bench/sampler.py
-    measures both). The CDF is summed in float64 so that it stays exact over a large
-    vocabulary. Logits that are not finite raise RuntimeError; with `bad` (a bool tensor on the
-    device) they set it instead, and generate raises after its loop.
-    """
+    """One token per row from (B, V) logits (temperature 0: greedy), by inverting the float64 CDF
+    with one uniform number per row (`u`, or from `generator`): torch.multinomial draws one per
+    vocabulary entry, slow on CPU (bench/sampler.py). Non-finite logits raise, or with `bad` (a
+    bool tensor on the device) set it, for generate to raise after its loop (no sync per token)."""
     if temperature == 0:
         return logits.argmax(-1)
     logits = logits.float() if temperature == 1.0 else logits.float() / temperature
@@ -106,10 +92,8 @@ _compiled = {}  # torch.compile of the step, made once; dynamo keeps a graph per
 
 
 def _step_fn(compile, device):
-    """The decode step: eager, or compiled. On CUDA the compiled step is also captured as a CUDA
-    graph ("reduce-overhead"): decoding a small model is bound by kernel launches (hundreds per
-    token), which one graph replay replaces. The graph reads the static cache in place, so the
-    cache must keep its addresses from call to call (_decode_cache)."""
+    """The decode step: eager, or compiled; on CUDA also a CUDA graph ("reduce-overhead"), one replay
+    for the hundreds of kernel launches of a token, reading the static cache in place."""
     if not compile:
         return _next_logits
     fn = _next_logits_unfused if device.type == "cpu" else _next_logits
@@ -123,10 +107,9 @@ _DECODE_CACHES = weakref.WeakKeyDictionary()  # model -> {(rows, length): Static
 
 
 def _decode_cache(model, B, L, persistent):
-    """A static KV cache of B rows and L slots, or None when the model has sliding-window or other
-    non-plain layers (they are prefilled straight into a fresh cache instead). With `persistent`
-    (compiled decoding) the cache of each (B, L) is made once per model and overwritten in place
-    by every later rollout, so the captured graph's addresses stay valid (at most 4 per model)."""
+    """A static KV cache of B rows and L slots (None for sliding-window layers: prefilled into a
+    fresh cache). persistent (compiled decoding): one per (B, L) and model, reused in place so the
+    captured graph's addresses stay valid (at most 4 per model)."""
     from transformers import StaticCache
     from transformers.cache_utils import StaticLayer
 
@@ -158,36 +141,16 @@ def _fill_cache(cache, prefill, inverse, P):
 @torch.no_grad()
 def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, temperature=1.0, top_k=0,
              top_p=1.0, stop_ids=(), generator=None, compile=False, uniforms=None, return_logprobs=False):
-    """Sample responses for left-padded prompts with a KV cache.
-
-    Random numbers come from `generator`, or from `uniforms` (B, >= max_new_tokens): column t
-    draws token t of each row (rollout_uniforms; the same rollout on any number of ranks).
-
-    Returns response ids (B, R) right-padded with pad_id, and response_mask (B, R) that is 1
-    up to and including the first EOS (or stop token). R <= max_new_tokens; the loop ends
-    early once every row has stopped. Only local forwards: under FSDP call it inside
-    `unsharded(model)`, and ranks may stop at different steps. return_logprobs: also the
-    log-prob (B, R) of each sampled token under the distribution at the sampling temperature
-    (before top-k / top-p: the one the trainer computes), from the sampler's own logits, so that
-    the trainer can measure and correct the gap between its numbers and the sampler's.
-
-    Greedy output is identical to model.generate's. Speed against it: bench/sampler.py.
-    1. each distinct prompt is prefilled once and its keys/values copied to its repeats (GRPO
-       samples every prompt G times): the eager gain;
-    2. a static KV cache written in place: no concatenation per step, and the fixed shapes
-       and addresses that torch.compile and CUDA graphs need; mask and positions of the whole
-       response are built once; on a GPU, whether every row has stopped is read every 8 tokens
-       (each read waits for the GPU to drain), not after every token;
-    3. compile=True: the decode step under torch.compile (on CPU with SDPA's math backend,
-       which inductor fuses; on CUDA replayed as a CUDA graph). Compiling takes 10-60 s, once
-       per process, model and shape (batch size, cache length): it pays over the many rollouts
-       of a run, not for one call. The cache length is rounded up so that nearby prompt lengths
-       share a graph; dynamo keeps up to torch._dynamo.config.recompile_limit (8) graphs.
-    Under autocast the fp32 weights are cast to bf16 once per rollout, not per token (autocast
-    caches the casts of leaf parameters within its region).
-    """
-    B, P = prompt_ids.shape
-    device = prompt_ids.device
+    """Sample responses to left-padded prompts (greedy output equals model.generate's; under FSDP
+    call it inside `unsharded`). Random numbers: `uniforms` (B, >= max_new_tokens), column t for
+    token t, or `generator`. Returns ids (B, R) right-padded with pad_id and a mask (B, R), 1 up to
+    and including the first stop id, R <= max_new_tokens; return_logprobs: also each token's
+    log-prob at the temperature from the sampler's own logits (the trainer measures the gap).
+    Against model.generate (bench/sampler.py): 1. each distinct prompt is prefilled once, its keys
+    and values copied to its G repeats; 2. a static cache written in place, "all stopped?" read
+    every 8 tokens on a GPU; 3. compile=True: the decode step compiled (the cache length rounded
+    up so nearby lengths share a graph), on CUDA replayed as a CUDA graph."""
+    (B, P), device = prompt_ids.shape, prompt_ids.device
     L = P + max_new_tokens
     if compile:  # round up to a multiple of L/8 to L/4 (54 -> 56, 300 -> 320)
         q = max(8, 2 ** (L.bit_length() - 3))
@@ -250,14 +213,9 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
 
 
 def decode_responses(tokenizer, response_ids, response_mask, prompt_ids=None):
-    """Text of each sampled response, without EOS or padding, exactly as it continues its prompt.
-    One transfer from the device for the whole batch, not one per row.
-
-    With prompt_ids (left-padded, so the last column is each prompt's last token), each response
-    is decoded after that token and the token's own text is cut off: a SentencePiece-style
-    (Metaspace) decoder drops the leading space of a text decoded alone, so " 19" after a prompt
-    would come back as "19", and a reward model with another tokenizer would score other text.
-    """
+    """Text of each response, without stop tokens or padding, as it continues its prompt: decoded
+    after the prompt's last token (left padding: its last column) and that token's text cut off,
+    since a SentencePiece decoder drops the leading space of a text alone (" 19" -> "19")."""
     ids, mask = response_ids.tolist(), response_mask.tolist()
     last = prompt_ids[:, -1].tolist() if prompt_ids is not None else [None] * len(ids)
     texts = []
@@ -272,10 +230,8 @@ def decode_responses(tokenizer, response_ids, response_mask, prompt_ids=None):
 
 def respond(model, tokenizer, prompts, max_prompt_len, max_new_tokens, stops, device, temperature=0.0,
             uniforms=None):
-    """The model's responses to text prompts (a chat already rendered), as text: the prompts
-    encoded (data.encode_prompts) and left-padded, generated until one of `stops`
-    (common.stop_token_ids), decoded as they continue their prompt (decode_responses).
-    temperature 0 is greedy; uniforms: the rows' draws (rollout_uniforms)."""
+    """The model's responses to text prompts (a chat already rendered), as text, sampled until one
+    of `stops` (data.stop_token_ids); temperature 0 is greedy, uniforms the rows' draws."""
     p_ids, p_mask = common.pad(data.encode_prompts(tokenizer, prompts, max_prompt_len)[0], tokenizer.pad_token_id,
                                side="left")
     r_ids, r_mask = generate(model, p_ids.to(device), p_mask.to(device), max_new_tokens, eos_id=stops[0],
@@ -333,21 +289,21 @@ class Rollout:
         """Every rank's rows, in rank order (the global rollout), on every rank. Collective."""
         if d.world_size == 1:
             return self
-        P, R = common.all_reduce_max(self.p_ids.new_tensor(self.p_ids.shape[1:] + self.r_ids.shape[1:]), d).tolist()
+        blocks = self.p_ids.new_tensor([[self.p_ids.shape[1], self.r_ids.shape[1]]])  # (1, 2): P and R
+        P, R = common.all_gather(blocks, d).amax(0).tolist()  # the longest of any rank
         return self.padded(P, R, pad_id).map(lambda name, x: common.all_gather(x.int(), d).bool()
                                              if x.dtype == torch.bool else common.all_gather(x, d))
 
 
 def rollout(model, env, cfg, d, step, round_=0):
-    """Phase 1: this rank's share of prompts_per_step new prompts, n_sample completions each
-    (rs_samples, or group_size), groups contiguous. The random numbers are those of the whole
-    global rollout, seeded by step and round and indexed by row: any number of ranks samples the
-    same completions. Returns the Rollout (no rewards yet) and its seconds."""
+    """Phase 1: this rank's share of prompts_per_step new prompts, rs_samples or group_size
+    completions each, groups contiguous, drawn with the random numbers of the global rollout
+    indexed by row (any number of ranks samples the same). Returns the Rollout and its seconds."""
     t0, n_sample = time.time(), cfg.rs_samples or cfg.group_size
     rows = env.order.next(cfg.prompts_per_step)[common.shard_batch(cfg.prompts_per_step, d)]
     prompts = [p for p in env.prompts.select(rows)["prompt"] for _ in range(n_sample)]  # groups contiguous
     u = rollout_uniforms(cfg.prompts_per_step * n_sample, cfg.max_new_tokens,
-                                  stream_seed(cfg.seed, step, stream=0, round_=round_))
+                         stream_seed(cfg.seed, step, stream=0, round_=round_))
     u = u[common.shard_batch(cfg.prompts_per_step * n_sample, d)]  # (N, max_new_tokens) this rank's rows
     p_ids, _ = data.encode_prompts(env.tokenizer, prompts, cfg.max_prompt_len)
     p_ids, p_mask = (t.to(d.device) for t in common.pad(p_ids, env.tokenizer.pad_token_id, side="left"))  # (N, P)

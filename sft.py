@@ -143,7 +143,7 @@ def evaluate(model, tokenizer, held_out, cfg, d):
 def main(cfg):
     # 0. setup: one seed on every rank, so that every rank builds the same initial weights
     d = run.start(cfg)  # flags checked, process group joined, seed set
-    micro = common.micro_batch(cfg.batch_size, cfg.grad_accum, d)
+    micro = run.micro_batch(cfg.batch_size, cfg.grad_accum, d)
     split = cfg.eval_dataset is None  # a local file without a held-out one is split by prompt hash
     train = data.load_data(cfg.dataset, "train", COLUMNS, kind="sft", n=cfg.n_train, seed=cfg.seed, holdout=split)
     test = data.load_data(cfg.eval_dataset or cfg.dataset, cfg.eval_split, COLUMNS, kind="sft", n=cfg.n_eval,
@@ -159,7 +159,7 @@ def main(cfg):
     optimizer, scheduler = common.make_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps,
                                                  cfg.steps)
     common.print0(f"sft: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {len(train)} train "
-                  f"rows, world size {d.world_size}{d.layout}, micro-batch {micro} x {cfg.grad_accum} accumulation")
+                  f"rows, world size {d.world_size}{run.layout(d)}, micro-batch {micro} x {cfg.grad_accum} accumulation")
     start = job.begin(model, tokenizer, optimizer, scheduler, order)  # restores a resumed run's state
     if start == 1:
         job.log(0, evaluate(model, tokenizer, held_out, cfg, d))

@@ -13,6 +13,7 @@ import time
 import torch
 
 import common
+import data
 import pipeline
 import run
 import sampling
@@ -309,19 +310,17 @@ def real_stages(cfg):
 
 
 def load_policy(name):
-    tok = common.load_tokenizer(name)
+    tok = data.load_tokenizer(name)
     return tok, common.load_model(name, tok).eval()
 
 
 def answers(tok, model, rows, temperature=0.0, seed=0, batch_size=64):
     """The model's answers to arith chat `rows` (rendered with its template): greedy at
     temperature 0, else sampled with the rows' own draws."""
-    import data
     import datasets
-    import sampling
 
     prompts = data.render_chat(datasets.Dataset.from_list(rows), tok, "arith")[0]["prompt"]
-    stops = common.stop_token_ids(tok, model)
+    stops = data.stop_token_ids(tok, model)
     u = sampling.rollout_uniforms(len(prompts), REAL_NEW_TOKENS, seed) if temperature else None
     texts = []
     with torch.no_grad():

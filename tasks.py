@@ -174,6 +174,7 @@ def evaluate_generations(model, tokenizer, prompts, reward_fn, d, max_prompt_len
     import torch
 
     import common
+    import data
     import sampling
 
     own_prompts = prompts if own_prompts is None else own_prompts
@@ -187,7 +188,7 @@ def evaluate_generations(model, tokenizer, prompts, reward_fn, d, max_prompt_len
         rewards = [reward_fn(own_prompts[i], c, a) for i, c, a in zip(rows, replies, refs)]
         return torch.tensor([[r, float(r == 1.0)] for r in rewards], dtype=torch.float64, device=d.device)
 
-    stops = common.stop_token_ids(tokenizer, model)
+    stops = data.stop_token_ids(tokenizer, model)
     with common.evaluating(model, gather=True):
         r = common.map_rows(score, len(prompts), d, batch_size)  # (n, 2)
     gold, exact = r.mean(0).tolist()

@@ -48,7 +48,7 @@ def child(args):
         prompts = torch.randint(3, len(tok), (args.rows, args.prompt_len), generator=g).to(d.device)
         mask = torch.ones_like(prompts)
 
-        def rollout(gather_once):
+        def rollout(gather_once, model=model):
             with common.unsharded(model) if gather_once else nullcontext(), common.autocast(d):
                 return sampling.generate(model, prompts, mask, args.new_tokens, eos_id=-1, pad_id=tok.pad_token_id,
                                        uniforms=sampling.rollout_uniforms(args.rows, args.new_tokens, d.rank))

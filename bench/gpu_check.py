@@ -197,7 +197,7 @@ def main():
             rows += benches(tmp)
     except (AssertionError, RuntimeError, subprocess.TimeoutExpired) as e:
         failed = e
-    print(f"\n| check | seconds | result |\n|---|---|---|")
+    print("\n| check | seconds | result |\n|---|---|---|")
     for name, sec, what in rows:
         print(f"| {name} | {sec:.0f} | {what} |")
     summary = {"device": device, "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M"),

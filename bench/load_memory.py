@@ -45,8 +45,7 @@ def worker(mode, folder, out):
     import torch.distributed as dist
 
     import common
-import data
-
+    import data
     import run
 
     d = common.setup_distributed()
@@ -56,7 +55,7 @@ import data
         print("ROW " + json.dumps({"mode": mode, "rank": d.rank, "phase": phase, "gib": peak_gib()}), flush=True)
 
     reset_peak()
-    tok = common.load_tokenizer(folder)
+    tok = data.load_tokenizer(folder)
     model = common.load_model(folder, tok, d=d if mode == "rank0" else None)
     model = common.shard_model(model, d)
     report("load")
@@ -98,12 +97,11 @@ def build(folder, layers, width, heads):
     import torch
     from transformers import AutoModelForCausalLM, GPT2Config
 
-    import common
-
+    import data
 
     if os.path.isfile(os.path.join(folder, "model.safetensors")):
         return
-    tok = common.load_tokenizer("tiny")
+    tok = data.load_tokenizer("tiny")
     config = GPT2Config(n_layer=layers, n_embd=width, n_head=heads, vocab_size=50257, n_positions=1024)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)

@@ -40,6 +40,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
+import data  # noqa: E402
 import tasks  # noqa: E402
 from bench import util  # noqa: E402
 
@@ -215,17 +216,17 @@ def main():
             if model in util.SHAPES:
                 config, tok = util.model_config(model, tasks.char_tokenizer()), tasks.char_tokenizer()
             else:
-                config, tok = AutoConfig.from_pretrained(args.model), common.load_tokenizer(args.model)
+                config, tok = AutoConfig.from_pretrained(args.model), data.load_tokenizer(args.model)
             with torch.device("meta"):  # count the parameters without allocating them
                 built = AutoModelForCausalLM.from_config(config)
             n_params = sum(x.numel() for x in built.parameters())
             cfg = {"n_layer": config.num_hidden_layers, "n_embd": config.hidden_size,
                    "body": sum(x.numel() for block in common.transformer_blocks(built) for x in block.parameters())}
-            data = make_data(os.path.join(tmp, f"rows-{model}.jsonl"), 512, args.prompt_len, args.response_len,
+            rows_file = make_data(os.path.join(tmp, f"rows-{model}.jsonl"), 512, args.prompt_len, args.response_len,
                              alphabet=exact_alphabet(tok))
             for algo in args.algos.split(","):
                 out_dir = os.path.join(tmp, f"{algo}-{model}")
-                argv = script_args(algo, args, data, out_dir)
+                argv = script_args(algo, args, rows_file, out_dir)
                 t0 = time.time()
                 peak_rss = run_case(argv, out_dir + ".log")
                 with open(os.path.join(out_dir, "metrics.jsonl")) as f:

@@ -54,6 +54,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
+import data  # noqa: E402
 from bench import util  # noqa: E402
 from bench.steps import exact_alphabet, gpu_memory, make_data, run_case  # noqa: E402
 
@@ -165,7 +166,7 @@ def child_trl_grpo(spec):
 
     import tasks
 
-    tok = common.load_tokenizer(spec["model"])
+    tok = data.load_tokenizer(spec["model"])
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
     train = Dataset.from_list(read_rows(spec["data"], ["prompt", "reward_fn"]))
     calls = []  # one entry per generation (= per optimizer step here): token counts TRL produced
@@ -239,7 +240,7 @@ def child_trl_dpo(spec):
             precompute_s[name] = time.perf_counter() - t0
             return out
 
-    tok = common.load_tokenizer(spec["model"])
+    tok = data.load_tokenizer(spec["model"])
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
     # live: an explicit frozen reference loaded from the same folder; precomputed: none, so that TRL frees it
     # after the precompute (with an explicit one it would keep it for the whole run), as ours does
@@ -284,9 +285,9 @@ def child_imports(side):
 # parent: run every case in a fresh process
 
 
-def ours_argv(algo, settings, a, model_dir, data, out_dir, steps):
+def ours_argv(algo, settings, a, model_dir, rows_file, out_dir, steps):
     """Our script's command line for the same work as TRL's config above."""
-    argv = ["--model", model_dir, "--dataset", data, "--out_dir", out_dir, "--overwrite", "--steps", str(steps),
+    argv = ["--model", model_dir, "--dataset", rows_file, "--out_dir", out_dir, "--overwrite", "--steps", str(steps),
             "--max_prompt_len", str(a.prompt_len), "--lr", str(a.lr), "--warmup_steps", "0", "--grad_clip", "1.0",
             "--weight_decay", "0", "--grad_accum", "1", "--eval_every", "1000000"]
     if algo == "grpo":
@@ -298,7 +299,7 @@ def ours_argv(algo, settings, a, model_dir, data, out_dir, steps):
         argv += ["--compile"] if settings.get("compile") else []
     else:
         argv += ["--batch_size", str(a.batch_size), "--max_response_len", str(a.response_len), "--beta", str(DPO_BETA),
-                 "--eval_dataset", data,  # train on every row, as TRL does (no hash split)
+                 "--eval_dataset", rows_file,  # train on every row, as TRL does (no hash split)
                  "--loss_type", "sigmoid", "--label_smoothing", "0", "--eval_batch_size", "64", "--n_eval", "8",
                  "--n_eval_prompts", "8", "--precompute_ref" if settings["precompute"] else "--no-precompute_ref"]
     return [f"{algo}.py", *argv]
@@ -330,16 +331,16 @@ def read_ours(out_dir, log_path):
     return res
 
 
-def run_variant(algo, name, side, settings, a, model_dir, data, tmp, dtype, rep=0):
+def run_variant(algo, name, side, settings, a, model_dir, rows_file, tmp, dtype, rep=0):
     tag = f"{algo}-{name}-{os.path.basename(model_dir)}-r{rep}"
     out_dir, log = os.path.join(tmp, tag), os.path.join(tmp, tag + ".log")
     steps = a.steps + 1  # one warm-up step, left out
     t0 = time.time()
     if side == "ours":
-        peak_rss = run_case(ours_argv(algo, settings, a, model_dir, data, out_dir, steps), log)
+        peak_rss = run_case(ours_argv(algo, settings, a, model_dir, rows_file, out_dir, steps), log)
         res = read_ours(out_dir, log)
     else:
-        spec = {"model": model_dir, "data": data, "tmp": out_dir, "steps": steps, "lr": a.lr, "dtype": dtype,
+        spec = {"model": model_dir, "data": rows_file, "tmp": out_dir, "steps": steps, "lr": a.lr, "dtype": dtype,
                 "batch_size": a.batch_size, "group_size": a.group_size, "prompt_len": a.prompt_len,
                 "response_len": a.response_len, "gc": settings["gc"], "precompute": settings.get("precompute", False)}
         spec_path, res_path = out_dir + ".spec.json", out_dir + ".result.json"
@@ -514,15 +515,15 @@ def main():
             for algo in a.algos.split(","):
                 # DPO: ours precomputes the reference over the whole file, so it holds just the rows trained on
                 n_rows = 512 if algo == "grpo" else a.batch_size * (a.steps + 1)
-                data = make_data(os.path.join(tmp, f"{algo}-rows.jsonl"), n_rows, a.prompt_len, a.response_len,
-                                 alphabet=exact_alphabet(common.load_tokenizer(model_dir)))
+                rows_file = make_data(os.path.join(tmp, f"{algo}-rows.jsonl"), n_rows, a.prompt_len, a.response_len,
+                                 alphabet=exact_alphabet(data.load_tokenizer(model_dir)))
                 runs = {name: [] for name in VARIANTS[algo]}
                 for rep in range(a.repeats):
                     # ours and TRL alternate, and the order flips every repeat (ABBA): a slow spell of the
                     # machine, or a drift, then weighs on both sides of every ratio alike
                     for name in (order_of(algo) if rep % 2 == 0 else order_of(algo)[::-1]):
                         side, settings = VARIANTS[algo][name]
-                        case = run_variant(algo, name, side, settings, a, model_dir, data, tmp, dtype, rep)
+                        case = run_variant(algo, name, side, settings, a, model_dir, rows_file, tmp, dtype, rep)
                         case |= {"model": model, "params": n_params, "repeat": rep}
                         runs[name].append(case)
                         all_runs.append(case)

@@ -17,6 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
+import data  # noqa: E402
 import tasks  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -135,7 +136,7 @@ def random_model(shape, seed=0):
     from transformers import AutoModelForCausalLM
 
     if shape not in SHAPES:
-        tok = common.load_tokenizer(shape)
+        tok = data.load_tokenizer(shape)
         return tok, common.load_model(shape, tok)
     tok = tasks.char_tokenizer()
     torch.manual_seed(seed)

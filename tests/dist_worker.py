@@ -7,6 +7,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import common  # noqa: E402
+import data  # noqa: E402
 import run
 
 
@@ -72,7 +73,7 @@ def loaded_from_one(folder):
     from safetensors.torch import load_file
 
     d = common.setup_distributed(timeout_minutes=1.0)
-    tok = common.load_tokenizer(folder)
+    tok = data.load_tokenizer(folder)
     model = common.load_model(folder, tok, d=d)
     on_meta = all(p.is_meta for p in model.parameters())
     assert on_meta == (d.rank != 0), (d.rank, on_meta)
@@ -96,9 +97,9 @@ def loaded_from_one(folder):
 def stop_ids(name):
     """The ids each rank stops sampling at, for a model named by hub id (read from the hub cache)."""
     d = common.setup_distributed(timeout_minutes=1.0)
-    tok = common.load_tokenizer(name)
+    tok = data.load_tokenizer(name)
     model = common.load_model(name, tok, d=d)
-    print(f"rank {d.rank} stops at {common.stop_token_ids(tok, model)}", flush=True)
+    print(f"rank {d.rank} stops at {data.stop_token_ids(tok, model)}", flush=True)
     run.release()
 
 

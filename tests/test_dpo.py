@@ -172,7 +172,7 @@ REJECTED = [" 3 2", " 0 1 9", " 5 5 5 5 5 5", " 8 1", " 1 2"]
 
 @pytest.fixture(scope="module")
 def tiny():
-    tok = common.load_tokenizer("tiny")
+    tok = data.load_tokenizer("tiny")
     torch.manual_seed(0)
     policy = common.load_model("tiny", tok).eval()
     torch.manual_seed(1)
@@ -255,7 +255,7 @@ def test_dpo_script_tiny(base_run):
     # log-ratio to the reference of chosen minus that of rejected, pair by pair; its sign flips with
     # chosen and rejected, or policy and reference, swapped. Every |h| here is above 0.018
     # (measured), so no pair is a tie that rounding could turn
-    tok = common.load_tokenizer("tiny")
+    tok = data.load_tokenizer("tiny")
     cfg = replace(dpo.Config(), max_response_len=16)  # TINY's
     pairs = data.encode_pairs(data.load_pairs("sort", "test", 16, 0), tok, cfg.max_prompt_len, 16, "eval")  # TINY's 16
     common.set_seed(0)  # the initial weights, built as dpo.py builds them

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 import common
+import data
 import grpo
 import run
 import tasks
 from grpo import (aggregate, check_config, group_advantages, grpo_loss, kl_per_token, loss_normaliser,
-                  parse_weights, rejection_sample)
+                  rejection_sample)
 from sampling import truncate_mask
 from helpers import checkpoint_weights, max_abs_diff, read_metrics, run_here, run_script, write_jsonl
 
@@ -317,16 +318,16 @@ def test_batch_arithmetic_is_checked():
 
 
 def test_parse_weights():
-    assert parse_weights("", False) == {"rule": 1.0}
-    assert parse_weights("", True) == {"model": 1.0}
-    assert parse_weights("rule:1.0,model:0.5", True) == {"rule": 1.0, "model": 0.5}
+    assert run.parse_weights("", False) == {"rule": 1.0}
+    assert run.parse_weights("", True) == {"model": 1.0}
+    assert run.parse_weights("rule:1.0,model:0.5", True) == {"rule": 1.0, "model": 0.5}
     with pytest.raises(ValueError):
-        parse_weights("rule:1,model:1", False)
+        run.parse_weights("rule:1,model:1", False)
     with pytest.raises(ValueError):
-        parse_weights("gold:1", False)
+        run.parse_weights("gold:1", False)
     for bad in ("rule:nan", "rule:inf", "rule:x", "rule:"):
         with pytest.raises(ValueError, match="finite weights"):
-            parse_weights(bad, False)
+            run.parse_weights(bad, False)
 
 
 # -----------------------------------------------------------------------------
@@ -336,7 +337,7 @@ def test_parse_weights():
 @pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft is not installed")
 def test_lora_reference_is_the_base_model():
     torch.manual_seed(0)
-    tok = common.load_tokenizer("tiny")
+    tok = data.load_tokenizer("tiny")
     base = common.load_model("tiny", tok, dtype=torch.float32)
     model = grpo.add_lora(copy.deepcopy(base), r=4, alpha=8)
     with torch.no_grad():
@@ -378,7 +379,7 @@ def moved_from_the_initial_weights(out):
     """The largest change of any weight from the tiny model grpo.py starts from to out's checkpoint."""
     w = checkpoint_weights(out)
     common.set_seed(0)  # the initial weights, built as grpo.py builds them
-    start = common.load_model("tiny", common.load_tokenizer("tiny")).state_dict()
+    start = common.load_model("tiny", data.load_tokenizer("tiny")).state_dict()
     return max((w[k] - start[k]).abs().max().item() for k in w)
 
 
@@ -443,7 +444,7 @@ def test_script_pairwise_accuracy_on_a_preference_file(tmp_path):
     assert rows[0]["eval/accuracy"] == 0.5  # policy == reference: every pair a tie, exactly
     assert "eval/exact_match" not in rows[-1]
 
-    tok = common.load_tokenizer("tiny")
+    tok = data.load_tokenizer("tiny")
     policy = AutoModelForCausalLM.from_pretrained(out / "checkpoint").eval()
     common.set_seed(0)  # the reference: the initial weights, built as grpo.py builds them
     ref = common.load_model("tiny", tok).eval()

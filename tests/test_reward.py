@@ -87,7 +87,7 @@ def test_bt_loss_gradcheck():
 @pytest.fixture(scope="module")
 def tiny_rm():
     torch.manual_seed(0)
-    tok = common.load_tokenizer("tiny")
+    tok = data.load_tokenizer("tiny")
     model = common.load_model("tiny", tok, kind="new_reward").eval()
     torch.nn.init.normal_(model.score.weight, std=1.0)  # a new head is near zero: make scores differ
     return tok, model

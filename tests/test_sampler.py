@@ -13,6 +13,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
 
 import common
+import data
 import run
 import sampling
 from helpers import ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, run_script
@@ -263,9 +264,9 @@ def test_greedy_evaluation_stops_at_every_end_of_turn_id_of_the_generation_confi
     model = GPT2LMHeadModel(tasks.char_gpt2_config(tok, n_layer=1, n_embd=32, n_head=2))
     end_of_turn = tok.convert_tokens_to_ids("|")
     model.generation_config.eos_token_id = [end_of_turn, tok.eos_token_id]
-    assert common.stop_token_ids(tok, model) == [tok.eos_token_id, end_of_turn]
+    assert data.stop_token_ids(tok, model) == [tok.eos_token_id, end_of_turn]
     model.generation_config.eos_token_id = end_of_turn  # an int works too
-    assert common.stop_token_ids(tok, model) == [tok.eos_token_id, end_of_turn]
+    assert data.stop_token_ids(tok, model) == [tok.eos_token_id, end_of_turn]
     seen = []
     real = sampling.generate
 

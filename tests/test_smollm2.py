@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def tok(smollm2):
-    return common.load_tokenizer(smollm2)
+    return data.load_tokenizer(smollm2)
 
 
 @pytest.fixture(scope="module")
@@ -104,9 +104,9 @@ def test_a_missing_package_file_or_reader_is_refused_with_what_to_do(tmp_path, m
 def test_a_sampled_turn_decodes_without_template_tokens_and_stops_at_end_of_turn(small):
     """The policy's answer as the reward sees it: the sampler stops at <|im_end|> (the EOS and
     the generation config's id), and the decoded text holds none of the template's tokens."""
-    tok = common.load_tokenizer(small)
+    tok = data.load_tokenizer(small)
     model = common.load_model(small, tok).eval()
-    assert common.stop_token_ids(tok, model) == [tok.convert_tokens_to_ids("<|im_end|>")]
+    assert data.stop_token_ids(tok, model) == [tok.convert_tokens_to_ids("<|im_end|>")]
     prompt = tok.apply_chat_template(chat(("user", "What is 12 + 7?")), tokenize=False, add_generation_prompt=True)
     p_ids, p_mask = common.pad(data.encode_prompts(tok, [prompt], 64)[0], tok.pad_token_id, side="left")
     answer = tok("19", add_special_tokens=False)["input_ids"]
@@ -137,7 +137,7 @@ def test_the_reward_model_reads_the_last_token_of_a_rendered_conversation(small)
     (transformers #35352)."""
     from transformers import AutoModelForSequenceClassification
 
-    tok = common.load_tokenizer(small)
+    tok = data.load_tokenizer(small)
     torch.manual_seed(0)
     rm = AutoModelForSequenceClassification.from_pretrained(small, num_labels=1).eval()
     rm.config.pad_token_id = tok.pad_token_id

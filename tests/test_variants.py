@@ -326,12 +326,22 @@ def test_overlong_penalty_is_dapo_eq_13(length, want):
     (dict(loss_type="gspo"), "--loss_type 'gspo'"),
     (dict(importance_sampling_level="seq"), "--importance_sampling_level 'seq'"),
     (dict(overlong_buffer_len=30, max_new_tokens=24), "at most --max_new_tokens"),
+    (dict(lora=True, ref_refresh_every=2), "--lora runs under `python`"),
+    (dict(lora=True, save_every=2), "--lora runs under `python`"),
+    (dict(lora=True, resume=True), "--lora runs under `python`"),
+    (dict(save_every=3, ref_refresh_every=2), "must be a multiple of --ref_refresh_every 2"),
 ])
 def test_flags_that_cannot_go_together_are_refused(flags, message):
     with pytest.raises(ValueError, match=message.replace("+", r"\+").replace("(", r"\(")):
         cfg = replace(grpo.Config(), **flags)
         run.check_ranges(cfg)  # each flag's range and choices
         grpo.check_config(cfg, common.Dist())  # the flags that do not go together
+
+
+def test_lora_is_refused_under_torchrun():
+    grpo.check_config(replace(grpo.Config(), lora=True), common.Dist())
+    with pytest.raises(ValueError, match="--lora runs under `python`"):
+        grpo.check_config(replace(grpo.Config(), lora=True), common.Dist(torchrun=True))
 
 
 def run_grpo(tmp_path, *extra):
