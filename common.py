@@ -509,9 +509,10 @@ def load_model(name, tokenizer, kind="causal", dtype=torch.float32, trust_remote
             config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **extra)
             with torch.device("meta"):
                 model = auto.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
-        else:
-            model = auto.from_pretrained(path, dtype=dtype, use_safetensors=True,
-                                         trust_remote_code=trust_remote_code, **extra)
+        else:  # a new score head is missing from the checkpoint by design: no load report for it
+            with run.transformers_quiet(kind == "new_reward"):
+                model = auto.from_pretrained(path, dtype=dtype, use_safetensors=True,
+                                             trust_remote_code=trust_remote_code, **extra)
         if from_rank0:  # the stop ids every rank samples with: rank 0's generation config, read as it was
             gen = [model.generation_config.to_dict() if d.is_main else None]
             dist.broadcast_object_list(gen, src=0, device=d.device if d.device.type == "cuda" else None)

@@ -833,11 +833,29 @@ class SharedConfig:
 def start(cfg):
     """A script's first lines: every flag within the range --help states and among its choices
     (before anything is loaded or written), torchrun's process group (or a world of one), the
-    seed. Returns the common.Dist."""
+    seed. Returns the common.Dist. The log is one line per step: transformers' progress bars of
+    each load and save ("Loading weights", "Writing model shards") are switched off."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     check_ranges(cfg)
     d = common.setup_distributed(hsdp=cfg.hsdp)
     common.set_seed(cfg.seed)
     return d
+
+
+@contextmanager
+def transformers_quiet(on=True):
+    """transformers' warnings (its load report) off for the block, when `on`."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    if on:
+        hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 @functools.lru_cache(maxsize=None)

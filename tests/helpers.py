@@ -71,7 +71,6 @@ def run_here(args):
 
     import torch
 
-
     import run
 
     script, *rest = args

@@ -15,7 +15,7 @@ import torch
 import common
 import run
 from helpers import (ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, chat, checkpoint_weights, read_metrics, run_here,
-                     write_jsonl)
+                     run_script, write_jsonl)
 from test_robustness import FAST, run_fast
 
 # -----------------------------------------------------------------------------
@@ -295,3 +295,21 @@ def test_every_models_context_is_checked_before_the_first_step(tmp_path):
     r = run_here(base + ["--max_prompt_len", "120"])
     assert r.returncode != 0 and "--max_prompt_len 120 + --max_new_tokens 24 = 144 tokens exceeds" in r.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_the_log_is_one_line_per_step_without_transformers_bars_or_reports(tmp_path):
+    """Each save printed transformers' "Writing model shards" bar, each load its "Loading weights"
+    bar, and reward.py's start its LOAD REPORT of the new score head, all between the step lines.
+    A checkpoint saved every step, then loaded with a new score head and saved again: nothing but
+    the scripts' own lines."""
+    sft = run_script(["sft.py", *FAST["sft.py"], "--model", "tiny", "--steps", "2", "--save_every", "1",
+                      "--out_dir", str(tmp_path / "sft")], env=SUBPROCESS_ENV_NO_TOKENIZER_THREADS)
+    rm = run_script(["reward.py", *FAST["reward.py"], "--model", str(tmp_path / "sft"), "--steps", "2",
+                     "--save_every", "1", "--out_dir", str(tmp_path / "rm")], env=SUBPROCESS_ENV_NO_TOKENIZER_THREADS)
+    for r, out in ((sft, "sft"), (rm, "rm")):
+        assert r.returncode == 0, r.stderr[-2000:]
+        noise = [line for line in (r.stdout + r.stderr).splitlines()
+                 if re.search("Writing model shards|Loading weights|LOAD REPORT|it/s]", line)]
+        assert not noise, noise[:3]
+        steps = [int(line.split("|")[0].split()[1]) for line in r.stdout.splitlines() if line.startswith("step ")]
+        assert steps == [row["step"] for row in read_metrics(tmp_path / out)], r.stdout
