@@ -205,7 +205,7 @@ def frozen_dtype(d):
     return torch.bfloat16 if d.torchrun and bf16_supported(d.device) else torch.float32
 
 
-def shard_model(model, d, mixed_precision=True, cpu_offload=False, activation_checkpointing=False):
+def shard_model(model, d, cpu_offload=False, activation_checkpointing=False):
     """The model on its device: FSDP2 under torchrun (each block, then the root), else a move.
     FSDP2 computes in bf16 with fp32 master weights and gradient reduction where the GPU has
     bf16, fp32 elsewhere; `fully_shard` moves block by block from the CPU. cpu_offload: the
@@ -226,7 +226,7 @@ def shard_model(model, d, mixed_precision=True, cpu_offload=False, activation_ch
 
     mesh = d.mesh
     mp = MixedPrecisionPolicy()
-    if mixed_precision and bf16_supported(d.device):
+    if bf16_supported(d.device):
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     kw = dict(mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
     blocks = transformer_blocks(model)

@@ -1010,11 +1010,11 @@ def check_ranges(cfg):
         raise ValueError("; ".join(bad))
 
 
-def micro_batch(batch_size, grad_accum, d, flag="--batch_size"):
+def micro_batch(batch_size, grad_accum, d):
     """Rows per micro-batch on each rank; the global batch must split evenly over ranks and
     accumulation steps (checked up front, naming the flags)."""
     if batch_size % (d.world_size * grad_accum):
-        raise ValueError(f"{flag} {batch_size} must be divisible by world size {d.world_size} x --grad_accum "
+        raise ValueError(f"--batch_size {batch_size} must be divisible by world size {d.world_size} x --grad_accum "
                          f"{grad_accum}")
     return batch_size // (d.world_size * grad_accum)
 
