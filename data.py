@@ -1,8 +1,9 @@
 """The data users bring, checked row by row: an embedded task, local .jsonl / .json / .csv /
 .parquet files (read in memory, split by prompt hash when no held-out file is given) or hub ids
-(read with `datasets`); prompt-completion rows, preference pairs (with the
-Anthropic HH format split into prompt and responses) and prompts; tokenised with the
-truncation rules every script shares, and batched in the layout of common.py.
+(read with `datasets`); prompt-completion rows, preference pairs (with the Anthropic HH format
+split into prompt and responses) and prompts; the tokenizer (its chat template, its stop ids);
+tokenised with the truncation rules every script shares, and batched in the layout of common.py.
+GRPO's Env (what a rollout samples and what scores it) is built here too.
 """
 import csv
 import dataclasses
