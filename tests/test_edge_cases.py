@@ -15,7 +15,7 @@ import torch
 import common
 import run
 from helpers import (ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, chat, checkpoint_weights, read_metrics, run_here,
-                     run_script, write_jsonl)
+                     write_jsonl)
 from test_robustness import FAST, run_fast
 
 # -----------------------------------------------------------------------------
@@ -36,6 +36,33 @@ def _nan_at_update(monkeypatch, n):
         return out
 
     monkeypatch.setattr(common, "optimizer_step", poisoned)
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory):
+    """An sft.py run of 3 steps stopped by a Ctrl-C at step 3, in this process: its folder holds the
+    resumable step-2 checkpoint (--save_every 2). Tests copy it (`resumable`)."""
+    out = tmp_path_factory.mktemp("interrupted") / "run"
+    step, calls = common.optimizer_step, []
+
+    def ctrl_c_at_step_3(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return step(*a, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(common, "optimizer_step", ctrl_c_at_step_3)
+        r = run_fast("sft.py", ["--steps", "3", "--save_every", "2", "--out_dir", str(out)])
+    assert r.returncode == 130 and (out / "checkpoint" / "sharded" / ".metadata").exists(), r.stderr[-2000:]
+    return out
+
+
+def resumable(interrupted, tmp_path):
+    """A copy of the interrupted run's folder (its checkpoint at step 2 of 3) to resume."""
+    import shutil
+
+    return shutil.copytree(interrupted, tmp_path / "run")
 
 
 def test_a_checkpoint_with_nan_weights_is_never_written_nor_named_good(tmp_path, monkeypatch):
@@ -66,14 +93,13 @@ class _Payload:
         return (open, (self.marker, "w"))
 
 
-def test_a_checkpoint_folder_runs_no_code_on_resume(tmp_path):
+def test_a_checkpoint_folder_runs_no_code_on_resume(interrupted, tmp_path):
     """torch.distributed.checkpoint reads sharded/.metadata with pickle.load: a .metadata whose
     __reduce__ runs code ran it on --resume, before failing. Now it is read with an unpickler that
     knows only the classes of checkpoint metadata: nothing runs, and the message names the file.
     The non-tensor values of the shards (read by torch.load(weights_only=False) in torch's
     planner) are read with weights_only=True first: the same payload there is refused too."""
-    out = tmp_path / "run"
-    assert run_fast("sft.py", ["--steps", "3", "--save_every", "2", "--out_dir", str(out)], crash="after_save:1").returncode == 9
+    out = resumable(interrupted, tmp_path)
     metadata, marker = out / "checkpoint" / "sharded" / ".metadata", tmp_path / "ran"
     real = metadata.read_bytes()
     metadata.write_bytes(pickle.dumps(_Payload(str(marker))))
@@ -112,9 +138,8 @@ def test_a_full_disk_is_named_and_leaves_the_last_checkpoint(tmp_path, monkeypat
     assert json.loads((out / "checkpoint" / "trainer_state.json").read_text())["step"] == 2
 
 
-def test_a_damaged_trainer_state_is_named(tmp_path):
-    out = tmp_path / "run"
-    assert run_fast("sft.py", ["--steps", "3", "--save_every", "2", "--out_dir", str(out)], crash="after_save:1").returncode == 9
+def test_a_damaged_trainer_state_is_named(interrupted, tmp_path):
+    out = resumable(interrupted, tmp_path)
     (out / "checkpoint" / "trainer_state.json").write_text('{"step": 2, "conf')
     r = run_fast("sft.py", ["--steps", "3", "--save_every", "2", "--out_dir", str(out), "--resume"])
     assert r.returncode != 0 and "trainer_state.json is damaged" in r.stderr and "Traceback" not in r.stderr[-300:]
@@ -150,13 +175,13 @@ def test_a_model_inside_out_dir_is_refused(tmp_path):
     assert (out / "checkpoint" / "config.json").exists()
 
 
-def test_resuming_past_the_last_step_is_refused(tmp_path):
+def test_resuming_past_the_last_step_is_refused(interrupted, tmp_path):
     """`--resume --steps 20` on a step-105 checkpoint saved the step-105 weights as the final
     checkpoint and dropped the resumable state without a word."""
-    out = tmp_path / "run"
-    assert run_fast("sft.py", ["--steps", "5", "--save_every", "4", "--out_dir", str(out)], crash="after_save:1").returncode == 9
-    r = run_fast("sft.py", ["--steps", "3", "--save_every", "4", "--out_dir", str(out), "--resume"])
-    assert r.returncode != 0 and "is at step 4, and --steps 3 ends there or before" in r.stderr, r.stderr[-2000:]
+    out = resumable(interrupted, tmp_path)
+    for steps in ("1", "2"):
+        r = run_fast("sft.py", ["--steps", steps, "--save_every", "2", "--out_dir", str(out), "--resume"])
+        assert r.returncode != 0 and f"is at step 2, and --steps {steps} ends there or before" in r.stderr, r.stderr[-2000:]
     assert (out / "checkpoint" / "training_state.pt").exists()
 
 
@@ -301,11 +326,21 @@ def test_the_log_is_one_line_per_step_without_transformers_bars_or_reports(tmp_p
     """Each save printed transformers' "Writing model shards" bar, each load its "Loading weights"
     bar, and reward.py's start its LOAD REPORT of the new score head, all between the step lines.
     A checkpoint saved every step, then loaded with a new score head and saved again: nothing but
-    the scripts' own lines."""
-    sft = run_script(["sft.py", *FAST["sft.py"], "--model", "tiny", "--steps", "2", "--save_every", "1",
-                      "--out_dir", str(tmp_path / "sft")], env=SUBPROCESS_ENV_NO_TOKENIZER_THREADS)
-    rm = run_script(["reward.py", *FAST["reward.py"], "--model", str(tmp_path / "sft"), "--steps", "2",
-                     "--save_every", "1", "--out_dir", str(tmp_path / "rm")], env=SUBPROCESS_ENV_NO_TOKENIZER_THREADS)
+    the scripts' own lines (transformers' warnings are caught at its logger, which writes to the
+    terminal, not to the captured stderr)."""
+    import logging
+
+    reports = []
+    catch = logging.Handler(logging.WARNING)
+    catch.emit = reports.append
+    logging.getLogger("transformers").addHandler(catch)
+    try:
+        sft = run_fast("sft.py", ["--model", "tiny", "--steps", "2", "--save_every", "1", "--out_dir", str(tmp_path / "sft")])
+        rm = run_fast("reward.py", ["--model", str(tmp_path / "sft"), "--steps", "2", "--save_every", "1",
+                                    "--out_dir", str(tmp_path / "rm")])
+    finally:
+        logging.getLogger("transformers").removeHandler(catch)
+    assert not [r.getMessage()[:200] for r in reports if "LOAD REPORT" in r.getMessage()]
     for r, out in ((sft, "sft"), (rm, "rm")):
         assert r.returncode == 0, r.stderr[-2000:]
         noise = [line for line in (r.stdout + r.stderr).splitlines()

@@ -15,7 +15,7 @@ import tasks
 from grpo import (aggregate, check_config, group_advantages, grpo_loss, kl_per_token, loss_normaliser,
                   rejection_sample)
 from sampling import truncate_mask
-from helpers import checkpoint_weights, max_abs_diff, read_metrics, run_here, run_script, write_jsonl
+from helpers import TWO_RANK_RUNS, checkpoint_weights, max_abs_diff, read_metrics, run_here, write_jsonl
 
 
 # -----------------------------------------------------------------------------
@@ -360,17 +360,18 @@ def test_lora_reference_is_the_base_model():
 # the script end to end
 
 
-def run_grpo(tmp_path, *extra, nproc=1):
-    """grpo.py for 2 steps on the tiny model, then extra; its out_dir and the metrics it logged.
-    nproc > 1: under torchrun with its default rendezvous (127.0.0.1:29500, no --standalone)."""
-    out = tmp_path / "run"
-    args = ["grpo.py", "--model", "tiny", "--steps", "2", "--prompts_per_step", "4", "--group_size", "4",
+def grpo_argv(out, *extra):
+    """grpo.py for 2 steps on the tiny model writing into out, then extra."""
+    return ["grpo.py", "--model", "tiny", "--steps", "2", "--prompts_per_step", "4", "--group_size", "4",
             "--max_new_tokens", "8", "--n_eval", "8", "--n_eval_pairs", "8", "--eval_every", "1", "--out_dir", str(out),
             *extra]
-    if nproc == 1:
-        proc = run_here(args)
-    else:
-        proc = run_script(["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), *args])
+
+
+def run_grpo(tmp_path, *extra):
+    """grpo.py for 2 steps on the tiny model, then extra, in this process; its out_dir and the
+    metrics it logged."""
+    out = tmp_path / "run"
+    proc = run_here(grpo_argv(out, *extra))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, read_metrics(out)
 
@@ -547,41 +548,48 @@ def assert_same_run(one, two, keys=("reward", "reward_std", "completions/mean_le
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
 
 
-def test_two_processes_match_one_process_at_the_default_flags(tmp_path):
+def default_flags(folder):
+    return ("--dataset", write_digits_prompts(folder / "prompts.jsonl", 16), "--lr", "1e-4", "--warmup_steps", "0")
+
+
+def rejection_and_dynamic_sampling(folder):
+    rows = [{"prompt": r["prompt"], "reward_fn": ("sort", "digits")[i % 2]} for i, r in enumerate(tasks.prompt_rows(48))]
+    return ("--dataset", write_jsonl(folder / "p.jsonl", rows), "--rs_samples", "6", "--dynamic_sampling",
+            "--max_num_gen_batches", "3", "--scale_rewards", "batch", "--global_norm", "--ref_refresh_every", "1",
+            "--lr", "1e-4", "--warmup_steps", "0")
+
+
+TWO_RANK_RUNS["grpo_defaults"] = lambda folder: grpo_argv(folder / "run", *default_flags(folder))
+TWO_RANK_RUNS["grpo_rs_dynamic"] = lambda folder: grpo_argv(folder / "run", *rejection_and_dynamic_sampling(folder))
+
+
+def test_two_processes_match_one_process_at_the_default_flags(tmp_path, two_ranks):
     """FSDP2 on 2 ranks (gloo) against 1 process, every algorithm flag at its default (mu 2 passes
     over 2 mini-batches among them). The sampler's random numbers are indexed by global row
     (sampling.rollout_uniforms) and the mini-batches are dealt from the global rollout
     (minibatch_rows), so both draw the same completions and optimise the same mini-batches: the
     rewards, the loss of every step and the final weights agree (fp32). With each rank shuffling
-    its own rows, step 1's grad norm differed (1.534 against 1.672 in the report)."""
-    args = ("--dataset", write_digits_prompts(tmp_path / "prompts.jsonl", 16), "--lr", "1e-4", "--warmup_steps", "0")
-    (tmp_path / "one").mkdir()
-    (tmp_path / "two").mkdir()
-    out1, one = run_grpo(tmp_path / "one", *args)
-    out2, two = run_grpo(tmp_path / "two", *args, nproc=2)
-    assert_same_run(one, two)
+    its own rows, step 1's grad norm differed (1.534 against 1.672 in the report). The 2-rank run
+    is conftest.py's `two_ranks`."""
+    out1, one = run_grpo(tmp_path, *default_flags(tmp_path))
+    out2 = two_ranks("grpo_defaults") / "run"
+    assert_same_run(one, read_metrics(out2))
     # Adam turns rounding noise in near-zero gradients into steps of up to lr: a small lr keeps
     # that noise under the tolerance, while the weights still move 10x more than it
     assert max_abs_diff(checkpoint_weights(out1), checkpoint_weights(out2)) < 1e-5
     assert moved_from_the_initial_weights(out1) > 1e-4
 
 
-def test_two_processes_match_one_with_rejection_and_dynamic_sampling_and_batch_statistics(tmp_path):
+def test_two_processes_match_one_with_rejection_and_dynamic_sampling_and_batch_statistics(tmp_path, two_ranks):
     """The collectives and the per-prompt random streams: rejection sampling (each prompt's draws
     seeded by its global index), dynamic sampling (each round's groups gathered from every rank
     and dealt in global order), batch-std scaling, global normalisation and a reference refreshed
     every step. Half the prompts are scored by the sort rule, which the random policy never
     satisfies (all-equal groups that dynamic sampling must replace), half by the digits rule."""
-    rows = [{"prompt": r["prompt"], "reward_fn": ("sort", "digits")[i % 2]} for i, r in enumerate(tasks.prompt_rows(48))]
-    args = ("--dataset", write_jsonl(tmp_path / "p.jsonl", rows), "--rs_samples", "6", "--dynamic_sampling",
-            "--max_num_gen_batches", "3", "--scale_rewards", "batch", "--global_norm", "--ref_refresh_every", "1",
-            "--lr", "1e-4", "--warmup_steps", "0")
-    (tmp_path / "one").mkdir()
-    (tmp_path / "two").mkdir()
-    out1, one = run_grpo(tmp_path / "one", *args, "--grad_accum", "2")
-    out2, two = run_grpo(tmp_path / "two", *args, nproc=2)
-    assert_same_run(one, two, keys=("reward", "reward_std", "loss", "grad_norm", "dynamic_sampling/rounds",
-                                    "dynamic_sampling/unfilled_groups"))
+    out1, one = run_grpo(tmp_path, *rejection_and_dynamic_sampling(tmp_path), "--grad_accum", "2")
+    out2 = two_ranks("grpo_rs_dynamic") / "run"
+    assert_same_run(one, read_metrics(out2), keys=("reward", "reward_std", "loss", "grad_norm",
+                                                   "dynamic_sampling/rounds", "dynamic_sampling/unfilled_groups"))
     assert any(r.get("dynamic_sampling/rounds", 0) > 1 for r in one)  # groups were replaced
     assert max_abs_diff(checkpoint_weights(out1), checkpoint_weights(out2)) < 1e-5
 

@@ -9,8 +9,8 @@ import run
 import data
 import sft
 import tasks
-from helpers import (SUBPROCESS_ENV_NO_TOKENIZER_THREADS, checkpoint_weights, max_abs_diff, read_metrics, run_here, run_script,
-                     write_jsonl)
+from helpers import (SUBPROCESS_ENV_NO_TOKENIZER_THREADS, TWO_RANK_RUNS, checkpoint_weights, max_abs_diff, read_metrics,
+                     run_here, run_script, write_jsonl)
 
 FAST = ["--n_train", "256", "--n_eval", "8", "--batch_size", "8", "--max_response_len", "20", "--warmup_steps", "2"]
 
@@ -103,25 +103,28 @@ def test_grad_accum_gives_the_full_batch_loss_and_gradient(tmp_path):
     assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6), (a, b)
 
 
-def test_two_processes_match_one_process(tmp_path):
+TWO_RANK_ARGS = ["--steps", "3", "--eval_every", "3", *FAST, "--n_eval", "7", "--eval_batch_size", "1"]
+TWO_RANK_RUNS["sft"] = lambda folder: ["sft.py", *TWO_RANK_ARGS, "--out_dir", folder / "two"]
+
+
+def test_two_processes_match_one_process(tmp_path, two_ranks):
     """FSDP2 over 2 gloo processes on the same global batch: same loss per step, same weights, same
     evaluation. With 7 eval rows at one row per forward the ranks hold 4 and 3: a strided split
     would run 4 forwards on rank 0 and 3 on rank 1, and rank 0's last FSDP all-gather would wait
-    for a rank that never comes (the run hangs until the timeout)."""
-    args = ["--steps", "3", "--eval_every", "3", *FAST, "--n_eval", "7", "--eval_batch_size", "1"]
-    one = run_sft(args + ["--out_dir", str(tmp_path / "one"), "--grad_accum", "2"], timeout=240)
+    for a rank that never comes (the run hangs until the timeout). The 2-rank run is conftest.py's
+    `two_ranks`."""
+    one = run_sft(TWO_RANK_ARGS + ["--out_dir", str(tmp_path / "one"), "--grad_accum", "2"], timeout=240)
     assert one.returncode == 0, one.stderr
-    two = run_sft(args + ["--out_dir", str(tmp_path / "two")], nproc=2, timeout=240)
-    assert two.returncode == 0, two.stderr
-    m1, m2 = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
-    for a, b in zip(m1[1:], m2[1:]):
+    two = two_ranks("sft") / "two"
+    m1, m2 = read_metrics(tmp_path / "one"), read_metrics(two)
+    for a, b in zip(m1[1:], m2[1:], strict=True):
         assert a["step"] == b["step"]
         assert abs(a["loss"] - b["loss"]) < 1e-5, (a, b)
     e1, e2 = ([m["eval/loss"] for m in rows if "eval/loss" in m] for rows in (m1, m2))
     assert len(e1) == len(e2) == 2  # step 0 and the last step
     assert all(abs(a - b) < 1e-5 for a, b in zip(e1, e2)), (e1, e2)
     assert m1[-1]["eval/exact_match"] == m2[-1]["eval/exact_match"]  # eval generation under FSDP too
-    worst = max_abs_diff(checkpoint_weights(tmp_path / "one"), checkpoint_weights(tmp_path / "two"))
+    worst = max_abs_diff(checkpoint_weights(tmp_path / "one"), checkpoint_weights(two))
     assert worst < 1e-5, worst
 
 

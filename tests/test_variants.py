@@ -16,9 +16,10 @@ import dpo
 import grpo
 import sampling
 import tasks
+import test_grpo
 from grpo import (grpo_loss, importance_ratio, off_policy_mask, overlong_penalty, policy_loss, top_entropy_mask,
                   truncated_is_weights)
-from helpers import checkpoint_weights, max_abs_diff, read_metrics, run_here, write_jsonl
+from helpers import TWO_RANK_RUNS, checkpoint_weights, max_abs_diff, read_metrics, run_here, write_jsonl
 
 f64 = dict(dtype=torch.float64)
 
@@ -382,30 +383,32 @@ def test_every_variant_flag_runs_and_logs_the_rollout_gap(tmp_path):
         assert r["reward/overlong"] <= 0
 
 
-def test_two_processes_match_one_process_with_the_variants_collectives(tmp_path):
+def variant_collectives(folder):
+    return ("--dataset", test_grpo.write_digits_prompts(folder / "prompts.jsonl", 16), "--num_iterations", "2",
+            "--num_mini_batches", "1", "--loss_type", "cispo", "--epsilon_high", "5", "--importance_sampling_level",
+            "sequence_token", "--top_entropy_share", "0.5", "--off_policy_mask_threshold", "0.01",
+            "--vllm_importance_sampling_correction", "--adv_estimator", "reinforce_pp", "--scale_rewards", "none",
+            "--lr", "1e-4", "--warmup_steps", "0")
+
+
+TWO_RANK_RUNS["grpo_variants"] = lambda folder: test_grpo.grpo_argv(folder / "run", *variant_collectives(folder))
+
+
+def test_two_processes_match_one_process_with_the_variants_collectives(tmp_path, two_ranks):
     """The top-entropy threshold is taken over the whole rollout (an all-gather) and REINFORCE++
     whitens over the whole batch (an all-reduce): 2 ranks (FSDP2, gloo) must log the losses,
     rewards and gradient norms of 1 process on the same global batch, and end on its weights.
-    Off-policy (2 passes), with every policy-term weight switched on."""
-    from test_grpo import moved_from_the_initial_weights, run_grpo as run_grpo_n, write_digits_prompts
-
-    args = ("--dataset", write_digits_prompts(tmp_path / "prompts.jsonl", 16), "--num_iterations", "2",
-            "--num_mini_batches", "1", "--loss_type", "cispo", "--epsilon_high", "5", "--importance_sampling_level",
-            "sequence_token",
-            "--top_entropy_share", "0.5", "--off_policy_mask_threshold", "0.01",
-            "--vllm_importance_sampling_correction", "--adv_estimator", "reinforce_pp", "--scale_rewards", "none",
-            "--lr", "1e-4", "--warmup_steps", "0")
-    (tmp_path / "one").mkdir()
-    (tmp_path / "two").mkdir()
-    out1, one = run_grpo_n(tmp_path / "one", *args, "--grad_accum", "2")
-    out2, two = run_grpo_n(tmp_path / "two", *args, nproc=2)
-    one, two = ([r for r in rows if "loss" in r] for rows in (one, two))
+    Off-policy (2 passes), with every policy-term weight switched on. The 2-rank run is
+    conftest.py's `two_ranks`."""
+    out1, one = test_grpo.run_grpo(tmp_path, *variant_collectives(tmp_path), "--grad_accum", "2")
+    out2 = two_ranks("grpo_variants") / "run"
+    one, two = ([r for r in rows if "loss" in r] for rows in (one, read_metrics(out2)))
     assert [r["step"] for r in two] == [1, 2]
     for a, b in zip(one, two, strict=True):
         for key in ("reward", "reward_std", "loss", "grad_norm", "rollout/logp_diff"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
     assert max_abs_diff(checkpoint_weights(out1), checkpoint_weights(out2)) < 1e-5
-    assert moved_from_the_initial_weights(out1) > 1e-4
+    assert test_grpo.moved_from_the_initial_weights(out1) > 1e-4
 
 
 # -----------------------------------------------------------------------------
