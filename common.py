@@ -94,6 +94,7 @@ def setup_distributed(timeout_minutes=10.0, hsdp=0):
 def cleanup_distributed():
     """Leave the process group (run.release also lets go of the run's out_dir)."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
@@ -134,10 +135,11 @@ def shard_batch(n, d):
 
 def backward(model, loss, d, sync=True):
     """Backpropagate a micro-batch's loss, already divided by its global-batch denominator. FSDP
-    averages gradients over ranks: x world_size makes that the sum, the global-batch loss's
-    gradient. `sync`: reduce-scatter after this backward (an optimizer step's last micro-batch)."""
-    if hasattr(model, "set_requires_gradient_sync"):
-        model.set_requires_gradient_sync(sync)
+    averages gradients over ranks: x world_size makes that the sum. Each micro-batch is reduce-
+    scattered into the rank's shard (deferring that holds full fp32 gradients: 30 GiB at 8B);
+    HSDP's all-reduce across replicas waits for `sync`, the step's last micro-batch."""
+    if hasattr(model, "set_requires_all_reduce"):
+        model.set_requires_all_reduce(sync)
     (loss * d.world_size).backward()
 
 

@@ -205,7 +205,8 @@ def check_model_paths(cfg, *flags):
 # gradient up to rounding), how often it evaluates, saves and logs. Every other flag defines the
 # run, and --resume refuses a difference (docs/distributed.md, "Resuming").
 RESUME_MAY_CHANGE = ("steps", "grad_accum", "activation_checkpointing", "offload_frozen", "compile", "eval_every",
-                     "eval_batch_size", "save_every", "save_dtype", "hsdp", "out_dir", "wandb", "trust_remote_code")
+                     "eval_batch_size", "save_every", "save_dtype", "hsdp", "timeout_minutes", "out_dir", "wandb",
+                     "trust_remote_code")
 # the flags that name a model or data: what each names is recorded, by content, with the run
 INPUT_FLAGS = ("model", "ref_model", "reward_model", "normalize_policy", "dataset", "eval_dataset", "eval_pairs",
                "chat_template")
@@ -594,15 +595,18 @@ def export_dtype(cfg):
     return None if cfg.save_dtype == "float32" else EXPORT_DTYPES[cfg.save_dtype]
 
 
-def _wait_for_rank0(d):
-    """A barrier for the ranks that wait while rank 0 alone writes files (a full export of a
-    large model can outlast the 10-minute collective timeout): on a gloo group of its own with
-    a 2-hour timeout, created the first time every rank comes here."""
-    if d.world_size == 1:
-        return
-    if not _WAIT_GROUP:
+def _wait_group(d):
+    """The gloo group, with a 2-hour timeout, in which ranks wait while rank 0 alone writes files
+    (a full export of a large model can outlast --timeout_minutes). Made by run.start."""
+    if d.world_size > 1 and not _WAIT_GROUP:
         _WAIT_GROUP.append(dist.new_group(backend="gloo", timeout=timedelta(hours=2)))
-    dist.barrier(group=_WAIT_GROUP[0])
+    return _WAIT_GROUP[0] if _WAIT_GROUP else None
+
+
+def _wait_for_rank0(d):
+    """A barrier for the ranks that wait while rank 0 alone writes files."""
+    if d.world_size > 1:
+        dist.barrier(group=_wait_group(d))
 
 
 _WAIT_GROUP = []
@@ -812,6 +816,9 @@ class SharedConfig:
     hsdp: int = 0
     """under torchrun: shard each model within groups of this many ranks (the GPUs of a node) and replicate across
     the groups, so parameter all-gathers stay on intra-node links (0: shard over all ranks) [>= 0]"""
+    timeout_minutes: float = 60.0
+    """under torchrun: how long a rank waits in one collective for the others (while rank 0 alone reads the weights,
+    another decodes a long rollout or runs a slow reward function) before the job fails [> 0]"""
     # --- run ---
     out_dir: str = "runs/run"
     """where metrics.jsonl and the checkpoint/ folder go"""
@@ -839,7 +846,8 @@ def start(cfg):
 
     hf_logging.disable_progress_bar()
     check_ranges(cfg)
-    d = common.setup_distributed(hsdp=cfg.hsdp)
+    d = common.setup_distributed(timeout_minutes=cfg.timeout_minutes, hsdp=cfg.hsdp)
+    _wait_group(d)  # made here, where a multi-node setup that cannot make it fails at once
     common.set_seed(cfg.seed)
     return d
 
@@ -923,6 +931,9 @@ def script(main, cls):
         # KeyboardInterrupt was unwinding through (torch.save's zip writer: "unexpected pos"),
         # which torch.distributed.checkpoint then wraps; the handler's record says what it was
         if not (isinstance(e, KeyboardInterrupt) or _INTERRUPTED):
+            if "Timed out" in str(e):  # gloo's words; NCCL's watchdog ends the process itself, saying "timeout"
+                e.add_note(f"a collective waited longer than --timeout_minutes {cfg.timeout_minutes} for another "
+                           f"rank: raise it where a rank is slow (a long rollout, rank 0 reading a large model alone)")
             raise
         ckpt = resolve_checkpoint(cfg.out_dir)
         try:

@@ -103,5 +103,76 @@ def stop_ids(name):
     run.release()
 
 
+def accumulated_gradients():
+    """Two micro-batches of one optimizer step on 2 ranks (common.backward, sync on the second).
+    After the first, each parameter's gradient is the rank's shard and the tensors alive grew by
+    about one shard of gradients, not the whole model's (FSDP2 without a reduce-scatter holds
+    full, unsharded fp32 gradients until the last micro-batch). After the second, the gathered
+    gradient is the whole batch's gradient on one unsharded model."""
+    import copy
+    import gc
+
+    import torch
+
+    def live_bytes():  # every tensor alive in this process, each storage once
+        seen = {}
+        for o in gc.get_objects():
+            if isinstance(o, torch.Tensor) and not o.is_meta:
+                t = o.to_local() if hasattr(o, "to_local") else o
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return sum(seen.values())
+
+    d = common.setup_distributed(timeout_minutes=1.0)
+    tok = data.load_tokenizer("tiny")
+    common.set_seed(0)
+    whole = common.load_model("tiny", tok)
+    model = common.shard_model(copy.deepcopy(whole), d)
+    ids = torch.randint(4, len(tok), (8, 12), generator=torch.Generator().manual_seed(0))  # the global batch
+    mine = ids[common.shard_batch(8, d)]
+
+    def loss_of(m, rows):  # any loss that is a sum over rows, divided by the global batch's 8 rows
+        return m(input_ids=rows).logits.float().logsumexp(-1).sum() / 8
+
+    before = live_bytes()
+    common.backward(model, loss_of(model, mine[:2]), d, sync=False)
+    grown, shard = live_bytes() - before, sum(4 * p.to_local().numel() for p in model.parameters())
+    assert all(p.grad is not None and p.grad.to_local().shape == p.to_local().shape for p in model.parameters())
+    assert grown <= 1.25 * shard, (d.rank, grown, shard)
+    common.backward(model, loss_of(model, mine[2:]), d, sync=True)
+    loss_of(whole, ids).backward()
+    diff = max((p.grad.full_tensor() - q.grad).abs().max().item() for p, q in zip(model.parameters(), whole.parameters()))
+    assert diff < 1e-6, (d.rank, diff)
+    print(f"rank {d.rank} ok: {grown} bytes more after a micro-batch, a shard of gradients is {shard}; "
+          f"gradient within {diff:.1e}", flush=True)
+    run.release()
+
+
+def slow_sampler(seconds, script, *args):
+    """`script ARGS` with rank 1 sleeping `seconds` at the start of its first generate, as a rank
+    decoding a longer rollout would: the other rank waits in its next collective. Also checks
+    that run.start made the group in which ranks wait for rank 0's exports."""
+    import importlib
+    import time
+
+    import sampling
+
+    generate, start, seconds = sampling.generate, run.start, [seconds]
+
+    def slow_generate(*a, **kw):
+        if int(os.environ["RANK"]) == 1 and seconds:
+            time.sleep(float(seconds.pop()))
+        return generate(*a, **kw)
+
+    def checked_start(cfg):
+        d = start(cfg)
+        assert run._WAIT_GROUP, "run.start made no wait group"
+        return d
+
+    sampling.generate, run.start = slow_generate, checked_start
+    module = importlib.import_module(os.path.splitext(os.path.basename(script))[0])
+    sys.argv = [script, *args]
+    run.script(module.main, module.Config)
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]](*sys.argv[2:])

@@ -123,8 +123,10 @@ def test_every_rank_stops_at_the_generation_configs_end_ids_for_a_hub_model(tmp_
 
 def test_hsdp_2_by_2_matches_one_process(tmp_path):
     """--hsdp 2 on 4 ranks: a (replicate 2, shard 2) mesh, parameters sharded within each pair
-    and gradients averaged across the pairs; the same losses and final weights as 1 process."""
-    args = ["--steps", "2", "--warmup_steps", "0"]
+    and gradients averaged across the pairs; the same losses and final weights as 1 process. Two
+    micro-batches per step: each is reduce-scattered within its pair, the all-reduce across pairs
+    waits for the second (common.backward)."""
+    args = ["--steps", "2", "--warmup_steps", "0", "--grad_accum", "2"]
     one = run_fast("sft.py", args + ["--out_dir", str(tmp_path / "one")])
     assert one.returncode == 0, one.stderr
     four = run_fast("sft.py", args + ["--out_dir", str(tmp_path / "hsdp"), "--hsdp", "2"], nproc=4)
@@ -144,3 +146,32 @@ def test_an_hsdp_group_that_does_not_divide_the_world_is_refused_before_joining(
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="--hsdp 3 must divide the world size 2"):
         common.setup_distributed(hsdp=3)
+
+
+@pytest.mark.parametrize("timeout,ends", [(0.02, "timed out"), (0.25, "completes")])
+def test_a_rank_slow_in_generate_waits_for_timeout_minutes(tmp_path, timeout, ends):
+    """Rank 1 sleeps 4 s in its first generate, as a rank decoding a longer rollout would; rank 0
+    waits for it in its next collective. --timeout_minutes is that wait's limit: at 1.2 s
+    the job fails, at 15 s it completes (the default, 60 min, is for rollouts of many thousand
+    tokens and for rank 0 reading a large model alone). Before the flag, every run had 10
+    minutes. run.start makes the group ranks wait in for rank 0's exports (checked inside)."""
+    argv = ["grpo.py", "--model", "tiny", "--steps", "1", "--prompts_per_step", "4", "--group_size", "2",
+            "--max_new_tokens", "4", "--n_eval", "4", "--n_eval_pairs", "4", "--timeout_minutes", str(timeout),
+            "--out_dir", str(tmp_path / "run")]
+    r = run_script(["tests/dist_worker.py", "slow_sampler", "4", *argv], 2, 180, env=SUBPROCESS_ENV_NO_TOKENIZER_THREADS)
+    if ends == "completes":
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        assert read_metrics(tmp_path / "run")[-1]["step"] == 1
+    else:
+        assert r.returncode != 0
+        assert "--timeout_minutes 0.02" in r.stderr, r.stderr[-3000:]
+
+
+def test_no_full_size_gradient_survives_a_micro_batch():
+    """Gradient accumulation under FSDP2: each micro-batch's gradients are reduce-scattered into
+    the rank's shard, so what stays alive between micro-batches is a shard of gradients, not the
+    whole model's (which FSDP2 keeps, unsharded, when told not to sync: 30 GiB per GPU at 8B), and
+    the accumulated gradient is the global batch's (tests/dist_worker.py accumulated_gradients)."""
+    r = run_script(["tests/dist_worker.py", "accumulated_gradients"], 2, 180, env=SUBPROCESS_ENV_NO_TOKENIZER_THREADS)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert r.stdout.count(" ok: ") == 2, r.stdout
