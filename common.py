@@ -201,18 +201,16 @@ def bf16_supported(device):
 
 
 def frozen_dtype(d):
-    """Frozen models' dtype: bf16 under FSDP on a GPU, where the policy computes with bf16
-    parameters too (MixedPrecisionPolicy): the reference's function at half the memory. Under
-    `python` the policy runs fp32 weights through autocast, which a bf16 copy would not match."""
+    """Frozen models' dtype: bf16 under FSDP on a GPU, where the policy computes with bf16 parameters
+    too (MixedPrecisionPolicy); fp32 under `python`, where the policy's fp32 weights meet autocast."""
     return torch.bfloat16 if d.torchrun and bf16_supported(d.device) else torch.float32
 
 
 def shard_model(model, d, cpu_offload=False, activation_checkpointing=False):
     """The model on its device: FSDP2 under torchrun (each block, then the root), else a move.
-    FSDP2 computes in bf16 with fp32 master weights and gradient reduction where the GPU has
-    bf16, fp32 elsewhere; `fully_shard` moves block by block from the CPU. cpu_offload: the
-    shards in host memory between uses (frozen models; a GPU). A frozen root reshards after each
-    forward (no backward follows that would need it gathered)."""
+    FSDP2 computes in bf16 with fp32 master weights and gradient reduction where the GPU has bf16,
+    fp32 elsewhere. cpu_offload: the shards in host memory between uses (frozen models; a GPU). A
+    frozen root reshards after each forward (no backward follows that would need it gathered)."""
     if activation_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.train()  # from_pretrained returns eval mode, in which HF models skip the checkpointing
@@ -226,11 +224,9 @@ def shard_model(model, d, cpu_offload=False, activation_checkpointing=False):
     full = model.state_dict() if from_rank0 and d.is_main else {}  # references, not copies
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    mesh = d.mesh
-    mp = MixedPrecisionPolicy()
-    if bf16_supported(d.device):
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    kw = dict(mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_supported(d.device) \
+        else MixedPrecisionPolicy()
+    kw = dict(mesh=d.mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
     blocks = transformer_blocks(model)
     if not blocks:
         print0(f"warning: no _no_split_modules in {type(model).__name__}; sharding the root module only")
@@ -296,17 +292,15 @@ def unsharded(model):
     finally:
         for m in mods:
             m.reshard()
-            # back to shard_model's settings: blocks reshard after forward; a trained root does
-            # not (backward needs its parameters at once; a loss read from a hook inside the
-            # forward, as reward_scores does, would otherwise find them freed); a frozen one does
+            # shard_model's settings: blocks reshard after forward; a trained root not (backward needs
+            # them, and reward_scores' hook inside the forward would find them freed); a frozen one does
             m.set_reshard_after_forward(m is not model or frozen, recurse=False)
 
 
 @contextmanager
 def evaluating(model, gather=False):
     """Eval mode and no gradients for the block. gather: the parameters gathered once (`unsharded`),
-    for generation, whose forwards differ in number between ranks; without it every rank must run
-    as many forwards (`map_rows`)."""
+    for generation; without it every rank must run as many forwards (`map_rows`)."""
     was_training = model.training
     model.eval()
     try:
@@ -472,13 +466,34 @@ def ranking_accuracy(chosen, rejected):
 # loading models (tokenizers and data: data.py)
 
 
+class _HeadMatmul(torch.autograd.Function):
+    """x @ w.T in fp32 from bf16 x and w: on a GPU one matmul with an fp32 result, no fp32 copy of
+    a V x H weight per forward (per decoded token); a CPU's matmuls take one dtype. The gradients
+    are bf16 matmuls, as under autocast."""
+
+    @staticmethod
+    def forward(ctx, x, w):  # (B, T, H), (V, H)
+        ctx.save_for_backward(x, w)
+        x2 = x.reshape(-1, x.shape[-1])
+        out = x2.float() @ w.float().t() if x.device.type == "cpu" else torch.mm(x2, w.t(), out_dtype=torch.float32)
+        return out.view(*x.shape[:-1], w.shape[0])  # (B, T, V)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        g = g.reshape(-1, g.shape[-1]).to(w.dtype)  # (B*T, V)
+        return (g @ w).view(x.shape), g.t() @ x.reshape(-1, x.shape[-1])
+
+
 class FP32Head(torch.nn.Linear):
     """An LM head that computes its logits in fp32. In bf16, GPT-2's logits (often 30-120) have
     steps of 0.25-0.5: a log-prob could move by ~0.1 between two batch layouts, so rho != 1 on the
-    first pass and KL != 0 while pi = pi_ref. bf16 operands multiply exactly in fp32 (TF32)."""
+    first pass and KL != 0 while pi = pi_ref. bf16 operands multiply exactly in fp32."""
 
     def forward(self, x):
         with torch.autocast(x.device.type, enabled=False) if x.device.type in ("cuda", "cpu") else nullcontext():
+            if x.dtype == self.weight.dtype == torch.bfloat16 and self.bias is None:  # FSDP2's bf16 weights
+                return _HeadMatmul.apply(x, self.weight)
             return torch.nn.functional.linear(x.float(), self.weight.float(),
                                               None if self.bias is None else self.bias.float())
 
@@ -534,15 +549,6 @@ def load_model(name, tokenizer, kind="causal", dtype=torch.float32, trust_remote
     return model
 
 
-def check_context(model, prompt_len, response_len, response_flag="--max_response_len", name="the model"):
-    """Prompt + response must fit the model's context (position embeddings), checked up front for
-    every model a run uses; the error names the flags to change."""
-    n = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
-    if n is not None and prompt_len + response_len > n:
-        raise ValueError(f"--max_prompt_len {prompt_len} + {response_flag} {response_len} = {prompt_len + response_len} "
-                         f"tokens exceeds {name}'s context of {n}")
-
-
 # -----------------------------------------------------------------------------
 # loading what a script trains, and its optimizer step
 
@@ -552,10 +558,11 @@ def load_policy(name, cfg, d, response_len, response_flag="--max_response_len", 
     loaded (data.load_tokenizer, load_model), its context checked against prompt + response, and
     sharded (FSDP2 under torchrun) unless shard=False (grpo.py copies its reference first)."""
     import data
+    import run
 
     tokenizer = data.load_tokenizer(name, cfg.trust_remote_code, cfg.chat_template)
     model = load_model(name, tokenizer, kind=kind, trust_remote_code=cfg.trust_remote_code, d=d)
-    check_context(model, cfg.max_prompt_len, response_len, response_flag)
+    run.check_context(model, cfg.max_prompt_len, response_len, response_flag)
     if shard:
         model = shard_model(model, d, activation_checkpointing=cfg.activation_checkpointing)
     return tokenizer, model

@@ -515,7 +515,7 @@ def make_env(cfg, d, prompts, order, tokenizer, model, weights):
         rm_tokenizer = load_tokenizer(cfg.reward_model, cfg.trust_remote_code)
         rm = common.load_frozen(cfg.reward_model, rm_tokenizer, d, kind="reward", trust_remote_code=cfg.trust_remote_code,
                                 cpu_offload=cfg.offload_frozen)
-        common.check_context(rm, cfg.max_prompt_len, cfg.max_new_tokens + 1, "--max_new_tokens (+1)",
+        run.check_context(rm, cfg.max_prompt_len, cfg.max_new_tokens + 1, "--max_new_tokens (+1)",
                              f"--reward_model {cfg.reward_model}")
     stop_ids = stop_token_ids(tokenizer, model, cfg.truncate_token)  # EOS first, the truncate token last
     rendered, _ = render_chat(prompts, tokenizer, cfg.dataset)
@@ -631,3 +631,19 @@ def pair_batch(pairs, rows, pad_id, device):
     p = [prompts[i] for i in rows]
     batch = common.join_prompt_response(p + p, [chosen[i] for i in rows] + [rejected[i] for i in rows], pad_id)
     return [x.to(device) for x in batch]
+
+
+def decode_responses(tokenizer, response_ids, response_mask, prompt_ids=None):
+    """Text of each response, without stop tokens or padding, as it continues its prompt: decoded
+    after the prompt's last token (left padding: its last column) and that token's text cut off,
+    since a SentencePiece decoder drops the leading space of a text alone (" 19" -> "19")."""
+    ids, mask = response_ids.tolist(), response_mask.tolist()
+    last = prompt_ids[:, -1].tolist() if prompt_ids is not None else [None] * len(ids)
+    texts = []
+    for row, keep, p in zip(ids, mask, last):
+        r = [t for t, m in zip(row, keep) if m]
+        head = tokenizer.decode([p], skip_special_tokens=True) if p is not None else ""
+        joint = tokenizer.decode([p] + r, skip_special_tokens=True) if head else ""
+        texts.append(joint[len(head):] if head and joint.startswith(head) else
+                     tokenizer.decode(r, skip_special_tokens=True))
+    return texts

@@ -256,7 +256,7 @@ def main(cfg):
         common.set_seed(cfg.seed)  # `--model tiny` builds random weights: the policy must start equal to its reference
         ref = common.load_frozen(cfg.ref_model or cfg.model, tokenizer, d, trust_remote_code=cfg.trust_remote_code,
                                  cpu_offload=cfg.offload_frozen)
-        common.check_context(ref, cfg.max_prompt_len, cfg.max_response_len)
+        run.check_context(ref, cfg.max_prompt_len, cfg.max_response_len)
         ref_test = all_pair_logps(ref, test_pairs, tokenizer.pad_token_id, d, cfg.eval_batch_size)  # (N_eval, 2)
         if cfg.precompute_ref:
             t_ref = time.time()

@@ -525,7 +525,7 @@ def reward(roll, env, cfg, d, step, round_=0):
     --rs_samples group_size of each prompt's samples kept. Returns the Rollout and its seconds."""
     t0 = time.time()
     is_stop = torch.isin(roll.r_ids, roll.r_ids.new_tensor(env.stop_ids))
-    texts = sampling.decode_responses(env.tokenizer, roll.r_ids, roll.r_mask * (~is_stop).long(), roll.p_ids)
+    texts = data.decode_responses(env.tokenizer, roll.r_ids, roll.r_mask * (~is_stop).long(), roll.p_ids)
     idx, parts = roll.prompt_idx.tolist(), {}
     rows = env.prompts.select(idx)[:]  # columns as lists: a Dataset indexed row by row is ~100x slower
     if "reward_fn" in rows:  # Python floats of Python functions, computed on the host
@@ -622,6 +622,8 @@ def check_config(cfg, d):
         (not (cfg.lora and (cfg.ref_refresh_every or d.torchrun or cfg.save_every or cfg.resume)),
          "--lora runs under `python` (sharded adapters are not merged), without --ref_refresh_every (its reference is "
          "the adapters switched off), --save_every or --resume (its checkpoint holds merged weights)"),
+        (not (cfg.compile and d.torchrun), "--compile runs under `python`: under torchrun FSDP2's hooks split the decode "
+         "step into a graph per layer, and CUDA graphs would be re-recorded every rollout (the gathered weights move)"),
         (not (cfg.save_every and cfg.ref_refresh_every and cfg.save_every % cfg.ref_refresh_every),
          f"--save_every {cfg.save_every} must be a multiple of --ref_refresh_every {cfg.ref_refresh_every} "
          f"(a resumed run rebuilds its reference from the checkpoint)"),

@@ -1021,6 +1021,15 @@ def check_ranges(cfg):
         raise ValueError("; ".join(bad))
 
 
+def check_context(model, prompt_len, response_len, response_flag="--max_response_len", name="the model"):
+    """Prompt + response must fit the model's context (position embeddings), checked up front for
+    every model a run uses; the error names the flags to change."""
+    n = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
+    if n is not None and prompt_len + response_len > n:
+        raise ValueError(f"--max_prompt_len {prompt_len} + {response_flag} {response_len} = {prompt_len + response_len} "
+                         f"tokens exceeds {name}'s context of {n}")
+
+
 def micro_batch(batch_size, grad_accum, d):
     """Rows per micro-batch on each rank; the global batch must split evenly over ranks and
     accumulation steps (checked up front, naming the flags)."""

@@ -103,27 +103,30 @@ def _step_fn(compile, device):
     return _compiled[fn]
 
 
-_DECODE_CACHES = weakref.WeakKeyDictionary()  # model -> {(rows, length): StaticCache}, for compiled decoding
+_DECODE_CACHES = weakref.WeakKeyDictionary()  # model -> ((rows, slots), StaticCache), for compiled decoding
 
 
 def _decode_cache(model, B, L, persistent):
-    """A static KV cache of B rows and L slots (None for sliding-window layers: prefilled into a
-    fresh cache). persistent (compiled decoding): one per (B, L) and model, reused in place so the
-    captured graph's addresses stay valid (at most 4 per model)."""
+    """A static KV cache of B rows and L slots, and its slots (None for sliding-window layers:
+    prefilled into a fresh cache). persistent (compiled decoding): one per model, reused in place
+    (the captured graph reads it at fixed addresses) while its rows match and its slots suffice;
+    a rollout that needs others replaces it. One, not one per length: several kept through the
+    update would hold 22-37 GiB at 8B."""
     from transformers import StaticCache
     from transformers.cache_utils import StaticLayer
 
-    caches = _DECODE_CACHES.setdefault(model, {}) if persistent else {}
-    if (B, L) in caches:
-        return caches[B, L]
+    if persistent:
+        (rows, slots), cache = _DECODE_CACHES.pop(model, ((0, 0), None))  # an old one goes before a new one is made
+        if rows == B and slots >= L:
+            _DECODE_CACHES[model] = ((rows, slots), cache)
+            return cache, slots
+        del cache
     cache = StaticCache(config=model.config, max_cache_len=L)
     if not all(type(layer) is StaticLayer for layer in cache.layers):
-        return None
+        return None, L
     if persistent:
-        if len(caches) >= 4:
-            caches.pop(next(iter(caches)))
-        caches[B, L] = cache
-    return cache
+        _DECODE_CACHES[model] = ((B, L), cache)
+    return cache, L
 
 
 def _fill_cache(cache, prefill, inverse, P):
@@ -163,7 +166,7 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
     rows, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], 1), dim=0, return_inverse=True)
     dedup = len(rows) < B
     ids, mask = (rows[:, :P], rows[:, P:]) if dedup else (prompt_ids, prompt_mask)
-    cache = _decode_cache(model, B, L, persistent=compile)
+    cache, L = _decode_cache(model, B, L, persistent=compile)  # L: the cache's slots, >= P + max_new_tokens
     if cache is None:  # sliding-window layers: prefill into a fresh static cache, then reorder it
         from transformers import StaticCache
 
@@ -212,22 +215,6 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
     return tokens[:, :R], response_mask[:, :R]
 
 
-def decode_responses(tokenizer, response_ids, response_mask, prompt_ids=None):
-    """Text of each response, without stop tokens or padding, as it continues its prompt: decoded
-    after the prompt's last token (left padding: its last column) and that token's text cut off,
-    since a SentencePiece decoder drops the leading space of a text alone (" 19" -> "19")."""
-    ids, mask = response_ids.tolist(), response_mask.tolist()
-    last = prompt_ids[:, -1].tolist() if prompt_ids is not None else [None] * len(ids)
-    texts = []
-    for row, keep, p in zip(ids, mask, last):
-        r = [t for t, m in zip(row, keep) if m]
-        head = tokenizer.decode([p], skip_special_tokens=True) if p is not None else ""
-        joint = tokenizer.decode([p] + r, skip_special_tokens=True) if head else ""
-        texts.append(joint[len(head):] if head and joint.startswith(head) else
-                     tokenizer.decode(r, skip_special_tokens=True))
-    return texts
-
-
 def respond(model, tokenizer, prompts, max_prompt_len, max_new_tokens, stops, device, temperature=0.0,
             uniforms=None):
     """The model's responses to text prompts (a chat already rendered), as text, sampled until one
@@ -237,7 +224,7 @@ def respond(model, tokenizer, prompts, max_prompt_len, max_new_tokens, stops, de
     r_ids, r_mask = generate(model, p_ids.to(device), p_mask.to(device), max_new_tokens, eos_id=stops[0],
                              pad_id=tokenizer.pad_token_id, temperature=temperature, stop_ids=stops[1:],
                              uniforms=uniforms)
-    return decode_responses(tokenizer, r_ids, r_mask, p_ids)
+    return data.decode_responses(tokenizer, r_ids, r_mask, p_ids)
 
 
 # -----------------------------------------------------------------------------

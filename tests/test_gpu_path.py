@@ -195,9 +195,38 @@ def test_persistent_decode_cache_is_reused_in_place_and_leaks_nothing(tiny, monk
         kept = sampling.generate(model, ids, mask, 10, tok.eos_token_id, tok.pad_token_id, uniforms=u, compile=True)
         for a, b in zip(fresh, kept):
             assert torch.equal(a, b)
-        (cache,) = sampling._DECODE_CACHES[model].values()
+        _, cache = sampling._DECODE_CACHES[model]
         ptrs.append(cache.layers[0].keys.data_ptr())
     assert ptrs[0] == ptrs[1]
+
+
+def test_one_decode_cache_per_model_sized_for_the_longest_rollout(tiny, monkeypatch):
+    """Compiled decoding keeps one static cache per model, not one per length (four at 8B held
+    22-37 GiB through the update): a shorter rollout of the same rows decodes in the longer one's
+    cache, sampling exactly what a fresh cache gives; other rows replace it, the old one freed."""
+    import gc
+    import weakref
+
+    model, tok = tiny
+    monkeypatch.setattr(sampling, "_step_fn", lambda compile, device: sampling._next_logits)  # eager, same cache path
+    ids, mask = common.pad([tok(t)["input_ids"] for t in ["sort 3 1 =", "sort 9 9 2 7 ="] for _ in range(2)],
+                           tok.pad_token_id, side="left")
+    u = sampling.rollout_uniforms(4, 20, seed=1)
+    seen, first = [], None
+    for rows, new_tokens in ((4, 20), (4, 6), (2, 6)):
+        fresh = sampling.generate(model, ids[:rows], mask[:rows], new_tokens, tok.eos_token_id, tok.pad_token_id,
+                                  uniforms=u[:rows])
+        kept = sampling.generate(model, ids[:rows], mask[:rows], new_tokens, tok.eos_token_id, tok.pad_token_id,
+                                 uniforms=u[:rows], compile=True)
+        for a, b in zip(fresh, kept):
+            assert torch.equal(a, b)
+        shape, cache = sampling._DECODE_CACHES[model]
+        first = first or weakref.ref(cache)
+        seen.append((shape, cache is first()))
+        del cache
+        gc.collect()
+    assert seen[0] == seen[1] == ((4, 40), True)  # P + 20 rounded up to 40 slots; the 6-token rollout used them
+    assert seen[2] == ((2, 24), False) and first() is None  # other rows: replaced, the old one freed
 
 
 def test_gpu_check_refuses_without_a_gpu():
@@ -211,3 +240,46 @@ def test_gpu_check_cpu_subset_passes(tmp_path):
     r = run_script(["bench/gpu_check.py", "--cpu", "--keep", str(tmp_path)], timeout=600, env=SUBPROCESS_ENV)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "| GRPO at lr 0, python |" in r.stdout and "gpu_check passed" in r.stdout
+
+
+def test_the_fp32_head_on_bf16_weights_makes_no_fp32_copy_of_the_weight():
+    """FSDP2 gathers bf16 weights; the LM head's logits are fp32 (common.FP32Head). On a GPU
+    (here its `meta` stand-in) that is one matmul with an fp32 result: no op of the forward or
+    backward makes an fp32 tensor the weight's size (casting it cost ~2 GB written and read per
+    decoded token at a 150k vocabulary, and kept that copy for the backward). On a CPU the same
+    autograd function gives the fp32 linear's logits exactly, and its gradients up to the bf16
+    rounding of the logits' gradient."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Outputs(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.seen += [(str(func), tuple(t.shape), t.dtype) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            return out
+
+    V, H = 64, 16
+    head = common.FP32Head(H, V, bias=False, device="meta", dtype=torch.bfloat16)
+    x = torch.randn(2, 3, H, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    with Outputs() as ops:
+        logits = head(x)
+        logits.sum().backward()
+    assert logits.dtype == torch.float32 and x.grad.dtype == head.weight.grad.dtype == torch.bfloat16
+    assert not [op for op in ops.seen if op[1:] == ((V, H), torch.float32)], ops.seen
+
+    torch.manual_seed(0)
+    head = common.FP32Head(H, V, bias=False, dtype=torch.bfloat16)
+    x = torch.randn(2, 3, H, dtype=torch.bfloat16, requires_grad=True)
+    x32, w32 = x.detach().float().requires_grad_(), head.weight.detach().float().requires_grad_()
+    g = torch.randn(2, 3, V)
+    want = torch.nn.functional.linear(x32, w32)
+    logits = head(x)
+    assert torch.equal(logits, want)
+    logits.backward(g)
+    want.backward(g)
+    torch.testing.assert_close(x.grad.float(), x32.grad, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(head.weight.grad.float(), w32.grad, rtol=2e-2, atol=2e-2)

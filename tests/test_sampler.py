@@ -317,6 +317,6 @@ def test_a_response_decodes_to_exactly_the_text_that_follows_its_prompt():
         mask = torch.ones_like(r)
         mask[0, -1] = 0  # the EOS is not text
         p_ids = torch.tensor([[tok.pad_token_id] * 2 + p])  # left-padded, as the sampler's prompts are
-        assert sampling.decode_responses(tok, r, mask, p_ids) == [completion], kind
+        assert data.decode_responses(tok, r, mask, p_ids) == [completion], kind
         if kind == "metaspace":  # what decoding alone gave
-            assert sampling.decode_responses(tok, r, mask) == [completion.lstrip()]
+            assert data.decode_responses(tok, r, mask) == [completion.lstrip()]

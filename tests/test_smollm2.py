@@ -125,7 +125,7 @@ def test_a_sampled_turn_decodes_without_template_tokens_and_stops_at_end_of_turn
         r_ids, r_mask = sampling.generate(model, p_ids, p_mask, 8, end, tok.pad_token_id, temperature=0)
     assert r_ids[0, :int(r_mask[0].sum())].tolist() == answer + [end]  # stopped at <|im_end|>, kept it
     for mask in (r_mask * (r_ids != end), r_mask):  # as grpo.py masks the stop token, and with it
-        assert sampling.decode_responses(tok, r_ids, mask, p_ids) == ["19"]
+        assert data.decode_responses(tok, r_ids, mask, p_ids) == ["19"]
 
 
 def test_the_reward_model_reads_the_last_token_of_a_rendered_conversation(small):
