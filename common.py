@@ -85,8 +85,7 @@ def setup_distributed(timeout_minutes=10.0, hsdp=0):
         torch.cuda.set_device(device)
     torchrun = "RANK" in os.environ
     if torchrun and not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes),
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=timeout_minutes),
                                 device_id=device if device.type == "cuda" else None)
     return Dist(rank, world_size, local_rank, device=device, torchrun=torchrun, hsdp=hsdp)
 
@@ -166,11 +165,14 @@ def reduce_metrics(sums, d, maxes=None, same=None):
     return dict(zip([*sums, *maxes, *same], torch.cat([s, m, stack(same.values())]).tolist()))
 
 
-def map_rows(fn, n, d, batch_size):
-    """fn(rows) -> (len(rows), k) values; returns them for all n rows, (n, k), on every rank.
-    Collective. Each rank computes a strided share in chunks of batch_size, the same number of
-    chunks on every rank (a short one padded with row 0, discarded): FSDP gathers each layer
-    collectively, and a rank with one forward more would wait out the collective timeout."""
+EVAL_LOGITS = 2**28  # fp32 logits an evaluation forward may make (1 GiB): 2 rows at R = 1024, V = 128k
+
+
+def map_rows(fn, n, d, batch_size, logits_per_row=0):
+    """fn(rows) -> (len(rows), k) values, for all n rows, (n, k), on every rank. Collective. Each
+    rank takes a strided share in chunks of batch_size rows (fewer where logits_per_row would pass
+    EVAL_LOGITS), as many on every rank (padded with row 0): FSDP's forwards are collective."""
+    batch_size = max(1, min(batch_size, EVAL_LOGITS // max(logits_per_row, 1)))
     mine = list(range(d.rank, n, d.world_size))
     n_chunks = -(-(-(-n // d.world_size)) // batch_size)
     out = None
@@ -452,8 +454,7 @@ def reward_scores(model, input_ids, attention_mask):
     per_position = captured[0].squeeze(-1).float()  # (B, T)
     last = attention_mask.shape[1] - 1 - attention_mask.flip(1).argmax(1)  # (B,) index of the last 1
     scores = per_position.gather(1, last[:, None]).squeeze(1)
-    cfg = model.config
-    return scores * getattr(cfg, "reward_gain", 1.0) + getattr(cfg, "reward_bias", 0.0)
+    return scores * getattr(model.config, "reward_gain", 1.0) + getattr(model.config, "reward_bias", 0.0)
 
 
 def ranking_accuracy(chosen, rejected):

@@ -633,6 +633,11 @@ def pair_batch(pairs, rows, pad_id, device):
     return [x.to(device) for x in batch]
 
 
+def pair_logits(pairs, model):
+    """The logits one pair's forward makes at most: chosen and rejected, the longest response each."""
+    return 2 * max(map(len, pairs[1] + pairs[2])) * model.config.vocab_size
+
+
 def decode_responses(tokenizer, response_ids, response_mask, prompt_ids=None):
     """Text of each response, without stop tokens or padding, as it continues its prompt: decoded
     after the prompt's last token (left padding: its last column) and that token's text cut off,

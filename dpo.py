@@ -111,7 +111,8 @@ class Config(run.SharedConfig):
     n_eval_prompts: int = 200
     """held-out prompts for greedy answers scored by the gold reward (embedded task only) [>= 1]"""
     eval_batch_size: int = 64
-    """pairs per forward when computing log-probs without gradients [>= 1]"""
+    """pairs per forward when computing log-probs without gradients, fewer where their logits would pass 1 GiB
+    [>= 1]"""
     # --- run ---
     out_dir: str = "runs/dpo"
     """where metrics.jsonl and the checkpoint/ folder go"""
@@ -196,7 +197,7 @@ def all_pair_logps(model, pairs, pad_id, d, batch_size):
                            .chunk(2), 1)  # (b, 2)
 
     with common.evaluating(model):
-        return common.map_rows(logps, len(pairs[0]), d, batch_size)
+        return common.map_rows(logps, len(pairs[0]), d, batch_size, logits_per_row=data.pair_logits(pairs, model))
 
 
 # -----------------------------------------------------------------------------

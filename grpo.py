@@ -206,6 +206,8 @@ class Config(run.SharedConfig):
     """held-out prompts for greedy exact-match and gold reward (embedded task) [>= 1]"""
     n_eval_pairs: int = 500
     """held-out preference pairs for the pairwise accuracy of beta*log(pi/pi_ref) [>= 1]"""
+    eval_batch_size: int = 128
+    """pairs per forward in that evaluation, fewer where their logits would pass 1 GiB [>= 1]"""
     eval_pairs: str = ""
     """preference pairs (hub id or file: prompt, chosen, rejected, or HH rows) for that accuracy; the embedded task
     uses its own test pairs"""
@@ -499,7 +501,7 @@ def batched_logprobs(model, ids, attn, n_response, temperature, d, rows_per_forw
     return torch.cat(out).float()
 
 
-def pairwise_accuracy(model, ref, pairs, pad_id, d, batch_size=128):
+def pairwise_accuracy(model, ref, pairs, pad_id, d, batch_size):
     """Share of held-out pairs (data.encode_pairs) whose implicit reward log(pi/pi_ref), against the
     current reference, ranks chosen above rejected (ties half): does RL on the reward also move the
     policy towards what people preferred?"""
@@ -511,7 +513,7 @@ def pairwise_accuracy(model, ref, pairs, pad_id, d, batch_size=128):
         return torch.stack((pi - pi_ref).chunk(2), 1)
 
     with common.evaluating(model):
-        m = common.map_rows(margins, len(pairs[0]), d, batch_size)
+        m = common.map_rows(margins, len(pairs[0]), d, batch_size, logits_per_row=data.pair_logits(pairs, model))
     return common.ranking_accuracy(m[:, 0], m[:, 1]).item()
 
 
@@ -586,7 +588,8 @@ def evaluate(model, ref, tokenizer, evals, cfg, d):
                                               max_prompt_len=cfg.max_prompt_len, max_new_tokens=cfg.max_new_tokens,
                                               answers=h.get("answer"), own_prompts=h["own_prompt"])
     if evals["pairs"] is not None:
-        metrics["eval/accuracy"] = pairwise_accuracy(model, ref, evals["pairs"], tokenizer.pad_token_id, d)
+        metrics["eval/accuracy"] = pairwise_accuracy(model, ref, evals["pairs"], tokenizer.pad_token_id, d,
+                                                     batch_size=cfg.eval_batch_size)
     if evals["gold_pairs"] is not None:
         metrics |= tasks.against_bayes(metrics["eval/accuracy"], evals["gold_pairs"])
     return metrics

@@ -64,7 +64,7 @@ class Config(run.SharedConfig):
     n_eval: int = 200
     """held-out rows for the eval loss and, on an embedded task, held-out prompts for greedy answers [>= 1]"""
     eval_batch_size: int = 256
-    """held-out rows per forward pass on each rank [>= 1]"""
+    """held-out rows per forward pass on each rank, fewer where their logits would pass 1 GiB [>= 1]"""
     # --- run ---
     out_dir: str = "runs/sft"
     """where metrics.jsonl and the checkpoint/ folder go"""
@@ -122,7 +122,8 @@ def eval_loss(model, prompts, completions, pad_id, d, batch_size):
         return torch.stack([-(logps.double() * resp).sum(-1), resp.sum(-1).double()], 1)
 
     with common.evaluating(model):
-        total = common.map_rows(nll, len(prompts), d, batch_size).sum(0)
+        longest = max(map(len, completions)) * model.config.vocab_size  # logits of a row, at most
+        total = common.map_rows(nll, len(prompts), d, batch_size, logits_per_row=longest).sum(0)
     return (total[0] / total[1]).item()
 
 

@@ -785,3 +785,49 @@ def test_a_ctrl_c_dropped_in_a_finaliser_stops_the_next_optimizer_step(monkeypat
     monkeypatch.setattr(run, "_INTERRUPTED", None)
     common.optimizer_step(model, opt, sched, max_norm=1.0)
     assert not torch.equal(model.weight, before)
+
+
+def test_map_rows_cuts_chunks_to_the_logits_they_make():
+    sizes = []
+
+    def fn(rows):
+        sizes.append(len(rows))
+        return torch.tensor(rows, dtype=torch.float64)[:, None]
+
+    for per_row, want in ((0, [8, 2]), (common.EVAL_LOGITS // 3, [3, 3, 3, 1]), (common.EVAL_LOGITS + 1, [1] * 10)):
+        sizes.clear()
+        out = common.map_rows(fn, 10, common.Dist(), 8, logits_per_row=per_row)
+        assert sizes == want and out[:, 0].tolist() == list(range(10))
+
+
+def test_every_evaluation_forward_keeps_its_logits_under_the_budget(tiny, monkeypatch):
+    """SFT's held-out loss (default 256 rows per forward), DPO's pair log-probs and GRPO's pairwise
+    accuracy (2 sequences per pair) cut their forwards so that their fp32 logits stay under
+    common.EVAL_LOGITS (1 GiB: 2 rows at R = 1024, V = 128k; 256 rows were 62 GiB). Here the
+    budget is 2 rows of the longest response: every forward has at most 2 sequences, and the
+    values equal those of whole batches."""
+    import grpo
+
+    model, tok = tiny
+    prompts = [tok(f"sort {i} {i % 3} =")["input_ids"] for i in range(7)]
+    longest, shorter = tok(" 1 2 3 4 5 6|")["input_ids"], tok(" 1 2|")["input_ids"]
+    completions = [longest if i == 3 else shorter for i in range(7)]
+    pairs = (prompts, completions, [shorter] * 7)
+    d, rows_seen = common.Dist(), []
+    forward = common.response_logprobs
+
+    def counted(m, ids, *args, **kw):
+        rows_seen.append(ids.shape[0])
+        return forward(m, ids, *args, **kw)
+
+    whole = (sft.eval_loss(model, prompts, completions, tok.pad_token_id, d, 256),
+             dpo.all_pair_logps(model, pairs, tok.pad_token_id, d, 64),
+             grpo.pairwise_accuracy(model, model, pairs, tok.pad_token_id, d, batch_size=128))
+    monkeypatch.setattr(common, "response_logprobs", counted)
+    monkeypatch.setattr(common, "EVAL_LOGITS", 2 * len(longest) * model.config.vocab_size)
+    cut = (sft.eval_loss(model, prompts, completions, tok.pad_token_id, d, 256),
+           dpo.all_pair_logps(model, pairs, tok.pad_token_id, d, 64),
+           grpo.pairwise_accuracy(model, model, pairs, tok.pad_token_id, d, batch_size=128))
+    assert rows_seen and max(rows_seen) <= 2, rows_seen
+    assert cut[0] == pytest.approx(whole[0], rel=1e-6) and cut[2] == whole[2]
+    torch.testing.assert_close(cut[1], whole[1], rtol=1e-5, atol=1e-5)
