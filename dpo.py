@@ -240,7 +240,7 @@ def main(cfg):
     train, test = data.load_preferences(cfg)
     order = data.DataOrder(len(train), cfg.seed, batch=cfg.batch_size, source=f"--dataset {cfg.dataset}")
     job = run.Run(cfg, d, models=["model", "ref_model"])  # out_dir checked and locked; nothing written yet
-    tokenizer = data.load_tokenizer(job.resume_from or cfg.model, cfg.trust_remote_code, cfg.chat_template)
+    tokenizer = data.load_tokenizer(cfg.model, cfg.trust_remote_code, cfg.chat_template)
     train, test, train_pairs, test_pairs = data.encode_preferences(train, test, tokenizer, cfg)
     # response tokens (N, 2) of chosen and rejected: sigmoid_norm's, simpo's and RPO's per-token averages
     train_len, test_len = (torch.tensor([[len(c), len(r)] for c, r in zip(pairs[1], pairs[2])], dtype=torch.float,
@@ -265,7 +265,7 @@ def main(cfg):
             ref = None  # freed
             common.print0(f"reference log-probs of {len(train)} train pairs in {time.time() - t_ref:.1f}s")
     common.set_seed(cfg.seed)
-    _, model = common.load_policy(job.resume_from or cfg.model, cfg, d, response_len=cfg.max_response_len)
+    _, model = common.load_policy(cfg.model, cfg, d, response_len=cfg.max_response_len)
     optimizer, scheduler = common.make_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps,
                                                  cfg.steps)
     common.print0(f"dpo: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {len(train)} train pairs, "

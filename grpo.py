@@ -644,16 +644,12 @@ def main(cfg):
     train = data.load_prompts(cfg, rules="rule" in weights or cfg.dataset in tasks.TASKS)
     order = data.DataOrder(len(train), cfg.seed, cfg.prompts_per_step, f"--dataset {cfg.dataset}", "--prompts_per_step")
     job = run.Run(cfg, d, models=["model", "reward_model"])  # out_dir checked and locked; nothing written yet
-    tokenizer, model = common.load_policy(job.resume_from or cfg.model, cfg, d, response_len=cfg.max_new_tokens,
+    tokenizer, model = common.load_policy(cfg.model, cfg, d, response_len=cfg.max_new_tokens,
                                           response_flag="--max_new_tokens", shard=False)
     ref = None  # with --lora: the policy with its adapters disabled
     if cfg.lora:
         model = add_lora(model, cfg.lora_r, cfg.lora_alpha)
-    elif job.resume_from and not cfg.ref_refresh_every:  # the reference is the starting policy
-        common.set_seed(cfg.seed)  # as it was built (`--model tiny` draws random weights)
-        ref = common.load_frozen(cfg.model, tokenizer, d, trust_remote_code=cfg.trust_remote_code,
-                                 cpu_offload=cfg.offload_frozen)
-    else:  # the starting policy, or the last refresh (a resumed checkpoint is one; see check_config)
+    else:  # the starting policy (with --ref_refresh_every, a resumed run's last refresh: below)
         ref = common.freeze(copy.deepcopy(model), d, cpu_offload=cfg.offload_frozen)
     model = common.shard_model(model, d, activation_checkpointing=cfg.activation_checkpointing)
     env = data.make_env(cfg, d, prompts=train, order=order, tokenizer=tokenizer, model=model, weights=weights)
@@ -676,6 +672,8 @@ def main(cfg):
     start = job.begin(model, tokenizer, optimizer, scheduler, order,  # restores a resumed run's state
                       show=["reward", "kl", "clip_ratio/low", "clip_ratio/high", "completions/mean_length",
                             "eval/exact_match", "eval/gold_reward", "eval/accuracy", "time/step"])
+    if job.resume_from and cfg.ref_refresh_every:  # a checkpoint is at a refresh (check_config)
+        refresh_reference(ref, model)
     peak_gib = 0.0  # the run's peak GPU memory, over the phases' windows
     if start == 1 and (first := evaluate(model, ref, tokenizer, evals, cfg=cfg, d=d)):  # prompts alone: no evaluation
         job.log(0, first)

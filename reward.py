@@ -193,7 +193,7 @@ def main(cfg):
     train, test = data.load_preferences(cfg)
     order = data.DataOrder(len(train), cfg.seed, batch=cfg.batch_size, source=f"--dataset {cfg.dataset}")
     job = run.Run(cfg, d, models=["model", "normalize_policy"])  # out_dir checked and locked; nothing written yet
-    tokenizer, model = common.load_policy(job.resume_from or cfg.model, cfg, d, response_len=cfg.max_response_len,
+    tokenizer, model = common.load_policy(cfg.model, cfg, d, response_len=cfg.max_response_len,
                                           kind="new_reward")
     model.config.reward_gain, model.config.reward_bias = 1.0, 0.0  # training sees raw scores
     train, test, train_pairs, test_pairs = data.encode_preferences(train, test, tokenizer, cfg)

@@ -7,6 +7,7 @@ import argparse
 import ast
 import dataclasses
 import functools
+import glob
 import inspect
 import json
 import math
@@ -181,9 +182,14 @@ def check_model_paths(cfg, *flags):
         except (FileNotFoundError, ModuleNotFoundError) as e:
             raise type(e)(f"--{flag} {e}") from None
         if os.path.isdir(name):
-            if not os.path.isfile(os.path.join(resolve_checkpoint(name), "config.json")):
+            folder = resolve_checkpoint(name)
+            if not os.path.isfile(os.path.join(folder, "config.json")):
                 raise FileNotFoundError(f"--{flag} {name} holds no checkpoint (no config.json in it or in its "
                                         f"checkpoint/): has the run that writes it finished?")
+            if os.path.isdir(os.path.join(folder, "sharded")) and not glob.glob(os.path.join(folder, "*.safetensors")):
+                raise FileNotFoundError(f"--{flag} {name} is a resumable checkpoint of a run still going (or stopped): "
+                                        f"its weights are in sharded/ only. `python run.py export {name}` writes them "
+                                        f"as a Hugging Face folder to pass instead")
             continue
         default = next(f.default for f in dataclasses.fields(cfg) if f.name == flag)
         if name == default:
@@ -685,11 +691,13 @@ def _safe_load_planner():
 
 def save_checkpoint(model, tokenizer, out_dir, d, optimizer=None, scheduler=None, step=None, order=None,
                     config=None, dtype=None, inputs=None):
-    """Write out_dir/checkpoint: a Hugging Face export (model + tokenizer, loadable by AutoModel*)
-    and, with an optimizer, the resumable training state. Collective: all ranks call.
+    """Write out_dir/checkpoint: with an optimizer, the resumable training state (--save_every),
+    else a Hugging Face export (model + tokenizer, loadable by AutoModel*). Collective.
 
     - The export is gathered to rank 0's CPU memory only and written by rank 0, in `dtype`
       (--save_dtype; None keeps the training dtype). The other ranks wait on _wait_for_rank0.
+      Only at the end: at 8B it is 32 GB through one rank while the others wait. A resumable
+      checkpoint has the config and tokenizer beside its state; `export` writes its weights.
     - `sharded/`: model and optimizer state as a torch.distributed.checkpoint, each rank writing
       its own shards (no rank holds the whole optimizer state); it loads on any world size.
       The model state here is the fp32 master copy, whatever dtype the export has.
@@ -702,7 +710,7 @@ def save_checkpoint(model, tokenizer, out_dir, d, optimizer=None, scheduler=None
     """
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-    state = full_state_dict(model, d)  # empty on ranks other than 0 under FSDP
+    state = full_state_dict(model, d) if optimizer is None else {}  # empty on ranks other than 0 under FSDP
     path = os.path.join(out_dir, "checkpoint")
     tmp, old = path + ".tmp", path + ".old"
     if d.is_main:
@@ -727,15 +735,7 @@ def save_checkpoint(model, tokenizer, out_dir, d, optimizer=None, scheduler=None
             extra = {"scheduler": scheduler.state_dict() if scheduler else None, "rng": rngs, "step": step,
                      **(order.state_dict() if order is not None else {})}
         if d.is_main:
-            if dtype is not None:
-                state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-            model.save_pretrained(tmp, state_dict=state)
-            if dtype is not None:  # the config names the dtype the weights are stored in
-                with open(os.path.join(tmp, "config.json")) as f:
-                    cfg_json = json.load(f)
-                cfg_json["dtype"] = str(dtype).removeprefix("torch.")
-                _write_json(os.path.join(tmp, "config.json"), cfg_json)
-            tokenizer.save_pretrained(tmp)
+            _write_export(model, tokenizer, tmp, state, dtype, weights=optimizer is None)
             if extra is not None:
                 torch.save(extra, os.path.join(tmp, "training_state.pt"))
                 _write_json(os.path.join(tmp, "trainer_state.json"),
@@ -755,6 +755,56 @@ def save_checkpoint(model, tokenizer, out_dir, d, optimizer=None, scheduler=None
     del state
     _wait_for_rank0(d)
     return path
+
+
+def _write_export(model, tokenizer, folder, state, dtype, weights=True):
+    """model.save_pretrained with `state` in `dtype` (None: as it is), and the tokenizer; without
+    weights, the config, generation config and tokenizer alone."""
+    if not weights:
+        model.config.save_pretrained(folder)
+        if getattr(model, "generation_config", None) is not None and model.can_generate():
+            model.generation_config.save_pretrained(folder)
+    elif dtype is not None:
+        model.save_pretrained(folder, state_dict={k: v.to(dtype) if v.is_floating_point() else v
+                                                  for k, v in state.items()})
+    else:
+        model.save_pretrained(folder, state_dict=state)
+    if weights and dtype is not None:  # the config names the dtype the weights are stored in
+        with open(os.path.join(folder, "config.json")) as f:
+            cfg_json = json.load(f)
+        cfg_json["dtype"] = str(dtype).removeprefix("torch.")
+        _write_json(os.path.join(folder, "config.json"), cfg_json)
+    tokenizer.save_pretrained(folder)
+
+
+def export(path, dest=None):
+    """The Hugging Face export of a resumable checkpoint (its sharded/ state), on one process:
+
+        python run.py export OUT_DIR [DEST]      # DEST: OUT_DIR/export-step-N
+
+    in the run's --save_dtype, loadable by AutoModel* and by every script's --model."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    ckpt = resolve_checkpoint(path)
+    state = _trainer_state(ckpt)
+    sharded_dir = os.path.join(ckpt, "sharded")
+    if state is None or not os.path.isdir(sharded_dir):
+        raise FileNotFoundError(f"{path} holds no resumable checkpoint (trainer_state.json and sharded/)")
+    _check_metadata(sharded_dir)
+    config = AutoConfig.from_pretrained(ckpt)
+    scores = any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
+    model = (AutoModelForSequenceClassification if scores else AutoModelForCausalLM).from_config(config)
+    weights = {"model": get_model_state_dict(model)}
+    with _dcp_call(sharded_dir):
+        dcp.load(weights, checkpoint_id=sharded_dir, planner=_safe_load_planner(), no_dist=True)
+    set_model_state_dict(model, weights["model"])
+    dest = dest or os.path.join(os.path.dirname(os.path.abspath(ckpt)), f"export-step-{state['step']}")
+    dtype = EXPORT_DTYPES[state["config"].get("save_dtype", "float32")]
+    _write_export(model, AutoTokenizer.from_pretrained(ckpt), dest, model.state_dict(),
+                  None if dtype == torch.float32 else dtype)
+    return dest
 
 
 def load_training_state(path, model, optimizer, scheduler, order, d):
@@ -1061,3 +1111,9 @@ def layout(d):
     if not d.torchrun or d.mesh.ndim == 1:
         return ""
     return f" (HSDP: {d.mesh.shape[0]} replicas x {d.mesh.shape[1]} shards)"
+
+
+if __name__ == "__main__":
+    if len(sys.argv) not in (3, 4) or sys.argv[1] != "export":
+        sys.exit("usage: python run.py export OUT_DIR [DEST]: the Hugging Face export of OUT_DIR's resumable checkpoint")
+    print(f"exported {export(*sys.argv[2:])}")

@@ -151,7 +151,7 @@ def main(cfg):
                           seed=cfg.seed, holdout=split)
     order = data.DataOrder(len(train), cfg.seed, batch=cfg.batch_size, source=f"--dataset {cfg.dataset}")
     job = run.Run(cfg, d, models=["model"])  # out_dir checked and locked; nothing is written before job.begin
-    tokenizer, model = common.load_policy(job.resume_from or cfg.model, cfg, d, response_len=cfg.max_response_len)
+    tokenizer, model = common.load_policy(cfg.model, cfg, d, response_len=cfg.max_response_len)
     train_p, train_c = encode_sft(train, tokenizer, cfg, cfg.dataset)
     data.show_example(tokenizer, train_p[0], train_c[0], cfg.dataset)
     held_out = (*encode_sft(test.select(range(min(cfg.n_eval, len(test)))), tokenizer, cfg,

@@ -133,10 +133,19 @@ def write_jsonl(path, rows):
 
 
 def checkpoint_weights(out_dir, name="checkpoint"):
-    """The tensors of out_dir/name/model.safetensors, by name."""
+    """The tensors of out_dir/name/model.safetensors, by name; of a resumable checkpoint (sharded/
+    state only: --save_every's), those of its export (run.export, into a temporary folder)."""
+    import tempfile
+
     from safetensors.torch import load_file  # here: test files without torch need not load it
 
-    return load_file(os.path.join(out_dir, name, "model.safetensors"))
+    folder = os.path.join(out_dir, name)
+    if os.path.isfile(os.path.join(folder, "model.safetensors")):
+        return load_file(os.path.join(folder, "model.safetensors"))
+    import run
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return load_file(os.path.join(run.export(folder, tmp), "model.safetensors"))
 
 
 def max_abs_diff(a, b):

@@ -44,12 +44,13 @@ def steps_logged(out_dir):
     return [m["step"] for m in read_metrics(out_dir)]
 
 
-@pytest.mark.parametrize("script", FAST)
-def test_resume_ends_with_the_same_weights(tmp_path, script):
+@pytest.mark.parametrize("script, extra", [(s, []) for s in FAST] + [("grpo.py", ["--ref_refresh_every", "2"])],
+                         ids=[*FAST, "grpo.py-ref_refresh"])
+def test_resume_ends_with_the_same_weights(tmp_path, script, extra):
     """Killed right after the step-2 checkpoint, then --resume: the same final weights as an
     uninterrupted run (optimizer, scheduler, RNG, data position and, for DPO and GRPO, the
-    original reference all restored)."""
-    args = ["--steps", "4", "--save_every", "2"]
+    original reference all restored; with --ref_refresh_every, the reference of step 2)."""
+    args = ["--steps", "4", "--save_every", "2", *extra]
     full = run_fast(script, args + ["--out_dir", str(tmp_path / "full")])
     assert full.returncode == 0, full.stderr
     killed = run_fast(script, args + ["--out_dir", str(tmp_path / "resumed")], crash="after_save:1")
@@ -62,6 +63,8 @@ def test_resume_ends_with_the_same_weights(tmp_path, script):
     assert "resumed from" in resumed.stdout and "line 4 is not a complete row" in resumed.stdout
     assert max_abs_diff(checkpoint_weights(tmp_path / "full"), checkpoint_weights(tmp_path / "resumed")) < 1e-6
     assert steps_logged(tmp_path / "resumed") == steps_logged(tmp_path / "full")  # no step twice, none missing
+    for a, b in zip(read_metrics(tmp_path / "full"), read_metrics(tmp_path / "resumed")):
+        assert a.get("kl", 0) == pytest.approx(b.get("kl", 0), abs=1e-7), (a, b)  # the same reference
 
 
 @pytest.mark.parametrize("nth_rename, left", [(2, "checkpoint"), (3, "checkpoint.old")])
@@ -73,11 +76,46 @@ def test_kill_while_writing_a_checkpoint_leaves_the_previous_one(tmp_path, nth_r
                  crash=f"at_rename:{nth_rename}")
     assert r.returncode == 9, r.stderr
     assert os.path.isdir(out / left)
-    AutoModelForCausalLM.from_pretrained(out / left)  # loadable
+    AutoModelForCausalLM.from_pretrained(run.export(out / left, tmp_path / "export"))  # exports, loadable
     resumed = run_fast("sft.py", ["--steps", "6", "--save_every", "2", "--out_dir", str(out), "--resume"])
     assert resumed.returncode == 0, resumed.stderr
     assert "at step 2" in resumed.stdout
     assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint")) == ["checkpoint"]
+
+
+def test_a_save_every_checkpoint_is_the_sharded_state_and_exports_on_demand(tmp_path, monkeypatch):
+    """--save_every writes the resumable state only (sharded/, with the config and tokenizer):
+    a Hugging Face export gathers the whole model to rank 0 while the others wait (32 GB at 8B),
+    so only the end writes one. `python run.py export` writes it on demand: the weights of the
+    step it was saved at, exactly; a script given the unexported folder as --model says so."""
+    import shutil
+
+    import torch
+
+    out, kept, gathered = tmp_path / "run", {}, []
+    save, gather = run.save_checkpoint, run.full_state_dict
+
+    def saving(model, tokenizer, out_dir, d, **kw):
+        path = save(model, tokenizer, out_dir, d, **kw)
+        if kw.get("step") == 2:  # the periodic checkpoint, before the final one replaces it
+            kept["weights"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            shutil.copytree(path, tmp_path / "step2")
+        return path
+
+    monkeypatch.setattr(run, "save_checkpoint", saving)
+    monkeypatch.setattr(run, "full_state_dict", lambda *a: gathered.append(1) or gather(*a))
+    assert run_fast("sft.py", ["--steps", "3", "--save_every", "2", "--out_dir", str(out)]).returncode == 0
+    assert len(gathered) == 1  # the final export's; none at the step-2 save
+    files = set(os.listdir(tmp_path / "step2"))
+    assert {"sharded", "training_state.pt", "trainer_state.json", "config.json", "tokenizer.json"} <= files
+    assert not any(f.endswith(".safetensors") for f in files)
+    r = run_script(["run.py", "export", str(tmp_path / "step2"), str(tmp_path / "export")], timeout=120,
+                   env=SUBPROCESS_ENV_NO_TOKENIZER_THREADS)
+    assert r.returncode == 0 and "exported" in r.stdout, r.stderr[-2000:]
+    exported = checkpoint_weights(tmp_path, "export")
+    assert all(torch.equal(exported[k], kept["weights"][k]) for k in exported)
+    refused = run_fast("sft.py", ["--model", str(tmp_path / "step2"), "--steps", "1", "--out_dir", str(tmp_path / "b")])
+    assert refused.returncode != 0 and "python run.py export" in refused.stderr, refused.stderr[-2000:]
 
 
 def test_a_failing_rank_ends_the_whole_job(tmp_path):
