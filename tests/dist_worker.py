@@ -150,7 +150,8 @@ def accumulated_gradients():
 def slow_sampler(seconds, script, *args):
     """`script ARGS` with rank 1 sleeping `seconds` at the start of its first generate, as a rank
     decoding a longer rollout would: the other rank waits in its next collective. Also checks
-    that run.start made the group in which ranks wait for rank 0's exports."""
+    that run.start gave the process group --timeout_minutes and made the group in which ranks
+    wait for rank 0's exports."""
     import importlib
     import time
 
@@ -164,8 +165,13 @@ def slow_sampler(seconds, script, *args):
         return generate(*a, **kw)
 
     def checked_start(cfg):
+        import torch
+        import torch.distributed as dist
+
         d = start(cfg)
         assert run._WAIT_GROUP, "run.start made no wait group"
+        timeout = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu")).options._timeout
+        assert timeout.total_seconds() == 60 * cfg.timeout_minutes, (timeout, cfg.timeout_minutes)
         return d
 
     sampling.generate, run.start = slow_generate, checked_start

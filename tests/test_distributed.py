@@ -1,11 +1,13 @@
 """Distributed runs past one device: what every rank must agree on, checked with torchrun on the
 CPU (gloo). The workers are in tests/dist_worker.py."""
+import sys
 import time
 
 import pytest
 
 from helpers import SUBPROCESS_ENV_NO_TOKENIZER_THREADS, checkpoint_weights, max_abs_diff, read_metrics, run_script
-from test_robustness import run_fast
+from helpers import run_many
+from test_robustness import FAST, run_fast
 
 
 def run_worker(name, *args, nproc=2, timeout=180):
@@ -53,11 +55,17 @@ def test_resume_on_another_world_size_ends_with_the_same_weights(tmp_path, befor
     for after in afters:
         tol, n_full = (1e-6, after) if before == after else (1e-5, 1)
         full, run = tmp_path / f"full{n_full}", tmp_path / f"on{after}"
-        if not full.exists():
-            assert run_fast("sft.py", args + ["--out_dir", str(full)], nproc=n_full).returncode == 0
         shutil.copytree(tmp_path / "killed", run)
-        resumed = run_fast("sft.py", args + ["--out_dir", str(run), "--resume"], nproc=after)
-        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        resume = ["sft.py", *FAST["sft.py"], *args, "--out_dir", str(run), "--resume"]
+        if n_full > 1:  # the uninterrupted run and the resumed one in one torchrun (helpers.run_many)
+            resumed, codes = run_many([["full", "sft.py", *FAST["sft.py"], *args, "--out_dir", str(full)],
+                                       ["resumed", *resume]], tmp_path / "codes.json", nproc=n_full)
+            assert codes == {"full": 0, "resumed": 0}, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+        else:
+            if not full.exists():
+                assert run_fast("sft.py", args + ["--out_dir", str(full)], nproc=n_full).returncode == 0
+            resumed = run_fast("sft.py", args + ["--out_dir", str(run), "--resume"], nproc=after)
+            assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert (f"written by {before} rank(s), resumed on {after}" in resumed.stdout) == (before != after)
         want, got = read_metrics(full), read_metrics(run)
         assert [r["step"] for r in got] == [r["step"] for r in want]
@@ -148,23 +156,34 @@ def test_an_hsdp_group_that_does_not_divide_the_world_is_refused_before_joining(
         common.setup_distributed(hsdp=3)
 
 
-@pytest.mark.parametrize("timeout,ends", [(0.02, "timed out"), (0.25, "completes")])
-def test_a_rank_slow_in_generate_waits_for_timeout_minutes(tmp_path, timeout, ends):
-    """Rank 1 sleeps 4 s in its first generate, as a rank decoding a longer rollout would; rank 0
-    waits for it in its next collective. --timeout_minutes is that wait's limit: at 1.2 s
-    the job fails, at 15 s it completes (the default, 60 min, is for rollouts of many thousand
-    tokens and for rank 0 reading a large model alone). Before the flag, every run had 10
-    minutes. run.start makes the group ranks wait in for rank 0's exports (checked inside)."""
+def test_a_rank_slow_in_generate_waits_for_timeout_minutes(tmp_path):
+    """Rank 1 sleeps 2 s in its first generate, as a rank decoding a longer rollout would; rank 0
+    waits for it in its next collective, whose limit is --timeout_minutes (here 0.1: 6 s; the
+    default, 60 min, is for rollouts of many thousand tokens and for rank 0 reading a large model
+    alone; before the flag every run had 10 minutes). The run completes; inside it, the process
+    group's timeout is the flag's and run.start has made the group ranks wait in for rank 0's
+    exports (before, the first save made it: a setup that cannot failed hours in)."""
     argv = ["grpo.py", "--model", "tiny", "--steps", "1", "--prompts_per_step", "4", "--group_size", "2",
-            "--max_new_tokens", "4", "--n_eval", "4", "--n_eval_pairs", "4", "--timeout_minutes", str(timeout),
+            "--max_new_tokens", "4", "--n_eval", "4", "--n_eval_pairs", "4", "--timeout_minutes", "0.1",
             "--out_dir", str(tmp_path / "run")]
-    r = run_script(["tests/dist_worker.py", "slow_sampler", "4", *argv], 2, 180, env=SUBPROCESS_ENV_NO_TOKENIZER_THREADS)
-    if ends == "completes":
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-        assert read_metrics(tmp_path / "run")[-1]["step"] == 1
-    else:
-        assert r.returncode != 0
-        assert "--timeout_minutes 0.02" in r.stderr, r.stderr[-3000:]
+    r = run_script(["tests/dist_worker.py", "slow_sampler", "2", *argv], 2, 180, env=SUBPROCESS_ENV_NO_TOKENIZER_THREADS)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert read_metrics(tmp_path / "run")[-1]["step"] == 1
+
+
+def test_a_collective_timeout_names_the_flag(monkeypatch):
+    """gloo's timeout error ("Timed out waiting 1200ms for recv ...") gets a note naming
+    --timeout_minutes and its value, so that a slow rank is told from a stuck one."""
+    import run
+    import sft
+
+    def main(cfg):
+        raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 1200ms for recv operation")
+
+    monkeypatch.setattr(sys, "argv", ["sft.py", "--timeout_minutes", "0.02"])
+    with pytest.raises(RuntimeError) as e:
+        run.script(main, sft.Config)
+    assert "--timeout_minutes 0.02" in "".join(e.value.__notes__)
 
 
 def test_no_full_size_gradient_survives_a_micro_batch():
