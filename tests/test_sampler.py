@@ -320,3 +320,30 @@ def test_a_response_decodes_to_exactly_the_text_that_follows_its_prompt():
         assert data.decode_responses(tok, r, mask, p_ids) == [completion], kind
         if kind == "metaspace":  # what decoding alone gave
             assert data.decode_responses(tok, r, mask) == [completion.lstrip()]
+
+
+def test_the_sampler_benchmark_counts_a_divergence_only_past_a_bf16_tie():
+    """bench/sampler.py compares its greedy rows with model.generate's in bf16, where a near-tie
+    of the two largest logits may break either way: a row counts as a real divergence only where
+    the reference's top-2 logits at the first differing token are more than one bf16 step apart.
+    Identical rows count nothing; a row changed at a clear maximum counts; the same change where
+    the two candidates' logits are made exactly equal (their head rows equal) does not."""
+    from bench.sampler import real_divergences
+
+    tok = data.load_tokenizer("tiny")
+    torch.manual_seed(0)
+    model = common.load_model("tiny", tok).eval()
+    ids, mask = common.pad([tok("sort 3 1 =")["input_ids"], tok("sort 9 2 =")["input_ids"]], tok.pad_token_id,
+                           side="left")
+    ref = sampling.generate(model, ids, mask, 6, eos_id=-1, pad_id=tok.pad_token_id, temperature=0)[0]
+    assert not real_divergences(model, ids, mask, ref, ref, tok.pad_token_id).any()
+    with torch.no_grad():
+        logits = model(input_ids=torch.cat([ids[:1], ref[:1, :2]], 1)).logits[0, -1]
+    runner_up = int(logits.topk(2).indices[1])
+    ours = ref.clone()
+    ours[0, 2] = runner_up  # row 0 parts at its third token
+    assert real_divergences(model, ids, mask, ours, ref, tok.pad_token_id).tolist() == [True, False]
+    with torch.no_grad():  # the head rows of the top two tokens made equal: their logits tie exactly
+        head = model.get_output_embeddings().weight
+        head[runner_up] = head[int(ref[0, 2])]
+    assert real_divergences(model, ids, mask, ours, ref, tok.pad_token_id).tolist() == [False, False]
