@@ -1116,4 +1116,7 @@ def layout(d):
 if __name__ == "__main__":
     if len(sys.argv) not in (3, 4) or sys.argv[1] != "export":
         sys.exit("usage: python run.py export OUT_DIR [DEST]: the Hugging Face export of OUT_DIR's resumable checkpoint")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     print(f"exported {export(*sys.argv[2:])}")
