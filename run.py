@@ -423,7 +423,8 @@ class Run:
                                      f"{self.last_ckpt or 'none written yet'}")
         resumable = dict(optimizer=self.optimizer, scheduler=self.scheduler, step=step, order=self.order,
                          config=self.cfg, inputs=self.inputs) if step else {}
-        return save_checkpoint(model, self.tokenizer, self.out_dir, self.d, dtype=export_dtype(self.cfg), **resumable)
+        return save_checkpoint(model, self.tokenizer, self.out_dir, self.d, dtype=export_dtype(self.cfg.save_dtype),
+                               **resumable)
 
     def finish(self, model=None):
         """The final export (model: another module to export, e.g. LoRA merged into the weights),
@@ -596,9 +597,9 @@ def _rng_state():
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def export_dtype(cfg):
+def export_dtype(save_dtype):
     """--save_dtype as a torch dtype (None for float32: the weights as trained)."""
-    return None if cfg.save_dtype == "float32" else EXPORT_DTYPES[cfg.save_dtype]
+    return None if save_dtype == "float32" else EXPORT_DTYPES[save_dtype]
 
 
 def _wait_group(d):
@@ -764,10 +765,9 @@ def _write_export(model, tokenizer, folder, state, dtype, weights=True):
         model.config.save_pretrained(folder)
         if getattr(model, "generation_config", None) is not None and model.can_generate():
             model.generation_config.save_pretrained(folder)
-    elif dtype is not None:
-        model.save_pretrained(folder, state_dict={k: v.to(dtype) if v.is_floating_point() else v
-                                                  for k, v in state.items()})
     else:
+        if dtype is not None:
+            state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
         model.save_pretrained(folder, state_dict=state)
     if weights and dtype is not None:  # the config names the dtype the weights are stored in
         with open(os.path.join(folder, "config.json")) as f:
@@ -783,7 +783,6 @@ def export(path, dest=None):
         python run.py export OUT_DIR [DEST]      # DEST: OUT_DIR/export-step-N
 
     in the run's --save_dtype, loadable by AutoModel* and by every script's --model."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -792,19 +791,27 @@ def export(path, dest=None):
     sharded_dir = os.path.join(ckpt, "sharded")
     if state is None or not os.path.isdir(sharded_dir):
         raise FileNotFoundError(f"{path} holds no resumable checkpoint (trainer_state.json and sharded/)")
-    _check_metadata(sharded_dir)
     config = AutoConfig.from_pretrained(ckpt)
     scores = any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
     model = (AutoModelForSequenceClassification if scores else AutoModelForCausalLM).from_config(config)
-    weights = {"model": get_model_state_dict(model)}
-    with _dcp_call(sharded_dir):
-        dcp.load(weights, checkpoint_id=sharded_dir, planner=_safe_load_planner(), no_dist=True)
+    weights = _read_sharded(sharded_dir, {"model": get_model_state_dict(model)})
     set_model_state_dict(model, weights["model"])
     dest = dest or os.path.join(os.path.dirname(os.path.abspath(ckpt)), f"export-step-{state['step']}")
-    dtype = EXPORT_DTYPES[state["config"].get("save_dtype", "float32")]
     _write_export(model, AutoTokenizer.from_pretrained(ckpt), dest, model.state_dict(),
-                  None if dtype == torch.float32 else dtype)
+                  export_dtype(state["config"].get("save_dtype", "float32")))
     return dest
+
+
+def _read_sharded(sharded_dir, state):
+    """torch.distributed.checkpoint's load of `sharded_dir` into `state` (its layout: the keys and
+    shards to read), in place, and `state`. Only tensors and plain values are read: the metadata
+    through a restricted unpickler, everything else with weights_only."""
+    import torch.distributed.checkpoint as dcp
+
+    _check_metadata(sharded_dir)
+    with _dcp_call(sharded_dir):
+        dcp.load(state, checkpoint_id=sharded_dir, planner=_safe_load_planner(), no_dist=not dist.is_initialized())
+    return state
 
 
 def load_training_state(path, model, optimizer, scheduler, order, d):
@@ -812,7 +819,6 @@ def load_training_state(path, model, optimizer, scheduler, order, d):
     world size), scheduler, data order and, on the world size that wrote it, each rank's RNG
     state. Returns the step the checkpoint was written at. Only tensors and plain values are
     read: the metadata through a restricted unpickler, everything else with weights_only."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     sharded_dir = os.path.join(path, "sharded")
@@ -820,12 +826,9 @@ def load_training_state(path, model, optimizer, scheduler, order, d):
         raise FileNotFoundError(f"{path} has no sharded/ training state (a checkpoint of an older version, which "
                                 f"kept it in training_state.pt): it cannot be resumed; start a new run from it "
                                 f"(--model {path})")
-    _check_metadata(sharded_dir)
     state = torch.load(os.path.join(path, "training_state.pt"), weights_only=True, map_location="cpu")
     model_state, optim_state = get_state_dict(model, optimizer)  # the layout to read into
-    sharded = {"model": model_state, "optimizer": optim_state}
-    with _dcp_call(sharded_dir):
-        dcp.load(sharded, checkpoint_id=sharded_dir, planner=_safe_load_planner(), no_dist=not dist.is_initialized())
+    sharded = _read_sharded(sharded_dir, {"model": model_state, "optimizer": optim_state})
     set_state_dict(model, optimizer, model_state_dict=sharded["model"], optim_state_dict=sharded["optimizer"])
     if scheduler is not None and state["scheduler"] is not None:
         scheduler.load_state_dict(state["scheduler"])

@@ -78,7 +78,7 @@ def real_divergences(model, ids, mask, ours, ref, pad_id):
     may break it. ours, ref: right-padded (B, R) ids after the prompts ids (left-padded)."""
     R = max(ours.shape[1], ref.shape[1])
     a, b = (torch.nn.functional.pad(x, (0, R - x.shape[1]), value=pad_id) for x in (ours, ref))
-    real = torch.zeros(len(a), dtype=torch.bool)
+    real = torch.zeros(len(a), dtype=torch.bool, device=a.device)
     for i in (a != b).any(-1).nonzero().flatten().tolist():
         t = int((a[i] != b[i]).nonzero()[0])  # the first token where they part
         seq = torch.cat([ids[i], b[i, :t]])[None]
