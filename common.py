@@ -30,8 +30,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-# TF32 for a GPU's fp32 matmuls (FP32Head under `python`): ~8x fp32's rate, more mantissa than
-# bf16's. The CUDA flag only: CPU matmuls keep full fp32 (the tests compare to 1e-5 there).
+# TF32 for a GPU's fp32 matmuls (FP32Head under `python`): ~8x fp32's rate; CPUs keep full fp32.
 torch.backends.cuda.matmul.allow_tf32 = True
 
 # -----------------------------------------------------------------------------
@@ -370,19 +369,22 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         return grad, None, None
 
 
+def on_gpu(t):
+    """Kernels chosen by device (bench/memory_trace.py makes fake CPU tensors take a GPU's)."""
+    return t.device.type != "cpu"
+
+
 def _chunk_rows(logits, chunk_elems):
-    """Rows per chunk of about `chunk_elems` logits: 2^22 (16 MB in fp32) on a CPU, for its allocator
-    to reuse; 2^26 on a GPU, where smaller ones starve the kernels (bench/logprobs.py)."""
+    """Rows per chunk of ~chunk_elems logits: 2^22 on a CPU (its allocator reuses them), 2^26 on a GPU."""
     if chunk_elems is None:
-        chunk_elems = 2**26 if logits.device.type == "cuda" else 2**22
+        chunk_elems = 2**26 if on_gpu(logits) else 2**22
     return max(1, chunk_elems // logits.shape[-1])
 
 
 def logprobs_from_logits(logits, labels, chunk_elems=None):
-    """log softmax(logits)[label] for every position, (...) from (..., V) and (...), in float32:
-    on a CPU chunk by chunk, never the whole log_softmax; on a GPU where that fits EVAL_LOGITS,
-    log_softmax and gather (chunks ran at 0.83x its speed, 0.50x with the backward: H100)."""
-    if chunk_elems is None and logits.device.type != "cpu" and logits.numel() <= EVAL_LOGITS:
+    """log softmax(logits)[label] per position, (...) from (..., V), in fp32: on a CPU chunk by chunk;
+    on a GPU, where EVAL_LOGITS allow, log_softmax + gather (chunks: 0.83x, 0.50x with backward, H100)."""
+    if chunk_elems is None and on_gpu(logits) and logits.numel() <= EVAL_LOGITS:
         return torch.log_softmax(logits.float(), -1).gather(-1, labels[..., None]).squeeze(-1)
     V = logits.shape[-1]
     out = _SelectiveLogSoftmax.apply(logits.reshape(-1, V), labels.reshape(-1), _chunk_rows(logits, chunk_elems))
@@ -402,8 +404,7 @@ def entropy_from_logits(logits, chunk_elems=None):
 
 
 def _accepts(model, arg):
-    """Whether the model's forward takes `arg`. A PeftModel's forward takes **kwargs and passes
-    them on, so the wrapped model's signature is the one that counts."""
+    """Whether the model's forward takes `arg` (a PeftModel's: the wrapped model's, not **kwargs)."""
     if hasattr(model, "get_base_model"):
         model = model.get_base_model()
     return arg in inspect.signature(model.forward).parameters
@@ -417,9 +418,10 @@ def response_logprobs(model, input_ids, attention_mask, n_response, temperature=
     positions before the response are computed (`logits_to_keep`), never a (B, P+R, V) tensor."""
     kw = dict(input_ids=input_ids, attention_mask=attention_mask,
               position_ids=position_ids_from_mask(attention_mask), use_cache=False)
-    if _accepts(model, "logits_to_keep"):
-        kw["logits_to_keep"] = n_response + 1
-    logits = model(**kw).logits[:, -(n_response + 1):-1]  # (B, R, V)
+    T, keep = input_ids.shape[1], slice(-(n_response + 1), -1)
+    if _accepts(model, "logits_to_keep"):  # those R positions only: a contiguous (B, R, V), no copy in reshapes
+        kw["logits_to_keep"], keep = torch.arange(T - n_response - 1, T - 1, device=input_ids.device), slice(None)
+    logits = model(**kw).logits[:, keep]  # (B, R, V)
     if temperature != 1.0:
         logits = logits / temperature
     logps = logprobs_from_logits(logits, input_ids[:, -n_response:])  # (B, R)
@@ -476,7 +478,7 @@ class _HeadMatmul(torch.autograd.Function):
     def forward(ctx, x, w):  # (B, T, H), (V, H)
         ctx.save_for_backward(x, w)
         x2 = x.reshape(-1, x.shape[-1])
-        out = x2.float() @ w.float().t() if x.device.type == "cpu" else torch.mm(x2, w.t(), out_dtype=torch.float32)
+        out = torch.mm(x2, w.t(), out_dtype=torch.float32) if on_gpu(x) else x2.float() @ w.float().t()
         return out.view(*x.shape[:-1], w.shape[0])  # (B, T, V)
 
     @staticmethod
@@ -579,16 +581,14 @@ def make_optimizer(params, lr, weight_decay, warmup_steps, total_steps):
 
 
 def clip_grad_norm(model, max_norm):
-    """Clip by the global norm; works on FSDP2's sharded DTensor gradients. Returns the norm
-    before clipping (what the logs show), a 0-d tensor; max_norm 0 means no clipping."""
+    """Clip by the global norm (FSDP2's DTensor gradients too); the pre-clip norm, 0-d (0: no clip)."""
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def optimizer_step(model, optimizer, scheduler, max_norm):
-    """Clip, step, advance the schedule, clear the gradients. Returns the pre-clip grad norm and
-    the learning rate this update used (with warmup the first is 0)."""
+    """Clip, step, advance the schedule, clear the gradients -> (pre-clip grad norm, the lr used)."""
     import run
 
     run.raise_if_interrupted()

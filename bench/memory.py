@@ -29,6 +29,7 @@ What is counted (bytes per device; N parameters of the trained model, W ranks):
 Not counted: the data, the tokenizer, checkpoint writing (bench/load_memory.py measures that).
 """
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -68,8 +69,8 @@ def n_params(s):
     return s["L"] * block + root, block, root
 
 
-def estimate(s, script, world=1, launcher="torchrun", device="gpu", seqs=4, prompt_len=512, response_len=512,
-             rollout_rows=64, ac=False, offload_frozen=False, lora=False, precompute_ref=True, reward_model=True):
+def parts(s, script, world=1, launcher="torchrun", device="gpu", seqs=4, prompt_len=512, response_len=512,
+          rollout_rows=64, ac=False, offload_frozen=False, lora=False, precompute_ref=True, reward_model=True):
     """Bytes per device of each phase's parts, {phase: {part: bytes}}. seqs: sequences of one
     micro-batch (DPO and the reward model: pairs, two sequences each); rollout_rows: GRPO's
     completions per rank in one rollout."""
@@ -96,8 +97,13 @@ def estimate(s, script, world=1, launcher="torchrun", device="gpu", seqs=4, prom
         parts["reward model"] = frozen_bytes
     seq_factor = 2 if script in ("dpo", "reward") else 1
     tokens = seqs * seq_factor * S
-    per_token_layer = e * (6 * s["h"] + 2 * kv + (4 if s["gated"] else 2) * s["I"])
-    probs = 4 * s["heads"] * S if device == "cpu" else 0  # the CPU's math attention keeps its probabilities
+    if device == "cpu":  # fp32; the CPU's math attention keeps its probabilities
+        per_token_layer = e * (6 * s["h"] + 2 * kv + (4 if s["gated"] else 2) * s["I"])
+        probs = 4 * s["heads"] * S
+    else:  # bf16 (see the docstring); autocast keeps its fp32 norms' inputs and one bf16 cast per linear
+        h_bytes = (34 if s["gated"] else 20) if not fsdp else (24 if s["gated"] else 16)
+        per_token_layer = h_bytes * s["h"] + (8 if s["gated"] else 10) * s["I"]
+        probs = 4 * s["heads"] + 2 * S  # flash attention's log-sum-exp, and the padding mask as a bf16 bias
     if ac:
         parts["activations"] = tokens * (s["L"] * e * s["h"] + per_token_layer + probs)
     else:
@@ -113,6 +119,151 @@ def estimate(s, script, world=1, launcher="torchrun", device="gpu", seqs=4, prom
         roll["logits"] = 4 * rollout_rows * s["V"]
         phases["rollout"] = roll
     return phases
+
+
+def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, response_len=512, rollout_rows=64,
+              grad_accum=1, group_size=8, ac=False, offload_frozen=False, lora=False, precompute_ref=True,
+              reward_model=True, cache_len=None):
+    """Bytes per GPU of each phase's parts, {phase: {part: bytes}}, bf16 compute (FSDP2's
+    MixedPrecisionPolicy under torchrun, autocast under `python`). seqs: sequences of one
+    micro-batch (DPO and the reward model: both sequences of each pair); rollout_rows: GRPO's
+    completions per rank; cache_len: the KV cache's slots (default prompt + response)."""
+    N, n_block, n_root = n_params(s)
+    fsdp = launcher == "torchrun"
+    W = world if fsdp else 1
+    h, V, L, I = s["h"], s["V"], s["L"], s["I"]
+    head = 0 if s["tied"] else V * h  # what a sequence-classification model lacks (its score head: h)
+    if script == "reward":
+        N, n_root = N - head, n_root - head
+    kv = s["kv_heads"] * h // s["heads"]
+    S, R = prompt_len + response_len, response_len
+    state = {"parameters": 4 * N if lora else 4 * N / W}
+    if not lora:
+        state["optimizer"] = 8 * N / W
+    frozen = 0 if offload_frozen and fsdp else 2 * N / W if fsdp else 4 * N
+    if script == "dpo" and not precompute_ref or script == "grpo" and not lora:
+        state["reference"] = frozen
+    if script == "grpo" and reward_model:
+        state["reward model"] = frozen * (N - head) / N
+    # bf16 weights for compute: FSDP2 gathers the root (embeddings, head; kept until the backward)
+    # and two blocks (one computing, one prefetched); autocast caches a bf16 copy of every weight a
+    # block's linears use (FP32Head computes in fp32 from the fp32 weight: no copy)
+    weights = {"gathered (FSDP)": 2 * (n_root + 2 * n_block)} if fsdp else {"autocast copies": 2 * L * n_block}
+
+    # forward and backward of one micro-batch, at the start of the backward
+    tokens = seqs * S
+    per_token_layer = ((24 if fsdp else 34) if s["gated"] else (16 if fsdp else 20)) * h \
+        + (8 if s["gated"] else 10) * I + 4 * s["heads"] + 2 * S
+    fb = dict(state, **weights)
+    if fsdp and script != "reward":  # the root's gradients wait for the end of the backward, unsharded
+        fb["head gradient (FSDP)"] = 2 * V * h
+    if grad_accum > 1:
+        fb["gradients"] = 4 * N / W  # the earlier micro-batches', reduce-scattered
+    # with checkpointing, each block's input (bf16 under FSDP, fp32 under autocast) and one block recomputed
+    fb["activations"] = tokens * ((2 if fsdp else 4) * h * L + per_token_layer) if ac else tokens * L * per_token_layer
+    if script != "reward":
+        logits = 4 * seqs * R * V
+        # log_softmax + gather keep a second (B, R, V) where it fits EVAL_LOGITS (common.logprobs_from_logits)
+        fb["logits"] = 3 * logits if seqs * R * V <= 2**28 else 2 * logits
+    phases = {"forward and backward": fb}
+    phases["optimizer step"] = dict(state, gradients=4 * N / W)
+    if script != "grpo":
+        return phases
+
+    # GRPO: the rollout, the reward model over the rank's rollout, the reference's and old log-probs
+    roll = dict(state, **({"gathered (FSDP)": 2 * N} if fsdp else weights))  # common.unsharded: all of it
+    # bf16 keys and values; under autocast a RoPE model's keys stay fp32 (its fp32 residual stream makes
+    # cos and sin fp32, and q * cos with them); while the cache is filled, the prefill's own of each prompt
+    kv_bytes = kv * (6 if not fsdp and not s["pos"] else 4)
+    roll["KV cache"] = rollout_rows * (cache_len or S) * L * kv_bytes
+    roll["prefill cache"] = rollout_rows // group_size * prompt_len * L * kv_bytes
+    roll["logits"] = 4 * rollout_rows * V
+    phases["rollout"] = roll
+    if reward_model:
+        rm = dict(state)
+        # no graph: one layer's MLP and a few hidden states at a time (the hidden-state bytes per token fitted
+        # to bench/memory_trace.py: GPT-2's Python GELU and autocast's fp32 residual stream keep more)
+        c = (17 if s["gated"] else 31) if not fsdp else (6 if s["gated"] else 21)
+        rm["reward model forward"] = rollout_rows * S * (6 * I + c * h)
+        if fsdp:
+            rm["gathered (FSDP)"] = 2 * (n_root + 2 * n_block)
+        phases["reward model"] = rm
+    ref = dict(state, **weights)  # the reference's, then the policy's (autocast caches the policy's only)
+    ref["logits"] = 4 * seqs * R * V + (4 * seqs * R * V if seqs * R * V <= 2**28 else 2 * 4 * 2**26)  # + log_softmax
+    phases["reference and old log-probs"] = ref
+    return phases
+
+
+def hf_config(s):
+    """The transformers config of a shape (GPT-2 or, gated, Llama-style; Qwen2 where the
+    embeddings are tied and the MLP gated, for its biases)."""
+    import transformers
+
+    if not s["gated"]:
+        return transformers.GPT2Config(n_layer=s["L"], n_embd=s["h"], n_head=s["heads"], vocab_size=s["V"],
+                                       n_positions=s["pos"], n_inner=s["I"])
+    kind = transformers.Qwen2Config if s["tied"] else transformers.LlamaConfig
+    return kind(num_hidden_layers=s["L"], hidden_size=s["h"], num_attention_heads=s["heads"],
+                num_key_value_heads=s["kv_heads"], intermediate_size=s["I"], vocab_size=s["V"],
+                tie_word_embeddings=s["tied"])
+
+
+def script_config(script, **flags):
+    """The script's Config at its defaults, with flags (its own names; max_response_len and
+    max_new_tokens both name the response length) in place of them."""
+    import importlib
+
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    Config = importlib.import_module(script).Config
+    names = {f.name for f in dataclasses.fields(Config)}
+    alias = {"max_response_len": "max_new_tokens"} if script == "grpo" else {"max_new_tokens": "max_response_len"}
+    flags = {alias.get(k, k): v for k, v in flags.items()}
+    unknown = sorted(k for k in flags if k not in names and k not in SCRIPT_ONLY)
+    if unknown:
+        raise ValueError(f"{script}.py has no flag(s) {', '.join('--' + k for k in unknown)}")
+    return Config(**{k: v for k, v in flags.items() if k in names})
+
+
+SCRIPT_ONLY = {"prompts_per_step", "group_size", "num_mini_batches", "reward_model", "lora", "precompute_ref",
+               "batch_size", "compile"}  # another script's flags, ignored by the scripts without them
+
+
+def parse_flags(argv):
+    """["--max_new_tokens", "1024", ...] -> {"max_new_tokens": 1024, ...}, typed by the scripts' Configs."""
+    import ast
+
+    if len(argv) % 2 or not all(a.startswith("--") for a in argv[::2]):
+        raise ValueError(f"expected --flag value pairs, got {argv}")
+    out = {}
+    for k, v in zip(argv[::2], argv[1::2]):
+        try:
+            out[k[2:]] = ast.literal_eval(v)
+        except (ValueError, SyntaxError):
+            out[k[2:]] = v
+    return out
+
+
+def estimate(s, script, world=1, launcher="torchrun", device="gpu", ac=False, offload_frozen=False, **flags):
+    """{phase: {part: bytes}} of `script` at its Config's defaults, overridden by flags (as on its
+    command line: max_prompt_len, max_response_len or max_new_tokens, batch_size, grad_accum, ...)."""
+    cfg = script_config(script, **flags)
+    W = world if launcher == "torchrun" else 1
+    if script == "grpo":
+        rollout_rows = cfg.prompts_per_step // W * cfg.group_size
+        seqs, R = rollout_rows // cfg.num_mini_batches // cfg.grad_accum, cfg.max_new_tokens
+    else:
+        rollout_rows, seqs, R = 0, cfg.batch_size // W // cfg.grad_accum, cfg.max_response_len
+    if script in ("dpo", "reward"):
+        seqs *= 2  # both sequences of each pair
+    knobs = dict(seqs=seqs, prompt_len=cfg.max_prompt_len, response_len=R, rollout_rows=rollout_rows, ac=ac,
+                 offload_frozen=offload_frozen, lora=getattr(cfg, "lora", False),
+                 precompute_ref=getattr(cfg, "precompute_ref", True), reward_model=bool(getattr(cfg, "reward_model", "")))
+    if device == "cpu":
+        knobs["seqs"] //= 2 if script in ("dpo", "reward") else 1
+        return parts(s, script, world, launcher, device, **knobs)
+    return gpu_parts(s, script, world, launcher, grad_accum=cfg.grad_accum, group_size=getattr(cfg, "group_size", 1),
+                     **knobs)
 
 
 def total(phases, device):
@@ -139,7 +290,7 @@ def validate():
                 continue
             shape = SHAPES[{"gpt2-small-random": "gpt2", "gpt2-large-random": "gpt2-large"}[c["model"]]]
             rows_per_step = cfg["batch_size"] * cfg.get("group_size", 1) if c["algo"] == "grpo" else cfg["batch_size"]
-            phases = estimate(shape, c["algo"], launcher="python", device="cpu", seqs=rows_per_step,
+            phases = parts(shape, c["algo"], launcher="python", device="cpu", seqs=rows_per_step,
                               prompt_len=cfg["prompt_len"], response_len=cfg["response_len"],
                               rollout_rows=rows_per_step, ac=cfg["activation_checkpointing"],
                               reward_model=False)  # bench/steps.py's GRPO scores with a rule

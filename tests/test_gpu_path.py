@@ -117,7 +117,7 @@ def test_grpo_at_lr_0_has_no_kl_and_no_clipping_under_autocast(tmp_path, monkeyp
 
 def test_lora_forward_computes_only_the_kept_logits(tiny):
     """A PeftModel's forward takes **kwargs: logits_to_keep must still reach the model, so the
-    LM head sees the R+1 kept positions, not all P+R (a (B, P+R, V) tensor per forward)."""
+    LM head sees the R positions before the response, not all P+R (a (B, P+R, V) tensor per forward)."""
     pytest.importorskip("peft")
     _, tok = tiny
     model = grpo.add_lora(common.load_model("tiny", tok), 4, 8.0)
@@ -129,7 +129,40 @@ def test_lora_forward_computes_only_the_kept_logits(tiny):
                                                   tok.pad_token_id)
     common.response_logprobs(model, ids, attn, resp.shape[1])
     handle.remove()
-    assert seen == [resp.shape[1] + 1]
+    assert seen == [resp.shape[1]]
+
+
+def test_the_logits_are_never_copied_whole(tiny):
+    """The head computes exactly the R positions before the response (logits_to_keep as indices), so
+    the (B, R, V) logits are contiguous: the log-prob and entropy passes reshape them without a copy.
+    Kept as R+1 positions and sliced, each reshape copied them whole: two extra (B, R, V) fp32
+    tensors in GRPO's update, 9 GiB each at Qwen2.5's vocabulary, R = 1024, 16 rows
+    (bench/memory_trace.py)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    _, tok = tiny
+    model = common.load_model("tiny", tok)
+    ids, attn, resp = common.join_prompt_response([tok("sort 3 1 2 =")["input_ids"]] * 2,
+                                                  [tok(" 1 2 3")["input_ids"], tok(" 1 2")["input_ids"]],
+                                                  tok.pad_token_id)
+    size = ids.shape[0] * resp.shape[1] * model.config.vocab_size
+
+    class Copies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.clone.default, torch.ops.aten._reshape_copy.default) and out.numel() >= size:
+                self.n += 1
+            return out
+
+    with Copies() as copies:
+        logps, entropy = common.response_logprobs(model, ids, attn, resp.shape[1], with_entropy=True)
+        logps.sum().backward()
+    assert logps.shape == entropy.shape == resp.shape
+    assert copies.n == 0
 
 
 def test_frozen_fsdp_root_reshards_after_a_no_grad_forward(tiny, monkeypatch):

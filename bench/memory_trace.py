@@ -1,0 +1,286 @@
+"""Peak memory per GPU of each script's step, measured without a GPU: the scripts' own functions
+(common.shard_model, response_logprobs, the losses, backward, optimizer_step; grpo.py's reference
+and update passes; the sampler's prefill and cache) run on fake tensors (torch's FakeTensorMode:
+shapes and dtypes, no storage) under a fake process group of W ranks, FSDP2 included, and torch's
+MemTracker (FSDPMemTracker under torchrun) adds up the live bytes per phase. bench/memory.py's
+model is checked against it (tests/test_memory_model.py).
+
+    python bench/memory_trace.py --model llama-3-8b --world 8 --script grpo --max_new_tokens 1024
+
+A GPU's choices on fake CPU tensors: bf16 compute (FSDP2's MixedPrecisionPolicy, or autocast under
+`python`), bf16 frozen models under torchrun, the fp32-output head matmul and log_softmax + gather
+(common.on_gpu), and a flash-attention kernel (keeps its output and log-sum-exp, not the
+probabilities). Not counted: CUDA's context and the allocator's fragmentation (memory.fits adds
+them). GRPO's rollout is its prefill and one decode step into the full static cache: the cache is
+allocated whole before the first token, so later tokens add only a step's logits.
+"""
+import argparse
+import contextlib
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
+
+import common  # noqa: E402
+import memory  # noqa: E402
+
+GIB = 2**30
+
+
+@contextlib.contextmanager
+def _as_on_a_gpu(d):
+    """The patches that make fake CPU tensors take a GPU's paths (see the module docstring), undone
+    on leaving. Under `python` no move to the device (the fake tensors are on it already)."""
+    from unittest import mock
+
+    def autocast(d, enabled=True):
+        return torch.autocast("cpu", dtype=torch.bfloat16) if enabled and not d.torchrun else contextlib.nullcontext()
+
+    def no_move(model, d, cpu_offload=False, activation_checkpointing=False):
+        if activation_checkpointing:  # shard_model's
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            model.train()
+        return model
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(common, "on_gpu", lambda t: True))
+        stack.enter_context(mock.patch.object(common, "bf16_supported", lambda device: True))
+        stack.enter_context(mock.patch.object(common, "autocast", autocast))
+        if not d.torchrun:
+            stack.enter_context(mock.patch.object(common, "shard_model", no_move))
+        stack.enter_context(torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION))
+        yield
+
+
+def _world(world, launcher):
+    """A fake process group of `world` ranks (collectives do nothing) and this rank's Dist."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    torchrun = launcher == "torchrun"
+    if torchrun:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    d = common.Dist(rank=0, world_size=world if torchrun else 1, device=torch.device("cpu"), torchrun=torchrun)
+    if torchrun:
+        d.mesh  # made outside FakeTensorMode (it reads its ranks from a real tensor)
+    return d
+
+
+def _build(shape, kind="causal"):
+    """The model transformers builds from the shape's config, as common.load_model leaves it."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    config = memory.hf_config(shape)
+    if kind == "causal":
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        model.get_output_embeddings().__class__ = common.FP32Head
+    else:
+        config.num_labels, config.pad_token_id = 1, 0
+        model = AutoModelForSequenceClassification.from_config(config, attn_implementation="sdpa")
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    return model
+
+
+def _batch(rows, prompt_len, response_len, d):
+    """Ids, mask and response mask of `rows` full-length sequences, (rows, P+R), (rows, R)."""
+    ids = torch.zeros(rows, prompt_len + response_len, dtype=torch.long, device=d.device)
+    return ids, torch.ones_like(ids), torch.ones(rows, response_len, device=d.device)
+
+
+def _tracker_class():
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class Tracker(MemTracker):
+        """torch's MemTracker less its per-module statistics (which allow one forward per module
+        and step): every tensor's live bytes (FSDP2's all-gathers and storage resizes included),
+        and the peak of each `with tracker.phase(name):` block."""
+
+        def __init__(self, *external):
+            super().__init__()
+            self.track_external(*external)
+            self.peaks, self.kinds = {}, {}  # kinds: the peak's bytes by MemTracker's categories
+
+        def _pre_fw_hook(self, *args):
+            pass
+
+        _post_fw_hook = _pre_bw_hook = _post_bw_hook = _pre_fw_hook
+
+        @contextlib.contextmanager
+        def phase(self, name, measure=True):
+            self._peak_mem_snap = self.get_tracker_snapshot()
+            self._peak_mem = {dev: snap["Total"] for dev, snap in self._peak_mem_snap.items()}
+            yield
+            if not measure:  # the first step, before AdamW's moments exist
+                return
+            snaps = self.get_tracker_snapshot("peak").values()
+            peak = sum(snap["Total"] for snap in snaps)
+            if peak >= self.peaks.get(name, 0):
+                self.peaks[name] = peak
+                self.kinds[name] = {k: sum(snap.get(k, 0) for snap in snaps) for snap in snaps for k in snap}
+
+    return Tracker
+
+
+def trace(shape, script, world=1, launcher="torchrun", ac=False, breakdown=False, **flags):
+    """{phase: peak bytes} of one step of `script` at its Config's defaults, overridden by flags
+    (max_prompt_len, max_response_len or max_new_tokens, batch sizes, grad_accum...). Two
+    optimizer steps run; the second (AdamW's moments allocated) is the one measured."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cfg = memory.script_config(script, **flags)
+    d = _world(world, launcher)
+    with FakeTensorMode(), _as_on_a_gpu(d):
+        model = _build(shape, "new_reward" if script == "reward" else "causal")
+        frozen = []
+        if script == "grpo" and not cfg.lora:
+            frozen.append(common.freeze(_build(shape), d))  # grpo.py: a copy of the policy
+        model = common.shard_model(model, d, activation_checkpointing=ac)
+        if script == "grpo" and cfg.reward_model:
+            frozen.append(common.freeze(_build(shape, "reward"), d))
+        if script == "dpo" and not cfg.precompute_ref:
+            frozen.append(common.freeze(_build(shape), d))
+        optimizer, scheduler = common.make_optimizer(model.parameters(), 1e-5, 0.0, 1, 10)
+        with _tracker_class()(model, optimizer, *frozen) as tracker:
+            STEPS[script](model, optimizer, scheduler, frozen, cfg, d, tracker)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if breakdown:
+        for name, kinds in tracker.kinds.items():
+            print(f"  {name}: " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in kinds.items() if v))
+    return tracker.peaks
+
+
+def _sft(model, optimizer, scheduler, frozen, cfg, d, tracker):
+    import sft
+
+    micro = cfg.batch_size // d.world_size // cfg.grad_accum
+    for step in range(2):
+        with tracker.phase("forward and backward", measure=step == 1):
+            for _ in range(cfg.grad_accum):
+                ids, attn, resp = _batch(micro, cfg.max_prompt_len, cfg.max_response_len, d)
+                with common.autocast(d):
+                    logps = common.response_logprobs(model, ids, attn, resp.shape[1])
+                loss, _ = sft.sft_loss(logps, resp, resp.sum())
+                common.backward(model, loss, d)
+        with tracker.phase("optimizer step", measure=step == 1):
+            common.optimizer_step(model, optimizer, scheduler, cfg.grad_clip)
+
+
+def _reward(model, optimizer, scheduler, frozen, cfg, d, tracker):
+    import reward
+
+    micro = cfg.batch_size // d.world_size // cfg.grad_accum
+    for step in range(2):
+        with tracker.phase("forward and backward", measure=step == 1):
+            for _ in range(cfg.grad_accum):
+                ids, attn, _ = _batch(2 * micro, cfg.max_prompt_len, cfg.max_response_len, d)
+                with common.autocast(d):
+                    chosen, rejected = common.reward_scores(model, ids, attn).chunk(2)
+                loss, _ = reward.bt_loss(chosen, rejected, cfg.batch_size)
+                common.backward(model, loss, d)
+        with tracker.phase("optimizer step", measure=step == 1):
+            common.optimizer_step(model, optimizer, scheduler, cfg.grad_clip)
+
+
+def _dpo(model, optimizer, scheduler, frozen, cfg, d, tracker):
+    import dpo
+
+    micro = cfg.batch_size // d.world_size // cfg.grad_accum
+    for step in range(2):
+        with tracker.phase("forward and backward", measure=step == 1):
+            for _ in range(cfg.grad_accum):
+                batch = _batch(2 * micro, cfg.max_prompt_len, cfg.max_response_len, d)
+                pi_c, pi_r = common.sequence_logprobs(model, batch, d).chunk(2)
+                if frozen:
+                    with torch.no_grad():
+                        ref_c, ref_r = common.sequence_logprobs(frozen[0], batch, d).chunk(2)
+                else:
+                    ref_c, ref_r = torch.zeros_like(pi_c), torch.zeros_like(pi_r)
+                loss, _ = dpo.dpo_loss(pi_c, pi_r, ref_c, ref_r, beta=cfg.beta, n_pairs=cfg.batch_size)
+                common.backward(model, loss, d)
+        with tracker.phase("optimizer step", measure=step == 1):
+            common.optimizer_step(model, optimizer, scheduler, cfg.grad_clip)
+
+
+def _grpo(model, optimizer, scheduler, frozen, cfg, d, tracker):
+    """The rollout (prefill of the distinct prompts, one decode step), the reward model's forward
+    over the rank's rollout, the reference's and the old policy's log-probs, the update."""
+    import grpo
+    import sampling
+
+    rows = cfg.prompts_per_step // d.world_size * cfg.group_size  # this rank's completions
+    micro = rows // cfg.num_mini_batches // cfg.grad_accum
+    P, R = cfg.max_prompt_len, cfg.max_new_tokens
+    ref = None if cfg.lora else frozen[0]
+    for step in range(2):
+        with tracker.phase("rollout", measure=step == 1):
+            with common.evaluating(model, gather=True), common.autocast(d), torch.no_grad():
+                cache, L = sampling._decode_cache(model, rows, P + R, persistent=cfg.compile)
+                prompts, mask, _ = _batch(rows // cfg.group_size, P, 0, d)
+                out = model(input_ids=prompts, attention_mask=mask, position_ids=common.position_ids_from_mask(mask),
+                            use_cache=True, logits_to_keep=1)
+                inverse = torch.arange(rows, device=d.device) // cfg.group_size
+                sampling._fill_cache(cache, out.cache, inverse, P)
+                logits = out.logits[:, -1][inverse]
+                del out
+                full = torch.ones(rows, L, dtype=torch.long, device=d.device)
+                logits = sampling._next_logits(model, logits.argmax(-1)[:, None], full,
+                                               torch.full((rows, 1), P, device=d.device), cache=cache,
+                                               kw=dict(logits_to_keep=1))
+                del cache, logits
+        ids, attn, loss_mask = _batch(rows, P, R, d)
+        if cfg.reward_model:
+            with tracker.phase("reward model", measure=step == 1), common.autocast(d), torch.no_grad():
+                common.reward_scores(frozen[-1], ids[:, :-1], attn[:, :-1])  # data.learned_rewards: all rows
+        with tracker.phase("reference and old log-probs", measure=step == 1):
+            with grpo.reference_context(model, ref):
+                ref_logps = grpo.batched_logprobs(model if ref is None else ref, ids, attn, R,
+                                                  temperature=cfg.temperature, d=d, rows_per_forward=micro)
+            old_logps = grpo.batched_logprobs(model, ids, attn, R, temperature=cfg.temperature, d=d,
+                                              rows_per_forward=micro)
+        adv = torch.zeros(rows, device=d.device)
+        for _ in range(cfg.num_mini_batches):
+            with tracker.phase("forward and backward", measure=step == 1):
+                for k in range(cfg.grad_accum):
+                    r = slice(k * micro, (k + 1) * micro)
+                    with common.autocast(d):
+                        logps, entropy = common.response_logprobs(model, ids[r], attn[r], R, cfg.temperature,
+                                                                  with_entropy=True)
+                    loss, _ = grpo.grpo_loss(logps.float(), old_logps[r], ref_logps[r], adv[r], loss_mask[r],
+                                             normaliser=loss_mask.sum(), entropy=entropy.float(), beta=cfg.beta)
+                    common.backward(model, loss, d)
+            with tracker.phase("optimizer step", measure=step == 1):
+                common.optimizer_step(model, optimizer, scheduler, cfg.grad_clip)
+
+
+STEPS = {"sft": _sft, "reward": _reward, "dpo": _dpo, "grpo": _grpo}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="gpt2-large", help=f"one of {sorted(memory.SHAPES)}")
+    p.add_argument("--script", default="sft,reward,dpo,grpo")
+    p.add_argument("--world", type=int, default=1)
+    p.add_argument("--launcher", default="torchrun", choices=["python", "torchrun"])
+    p.add_argument("--activation_checkpointing", action="store_true")
+    p.add_argument("--breakdown", action="store_true", help="each phase's peak by MemTracker's categories")
+    args, rest = p.parse_known_args()
+    flags = memory.parse_flags(rest)
+    for script in args.script.split(","):
+        peaks = trace(memory.SHAPES[args.model], script, args.world, args.launcher, args.activation_checkpointing,
+                      args.breakdown, **flags)
+        est = memory.estimate(memory.SHAPES[args.model], script, args.world, args.launcher,
+                              ac=args.activation_checkpointing, **flags)
+        print(f"{script}.py: " + ", ".join(f"{k} {v / GIB:.2f} GiB (model {sum(est[k].values()) / GIB:.2f})"
+                                           if k in est else f"{k} {v / GIB:.2f} GiB" for k, v in peaks.items()))
+
+
+if __name__ == "__main__":
+    main()
