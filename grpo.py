@@ -569,7 +569,7 @@ def minibatch_rows(n_rows, n_minibatches, generator, local=slice(None)):
     """The rows of each mini-batch, (K, n_rows / K): each K consecutive rows of the global rollout
     are dealt one to each of the K mini-batches in a random order (the generator: the same on
     every rank). A rank's share (`local`, its slice; indices within it) is whole blocks of K rows
-    (check_config): every mini-batch holds the same rows on any number of ranks, as many on each."""
+    (run.check_grpo_config): every mini-batch holds the same rows on any number of ranks, as many on each."""
     K = n_minibatches
     deal = torch.rand(n_rows // K, K, generator=generator).argsort(1)  # (n/K, K): the row of each block for mb j
     rows = (torch.arange(n_rows // K)[:, None] * K + deal).T  # (K, n/K) global rows of each mini-batch
@@ -595,51 +595,10 @@ def evaluate(model, ref, tokenizer, evals, cfg, d):
     return metrics
 
 
-# -----------------------------------------------------------------------------
-
-
-def check_config(cfg, d):
-    """Batch arithmetic and flags that do not go together, with messages that say what to change
-    (each flag's own range and choices: run.check_ranges)."""
-    n_local = cfg.prompts_per_step // max(d.world_size, 1)
-    checks = [
-        (cfg.prompts_per_step % d.world_size == 0,
-         f"--prompts_per_step {cfg.prompts_per_step} must be divisible by world size {d.world_size} (groups stay on one rank)"),
-        ((n_local * cfg.group_size) % (cfg.num_mini_batches * cfg.grad_accum) == 0,
-         f"each rank's {n_local} prompts x --group_size {cfg.group_size} completions must split into "
-         f"--num_mini_batches {cfg.num_mini_batches} x --grad_accum {cfg.grad_accum} equal micro-batches"),
-        (cfg.rs_samples == 0 or cfg.rs_samples >= cfg.group_size,
-         f"--rs_samples {cfg.rs_samples} must be at least --group_size {cfg.group_size} (it keeps group_size of them)"),
-        (cfg.adv_estimator == "grpo" or (cfg.scale_rewards == "none" and not cfg.global_norm),
-         f"--adv_estimator {cfg.adv_estimator} sets its own scale: pass --scale_rewards none and no --global_norm"),
-        (cfg.loss_type != "cispo" or cfg.epsilon_high >= 1,
-         f"--loss_type cispo caps the IS weight at --epsilon_high itself, as TRL does: {cfg.epsilon_high} would "
-         f"scale every token down; pass a cap above 1 (TRL suggests 5, ScaleRL's eps_max)"),
-        (not (cfg.delta or cfg.clip_ratio_c) or cfg.loss_type == "grpo",
-         f"--delta and --clip_ratio_c bound the clipped surrogate: they need --loss_type grpo, not {cfg.loss_type}"),
-        (not cfg.delta or cfg.delta > 1 + cfg.epsilon_high,
-         f"--delta {cfg.delta} must exceed 1 + --epsilon_high ({1 + cfg.epsilon_high}) or be 0 (off)"),
-        (not cfg.clip_ratio_c or cfg.clip_ratio_c > 1, f"--clip_ratio_c {cfg.clip_ratio_c} must exceed 1 or be 0 (off)"),
-        (cfg.overlong_buffer_len <= cfg.max_new_tokens,
-         f"--overlong_buffer_len {cfg.overlong_buffer_len} must be at most --max_new_tokens {cfg.max_new_tokens}"),
-        (not (cfg.lora and (cfg.ref_refresh_every or d.torchrun or cfg.save_every or cfg.resume)),
-         "--lora runs under `python` (sharded adapters are not merged), without --ref_refresh_every (its reference is "
-         "the adapters switched off), --save_every or --resume (its checkpoint holds merged weights)"),
-        (not (cfg.compile and d.torchrun), "--compile runs under `python`: under torchrun FSDP2's hooks split the decode "
-         "step into a graph per layer, and CUDA graphs would be re-recorded every rollout (the gathered weights move)"),
-        (not (cfg.save_every and cfg.ref_refresh_every and cfg.save_every % cfg.ref_refresh_every),
-         f"--save_every {cfg.save_every} must be a multiple of --ref_refresh_every {cfg.ref_refresh_every} "
-         f"(a resumed run rebuilds its reference from the checkpoint)"),
-    ]
-    for ok, msg in checks:
-        if not ok:
-            raise ValueError(msg)
-
-
 def main(cfg):
     # 0. setup: policy, reference, optional reward model, data
     d = run.start(cfg)  # flags checked, process group joined, seed set
-    check_config(cfg, d)
+    run.check_grpo_config(cfg, d)  # flags that do not go together, with what to change
     weights = run.parse_weights(cfg.reward_weights, bool(cfg.reward_model))
     train = data.load_prompts(cfg, rules="rule" in weights or cfg.dataset in tasks.TASKS)
     order = data.DataOrder(len(train), cfg.seed, cfg.prompts_per_step, f"--dataset {cfg.dataset}", "--prompts_per_step")
@@ -672,7 +631,7 @@ def main(cfg):
     start = job.begin(model, tokenizer, optimizer, scheduler, order,  # restores a resumed run's state
                       show=["reward", "kl", "clip_ratio/low", "clip_ratio/high", "completions/mean_length",
                             "eval/exact_match", "eval/gold_reward", "eval/accuracy", "time/step"])
-    if job.resume_from and cfg.ref_refresh_every:  # a checkpoint is at a refresh (check_config)
+    if job.resume_from and cfg.ref_refresh_every:  # a checkpoint is at a refresh (run.check_grpo_config)
         refresh_reference(ref, model)
     peak_gib = 0.0  # the run's peak GPU memory, over the phases' windows
     if start == 1 and (first := evaluate(model, ref, tokenizer, evals, cfg=cfg, d=d)):  # prompts alone: no evaluation

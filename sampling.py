@@ -3,6 +3,7 @@ model.generate() does, minus its per-step overhead), shared by grpo.py, reward.p
 normalisation and every script's evaluation. Its speed against model.generate:
 bench/sampler.py; its correctness: tests/test_sampler.py.
 """
+import copy
 import time
 import weakref
 from dataclasses import dataclass
@@ -129,6 +130,27 @@ def _decode_cache(model, B, L, persistent):
     return cache, L
 
 
+_BF16_COPIES = weakref.WeakKeyDictionary()  # model -> (its copy with bf16 linear weights, [(bf16, fp32)])
+
+
+def _bf16_decoder(model):
+    """Compiled decoding under autocast (one GPU, plain `python`): the model with bf16 copies of its
+    linear weights, refreshed in place once per rollout. Inside a graph autocast would cast every
+    weight on every token (its cast cache serves eager code only); held between rollouts (2 bytes
+    per weight), the copies keep the CUDA graph's addresses. Embeddings, norms and the fp32 head
+    are the model's own, so the numbers are autocast's."""
+    if model not in _BF16_COPIES:
+        memo = {id(t): t for t in (*model.parameters(), *model.buffers())}  # shared, not copied
+        linears = [m.weight for m in model.modules() if type(m) is torch.nn.Linear or type(m).__name__ == "Conv1D"]
+        memo |= {id(w): torch.nn.Parameter(w.detach().to(torch.bfloat16), requires_grad=False) for w in linears}
+        _BF16_COPIES[model] = (copy.deepcopy(model, memo), [(memo[id(w)], w) for w in linears])
+    decoder, pairs = _BF16_COPIES[model]
+    with torch.no_grad():
+        for dst, src in pairs:
+            dst.copy_(src)
+    return decoder
+
+
 def _fill_cache(cache, prefill, inverse, P):
     """Copy the prefill's keys and values (U distinct prompts, P tokens) into slots [0, P) of the
     static cache, row i taking prompt inverse[i]; in place, so the cache keeps its addresses."""
@@ -152,7 +174,8 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
     Against model.generate (bench/sampler.py): 1. each distinct prompt is prefilled once, its keys
     and values copied to its G repeats; 2. a static cache written in place, "all stopped?" read
     every 8 tokens on a GPU; 3. compile=True: the decode step compiled (the cache length rounded
-    up so nearby lengths share a graph), on CUDA replayed as a CUDA graph."""
+    up so nearby lengths share a graph), on CUDA replayed as a CUDA graph, under autocast from bf16
+    copies of the weights (_bf16_decoder)."""
     (B, P), device = prompt_ids.shape, prompt_ids.device
     L = P + max_new_tokens
     if compile:  # round up to a multiple of L/8 to L/4 (54 -> 56, 300 -> 320)
@@ -186,6 +209,7 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
     mask = torch.cat([prompt_mask, prompt_mask.new_ones(B, L - P)], 1)  # (B, L)
     pos = prompt_mask.sum(-1, keepdim=True)  # (B, 1) position of the first response token
     step = _step_fn(compile, device)
+    decoder = _bf16_decoder(model) if compile and torch.is_autocast_enabled(device.type) else model
     graphs = compile and device.type == "cuda"
     check_every = 8 if device.type == "cuda" else 1
     tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
@@ -206,7 +230,7 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
             break
         if graphs:  # each step's logits are read before the next replay overwrites them
             torch.compiler.cudagraph_mark_step_begin()
-        logits = step(model, tok[:, None], mask, pos + t, cache=cache, kw=kw)
+        logits = step(decoder, tok[:, None], mask, pos + t, cache=cache, kw=kw)
     if bad:
         raise RuntimeError(NAN_LOGITS)
     R = int(response_mask.any(0).sum())  # the longest response: its columns are the first R

@@ -1,32 +1,37 @@
-"""Expected peak memory per device of each script, phase by phase, from a model's shape.
+"""Expected peak memory per device of each script, phase by phase, from a model's shape and the
+script's own flags (its Config's defaults unless given).
 
-    python bench/memory.py --model llama-3-8b --world 8                # each script, 8 GPUs under torchrun
+    python bench/memory.py --model llama-3-8b --world 8 --max_prompt_len 512 --max_new_tokens 1024
     python bench/memory.py --model path/to/config.json --world 1 --launcher python --script grpo
-    python bench/memory.py --validate       # against the peaks measured on this machine (bench/results)
-    python bench/memory.py --table          # which flags fit GPT-2 large, Qwen2.5-1.5B, Llama-3-8B on 80 GB
+    python bench/memory.py --table      # what fits 1 and 8 80-GB GPUs: GPT-2 large, Qwen2.5-1.5B, Llama-3-8B
+    python bench/memory.py --check      # against bench/memory_trace.py (the scripts' code on fake tensors)
+    python bench/memory.py --validate   # the CPU model against the peaks measured here (bench/results)
 
-What is counted (bytes per device; N parameters of the trained model, W ranks):
-- trained state: fp32 parameters, fp32 gradients and AdamW's two fp32 moments, 16N, divided by
-  W under torchrun (FSDP2 shards all of it); under torchrun also the bf16 copies FSDP2 gathers
-  for compute: the root (embeddings, head) and two blocks (one computing, one prefetched);
-- frozen models: the reference (DPO with a live reference, GRPO without --lora) and GRPO's
-  reward model: fp32 under plain `python`, bf16 and sharded under torchrun, nothing on the
-  device with --offload_frozen (common.frozen_dtype, shard_model);
-- activations of one micro-batch, per token and layer: the inputs each op keeps for the
-  backward pass (Korthikanti et al. 2022, arXiv:2205.05198, Sec. 4: 34 bytes x hidden per token
-  and layer for a GPT block in 16-bit, which is 6 x hidden + 2 x kv + 2 x intermediate
-  elements here; a gated MLP keeps 4 x intermediate), plus the attention probabilities where the
-  attention kernel keeps them (the CPU's math kernel; not flash/efficient attention on a GPU).
-  With --activation_checkpointing: one hidden state per token and layer, plus one block's full
-  activations while it is recomputed;
-- logits: fp32 (common.FP32Head) at the response positions only (logits_to_keep), and their
-  gradient; the reward model has a one-number head;
-- GRPO's rollout: under torchrun the whole policy gathered in bf16 (common.unsharded), the KV
-  cache of every row of the rank, and one step's logits; the gradients are freed by then.
-- the process: 0.45 GiB for Python with torch and transformers on the CPU (measured: the tiny
-  model's runs); on a GPU, 1 GiB of CUDA context and workspace, and 10% for the allocator's
-  fragmentation, in the "fits" verdict.
-Not counted: the data, the tokenizer, checkpoint writing (bench/load_memory.py measures that).
+On a GPU (bytes per GPU; N parameters, W ranks under torchrun, bf16 compute), per phase:
+- always: fp32 parameters 4N/W and AdamW's moments 8N/W; frozen models (the reference, the
+  reward model) in bf16, 2N/W, under torchrun (none on the GPU with --offload_frozen), fp32 4N
+  under `python`;
+- forward and backward of one micro-batch, at the start of the backward: the bf16 weights
+  computed with (FSDP2: the root and two blocks gathered, and the head's unsharded gradient,
+  kept to the end of the backward; autocast: a bf16 copy of every block weight, cached), the
+  earlier micro-batches' gradients (4N/W, --grad_accum > 1), the activations each op keeps for
+  its backward per token and layer (gated MLP: 24 h + 8 I bytes under FSDP, 34 h + 8 I under
+  autocast, whose residual stream and norms are fp32 and whose linears each cast their input;
+  GPT-2's Python GELU: 16 h + 10 I, 20 h + 10 I; plus flash attention's log-sum-exp and the
+  padding mask as a bf16 bias), and the fp32 logits of the R response positions with their
+  gradient (and log_softmax's output where common.logprobs_from_logits takes that path). With
+  --activation_checkpointing: each block's input, then the largest of the logits with their
+  gradient, one block recomputed, and autocast's copies;
+- the optimizer step: the gradients, 4N/W;
+- GRPO's rollout: the whole policy gathered (FSDP2) or autocast's copies, the static KV cache (bf16;
+  a RoPE model's keys stay fp32 under autocast) and, while it is filled, the prefill's;
+- GRPO's reward model over the rank's whole rollout, without a graph (its largest transients:
+  6 I + c h bytes per token, c fitted to the tracker), and the reference's and old policy's
+  log-probs, one micro-batch of logits at a time.
+Checked against bench/memory_trace.py (`--check`; tests/test_memory_model.py fails past 10%). Not
+counted: CUDA's context and the allocator's fragmentation (`fits` adds 1 GiB and 10%), the data,
+checkpoint writing (bench/load_memory.py). On the CPU (`--device cpu`, fp32, the math attention
+kernel keeping its probabilities) an older, coarser model, checked against measured peaks.
 """
 import argparse
 import dataclasses
@@ -159,12 +164,18 @@ def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, r
         fb["head gradient (FSDP)"] = 2 * V * h
     if grad_accum > 1:
         fb["gradients"] = 4 * N / W  # the earlier micro-batches', reduce-scattered
-    # with checkpointing, each block's input (bf16 under FSDP, fp32 under autocast) and one block recomputed
-    fb["activations"] = tokens * ((2 if fsdp else 4) * h * L + per_token_layer) if ac else tokens * L * per_token_layer
+    logits = 0
     if script != "reward":
         logits = 4 * seqs * R * V
         # log_softmax + gather keep a second (B, R, V) where it fits EVAL_LOGITS (common.logprobs_from_logits)
-        fb["logits"] = 3 * logits if seqs * R * V <= 2**28 else 2 * logits
+        logits = 3 * logits if seqs * R * V <= 2**28 else 2 * logits
+    if not ac:
+        fb["activations"], fb["logits"] = tokens * L * per_token_layer, logits
+    else:  # each block's input (bf16 under FSDP, fp32 under autocast), then the largest of: the logits and
+        # their gradient (the backward's start), one block recomputed, autocast's copies (the forward's end)
+        fb.pop("autocast copies", None)
+        fb["activations"] = tokens * (2 if fsdp else 4) * h * L
+        fb["largest transient"] = max(logits, tokens * per_token_layer, logits / 2 + weights.get("autocast copies", 0))
     phases = {"forward and backward": fb}
     phases["optimizer step"] = dict(state, gradients=4 * N / W)
     if script != "grpo":
@@ -308,32 +319,87 @@ def validate():
     return worst
 
 
-def table():
-    """Which flags fit each script on 1 and 8 80-GB GPUs, for three model sizes (bf16 compute;
-    micro-batch 4 sequences of 512 + 512 tokens; GRPO: 64 completions per GPU per rollout)."""
-    options = {1: [("python", {}), ("torchrun", {}), ("torchrun", {"ac": True}),
-                   ("torchrun", {"ac": True, "offload_frozen": True}), ("python", {"lora": True, "ac": True})],
-               8: [("torchrun", {}), ("torchrun", {"ac": True}), ("torchrun", {"ac": True, "offload_frozen": True})]}
-    print("| model | GPUs | sft.py | reward.py | dpo.py (precomputed ref.) | grpo.py (with reward model) |")
-    print("|---|---|---|---|---|---|")
+LONG = dict(max_prompt_len=512, max_new_tokens=1024)  # the table's long setting: 512-token prompts, 1024-token responses
+KNOBS = {1: [("python", {}), ("torchrun", {}), ("torchrun", {"ac": True}),
+             ("torchrun", {"ac": True, "offload_frozen": True}),
+             ("torchrun", {"ac": True, "offload_frozen": True, "grad_accum": 8}),
+             ("python", {"lora": True, "ac": True}), ("python", {"lora": True, "ac": True, "grad_accum": 8})],
+         8: [("torchrun", {}), ("torchrun", {"ac": True}), ("torchrun", {"ac": True, "grad_accum": 8}),
+             ("torchrun", {"ac": True, "offload_frozen": True, "grad_accum": 8})]}
+FLAG_NAMES = {"ac": "--activation_checkpointing", "offload_frozen": "--offload_frozen", "lora": "--lora",
+              "grad_accum": "--grad_accum"}
+
+
+def first_fit(s, script, world, flags):
+    """The first rung of KNOBS[world] at which the script fits an 80-GB GPU: (how, peak, phase) or None."""
+    for launcher, knobs in KNOBS[world]:
+        if knobs.get("lora") and script != "grpo":
+            continue
+        extra = {k: v for k, v in knobs.items() if k in ("lora", "grad_accum")}
+        peak, phase = total(estimate(s, script, world, launcher, ac=knobs.get("ac", False),
+                                     offload_frozen=knobs.get("offload_frozen", False), **flags, **extra), "gpu")
+        if fits(peak):
+            names = [FLAG_NAMES[k] + (f" {extra[k]}" if k == "grad_accum" else "") for k in knobs]
+            return " ".join([launcher if world == 1 else f"torchrun x{world}"] + names), peak, phase
+    return None
+
+
+def table(settings=("defaults", "long")):
+    """Which flags fit each script on 1 and 8 80-GB GPUs, for three model sizes, at the scripts'
+    defaults and at 512 + 1024 tokens: the first rung of KNOBS that fits."""
+    print("| model | GPUs | lengths | sft.py | reward.py | dpo.py | grpo.py | grpo.py + reward model |")
+    print("|---|---|---|---|---|---|---|---|")
     for model in ("gpt2-large", "qwen2.5-1.5b", "llama-3-8b"):
         s = SHAPES[model]
-        for world in (1, 8):
-            cells = []
-            for script in ("sft", "reward", "dpo", "grpo"):
-                verdict = "does not fit"
-                for launcher, flags in options[world]:
-                    if flags.get("lora") and script != "grpo":
+        for setting in settings:
+            for world in (1, 8):
+                cells = []
+                for script, flags in (("sft", {}), ("reward", {}), ("dpo", {}), ("grpo", {}),
+                                      ("grpo", {"reward_model": "rm"})):
+                    if setting == "long" and s["pos"] and s["pos"] < sum(LONG.values()):
+                        cells.append(f"n/a ({s['pos']}-token context)")
                         continue
-                    peak, phase = total(estimate(s, script, world, launcher, **flags), "gpu")
-                    if fits(peak):
-                        names = {"ac": "--activation_checkpointing", "offload_frozen": "--offload_frozen",
-                                 "lora": "--lora"}
-                        how = " ".join([launcher if world == 1 else f"torchrun x{world}"] + [names[k] for k in flags])
-                        verdict = f"{how}: {peak / GIB:.0f} GiB ({phase})"
-                        break
-                cells.append(verdict)
-            print(f"| {model} ({n_params(s)[0] / 1e9:.2f}B) | {world} | " + " | ".join(cells) + " |")
+                    fit = first_fit(s, script, world, dict(flags, **(LONG if setting == "long" else {})))
+                    cells.append("does not fit" if fit is None else f"{fit[0]}: {fit[1] / GIB:.0f} GiB")
+                lengths = "defaults" if setting == "defaults" else "512 + 1024"
+                print(f"| {model} ({n_params(s)[0] / 1e9:.2f}B) | {world} | {lengths} | " + " | ".join(cells) + " |")
+
+
+CHECKS = [  # (launcher, world, flags) the model is checked at against bench/memory_trace.py
+    ("python", 1, {}), ("torchrun", 8, {}),
+    ("python", 1, dict(LONG, reward_model="rm")), ("torchrun", 8, dict(LONG, reward_model="rm")),
+    ("python", 1, dict(LONG, ac=True, grad_accum=2)), ("torchrun", 8, dict(LONG, ac=True, grad_accum=2)),
+]
+
+
+def check(shapes=("gpt2-large", "qwen2.5-1.5b", "llama-3-8b"), scripts=("sft", "reward", "dpo", "grpo"),
+          cases=CHECKS, layers=None):
+    """Each phase of the model against bench/memory_trace.py's tracker (the scripts' own code on fake
+    tensors); layers: build the shapes with this many blocks (the tests: faster, same terms).
+    Prints a table; returns the largest error of a script's peak and of any phase."""
+    import memory_trace
+
+    print("| model | launcher | flags | script | phase | model GiB | tracker GiB | error |")
+    print("|---|---|---|---|---|---|---|---|")
+    worst_peak = worst_phase = 0.0
+    for name in shapes:
+        s = dict(SHAPES[name], **({"L": layers} if layers else {}))
+        for launcher, world, flags in cases:
+            flags = dict(flags)
+            ac = flags.pop("ac", False)
+            for script in scripts:
+                traced = memory_trace.trace(s, script, world, launcher, ac=ac, **flags)
+                est = {k: sum(v.values()) for k, v in estimate(s, script, world, launcher, ac=ac, **flags).items()}
+                shown = " ".join(f"--{k} {v}" for k, v in flags.items() if k != "reward_model")
+                shown += " --activation_checkpointing" * ac + " + reward model" * ("reward_model" in flags)
+                for phase, t in traced.items():
+                    err = est[phase] / t - 1
+                    worst_phase = max(worst_phase, abs(err))
+                    print(f"| {name} | {launcher} x{world} | {shown or 'defaults'} | {script} | {phase} | "
+                          f"{est[phase] / GIB:.2f} | {t / GIB:.2f} | {err:+.1%} |")
+                worst_peak = max(worst_peak, abs(max(est.values()) / max(traced.values()) - 1))
+    print(f"\nlargest error: a script's peak {worst_peak:.1%}, a phase {worst_phase:.1%}")
+    return worst_peak, worst_phase
 
 
 def main():
@@ -343,32 +409,29 @@ def main():
     p.add_argument("--world", type=int, default=1)
     p.add_argument("--launcher", default="torchrun", choices=["python", "torchrun"])
     p.add_argument("--device", default="gpu", choices=["gpu", "cpu"])
-    p.add_argument("--seqs", type=int, default=4, help="sequences (pairs) of one micro-batch")
-    p.add_argument("--prompt_len", type=int, default=512)
-    p.add_argument("--response_len", type=int, default=512)
-    p.add_argument("--rollout_rows", type=int, default=64, help="GRPO: completions per rank in one rollout")
     p.add_argument("--activation_checkpointing", action="store_true")
     p.add_argument("--offload_frozen", action="store_true")
-    p.add_argument("--lora", action="store_true")
-    p.add_argument("--live_ref", action="store_true", help="DPO without a precomputed reference")
-    p.add_argument("--validate", action="store_true")
+    p.add_argument("--validate", action="store_true", help="against the CPU peaks measured here (bench/results)")
+    p.add_argument("--check", action="store_true", help="against bench/memory_trace.py, three shapes")
     p.add_argument("--table", action="store_true")
-    args = p.parse_args()
+    args, rest = p.parse_known_args()
+    flags = parse_flags(rest)  # any script flag: --max_prompt_len 512 --max_new_tokens 1024 --grad_accum 2 ...
     if args.validate:
         sys.exit(1 if validate() > 0.2 else 0)
+    if args.check:
+        sys.exit(1 if check()[0] > 0.1 else 0)
     if args.table:
         return table()
     s = shape_of(args.model)
     print(f"{args.model}: {n_params(s)[0] / 1e9:.3f}B parameters; {args.launcher} on {args.world} {args.device}(s)")
     for script in args.script.split(","):
-        phases = estimate(s, script, args.world, args.launcher, args.device, args.seqs, args.prompt_len,
-                          args.response_len, args.rollout_rows, args.activation_checkpointing, args.offload_frozen,
-                          args.lora, not args.live_ref)
+        phases = estimate(s, script, args.world, args.launcher, args.device, ac=args.activation_checkpointing,
+                          offload_frozen=args.offload_frozen, **flags)
         peak, phase = total(phases, args.device)
         verdict = f" ({'fits' if fits(peak) else 'does not fit'} on an 80-GB GPU)" if args.device == "gpu" else ""
         print(f"\n{script}.py: peak {peak / GIB:.2f} GiB in its {phase} phase{verdict}")
-        for name, parts in phases.items():
-            print(f"  {name}: " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in parts.items()))
+        for name, parts_ in phases.items():
+            print(f"  {name}: " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in parts_.items()))
 
 
 if __name__ == "__main__":

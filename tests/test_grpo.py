@@ -12,7 +12,7 @@ import data
 import grpo
 import run
 import tasks
-from grpo import (aggregate, check_config, group_advantages, grpo_loss, kl_per_token, loss_normaliser,
+from grpo import (aggregate, group_advantages, grpo_loss, kl_per_token, loss_normaliser,
                   rejection_sample)
 from sampling import truncate_mask
 from helpers import TWO_RANK_RUNS, checkpoint_weights, max_abs_diff, read_metrics, run_here, write_jsonl
@@ -307,14 +307,14 @@ def test_rejection_sampler_limits_and_topbottom():
 
 def test_batch_arithmetic_is_checked():
     base = dict(prompts_per_step=4, group_size=4)
-    check_config(grpo.Config(**base), common.Dist())
+    run.check_grpo_config(grpo.Config(**base), common.Dist())
     for bad, match in [(dict(num_mini_batches=3), "equal micro-batches"), (dict(rs_samples=2), "rs_samples")]:
         with pytest.raises(ValueError, match=match):
-            check_config(grpo.Config(**(base | bad)), common.Dist())
+            run.check_grpo_config(grpo.Config(**(base | bad)), common.Dist())
     with pytest.raises(ValueError, match="--kl_estimator 'k4' is not one of k1, k2, k3, ratio_k1, ratio_k3"):
         run.check_ranges(grpo.Config(kl_estimator="k4"))
     with pytest.raises(ValueError, match="divisible by world size"):
-        check_config(grpo.Config(prompts_per_step=3), common.Dist(world_size=2))
+        run.check_grpo_config(grpo.Config(prompts_per_step=3), common.Dist(world_size=2))
 
 
 def test_parse_weights():

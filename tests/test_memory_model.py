@@ -38,3 +38,35 @@ def test_parameter_counts_match_the_models_transformers_builds(shape):
 
 def test_estimates_are_within_20_percent_of_the_measured_peaks(capsys):
     assert memory.validate() <= 0.2, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("shape,script,launcher,world,flags", [
+    # the 8B case of the issue: 8 GPUs, 512 + 1024 tokens, a reward model; every GRPO phase
+    ("llama-3-8b", "grpo", "torchrun", 8, dict(memory.LONG, reward_model="rm")),
+    # one GPU under `python`: autocast's copies, fp32 norms, fp32 keys (GPT-2: none of RoPE's)
+    ("qwen2.5-1.5b", "sft", "python", 1, {}),
+])
+def test_the_gpu_model_is_within_10_percent_of_the_traced_step(shape, script, launcher, world, flags, capsys):
+    """bench/memory.py's GPU model, phase by phase, against bench/memory_trace.py: the script's own
+    functions on fake tensors (FakeTensorMode: nothing allocated) under a fake process group of
+    `world` ranks with FSDP2, tracked by torch's MemTracker. A full-size (B, R, V) copy of the
+    logits (the slice kept before this fix cost two: 9 GiB each here), a gradient kept across
+    micro-batches or a term left out of the model moves a phase past 10%."""
+    worst_peak, worst_phase = memory.check(shapes=[shape], scripts=[script], cases=[(launcher, world, flags)])
+    out = capsys.readouterr().out
+    assert worst_peak <= 0.10 and worst_phase <= 0.10, out
+
+
+def test_the_defaults_are_the_scripts_defaults():
+    """The model's micro-batch comes from each script's Config: grpo.py's 32 prompts x 8 completions,
+    2 mini-batches (16 rows per forward on each of 8 ranks at the defaults), not a separate guess."""
+    import grpo
+
+    cfg = grpo.Config()
+    s = memory.SHAPES["llama-3-8b"]
+    R = 1024
+    fb = memory.estimate(s, "grpo", 8, "torchrun", max_new_tokens=R)["forward and backward"]
+    rows = cfg.prompts_per_step // 8 * cfg.group_size // cfg.num_mini_batches // cfg.grad_accum
+    assert fb["logits"] == 2 * 4 * rows * R * s["V"]  # past EVAL_LOGITS: the chunked pass, logits + gradient
+    with pytest.raises(ValueError, match="--no_such_flag"):
+        memory.estimate(s, "grpo", 8, "torchrun", no_such_flag=1)

@@ -347,3 +347,56 @@ def test_the_sampler_benchmark_counts_a_divergence_only_past_a_bf16_tie():
         head = model.get_output_embeddings().weight
         head[runner_up] = head[int(ref[0, 2])]
     assert real_divergences(model, ids, mask, ours, ref, tok.pad_token_id).tolist() == [False, False]
+
+
+def test_compiled_decoding_under_autocast_reads_bf16_weights_cast_once_per_rollout(monkeypatch):
+    """Under plain `python --compile` on a GPU the decode step runs inside autocast, and a compiled
+    graph casts every fp32 weight to bf16 on every token (autocast's cast cache serves eager code
+    only). generate decodes from sampling._bf16_decoder: bf16 copies of the linear weights made
+    once, refreshed in place per rollout (fixed addresses for the CUDA graph), the same numbers.
+    On the CPU, with CPU autocast standing in and the step left uncompiled (its inputs are what a
+    graph would see): no weight cast in a decode step, logits equal to autocast's own, refreshed
+    after an update, the rest of the model shared."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import tasks
+
+    tok = tasks.char_tokenizer()
+    model = common.load_model("tiny", tok)
+    weights = {p.data_ptr() for n, p in model.named_parameters() if n.endswith("c_attn.weight") or "mlp" in n}
+
+    class Casts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in weights:
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    ids = torch.tensor([tok("sort 3 1 2 =")["input_ids"]] * 2)
+    mask, pos = torch.ones_like(ids), torch.arange(ids.shape[1]).expand_as(ids)
+    seen = []
+    monkeypatch.setattr(sampling, "_step_fn", lambda compile, device: lambda m, *a, **k: (
+        seen.append(m), sampling._next_logits(m, *a, **k))[1])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        sampling.generate(model, ids, mask, 4, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, temperature=0,
+                          compile=True)
+        decoder = sampling._bf16_decoder(model)
+        assert seen and all(m is decoder for m in seen)  # every decode step, not the model
+        with Casts() as casts:
+            got = decoder(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        assert casts.n == 0
+        want = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits  # autocast casting its weights
+        assert torch.equal(got, want)
+    linears = [m.weight for m in decoder.modules() if type(m).__name__ == "Conv1D"]
+    assert linears and all(w.dtype == torch.bfloat16 for w in linears)
+    assert decoder.transformer.wte.weight is model.transformer.wte.weight  # the head and embeddings shared
+    ptrs = [w.data_ptr() for w in linears]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+    assert sampling._bf16_decoder(model) is decoder and [w.data_ptr() for w in linears] == ptrs
+    src = [m.weight for m in model.modules() if type(m).__name__ == "Conv1D"]
+    assert all(torch.equal(w, s.to(torch.bfloat16)) for w, s in zip(linears, src))
