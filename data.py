@@ -504,6 +504,7 @@ class Env:
     weights: dict
     rm: object = None
     rm_tokenizer: object = None
+    teacher: object = None  # on-policy distillation's, frozen
 
 
 def make_env(cfg, d, prompts, order, tokenizer, model, weights):
@@ -517,6 +518,16 @@ def make_env(cfg, d, prompts, order, tokenizer, model, weights):
                                 cpu_offload=cfg.offload_frozen)
         run.check_context(rm, cfg.max_prompt_len, cfg.max_new_tokens + 1, "--max_new_tokens (+1)",
                              f"--reward_model {cfg.reward_model}")
+    teacher = None
+    if cfg.teacher:  # it scores the policy's own tokens: one vocabulary for both
+        vocab = load_tokenizer(cfg.teacher, cfg.trust_remote_code).get_vocab()
+        if vocab != tokenizer.get_vocab():
+            raise ValueError(f"--teacher {cfg.teacher}: its tokenizer ({len(vocab)} tokens) is not the policy's "
+                             f"({len(tokenizer)}): on-policy distillation scores the policy's own tokens with the "
+                             f"teacher, so both must share one tokenizer")
+        teacher = common.load_frozen(cfg.teacher, tokenizer, d, trust_remote_code=cfg.trust_remote_code,
+                                     cpu_offload=cfg.offload_frozen)
+        run.check_context(teacher, cfg.max_prompt_len, cfg.max_new_tokens, "--max_new_tokens", f"--teacher {cfg.teacher}")
     stop_ids = stop_token_ids(tokenizer, model, cfg.truncate_token)  # EOS first, the truncate token last
     rendered, _ = render_chat(prompts, tokenizer, cfg.dataset)
     p_ids, n_cut = encode_prompts(tokenizer, rendered["prompt"], cfg.max_prompt_len, cfg.dataset)
@@ -526,7 +537,7 @@ def make_env(cfg, d, prompts, order, tokenizer, model, weights):
                       f"{cfg.max_prompt_len} tokens and are cut from the left")
     return Env(prompts=rendered, own_prompts=list(prompts["prompt"]), order=order, tokenizer=tokenizer,
                stop_ids=stop_ids, truncate_id=stop_ids[-1] if cfg.truncate_token else None, weights=weights, rm=rm,
-               rm_tokenizer=rm_tokenizer)
+               rm_tokenizer=rm_tokenizer, teacher=teacher)
 
 
 @torch.no_grad()

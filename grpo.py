@@ -13,7 +13,8 @@ the flag is: TRL's, else verl's); the functions below carry the equations: the p
 (`policy_loss`: clipped surrogate, CISPO, SAPO), the ratio per token or sequence (GSPO),
 advantages (GRPO, RLOO, REINFORCE++), KL estimators, aggregation (Dr. GRPO), rejection sampling
 (RSO), DAPO's dynamic sampling and overlong term, and weights of the policy term (DeepSeek-V3.2's
-off-policy mask, high-entropy tokens, truncated importance sampling).
+off-policy mask, high-entropy tokens, truncated importance sampling); with --teacher, on-policy
+distillation (`distill_advantages`: a per-token advantage from a teacher's log-probs).
 
 Deliberate departures:
 1. Each loss normaliser (tokens, sequences, or Dr. GRPO's constant) is that of the whole global
@@ -95,6 +96,11 @@ class Config(run.SharedConfig):
     <think>...</think><answer>...</answer>); a row's own `reward_fn` wins"""
     reward_weights: str = ""
     """weighted sum of rewards, e.g. `rule:1.0,model:0.5` (empty: `model:1` with --reward_model, else `rule:1`)"""
+    teacher: str = ""
+    """on-policy distillation: a model with the policy's tokenizer whose log-probs of the policy's own tokens give each
+    token an advantage, teacher_coef x (log p_teacher - log pi), beside the reward's (`--reward_weights rule:0`: alone)"""
+    teacher_coef: float = 1.0
+    """the distillation advantage's weight [>= 0]"""
     no_eos_penalty: float = 0.0
     """subtracted from the reward of a completion that never stops (no EOS or truncate token) [>= 0]"""
     mask_truncated_completions: bool = False
@@ -320,6 +326,17 @@ def kl_per_token(logps, ref_logps, old_logps, estimator):
     return kl
 
 
+def distill_advantages(teacher_logps, logps, mask, coef=1.0):
+    """On-policy distillation's advantage of each sampled token (GKD, arXiv:2306.13649; Thinking
+    Machines' recipe, 2025), (B, T): coef (log q - log pi), q the teacher: minus kl_per_token's k1
+    sample of KL(pi || q), with the teacher as the reference. No baseline: E_o~pi[(log q(o) -
+    log pi(o)) grad log pi(o)] = -grad KL(pi || q), since E[grad log pi] = 0, so the policy term
+    descends the reverse KL (mode seeking), each token for its own term (discount 0: a token is not
+    credited with the KL of the tokens after it). Unlike beta x KL in the loss, it is a reward:
+    clipped like one, and zero where the policy already agrees with the teacher."""
+    return coef * (teacher_logps - logps).detach() * mask
+
+
 def aggregate(x, mask, agg, normaliser):
     """Reduce per-token values x (B, T) under mask (B, T) to a scalar.
 
@@ -432,7 +449,7 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, normaliser, epsilon
     mini-batch's (loss_normaliser); pg_weights: (B, T) or (B, 1) weights of the policy term alone
     (masks, truncated IS). Returns (loss, metrics); token metrics are divided by n_tokens, the
     global mini-batch's tokens (None: this micro-batch's), so they add up like the loss."""
-    A = advantages[:, None]  # (B, 1): outcome supervision, one advantage for every token
+    A = advantages[:, None] if advantages.dim() == 1 else advantages  # (B, 1): one per sequence; (B, T): per token
     rho = importance_ratio(logps, old_logps, mask, level)
     pg = policy_loss(rho, logps, A, loss_type=loss_type, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
                      clip_ratio_c=clip_ratio_c, sapo_temperatures=sapo_temperatures)
@@ -602,7 +619,7 @@ def main(cfg):
     weights = run.parse_weights(cfg.reward_weights, bool(cfg.reward_model))
     train = data.load_prompts(cfg, rules="rule" in weights or cfg.dataset in tasks.TASKS)
     order = data.DataOrder(len(train), cfg.seed, cfg.prompts_per_step, f"--dataset {cfg.dataset}", "--prompts_per_step")
-    job = run.Run(cfg, d, models=["model", "reward_model"])  # out_dir checked and locked; nothing written yet
+    job = run.Run(cfg, d, models=["model", "reward_model", "teacher"])  # out_dir checked and locked; nothing written yet
     tokenizer, model = common.load_policy(cfg.model, cfg, d, response_len=cfg.max_new_tokens,
                                           response_flag="--max_new_tokens", shard=False)
     ref = None  # with --lora: the policy with its adapters disabled
@@ -633,7 +650,6 @@ def main(cfg):
                             "eval/exact_match", "eval/gold_reward", "eval/accuracy", "time/step"])
     if job.resume_from and cfg.ref_refresh_every:  # a checkpoint is at a refresh (run.check_grpo_config)
         refresh_reference(ref, model)
-    peak_gib = 0.0  # the run's peak GPU memory, over the phases' windows
     if start == 1 and (first := evaluate(model, ref, tokenizer, evals, cfg=cfg, d=d)):  # prompts alone: no evaluation
         job.log(0, first)
     for step in range(start, cfg.steps + 1):
@@ -672,7 +688,7 @@ def main(cfg):
             old_logps, entropy = batched_logprobs(model, ids, attn, R, temperature=cfg.temperature, d=d,
                                                   rows_per_forward=micro, with_entropy=True)
             keep = top_entropy_mask(entropy, loss_mask, cfg.top_entropy_share, d, cfg.max_new_tokens)
-        elif cfg.num_iterations > 1 or cfg.num_mini_batches > 1 or cfg.kl_in_reward:  # else old = pi (departure 3)
+        elif cfg.num_iterations > 1 or cfg.num_mini_batches > 1 or cfg.kl_in_reward or cfg.teacher:  # else old = pi
             old_logps = batched_logprobs(model, ids, attn, R, temperature=cfg.temperature, d=d, rows_per_forward=micro)
         if cfg.kl_in_reward:  # beta * sum_t KL_t of each sequence, taken from its reward (the loss has none)
             parts["kl_penalty"] = cfg.beta * (kl_per_token(old_logps, ref_logps, old_logps, cfg.kl_estimator)
@@ -682,6 +698,11 @@ def main(cfg):
                                             d, estimator=cfg.adv_estimator,
                                             lengths=loss_mask.sum(-1).view(n_local, cfg.group_size))
         adv = adv.flatten()  # (rows_local,)
+        if env.teacher is not None:  # on-policy distillation: each token's advantage, (rows_local, R)
+            teacher_logps = batched_logprobs(env.teacher, ids, attn, R, temperature=cfg.temperature, d=d,
+                                             rows_per_forward=micro)
+            adv = adv[:, None] + distill_advantages(teacher_logps, old_logps, loss_mask, cfg.teacher_coef)
+            sums["distill/reverse_kl"] = ((old_logps - teacher_logps) * loss_mask).sum() / (rows_local * d.world_size)
         n_rows, lengths = rows_local * d.world_size, roll.r_mask.sum(-1).float()  # sequences in the global batch
         sums |= adv_metrics | {f"reward/{k}": v.sum() / n_rows for k, v in parts.items()}
         sums |= {"completions/mean_length": lengths.sum() / n_rows,
@@ -733,9 +754,7 @@ def main(cfg):
                                                         "rollout/logp_diff_max": gap_max},
                                         same={"grad_norm": torch.stack(grad_norms).mean()})
         metrics |= {"lr": lr, "time/rollout": t_roll, "time/reward": t_rew, "time/update": t_update}
-        if d.device.type == "cuda":
-            peak_gib = max(peak_gib, mem_rollout, mem_update)
-            metrics |= {"mem/rollout_gib": mem_rollout, "mem/update_gib": mem_update, "mem/peak_gib": peak_gib}
+        metrics |= {"mem/rollout_gib": mem_rollout, "mem/update_gib": mem_update} if d.device.type == "cuda" else {}
         job.check(step, metrics, ["loss", "kl", "grad_norm"])  # a NaN stops the run, naming the last good checkpoint
         metrics["time/step"] = time.time() - t0  # training only: evaluation is not part of a step
         if step % cfg.eval_every == 0 or step == cfg.steps:

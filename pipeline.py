@@ -42,7 +42,7 @@ class Config:
     runs: str = "runs"
     """folder that holds one sub-folder per stage"""
     redo: str = ""
-    """comma-separated stages to run again even if finished (sft, rm, dpo, grpo_rm, grpo_gold, kl, overopt, variants; with
+    """comma-separated stages to run again even if finished (sft, rm, dpo, grpo_rm, grpo_gold, kl, overopt, variants, distill; with
     --smollm2: pairs, grpo, rm, dpo, grpo_rm, eval), or `all`"""
     seeds: int = 1
     """seeds of the five stages (0, 1, ...): seed 0 in RUNS/<stage>, seed k in RUNS/seed<k>/<stage>; the table
@@ -66,6 +66,12 @@ class Config:
     --study_seeds seeds; the tables and plot in RUNS/variants.{md,json}, RUNS/plots/variants.png"""
     variant_steps: int = 20
     """steps of each GRPO variant run (each DPO variant run: 5x as many) [>= 1]"""
+    distill: bool = False
+    """also run on-policy distillation (grpo.py --teacher): seed 0's SFT model taught by seed 0's GRPO (gold
+    reward) model, the task reward off, beside GRPO with the gold reward from the same start, each with
+    --study_seeds seeds, evaluated every 2 steps"""
+    distill_steps: int = 20
+    """steps of each distillation and comparison run [>= 2]"""
     study_seeds: int = 3
     """seeds of each KL-estimator and over-optimisation run [>= 3]"""
     plots: bool = True

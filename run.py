@@ -532,6 +532,7 @@ class Logger:
     `show` metrics (all when None); wandb (project rlhf-<script>) with --wandb."""
 
     def __init__(self, out_dir, cfg, d, show=None):
+        self.peak_gib = 0.0
         self.enabled, self.wandb, self.t0, self.show = d.is_main, None, time.time(), show
         if not self.enabled:
             return
@@ -544,8 +545,10 @@ class Logger:
     def log(self, step, metrics, echo=True):
         if not self.enabled:
             return
-        if torch.cuda.is_available() and "mem/peak_gib" not in metrics:  # the run's peak so far
-            metrics = {**metrics, "mem/peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+        if torch.cuda.is_available():  # the run's peak so far, over the windows a script reset (peak_memory)
+            self.peak_gib = max(self.peak_gib, torch.cuda.max_memory_allocated() / 2**30,
+                                *(v for k, v in metrics.items() if k.startswith("mem/")))
+            metrics = {**metrics, "mem/peak_gib": self.peak_gib}
         row = {"step": step, "time": round(time.time() - self.t0, 2), **metrics}
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
@@ -1112,6 +1115,9 @@ def check_grpo_config(cfg, d):
          "the adapters switched off), --save_every or --resume (its checkpoint holds merged weights)"),
         (not (cfg.compile and d.torchrun), "--compile runs under `python`: under torchrun FSDP2's hooks split the decode "
          "step into a graph per layer, and CUDA graphs would be re-recorded every rollout (the gathered weights move)"),
+        (not (cfg.teacher and cfg.off_policy_mask_threshold),
+         "--off_policy_mask_threshold masks sequences by the sign of their advantage; with --teacher each token has "
+         "its own: use one or the other"),
         (not (cfg.save_every and cfg.ref_refresh_every and cfg.save_every % cfg.ref_refresh_every),
          f"--save_every {cfg.save_every} must be a multiple of --ref_refresh_every {cfg.ref_refresh_every} "
          f"(a resumed run rebuilds its reference from the checkpoint)"),

@@ -196,6 +196,51 @@ def variants_results(cfg, times):
     return tables, out
 
 
+DISTILL_RUNS = ("distill", "grpo_gold")  # on-policy distillation from the GRPO model; GRPO with the gold reward
+
+
+def distill_dir(runs, kind, seed):
+    return os.path.join(runs, "distill", kind, f"seed{seed}")
+
+
+def distill_curves(cfg):
+    """Per kind: every seed's greedy exact-match and gold reward at each evaluation, time per step,
+    and (distillation) the reverse KL to the teacher per sequence; the teacher's own evaluation."""
+    out = {"teacher": pipeline.last_eval(os.path.join(cfg.runs, "grpo_gold"))}
+    for kind in DISTILL_RUNS:
+        dirs = [distill_dir(cfg.runs, kind, s) for s in range(cfg.study_seeds)]
+        rows = [[r for r in pipeline.read_rows(d)] for d in dirs]
+        evals = [[r for r in rs if "eval/exact_match" in r] for rs in rows]
+        out[kind] = {"steps": [r["step"] for r in evals[0]], "dirs": dirs,
+                     "exact_by_seed": [[r["eval/exact_match"] for r in e] for e in evals],
+                     "gold_by_seed": [[r["eval/gold_reward"] for r in e] for e in evals],
+                     "step_time_by_seed": [sum(r["time/step"] for r in rs if r["step"] > 1) /
+                                           max(1, sum(r["step"] > 1 for r in rs)) for rs in rows],
+                     "reverse_kl_by_seed": [[r.get("distill/reverse_kl") for r in rs if r["step"] > 0] for rs in rows]}
+    return out
+
+
+def distill_table(cfg, curves, times):
+    """Greedy exact-match and gold reward at each evaluation (mean +- std over the seeds), then the
+    time per step of each side (steps after the first: compilation and warm-up left out)."""
+    teacher = curves["teacher"]
+    lines = [f"| step | distillation: exact-match | gold reward | GRPO, gold reward: exact-match | gold reward |",
+             "|---|---|---|---|---|"]
+    d, g = curves["distill"], curves["grpo_gold"]
+    for i, step in enumerate(d["steps"]):
+        col = lambda c, key: pipeline.cell([v[i] for v in c[key]])  # noqa: E731
+        lines.append(f"| {step} | {col(d, 'exact_by_seed')} | {col(d, 'gold_by_seed')} | {col(g, 'exact_by_seed')} | "
+                     f"{col(g, 'gold_by_seed')} |")
+    lines.append(f"| teacher (GRPO, {pipeline.read_rows(os.path.join(cfg.runs, 'grpo_gold'))[-1]['step']} steps) | "
+                 f"{teacher['eval/exact_match']:.3f} | {teacher['eval/gold_reward']:.3f} | | |")
+    ratio = [a / b for a, b in zip(d["step_time_by_seed"], g["step_time_by_seed"])]
+    lines.append(f"\nSeconds per step: distillation {pipeline.cell(d['step_time_by_seed'], 3)}, GRPO "
+                 f"{pipeline.cell(g['step_time_by_seed'], 3)}, ratio {pipeline.cell(ratio, 2)} (the same seed's "
+                 f"two runs, one after the other; wall time per run: {pipeline.seconds(times, d['dirs'], cfg.runs)} s "
+                 f"and {pipeline.seconds(times, g['dirs'], cfg.runs)} s).")
+    return "\n".join(lines)
+
+
 def stages(cfg):
     """(group, argv) of every study run the flags ask for, in order; the group is what --redo names."""
     out = []
@@ -226,6 +271,14 @@ def stages(cfg):
             out.append(("variants", ["dpo.py", "--model", sft, "--out_dir", variant_dir(cfg.runs, "dpo", name, seed),
                                      *flags, "--steps", str(steps), "--warmup_steps", str(steps // 10),
                                      "--eval_every", str(steps), "--seed", str(seed)]))
+    for seed in range(cfg.study_seeds) if cfg.distill else ():
+        every = ["--steps", str(cfg.distill_steps), "--eval_every", "2", "--n_eval", "200", "--n_eval_pairs", "200",
+                 "--seed", str(seed)]
+        out.append(("distill", ["grpo.py", "--model", sft, "--teacher", os.path.join(cfg.runs, "grpo_gold"),
+                                "--reward_weights", "rule:0", "--beta", "0", "--out_dir",
+                                distill_dir(cfg.runs, "distill", seed), *every]))
+        out.append(("distill", ["grpo.py", "--model", sft, "--out_dir", distill_dir(cfg.runs, "grpo_gold", seed),
+                                *every]))
     return out
 
 
@@ -243,6 +296,12 @@ def tables(cfg, times, results):
         table += (f"\n\nOver-optimisation, GRPO on the learned reward, {cfg.overopt_steps} steps ({study} and "
                   "reward model; the peak is of the seeds' mean):\n\n" + overopt_table(cfg, curves, times))
         results["overopt"] = curves
+    if cfg.distill:
+        curves = distill_curves(cfg)
+        table += (f"\n\nOn-policy distillation (grpo.py --teacher, the task reward off, beta 0) from the GRPO model "
+                  f"against GRPO with the gold reward, {cfg.distill_steps} steps ({study}; greedy answers to 200 "
+                  f"held-out prompts):\n\n" + distill_table(cfg, curves, times))
+        results["distill"] = curves
     if cfg.variants:  # a file of its own: a --variants run need not redo the tables above with all their seeds
         (grpo_t, dpo_t), curves = variants_results(cfg, times)
         variants = (f"GRPO variants, gold reward, {cfg.variant_steps} steps x 16 prompts x 8 samples ({study}):\n\n"

@@ -486,6 +486,29 @@ def plot_trl(paths, out_dir):
     return save(fig, out_dir, "trl_compare.png")
 
 
+def plot_distill(results, out_dir):
+    """On-policy distillation against GRPO with the gold reward, from the same SFT model: greedy
+    exact-match and gold reward on held-out prompts against steps (thin: each seed; thick: their
+    mean), the teacher's level dashed."""
+    c = results["distill"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
+    for ax, key, teacher_key, label in ((axes[0], "exact_by_seed", "eval/exact_match", "greedy exact-match"),
+                                        (axes[1], "gold_by_seed", "eval/gold_reward", "gold reward")):
+        for i, (kind, name) in enumerate((("distill", "distillation (--teacher)"), ("grpo_gold", "GRPO, gold reward"))):
+            steps = c[kind]["steps"]
+            for ys in c[kind][key]:
+                ax.plot(steps, ys, color=f"C{i}", lw=0.7, alpha=0.35)
+            mean = [sum(col) / len(col) for col in zip(*c[kind][key])]
+            ax.plot(steps, mean, "o-", color=f"C{i}", lw=2, ms=4, label=f"{name}, {len(c[kind][key])} seeds")
+        ax.axhline(c["teacher"][teacher_key], color="k", ls="--", lw=1, label="the teacher (GRPO, 20 steps)")
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"{label}, 200 held-out prompts")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle("On-policy distillation from the GRPO model against GRPO itself, from the same SFT start")
+    return save(fig, out_dir, "distill.png")
+
+
 def figures(runs, out_dir):
     """The README's figures: from RUNS/results.json (pipeline.py) the summary, and where that run
     made them the KL-estimator comparison and the over-optimisation curves; the TRL comparison from
@@ -505,6 +528,8 @@ def figures(runs, out_dir):
         paths.append(plot_kl_bands(results, out_dir))
     if "overopt" in results:
         paths.append(plot_overopt(results, out_dir))
+    if "distill" in results:
+        paths.append(plot_distill(results, out_dir))
     bench = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", "results", f) for f in TRL_RESULTS]
     if all(os.path.isfile(p) for p in bench):
         paths.append(plot_trl(bench, out_dir))

@@ -62,6 +62,75 @@ def test_kl_estimator_expected_gradient_exact(seed, estimator, target):
     assert all((expected_grad - o).abs().max() > 1e-3 for o in others)
 
 
+# on-policy distillation: the per-token advantage coef (log q - log pi) through grpo_loss
+
+
+def distill_loss_per_outcome(theta, teacher_logp, T=1):
+    """grpo_loss at each outcome x of the toy policy (the batch's rows: a one-token completion x,
+    one per row), its per-token advantage from distill_advantages, on-policy (old = pi), no KL term,
+    weighted by pi(x) through pg_weights and summed (normaliser 1): the expected loss, whose
+    gradient is the expected policy gradient."""
+    V = theta.shape[0]
+    logps = torch.log_softmax(theta, 0)[:, None].expand(V, T)  # (V, T): row x is outcome x
+    mask = torch.ones(V, T, dtype=torch.float64)
+    adv = grpo.distill_advantages(teacher_logp[:, None].expand(V, T), logps, mask, coef=1.0)  # (V, T)
+    pi = torch.softmax(theta, 0).detach()[:, None]
+    loss, _ = grpo_loss(logps, logps.detach(), logps.detach(), adv, mask, normaliser=1.0, agg="token_mean",
+                        pg_weights=pi)
+    return loss
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_distillation_expected_gradient_is_the_reverse_kl_gradient(seed):
+    """--teacher: E_x~pi[policy gradient with advantage log q(x) - log pi(x)] = grad KL(pi || q),
+    every outcome of a toy categorical policy enumerated (not the forward KL, not zero); a flipped
+    sign or the teacher and student swapped gives minus it."""
+    theta, teacher_logp = toy(seed=seed)
+    grad = torch.autograd.grad(distill_loss_per_outcome(theta, teacher_logp), theta)[0]
+    reverse, forward = closed_form_grads(theta, teacher_logp)
+    torch.testing.assert_close(grad, reverse, rtol=1e-10, atol=1e-12)
+    assert (grad - forward).abs().max() > 1e-3 and grad.abs().max() > 1e-3
+
+
+def test_distillation_from_a_teacher_equal_to_the_student_leaves_the_policy_unchanged(tmp_path):
+    """--teacher the policy itself, the task reward weighted 0 and no KL term: every token's
+    advantage is log pi - log pi = 0 (the teacher's log-probs are the policy's, computed the same
+    way), so no gradient, and the checkpoint equals the start; the reverse KL logged is 0."""
+    from transformers import AutoModelForCausalLM
+
+    tok = tasks.char_tokenizer()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tasks.char_gpt2_config(tok, n_layer=1, n_embd=32, n_head=2))
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    data = write_digits_prompts(tmp_path / "prompts.jsonl", 8)
+    grpo.main(grpo.Config(model=str(tmp_path / "m"), teacher=str(tmp_path / "m"), reward_weights="rule:0", beta=0.0,
+                          dataset=data, out_dir=str(tmp_path / "g"), steps=2, prompts_per_step=4, group_size=2,
+                          max_new_tokens=6, lr=1e-2, warmup_steps=0, eval_every=100, n_eval_pairs=4))
+    rows = [r for r in read_metrics(tmp_path / "g") if r["step"] > 0]
+    assert [r["distill/reverse_kl"] for r in rows] == [0.0, 0.0]
+    assert max_abs_diff(checkpoint_weights(tmp_path / "g"), checkpoint_weights(tmp_path, "m")) == 0.0
+
+
+def test_a_teacher_with_another_tokenizer_is_refused(tmp_path):
+    """On-policy distillation scores the policy's own token ids with the teacher: a teacher whose
+    vocabulary differs is refused before training, naming --teacher."""
+    from transformers import AutoModelForCausalLM
+
+    tok = tasks.char_tokenizer()
+    model = AutoModelForCausalLM.from_config(tasks.char_gpt2_config(tok, n_layer=1, n_embd=32, n_head=2))
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    tok.add_tokens(["<tool>"])
+    model.resize_token_embeddings(len(tok))
+    model.save_pretrained(tmp_path / "t")
+    tok.save_pretrained(tmp_path / "t")
+    data = write_digits_prompts(tmp_path / "prompts.jsonl", 8)
+    with pytest.raises(ValueError, match=r"--teacher .*t: its tokenizer"):
+        grpo.main(grpo.Config(model=str(tmp_path / "m"), teacher=str(tmp_path / "t"), dataset=data,
+                              out_dir=str(tmp_path / "g"), steps=1, prompts_per_step=4, group_size=2))
+
+
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "ratio_k1"])
 def test_kl_estimator_gradient_monte_carlo(estimator):
     """Mean of sampled per-sample gradients agrees with the exact one within 4 standard errors."""

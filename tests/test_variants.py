@@ -336,16 +336,16 @@ def test_flags_that_cannot_go_together_are_refused(flags, message):
     with pytest.raises(ValueError, match=message.replace("+", r"\+").replace("(", r"\(")):
         cfg = replace(grpo.Config(), **flags)
         run.check_ranges(cfg)  # each flag's range and choices
-        grpo.check_config(cfg, common.Dist())  # the flags that do not go together
+        run.check_grpo_config(cfg, common.Dist())  # the flags that do not go together
 
 
 @pytest.mark.parametrize("flag", ["lora", "compile"])
 def test_lora_and_compile_are_refused_under_torchrun(flag):
     """--compile under FSDP2 would split the decode step into a graph per layer and re-record
     its CUDA graphs every rollout; LoRA's adapters are not merged when sharded."""
-    grpo.check_config(replace(grpo.Config(), **{flag: True}), common.Dist())
+    run.check_grpo_config(replace(grpo.Config(), **{flag: True}), common.Dist())
     with pytest.raises(ValueError, match=f"--{flag} runs under `python`"):
-        grpo.check_config(replace(grpo.Config(), **{flag: True}), common.Dist(torchrun=True))
+        run.check_grpo_config(replace(grpo.Config(), **{flag: True}), common.Dist(torchrun=True))
 
 
 def run_grpo(tmp_path, *extra):
