@@ -231,7 +231,8 @@ def distill_table(cfg, curves, times):
         col = lambda c, key: pipeline.cell([v[i] for v in c[key]])  # noqa: E731
         lines.append(f"| {step} | {col(d, 'exact_by_seed')} | {col(d, 'gold_by_seed')} | {col(g, 'exact_by_seed')} | "
                      f"{col(g, 'gold_by_seed')} |")
-    lines.append(f"| teacher (GRPO, {pipeline.read_rows(os.path.join(cfg.runs, 'grpo_gold'))[-1]['step']} steps) | "
+    lines.append(f"| the teacher (seed 0's GRPO, {pipeline.read_rows(os.path.join(cfg.runs, 'grpo_gold'))[-1]['step']} "
+                 f"steps; its own 500 held-out prompts) | "
                  f"{teacher['eval/exact_match']:.3f} | {teacher['eval/gold_reward']:.3f} | | |")
     ratio = [a / b for a, b in zip(d["step_time_by_seed"], g["step_time_by_seed"])]
     lines.append(f"\nSeconds per step: distillation {pipeline.cell(d['step_time_by_seed'], 3)}, GRPO "

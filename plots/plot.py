@@ -500,7 +500,7 @@ def plot_distill(results, out_dir):
                 ax.plot(steps, ys, color=f"C{i}", lw=0.7, alpha=0.35)
             mean = [sum(col) / len(col) for col in zip(*c[kind][key])]
             ax.plot(steps, mean, "o-", color=f"C{i}", lw=2, ms=4, label=f"{name}, {len(c[kind][key])} seeds")
-        ax.axhline(c["teacher"][teacher_key], color="k", ls="--", lw=1, label="the teacher (GRPO, 20 steps)")
+        ax.axhline(c["teacher"][teacher_key], color="k", ls="--", lw=1, label="the teacher (seed 0's GRPO model, on its 500 held-out prompts)")
         ax.set_xlabel("step")
         ax.set_ylabel(f"{label}, 200 held-out prompts")
         ax.grid(True, alpha=0.3)
