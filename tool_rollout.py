@@ -1,0 +1,85 @@
+"""Rollouts in which the policy calls a tool (issue 32; not yet wired into grpo.py). The sampler
+stops a row at the closing tag of a call, the tool runs on the text the row wrote since the last
+opening tag, its result goes in as tokens of a result tag pair, and the row continues from its
+exact tokens (what the model wrote is never re-tokenised), until it ends its turn, has made
+max_calls calls, or has max_new_tokens response tokens in all. The result's tokens are returned
+masked (`tool_mask`): no log-prob, no loss, no KL, no importance ratio of the policy's is taken
+on them.
+
+Under FSDP call it inside `common.evaluating(model, gather=True)`, like sampling.generate: the
+weights are gathered once, no collective runs while decoding, so ranks whose rows call the tool
+a different number of times never wait for each other.
+"""
+import torch
+
+import common
+import sampling
+import tools
+
+
+def closing_tag_id(tokenizer):
+    """The id of tools.CALL_CLOSE, which must be one token (Qwen2.5's tokenizer has it; for others
+    add the tag pairs as tokens, tokenizer.add_tokens, and resize the embeddings) so that the
+    sampler can stop at it like at an end-of-turn id."""
+    ids = tokenizer.encode(tools.CALL_CLOSE, add_special_tokens=False)
+    if len(ids) != 1:
+        raise ValueError(f"{tools.CALL_CLOSE!r} is {len(ids)} tokens for this tokenizer: add the tags "
+                         f"({tools.CALL_OPEN}, {tools.CALL_CLOSE}, {tools.RESULT_OPEN}, {tools.RESULT_CLOSE}) as tokens")
+    return ids[0]
+
+
+def result_tokens(tokenizer, written_ids, tool):
+    """The tokens of the result tag pair for a call: the text after the last opening tag of what
+    the row wrote, given to the tool (an error text if it raises or overruns)."""
+    text = tokenizer.decode(written_ids)
+    call = text.rsplit(tools.CALL_OPEN, 1)[-1].replace(tools.CALL_CLOSE, "")
+    reply = tools.RESULT_OPEN + tools.call_tool(tool, call.strip()) + tools.RESULT_CLOSE
+    return tokenizer.encode(reply, add_special_tokens=False)
+
+
+@torch.no_grad()
+def generate_with_tools(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tokenizer, tool,
+                        stop_ids=(), max_calls=2, uniforms=None, **sampler_kw):
+    """sampling.generate with tool calls: returns ids (B, R), mask (B, R) of every response token
+    (the model's and the tools'), the model's log-probs (B, R) (0 on tool tokens), tool_mask (B, R)
+    (1 on tool tokens) and the calls made (B,). uniforms (B, >= max_new_tokens): column t for
+    response token t, whichever turn writes it, so a row samples the same on any number of ranks."""
+    close = closing_tag_id(tokenizer)
+    B, device = prompt_ids.shape[0], prompt_ids.device
+    rows = [[] for _ in range(B)]  # per row: (token, is_tool, log-prob)
+    calls = [0] * B
+    active = list(range(B))
+    prompts = [prompt_ids[i][prompt_mask[i].bool()].tolist() for i in range(B)]
+    while active:
+        budget = [max_new_tokens - len(rows[i]) for i in active]
+        ids, mask = common.pad([prompts[i] + [t for t, _, _ in rows[i]] for i in active], pad_id, side="left")
+        u = None
+        if uniforms is not None:  # the columns from each row's next response position on
+            u = torch.stack([uniforms[i, len(rows[i]):len(rows[i]) + max(budget)] for i in active])
+        r_ids, r_mask, r_logps = sampling.generate(
+            model, ids.to(device), mask.to(device), max(budget), eos_id=eos_id, pad_id=pad_id,
+            stop_ids=(*stop_ids, close), uniforms=u, return_logprobs=True, **sampler_kw)
+        r_ids, r_mask, r_logps = r_ids.tolist(), r_mask.tolist(), r_logps.tolist()  # once per turn
+        still = []
+        for k, i in enumerate(active):
+            n = min(sum(r_mask[k]), budget[k])
+            rows[i] += [(t, False, lp) for t, lp in zip(r_ids[k][:n], r_logps[k][:n])]
+            room = max_new_tokens - len(rows[i])
+            if n and r_ids[k][n - 1] == close and calls[i] < max_calls and room > 0:
+                calls[i] += 1
+                written = [t for t, is_tool, _ in rows[i] if not is_tool]
+                rows[i] += [(t, True, 0.0) for t in result_tokens(tokenizer, written, tool)[:room]]
+                if len(rows[i]) < max_new_tokens:
+                    still.append(i)
+        active = still
+    R = max(len(r) for r in rows)
+    out_ids = torch.full((B, R), pad_id, dtype=torch.long)
+    out_mask, out_logps, out_tool = torch.zeros(B, R, dtype=torch.long), torch.zeros(B, R), torch.zeros(B, R)
+    for i, r in enumerate(rows):
+        if r:
+            out_ids[i, :len(r)] = torch.tensor([t for t, _, _ in r])
+            out_mask[i, :len(r)] = 1
+            out_logps[i, :len(r)] = torch.tensor([lp for _, _, lp in r])
+            out_tool[i, :len(r)] = torch.tensor([float(is_tool) for _, is_tool, _ in r])
+    return (out_ids.to(device), out_mask.to(device), out_logps.to(device), out_tool.to(device),
+            torch.tensor(calls, device=device))
