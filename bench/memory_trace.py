@@ -157,56 +157,57 @@ def trace(shape, script, world=1, launcher="torchrun", ac=False, breakdown=False
     return tracker.peaks
 
 
-def _sft(model, optimizer, scheduler, frozen, cfg, d, tracker):
-    import sft
-
-    micro = cfg.batch_size // d.world_size // cfg.grad_accum
+def _steps(model, optimizer, scheduler, cfg, d, tracker, micro_loss):
+    """Two optimizer steps of grad_accum micro-batches (micro_loss(): one micro-batch's loss, as the
+    script computes it); the second, AdamW's moments made, is measured."""
     for step in range(2):
         with tracker.phase("forward and backward", measure=step == 1):
             for _ in range(cfg.grad_accum):
-                ids, attn, resp = _batch(micro, cfg.max_prompt_len, cfg.max_response_len, d)
-                with common.autocast(d):
-                    logps = common.response_logprobs(model, ids, attn, resp.shape[1])
-                loss, _ = sft.sft_loss(logps, resp, resp.sum())
-                common.backward(model, loss, d)
+                common.backward(model, micro_loss(), d)
         with tracker.phase("optimizer step", measure=step == 1):
             common.optimizer_step(model, optimizer, scheduler, cfg.grad_clip)
+
+
+def _sft(model, optimizer, scheduler, frozen, cfg, d, tracker):
+    import sft
+
+    def micro_loss():
+        ids, attn, resp = _batch(cfg.batch_size // d.world_size // cfg.grad_accum, cfg.max_prompt_len,
+                                 cfg.max_response_len, d)
+        with common.autocast(d):
+            logps = common.response_logprobs(model, ids, attn, resp.shape[1])
+        return sft.sft_loss(logps, resp, resp.sum())[0]
+
+    _steps(model, optimizer, scheduler, cfg, d, tracker, micro_loss)
 
 
 def _reward(model, optimizer, scheduler, frozen, cfg, d, tracker):
     import reward
 
-    micro = cfg.batch_size // d.world_size // cfg.grad_accum
-    for step in range(2):
-        with tracker.phase("forward and backward", measure=step == 1):
-            for _ in range(cfg.grad_accum):
-                ids, attn, _ = _batch(2 * micro, cfg.max_prompt_len, cfg.max_response_len, d)
-                with common.autocast(d):
-                    chosen, rejected = common.reward_scores(model, ids, attn).chunk(2)
-                loss, _ = reward.bt_loss(chosen, rejected, cfg.batch_size)
-                common.backward(model, loss, d)
-        with tracker.phase("optimizer step", measure=step == 1):
-            common.optimizer_step(model, optimizer, scheduler, cfg.grad_clip)
+    def micro_loss():
+        ids, attn, _ = _batch(2 * (cfg.batch_size // d.world_size // cfg.grad_accum), cfg.max_prompt_len,
+                              cfg.max_response_len, d)
+        with common.autocast(d):
+            chosen, rejected = common.reward_scores(model, ids, attn).chunk(2)
+        return reward.bt_loss(chosen, rejected, cfg.batch_size)[0]
+
+    _steps(model, optimizer, scheduler, cfg, d, tracker, micro_loss)
 
 
 def _dpo(model, optimizer, scheduler, frozen, cfg, d, tracker):
     import dpo
 
-    micro = cfg.batch_size // d.world_size // cfg.grad_accum
-    for step in range(2):
-        with tracker.phase("forward and backward", measure=step == 1):
-            for _ in range(cfg.grad_accum):
-                batch = _batch(2 * micro, cfg.max_prompt_len, cfg.max_response_len, d)
-                pi_c, pi_r = common.sequence_logprobs(model, batch, d).chunk(2)
-                if frozen:
-                    with torch.no_grad():
-                        ref_c, ref_r = common.sequence_logprobs(frozen[0], batch, d).chunk(2)
-                else:
-                    ref_c, ref_r = torch.zeros_like(pi_c), torch.zeros_like(pi_r)
-                loss, _ = dpo.dpo_loss(pi_c, pi_r, ref_c, ref_r, beta=cfg.beta, n_pairs=cfg.batch_size)
-                common.backward(model, loss, d)
-        with tracker.phase("optimizer step", measure=step == 1):
-            common.optimizer_step(model, optimizer, scheduler, cfg.grad_clip)
+    def micro_loss():
+        batch = _batch(2 * (cfg.batch_size // d.world_size // cfg.grad_accum), cfg.max_prompt_len,
+                       cfg.max_response_len, d)
+        pi_c, pi_r = common.sequence_logprobs(model, batch, d).chunk(2)
+        ref_c, ref_r = torch.zeros_like(pi_c), torch.zeros_like(pi_r)  # precomputed (or SimPO's none)
+        if frozen:  # a live reference
+            with torch.no_grad():
+                ref_c, ref_r = common.sequence_logprobs(frozen[0], batch, d).chunk(2)
+        return dpo.dpo_loss(pi_c, pi_r, ref_c, ref_r, beta=cfg.beta, n_pairs=cfg.batch_size)[0]
+
+    _steps(model, optimizer, scheduler, cfg, d, tracker, micro_loss)
 
 
 def _grpo(model, optimizer, scheduler, frozen, cfg, d, tracker):
