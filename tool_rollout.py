@@ -73,13 +73,8 @@ def generate_with_tools(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, 
                     still.append(i)
         active = still
     R = max(len(r) for r in rows)
-    out_ids = torch.full((B, R), pad_id, dtype=torch.long)
-    out_mask, out_logps, out_tool = torch.zeros(B, R, dtype=torch.long), torch.zeros(B, R), torch.zeros(B, R)
-    for i, r in enumerate(rows):
-        if r:
-            out_ids[i, :len(r)] = torch.tensor([t for t, _, _ in r])
-            out_mask[i, :len(r)] = 1
-            out_logps[i, :len(r)] = torch.tensor([lp for _, _, lp in r])
-            out_tool[i, :len(r)] = torch.tensor([float(is_tool) for _, is_tool, _ in r])
-    return (out_ids.to(device), out_mask.to(device), out_logps.to(device), out_tool.to(device),
+    pad = [[(pad_id, False, 0.0, 0)] * (R - len(r)) for r in rows]  # (token, is_tool, log-prob, in the response)
+    full = [[(t, is_tool, lp, 1) for t, is_tool, lp in r] + p for r, p in zip(rows, pad)]
+    column = lambda j, dtype: torch.tensor([[x[j] for x in r] for r in full], dtype=dtype, device=device)  # noqa: E731
+    return (column(0, torch.long), column(3, torch.long), column(2, torch.float), column(1, torch.float),
             torch.tensor(calls, device=device))

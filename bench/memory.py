@@ -265,14 +265,12 @@ def estimate(s, script, world=1, launcher="torchrun", device="gpu", ac=False, of
         seqs, R = rollout_rows // cfg.num_mini_batches // cfg.grad_accum, cfg.max_new_tokens
     else:
         rollout_rows, seqs, R = 0, cfg.batch_size // W // cfg.grad_accum, cfg.max_response_len
-    if script in ("dpo", "reward"):
-        seqs *= 2  # both sequences of each pair
     knobs = dict(seqs=seqs, prompt_len=cfg.max_prompt_len, response_len=R, rollout_rows=rollout_rows, ac=ac,
                  offload_frozen=offload_frozen, lora=getattr(cfg, "lora", False),
                  precompute_ref=getattr(cfg, "precompute_ref", True), reward_model=bool(getattr(cfg, "reward_model", "")))
-    if device == "cpu":
-        knobs["seqs"] //= 2 if script in ("dpo", "reward") else 1
+    if device == "cpu":  # the CPU model counts pairs; the GPU model sequences (both of each pair)
         return parts(s, script, world, launcher, device, **knobs)
+    knobs["seqs"] *= 2 if script in ("dpo", "reward") else 1
     return gpu_parts(s, script, world, launcher, grad_accum=cfg.grad_accum, group_size=getattr(cfg, "group_size", 1),
                      **knobs)
 
