@@ -505,6 +505,7 @@ class Env:
     rm: object = None
     rm_tokenizer: object = None
     teacher: object = None  # on-policy distillation's, frozen
+    tool: object = None  # --tools: a function, text -> text
 
 
 def make_env(cfg, d, prompts, order, tokenizer, model, weights):
@@ -535,9 +536,16 @@ def make_env(cfg, d, prompts, order, tokenizer, model, weights):
     if n_cut:  # counted once here; each rollout cuts them again from the left
         common.print0(f"{cfg.dataset}: {n_cut} of {len(prompts)} prompts are longer than --max_prompt_len "
                       f"{cfg.max_prompt_len} tokens and are cut from the left")
+    tool = None
+    if getattr(cfg, "tools", ""):  # the closing tag must be one token, for the sampler to stop at
+        import tool_rollout
+        import tools
+
+        tool = tools.load_tool(cfg.tools)
+        tool_rollout.closing_tag_id(tokenizer, flag=f"--tools {cfg.tools}")
     return Env(prompts=rendered, own_prompts=list(prompts["prompt"]), order=order, tokenizer=tokenizer,
                stop_ids=stop_ids, truncate_id=stop_ids[-1] if cfg.truncate_token else None, weights=weights, rm=rm,
-               rm_tokenizer=rm_tokenizer, teacher=teacher)
+               rm_tokenizer=rm_tokenizer, teacher=teacher, tool=tool)
 
 
 @torch.no_grad()
@@ -548,6 +556,26 @@ def learned_rewards(env, prompts, completions, cfg, d):
     ids, attn, _ = common.join_prompt_response(p_ids, r_ids, env.rm_tokenizer.pad_token_id)  # (N, P+R)
     with common.autocast(d):
         return common.reward_scores(env.rm, ids.to(d.device), attn.to(d.device)).float()
+
+
+def respond(model, tokenizer, prompts, max_prompt_len, max_new_tokens, stops, device, temperature=0.0,
+            uniforms=None, tool=None, max_tool_calls=2):
+    """The model's responses to text prompts (a chat already rendered), as text, sampled until one
+    of `stops` (stop_token_ids); temperature 0 is greedy, uniforms the rows' draws. With a `tool`
+    (tools.load_tool), the calls it makes run (tool_rollout.py) and the text holds their results."""
+    import sampling  # the sampler and the tool loop read this module: imported when first called
+    import tool_rollout
+
+    p_ids, p_mask = common.pad(encode_prompts(tokenizer, prompts, max_prompt_len)[0], tokenizer.pad_token_id,
+                               side="left")
+    kw = dict(eos_id=stops[0], pad_id=tokenizer.pad_token_id, temperature=temperature, stop_ids=stops[1:],
+              uniforms=uniforms)
+    if tool is None:
+        r_ids, r_mask = sampling.generate(model, p_ids.to(device), p_mask.to(device), max_new_tokens, **kw)
+    else:
+        r_ids, r_mask, _, _ = tool_rollout.generate_with_tools(model, p_ids.to(device), p_mask.to(device), max_new_tokens,
+                                                               tokenizer=tokenizer, tool=tool, max_calls=max_tool_calls, **kw)
+    return decode_responses(tokenizer, r_ids, r_mask, p_ids)
 
 
 def added_tokens(tokenizer):

@@ -50,6 +50,7 @@ import data
 import run
 import sampling
 import tasks
+import tool_rollout
 
 KlEstimator = Literal["k1", "k2", "k3", "ratio_k1", "ratio_k3"]
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "constant"]
@@ -87,6 +88,10 @@ class Config(run.SharedConfig):
     """a string of one token: generation also stops at it, and tokens after it are masked"""
     compile: bool = False
     """torch.compile the rollout's decode step (10-60 s once per batch shape; pays over a run's many rollouts)"""
+    tools: str = ""
+    """a tool the policy may call mid-answer (tool_rollout.py): `calculator`, or your `module:function` (text -> text)"""
+    max_tool_calls: int = 2
+    """tool calls per completion at most; their results count in --max_new_tokens but never in the loss [>= 1]"""
     # --- reward ---
     reward_model: str = ""
     """a reward model checkpoint (reward.py's out_dir), scored on prompt + decoded completion"""
@@ -603,7 +608,8 @@ def evaluate(model, ref, tokenizer, evals, cfg, d):
         h = evals["held_out"]
         metrics |= tasks.evaluate_generations(model, tokenizer, h["prompt"], tasks.REWARD_FNS[h["reward_fn"][0]], d,
                                               max_prompt_len=cfg.max_prompt_len, max_new_tokens=cfg.max_new_tokens,
-                                              answers=h.get("answer"), own_prompts=h["own_prompt"])
+                                              answers=h.get("answer"), own_prompts=h["own_prompt"], tools=cfg.tools,
+                                              max_tool_calls=cfg.max_tool_calls)
     if evals["pairs"] is not None:
         metrics["eval/accuracy"] = pairwise_accuracy(model, ref, evals["pairs"], tokenizer.pad_token_id, d,
                                                      batch_size=cfg.eval_batch_size)
@@ -636,11 +642,7 @@ def main(cfg):
                                                  cfg.steps * n_updates)
     n_local, rows_local = cfg.prompts_per_step // d.world_size, cfg.prompts_per_step // d.world_size * cfg.group_size
     micro = rows_local // cfg.num_mini_batches // cfg.grad_accum  # rows per forward on this rank
-    common.print0(f"grpo: {sum(p.numel() for p in params) / 1e6:.2f}M trained parameters, world size {d.world_size}"
-                  f"{run.layout(d)}, {cfg.prompts_per_step} prompts x {cfg.group_size} completions per rollout"
-                  f"{f' (kept of {cfg.rs_samples})' if cfg.rs_samples else ''}, {cfg.num_iterations} pass(es) x "
-                  f"{cfg.num_mini_batches} mini-batch(es) of {micro * cfg.grad_accum} x {cfg.grad_accum} micro per "
-                  f"rank, rewards {weights}")
+    common.print0(run.grpo_banner(cfg, d, params, micro, weights))
     loss_knobs = dict(epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high, beta=0 if cfg.kl_in_reward else cfg.beta,
                       kl_estimator=cfg.kl_estimator, agg=cfg.loss_agg, entropy_coef=cfg.entropy_coef,
                       loss_type=cfg.loss_type, level=cfg.importance_sampling_level, delta=cfg.delta,
@@ -673,7 +675,8 @@ def main(cfg):
                 if missing == 0:
                     break
         ids, attn = torch.cat([roll.p_ids, roll.r_ids], 1), torch.cat([roll.p_mask, roll.r_mask], 1)  # (rows, P+R)
-        loss_mask = roll.r_mask * roll.stopped[:, None].long() if cfg.mask_truncated_completions else roll.r_mask
+        own = roll.r_mask * (1 - roll.r_tool)  # the policy's own tokens: a tool's (--tools) are read, never trained on
+        loss_mask = own * roll.stopped[:, None].long() if cfg.mask_truncated_completions else own
         R, rewards, parts = roll.r_ids.shape[1], roll.rewards, dict(roll.parts)
 
         # ---------------------------------------------------------------------
@@ -692,7 +695,7 @@ def main(cfg):
             old_logps = batched_logprobs(model, ids, attn, R, temperature=cfg.temperature, d=d, rows_per_forward=micro)
         if cfg.kl_in_reward:  # beta * sum_t KL_t of each sequence, taken from its reward (the loss has none)
             parts["kl_penalty"] = cfg.beta * (kl_per_token(old_logps, ref_logps, old_logps, cfg.kl_estimator)
-                                              * roll.r_mask).sum(-1)  # logged as reward/kl_penalty
+                                              * own).sum(-1)  # logged as reward/kl_penalty
             rewards = rewards - parts["kl_penalty"]
         adv, adv_metrics = group_advantages(rewards.view(n_local, cfg.group_size), cfg.scale_rewards, cfg.global_norm,
                                             d, estimator=cfg.adv_estimator,
@@ -707,6 +710,7 @@ def main(cfg):
         sums |= adv_metrics | {f"reward/{k}": v.sum() / n_rows for k, v in parts.items()}
         sums |= {"completions/mean_length": lengths.sum() / n_rows,
                  "completions/clipped_ratio": (~roll.stopped).float().sum() / n_rows}
+        sums |= {"tools/call_frequency": tool_rollout.tool_calls(roll.r_tool).sum() / n_rows} if cfg.tools else {}
 
         # ---------------------------------------------------------------------
         # 4. update: num_iterations passes, each over num_mini_batches optimizer steps of

@@ -144,9 +144,9 @@ def normalization(model, tokenizer, cfg, prompts, d):
     def rewards(rows):
         texts = [prompts[i] for i in rows]
         with common.autocast(d):
-            replies = sampling.respond(policy, p_tok, texts, max_prompt_len=cfg.max_prompt_len,
-                                       max_new_tokens=cfg.max_response_len, stops=stops, device=d.device,
-                                       temperature=1.0, uniforms=u[rows])
+            replies = data.respond(policy, p_tok, texts, max_prompt_len=cfg.max_prompt_len,
+                                   max_new_tokens=cfg.max_response_len, stops=stops, device=d.device,
+                                   temperature=1.0, uniforms=u[rows])
         # re-encoded: the policy's tokenizer need not be the reward model's
         responses, _ = data.encode_responses(tokenizer, replies, cfg.max_response_len)  # a cut-off sample keeps no EOS
         ids, attn, _ = common.join_prompt_response(data.encode_prompts(tokenizer, texts, cfg.max_prompt_len)[0],

@@ -1153,6 +1153,15 @@ def parse_weights(spec, has_model):
     return weights
 
 
+def grpo_banner(cfg, d, params, micro, weights):
+    """grpo.py's first line: what is trained, on how many ranks, in what batches, from what rewards."""
+    return (f"grpo: {sum(p.numel() for p in params) / 1e6:.2f}M trained parameters, world size {d.world_size}"
+            f"{layout(d)}, {cfg.prompts_per_step} prompts x {cfg.group_size} completions per rollout"
+            f"{f' (kept of {cfg.rs_samples})' if cfg.rs_samples else ''}, {cfg.num_iterations} pass(es) x "
+            f"{cfg.num_mini_batches} mini-batch(es) of {micro * cfg.grad_accum} x {cfg.grad_accum} micro per "
+            f"rank, rewards {weights}{f', tool {cfg.tools} (<= {cfg.max_tool_calls} calls)' if cfg.tools else ''}")
+
+
 def layout(d):
     """How models are spread, for the run's banner: "" or " (HSDP: 2 replicas x 4 shards)"."""
     if not d.torchrun or d.mesh.ndim == 1:

@@ -13,6 +13,7 @@ import torch
 import common
 import data
 import run
+import tool_rollout
 
 
 def stream_seed(seed, step, stream, index=0, round_=0):
@@ -239,18 +240,6 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
     return tokens[:, :R], response_mask[:, :R]
 
 
-def respond(model, tokenizer, prompts, max_prompt_len, max_new_tokens, stops, device, temperature=0.0,
-            uniforms=None):
-    """The model's responses to text prompts (a chat already rendered), as text, sampled until one
-    of `stops` (data.stop_token_ids); temperature 0 is greedy, uniforms the rows' draws."""
-    p_ids, p_mask = common.pad(data.encode_prompts(tokenizer, prompts, max_prompt_len)[0], tokenizer.pad_token_id,
-                               side="left")
-    r_ids, r_mask = generate(model, p_ids.to(device), p_mask.to(device), max_new_tokens, eos_id=stops[0],
-                             pad_id=tokenizer.pad_token_id, temperature=temperature, stop_ids=stops[1:],
-                             uniforms=uniforms)
-    return data.decode_responses(tokenizer, r_ids, r_mask, p_ids)
-
-
 # -----------------------------------------------------------------------------
 # GRPO's rollouts: the sampled rows of a step, on this rank
 
@@ -264,6 +253,7 @@ class Rollout:
     r_ids: torch.Tensor  # (N, R)
     r_mask: torch.Tensor  # (N, R) 1 up to and including the stop token
     r_logps: torch.Tensor  # (N, R) the sampler's log-probs of its tokens
+    r_tool: torch.Tensor  # (N, R) 1 on a tool's tokens (--tools): attended to, never trained on
     stopped: torch.Tensor  # (N,) ended with EOS, an end-of-turn id or the truncate token
     prompt_idx: torch.Tensor  # (N,) each row's prompt: its row in the data set
     rewards: torch.Tensor  # (N,) 0 until `reward`
@@ -318,15 +308,20 @@ def rollout(model, env, cfg, d, step, round_=0):
     u = u[common.shard_batch(cfg.prompts_per_step * n_sample, d)]  # (N, max_new_tokens) this rank's rows
     p_ids, _ = data.encode_prompts(env.tokenizer, prompts, cfg.max_prompt_len)
     p_ids, p_mask = (t.to(d.device) for t in common.pad(p_ids, env.tokenizer.pad_token_id, side="left"))  # (N, P)
+    kw = dict(eos_id=env.stop_ids[0], pad_id=env.tokenizer.pad_token_id, temperature=cfg.temperature, top_k=cfg.top_k,
+              top_p=cfg.top_p, stop_ids=env.stop_ids[1:], uniforms=u, compile=cfg.compile)
     with common.evaluating(model, gather=True), common.autocast(d):
-        r_ids, r_mask, r_logps = generate(
-            model, p_ids, p_mask, cfg.max_new_tokens, eos_id=env.stop_ids[0], pad_id=env.tokenizer.pad_token_id,
-            temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, stop_ids=env.stop_ids[1:], uniforms=u,
-            compile=cfg.compile, return_logprobs=True)  # (N, R) each
+        if env.tool is None:
+            r_ids, r_mask, r_logps = generate(model, p_ids, p_mask, cfg.max_new_tokens, return_logprobs=True, **kw)
+            r_tool = torch.zeros_like(r_mask)  # (N, R) each
+        else:  # the policy's calls run between its turns; r_tool: 1 on the tools' tokens (tool_rollout.py)
+            r_ids, r_mask, r_logps, r_tool = tool_rollout.generate_with_tools(
+                model, p_ids, p_mask, cfg.max_new_tokens, tokenizer=env.tokenizer, tool=env.tool,
+                max_calls=cfg.max_tool_calls, **kw)
     r_mask = truncate_mask(r_ids, r_mask, env.truncate_id)
     stopped = (torch.isin(r_ids, r_ids.new_tensor(env.stop_ids)) & r_mask.bool()).any(-1)  # (N,)
     prompt_idx = torch.tensor(rows, device=d.device).repeat_interleave(n_sample)  # (N,)
     run.sync(d)  # each phase's clock read after its GPU work is done
-    roll = Rollout(p_ids, p_mask, r_ids, r_mask, r_logps, stopped=stopped, prompt_idx=prompt_idx,
-                   rewards=torch.zeros_like(r_logps[:, 0]), parts={})
+    roll = Rollout(p_ids, p_mask, r_ids, r_mask, r_logps, r_tool=r_tool * r_mask, stopped=stopped,
+                   prompt_idx=prompt_idx, rewards=torch.zeros_like(r_logps[:, 0]), parts={})
     return roll, time.time() - t0

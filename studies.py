@@ -385,8 +385,8 @@ def answers(tok, model, rows, temperature=0.0, seed=0, batch_size=64):
     texts = []
     with torch.no_grad():
         for i in range(0, len(prompts), batch_size):
-            texts += sampling.respond(model, tok, prompts[i:i + batch_size], REAL_PROMPT_LEN, REAL_NEW_TOKENS, stops,
-                                      model.device, temperature, None if u is None else u[i:i + batch_size])
+            texts += data.respond(model, tok, prompts[i:i + batch_size], REAL_PROMPT_LEN, REAL_NEW_TOKENS, stops,
+                                  model.device, temperature, None if u is None else u[i:i + batch_size])
     return texts
 
 

@@ -166,16 +166,19 @@ def sigmoid(x):
     return 1.0 / (1.0 + math.exp(-x))
 
 def evaluate_generations(model, tokenizer, prompts, reward_fn, d, max_prompt_len, max_new_tokens, batch_size=256,
-                         answers=None, own_prompts=None):
+                         answers=None, own_prompts=None, tools="", max_tool_calls=2):
     """Greedy answers to held-out prompts (text, a chat already rendered), scored by a gold reward
     fn(prompt, completion, answer) of tasks.REWARD_FNS, given each row's own prompt (`own_prompts`:
     the messages of a conversational row; default `prompts`) and its `answers` where the rule
-    needs one: mean reward and the share of exact answers (reward 1)."""
+    needs one: mean reward and the share of exact answers (reward 1). `tools`: grpo.py's --tools,
+    whose calls run as in its rollouts."""
     import torch
 
     import common
     import data
-    import sampling
+    import tools as tools_module
+
+    tool = tools_module.load_tool(tools) if tools else None
 
     own_prompts = prompts if own_prompts is None else own_prompts
 
@@ -183,8 +186,9 @@ def evaluate_generations(model, tokenizer, prompts, reward_fn, d, max_prompt_len
         texts = [prompts[i] for i in rows]
         refs = [answers[i] for i in rows] if answers is not None else [None] * len(rows)
         with common.autocast(d):
-            replies = sampling.respond(model, tokenizer, texts, max_prompt_len=max_prompt_len,
-                                       max_new_tokens=max_new_tokens, stops=stops, device=d.device)
+            replies = data.respond(model, tokenizer, texts, max_prompt_len=max_prompt_len,
+                                   max_new_tokens=max_new_tokens, stops=stops, device=d.device, tool=tool,
+                                   max_tool_calls=max_tool_calls)
         rewards = [reward_fn(own_prompts[i], c, a) for i, c, a in zip(rows, replies, refs)]
         return torch.tensor([[r, float(r == 1.0)] for r in rewards], dtype=torch.float64, device=d.device)
 

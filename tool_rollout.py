@@ -1,4 +1,4 @@
-"""Rollouts in which the policy calls a tool (issue 32; not yet wired into grpo.py). The sampler
+"""Rollouts in which the policy calls a tool (grpo.py --tools, sampling.rollout). The sampler
 stops a row at the closing tag of a call, the tool runs on the text the row wrote since the last
 opening tag, its result goes in as tokens of a result tag pair, and the row continues from its
 exact tokens (what the model wrote is never re-tokenised), until it ends its turn, has made
@@ -17,13 +17,13 @@ import sampling
 import tools
 
 
-def closing_tag_id(tokenizer):
+def closing_tag_id(tokenizer, flag="--tools"):
     """The id of tools.CALL_CLOSE, which must be one token (Qwen2.5's tokenizer has it; for others
     add the tag pairs as tokens, tokenizer.add_tokens, and resize the embeddings) so that the
     sampler can stop at it like at an end-of-turn id."""
     ids = tokenizer.encode(tools.CALL_CLOSE, add_special_tokens=False)
     if len(ids) != 1:
-        raise ValueError(f"{tools.CALL_CLOSE!r} is {len(ids)} tokens for this tokenizer: add the tags "
+        raise ValueError(f"{flag}: {tools.CALL_CLOSE!r} is {len(ids)} tokens for this tokenizer: add the tags "
                          f"({tools.CALL_OPEN}, {tools.CALL_CLOSE}, {tools.RESULT_OPEN}, {tools.RESULT_CLOSE}) as tokens")
     return ids[0]
 
@@ -41,8 +41,8 @@ def result_tokens(tokenizer, written_ids, tool):
 def generate_with_tools(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tokenizer, tool,
                         stop_ids=(), max_calls=2, uniforms=None, **sampler_kw):
     """sampling.generate with tool calls: returns ids (B, R), mask (B, R) of every response token
-    (the model's and the tools'), the model's log-probs (B, R) (0 on tool tokens), tool_mask (B, R)
-    (1 on tool tokens) and the calls made (B,). uniforms (B, >= max_new_tokens): column t for
+    (the model's and the tools'), the model's log-probs (B, R) (0 on tool tokens) and tool_mask (B, R)
+    (1 on tool tokens; a call's count: tool_calls(tool_mask)). uniforms (B, >= max_new_tokens): column t for
     response token t, whichever turn writes it, so a row samples the same on any number of ranks."""
     close = closing_tag_id(tokenizer)
     B, device = prompt_ids.shape[0], prompt_ids.device
@@ -50,6 +50,8 @@ def generate_with_tools(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, 
     calls = [0] * B
     active = list(range(B))
     prompts = [prompt_ids[i][prompt_mask[i].bool()].tolist() for i in range(B)]
+    if uniforms is not None:  # a turn samples max(budget) tokens for every row and keeps each row's budget
+        uniforms = torch.nn.functional.pad(uniforms[:, :max_new_tokens], (0, max_new_tokens), value=0.5)
     while active:
         budget = [max_new_tokens - len(rows[i]) for i in active]
         ids, mask = common.pad([prompts[i] + [t for t, _, _ in rows[i]] for i in active], pad_id, side="left")
@@ -76,5 +78,9 @@ def generate_with_tools(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, 
     pad = [[(pad_id, False, 0.0, 0)] * (R - len(r)) for r in rows]  # (token, is_tool, log-prob, in the response)
     full = [[(t, is_tool, lp, 1) for t, is_tool, lp in r] + p for r, p in zip(rows, pad)]
     column = lambda j, dtype: torch.tensor([[x[j] for x in r] for r in full], dtype=dtype, device=device)  # noqa: E731
-    return (column(0, torch.long), column(3, torch.long), column(2, torch.float), column(1, torch.float),
-            torch.tensor(calls, device=device))
+    return column(0, torch.long), column(3, torch.long), column(2, torch.float), column(1, torch.long)
+
+
+def tool_calls(tool_mask):
+    """The calls each row made, (B,): its runs of tool tokens (a result follows every call)."""
+    return (tool_mask.diff(dim=1, prepend=tool_mask[:, :1] * 0) == 1).sum(-1)

@@ -21,7 +21,6 @@ import torch  # noqa: E402
 
 import common  # noqa: E402
 import data  # noqa: E402
-import sampling  # noqa: E402
 import tasks  # noqa: E402
 import tools  # noqa: E402
 
@@ -58,8 +57,8 @@ def main():
         with torch.no_grad():
             texts = []
             for i in range(0, len(prompts), 50):
-                texts += sampling.respond(model, tok, prompts[i:i + 50], max_prompt_len=160, max_new_tokens=64,
-                                          stops=data.stop_token_ids(tok, model), device=torch.device("cpu"))
+                texts += data.respond(model, tok, prompts[i:i + 50], max_prompt_len=160, max_new_tokens=64,
+                                      stops=data.stop_token_ids(tok, model), device=torch.device("cpu"))
         right = [tasks.REWARD_FNS["math"](r["prompt"], t, r["answer"]) for r, t in zip(rows, texts)]
         calls = [re.search(re.escape(tools.CALL_OPEN) + r"(.*?)" + re.escape(tools.CALL_CLOSE), t, re.S) for t in texts]
         good_calls = [c is not None and tools.calculator(c.group(1)) == r["answer"] for c, r in zip(calls, rows)]

@@ -1,0 +1,121 @@
+"""grpo.py --tools: a policy that calls the calculator mid-answer. The tools' tokens reach the
+loss, the KL and the importance ratios masked out (checked against the tool spans found in the
+token ids themselves, not against the sampler's own mask), and 2 processes reproduce 1 while
+their ranks make different numbers of calls, so run different numbers of decode turns."""
+import pytest
+import torch
+from helpers import TWO_RANK_RUNS, read_metrics
+from test_grpo import assert_same_run, grpo_argv, write_digits_prompts
+from transformers import GPT2LMHeadModel
+
+import common
+import grpo
+import tasks
+import tool_rollout
+import tools
+
+
+def tool_policy(folder):
+    """A tiny GPT-2 that calls the calculator often: the character tokenizer with the tag pairs as
+    tokens, and an output layer whose first input, held at 1 by the final layer norm, leans
+    towards digits, '+', the call tags and EOS: most rows call the tool, some twice, some never,
+    at different turns. Built the same from the same seed; its folder, as a string."""
+    tok = tasks.char_tokenizer()
+    tok.add_tokens([tools.CALL_OPEN, tools.CALL_CLOSE, tools.RESULT_OPEN, tools.RESULT_CLOSE])
+    common.set_seed(0)
+    model = GPT2LMHeadModel(tasks.char_gpt2_config(tok, n_layer=1, n_embd=32, n_head=2, tie_word_embeddings=False))
+    lean = {tools.CALL_OPEN: 2.5, tools.CALL_CLOSE: 3.0, "+": 2.5, tok.eos_token: 1.5,
+            **{str(k): 2.5 for k in range(10)}}
+    with torch.no_grad():
+        model.transformer.ln_f.weight[0], model.transformer.ln_f.bias[0] = 0.0, 1.0
+        model.lm_head.weight[:, 0] = -1.0
+        for text, logit in lean.items():
+            model.lm_head.weight[tok.convert_tokens_to_ids(text), 0] = logit
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+def tool_flags(folder):
+    return ("--model", tool_policy(folder / "policy"), "--dataset", write_digits_prompts(folder / "prompts.jsonl", 16),
+            "--tools", "calculator", "--max_new_tokens", "16", "--lr", "1e-4", "--warmup_steps", "0")
+
+
+TWO_RANK_RUNS["grpo_tools"] = lambda folder: grpo_argv(folder / "run", *tool_flags(folder))
+
+
+def tool_spans(r_ids, tok):
+    """1 on every token from an opening result tag through its closing tag, found in the ids."""
+    opens, closes = (r_ids == tok.convert_tokens_to_ids(t) for t in (tools.RESULT_OPEN, tools.RESULT_CLOSE))
+    return (opens.long().cumsum(1) - closes.long().cumsum(1) + closes.long()).clamp(max=1)
+
+
+@pytest.fixture(scope="module")
+def tool_run(tmp_path_factory):
+    """grpo.py --tools in this process, with the flags of the 2-rank run, recording what the
+    loss is given (each micro-batch's ids, attention mask and loss mask) and the calls each row
+    of each rollout made."""
+    tmp = tmp_path_factory.mktemp("tools")
+    cfg = grpo.run.parse_config(grpo.Config, grpo_argv(tmp / "run", *tool_flags(tmp))[1:])
+    seen, calls = {}, []
+    logprobs, loss_fn, gen = common.response_logprobs, grpo.grpo_loss, tool_rollout.generate_with_tools
+
+    def recording_logprobs(model, ids, attn, *args, **kwargs):
+        seen["ids"], seen["attn"] = ids, attn
+        return logprobs(model, ids, attn, *args, **kwargs)
+
+    def recording_loss(logps, old_logps, ref_logps, advantages, mask, *args, **kwargs):
+        seen.setdefault("loss", []).append((seen["ids"], seen["attn"], mask.clone()))
+        return loss_fn(logps, old_logps, ref_logps, advantages, mask, *args, **kwargs)
+
+    def recording_generate(*args, **kwargs):
+        out = gen(*args, **kwargs)
+        if kwargs.get("temperature", 1.0) != 0:  # a rollout, not the greedy evaluation
+            calls.append(tool_rollout.tool_calls(out[3]))
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(common, "response_logprobs", recording_logprobs)
+        mp.setattr(grpo, "grpo_loss", recording_loss)
+        mp.setattr(tool_rollout, "generate_with_tools", recording_generate)
+        grpo.main(cfg)
+    return read_metrics(tmp / "run"), seen["loss"], calls, tool_policy(tmp / "again")
+
+
+def test_the_loss_kl_and_ratios_never_see_a_tools_tokens(tool_run):
+    """Every mask grpo_loss is given (the policy term, the KL and the importance ratios all take
+    theirs from it) equals the response's attention mask with each result span, found here
+    from the tag ids, set to 0. Planted bug: the loss mask taken from the response mask alone
+    (`own = roll.r_mask`), as a loop that forgets the tool's tokens would, fails here."""
+    _, loss_inputs, _, folder = tool_run
+    tok = grpo.data.load_tokenizer(folder)
+    n_tool = 0
+    for ids, attn, mask in loss_inputs:
+        R = mask.shape[1]
+        spans = tool_spans(ids[:, -R:], tok)
+        assert torch.equal(mask, (attn[:, -R:] * (1 - spans)).float())
+        n_tool += int(spans.sum())
+    assert n_tool > 20  # the check has teeth: tool tokens were in the batches
+
+
+def test_two_processes_match_one_with_tool_calls_at_different_turns(tool_run, two_ranks):
+    """FSDP2 on 2 ranks against 1 process with the calculator: the rows of each rank make
+    different numbers of calls (so its sampler runs a different number of turns: rank 0's rows
+    and rank 1's are the two halves of each rollout), yet no rank waits on another (the weights
+    are gathered once per rollout, no collective while decoding) and rewards, losses and grad
+    norms agree step for step."""
+    one, _, calls, _ = tool_run
+    two = read_metrics(two_ranks("grpo_tools") / "run")
+    assert_same_run(one, two, keys=("reward", "reward_std", "completions/mean_length", "loss", "grad_norm",
+                                    "tools/call_frequency"))
+    assert any(c[:len(c) // 2].max() != c[len(c) // 2:].max() for c in calls), calls  # turns differ by rank
+    assert all(0 < r["tools/call_frequency"] < 2 for r in one if "loss" in r)
+
+
+def test_a_tokenizer_without_the_tags_as_tokens_is_refused_naming_the_flag(tmp_path):
+    """The sampler stops at the closing tag like at an end-of-turn id, so it must be one token: a
+    tokenizer that splits it is refused before any rollout, with what to do."""
+    from helpers import run_here
+
+    proc = run_here(grpo_argv(tmp_path / "run", "--tools", "calculator"))
+    assert proc.returncode != 0 and "--tools calculator" in proc.stderr and "add the tags" in proc.stderr, proc.stderr
