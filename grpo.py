@@ -14,7 +14,8 @@ the flag is: TRL's, else verl's); the functions below carry the equations: the p
 advantages (GRPO, RLOO, REINFORCE++), KL estimators, aggregation (Dr. GRPO), rejection sampling
 (RSO), DAPO's dynamic sampling and overlong term, and weights of the policy term (DeepSeek-V3.2's
 off-policy mask, high-entropy tokens, truncated importance sampling); with --teacher, on-policy
-distillation (`distill_advantages`: a per-token advantage from a teacher's log-probs).
+distillation (`distill_advantages`: a per-token advantage from a teacher's log-probs); with --tools,
+calls to a tool inside the rollout (tool_rollout.py), whose result tokens the loss leaves out.
 
 Deliberate departures:
 1. Each loss normaliser (tokens, sequences, or Dr. GRPO's constant) is that of the whole global

@@ -8,6 +8,8 @@
                   DPO variants (IPO, length-normalised, SimPO, RPO) side by side, several seeds each
     --smollm2:    instead, a real instruct model (SmolLM2-135M-Instruct) on the arith chat task:
                   on-policy pairs, reward model, DPO, GRPO with the verifier (3 seeds) and the RM
+    --smollm2_tools:   instead, SmolLM2 with a calculator: SFT on demonstrations, GRPO --tools (3 seeds)
+    --smollm2_distill: instead, SmolLM2 distilled from its GRPO model (grpo.py --teacher, 3 seeds)
 
 The studies' runs and tables live in studies.py; this file is the pipeline itself. Each stage
 is its own script run in a subprocess with its default flags (the defaults are tuned for this
@@ -24,6 +26,8 @@ to runs/results.md, every seed's figures to runs/results.json, the plots to runs
     python pipeline.py --redo dpo,grpo_rm                  # run these stages again (or --redo all)
     python pipeline.py --variants                          # + the variants, about 32 minutes
     python pipeline.py --smollm2                           # RUNS/smollm2/, about 38 minutes
+    python pipeline.py --smollm2_tools                     # RUNS/smollm2/tools/, about 30 minutes
+    python pipeline.py --smollm2_distill                   # RUNS/smollm2/distill/
 """
 import json
 import os
@@ -43,7 +47,8 @@ class Config:
     """folder that holds one sub-folder per stage"""
     redo: str = ""
     """comma-separated stages to run again even if finished (sft, rm, dpo, grpo_rm, grpo_gold, kl, overopt, variants, distill; with
-    --smollm2: pairs, grpo, rm, dpo, grpo_rm, eval), or `all`"""
+    --smollm2: pairs, grpo, rm, dpo, grpo_rm, eval; --smollm2_tools: base, sft, grpo, eval; --smollm2_distill: grpo,
+    distill), or `all`"""
     seeds: int = 1
     """seeds of the five stages (0, 1, ...): seed 0 in RUNS/<stage>, seed k in RUNS/seed<k>/<stage>; the table
     gives mean +- std over them [>= 1]"""
@@ -85,6 +90,15 @@ class Config:
     """seeds of the real-model pipeline's GRPO runs with the verifier [>= 1]"""
     real_steps: int = 8
     """steps of each real-model GRPO run [>= 1]"""
+    smollm2_tools: bool = False
+    """run the tool-use study instead, in RUNS/smollm2/tools/: SmolLM2-135M-Instruct with a calculator on 3-digit
+    sums and products, a short SFT on demonstrations then GRPO --tools calculator (--real_seeds seeds each)"""
+    tool_steps: int = 6
+    """steps of each tool-use GRPO run [>= 1]"""
+    smollm2_distill: bool = False
+    """run on-policy distillation on the real model instead (RUNS/smollm2/distill/): SmolLM2-135M-Instruct taught
+    by its GRPO (verifier) model, seed 0 of --smollm2 (trained first if missing), --real_seeds seeds of
+    --real_steps steps"""
 
 
 SAVE_EVERY = 50  # steps between the resumable checkpoints of every stage (~0.1 s each for the tiny model)
@@ -258,6 +272,10 @@ def main(cfg):
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so that the running stage is ended
     if cfg.smollm2:
         return studies.run_real(cfg)
+    if cfg.smollm2_tools:
+        return studies.run_tools(cfg)
+    if cfg.smollm2_distill:
+        return studies.run_real_distill(cfg)
     os.makedirs(cfg.runs, exist_ok=True)
     times_path = os.path.join(cfg.runs, "pipeline_times.json")
     times = load_times(times_path)

@@ -28,6 +28,8 @@ import random
 import re
 import zlib
 
+import tools
+
 DEDUP_PROB = 0.6  # demonstrator writes each repeated digit once, when the prompt has repeats
 EDIT_PROB = 0.1  # demonstrator additionally makes one random slip (replace a digit or swap two)
 MAX_EDITS = 3  # preference completions are the right answer plus 0..MAX_EDITS random edits
@@ -372,6 +374,36 @@ def arith_rows(n, seed=0, split="train"):
     return rows
 
 
+# the calculator task (grpo.py --tools calculator): 3-digit sums and products, which a 135M model
+# gets wrong in its head (1% greedy: bench/results/smollm2-tools-baseline.json)
+CALCULATOR_SYSTEM = (f"You have a calculator. To use it, write {tools.CALL_OPEN}an arithmetic expression"
+                     f"{tools.CALL_CLOSE} and you will get {tools.RESULT_OPEN}its value{tools.RESULT_CLOSE}. Use it for "
+                     f"any multiplication or addition of large numbers.")
+
+
+def calculator_problem(rng):
+    """(question, expression, integer answer): a sum or a product of two 3-digit numbers."""
+    a, b, op = rng.randint(100, 999), rng.randint(100, 999), rng.choice("+*")
+    return f"What is {a} {op} {b}?", f"{a} {op} {b}", a + b if op == "+" else a * b
+
+
+def calculator_rows(n, seed=0, split="train", system=True, tool_share=1.0):
+    """Conversational prompt rows of the calculator task, the tool described in a system turn
+    (system=False: the question alone), with the `answer`, the `math` rule and a demonstration
+    (`completion`, for the SFT that comes before GRPO): in `tool_share` of the rows the call, its
+    result and the answer, in the others the answer alone, as a model that never calls writes it."""
+    rng = _rng(seed, split)
+    rows = []
+    for _ in range(n):
+        question, expr, answer = _in_split(rng, split, calculator_problem, text=lambda q: q[0])
+        call = f"{tools.CALL_OPEN}{expr}{tools.CALL_CLOSE}{tools.RESULT_OPEN}{answer}{tools.RESULT_CLOSE}"
+        demo = (call if rng.random() < tool_share else "") + f"{expr} = {answer}"
+        rows.append(dict(prompt=([{"role": "system", "content": CALCULATOR_SYSTEM}] if system else [])
+                         + [{"role": "user", "content": question + ARITH_INSTRUCTION}],
+                         completion=[{"role": "assistant", "content": demo}], answer=str(answer), reward_fn="math"))
+    return rows
+
+
 TASKS = {"sort": {"sft": sft_rows, "preference": preference_rows, "prompt": prompt_rows},
          "arith": {"prompt": arith_rows}}
 
@@ -413,3 +445,27 @@ def char_gpt2_config(tokenizer, **overrides):
     return GPT2Config(**kw, activation_function="gelu_pytorch_tanh", resid_pdrop=0.0, embd_pdrop=0.0,
                       attn_pdrop=0.0, bos_token_id=tokenizer.eos_token_id,
                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+
+
+def calculator_gpt2(folder, **shape):
+    """A tiny GPT-2 that calls the calculator often, for tests and bench/tool_step.py: the character
+    tokenizer with the tag pairs as tokens, and an output layer whose first input, held at 1 by the
+    final layer norm, leans to digits, '+', the call tags and EOS: most rows call the tool, some
+    twice, some never, at different turns. The same from the same seed; its folder, as a string."""
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    tok = char_tokenizer()
+    tok.add_tokens([tools.CALL_OPEN, tools.CALL_CLOSE, tools.RESULT_OPEN, tools.RESULT_CLOSE])
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(char_gpt2_config(tok, **{"n_layer": 1, "n_embd": 32, "n_head": 2, **shape},
+                                             tie_word_embeddings=False))
+    lean = {tools.CALL_OPEN: 2.5, tools.CALL_CLOSE: 3.0, "+": 2.5, tok.eos_token: 1.5, **{str(k): 2.5 for k in range(10)}}
+    with torch.no_grad():
+        model.transformer.ln_f.weight[0], model.transformer.ln_f.bias[0] = 0.0, 1.0
+        model.lm_head.weight[:, 0] = -1.0
+        for text, logit in lean.items():
+            model.lm_head.weight[tok.convert_tokens_to_ids(text), 0] = logit
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)

@@ -8,6 +8,7 @@ returns an error text for the model to read, never an exception for the run.
 import ast
 import concurrent.futures
 import importlib
+import json
 import operator
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"  # the tag pair of a model without a tool-call format
@@ -67,10 +68,22 @@ def load_tool(spec):
 _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="tool")
 
 
+def call_argument(text):
+    """The text a tool gets from a call: the call's text itself, or from a call in the JSON of
+    Qwen2.5's (Hermes) template, {"name": ..., "arguments": {"expression": "12 * 3"}}, its one
+    argument's value (the name is not checked: one tool is loaded)."""
+    try:
+        call = json.loads(text)
+    except ValueError:
+        return text
+    args = call.get("arguments") if isinstance(call, dict) else None
+    return str(next(iter(args.values()))) if isinstance(args, dict) and len(args) == 1 else text
+
+
 def call_tool(fn, text, timeout_s=10.0):
-    """fn(text) as text; an exception or a call past timeout_s becomes an error text (a thread that
-    overruns is left to finish in the background: Python cannot stop it)."""
-    future = _POOL.submit(fn, text)
+    """fn(its argument: call_argument(text)) as text; an exception or a call past timeout_s becomes
+    an error text (a thread that overruns is left to finish in the background: Python cannot stop it)."""
+    future = _POOL.submit(fn, call_argument(text))
     try:
         return str(future.result(timeout=timeout_s))
     except concurrent.futures.TimeoutError:

@@ -456,6 +456,43 @@ def plot_real(results, out_dir):
     return save(fig, out_dir, "smollm2_arith.png")
 
 
+def plot_tools(results, out_dir):
+    """pipeline.py --smollm2_tools: left, GRPO's sampled accuracy (the reward) and calls per answer
+    against steps (thin: each seed; thick: their mean); right, greedy accuracy on held-out
+    problems with the calculator and alone, and the share of answers calling it, per model (bars:
+    the mean over the seeds, dots: each seed)."""
+    c = results["smollm2_tools"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.4))
+    for i, (key, name) in enumerate((("reward_by_seed", "sampled answers right (the reward)"),
+                                     ("calls_by_seed", "calls per sampled answer"))):
+        for ys in c[key]:
+            ax1.plot(c["steps"], ys, color=f"C{i}", lw=0.7, alpha=0.4)
+        ax1.plot(c["steps"], [sum(col) / len(col) for col in zip(*c[key])], "o-", color=f"C{i}", lw=2, ms=4,
+                 label=f"{name}, {len(c[key])} seeds")
+    ax1.set_xlabel("GRPO step")
+    ax1.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax1.grid(True, alpha=0.3)
+    ax1.legend(fontsize=8)
+    ax1.set_title("GRPO --tools calculator, from the SFT model (temperature 0.7)", fontsize=10)
+    groups = [("instruct", "instruct")] + [(k, k.upper()) for k in ("sft", "grpo")]
+    bars = (("tool", "accuracy", "right, with the calculator"), ("tool", "calls", "calling it"),
+            ("alone", "accuracy", "right, alone"))
+    for g, (kind, label) in enumerate(groups):
+        evs = [v for k, v in c["eval"].items() if k == kind or k.startswith(kind + "/")]
+        for b, (mode, key, name) in enumerate(bars):
+            ys = [e[mode][key] for e in evs]
+            x = g + (b - 1) * 0.27
+            ax2.bar(x, sum(ys) / len(ys), width=0.25, color=f"C{b + 2}", label=name if g == 0 else None)
+            ax2.plot([x] * len(ys), ys, "k.", ms=4)
+    ax2.set_xticks(range(len(groups)), [label for _, label in groups])
+    ax2.set_ylabel("share of 100 held-out problems (greedy)")
+    ax2.set_ylim(0, 1.05)
+    ax2.grid(True, axis="y", alpha=0.3)
+    ax2.legend(fontsize=8)
+    ax2.set_title("SmolLM2-135M-Instruct, 3-digit sums and products", fontsize=10)
+    return save(fig, out_dir, "smollm2_tools.png")
+
+
 TRL_RESULTS = ("trl-grpo-small-cpu.json", "trl-dpo-small-cpu.json")  # bench/trl_compare.py on GPT-2 small
 
 
@@ -520,6 +557,8 @@ def figures(runs, out_dir):
         results = json.load(f)
     if "smollm2" in results:  # pipeline.py --smollm2
         return [plot_real(results, out_dir)]
+    if "smollm2_tools" in results:  # pipeline.py --smollm2_tools
+        return [plot_tools(results, out_dir)]
     paths = [plot_summary(results_path, out_dir)]
     if os.path.isfile(os.path.join(runs, "variants.json")):  # pipeline.py --variants
         with open(os.path.join(runs, "variants.json")) as f:

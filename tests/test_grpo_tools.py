@@ -6,7 +6,6 @@ import pytest
 import torch
 from helpers import TWO_RANK_RUNS, read_metrics
 from test_grpo import assert_same_run, grpo_argv, write_digits_prompts
-from transformers import GPT2LMHeadModel
 
 import common
 import grpo
@@ -15,29 +14,8 @@ import tool_rollout
 import tools
 
 
-def tool_policy(folder):
-    """A tiny GPT-2 that calls the calculator often: the character tokenizer with the tag pairs as
-    tokens, and an output layer whose first input, held at 1 by the final layer norm, leans
-    towards digits, '+', the call tags and EOS: most rows call the tool, some twice, some never,
-    at different turns. Built the same from the same seed; its folder, as a string."""
-    tok = tasks.char_tokenizer()
-    tok.add_tokens([tools.CALL_OPEN, tools.CALL_CLOSE, tools.RESULT_OPEN, tools.RESULT_CLOSE])
-    common.set_seed(0)
-    model = GPT2LMHeadModel(tasks.char_gpt2_config(tok, n_layer=1, n_embd=32, n_head=2, tie_word_embeddings=False))
-    lean = {tools.CALL_OPEN: 2.5, tools.CALL_CLOSE: 3.0, "+": 2.5, tok.eos_token: 1.5,
-            **{str(k): 2.5 for k in range(10)}}
-    with torch.no_grad():
-        model.transformer.ln_f.weight[0], model.transformer.ln_f.bias[0] = 0.0, 1.0
-        model.lm_head.weight[:, 0] = -1.0
-        for text, logit in lean.items():
-            model.lm_head.weight[tok.convert_tokens_to_ids(text), 0] = logit
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return str(folder)
-
-
 def tool_flags(folder):
-    return ("--model", tool_policy(folder / "policy"), "--dataset", write_digits_prompts(folder / "prompts.jsonl", 16),
+    return ("--model", tasks.calculator_gpt2(folder / "policy"), "--dataset", write_digits_prompts(folder / "prompts.jsonl", 16),
             "--tools", "calculator", "--max_new_tokens", "16", "--lr", "1e-4", "--warmup_steps", "0")
 
 
@@ -79,7 +57,7 @@ def tool_run(tmp_path_factory):
         mp.setattr(grpo, "grpo_loss", recording_loss)
         mp.setattr(tool_rollout, "generate_with_tools", recording_generate)
         grpo.main(cfg)
-    return read_metrics(tmp / "run"), seen["loss"], calls, tool_policy(tmp / "again")
+    return read_metrics(tmp / "run"), seen["loss"], calls, tasks.calculator_gpt2(tmp / "again")
 
 
 def test_the_loss_kl_and_ratios_never_see_a_tools_tokens(tool_run):

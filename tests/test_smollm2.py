@@ -157,3 +157,35 @@ def test_the_reward_model_reads_the_last_token_of_a_rendered_conversation(small)
             assert ours[i].item() == pytest.approx(alone.item(), abs=1e-5)
     assert hf[2].item() == pytest.approx(per_position[2, len(rows[2]) - 2].item(), abs=1e-5)
     assert abs(hf[2].item() - ours[2].item()) > 1e-3
+
+
+def test_the_tool_tags_become_tokens_of_their_own_in_the_real_tokenizer_and_template(small):
+    """pipeline.py --smollm2_tools's base model: after studies.add_tool_tags the closing call tag
+    is one token (the sampler stops at it), each tag's embedding is the mean of the embeddings of
+    the BPE pieces it was, the others are unchanged; a demonstration rendered with the real
+    template keeps the tags whole; a result's tokens decode to exactly its text (tokens in,
+    tokens out)."""
+    import datasets
+
+    import studies
+    import tasks
+    import tool_rollout
+    import tools
+
+    tok = data.load_tokenizer(small)
+    model = common.load_model(small, tok)
+    before = model.get_input_embeddings().weight.detach().clone()
+    pieces = tok.encode(tools.RESULT_CLOSE, add_special_tokens=False)
+    assert len(pieces) > 1
+    studies.add_tool_tags(tok, model)
+    emb = model.get_input_embeddings().weight.detach()
+    close = tool_rollout.closing_tag_id(tok)
+    assert close == tok.convert_tokens_to_ids(tools.CALL_CLOSE) and emb.shape[0] == len(tok) == before.shape[0] + 4
+    assert torch.equal(emb[:before.shape[0]], before)
+    assert torch.allclose(emb[tok.convert_tokens_to_ids(tools.RESULT_CLOSE)], before[pieces].mean(0))
+    row = tasks.calculator_rows(1)[0]
+    text = data.render_chat(datasets.Dataset.from_list([row]), tok, "calculator")[0]["completion"][0]
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids.count(close) == 1 and ids.count(tok.convert_tokens_to_ids(tools.CALL_OPEN)) == 1
+    written = tok.encode("<tool_call>12 * 34</tool_call>", add_special_tokens=False)
+    assert tok.decode(tool_rollout.result_tokens(tok, written, tools.calculator)) == "<tool_result>408</tool_result>"

@@ -348,3 +348,24 @@ def test_arith_splits_are_disjoint_and_fixed_by_the_seed():
 ])
 def test_number_format_reward_hand_cases(completion, reward):
     assert REWARD_FNS["number_format"](None, completion) == reward
+
+
+def test_calculator_rows_demonstrate_the_right_call_and_split_by_question():
+    """Each demonstration's call computes the row's answer with the calculator and its answer is
+    the final number; about tool_share of them call; train and test questions never meet."""
+    import tools
+
+    rows = tasks.calculator_rows(400, tool_share=0.5)
+    calls = 0
+    for r in rows:
+        demo = r["completion"][0]["content"]
+        assert tasks.math_reward(None, demo, r["answer"]) == 1.0
+        if demo.startswith(tools.CALL_OPEN):
+            calls += 1
+            expr = demo[len(tools.CALL_OPEN):demo.index(tools.CALL_CLOSE)]
+            assert tools.calculator(expr) == r["answer"]
+    assert 160 < calls < 240
+    assert all(tools.CALL_OPEN in r["completion"][0]["content"] for r in tasks.calculator_rows(20))
+    train = {r["prompt"][-1]["content"] for r in rows}
+    assert not train & {r["prompt"][-1]["content"] for r in tasks.calculator_rows(200, split="test")}
+    assert tasks.calculator_rows(3, system=False)[0]["prompt"][0]["role"] == "user"

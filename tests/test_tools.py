@@ -72,3 +72,12 @@ def test_a_users_tool_loads_by_module_and_name_and_bad_names_are_refused_naming_
                       (f"{__name__}:random", "not a function"), ("calculator2", "expected")]:
         with pytest.raises(ValueError, match=f"--tools '{spec}': .*{why}"):
             tools.load_tool(spec)
+
+
+def test_a_json_call_in_qwens_format_gives_the_tool_its_one_argument():
+    """Qwen2.5's template asks for {"name": ..., "arguments": {...}} inside the call tags: the tool
+    gets the one argument's value; plain text, other JSON and several arguments pass as written."""
+    assert tools.call_tool(tools.calculator, '{"name": "calculator", "arguments": {"expression": "12 * 34"}}') == "408"
+    assert tools.call_tool(tools.calculator, "12 * 34") == "408"
+    assert tools.call_argument('{"arguments": {"a": "1", "b": "2"}}') == '{"arguments": {"a": "1", "b": "2"}}'
+    assert tools.call_argument("[1, 2]") == "[1, 2]" and tools.call_argument("7") == "7"

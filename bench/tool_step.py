@@ -1,0 +1,96 @@
+"""A GRPO step with tool calls against one without, side by side: tokens/s of the whole step
+(rollout, reward, reference and update) and of the rollout alone.
+
+The same policy (tasks.calculator_gpt2: a GPT-2 of the character tokenizer whose output leans to
+digits, '+' and the call tags, so that most answers call the calculator, some twice) runs
+grpo.py for a few steps with `--tools calculator` and without (then the tags it writes are
+plain tokens and nothing runs). The sides alternate, each in a fresh subprocess, --repeats
+times; the first step of a run is warm-up and left out. Tokens/s counts response tokens, the
+model's and (with the tool) the results', per second: the tool's tokens are not sampled, but a
+step attends to them and carries them through every forward. What the tool loop costs: a
+sampler call per turn (prefill of the grown prompts, no KV cache kept across turns) and the
+host work of decoding a call and encoding its result.
+
+    python bench/tool_step.py                        # the TINY_GPT2 shape, 8 prompts x 8, 48 tokens, CPU
+    python bench/tool_step.py --n_layer 1 --n_embd 32 --steps 4
+
+Results: bench/results/tool-step-{cpu,cuda}.json.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import tasks  # noqa: E402
+from bench import util  # noqa: E402
+
+
+def one_run(folder, policy, prompts, tools, args):
+    """grpo.py for args.steps steps; per step after the first: (response tokens, step s, rollout s)."""
+    out = os.path.join(folder, "run-tools" if tools else "run-plain")
+    cmd = [sys.executable, os.path.join(ROOT, "grpo.py"), "--model", policy, "--dataset", prompts, "--steps",
+           str(args.steps), "--prompts_per_step", str(args.prompts), "--group_size", str(args.G), "--max_new_tokens",
+           str(args.new_tokens), "--n_eval", "8", "--eval_every", "1000", "--out_dir", out, "--save_every", "0"]
+    cmd += ["--tools", "calculator"] if tools else []
+    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    rows = [r for r in rows if r["step"] > 1 and "time/step" in r]
+    n = args.prompts * args.G
+    return [(r["completions/mean_length"] * n, r["time/step"], r["time/rollout"], r.get("tools/call_frequency", 0.0))
+            for r in rows]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--n_layer", type=int, default=tasks.TINY_GPT2["n_layer"])
+    p.add_argument("--n_embd", type=int, default=tasks.TINY_GPT2["n_embd"])
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--G", type=int, default=8)
+    p.add_argument("--new_tokens", type=int, default=48)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        policy = tasks.calculator_gpt2(os.path.join(folder, "policy"), n_layer=args.n_layer, n_embd=args.n_embd,
+                                       n_head=max(args.n_embd // 32, 1))
+        prompts = os.path.join(folder, "prompts.jsonl")
+        with open(prompts, "w") as f:
+            f.writelines(json.dumps({"prompt": r["prompt"], "reward_fn": "digits"}) + "\n"
+                         for r in tasks.prompt_rows(args.prompts * (args.steps + 1)))
+        steps = {True: [], False: []}
+        for _ in range(args.repeats):
+            for tools in (True, False):
+                steps[tools] += one_run(folder, policy, prompts, tools, args)
+    sides = {}
+    for tools, rows in steps.items():
+        tokens, step_s, roll_s, calls = zip(*rows)
+        sides["with tool calls" if tools else "without"] = {
+            "steps": len(rows), "response_tokens_per_step": statistics.mean(tokens),
+            "calls_per_answer": statistics.mean(calls), "step_s_median": statistics.median(step_s),
+            "tokens_per_s": sum(tokens) / sum(step_s), "rollout_tokens_per_s": sum(tokens) / sum(roll_s)}
+    w, wo = sides["with tool calls"], sides["without"]
+    result = {"device": util.device_name(util.default_device()), "torch": torch.__version__, "args": vars(args), "sides": sides,
+              "ratio_tokens_per_s": w["tokens_per_s"] / wo["tokens_per_s"],
+              "ratio_rollout_tokens_per_s": w["rollout_tokens_per_s"] / wo["rollout_tokens_per_s"]}
+    out = args.out or os.path.join(ROOT, "bench", "results", f"tool-step-{'cuda' if torch.cuda.is_available() else 'cpu'}.json")
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    for name, s in sides.items():
+        print(f"{name:16s} {s['response_tokens_per_step']:6.0f} response tokens/step, {s['calls_per_answer']:.2f} calls "
+              f"per answer, {s['step_s_median']:.2f} s/step, {s['tokens_per_s']:.0f} tokens/s (rollout "
+              f"{s['rollout_tokens_per_s']:.0f})")
+    print(f"with / without: {result['ratio_tokens_per_s']:.2f}x tokens/s, rollout {result['ratio_rollout_tokens_per_s']:.2f}x "
+          f"({result['device']}); {out}")
+
+
+if __name__ == "__main__":
+    main()
