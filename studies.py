@@ -628,7 +628,7 @@ def tool_eval(cfg):
     if os.path.isfile(path) and not pipeline.redo(cfg, "eval"):
         with open(path) as f:
             found = json.load(f)
-    models = {"instruct": REAL, **{f"{k}/seed{s}": tool_dir(cfg.runs, k, f"seed{s}", "checkpoint")
+    models = {"instruct": tool_dir(cfg.runs, "base"), **{f"{k}/seed{s}": tool_dir(cfg.runs, k, f"seed{s}", "checkpoint")
                                    for k in ("sft", "grpo") for s in range(cfg.real_seeds)}}
     for name, folder in models.items():
         if name in found:
@@ -652,7 +652,7 @@ def tool_results(cfg, times):
     seeds = range(cfg.real_seeds)
     cell = lambda kind, mode, key: pipeline.cell([ev[f"{kind}/seed{s}"][mode][key] for s in seeds])  # noqa: E731
     lines = ["| model | with the calculator: right | calling | alone: right | wall time (s) |", "|---|---|---|---|---|",
-             f"| SmolLM2-135M-Instruct | {ev['instruct']['tool']['accuracy']:.3f} | {ev['instruct']['tool']['calls']:.3f} | "
+             f"| SmolLM2-135M-Instruct (the tags added as tokens) | {ev['instruct']['tool']['accuracy']:.3f} | {ev['instruct']['tool']['calls']:.3f} | "
              f"{ev['instruct']['alone']['accuracy']:.3f} | |"]
     for kind, name in (("sft", f"+ SFT on {TOOL_DEMOS} demonstrations, {TOOL_SHARE:.0%} calling"),
                        ("grpo", f"+ GRPO with the calculator, {cfg.tool_steps} steps")):

@@ -37,9 +37,11 @@ def one_run(folder, policy, prompts, tools, args):
     out = os.path.join(folder, "run-tools" if tools else "run-plain")
     cmd = [sys.executable, os.path.join(ROOT, "grpo.py"), "--model", policy, "--dataset", prompts, "--steps",
            str(args.steps), "--prompts_per_step", str(args.prompts), "--group_size", str(args.G), "--max_new_tokens",
-           str(args.new_tokens), "--n_eval", "8", "--eval_every", "1000", "--out_dir", out, "--save_every", "0"]
+           str(args.new_tokens), "--n_eval", "8", "--eval_every", "1000", "--out_dir", out, "--save_every", "0", "--overwrite"]
     cmd += ["--tools", "calculator"] if tools else []
-    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(cmd)}\n{proc.stderr[-3000:]}")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     rows = [r for r in rows if r["step"] > 1 and "time/step" in r]
