@@ -24,9 +24,7 @@ import data  # noqa: E402
 import tasks  # noqa: E402
 import tools  # noqa: E402
 
-SYSTEM = (f"You have a calculator. To use it, write {tools.CALL_OPEN}an arithmetic expression{tools.CALL_CLOSE} and "
-          f"you will get {tools.RESULT_OPEN}its value{tools.RESULT_CLOSE}. Use it for any multiplication or addition "
-          f"of large numbers.")
+SYSTEM = tasks.CALCULATOR_SYSTEM  # the calculator described, as pipeline.py --smollm2_tools describes it
 
 
 def problems(n, seed=0):
