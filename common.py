@@ -501,12 +501,56 @@ class FP32Head(torch.nn.Linear):
                                               None if self.bias is None else self.bias.float())
 
 
+def dropout_fields(config, prefix=""):
+    """The dropout probabilities a config holds, {dotted name: value}, sub-configs included (a
+    multimodal model's text_config): `attention_dropout`, `hidden_dropout`, GPT-2's `*_pdrop`,
+    OPT's `layerdrop`... Only the non-zero ones."""
+    found = {}
+    for key, value in vars(config).items():
+        if hasattr(value, "to_dict") and hasattr(value, "model_type"):  # a sub-config
+            found |= dropout_fields(value, f"{prefix}{key}.")
+        elif ("dropout" in key or key.endswith("pdrop") or key == "layerdrop") and not isinstance(value, bool) \
+                and isinstance(value, (int, float)) and value:
+            found[prefix + key] = value
+    return found
+
+
+def zero_dropout(config):
+    """Set every dropout probability of a config to 0 (dropout_fields); returns their old values."""
+    found = dropout_fields(config)
+    for name in found:
+        owner, _, key = name.rpartition(".")
+        setattr(functools.reduce(getattr, owner.split("."), config) if owner else config, key, 0.0)
+    return found
+
+
+def no_dropout(model):
+    """Dropout off in every forward, in train mode too (activation checkpointing trains in train
+    mode; RLHF compares log-probs of two forwards: with dropout the ratio is not 1, nor the KL 0,
+    at step 0). Llama, Qwen2 and most current models pass `config.attention_dropout` to SDPA as a
+    float, read from the config or copied onto the attention module when it is built, so zeroing
+    nn.Dropout modules is not enough: the config's fields (zero_dropout, best before the model is
+    built), every nn.Dropout and every float module attribute named *dropout* are set to 0. The
+    config's own values are kept in `model.dropout_config`, for the exported config.json to say
+    what the model had (run._write_export)."""
+    found = zero_dropout(model.config)
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        for key, value in list(vars(m).items()):
+            if "dropout" in key and isinstance(value, float):
+                setattr(m, key, 0.0)
+    model.dropout_config = {**found, **getattr(model, "dropout_config", {})}
+    return model
+
+
 def load_model(name, tokenizer, kind="causal", dtype=torch.float32, trust_remote_code=False, d=None):
     """`tiny` (a small GPT-2, tasks.py), a hub id, a checkpoint folder, or a GGUF file or packaged
     model (run.model_folder). kind: "causal" (its LM head in fp32, FP32Head), "reward" (a trained
     reward model) or "new_reward" (a new score head: reward.py's start). Safetensors only; dropout
-    off (RLHF compares log-probs of two forwards). d: under torchrun only rank 0 reads the weights,
-    the others build on `meta` and shard_model fills them (one copy in host memory, not one per rank)."""
+    off (no_dropout) and in eval mode on every rank (from_pretrained's mode; shard_model sets train
+    mode for activation checkpointing). d: under torchrun only rank 0 reads the weights, the others
+    build on `meta` and shard_model fills them (one copy in host memory, not one per rank)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
 
     if kind not in ("causal", "reward", "new_reward"):
@@ -525,16 +569,18 @@ def load_model(name, tokenizer, kind="causal", dtype=torch.float32, trust_remote
 
         path = run.model_folder(name, kind=kind, trust_remote_code=trust_remote_code)  # of that kind
         from_rank0 = d is not None and d.torchrun and d.world_size > 1
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **extra)
+        dropout = zero_dropout(config)  # before the modules copy it
         if from_rank0 and not d.is_main:
-            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **extra)
             with torch.device("meta"):
                 model = auto.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
         else:  # a new score head is missing from the checkpoint by design: no load report for it
             with run.transformers_quiet(kind == "new_reward"):
-                model = auto.from_pretrained(path, dtype=dtype, use_safetensors=True,
-                                             trust_remote_code=trust_remote_code, **extra)
-        if from_rank0:  # the stop ids every rank samples with: rank 0's generation config, read as it was
-            gen = [model.generation_config.to_dict() if d.is_main else None]
+                model = auto.from_pretrained(path, config=config, dtype=dtype, use_safetensors=True,
+                                             trust_remote_code=trust_remote_code)
+        model.dropout_config = dropout
+        if from_rank0 and not reward:  # the stop ids every rank samples with: rank 0's generation config
+            gen = [model.generation_config.to_dict() if d.is_main else None]  # (a score model has none)
             dist.broadcast_object_list(gen, src=0, device=d.device if d.device.type == "cuda" else None)
             model.generation_config = GenerationConfig.from_dict(gen[0])
         model._from_rank0 = from_rank0  # shard_model broadcasts rank 0's weights
@@ -546,10 +592,7 @@ def load_model(name, tokenizer, kind="causal", dtype=torch.float32, trust_remote
         model.config.pad_token_id = tokenizer.pad_token_id
     elif type(model.get_output_embeddings()) is torch.nn.Linear:
         model.get_output_embeddings().__class__ = FP32Head  # same weights; checkpoints are unchanged
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-    return model
+    return no_dropout(model).eval()
 
 
 # -----------------------------------------------------------------------------

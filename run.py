@@ -772,10 +772,15 @@ def _write_export(model, tokenizer, folder, state, dtype, weights=True):
         if dtype is not None:
             state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
         model.save_pretrained(folder, state_dict=state)
-    if weights and dtype is not None:  # the config names the dtype the weights are stored in
+    dropout = getattr(model, "dropout_config", {})  # trained without (common.no_dropout): the model's own
+    if dropout or (weights and dtype is not None):  # the config names the dtype the weights are stored in
         with open(os.path.join(folder, "config.json")) as f:
             cfg_json = json.load(f)
-        cfg_json["dtype"] = str(dtype).removeprefix("torch.")
+        if weights and dtype is not None:
+            cfg_json["dtype"] = str(dtype).removeprefix("torch.")
+        for name, value in dropout.items():
+            *owners, key = name.split(".")
+            functools.reduce(dict.__getitem__, owners, cfg_json)[key] = value
         _write_json(os.path.join(folder, "config.json"), cfg_json)
     tokenizer.save_pretrained(folder)
 

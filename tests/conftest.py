@@ -57,7 +57,17 @@ def smollm2(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def two_ranks(tmp_path_factory):
+def user_models(tmp_path_factory):
+    """{name: folder} of the models users start from, built once a session from configs
+    (helpers.build_user_models: Llama- and Qwen2-shaped, a reward model, a teacher, a calculator
+    caller), each a checkpoint folder with its BPE tokenizer and chat template."""
+    from helpers import build_user_models
+
+    return build_user_models(tmp_path_factory.mktemp("user_models"))
+
+
+@pytest.fixture(scope="session")
+def two_ranks(tmp_path_factory, user_models):
     """The 2-rank side of every "2 processes = 1 process" test (helpers.TWO_RANK_RUNS), all run in
     one torchrun of 2 processes the first time a test asks: a torchrun and its interpreters take
     5-7 s to start, a tiny run under a second once they have. Returns folder(NAME): the folder the
@@ -67,7 +77,8 @@ def two_ranks(tmp_path_factory):
     root = tmp_path_factory.mktemp("two_ranks")
     for name in TWO_RANK_RUNS:
         (root / name).mkdir()
-    proc, codes = run_many([[name, *fn(root / name)] for name, fn in TWO_RANK_RUNS.items()], root / "results.json")
+    proc, codes = run_many([[name, *fn(root / name, user_models)] for name, fn in TWO_RANK_RUNS.items()],
+                           root / "results.json")
 
     def folder(name):
         assert codes.get(name) == 0, (f"the 2-rank run {name} exited {codes.get(name, 'before it began')}\n"

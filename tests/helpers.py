@@ -113,7 +113,7 @@ def run_many(runs, results, nproc=2, timeout=600):
 
 
 TWO_RANK_RUNS = {}
-"""NAME -> fn(folder) -> [SCRIPT, ARGS...]: the 2-rank side of a "2 processes = 1 process" test,
+"""NAME -> fn(folder, models) -> [SCRIPT, ARGS...] (models: conftest.py's `user_models`): the 2-rank side of a "2 processes = 1 process" test,
 registered by its test file when pytest imports it; conftest.py's `two_ranks` runs them all in
 one torchrun of 2 processes (run_many), once a session, each writing into its folder."""
 
@@ -233,3 +233,105 @@ ended by a token of its own"""
 TURN_TOKENS = {"llama3": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
                "gemma": ["<start_of_turn>", "<end_of_turn>"]}
 """the special tokens of each template in TEMPLATES; the last one ends a turn"""
+
+
+# -----------------------------------------------------------------------------
+# the models users start from, as folders: what every script's "1 process == 2 processes" test
+# loads (conftest.py's `user_models`), so that the path users take (a checkpoint folder read by
+# rank 0 and broadcast, a BPE tokenizer, a chat template) is the path the distributed tests take
+
+USER_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, max_position_embeddings=2048, attention_dropout=0.1)
+"""RoPE, GQA (4 query heads over 2 key-value heads) and an attention dropout of 0.1, which every
+forward of the scripts must leave out (common.no_dropout): a run that kept it would differ
+between 1 and 2 processes, and from its reference at lr 0"""
+
+
+def user_tokenizer(kind="bos", template="llama3"):
+    """A trained byte-level BPE tokenizer (family_tokenizer) with a chat template, and the tool
+    call tags (tools.py) as tokens of their own."""
+    import tools
+
+    tok = family_tokenizer(kind, chat=template)
+    tok.add_tokens([tools.CALL_OPEN, tools.CALL_CLOSE, tools.RESULT_OPEN, tools.RESULT_CLOSE])
+    return tok
+
+
+def save_model(model, tok, folder):
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+def build_user_models(root):
+    """The folders of a session's user models, {name: folder}, built from configs with random
+    weights (seeded): `llama` (Llama-3-shaped: BOS added by the tokenizer and written by the
+    template, <|eot_id|> ending a turn beside the EOS in generation_config.json, an untied head),
+    `qwen2` (Qwen2-shaped: no BOS, ChatML, <|im_end|> the EOS, tied embeddings), `llama_rm` (a
+    Llama reward model, LlamaForSequenceClassification), `llama_teacher` (another Llama with the
+    same tokenizer) and `llama_calculator` (a Llama that calls the calculator, calculator_llama)."""
+    import torch
+    from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaConfig,
+                              Qwen2Config)
+
+    tok = user_tokenizer()
+    ids = dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+               pad_token_id=tok.pad_token_id)
+    llama = LlamaConfig(**USER_SHAPE, **ids, tie_word_embeddings=False)
+    folders = {}
+    for name, seed in (("llama", 0), ("llama_teacher", 1)):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(llama)
+        model.generation_config.eos_token_id = [tok.eos_token_id, tok.convert_tokens_to_ids("<|eot_id|>")]
+        folders[name] = save_model(model, tok, os.path.join(root, name))
+    torch.manual_seed(2)
+    folders["llama_rm"] = save_model(AutoModelForSequenceClassification.from_config(LlamaConfig(
+        **USER_SHAPE, **ids, num_labels=1)), tok, os.path.join(root, "llama_rm"))
+    folders["llama_calculator"] = calculator_llama(os.path.join(root, "llama_calculator"), tok, llama)
+    qtok = user_tokenizer("bpe", "chatml")
+    torch.manual_seed(3)
+    qwen2 = Qwen2Config(**USER_SHAPE, vocab_size=len(qtok), eos_token_id=qtok.eos_token_id,
+                        pad_token_id=qtok.pad_token_id, tie_word_embeddings=True)
+    folders["qwen2"] = save_model(AutoModelForCausalLM.from_config(qwen2), qtok, os.path.join(root, "qwen2"))
+    return folders
+
+
+def calculator_llama(folder, tok, config):
+    """A Llama that calls the calculator often (tasks.calculator_gpt2's lean, on RoPE, GQA and
+    RMSNorm): the embeddings' first component is 1 and no layer writes to it (the first row of
+    every o_proj and down_proj is 0), so after the final RMSNorm it is ~sqrt(hidden) for every
+    token; the head's first column turns it into a lean to digits, '+', the call tags and EOS."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import tools
+
+    torch.manual_seed(4)
+    model = AutoModelForCausalLM.from_config(config)
+    scale = config.hidden_size ** -0.5
+    lean = {tools.CALL_OPEN: 2.5, tools.CALL_CLOSE: 3.0, "+": 2.5, tok.eos_token: 1.5, **{str(k): 2.5 for k in range(10)}}
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0] = 0.0
+            layer.mlp.down_proj.weight[0] = 0.0
+        model.lm_head.weight[:, 0] = -2 * scale  # a 300-token vocabulary: the others pushed further down
+        for text, logit in lean.items():
+            model.lm_head.weight[tok.convert_tokens_to_ids(text), 0] = logit * scale
+    return save_model(model, tok, folder)
+
+
+def chat_rows(n, kind):
+    """n conversational rows in TRL's formats about i + 7: `sft` (messages), `preference` (prompt,
+    chosen, rejected: the right sum against a wrong one) or `prompt` (prompt and the digits rule,
+    under which a random policy's samples vary)."""
+    rows = []
+    for i in range(n):
+        if kind == "sft":
+            rows.append({"messages": question(i) + chat(("assistant", str(i + 7)))})
+        elif kind == "preference":
+            rows.append({"prompt": question(i), "chosen": chat(("assistant", str(i + 7))),
+                         "rejected": chat(("assistant", f"{i + 8} I think"))})
+        else:
+            rows.append({"prompt": question(i), "reward_fn": "digits"})
+    return rows

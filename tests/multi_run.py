@@ -12,6 +12,7 @@ import importlib
 import json
 import os
 import sys
+import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -44,14 +45,18 @@ def main(results, runs):
                 run.script(module.main, module.Config)
             except SystemExit as e:
                 code = e.code if isinstance(e.code, int) else int(e.code is not None)
-            finally:
-                run.release()
+            except Exception:  # a crash: its traceback, then out at once (below)
+                traceback.print_exc()
+                code = 1
             codes[name] = code
             if int(os.environ.get("RANK", 0)) == 0:
                 with open(results, "w") as f:
                     json.dump(codes, f)
-            if code:
-                sys.exit(code)
+            if code:  # no barrier on the way out: the other ranks may sit in a collective the crash left
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)  # torchrun then stops them
+            run.release()
     finally:
         common.cleanup_distributed = leave
         common.cleanup_distributed()

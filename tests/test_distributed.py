@@ -6,7 +6,7 @@ import time
 import pytest
 
 from helpers import SUBPROCESS_ENV_NO_TOKENIZER_THREADS, checkpoint_weights, max_abs_diff, read_metrics, run_script
-from helpers import run_many
+from helpers import chat_rows, run_many, write_jsonl
 from test_robustness import FAST, run_fast
 
 
@@ -39,8 +39,14 @@ def test_ranks_that_see_different_data_stop_with_one_error(tmp_path):
     assert r.stdout.count("--dataset ") >= 4  # each rank's line names it for both ranks
 
 
+def folder_args(tmp_path, models):
+    """sft.py on the Llama-3-shaped folder (helpers.build_user_models) and conversational rows."""
+    rows = write_jsonl(tmp_path / "messages.jsonl", chat_rows(64, "sft"))
+    return ["--model", models["llama"], "--dataset", rows, "--eval_dataset", "sort", "--max_prompt_len", "128"]
+
+
 @pytest.mark.parametrize("before, afters", [(2, (2, 1)), (1, (2,))], ids=["2to2and1", "1to2"])
-def test_resume_on_another_world_size_ends_with_the_same_weights(tmp_path, before, afters):
+def test_resume_on_another_world_size_ends_with_the_same_weights(tmp_path, user_models, before, afters):
     """The sharded training state (torch.distributed.checkpoint) written by `before` processes,
     killed right after the step-2 checkpoint, resumed (from a copy each) on each of `afters`:
     the same losses at steps 3 and 4 and the same final weights as an uninterrupted run: to 1e-6
@@ -49,7 +55,7 @@ def test_resume_on_another_world_size_ends_with_the_same_weights(tmp_path, befor
     still move, by other amounts."""
     import shutil
 
-    args = ["--steps", "4", "--save_every", "2"]
+    args = ["--steps", "4", "--save_every", "2", *folder_args(tmp_path, user_models)]
     killed = run_fast("sft.py", args + ["--out_dir", str(tmp_path / "killed")], nproc=before, crash="after_save:1")
     assert killed.returncode != 0 and read_metrics(tmp_path / "killed")[-1]["step"] == 2, killed.stderr[-2000:]
     for after in afters:
@@ -129,12 +135,12 @@ def test_every_rank_stops_at_the_generation_configs_end_ids_for_a_hub_model(tmp_
     assert "org--tiny" not in os.listdir(tmp_path)  # read through the cache, not a local path
 
 
-def test_hsdp_2_by_2_matches_one_process(tmp_path):
+def test_hsdp_2_by_2_matches_one_process(tmp_path, user_models):
     """--hsdp 2 on 4 ranks: a (replicate 2, shard 2) mesh, parameters sharded within each pair
     and gradients averaged across the pairs; the same losses and final weights as 1 process. Two
     micro-batches per step: each is reduce-scattered within its pair, the all-reduce across pairs
     waits for the second (common.backward)."""
-    args = ["--steps", "2", "--warmup_steps", "0", "--grad_accum", "2"]
+    args = ["--steps", "2", "--warmup_steps", "0", "--grad_accum", "2", *folder_args(tmp_path, user_models)]
     one = run_fast("sft.py", args + ["--out_dir", str(tmp_path / "one")])
     assert one.returncode == 0, one.stderr
     four = run_fast("sft.py", args + ["--out_dir", str(tmp_path / "hsdp"), "--hsdp", "2"], nproc=4)

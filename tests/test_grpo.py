@@ -628,8 +628,8 @@ def rejection_and_dynamic_sampling(folder):
             "--lr", "1e-4", "--warmup_steps", "0")
 
 
-TWO_RANK_RUNS["grpo_defaults"] = lambda folder: grpo_argv(folder / "run", *default_flags(folder))
-TWO_RANK_RUNS["grpo_rs_dynamic"] = lambda folder: grpo_argv(folder / "run", *rejection_and_dynamic_sampling(folder))
+TWO_RANK_RUNS["grpo_defaults"] = lambda folder, models: grpo_argv(folder / "run", *default_flags(folder))
+TWO_RANK_RUNS["grpo_rs_dynamic"] = lambda folder, models: grpo_argv(folder / "run", *rejection_and_dynamic_sampling(folder))
 
 
 def test_two_processes_match_one_process_at_the_default_flags(tmp_path, two_ranks):

@@ -9,17 +9,17 @@ from test_grpo import assert_same_run, grpo_argv, write_digits_prompts
 
 import common
 import grpo
-import tasks
 import tool_rollout
 import tools
 
 
-def tool_flags(folder):
-    return ("--model", tasks.calculator_gpt2(folder / "policy"), "--dataset", write_digits_prompts(folder / "prompts.jsonl", 16),
-            "--tools", "calculator", "--max_new_tokens", "16", "--lr", "1e-4", "--warmup_steps", "0")
+def tool_flags(folder, models):
+    """The Llama-shaped calculator caller (helpers.calculator_llama), read from its folder."""
+    return ("--model", models["llama_calculator"], "--dataset", write_digits_prompts(folder / "prompts.jsonl", 16),
+            "--tools", "calculator", "--max_new_tokens", "24", "--lr", "1e-4", "--warmup_steps", "0")
 
 
-TWO_RANK_RUNS["grpo_tools"] = lambda folder: grpo_argv(folder / "run", *tool_flags(folder))
+TWO_RANK_RUNS["grpo_tools"] = lambda folder, models: grpo_argv(folder / "run", *tool_flags(folder, models))
 
 
 def tool_spans(r_ids, tok):
@@ -29,12 +29,12 @@ def tool_spans(r_ids, tok):
 
 
 @pytest.fixture(scope="module")
-def tool_run(tmp_path_factory):
+def tool_run(tmp_path_factory, user_models):
     """grpo.py --tools in this process, with the flags of the 2-rank run, recording what the
     loss is given (each micro-batch's ids, attention mask and loss mask) and the calls each row
     of each rollout made."""
     tmp = tmp_path_factory.mktemp("tools")
-    cfg = grpo.run.parse_config(grpo.Config, grpo_argv(tmp / "run", *tool_flags(tmp))[1:])
+    cfg = grpo.run.parse_config(grpo.Config, grpo_argv(tmp / "run", *tool_flags(tmp, user_models))[1:])
     seen, calls = {}, []
     logprobs, loss_fn, gen = common.response_logprobs, grpo.grpo_loss, tool_rollout.generate_with_tools
 
@@ -57,7 +57,7 @@ def tool_run(tmp_path_factory):
         mp.setattr(grpo, "grpo_loss", recording_loss)
         mp.setattr(tool_rollout, "generate_with_tools", recording_generate)
         grpo.main(cfg)
-    return read_metrics(tmp / "run"), seen["loss"], calls, tasks.calculator_gpt2(tmp / "again")
+    return read_metrics(tmp / "run"), seen["loss"], calls, user_models["llama_calculator"]
 
 
 def test_the_loss_kl_and_ratios_never_see_a_tools_tokens(tool_run):

@@ -10,7 +10,7 @@ import data
 import sft
 import tasks
 from helpers import (SUBPROCESS_ENV_NO_TOKENIZER_THREADS, TWO_RANK_RUNS, checkpoint_weights, max_abs_diff, read_metrics,
-                     run_here, run_script, write_jsonl)
+                     chat_rows, run_here, run_script, write_jsonl)
 
 FAST = ["--n_train", "256", "--n_eval", "8", "--batch_size", "8", "--max_response_len", "20", "--warmup_steps", "2"]
 
@@ -103,17 +103,28 @@ def test_grad_accum_gives_the_full_batch_loss_and_gradient(tmp_path):
     assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6), (a, b)
 
 
-TWO_RANK_ARGS = ["--steps", "3", "--eval_every", "3", *FAST, "--n_eval", "7", "--eval_batch_size", "1"]
-TWO_RANK_RUNS["sft"] = lambda folder: ["sft.py", *TWO_RANK_ARGS, "--out_dir", folder / "two"]
+TWO_RANK_ARGS = ["--steps", "3", "--eval_every", "3", *FAST, "--n_eval", "7", "--eval_batch_size", "1",
+                 "--max_prompt_len", "128", "--eval_dataset", "sort", "--lr", "1e-4"]
 
 
-def test_two_processes_match_one_process(tmp_path, two_ranks):
-    """FSDP2 over 2 gloo processes on the same global batch: same loss per step, same weights, same
-    evaluation. With 7 eval rows at one row per forward the ranks hold 4 and 3: a strided split
-    would run 4 forwards on rank 0 and 3 on rank 1, and rank 0's last FSDP all-gather would wait
-    for a rank that never comes (the run hangs until the timeout). The 2-rank run is conftest.py's
-    `two_ranks`."""
-    one = run_sft(TWO_RANK_ARGS + ["--out_dir", str(tmp_path / "one"), "--grad_accum", "2"], timeout=240)
+def two_rank_argv(folder, models):
+    """The Llama-3-shaped folder (helpers.build_user_models) on conversational `messages` rows
+    rendered with its template; held out: the embedded task's rows, whose greedy answers are scored."""
+    rows = write_jsonl(folder / "messages.jsonl", chat_rows(64, "sft"))
+    return ["sft.py", *TWO_RANK_ARGS, "--model", models["llama"], "--dataset", rows, "--out_dir", str(folder / "two")]
+
+
+TWO_RANK_RUNS["sft"] = two_rank_argv
+
+
+def test_two_processes_match_one_process(tmp_path, user_models, two_ranks):
+    """FSDP2 over 2 gloo processes on the same global batch, from a checkpoint folder rank 0 reads
+    alone: same loss per step, same weights, same evaluation. With 7 eval rows at one row per
+    forward the ranks hold 4 and 3: a strided split would run 4 forwards on rank 0 and 3 on rank 1,
+    and rank 0's last FSDP all-gather would wait for a rank that never comes (the run hangs until
+    the timeout). The 2-rank run is conftest.py's `two_ranks`."""
+    argv = two_rank_argv(tmp_path, user_models)
+    one = run_sft(argv[1:-2] + ["--out_dir", str(tmp_path / "one"), "--grad_accum", "2"], timeout=240)
     assert one.returncode == 0, one.stderr
     two = two_ranks("sft") / "two"
     m1, m2 = read_metrics(tmp_path / "one"), read_metrics(two)

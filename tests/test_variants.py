@@ -394,7 +394,7 @@ def variant_collectives(folder):
             "--lr", "1e-4", "--warmup_steps", "0")
 
 
-TWO_RANK_RUNS["grpo_variants"] = lambda folder: test_grpo.grpo_argv(folder / "run", *variant_collectives(folder))
+TWO_RANK_RUNS["grpo_variants"] = lambda folder, models: test_grpo.grpo_argv(folder / "run", *variant_collectives(folder))
 
 
 def test_two_processes_match_one_process_with_the_variants_collectives(tmp_path, two_ranks):

@@ -1,0 +1,220 @@
+"""The path users take: checkpoint folders of real architectures (helpers.build_user_models: a
+Llama-3-shaped model with RoPE, GQA, an untied head, a BOS-adding BPE tokenizer, a chat template
+and an end-of-turn id beside its EOS; a Qwen2-shaped one with tied embeddings and ChatML; a Llama
+reward model and teacher), loaded from a path as users load them (under torchrun rank 0 reads
+and broadcasts), trained on conversational rows in TRL's formats. Each script on 2 ranks
+reproduces 1 process (the 2-rank runs are conftest.py's `two_ranks`), and every model carries an
+attention dropout of 0.1 that no forward may apply (common.no_dropout): at lr 0 the KL to the
+reference is 0 and no token is clipped, under `python` and torchrun, with and without activation
+checkpointing."""
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from helpers import TWO_RANK_RUNS, chat_rows, checkpoint_weights, max_abs_diff, read_metrics, run_here, write_jsonl
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def run_ok(argv):
+    """A script in this process (helpers.run_here); its out_dir's metrics rows."""
+    proc = run_here(argv)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = argv[argv.index("--out_dir") + 1]
+    return read_metrics(out)
+
+
+def assert_same_rows(one, two, keys, rel=1e-4, abs_=1e-5):
+    """Two runs' logged rows agree step for step on every key the first logged."""
+    assert [r["step"] for r in one] == [r["step"] for r in two]
+    for a, b in zip(one, two):
+        for key in keys:
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=rel, abs=abs_), (a["step"], key, a[key], b[key])
+
+
+# -----------------------------------------------------------------------------
+# reward.py: a reward model started from a causal LM's folder (a new score head), on
+# conversational pairs rendered with the Llama-3 template
+
+
+def reward_argv(folder, models):
+    data = write_jsonl(folder / "pairs.jsonl", chat_rows(32, "preference"))
+    return ["reward.py", "--model", models["llama"], "--dataset", data, "--eval_dataset", data, "--steps", "3",
+            "--batch_size", "8", "--grad_accum", "2", "--lr", "1e-4", "--warmup_steps", "0", "--max_prompt_len", "128",
+            "--max_response_len", "16", "--n_eval", "16", "--eval_every", "3", "--n_normalize", "8",
+            "--out_dir", str(folder / "run")]
+
+
+TWO_RANK_RUNS["reward_folder"] = reward_argv
+
+
+def test_reward_model_from_a_folder_two_processes_match_one(tmp_path, user_models, two_ranks):
+    """`torchrun --nproc_per_node 2 reward.py --model FOLDER` crashed at load on both ranks (rank 0
+    read the generation config a score model does not have). Now the same losses, accuracies,
+    normalisation and weights as 1 process; the export loads as a sequence classifier whose config
+    keeps the checkpoint's attention dropout."""
+    from transformers import AutoModelForSequenceClassification
+
+    one = run_ok(reward_argv(tmp_path, user_models))
+    out = two_ranks("reward_folder") / "run"
+    assert_same_rows(one, read_metrics(out), ("loss", "grad_norm", "accuracy", "eval/accuracy", "eval/margin",
+                                              "normalize/mean", "normalize/std"))
+    assert max_abs_diff(checkpoint_weights(tmp_path / "run"), checkpoint_weights(out)) < 1e-5
+    model = AutoModelForSequenceClassification.from_pretrained(out / "checkpoint")
+    assert model.config.num_labels == 1 and model.config.attention_dropout == 0.1
+
+
+# -----------------------------------------------------------------------------
+# dpo.py on the Qwen2-shaped folder (tied embeddings, ChatML): the reference precomputed and live
+
+
+def dpo_argv(folder, models, *extra):
+    data = write_jsonl(folder / "pairs.jsonl", chat_rows(32, "preference"))
+    return ["dpo.py", "--model", models["qwen2"], "--dataset", data, "--eval_dataset", data, "--steps", "3",
+            "--batch_size", "8", "--lr", "3e-4", "--warmup_steps", "0", "--max_prompt_len", "128",
+            "--max_response_len", "16", "--n_eval", "16", "--eval_every", "3", "--out_dir", str(folder / "run"), *extra]
+
+
+TWO_RANK_RUNS["dpo_folder_precomputed"] = dpo_argv
+TWO_RANK_RUNS["dpo_folder_live"] = lambda folder, models: dpo_argv(folder, models, "--no-precompute_ref",
+                                                                    "--grad_accum", "2")
+
+
+def test_dpo_from_a_folder_two_processes_match_one_with_either_reference(tmp_path, user_models, two_ranks):
+    """1 process with the reference's log-probs precomputed against 2 ranks with them precomputed
+    and with a live (sharded) reference: the same loss (ln 2 at step 1: the policy is its
+    reference), implicit rewards, eval accuracy and weights."""
+    one = run_ok(dpo_argv(tmp_path, user_models))
+    assert one[1]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    for name in ("dpo_folder_precomputed", "dpo_folder_live"):
+        out = two_ranks(name) / "run"
+        assert_same_rows(one, read_metrics(out), ("loss", "rewards/margins", "rewards/chosen", "logps/chosen",
+                                                  "grad_norm", "eval/accuracy", "eval/margin"))
+        assert max_abs_diff(checkpoint_weights(tmp_path / "run"), checkpoint_weights(out)) < 1e-5, name
+
+
+# -----------------------------------------------------------------------------
+# grpo.py: conversational prompts, a rule, a reward model and a teacher at once
+
+
+def grpo_argv(folder, models, *extra):
+    data = write_jsonl(folder / "prompts.jsonl", chat_rows(16, "prompt"))
+    return ["grpo.py", "--model", models["llama"], "--dataset", data, "--steps", "2", "--prompts_per_step", "4",
+            "--group_size", "4", "--max_prompt_len", "128", "--max_new_tokens", "8", "--temperature", "0.7",
+            "--eval_every", "1", "--warmup_steps", "0", "--out_dir", str(folder / "run"), *extra]
+
+
+def grpo_everything(folder, models):
+    return grpo_argv(folder, models, "--reward_model", models["llama_rm"], "--reward_weights", "rule:1,model:0.5",
+                     "--teacher", models["llama_teacher"], "--teacher_coef", "0.5", "--lr", "1e-4")
+
+
+def grpo_lr0(folder, models, *extra):
+    return grpo_argv(folder, models, "--reward_model", models["llama_rm"], "--lr", "0", "--steps", "1", *extra)
+
+
+TWO_RANK_RUNS["grpo_folder"] = grpo_everything
+TWO_RANK_RUNS["grpo_folder_lr0"] = lambda folder, models: grpo_lr0(folder, models, "--activation_checkpointing")
+
+
+def test_grpo_from_folders_two_processes_match_one(tmp_path, user_models, two_ranks):
+    """A Llama policy, a Llama reward model and a Llama teacher, each read from its folder by rank 0
+    alone: the rewards (rule and model), the distillation term, the loss, the grad norm and the
+    weights of 2 ranks are those of 1 process, and the export keeps the generation config's two
+    end ids."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    one = run_ok(grpo_everything(tmp_path, user_models))
+    out = two_ranks("grpo_folder") / "run"
+    two = read_metrics(out)
+    assert [r["step"] for r in one] == [1, 2] and all(r["reward_std"] > 0 for r in one)
+    assert_same_rows(one, two, ("reward", "reward/rule", "reward/model", "distill/reverse_kl", "loss", "kl",
+                                "grad_norm", "completions/mean_length"))
+    assert max_abs_diff(checkpoint_weights(tmp_path / "run"), checkpoint_weights(out)) < 1e-5
+    assert AutoModelForCausalLM.from_pretrained(out / "checkpoint").config.attention_dropout == 0.1
+    assert len(GenerationConfig.from_pretrained(out / "checkpoint").eos_token_id) == 2
+
+
+def assert_never_moved(rows):
+    """lr 0: the policy is its reference and its own old self, so each token's KL is 0 and its
+    ratio 1, exactly (fp32 on the CPU, the same kernels), whatever its advantage."""
+    (step,) = [r for r in rows if r["step"] == 1]
+    assert step["reward_std"] > 0  # advantages that are not 0, which a ratio off 1 would clip
+    assert step["kl"] == 0 and step["clip_ratio/low"] == 0 and step["clip_ratio/high"] == 0, step
+    assert step["rollout/logp_diff"] < 1e-5, step  # the sampler's log-probs are the trainer's
+
+
+@pytest.mark.parametrize("ac", [[], ["--activation_checkpointing"]], ids=["eager", "checkpointing"])
+def test_no_dropout_at_lr_0_under_python(tmp_path, user_models, ac):
+    """The folders' attention dropout of 0.1 reaches SDPA as a float whenever the model is in
+    train mode (activation checkpointing needs it): with only nn.Dropout modules zeroed, the KL at
+    lr 0 was 1.4e-4 with checkpointing. Two passes over two mini-batches: the old log-probs are a
+    forward of their own, so the ratio is computed, not assumed."""
+    rows = run_ok(grpo_lr0(tmp_path, user_models, "--num_iterations", "2", "--num_mini_batches", "2", *ac))
+    assert_never_moved(rows)
+
+
+def test_no_dropout_at_lr_0_under_torchrun(two_ranks):
+    """Under torchrun rank 1 builds its model from the config on the meta device (train mode, where
+    rank 0's from_pretrained gives eval mode), with activation checkpointing."""
+    assert_never_moved(read_metrics(two_ranks("grpo_folder_lr0") / "run"))
+
+
+def test_lora_on_a_folder_exports_merged_weights(tmp_path, user_models):
+    """--lora on the Llama folder (peft's adapters on every linear layer but the head): the export
+    is a plain Llama checkpoint, adapters merged, its weights moved from the folder's."""
+    pytest.importorskip("peft")
+    rows = run_ok(grpo_argv(tmp_path, user_models, "--lora", "--lr", "1e-2", "--steps", "1", "--eval_every", "5"))
+    assert rows[-1]["grad_norm"] > 0
+    after, before = (checkpoint_weights(p, name="") for p in (tmp_path / "run" / "checkpoint", user_models["llama"]))
+    assert after.keys() == before.keys()  # no adapter left
+    assert max((after[k] - before[k]).abs().max().item() for k in after) > 1e-4
+    with open(tmp_path / "run" / "checkpoint" / "config.json") as f:
+        assert json.load(f)["attention_dropout"] == 0.1
+
+
+# -----------------------------------------------------------------------------
+# dropout, for every family the tests build
+
+
+def test_every_dropout_field_is_zeroed_and_kept_for_the_export(tmp_path):
+    """Configs of several families with every dropout field at 0.1 (attention, hidden, residual,
+    embedding, OPT's activation dropout and layerdrop): loaded by common.load_model, two forwards
+    of the same tokens in train mode are identical, and the config's values are what the export
+    writes back."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    import common
+    import run
+    from helpers import family_tokenizer
+
+    tok = family_tokenizer("bpe")
+    shape = dict(vocab_size=len(tok), bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
+                 pad_token_id=tok.pad_token_id, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                 intermediate_size=64, max_position_embeddings=64)
+    configs = {"LlamaConfig": dict(attention_dropout=0.1), "Phi3Config": dict(attention_dropout=0.1, resid_pdrop=0.1,
+                                                                               embd_pdrop=0.1),
+               "GPTNeoXConfig": dict(attention_dropout=0.1, hidden_dropout=0.1),
+               "OPTConfig": dict(dropout=0.1, attention_dropout=0.1, activation_dropout=0.1, layerdrop=0.1,
+                                 ffn_dim=64, word_embed_proj_dim=32),
+               "GPT2Config": dict(attn_pdrop=0.1, resid_pdrop=0.1, embd_pdrop=0.1, n_inner=64)}
+    ids = torch.tensor([tok("sort 3 1 2 = 1 2 3 the quick brown fox")["input_ids"]])
+    for name, fields in configs.items():
+        config = getattr(transformers, name)(**shape, **fields)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+        model = common.load_model(str(tmp_path / name), tok).train()
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, model(ids).logits), name
+        assert set(fields) - {"ffn_dim", "word_embed_proj_dim", "n_inner"} <= set(model.dropout_config), name
+        run._write_export(model, tok, str(tmp_path / f"{name}-export"), model.state_dict(), None)
+        with open(tmp_path / f"{name}-export" / "config.json") as f:
+            written = json.load(f)
+        assert all(written[k] == v for k, v in model.dropout_config.items()), (name, written)
+        assert os.path.isfile(tmp_path / f"{name}-export" / "model.safetensors")
