@@ -506,6 +506,7 @@ class Env:
     rm_tokenizer: object = None
     teacher: object = None  # on-policy distillation's, frozen
     tool: object = None  # --tools: a function, text -> text
+    prompt_cut: object = None  # (n,) bool: the prompt is longer than --max_prompt_len, cut from the left
 
 
 def make_env(cfg, d, prompts, order, tokenizer, model, weights):
@@ -531,11 +532,8 @@ def make_env(cfg, d, prompts, order, tokenizer, model, weights):
         run.check_context(teacher, cfg.max_prompt_len, cfg.max_new_tokens, "--max_new_tokens", f"--teacher {cfg.teacher}")
     stop_ids = stop_token_ids(tokenizer, model, cfg.truncate_token)  # EOS first, the truncate token last
     rendered, _ = render_chat(prompts, tokenizer, cfg.dataset)
-    p_ids, n_cut = encode_prompts(tokenizer, rendered["prompt"], cfg.max_prompt_len, cfg.dataset)
+    p_ids, cut = encode_prompts(tokenizer, rendered["prompt"], cfg.max_prompt_len, cfg.dataset)
     show_example(tokenizer, p_ids[0], None, cfg.dataset)
-    if n_cut:  # counted once here; each rollout cuts them again from the left
-        common.print0(f"{cfg.dataset}: {n_cut} of {len(prompts)} prompts are longer than --max_prompt_len "
-                      f"{cfg.max_prompt_len} tokens and are cut from the left")
     tool = None
     if getattr(cfg, "tools", ""):  # the closing tag must be one token, for the sampler to stop at
         import tool_rollout
@@ -545,7 +543,7 @@ def make_env(cfg, d, prompts, order, tokenizer, model, weights):
         tool_rollout.closing_tag_id(tokenizer, flag=f"--tools {cfg.tools}")
     return Env(prompts=rendered, own_prompts=list(prompts["prompt"]), order=order, tokenizer=tokenizer,
                stop_ids=stop_ids, truncate_id=stop_ids[-1] if cfg.truncate_token else None, weights=weights, rm=rm,
-               rm_tokenizer=rm_tokenizer, teacher=teacher, tool=tool)
+               rm_tokenizer=rm_tokenizer, teacher=teacher, tool=tool, prompt_cut=torch.tensor(cut))
 
 
 @torch.no_grad()
@@ -593,8 +591,8 @@ def encode_prompts(tokenizer, texts, max_len, source="prompts"):
     not those it adds at the end (an EOS there would sit between prompt and response), and no
     second BOS when the text holds one already (a rendered chat template). An over-long prompt
     keeps those leading tokens and its last tokens (the end of a prompt is what the response
-    follows). Returns (ids, number truncated). A prompt of no tokens is refused: the first
-    response token would have no position to be predicted from."""
+    follows). Returns (ids, cut): cut[i] says prompt i was cut. A prompt of no tokens is refused:
+    the first response token would have no position to be predicted from."""
     head, _ = added_tokens(tokenizer)
     ids = [x if x[:len(head)] == head else head + x
            for x in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
@@ -602,9 +600,9 @@ def encode_prompts(tokenizer, texts, max_len, source="prompts"):
     if empty:
         raise ValueError(f"{source}: {empty} of {len(ids)} prompts are empty (no tokens): the first response token "
                          f"needs a token before it. Give every row a prompt, or use a tokenizer that adds a BOS token")
-    n_cut = sum(len(x) > max_len for x in ids)
+    cut = [len(x) > max_len for x in ids]
     keep = len(head) if max_len > len(head) else 0
-    return [x if len(x) <= max_len else x[:keep] + x[len(x) - max_len + keep:] for x in ids], n_cut
+    return [x if len(x) <= max_len else x[:keep] + x[len(x) - max_len + keep:] for x in ids], cut
 
 
 def encode_responses(tokenizer, texts, max_len, eos=True):
@@ -630,9 +628,10 @@ def encode_pairs(ds, tokenizer, max_prompt_len, max_response_len, what, eos=True
     """Token ids (prompts, chosen, rejected) of a pairs Dataset of text (render_chat): prompts
     cut from the left, responses (+ EOS for plain text) from the right; the cuts are counted and
     printed, never silent."""
-    prompts, p_cut = encode_prompts(tokenizer, ds["prompt"], max_prompt_len, what)
+    prompts, cut = encode_prompts(tokenizer, ds["prompt"], max_prompt_len, what)
     chosen, c_cut = encode_responses(tokenizer, ds["chosen"], max_response_len, eos)
     rejected, r_cut = encode_responses(tokenizer, ds["rejected"], max_response_len, eos)
+    p_cut = sum(cut)
     if p_cut or c_cut or r_cut:
         common.print0(f"{what}: truncated {p_cut} prompts (left), {c_cut} chosen and {r_cut} rejected responses "
                f"(right) of {len(prompts)} pairs to {max_prompt_len}/{max_response_len} tokens")

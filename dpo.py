@@ -40,7 +40,7 @@ Run:
 """
 import time
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import ClassVar, Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +55,10 @@ LossType = Literal["sigmoid", "sigmoid_norm", "ipo", "hinge", "robust", "apo_zer
 
 @dataclass
 class Config(run.SharedConfig):
+    # the values of the flags left unset (run.fill_defaults): the embedded task's, or TRL 1.16's DPOConfig
+    # (lr 1e-6; max_length 1024 in all, here 512 prompt + 512 response tokens)
+    DEFAULTS: ClassVar[dict] = {"embedded": dict(lr=1e-4, max_prompt_len=64, max_response_len=32),
+                                "trl": dict(lr=1e-6, max_prompt_len=512, max_response_len=512)}
     # --- model and data ---
     model: str = "runs/sft"
     """the policy's initial weights: a local checkpoint, `tiny`, or a hub id"""
@@ -71,8 +75,8 @@ class Config(run.SharedConfig):
     n_train: int = 8000
     """pairs drawn from an embedded task (ignored for files and hub data sets); 250 steps of 64 see each twice [>=
     1]"""
-    max_response_len: int = 32
-    """response tokens kept, EOS included [>= 1]"""
+    max_response_len: int | None = None
+    """response tokens kept, EOS included; a longer one is cut from the right, counted in the banner [>= 1]"""
     # --- loss ---
     beta: float = 0.3
     """strength of the KL regularisation towards the reference (the implicit reward's scale; 0.1 overshoots here) [>
@@ -97,8 +101,6 @@ class Config(run.SharedConfig):
     """pairs per optimizer step, over all ranks and micro-batches [>= 1]"""
     grad_accum: int = 1
     """micro-batches per optimizer step on each rank [>= 1]"""
-    lr: float = 1e-4
-    """peak learning rate (AdamW; 0 trains nothing, a check that KL and clipping stay 0) [>= 0]"""
     warmup_steps: int = 20
     """linear warmup steps before the cosine decay [>= 0]"""
     offload_frozen: bool = False

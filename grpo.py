@@ -42,7 +42,7 @@ import copy
 import math
 import time
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import ClassVar, Literal, get_args
 
 import torch
 
@@ -64,6 +64,10 @@ KL_ESTIMATORS, LOSS_AGGS, LOSS_TYPES, IS_LEVELS, ADV_ESTIMATORS = map(
 
 @dataclass
 class Config(run.SharedConfig):
+    # the values of the flags left unset (run.fill_defaults): the embedded task's, or TRL 1.16's GRPOConfig
+    # (lr 1e-6, 512 prompt tokens, 256 completion tokens)
+    DEFAULTS: ClassVar[dict] = {"embedded": dict(lr=1e-4, max_prompt_len=64, max_new_tokens=24),
+                                "trl": dict(lr=1e-6, max_prompt_len=512, max_new_tokens=256)}
     # --- model and data ---
     model: str = "runs/sft"
     """the policy to start from: a checkpoint folder (runs/sft), a hub id, or `tiny` (random, for tests)"""
@@ -77,7 +81,7 @@ class Config(run.SharedConfig):
     """prompts per rollout, over all ranks [>= 1]"""
     group_size: int = 8
     """completions per prompt that enter the loss (G) [>= 2]"""
-    max_new_tokens: int = 24
+    max_new_tokens: int | None = None
     """response tokens sampled at most (a completion that reaches it without stopping is 'clipped') [>= 1]"""
     temperature: float = 1.0
     """sampling temperature; the loss's log-probs use the same temperature [> 0]"""
@@ -204,8 +208,6 @@ class Config(run.SharedConfig):
     """optimizer steps per pass (the rollout split into this many mini-batches) [>= 1]"""
     grad_accum: int = 1
     """micro-batches per mini-batch on each rank [>= 1]"""
-    lr: float = 1e-4
-    """peak learning rate (AdamW; 0 trains nothing, a check that KL and clipping stay 0) [>= 0]"""
     warmup_steps: int = 5
     """linear warmup (optimizer steps) before the cosine decay [>= 0]"""
     offload_frozen: bool = False
@@ -643,7 +645,7 @@ def main(cfg):
                                                  cfg.steps * n_updates)
     n_local, rows_local = cfg.prompts_per_step // d.world_size, cfg.prompts_per_step // d.world_size * cfg.group_size
     micro = rows_local // cfg.num_mini_batches // cfg.grad_accum  # rows per forward on this rank
-    common.print0(run.grpo_banner(cfg, d, params, micro, weights))
+    common.print0(run.grpo_banner(cfg, d, params, micro, env))
     loss_knobs = dict(epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high, beta=0 if cfg.kl_in_reward else cfg.beta,
                       kl_estimator=cfg.kl_estimator, agg=cfg.loss_agg, entropy_coef=cfg.entropy_coef,
                       loss_type=cfg.loss_type, level=cfg.importance_sampling_level, delta=cfg.delta,
@@ -710,7 +712,8 @@ def main(cfg):
         n_rows, lengths = rows_local * d.world_size, roll.r_mask.sum(-1).float()  # sequences in the global batch
         sums |= adv_metrics | {f"reward/{k}": v.sum() / n_rows for k, v in parts.items()}
         sums |= {"completions/mean_length": lengths.sum() / n_rows,
-                 "completions/clipped_ratio": (~roll.stopped).float().sum() / n_rows}
+                 "completions/clipped_ratio": (~roll.stopped).float().sum() / n_rows,
+                 "prompts/truncated_ratio": roll.prompt_cut.float().sum() / n_rows}  # cut to --max_prompt_len
         sums |= {"tools/call_frequency": tool_rollout.tool_calls(roll.r_tool).sum() / n_rows} if cfg.tools else {}
 
         # ---------------------------------------------------------------------

@@ -32,6 +32,7 @@ Run:
 """
 import time
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,10 @@ import tasks
 
 @dataclass
 class Config(run.SharedConfig):
+    # the values of the flags left unset (run.fill_defaults): the embedded task's, or TRL 1.16's RewardConfig
+    # (lr 1e-4; max_length 1024 in all, here 512 prompt + 512 response tokens)
+    DEFAULTS: ClassVar[dict] = {"embedded": dict(lr=1e-3, max_prompt_len=64, max_response_len=32),
+                                "trl": dict(lr=1e-4, max_prompt_len=512, max_response_len=512)}
     # --- model and data ---
     model: str = "runs/sft"
     """initial weights: a causal LM checkpoint (its LM head is replaced by a new score head), `tiny`, or a hub id"""
@@ -58,8 +63,8 @@ class Config(run.SharedConfig):
     """held-out pairs from another source (e.g. a second .jsonl); None: --eval_split of --dataset"""
     n_train: int = 20000
     """pairs drawn from an embedded task (ignored for files and hub data sets) [>= 1]"""
-    max_response_len: int = 32
-    """response tokens kept, EOS included [>= 1]"""
+    max_response_len: int | None = None
+    """response tokens kept, EOS included; a longer one is cut from the right, counted in the banner [>= 1]"""
     # --- loss ---
     center_coef: float = 0.0
     """weight of the reward-centring term mean((r_chosen + r_rejected)^2) (0: off) [>= 0]"""
@@ -70,8 +75,6 @@ class Config(run.SharedConfig):
     """pairs per optimizer step, over all ranks and micro-batches [>= 1]"""
     grad_accum: int = 1
     """micro-batches per optimizer step on each rank [>= 1]"""
-    lr: float = 1e-3
-    """peak learning rate (AdamW; 0 trains nothing, a check that KL and clipping stay 0) [>= 0]"""
     warmup_steps: int = 20
     """linear warmup steps before the cosine decay [>= 0]"""
     # --- normalisation ---

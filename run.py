@@ -865,9 +865,12 @@ class SharedConfig:
     # --- data ---
     chat_template: str = ""
     """a Jinja chat template file for conversational rows (default: the tokenizer's own)"""
-    max_prompt_len: int = 64
-    """prompt tokens kept (from the right) [>= 1]"""
+    max_prompt_len: int | None = None
+    """prompt tokens kept; a longer prompt is cut from the left (its end is what the response follows), counted in
+    the banner and the metrics [>= 1]"""
     # --- optimisation ---
+    lr: float | None = None
+    """peak learning rate (AdamW; 0 trains nothing, a check that KL and clipping stay 0) [>= 0]"""
     weight_decay: float = 0.0
     """AdamW weight decay [>= 0]"""
     grad_clip: float = 1.0
@@ -906,11 +909,44 @@ def start(cfg):
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    filled = fill_defaults(cfg)
     check_ranges(cfg)
     d = common.setup_distributed(timeout_minutes=cfg.timeout_minutes, hsdp=cfg.hsdp)
+    if filled:
+        common.print0(filled)
     _wait_group(d)  # made here, where a multi-node setup that cannot make it fails at once
     common.set_seed(cfg.seed)
     return d
+
+
+EMBEDDED_MODEL, EMBEDDED_TASK = "tiny", "sort"  # the 0.8M GPT-2 and the task whose values a Config's DEFAULTS hold
+
+
+def fill_defaults(cfg):
+    """The flags a run left unset (None) that its Config's DEFAULTS name (the learning rate and the
+    token limits), set in place: the embedded task's own values when the run trains `--model tiny` or on
+    `--dataset sort` (tuned on them: lr 1e-4 and 24 new tokens for GRPO), else TRL 1.16's defaults,
+    what a user who names a model and data of their own expects (GRPO lr 1e-6, 512 prompt tokens,
+    256 completion tokens). Returns the banner line naming each value and where it came from ("" when
+    every one was given)."""
+    embedded = getattr(cfg, "model", "") == EMBEDDED_MODEL or getattr(cfg, "dataset", "") == EMBEDDED_TASK
+    preset = type(cfg).DEFAULTS["embedded" if embedded else "trl"]
+    filled = {k: v for k, v in preset.items() if getattr(cfg, k) is None}
+    for k, v in filled.items():
+        setattr(cfg, k, v)
+    if not filled:
+        return ""
+    source = (f"the embedded task's (--model {EMBEDDED_MODEL} or --dataset {EMBEDDED_TASK})" if embedded
+              else "TRL 1.16's, for a model and data of your own")
+    return f"defaults, {source}: {' '.join(f'--{k} {v:g}' for k, v in filled.items())} (pass a flag to change one)"
+
+
+def with_defaults(cfg):
+    """A copy of cfg with its unset flags filled (fill_defaults), for code that reads a Config
+    without running it (benchmarks, the memory model)."""
+    cfg = dataclasses.replace(cfg)
+    fill_defaults(cfg)
+    return cfg
 
 
 @contextmanager
@@ -1032,6 +1068,9 @@ def parse_config(cls, argv=None):
             tp = next(a for a in typing.get_args(tp) if a is not type(None))
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         kw = dict(default=default, help=docs.get(f.name, " ").replace("%", "%%"), dest=f.name)  # argparse formats %
+        if f.name in getattr(cls, "DEFAULTS", {}).get("trl", {}):  # fill_defaults': both values, not "None"
+            kw["help"] += (f" (default: {cls.DEFAULTS['embedded'][f.name]:g} with --model {EMBEDDED_MODEL} or --dataset "
+                           f"{EMBEDDED_TASK}, else {cls.DEFAULTS['trl'][f.name]:g}, TRL's)%(default).0s")
         if tp is bool:
             parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, **kw)
             continue
@@ -1158,13 +1197,18 @@ def parse_weights(spec, has_model):
     return weights
 
 
-def grpo_banner(cfg, d, params, micro, weights):
-    """grpo.py's first line: what is trained, on how many ranks, in what batches, from what rewards."""
+def grpo_banner(cfg, d, params, micro, env):
+    """grpo.py's first line: what is trained, on how many ranks, in what batches, from what rewards,
+    and how many of the prompts are cut to --max_prompt_len."""
+    n_cut = int(env.prompt_cut.sum())
+    cut = (f"; {n_cut} of {len(env.prompt_cut)} prompts are longer than --max_prompt_len {cfg.max_prompt_len} tokens "
+           f"and cut from the left (each step's share: prompts/truncated_ratio)") if n_cut else ""
     return (f"grpo: {sum(p.numel() for p in params) / 1e6:.2f}M trained parameters, world size {d.world_size}"
             f"{layout(d)}, {cfg.prompts_per_step} prompts x {cfg.group_size} completions per rollout"
             f"{f' (kept of {cfg.rs_samples})' if cfg.rs_samples else ''}, {cfg.num_iterations} pass(es) x "
             f"{cfg.num_mini_batches} mini-batch(es) of {micro * cfg.grad_accum} x {cfg.grad_accum} micro per "
-            f"rank, rewards {weights}{f', tool {cfg.tools} (<= {cfg.max_tool_calls} calls)' if cfg.tools else ''}")
+            f"rank, rewards {env.weights}{f', tool {cfg.tools} (<= {cfg.max_tool_calls} calls)' if cfg.tools else ''}"
+            f"{cut}")
 
 
 def layout(d):

@@ -256,6 +256,7 @@ class Rollout:
     r_tool: torch.Tensor  # (N, R) 1 on a tool's tokens (--tools): attended to, never trained on
     stopped: torch.Tensor  # (N,) ended with EOS, an end-of-turn id or the truncate token
     prompt_idx: torch.Tensor  # (N,) each row's prompt: its row in the data set
+    prompt_cut: torch.Tensor  # (N,) its prompt is longer than --max_prompt_len, cut from the left
     rewards: torch.Tensor  # (N,) 0 until `reward`
     parts: dict  # each term of the reward, (N,): logged as reward/<name>
 
@@ -321,7 +322,8 @@ def rollout(model, env, cfg, d, step, round_=0):
     r_mask = truncate_mask(r_ids, r_mask, env.truncate_id)
     stopped = (torch.isin(r_ids, r_ids.new_tensor(env.stop_ids)) & r_mask.bool()).any(-1)  # (N,)
     prompt_idx = torch.tensor(rows, device=d.device).repeat_interleave(n_sample)  # (N,)
+    prompt_cut = env.prompt_cut[rows].to(d.device).repeat_interleave(n_sample)  # (N,)
     run.sync(d)  # each phase's clock read after its GPU work is done
     roll = Rollout(p_ids, p_mask, r_ids, r_mask, r_logps, r_tool=r_tool * r_mask, stopped=stopped,
-                   prompt_idx=prompt_idx, rewards=torch.zeros_like(r_logps[:, 0]), parts={})
+                   prompt_idx=prompt_idx, prompt_cut=prompt_cut, rewards=torch.zeros_like(r_logps[:, 0]), parts={})
     return roll, time.time() - t0

@@ -22,6 +22,7 @@ Run:
 """
 import time
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -33,6 +34,10 @@ import tasks
 
 @dataclass
 class Config(run.SharedConfig):
+    # the values of the flags left unset (run.fill_defaults): the embedded task's, or TRL 1.16's SFTConfig
+    # (lr 2e-5; max_length 1024 in all, here 512 prompt + 512 completion tokens)
+    DEFAULTS: ClassVar[dict] = {"embedded": dict(lr=1e-3, max_prompt_len=64, max_response_len=32),
+                                "trl": dict(lr=2e-5, max_prompt_len=512, max_response_len=512)}
     # --- model and data ---
     model: str = "tiny"
     """`tiny` (a small GPT-2 built in code), a hub id such as gpt2, or a local checkpoint folder"""
@@ -45,8 +50,8 @@ class Config(run.SharedConfig):
     """held-out rows from another source (e.g. a second .jsonl); None: --eval_split of --dataset"""
     n_train: int = 50000
     """rows drawn from an embedded task (ignored for files and hub data sets) [>= 1]"""
-    max_response_len: int = 32
-    """completion tokens kept, EOS included [>= 1]"""
+    max_response_len: int | None = None
+    """completion tokens kept, EOS included; a longer one is cut from the right, counted in the banner [>= 1]"""
     # --- optimisation ---
     steps: int = 700
     """optimizer steps [>= 1]"""
@@ -54,8 +59,6 @@ class Config(run.SharedConfig):
     """rows per optimizer step, over all ranks and micro-batches [>= 1]"""
     grad_accum: int = 1
     """micro-batches per optimizer step on each rank [>= 1]"""
-    lr: float = 1e-3
-    """peak learning rate (AdamW; 0 trains nothing, a check that KL and clipping stay 0) [>= 0]"""
     warmup_steps: int = 50
     """linear warmup steps before the cosine decay [>= 0]"""
     # --- evaluation ---
@@ -99,7 +102,8 @@ def encode_sft(ds, tokenizer, cfg, source):
     gets EOS after the completion, a conversation's completion ends with its template's
     end-of-turn tokens (data.render_chat)."""
     ds, chat = data.render_chat(ds, tokenizer, source)
-    prompts, p_cut = data.encode_prompts(tokenizer, ds["prompt"], cfg.max_prompt_len, source)
+    prompts, cut = data.encode_prompts(tokenizer, ds["prompt"], cfg.max_prompt_len, source)
+    p_cut = sum(cut)
     completions, c_cut = data.encode_responses(tokenizer, ds["completion"], cfg.max_response_len, eos=not chat)
     if p_cut or c_cut:
         common.print0(f"{source}: truncated {p_cut} prompts (left) and {c_cut} completions (right) "

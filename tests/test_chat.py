@@ -12,6 +12,7 @@ import dpo
 import grpo
 import reward
 import sft
+import run
 from helpers import chat, family_tokenizer, question, read_metrics, write_jsonl
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -44,7 +45,7 @@ def test_messages_render_to_a_prompt_and_exactly_the_assistant_turn(chat_model):
     text, is_chat = data.render_chat(ds, tok, "rows.jsonl")
     assert is_chat and text[0]["prompt"].endswith("<|im_start|>assistant\n")
     assert text[0]["completion"] == "12<|im_end|>\n"
-    prompts, completions = sft.encode_sft(ds, tok, sft.Config(), "rows.jsonl")
+    prompts, completions = sft.encode_sft(ds, tok, run.with_defaults(sft.Config()), "rows.jsonl")
     assert prompts[0][:2] == [tok.bos_token_id, tok.convert_tokens_to_ids("<|im_start|>")]  # one BOS
     ids, attn, resp = sft.make_batch(prompts, completions, [0], tok.pad_token_id, "cpu")
     trained = ids[0, -resp.shape[1]:][resp[0].bool()].tolist()

@@ -542,6 +542,7 @@ def test_each_flag_range_is_enforced(name, cls, field):
     assert f"{text}" in run._field_docs(cls)[field]  # what --help shows
     outside, inside = _outside_and_inside(text)
     tp = typing.get_type_hints(cls)[field]
+    tp = next((a for a in typing.get_args(tp) if a is not type(None)), tp)  # `int | None`: a default to fill
     for v in outside:
         if tp is int and v != int(v):
             continue
@@ -602,7 +603,7 @@ def test_resume_without_a_checkpoint_starts_fresh_without_the_old_rows(tmp_path)
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"step": 0, "loss": 1.0}\n{"step": 1, "loss": 0.9}\n')
     try:
-        job = run.Run(sft.Config(model="tiny", out_dir=str(out), resume=True), common.Dist())
+        job = run.Run(run.with_defaults(sft.Config(model="tiny", out_dir=str(out), resume=True)), common.Dist())
         assert job.resume_from is None
         assert job.begin(None, None, None, None, None) == 1
         job.logger.close()
@@ -629,7 +630,8 @@ def test_resume_refuses_other_flags_and_inputs_and_keeps_the_history(tmp_path, t
     model.save_pretrained(tmp_path / "base")
     tok.save_pretrained(tmp_path / "base")
     out = tmp_path / "out"
-    cfg = sft.Config(model=str(tmp_path / "base"), dataset=data_file, out_dir=str(out), steps=4, eval_every=100)
+    cfg = run.with_defaults(sft.Config(model=str(tmp_path / "base"), dataset=data_file, out_dir=str(out), steps=4,
+                                      eval_every=100, lr=1e-3))
     opt, sched = common.make_optimizer(model.parameters(), 1e-3, 0.0, 0, 4)
     order = data.DataOrder(8, 0)
     try:
@@ -752,12 +754,12 @@ def test_prompts_get_one_bos_no_eos_and_keep_it_when_cut(kind):
     head = [] if kind == "bpe" else [tok.bos_token_id]
     body = tok("hello world", add_special_tokens=False)["input_ids"]
     ids, cut = data.encode_prompts(tok, ["hello world", tok.bos_token + "hello world"], 64)
-    assert cut == 0 and ids[0] == head + body
+    assert cut == [False, False] and ids[0] == head + body
     assert ids[1] == head + body if head else ids[1][-len(body):] == body
     long = " ".join(["the quick brown fox"] * 10)
     body = tok(long, add_special_tokens=False)["input_ids"]
     ids, cut = data.encode_prompts(tok, [long], 8)
-    assert cut == 1 and ids == [head + body[-(8 - len(head)):]]
+    assert cut == [True] and ids == [head + body[-(8 - len(head)):]]
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")

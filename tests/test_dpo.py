@@ -10,6 +10,7 @@ import torch
 import common
 import data
 import dpo
+import run
 from helpers import read_metrics, run_here, write_jsonl
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -255,7 +256,7 @@ def test_dpo_script_tiny(base_run):
     # chosen and rejected, or policy and reference, swapped. Every |h| here is above 0.018
     # (measured), so no pair is a tie that rounding could turn
     tok = data.load_tokenizer("tiny")
-    cfg = replace(dpo.Config(), max_response_len=16)  # TINY's
+    cfg = replace(run.with_defaults(dpo.Config()), max_response_len=16)  # TINY's
     pairs = data.encode_pairs(data.load_pairs("sort", "test", 16, 0), tok, cfg.max_prompt_len, 16, "eval")  # TINY's 16
     common.set_seed(0)  # the initial weights, built as dpo.py builds them
     ref = common.load_model("tiny", tok).eval()

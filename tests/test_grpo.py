@@ -106,7 +106,7 @@ def test_distillation_from_a_teacher_equal_to_the_student_leaves_the_policy_unch
     data = write_digits_prompts(tmp_path / "prompts.jsonl", 8)
     grpo.main(grpo.Config(model=str(tmp_path / "m"), teacher=str(tmp_path / "m"), reward_weights="rule:0", beta=0.0,
                           dataset=data, out_dir=str(tmp_path / "g"), steps=2, prompts_per_step=4, group_size=2,
-                          max_new_tokens=6, lr=1e-2, warmup_steps=0, eval_every=100, n_eval_pairs=4))
+                          max_prompt_len=64, max_new_tokens=6, lr=1e-2, warmup_steps=0, eval_every=100, n_eval_pairs=4))
     rows = [r for r in read_metrics(tmp_path / "g") if r["step"] > 0]
     assert [r["distill/reverse_kl"] for r in rows] == [0.0, 0.0]
     assert max_abs_diff(checkpoint_weights(tmp_path / "g"), checkpoint_weights(tmp_path, "m")) == 0.0
@@ -128,7 +128,8 @@ def test_a_teacher_with_another_tokenizer_is_refused(tmp_path):
     data = write_digits_prompts(tmp_path / "prompts.jsonl", 8)
     with pytest.raises(ValueError, match=r"--teacher .*t: its tokenizer"):
         grpo.main(grpo.Config(model=str(tmp_path / "m"), teacher=str(tmp_path / "t"), dataset=data,
-                              out_dir=str(tmp_path / "g"), steps=1, prompts_per_step=4, group_size=2))
+                              out_dir=str(tmp_path / "g"), steps=1, prompts_per_step=4, group_size=2,
+                              max_prompt_len=64, max_new_tokens=8))
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "ratio_k1"])
@@ -375,7 +376,7 @@ def test_rejection_sampler_limits_and_topbottom():
 
 
 def test_batch_arithmetic_is_checked():
-    base = dict(prompts_per_step=4, group_size=4)
+    base = vars(run.with_defaults(grpo.Config(prompts_per_step=4, group_size=4)))  # its lengths filled
     run.check_grpo_config(grpo.Config(**base), common.Dist())
     for bad, match in [(dict(num_mini_batches=3), "equal micro-batches"), (dict(rs_samples=2), "rs_samples")]:
         with pytest.raises(ValueError, match=match):
@@ -383,7 +384,7 @@ def test_batch_arithmetic_is_checked():
     with pytest.raises(ValueError, match="--kl_estimator 'k4' is not one of k1, k2, k3, ratio_k1, ratio_k3"):
         run.check_ranges(grpo.Config(kl_estimator="k4"))
     with pytest.raises(ValueError, match="divisible by world size"):
-        run.check_grpo_config(grpo.Config(prompts_per_step=3), common.Dist(world_size=2))
+        run.check_grpo_config(grpo.Config(**(base | dict(prompts_per_step=3))), common.Dist(world_size=2))
 
 
 def test_parse_weights():
@@ -740,22 +741,16 @@ def test_bad_rule_rows_stop_grpo_at_load_time(tmp_path):
         grpo.main(grpo.Config(model="tiny", dataset=str(path), out_dir=str(tmp_path / "o")))
 
 
-def test_prompt_truncation_is_counted_at_load_time(tmp_path, monkeypatch, capsys):
-    """Like the other scripts, grpo.py says how many prompts --max_prompt_len cuts (it used to cut
-    them silently at every rollout). The run is stopped right after loading."""
-    class Loaded(Exception):
-        pass
-
-    def stop(*args, **kwargs):
-        raise Loaded
-
+def test_prompt_truncation_is_counted_in_the_banner_and_each_step(tmp_path, capsys):
+    """Like the other scripts, grpo.py says how many prompts --max_prompt_len cuts: in its banner,
+    and each step's share as `prompts/truncated_ratio` (it used to cut them at every rollout with
+    one printed line). Each step draws all 3 prompts, 2 of them cut."""
     rows = [{"prompt": p, "reward_fn": "sort"} for p in ("sort 1 2 3 =", "sort 9 8 7 6 5 4 3 2 =", "sort 5 5 5 5 =")]
     path = write_jsonl(tmp_path / "p.jsonl", rows)  # 12, 20 and 14 characters: the tokens of the char tokenizer
-    monkeypatch.setattr(common, "make_optimizer", stop)
-    with pytest.raises(Loaded):
-        grpo.main(grpo.Config(model="tiny", dataset=path, out_dir=str(tmp_path / "o"), max_prompt_len=13,
-                              prompts_per_step=2))
-    assert "2 of 3 prompts are longer than --max_prompt_len 13 tokens" in capsys.readouterr().out
+    grpo.main(grpo.Config(model="tiny", dataset=path, out_dir=str(tmp_path / "o"), max_prompt_len=13,
+                          prompts_per_step=3, group_size=2, max_new_tokens=4, steps=2, num_mini_batches=1))
+    assert "2 of 3 prompts are longer than --max_prompt_len 13 tokens and cut" in capsys.readouterr().out
+    assert [r["prompts/truncated_ratio"] for r in read_metrics(tmp_path / "o")] == pytest.approx([2 / 3, 2 / 3])
 
 
 def test_rollouts_stop_at_every_end_of_turn_id_and_rewards_see_the_text_after_the_prompt(tmp_path, monkeypatch):
@@ -787,7 +782,8 @@ def test_rollouts_stop_at_every_end_of_turn_id_and_rewards_see_the_text_after_th
     monkeypatch.setattr(grpo.data, "decode_responses", spy_decode)
     data = write_digits_prompts(tmp_path / "prompts.jsonl", 8)
     grpo.main(grpo.Config(model=str(tmp_path / "m"), dataset=data, out_dir=str(tmp_path / "g"), steps=1,
-                          prompts_per_step=2, group_size=2, max_new_tokens=4, no_eos_penalty=1.0, eval_every=100,
+                          prompts_per_step=2, group_size=2, max_prompt_len=64, max_new_tokens=4, no_eos_penalty=1.0,
+                          eval_every=100,
                           n_eval_pairs=4, warmup_steps=0))
     assert calls["generate"][0] == (tok.eos_token_id, [end_of_turn]) and calls["decode"] == [True]
     row = read_metrics(tmp_path / "g")[-1]

@@ -126,7 +126,7 @@ def test_normalization_gives_mean_zero_std_one(tiny_rm, tmp_path):
     policy = common.load_model("tiny", tok)
     policy.save_pretrained(tmp_path / "policy")
     tok.save_pretrained(tmp_path / "policy")
-    cfg = replace(reward.Config(), normalize_policy=str(tmp_path / "policy"), max_response_len=8, eval_batch_size=8)
+    cfg = replace(run.with_defaults(reward.Config()), normalize_policy=str(tmp_path / "policy"), max_response_len=8, eval_batch_size=8)
     prompts = [f"sort {i} {i + 1} 3 =" for i in range(7)]
     gain, bias, mean, std = reward.normalization(model, tok, cfg, prompts, D)
     assert gain == pytest.approx(1 / std) and bias == pytest.approx(-mean / std) and std > 1e-3
@@ -151,7 +151,7 @@ def test_normalization_uses_the_population_std_of_known_scores(tiny_rm, monkeypa
 
     monkeypatch.setattr(common, "reward_scores", known_scores)
     # 5 prompts in batches of 2: the sums are carried over 3 batches, one of them short
-    cfg = replace(reward.Config(), normalize_policy="tiny", max_response_len=4, eval_batch_size=2)
+    cfg = replace(run.with_defaults(reward.Config()), normalize_policy="tiny", max_response_len=4, eval_batch_size=2)
     gain, bias, mean, std = reward.normalization(model, tok, cfg, [f"sort {i} 1 2 =" for i in range(5)], D)
     assert next(fed, None) is None  # every score was used, each once
     assert mean == pytest.approx(4.0) and std == pytest.approx(math.sqrt(10.0))  # n - 1 would give sqrt(12.5)
@@ -224,7 +224,7 @@ def test_reward_model_learns_the_right_direction(tmp_path):
 
 
 def test_batch_arithmetic_is_checked():
-    cfg = replace(reward.Config(), model="tiny", batch_size=6, grad_accum=4)
+    cfg = replace(run.with_defaults(reward.Config()), model="tiny", batch_size=6, grad_accum=4)
     with pytest.raises(ValueError, match="divisible"):
         reward.main(cfg)
 

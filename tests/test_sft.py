@@ -64,7 +64,7 @@ def test_sft_runs_and_its_checkpoint_loads(tmp_path):
     assert eval_loss[-1] < eval_loss[0] - 0.5, eval_loss
     # `lr` is the rate each step's update used (warmup 2 of 4 steps: 0, lr/2, lr, then cosine), not
     # the scheduler's next one, which the log showed one step early
-    lr = sft.Config().lr
+    lr = sft.Config.DEFAULTS["embedded"]["lr"]  # the embedded task's (--dataset sort)
     assert [m["lr"] for m in rows[1:]] == pytest.approx([0, lr / 2, lr, lr / 2], abs=1e-12)
     model = AutoModelForCausalLM.from_pretrained(out / "checkpoint")
     tok = AutoTokenizer.from_pretrained(out / "checkpoint")

@@ -218,3 +218,48 @@ def test_every_dropout_field_is_zeroed_and_kept_for_the_export(tmp_path):
             written = json.load(f)
         assert all(written[k] == v for k, v in model.dropout_config.items()), (name, written)
         assert os.path.isfile(tmp_path / f"{name}-export" / "model.safetensors")
+
+
+# -----------------------------------------------------------------------------
+# the defaults a model named by its user gets
+
+
+@pytest.mark.parametrize("script, trl", [
+    ("sft", dict(lr=2e-5, max_prompt_len=512, max_response_len=512)),
+    ("reward", dict(lr=1e-4, max_prompt_len=512, max_response_len=512)),
+    ("dpo", dict(lr=1e-6, max_prompt_len=512, max_response_len=512)),
+    ("grpo", dict(lr=1e-6, max_prompt_len=512, max_new_tokens=256))])
+def test_a_model_and_data_of_your_own_get_trls_defaults(script, trl):
+    """Named with a model and data of their own and no other flag, a run trains at TRL 1.16's
+    learning rate and lengths, not at the embedded task's (GRPO trained Qwen at lr 1e-4 on prompts
+    cut to 64 tokens); the embedded task (`--model tiny` or `--dataset sort`) keeps its own values,
+    the README's; a flag given is kept either way."""
+    import importlib
+
+    import run
+
+    Config = importlib.import_module(script).Config
+    own = run.parse_config(Config, ["--model", "Qwen/Qwen2.5-0.5B-Instruct", "--dataset", "prompts.jsonl"])
+    line = run.fill_defaults(own)
+    assert {k: getattr(own, k) for k in trl} == trl and "TRL 1.16's" in line
+    assert all(f"--{k} {v:g}" in line for k, v in trl.items()), line
+    readme = {"sft": (1e-3, 32), "reward": (1e-3, 32), "dpo": (1e-4, 32), "grpo": (1e-4, 24)}[script]
+    for argv in (["--model", "tiny", "--dataset", "prompts.jsonl"], ["--model", "runs/sft", "--dataset", "sort"]):
+        cfg = run.with_defaults(run.parse_config(Config, argv))
+        assert (cfg.lr, cfg.max_prompt_len, getattr(cfg, "max_new_tokens", getattr(cfg, "max_response_len", None))) \
+            == (*readme[:1], 64, readme[1]), argv
+    given = run.with_defaults(run.parse_config(Config, ["--model", "m", "--dataset", "d.jsonl", "--lr", "3e-4"]))
+    assert given.lr == 3e-4 and given.max_prompt_len == 512
+
+
+def test_the_banner_says_where_the_defaults_came_from(tmp_path, user_models):
+    """grpo.py on a folder and a file of prompts, no length flags: the first lines name TRL's values,
+    and the run samples up to 256 tokens (a random policy rarely stops: its longest answer is longer
+    than the embedded task's 24)."""
+    argv = grpo_argv(tmp_path, user_models, "--lr", "0", "--steps", "1")
+    argv = [a for a in argv if a not in ("--max_prompt_len", "128", "--max_new_tokens", "8")]
+    proc = run_here(argv)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "defaults, TRL 1.16's, for a model and data of your own: --max_prompt_len 512 --max_new_tokens 256" \
+        in proc.stdout, proc.stdout[:2000]
+    assert read_metrics(tmp_path / "run")[-1]["completions/max_length"] > 24

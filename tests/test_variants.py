@@ -334,7 +334,7 @@ def test_overlong_penalty_is_dapo_eq_13(length, want):
 ])
 def test_flags_that_cannot_go_together_are_refused(flags, message):
     with pytest.raises(ValueError, match=message.replace("+", r"\+").replace("(", r"\(")):
-        cfg = replace(grpo.Config(), **flags)
+        cfg = replace(run.with_defaults(grpo.Config()), **flags)
         run.check_ranges(cfg)  # each flag's range and choices
         run.check_grpo_config(cfg, common.Dist())  # the flags that do not go together
 
@@ -343,9 +343,9 @@ def test_flags_that_cannot_go_together_are_refused(flags, message):
 def test_lora_and_compile_are_refused_under_torchrun(flag):
     """--compile under FSDP2 would split the decode step into a graph per layer and re-record
     its CUDA graphs every rollout; LoRA's adapters are not merged when sharded."""
-    run.check_grpo_config(replace(grpo.Config(), **{flag: True}), common.Dist())
+    run.check_grpo_config(replace(run.with_defaults(grpo.Config()), **{flag: True}), common.Dist())
     with pytest.raises(ValueError, match=f"--{flag} runs under `python`"):
-        run.check_grpo_config(replace(grpo.Config(), **{flag: True}), common.Dist(torchrun=True))
+        run.check_grpo_config(replace(run.with_defaults(grpo.Config()), **{flag: True}), common.Dist(torchrun=True))
 
 
 def run_grpo(tmp_path, *extra):
