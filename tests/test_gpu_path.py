@@ -370,11 +370,12 @@ def test_gpu_check_reads_compilations_and_cuda_graph_recordings_from_torch_logs(
     assert gpu_check.compile_report(good) == (1, ["_next_logits"], 1, 0, 0)
     assert all(r["ok"] for r in gpu_check.compile_rows("run", good))
     again = good + log(record.format("Recording function 0 of graph recording id 3"))  # torch 2.11's wording
+    rerecorded = good + log(record.format("Re-recording function=0, mode=INFERENCE, reason=static input moved"))
     recompiled = log(trace.format("0/0"), trace.format("0/1"), trace.format("0/2")) + good
     skipped = good.replace("Running warmup", "skipping cudagraphs due to mutated inputs. Running warmup")
     unfinished = good.replace(step.format(2), "")
-    for bad, ok in ((again, [True, False]), (recompiled, [False, True]), (skipped, [True, False]),
-                    (unfinished, [True, False])):
+    for bad, ok in ((again, [True, False]), (rerecorded, [True, False]), (recompiled, [False, True]),
+                    (skipped, [True, False]), (unfinished, [True, False])):
         assert [r["ok"] for r in gpu_check.compile_rows("run", bad)] == ok, bad
     assert gpu_check.compile_report(recompiled)[0] == 3 and gpu_check.compile_report(unfinished)[3] is None
 
