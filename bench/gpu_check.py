@@ -71,7 +71,7 @@ GPU = dict(  # what the check runs on a GPU: shapes in bench/memory.py's format,
         ("qwen2.5-0.5b", "torchrun", []),
         ("qwen2.5-0.5b", "torchrun", ["--activation_checkpointing", "--offload_frozen"]),
         ("llama-3-8b, 4 layers", "python", []), ("llama-3-8b, 4 layers", "torchrun", []),
-        ("qwen2.5-0.5b", "python", ["--teacher", "SELF"]),  # SELF: the policy's own folder
+        ("llama-3-8b, 4 layers", "python", ["--teacher", "SELF"]),  # SELF: the policy's folder; 7 GiB in fp32
         ("qwen2.5-0.5b", "python", ["--compile"])],  # 3 steps: a CUDA graph re-recorded in step 3 shows
     dpo=dict(shape="qwen2.5-0.5b", batch_size=8, max_prompt_len=128, max_response_len=128),
     budget_s=600)
@@ -82,6 +82,7 @@ CPU = dict(
     sampler=dict(prompts=4, group=4, min_prompt=3, max_prompt=12, new_tokens=12, mini_batches=2, grad_accum=2),
     grpo=dict(prompts_per_step=4, group_size=4, max_prompt_len=16, max_new_tokens=8),
     grpo_runs=[("qwen2 tiny", "python", []), ("qwen2 tiny", "python", ["--activation_checkpointing"]),
+               ("qwen2 tiny", "python", ["--teacher", "SELF"]),
                ("qwen2 tiny", "torchrun", []), ("llama tiny", "torchrun", ["--activation_checkpointing"])],
     dpo=dict(shape="qwen2 tiny", batch_size=4, max_prompt_len=16, max_response_len=8),
     budget_s=None)
@@ -304,19 +305,25 @@ def metrics(out_dir):
 
 
 def lr0_rows(name, rows):
-    """(b): the policy at lr 0 is its reference and its old policy; rows of its steps >= 1."""
+    """(b): the policy at lr 0 is its reference, its old policy (and with --teacher its own teacher);
+    rows of the table from its metrics of steps >= 1."""
     train = [r for r in rows if r["step"] >= 1]
     kl = max(abs(r["kl"]) for r in train)
     clip = [max(r[k] for r in train) for k in ("clip_ratio/low", "clip_ratio/high")]
     gap, gap_max = max(r["rollout/logp_diff"] for r in train), max(r["rollout/logp_diff_max"] for r in train)
     spread = 1 - max(r["frac_reward_zero_std"] for r in train)
-    return [row("b", f"{name}: KL to the reference (max over steps)", f"{kl:.1e}", f"<= {BOUNDS['kl']:g}",
-                kl <= BOUNDS["kl"]),
-            row("b", f"{name}: clip_ratio/low, /high", f"{clip[0]:g}, {clip[1]:g}", "0, 0", clip == [0, 0]),
-            row("b", f"{name}: rollout/logp_diff (mean; max over tokens)", f"{gap:.1e} ({gap_max:.1e})",
-                f"<= {BOUNDS['logp_diff']:g}", gap <= BOUNDS["logp_diff"]),
-            row("b", f"{name}: share of groups whose rewards differ (else nothing could clip)", f"{spread:.2f}", "> 0",
-                spread > 0)]
+    out = [row("b", f"{name}: KL to the reference (max over steps)", f"{kl:.1e}", f"<= {BOUNDS['kl']:g}",
+               kl <= BOUNDS["kl"]),
+           row("b", f"{name}: clip_ratio/low, /high", f"{clip[0]:g}, {clip[1]:g}", "0, 0", clip == [0, 0]),
+           row("b", f"{name}: rollout/logp_diff (mean; max over tokens)", f"{gap:.1e} ({gap_max:.1e})",
+               f"<= {BOUNDS['logp_diff']:g}", gap <= BOUNDS["logp_diff"]),
+           row("b", f"{name}: share of groups whose rewards differ (else nothing could clip)", f"{spread:.2f}", "> 0",
+               spread > 0)]
+    if "distill/reverse_kl" in train[0]:
+        distill = max(abs(r["distill/reverse_kl"]) for r in train)
+        out.append(row("b", f"{name}: distill/reverse_kl (max over steps)", f"{distill:.1e}", f"<= {BOUNDS['kl']:g}",
+                       distill <= BOUNDS["kl"]))
+    return out
 
 
 def mem_within(measured, model):
@@ -395,6 +402,7 @@ def run_grpo(shape, launcher, extra, folders, paths, plan, work, cpu, only):
     shown = " ".join(a if a != folder else "(itself)" for a in extra)
     name = f"grpo.py {shape}, {launcher}{' ' + shown if shown else ''}"
     out_dir = os.path.join(work, slug(name))
+    shutil.rmtree(out_dir, ignore_errors=True)  # an earlier check's, in a --keep folder
     compiled = "--compile" in extra
     env = {"TORCH_LOGS": TORCH_LOGS} if compiled else None
     t0 = time.time()
@@ -428,6 +436,7 @@ def run_dpo(folder, precompute, paths, plan, work, cpu, only):
     dp = plan["dpo"]
     name = f"dpo.py {dp['shape']}, python, {'--precompute_ref' if precompute else 'live reference'}"
     out_dir = os.path.join(work, f"dpo-{'precomputed' if precompute else 'live'}")
+    shutil.rmtree(out_dir, ignore_errors=True)
     argv = ["--model", folder, "--dataset", paths["pairs"], "--eval_dataset", paths["pairs_eval"], "--n_eval", "8",
             "--out_dir", out_dir, "--lr", "0", "--steps", "2", "--warmup_steps", "0", "--batch_size",
             str(dp["batch_size"]), "--grad_accum", "1", "--eval_batch_size", str(dp["batch_size"]),
@@ -506,7 +515,9 @@ def main(argv=None):
     folders = {name: build_folder(os.path.join(work, slug(name)), shape, tok, device, plan["dtype"])
                for name, shape in plan["shapes"].items()}
     free(device)
-    paths = write_data(work, tok, plan)
+    # the data's lengths counted by the tokenizer as the scripts load it: transformers gives a Qwen2
+    # folder's BPE Qwen's own pre-tokenizer (digits one by one), not the one it was trained with
+    paths = write_data(work, data.load_tokenizer(folders[plan["dpo"]["shape"]]), plan)
     print(f"models and data ready in {time.time() - t0:.0f} s", flush=True)
 
     if "a" in only:
@@ -534,7 +545,7 @@ def main(argv=None):
 
     failed = [r for r in rows if r["ok"] is False]
     cmd = " ".join(["python bench/gpu_check.py", *(sys.argv[1:] if argv is None else argv)])
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True).stdout
     report = (f"# bench/gpu_check.py on {device_name}\n\n`{cmd}`: torch {torch.__version__}, transformers "
               f"{transformers.__version__}, commit {commit.strip() or 'unknown'}, {time.strftime('%Y-%m-%d %H:%M')}, "
               f"{seconds:.0f} s; {len(failed)} of {sum(r['ok'] is not None for r in rows)} checks failed\n\n"

@@ -285,11 +285,12 @@ def rows_of(table, *words):
 def test_gpu_check_cpu_subset_passes(cpu_check):
     """The GPU check's own code on tiny Qwen2- and Llama-shaped folders: (a) the sampler against
     the training forward and the mini-batch deal, (b) grpo.py at lr 0 with and without activation
-    checkpointing, (e) dpo.py at lr 0 with a precomputed and a live reference; every row passes."""
+    checkpointing and with --teacher, (e) dpo.py at lr 0 with a precomputed and a live reference;
+    every row passes."""
     code, table = cpu_check()
     assert code == 0, table
     assert table.startswith("# bench/gpu_check.py on CPU") and "**FAIL**" not in table
-    for check, n in (("(a)", 6), ("(b)", 8), ("(e)", 4)):
+    for check, n in (("(a)", 6), ("(b)", 13), ("(e)", 4)):
         assert len(rows_of(table, check, "| pass |")) == n, table
 
 
