@@ -1,217 +1,570 @@
-"""One command that proves the GPU path: correctness runs first, then the benchmarks in bf16.
+"""One command that proves the GPU path on real shapes, in under 10 minutes on one H100:
 
-On a machine with a CUDA GPU (under 20 minutes on one H100):
+    python bench/gpu_check.py                 # on a CUDA GPU: every check below
+    python bench/gpu_check.py --only a,e      # some of them
+    python bench/gpu_check.py --cpu           # the CPU subset on tiny shapes (tests/test_gpu_path.py runs it)
 
-    python bench/gpu_check.py                  # everything below; a summary table at the end
-    python bench/gpu_check.py --only checks    # the runs that must work (no benchmarks)
-    python bench/gpu_check.py --only bench     # the benchmarks alone
-
-Checks, each a real run of a script whose metrics are read back:
-1. the embedded pipeline (`python pipeline.py`, every stage, its tables);
-2. GRPO with every knob that touches devices: reward model + rule weights, global
-   normalisation, batch reward scaling, rejection sampling, top-p, an entropy bonus, activation
-   checkpointing, reference refresh and the compiled (CUDA-graph) decode step;
-3. GRPO with `--lora` and `--kl_in_reward`;
-4. `torchrun --nproc_per_node 1` (FSDP2 of one) with `--offload_frozen`, killed right after
-   its first checkpoint (tests/crash.py) and resumed: every step logged once, the checkpoint loads;
-5. learning rate 0, under `python` (autocast) and under torchrun (FSDP2's bf16 parameters):
-   the policy never moves, so KL to the reference and the clip ratios must be ~0 (bf16 logits
-   give KL ~1e-3 and spurious clipping; the LM head runs in fp32: common.FP32Head).
-Benchmarks (bench/*.py, results in bench/results/*-cuda.json naming the GPU): the sampler
-against model.generate, whole steps of every script with MFU against the measured bf16 matmul
-peak and peak GPU memory, log-prob gathering, GRPO and DPO against TRL, DPO on GPT-2 large.
-
-Without a GPU it refuses, unless `--cpu`: checks 2, 3 and 5 on the random tiny model (what
-tests/test_gpu_path.py runs), so that the command itself is tested.
+The models are built from configs with random weights and saved as folders with a tokenizer (a
+byte-level BPE trained here, 4,096 tokens, the rest of the vocabulary unused), then loaded as a
+user loads them: a Qwen2.5-0.5B and a Qwen2.5-1.5B shape (RoPE, GQA, tied head, 151,936 tokens),
+a 4-layer Llama-3-8B shape (untied head, 128,256 tokens), and SmolLM2-135M-Instruct's real
+weights where its package is installed (run.model_folder("smollm2")). Checks:
+(a) the sampler's log-probs (sampling.generate(..., return_logprobs=True)) against the training
+    forward (common.response_logprobs) of the same tokens, temperature 0.7, top-p 0.95, prompts
+    of distinct lengths (left padding): fp32 with TF32 off, max |diff| <= 1e-4; bf16 autocast (as
+    the scripts run on one GPU), p99 and max, max <= 0.05; and the rows scored in contiguous
+    chunks (the old log-probs) against the same rows dealt into mini-batches by
+    grpo.minibatch_rows with gradients on (the update): identical, bit for bit.
+(b) grpo.py at lr 0, 2 passes x 2 mini-batches, temperature 0.7, top-p 0.95, under `python` and
+    `torchrun --nproc_per_node 1`, with and without --activation_checkpointing and
+    --offload_frozen: the policy is its reference and its own old policy, so KL <= 1e-5, no token
+    clipped (clip_ratio/low = clip_ratio/high = 0) and rollout/logp_diff <= 1e-2, read from
+    metrics.jsonl; rewards must differ within some group (else no advantage could be clipped).
+(c) each run's logged peak (mem/peak_gib) against bench/memory.py's estimate of the same flags
+    and shape (its config.json), within 10% + 1 GiB; --compile and --teacher runs included.
+(d) --compile under TORCH_LOGS=recompiles,cudagraphs,dynamo: at most 2 compilations, CUDA graphs
+    recorded in steps 1-2 and never after step 2, none skipped; ms per decoded token (the
+    rollout's time over its tokens, prefill included) eager, compiled and under torchrun x1.
+(e) dpo.py at lr 0, with --precompute_ref and with a live reference: loss within 1e-3 of ln 2,
+    rewards/margins within 1e-3 of 0.
+The table (check, value, bound, pass/FAIL) goes to stdout and to
+bench/results/gpu-check-<device>.md, with the device's name; the exit status is 1 if any check
+failed. The CPU subset: (a), (b) and (e) on tiny shapes, the scripts run in this process (and
+under torchrun with --launchers python,torchrun); no memory or compile checks (they read CUDA's).
 """
 import argparse
+import contextlib
+import gc
+import importlib
 import json
+import math
 import os
+import random
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "bench", "results")
-LR0_TOL = {"kl": 1e-4, "clip_ratio/low": 1e-3, "clip_ratio/high": 1e-3}  # lr 0: the policy is the reference
+sys.path.insert(0, ROOT)
+import common  # noqa: E402
+import data  # noqa: E402
+import grpo  # noqa: E402
+import run  # noqa: E402
+import sampling  # noqa: E402
+from bench import memory  # noqa: E402
+
+QWEN_05B = dict(L=24, h=896, heads=14, kv_heads=2, I=4864, V=151936, tied=True, gated=True, pos=0)
+GPU = dict(  # what the check runs on a GPU: shapes in bench/memory.py's format, sizes of each check
+    shapes={"qwen2.5-0.5b": QWEN_05B, "qwen2.5-1.5b": memory.SHAPES["qwen2.5-1.5b"],
+            "llama-3-8b, 4 layers": dict(memory.SHAPES["llama-3-8b"], L=4)},
+    smollm2=True, tokenizer_vocab=4096, dtype=torch.bfloat16,  # saved in bf16, as the hub's checkpoints are
+    sampler=dict(prompts=8, group=4, min_prompt=16, max_prompt=128, new_tokens=64, mini_batches=2, grad_accum=2),
+    grpo=dict(prompts_per_step=8, group_size=8, max_prompt_len=128, max_new_tokens=128),
+    grpo_runs=[  # (shape, launcher, extra flags)
+        ("qwen2.5-0.5b", "python", []), ("qwen2.5-0.5b", "python", ["--activation_checkpointing"]),
+        ("qwen2.5-0.5b", "torchrun", []),
+        ("qwen2.5-0.5b", "torchrun", ["--activation_checkpointing", "--offload_frozen"]),
+        ("llama-3-8b, 4 layers", "python", []), ("llama-3-8b, 4 layers", "torchrun", []),
+        ("llama-3-8b, 4 layers", "python", ["--teacher", "SELF"]),  # SELF: the policy's folder; 7 GiB in fp32
+        ("qwen2.5-0.5b", "python", ["--compile"])],  # 3 steps: a CUDA graph re-recorded in step 3 shows
+    dpo=dict(shape="qwen2.5-0.5b", batch_size=8, max_prompt_len=128, max_response_len=128),
+    budget_s=600)
+CPU = dict(
+    shapes={"qwen2 tiny": dict(L=2, h=64, heads=4, kv_heads=2, I=128, V=512, tied=True, gated=True, pos=0),
+            "llama tiny": dict(L=2, h=64, heads=4, kv_heads=2, I=128, V=384, tied=False, gated=True, pos=0)},
+    smollm2=False, tokenizer_vocab=300, dtype=torch.bfloat16,
+    sampler=dict(prompts=4, group=4, min_prompt=3, max_prompt=12, new_tokens=12, mini_batches=2, grad_accum=2),
+    grpo=dict(prompts_per_step=4, group_size=4, max_prompt_len=16, max_new_tokens=8),
+    grpo_runs=[("qwen2 tiny", "python", []), ("qwen2 tiny", "python", ["--activation_checkpointing"]),
+               ("qwen2 tiny", "python", ["--teacher", "SELF"]),
+               ("qwen2 tiny", "torchrun", []), ("llama tiny", "torchrun", ["--activation_checkpointing"])],
+    dpo=dict(shape="qwen2 tiny", batch_size=4, max_prompt_len=16, max_response_len=8),
+    budget_s=None)
+T, TOP_P = 0.7, 0.95
+BOUNDS = dict(fp32=1e-4, bf16=0.05, kl=1e-5, logp_diff=1e-2, mem_rel=0.10, mem_abs_gib=1.0, compilations=2,
+              dpo=1e-3)
+TORCH_LOGS = "recompiles,cudagraphs,dynamo"
 
 
-def run(cmd, log, timeout=1800, ok=(0,)):
-    """Run a command from the repo root; stream its output to `log`; raise naming the log on failure."""
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-    t0 = time.time()
+def row(check, what, value, bound, ok):
+    """A line of the table; ok: True, False, or None for a figure without a bound."""
+    return dict(check=check, what=what, value=value, bound=bound, ok=ok)
+
+
+# -----------------------------------------------------------------------------
+# the models and data, as a user brings them
+
+
+def make_tokenizer(vocab_size):
+    """A byte-level BPE (Qwen's and Llama-3's kind) trained here on lines of random words of
+    letters and digits, with one special token, <|endoftext|>, as EOS and pad."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    corpus = [" ".join(word(rng) for _ in range(24)) for _ in range(4000)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+
+
+def word(rng):
+    return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(rng.randint(1, 6)))
+
+
+def text(tok, rng, lo, hi):
+    """Random words of lo to hi tokens (each word is at least one)."""
+    n = rng.randint(lo, hi)
+    words = [word(rng) for _ in range(n)]
+    while len(tok(" ".join(words), add_special_tokens=False)["input_ids"]) > n:
+        words.pop()
+    return " ".join(words)
+
+
+def build_folder(path, shape, tok, device, dtype):
+    """A model of this shape (bench/memory.py's hf_config) with random weights, saved with the
+    tokenizer as a checkpoint folder; built on the device (a 2B model initialises in seconds)."""
+    from transformers import AutoModelForCausalLM
+
+    config = memory.hf_config(shape)
+    config.eos_token_id = config.pad_token_id = tok.eos_token_id
+    config.bos_token_id = None
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = tok.eos_token_id
+    model.generation_config.bos_token_id = None
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    del model
+    return path
+
+
+def write_data(work, tok, plan):
+    """The GRPO prompts (near --max_prompt_len tokens: bench/memory.py counts that length) and the
+    DPO pairs, train and held out, as .jsonl files; their paths by name."""
+    rng, g, dp = random.Random(1), plan["grpo"], plan["dpo"]
+    P, R = dp["max_prompt_len"], dp["max_response_len"]
+    rows = {"prompts": [{"prompt": text(tok, rng, g["max_prompt_len"] * 7 // 8, g["max_prompt_len"]),
+                         "reward_fn": "digits"} for _ in range(64)]}
+    for name, n in (("pairs", 64), ("pairs_eval", 8)):  # responses leave a token for the EOS appended
+        rows[name] = [{"prompt": text(tok, rng, P // 2, P), "chosen": text(tok, rng, R // 2, R - 1),
+                       "rejected": text(tok, rng, R // 2, R - 1)} for _ in range(n)]
+    paths = {}
+    for name, rs in rows.items():
+        paths[name] = os.path.join(work, name + ".jsonl")
+        with open(paths[name], "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rs)
+    return paths
+
+
+# -----------------------------------------------------------------------------
+# (a) the sampler's log-probs against the training forward
+
+
+@contextlib.contextmanager
+def precision(kind, device):
+    """fp32 with TF32 off (TF32 keeps 10 mantissa bits: 1e-4 needs full fp32, and common.py turns
+    TF32 on), or bf16 autocast as the scripts compute on one device (common.autocast on a GPU)."""
+    if kind == "bf16":
+        ctx = common.autocast(common.Dist(device=device)) if device.type == "cuda" else \
+            torch.autocast("cpu", dtype=torch.bfloat16)
+        with ctx:
+            yield
+        return
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def contiguous_and_dealt(model, ids, attn, R, mini_batches, grad_accum):
+    """Log-probs (B, R) of every row twice: in contiguous chunks without gradients (grpo.py's old
+    and reference log-probs) and in the micro-batches grpo.minibatch_rows deals, with gradients
+    (its update); a row no mini-batch holds stays NaN."""
+    B = ids.shape[0]
+    micro = B // mini_batches // grad_accum
+    with torch.no_grad():
+        contiguous = torch.cat([common.response_logprobs(model, ids[i:i + micro], attn[i:i + micro], R, T)
+                                for i in range(0, B, micro)]).float()
+    dealt = torch.full_like(contiguous, float("nan"))
+    deal = torch.Generator().manual_seed(sampling.stream_seed(0, 1, stream=2))
+    with torch.enable_grad():
+        for mb in grpo.minibatch_rows(B, mini_batches, deal).to(ids.device):
+            for k in range(grad_accum):
+                r = mb[k * micro:(k + 1) * micro]
+                dealt[r] = common.response_logprobs(model, ids[r], attn[r], R, T).detach().float()
+    return contiguous, dealt
+
+
+def check_sampler(name, folder, device, size):
+    """(a) on one model folder: rows of the table."""
+    tok = data.load_tokenizer(folder)
+    model = common.load_model(folder, tok).to(device).eval()
+    rng = random.Random(0)
+    specials = set(tok.all_special_ids)
+    vocab = [i for i in range(len(tok)) if i not in specials]
+    n = size["prompts"]
+    lengths = [size["min_prompt"] + (size["max_prompt"] - size["min_prompt"]) * i // max(n - 1, 1) for i in range(n)]
+    prompts = [[rng.choice(vocab) for _ in range(k)] for k in lengths]  # distinct lengths: every batch padded
+    ids, mask = (t.to(device) for t in common.pad([p for p in prompts for _ in range(size["group"])],
+                                                 tok.pad_token_id, side="left"))  # (B, P)
+    u = sampling.rollout_uniforms(ids.shape[0], size["new_tokens"], seed=0)
+    out, same = [], {}
+    for kind in ("fp32", "bf16"):
+        with precision(kind, device):
+            r_ids, r_mask, r_logps = sampling.generate(model, ids, mask, size["new_tokens"], tok.eos_token_id,
+                                                       tok.pad_token_id, temperature=T, top_p=TOP_P, uniforms=u,
+                                                       return_logprobs=True)  # (B, R) each
+            full, attn, R = torch.cat([ids, r_ids], 1), torch.cat([mask, r_mask], 1), r_ids.shape[1]
+            with torch.no_grad():
+                trained = common.response_logprobs(model, full, attn, R, T).float()  # (B, R)
+            contiguous, dealt = contiguous_and_dealt(model, full, attn, R, size["mini_batches"], size["grad_accum"])
+        gap = (trained - r_logps)[r_mask.bool()].abs()
+        same[kind] = (contiguous - dealt).abs().max().item()  # NaN where a row was never dealt
+        tokens = f"{int(r_mask.sum())} tokens"
+        if kind == "fp32":
+            worst = gap.max().item()
+            out.append(row("a", f"{name}: sampler vs training log-probs, fp32, TF32 off", f"max {worst:.1e} ({tokens})",
+                           f"<= {BOUNDS['fp32']:g}", worst <= BOUNDS["fp32"]))
+        else:
+            p99, worst = torch.quantile(gap, 0.99).item(), gap.max().item()
+            out.append(row("a", f"{name}: the same, bf16 autocast", f"p99 {p99:.1e}, max {worst:.1e} ({tokens})",
+                           f"max <= {BOUNDS['bf16']:g}", worst <= BOUNDS["bf16"]))
+    out.append(row("a", f"{name}: rows in contiguous chunks vs dealt into {size['mini_batches']} mini-batches x "
+                        f"{size['grad_accum']} micro-batches",
+                   f"largest difference fp32 {same['fp32']:g}, bf16 {same['bf16']:g}",
+                   "0 (identical)", same["fp32"] == 0 and same["bf16"] == 0))
+    del model
+    free(device)
+    return out
+
+
+def free(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# -----------------------------------------------------------------------------
+# the scripts' runs: (b), (c), (d), (e)
+
+
+def launch(script, argv, log, launcher, in_process, env=None, timeout=600):
+    """Run `python SCRIPT ARGV` (launcher "torchrun": torchrun x1) from the repository root, its
+    output into the file `log`; in_process (the CPU subset's `python` runs): in this process, as
+    run.script would under that command line, saving an interpreter's start per run. Returns the
+    exit status."""
+    if in_process and launcher == "python":
+        module = importlib.import_module(script[:-3])
+        argv0, cwd, code = sys.argv, os.getcwd(), 0
+        sys.argv = [script, *argv]
+        os.chdir(ROOT)
+        try:
+            with open(log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+                try:
+                    run.script(module.main, module.Config)
+                except SystemExit as e:
+                    code = e.code if isinstance(e.code, int) else int(e.code is not None)
+                except Exception:
+                    traceback.print_exc()
+                    code = 1
+                finally:
+                    run.release()
+        finally:
+            sys.argv = argv0
+            os.chdir(cwd)
+        return code
+    cmd = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
+                              if launcher == "torchrun" else []) + [script, *argv]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log, "w") as f:
-        code = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
-    if code not in ok:
-        with open(log) as f:
-            tail = f.read()[-4000:]
-        raise RuntimeError(f"`{' '.join(cmd)}` exited {code} (log {log}):\n{tail}")
-    return time.time() - t0
+        try:
+            return subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                  timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            f.write(f"\ngpu_check: killed after {timeout} s\n")
+            return 124
 
 
 def metrics(out_dir):
+    """The rows of a run's metrics.jsonl."""
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 
 
-def torchrun(*args):
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", *args]
+def lr0_rows(name, rows):
+    """(b): the policy at lr 0 is its reference, its old policy (and with --teacher its own teacher);
+    rows of the table from its metrics of steps >= 1."""
+    train = [r for r in rows if r["step"] >= 1]
+    kl = max(abs(r["kl"]) for r in train)
+    clip = [max(r[k] for r in train) for k in ("clip_ratio/low", "clip_ratio/high")]
+    gap, gap_max = max(r["rollout/logp_diff"] for r in train), max(r["rollout/logp_diff_max"] for r in train)
+    spread = 1 - max(r["frac_reward_zero_std"] for r in train)
+    out = [row("b", f"{name}: KL to the reference (max over steps)", f"{kl:.1e}", f"<= {BOUNDS['kl']:g}",
+               kl <= BOUNDS["kl"]),
+           row("b", f"{name}: clip_ratio/low, /high", f"{clip[0]:g}, {clip[1]:g}", "0, 0", clip == [0, 0]),
+           row("b", f"{name}: rollout/logp_diff (mean; max over tokens)", f"{gap:.1e} ({gap_max:.1e})",
+               f"<= {BOUNDS['logp_diff']:g}", gap <= BOUNDS["logp_diff"]),
+           row("b", f"{name}: share of groups whose rewards differ (else nothing could clip)", f"{spread:.2f}", "> 0",
+               spread > 0)]
+    if "distill/reverse_kl" in train[0]:
+        distill = max(abs(r["distill/reverse_kl"]) for r in train)
+        out.append(row("b", f"{name}: distill/reverse_kl (max over steps)", f"{distill:.1e}", f"<= {BOUNDS['kl']:g}",
+                       distill <= BOUNDS["kl"]))
+    return out
 
 
-def checks(tmp, cpu, pipeline=True):
-    """The runs that must work on a GPU. Returns rows (name, seconds, what was verified)."""
-    py = [sys.executable]
-    rows = []
-    if cpu:  # the random tiny policy and a reward model trained for two steps: the runs are what is checked
-        policy, rm = "tiny", os.path.join(tmp, "rm")
-        run(py + ["reward.py", "--model", "tiny", "--out_dir", rm, "--steps", "2", "--batch_size", "8",
-                  "--n_train", "64", "--n_eval", "8", "--eval_every", "1000", "--no-normalize"], rm + ".log")
-    elif not pipeline:  # a small SFT policy and reward model to start from, as the pipeline would give
-        policy = os.path.join(tmp, "sft")
-        run(py + ["sft.py", "--out_dir", policy, "--steps", "30", "--n_train", "512", "--n_eval", "8",
-                  "--eval_every", "1000"], os.path.join(tmp, "sft.log"))
-        rm = os.path.join(tmp, "rm")
-        run(py + ["reward.py", "--model", policy, "--out_dir", rm, "--steps", "10", "--n_train", "256",
-                  "--n_eval", "16", "--eval_every", "1000", "--no-normalize"], os.path.join(tmp, "rm.log"))
-    else:
-        runs = os.path.join(tmp, "runs")
-        sec = run(py + ["pipeline.py", "--runs", runs], os.path.join(tmp, "pipeline.log"), timeout=1500)
-        with open(os.path.join(runs, "results.md")) as f:
-            print(f.read(), flush=True)
-        rows.append(("pipeline (every stage)", sec, "finished; tables above"))
-        policy, rm = os.path.join(runs, "sft"), os.path.join(runs, "rm")
-    small = ["--model", policy, "--prompts_per_step", "8", "--group_size", "4", "--n_eval", "16",
-             "--n_eval_pairs", "16", "--eval_every", "2"]
-
-    # 2. every knob that touches devices, in one run
-    out = os.path.join(tmp, "grpo_knobs")
-    argv = py + ["grpo.py", *small, "--out_dir", out, "--steps", "4", "--reward_model", rm,
-                 "--reward_weights", "rule:1.0,model:0.5", "--global_norm", "--scale_rewards", "batch",
-                 "--rs_samples", "8", "--top_p", "0.95", "--entropy_coef", "0.01", "--activation_checkpointing",
-                 "--ref_refresh_every", "2", "--no_eos_penalty", "0.1"]
-    sec = run(argv + ([] if cpu else ["--compile"]), out + ".log")
-    m = metrics(out)
-    assert [r["step"] for r in m] == list(range(5)), f"{out}: steps {[r['step'] for r in m]}"
-    assert all(k in m[-1] for k in ("reward/rule", "reward/model", "entropy", "eval/accuracy")), m[-1].keys()
-    rows.append(("GRPO, every device knob" + ("" if cpu else " + --compile"), sec,
-                 f"4 steps; reward {m[-1]['reward']:.3f}, kl {m[-1]['kl']:.4f}"))
-
-    # 3. LoRA with the KL in the reward (on a CPU, tests/test_grpo.py::test_script_lora_checkpoint_is_merged
-    #    runs these flags)
-    if not cpu:
-        out = os.path.join(tmp, "grpo_lora")
-        sec = run(py + ["grpo.py", *small, "--out_dir", out, "--steps", "2", "--lora", "--kl_in_reward"],
-                  out + ".log")
-        m = metrics(out)
-        assert "reward/kl_penalty" in m[-1], m[-1].keys()
-        rows.append(("GRPO --lora --kl_in_reward", sec, f"2 steps; kl penalty {m[-1]['reward/kl_penalty']:.4f}"))
-
-    # 4. FSDP2 of one with offloaded frozen models: killed after its first checkpoint, resumed
-    if not cpu:
-        out = os.path.join(tmp, "grpo_offload")
-        argv = [*small, "--out_dir", out, "--steps", "4", "--save_every", "2", "--reward_model", rm,
-                "--offload_frozen", "--eval_every", "4"]
-        run(torchrun("tests/crash.py", "after_save:1", "grpo.py", *argv), out + ".log", ok=(1, 9))
-        killed_at = max(r["step"] for r in metrics(out))
-        sec = run(torchrun("grpo.py", *argv, "--resume"), out + "-resume.log")
-        steps = [r["step"] for r in metrics(out)]
-        assert steps == list(range(5)), f"{out}: steps after resume {steps}"
-        from transformers import AutoModelForCausalLM
-
-        AutoModelForCausalLM.from_pretrained(os.path.join(out, "checkpoint"))
-        rows.append(("torchrun x1, --offload_frozen, kill + --resume", sec,
-                     f"killed after step {killed_at}; steps 0-4 once each; checkpoint loads"))
-
-    # 5. learning rate 0: KL and clipping must be ~0 (two passes over two mini-batches: the
-    #    old log-probs and the trained ones come from different batch layouts)
-    launchers = [("python", py)] + ([] if cpu else [("torchrun x1 (FSDP2 bf16)", torchrun())])
-    for name, launcher in launchers:
-        out = os.path.join(tmp, "grpo_lr0_" + name.split()[0])
-        sec = run(launcher + ["grpo.py", *small, "--out_dir", out, "--steps", "3", "--lr", "0",
-                              "--num_iterations", "2", "--num_mini_batches", "2", "--beta", "0.04"], out + ".log")
-        m = [r for r in metrics(out) if r["step"] > 0]
-        worst = {k: max(abs(r[k]) for r in m) for k in LR0_TOL}
-        bad = {k: v for k, v in worst.items() if v > LR0_TOL[k]}
-        assert not bad, f"{out}: at lr 0 {bad} exceed {LR0_TOL}"
-        rows.append((f"GRPO at lr 0, {name}", sec, ", ".join(f"max {k} {v:.1e}" for k, v in worst.items())))
-    return rows
+def mem_within(measured, model):
+    """(c)'s bound: |measured - model| <= 10% of the model + 1 GiB (bench/memory.py's fits() margin)."""
+    return abs(measured - model) <= BOUNDS["mem_rel"] * model + BOUNDS["mem_abs_gib"]
 
 
-BENCHES = [  # (name, argv): every benchmark in bf16 on the GPU
-    ("sampler, GPT-2 small, 16 prompts x G=8, 64 tokens",
-     ["bench/sampler.py", "--model", "gpt2-small-random", "--n_prompts", "16", "--G", "8", "--new_tokens", "64",
-      "--compile", "--tag", "gpt2-small"]),
-    ("sampler, tiny, 8 prompts x G=8, 32 tokens", ["bench/sampler.py", "--compile"]),
-    ("whole steps, tiny and GPT-2 small", ["bench/steps.py", "--models", "tiny,gpt2-small-random", "--steps", "6",
-                                           "--batch_size", "16"]),
-    ("DPO, GPT-2 large", ["bench/steps.py", "--algos", "dpo", "--models", "gpt2-large-random", "--steps", "6",
-                          "--batch_size", "16", "--prompt_len", "384", "--response_len", "128", "--tag", "large-dpo"]),
-    ("log-prob gathering", ["bench/logprobs.py"]),
-    ("GRPO and DPO against TRL, GPT-2 small", ["bench/trl_compare.py", "--models", "gpt2-small-random", "--steps", "4",
-                                              "--batch_size", "8", "--group_size", "8", "--prompt_len", "128",
-                                              "--response_len", "64", "--tag", "small"]),
-]
+def memory_row(name, rows, config, script, launcher, flags):
+    """(c): the run's logged peak against bench/memory.py's estimate for its config and flags (the
+    command printed reproduces it)."""
+    flags = dict(flags)
+    ac, offload = flags.pop("activation_checkpointing", False), flags.pop("offload_frozen", False)
+    phases = memory.estimate(memory.shape_of(config), script, 1, launcher, "gpu", ac=ac, offload_frozen=offload,
+                             **flags)
+    model_gib = memory.total(phases, "gpu")[0] / memory.GIB
+    measured = max(r.get("mem/peak_gib", 0.0) for r in rows)
+    cmd = (f"python bench/memory.py --model {config} --script {script} --world 1 --launcher {launcher}"
+           + " --activation_checkpointing" * ac + " --offload_frozen" * offload
+           + "".join(f" --{k} {v}" for k, v in flags.items()))
+    print(f"(c) {name}: {cmd}", flush=True)
+    return row("c", f"{name}: peak memory logged vs bench/memory.py", f"{measured:.2f} vs {model_gib:.2f} GiB",
+               "within 10% + 1 GiB", mem_within(measured, model_gib))
 
 
-def benches(tmp):
-    rows = []
-    for name, argv in BENCHES:
-        log = os.path.join(tmp, "bench-" + argv[0].split("/")[1].replace(".py", "") + f"-{len(rows)}.log")
-        try:
-            sec = run([sys.executable, *argv], log, timeout=900)
-            with open(log) as f:
-                print(f"--- {name}\n" + "".join(f.readlines()[-12:]), flush=True)
-            rows.append((name, sec, "ok: " + " ".join(argv)))
-        except (RuntimeError, subprocess.TimeoutExpired) as e:  # one failing benchmark must not hide the rest
-            print(f"--- {name} FAILED\n{e}", flush=True)
-            rows.append((name, 0.0, "FAILED: see output above"))
-    return rows
+def ms_per_token(rows):
+    """The last step's rollout time over the tokens it decoded (its longest response), in ms."""
+    last = max(rows, key=lambda r: r["step"])
+    return 1000 * last["time/rollout"] / last["completions/max_length"]
 
 
-def main():
+STEP_LINE = re.compile(r"^step +(\d+) \|", re.M)
+TRACING = re.compile(r"\[(\d+)/(\d+)[^\]]*\][^\n]*torchdynamo start tracing (\S+)")
+RECORDING = re.compile(r"recording (function|cudagraph tree)", re.I)
+
+
+def compile_report(log, after_step=2):
+    """From a run's output under TORCH_LOGS=recompiles,cudagraphs,dynamo (the step lines on the
+    same stream): the compilations (dynamo's distinct frame compile ids [frame/compile]), the
+    frames' names, the CUDA graph recordings up to and after the step `after_step` line (None
+    when that line is missing) and the CUDA graphs skipped."""
+    compiles = {(m[1], m[2]): m[3] for m in TRACING.finditer(log)}
+    cut = next((m.end() for m in STEP_LINE.finditer(log) if int(m[1]) == after_step), None)
+    before = len(RECORDING.findall(log if cut is None else log[:cut]))
+    after = None if cut is None else len(RECORDING.findall(log[cut:]))
+    return len(compiles), sorted(set(compiles.values())), before, after, log.count("skipping cudagraphs")
+
+
+def compile_rows(name, log):
+    """(d): the compiled decode step compiled at most twice; its CUDA graphs recorded in steps 1-2, never after."""
+    n, frames, before, after, skipped = compile_report(log)
+    return [row("d", f"{name}: compilations (TORCH_LOGS)", f"{n} ({', '.join(frames) or 'none'})",
+                f"1 to {BOUNDS['compilations']}", 1 <= n <= BOUNDS["compilations"]),
+            row("d", f"{name}: CUDA graph recordings after step 2",
+                f"{after} ({before} in steps 1-2, {skipped} skipped)",
+                "0 (>= 1 in steps 1-2, 0 skipped)", after == 0 and before >= 1 and skipped == 0)]
+
+
+def grpo_argv(folder, out_dir, prompts, g, extra):
+    """grpo.py's flags: every one a check depends on given, none left to a default; 3 steps with
+    --compile (step 3 must replay step 2's CUDA graphs), else 2."""
+    return ["--model", folder, "--dataset", prompts, "--reward_fn", "digits", "--out_dir", out_dir, "--lr", "0",
+            "--steps", "3" if "--compile" in extra else "2", "--warmup_steps", "0",
+            "--prompts_per_step", str(g["prompts_per_step"]), "--group_size", str(g["group_size"]),
+            "--num_iterations", "2", "--num_mini_batches", "2", "--grad_accum", "1",
+            "--temperature", str(T), "--top_p", str(TOP_P), "--top_k", "0",
+            "--max_prompt_len", str(g["max_prompt_len"]), "--max_new_tokens", str(g["max_new_tokens"]),
+            "--beta", "0.04", "--kl_estimator", "k3", "--epsilon_low", "0.2", "--epsilon_high", "0.28",
+            "--loss_agg", "token_mean", "--scale_rewards", "group", "--eval_every", "1000", "--seed", "0",
+            "--save_dtype", "bfloat16", *extra]
+
+
+def run_grpo(shape, launcher, extra, folders, paths, plan, work, cpu, only):
+    """One grpo.py run at lr 0: rows of (b), (c) and (d)."""
+    folder = folders[shape]
+    extra = [folder if a == "SELF" else a for a in extra]
+    shown = " ".join(a if a != folder else "(itself)" for a in extra)
+    name = f"grpo.py {shape}, {launcher}{' ' + shown if shown else ''}"
+    out_dir = os.path.join(work, slug(name))
+    shutil.rmtree(out_dir, ignore_errors=True)  # an earlier check's, in a --keep folder
+    compiled = "--compile" in extra
+    env = {"TORCH_LOGS": TORCH_LOGS} if compiled else None
+    t0 = time.time()
+    code = launch("grpo.py", grpo_argv(folder, out_dir, paths["prompts"], plan["grpo"], extra), out_dir + ".log",
+                  launcher, in_process=cpu, env=env, timeout=300)
+    print(f"{name}: exit {code} in {time.time() - t0:.0f} s (log {out_dir}.log)", flush=True)
+    if code != 0:
+        return [row("b", name, f"exited {code}: {out_dir}.log", "exit 0", False)]
+    rows = metrics(out_dir)
+    shutil.rmtree(os.path.join(out_dir, "checkpoint"), ignore_errors=True)  # gigabytes, not needed
+    out = lr0_rows(name, rows) if "b" in only else []
+    if "c" in only and not cpu:
+        flags = dict(plan["grpo"], num_mini_batches=2, grad_accum=1)
+        flags |= {"activation_checkpointing": "--activation_checkpointing" in extra,
+                  "offload_frozen": "--offload_frozen" in extra, **({"compile": True} if compiled else {}),
+                  **({"teacher": folder} if "--teacher" in extra else {})}
+        out.append(memory_row(name, rows, os.path.join(folder, "config.json"), "grpo", launcher, flags))
+    if "d" in only:
+        if compiled:
+            with open(out_dir + ".log") as f:
+                out += compile_rows(name, f.read())
+        if not ({"--teacher", "--activation_checkpointing", "--offload_frozen"} & set(extra)):
+            n_rows = plan["grpo"]["prompts_per_step"] * plan["grpo"]["group_size"]
+            out.append(row("d", f"{name}: ms per decoded token ({n_rows} rows, last step)", f"{ms_per_token(rows):.2f}",
+                           "", None))
+    return out
+
+
+def run_dpo(folder, precompute, paths, plan, work, cpu, only):
+    """One dpo.py run at lr 0: rows of (e) and (c)."""
+    dp = plan["dpo"]
+    name = f"dpo.py {dp['shape']}, python, {'--precompute_ref' if precompute else 'live reference'}"
+    out_dir = os.path.join(work, f"dpo-{'precomputed' if precompute else 'live'}")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    argv = ["--model", folder, "--dataset", paths["pairs"], "--eval_dataset", paths["pairs_eval"], "--n_eval", "8",
+            "--out_dir", out_dir, "--lr", "0", "--steps", "2", "--warmup_steps", "0", "--batch_size",
+            str(dp["batch_size"]), "--grad_accum", "1", "--eval_batch_size", str(dp["batch_size"]),
+            "--max_prompt_len", str(dp["max_prompt_len"]), "--max_response_len", str(dp["max_response_len"]),
+            "--beta", "0.1", "--loss_type", "sigmoid", "--label_smoothing", "0", "--eval_every", "1000",
+            "--seed", "0", "--save_dtype", "bfloat16", "--precompute_ref" if precompute else "--no-precompute_ref"]
+    code = launch("dpo.py", argv, out_dir + ".log", "python", in_process=cpu, timeout=300)
+    print(f"{name}: exit {code} (log {out_dir}.log)", flush=True)
+    if code != 0:
+        return [row("e", name, f"exited {code}: {out_dir}.log", "exit 0", False)]
+    rows = metrics(out_dir)
+    shutil.rmtree(os.path.join(out_dir, "checkpoint"), ignore_errors=True)
+    train = [r for r in rows if r["step"] >= 1]
+    loss = max(abs(r["loss"] - math.log(2)) for r in train)
+    margin = max(abs(r["rewards/margins"]) for r in train)
+    out = [row("e", f"{name}: loss - ln 2, largest of the steps in absolute value", f"{loss:.1e}",
+               f"<= {BOUNDS['dpo']:g}", loss <= BOUNDS["dpo"]),
+           row("e", f"{name}: rewards/margins, the same", f"{margin:.1e}", f"<= {BOUNDS['dpo']:g}",
+               margin <= BOUNDS["dpo"])]
+    if "c" in only and not cpu:
+        flags = dict(batch_size=dp["batch_size"], grad_accum=1, max_prompt_len=dp["max_prompt_len"],
+                     max_response_len=dp["max_response_len"], precompute_ref=precompute)
+        out.append(memory_row(name, rows, os.path.join(folder, "config.json"), "dpo", "python", flags))
+    return out
+
+
+# -----------------------------------------------------------------------------
+
+
+def table(rows):
+    lines = ["| check | what | value | bound | result |", "|---|---|---|---|---|"]
+    for r in rows:
+        result = "info" if r["ok"] is None else "pass" if r["ok"] else "**FAIL**"
+        lines.append(f"| ({r['check']}) | {r['what']} | {r['value']} | {r['bound']} | {result} |")
+    return "\n".join(lines)
+
+
+def slug(name):
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", choices=["checks", "bench"], help="run one part only")
-    p.add_argument("--cpu", action="store_true", help="no GPU: checks 2 and 5 on a tiny model (for the tests)")
-    p.add_argument("--no-pipeline", dest="pipeline", action="store_false",
-                   help="start the checks from a small SFT run instead of the whole pipeline")
-    p.add_argument("--keep", default="", help="keep the runs and logs in this folder instead of a temporary one")
-    args = p.parse_args()
-    if not torch.cuda.is_available() and not args.cpu:
-        raise SystemExit("gpu_check: no CUDA GPU is visible (torch.cuda.is_available() is False). Run it on a "
-                         "machine with a GPU, or pass --cpu for the small CPU subset.")
-    if args.cpu and args.only == "bench":
-        raise SystemExit("gpu_check: --cpu runs the checks only; the benchmarks' CPU figures come from bench/*.py")
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.cpu else "CPU"
-    print(f"gpu_check on {device}, torch {torch.__version__}", flush=True)
-    tmp = args.keep or tempfile.mkdtemp(prefix="gpu_check-")
-    os.makedirs(tmp, exist_ok=True)
-    t0, rows, failed = time.time(), [], None
-    try:
-        if args.only != "bench":
-            rows += checks(tmp, args.cpu, args.pipeline)
-        if args.only != "checks" and not args.cpu:
-            rows += benches(tmp)
-    except (AssertionError, RuntimeError, subprocess.TimeoutExpired) as e:
-        failed = e
-    print("\n| check | seconds | result |\n|---|---|---|")
-    for name, sec, what in rows:
-        print(f"| {name} | {sec:.0f} | {what} |")
-    summary = {"device": device, "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M"),
-               "total_s": round(time.time() - t0), "rows": rows, "failed": None if failed is None else str(failed)}
-    if not args.cpu:
-        os.makedirs(RESULTS, exist_ok=True)
-        with open(os.path.join(RESULTS, "gpu_check-cuda.json"), "w") as f:
-            json.dump(summary, f, indent=1)
+    p.add_argument("--cpu", action="store_true", help="the CPU subset on tiny shapes (tests/test_gpu_path.py runs it)")
+    p.add_argument("--only", default="a,b,c,d,e", help="the checks to run, comma-separated letters (default: all)")
+    p.add_argument("--launchers", default=None,
+                   help="python,torchrun (default on a GPU); on the CPU python alone unless given")
+    p.add_argument("--results", default=os.path.join(ROOT, "bench", "results"), help="folder of the results table")
+    p.add_argument("--keep", default="", help="keep the models, runs and logs in this folder (default: a temporary "
+                                              "one, removed unless a check failed)")
+    args = p.parse_args(argv)
+    only = set(args.only.split(","))
+    if only - set("abcde"):
+        p.error(f"--only {args.only}: checks are the letters a to e")
+    if args.cpu:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the scripts' runs too
+    elif not torch.cuda.is_available():
+        raise SystemExit("gpu_check: no CUDA GPU is visible (torch.cuda.is_available() is False). Run it on a machine "
+                         "with a GPU, or pass --cpu for the CPU subset on tiny shapes.")
+    plan = CPU if args.cpu else GPU
+    launchers = (args.launchers or ("python" if args.cpu else "python,torchrun")).split(",")
+    device = torch.device("cpu" if args.cpu else "cuda")
+    device_name = "CPU" if args.cpu else torch.cuda.get_device_name(device)
+    work = args.keep or tempfile.mkdtemp(prefix="gpu_check-")
+    os.makedirs(work, exist_ok=True)
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # transformers' bars of each load, as the scripts switch them off
+    print(f"gpu_check on {device_name}, torch {torch.__version__}, transformers {transformers.__version__}; "
+          f"runs and logs in {work}", flush=True)
+    t0, rows = time.time(), []
+
+    # the model folders and data files
+    tok = make_tokenizer(plan["tokenizer_vocab"])
+    folders = {name: build_folder(os.path.join(work, slug(name)), shape, tok, device, plan["dtype"])
+               for name, shape in plan["shapes"].items()}
+    free(device)
+    # the data's lengths counted by the tokenizer as the scripts load it: transformers gives a Qwen2
+    # folder's BPE Qwen's own pre-tokenizer (digits one by one), not the one it was trained with
+    paths = write_data(work, data.load_tokenizer(folders[plan["dpo"]["shape"]]), plan)
+    print(f"models and data ready in {time.time() - t0:.0f} s", flush=True)
+
+    if "a" in only:
+        sampled = dict(folders)
+        if plan["smollm2"]:
+            try:
+                sampled["SmolLM2-135M-Instruct"] = run.model_folder("smollm2")
+            except (FileNotFoundError, ModuleNotFoundError) as e:
+                rows.append(row("a", "SmolLM2-135M-Instruct", f"not run: {e}", "", None))
+        for name, folder in sampled.items():
+            rows += check_sampler(name, folder, device, plan["sampler"])
+        print(f"(a) done at {time.time() - t0:.0f} s", flush=True)
+    if only & set("bcd"):
+        for shape, launcher, extra in plan["grpo_runs"]:
+            if launcher in launchers:
+                rows += run_grpo(shape, launcher, extra, folders, paths, plan, work, args.cpu, only)
+        print(f"(b) to (d) done at {time.time() - t0:.0f} s", flush=True)
+    if "e" in only or "c" in only:
+        for precompute in (True, False):
+            rows += run_dpo(folders[plan["dpo"]["shape"]], precompute, paths, plan, work, args.cpu, only | {"e"})
+    seconds = time.time() - t0
+    budget = plan["budget_s"]
+    rows.append(row("all", "wall time of this command", f"{seconds:.0f} s", f"<= {budget} s" if budget else "",
+                    None if budget is None else seconds <= budget))
+
+    failed = [r for r in rows if r["ok"] is False]
+    cmd = " ".join(["python bench/gpu_check.py", *(sys.argv[1:] if argv is None else argv)])
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True).stdout
+    report = (f"# bench/gpu_check.py on {device_name}\n\n`{cmd}`: torch {torch.__version__}, transformers "
+              f"{transformers.__version__}, commit {commit.strip() or 'unknown'}, {time.strftime('%Y-%m-%d %H:%M')}, "
+              f"{seconds:.0f} s; {len(failed)} of {sum(r['ok'] is not None for r in rows)} checks failed\n\n"
+              f"{table(rows)}\n")
+    if args.cpu:
+        report += "\n--cpu: no peak-memory (c) or compile (d) checks: they read CUDA's allocator and CUDA graphs.\n"
+    os.makedirs(args.results, exist_ok=True)
+    out = os.path.join(args.results, f"gpu-check-{slug(device_name)}.md")
+    with open(out, "w") as f:
+        f.write(report)
+    print("\n" + report + f"\nwritten to {out}", flush=True)
+    if failed:
+        print(f"gpu_check FAILED: {len(failed)} check(s); the runs and logs are kept in {work}", flush=True)
+        return 1
     if not args.keep:
-        shutil.rmtree(tmp, ignore_errors=True)
-    if failed is not None:
-        raise SystemExit(f"gpu_check FAILED after {time.time() - t0:.0f}s: {failed}")
-    print(f"gpu_check passed in {time.time() - t0:.0f}s on {device}")
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"gpu_check passed in {seconds:.0f} s on {device_name}", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

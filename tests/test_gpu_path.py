@@ -10,7 +10,8 @@ import run
 import grpo
 import sampling
 import tasks
-from helpers import SUBPROCESS_ENV, free_port, read_metrics, run_script
+from bench import gpu_check
+from helpers import free_port, read_metrics
 
 META = common.Dist(device=torch.device("meta"))
 
@@ -263,16 +264,127 @@ def test_one_decode_cache_per_model_sized_for_the_longest_rollout(tiny, monkeypa
 
 
 def test_gpu_check_refuses_without_a_gpu():
-    r = run_script(["bench/gpu_check.py"], timeout=120, env=None)
-    assert r.returncode != 0 and "no CUDA GPU" in r.stderr and "--cpu" in r.stderr
+    with pytest.raises(SystemExit, match="no CUDA GPU.*--cpu"):
+        gpu_check.main([])
 
 
-def test_gpu_check_cpu_subset_passes(tmp_path):
-    """The GPU check's own runs (every device knob, lr 0 under
-    `python`), small, on the CPU: the command a GPU machine runs is itself tested."""
-    r = run_script(["bench/gpu_check.py", "--cpu", "--keep", str(tmp_path)], timeout=600, env=SUBPROCESS_ENV)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "| GRPO at lr 0, python |" in r.stdout and "gpu_check passed" in r.stdout
+@pytest.fixture
+def cpu_check(tmp_path, one_torch_thread):
+    """bench/gpu_check.py --cpu in this process (the scripts' runs too): (exit status, the table it wrote)."""
+    def check(*args):
+        code = gpu_check.main(["--cpu", "--results", str(tmp_path), "--keep", str(tmp_path / "work"), *args])
+        return code, (tmp_path / "gpu-check-cpu.md").read_text()
+    return check
+
+
+def rows_of(table, *words):
+    """The table's lines that name every word."""
+    return [line for line in table.splitlines() if line.startswith("| (") and all(w in line for w in words)]
+
+
+def test_gpu_check_cpu_subset_passes(cpu_check):
+    """The GPU check's own code on tiny Qwen2- and Llama-shaped folders: (a) the sampler against
+    the training forward and the mini-batch deal, (b) grpo.py at lr 0 with and without activation
+    checkpointing and with --teacher, (e) dpo.py at lr 0 with a precomputed and a live reference;
+    every row passes."""
+    code, table = cpu_check()
+    assert code == 0, table
+    assert table.startswith("# bench/gpu_check.py on CPU") and "**FAIL**" not in table
+    for check, n in (("(a)", 6), ("(b)", 13), ("(e)", 4)):
+        assert len(rows_of(table, check, "| pass |")) == n, table
+
+
+def _scaled_reference(freeze):
+    """common.freeze (or load_frozen) with the frozen model's weights x 1.5: a reference that is
+    not the policy, as a reference built from the wrong checkpoint or cast would be."""
+    def wrapped(*args, **kwargs):
+        model = freeze(*args, **kwargs)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.5)
+        return model
+    return wrapped
+
+
+def _shifted_old_logprobs(batched):
+    """grpo.batched_logprobs with the policy's (old) log-probs 0.5 too low, the reference's right."""
+    def wrapped(model, *args, **kwargs):
+        out = batched(model, *args, **kwargs)
+        return out - 0.5 if any(p.requires_grad for p in model.parameters()) else out
+    return wrapped
+
+
+def _decode_ignoring_padding(next_logits):
+    """The sampler's decode step attending to the prompts' left padding."""
+    return lambda model, ids, mask, pos, cache, kw: next_logits(model, ids, torch.ones_like(mask), pos, cache, kw)
+
+
+def _one_row_dealt_twice(deal):
+    def wrapped(*args, **kwargs):
+        rows = deal(*args, **kwargs).clone()
+        rows[0, 1] = rows[0, 0]
+        return rows
+    return wrapped
+
+
+PLANTS = {  # name: (where, what, the checks to run, the rows that must fail, rows that must still pass)
+    "kl": (common, "freeze", _scaled_reference, "b", ["KL to the reference"], ["clip_ratio"]),
+    "clipping": (grpo, "batched_logprobs", _shifted_old_logprobs, "b", ["clip_ratio", "logp_diff"],
+                 ["KL to the reference"]),
+    "sampler": (sampling, "_next_logits", _decode_ignoring_padding, "a", ["fp32, TF32 off", "bf16 autocast"],
+                ["contiguous chunks"]),
+    "deal": (grpo, "minibatch_rows", _one_row_dealt_twice, "a", ["contiguous chunks"], ["fp32, TF32 off"]),
+    "dpo": (common, "load_frozen", _scaled_reference, "e", ["loss - ln 2", "rewards/margins"], []),
+}
+
+
+@pytest.mark.parametrize("plant", PLANTS)
+def test_gpu_check_fails_on_a_planted_bug(cpu_check, monkeypatch, plant):
+    """Each check fails, and the command exits 1, on the bug it is there for: a KL (a reference
+    that is not the policy), clipping (old log-probs off by 0.5), a sampler that attends to
+    padding, a deal that drops a row, a DPO reference that is not the policy; the checks the
+    plant does not touch still pass."""
+    module, name, plant_fn, only, failing, passing = PLANTS[plant]
+    monkeypatch.setattr(module, name, plant_fn(getattr(module, name)))
+    code, table = cpu_check("--only", only)
+    assert code == 1, table
+    for what in failing:
+        assert rows_of(table, what) and all("**FAIL**" in line for line in rows_of(table, what)), (what, table)
+    for what in passing:
+        assert rows_of(table, what) and all("| pass |" in line for line in rows_of(table, what)), (what, table)
+
+
+def test_gpu_check_reads_compilations_and_cuda_graph_recordings_from_torch_logs():
+    """(d)'s reader on hand-written output in TORCH_LOGS's format (torch 2.11 and 2.13 word the
+    recording differently): compile ids [frame/compile] counted once each (a restart [0/0_1] is
+    not a compilation), the recordings split at the `step 2` line."""
+    def log(*lines):
+        return "\n".join(lines) + "\n"
+
+    trace = "I1125 14:03:09.495000 7499 torch/_dynamo/symbolic_convert.py:5335] [{}] Step 1: torchdynamo start " \
+            "tracing _next_logits /repo/sampling.py:78"
+    record = "V1125 14:03:09.6 7499 torch/_inductor/cudagraph_trees.py:2403] [0/0] [__cudagraphs] {}"
+    step = "step     {} | reward 0.1 | kl 0 | clip_ratio/low 0 | clip_ratio/high 0"
+    good = log(trace.format("0/0"), trace.format("0/0_1"), record.format("Running warmup function=0, mode=INFERENCE"),
+               record.format("Recording function=0, mode=INFERENCE, cuda_graph_id=0, inputs: [...]"),
+               step.format(1), step.format(2), step.format(3))
+    assert gpu_check.compile_report(good) == (1, ["_next_logits"], 1, 0, 0)
+    assert all(r["ok"] for r in gpu_check.compile_rows("run", good))
+    again = good + log(record.format("Recording function 0 of graph recording id 3"))  # torch 2.11's wording
+    rerecorded = good + log(record.format("Re-recording function=0, mode=INFERENCE, reason=static input moved"))
+    recompiled = log(trace.format("0/0"), trace.format("0/1"), trace.format("0/2")) + good
+    skipped = good.replace("Running warmup", "skipping cudagraphs due to mutated inputs. Running warmup")
+    unfinished = good.replace(step.format(2), "")
+    for bad, ok in ((again, [True, False]), (rerecorded, [True, False]), (recompiled, [False, True]),
+                    (skipped, [True, False]), (unfinished, [True, False])):
+        assert [r["ok"] for r in gpu_check.compile_rows("run", bad)] == ok, bad
+    assert gpu_check.compile_report(recompiled)[0] == 3 and gpu_check.compile_report(unfinished)[3] is None
+
+
+def test_gpu_check_memory_bound_is_ten_percent_and_one_gib():
+    assert gpu_check.mem_within(10.8, 9.0) and gpu_check.mem_within(7.2, 9.0)  # 9 GiB within 1.9
+    assert not gpu_check.mem_within(11.0, 9.0) and not gpu_check.mem_within(7.0, 9.0)
+    assert gpu_check.mem_within(0.99, 0.0) and not gpu_check.mem_within(1.01, 0.0)
 
 
 def test_the_fp32_head_on_bf16_weights_makes_no_fp32_copy_of_the_weight():
