@@ -4,6 +4,7 @@ normalisation and every script's evaluation. Its speed against model.generate:
 bench/sampler.py; its correctness: tests/test_sampler.py.
 """
 import copy
+import hashlib
 import time
 import weakref
 from dataclasses import dataclass
@@ -18,9 +19,12 @@ import tool_rollout
 
 def stream_seed(seed, step, stream, index=0, round_=0):
     """The seed of a random stream of a step (0: sampling; 1: rejection sampling, per prompt of
-    global `index`; 2: mini-batch order) in rollout round round_ (< 16): distinct for every
-    (seed, step, stream, round, index), unlike seed + step. None depends on the rank."""
-    return seed * 1_000_003 + step + 2**32 * stream + 2**36 * round_ + 2**40 * index
+    global `index`; 2: mini-batch order) in rollout round round_: a 32-bit hash of (seed, step,
+    stream, round, index). A CPU torch.Generator (mt19937) keeps only the low 32 bits of its seed,
+    so fields packed above bit 31 would all seed one stream; hashed, two different tuples share a
+    stream with probability 2^-32. None depends on the rank."""
+    key = f"{seed},{step},{stream},{round_},{index}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little")
 
 
 def truncate_mask(response_ids, response_mask, truncate_id):
