@@ -18,13 +18,9 @@ import tool_rollout
 
 
 def stream_seed(seed, step, stream, index=0, round_=0):
-    """The seed of a random stream of a step (0: sampling; 1: rejection sampling, per prompt of
-    global `index`; 2: mini-batch order) in rollout round round_: a 32-bit hash of (seed, step,
-    stream, round, index). A CPU torch.Generator (mt19937) keeps only the low 32 bits of its seed,
-    so fields packed above bit 31 would all seed one stream; hashed, two different tuples share a
-    stream with probability 2^-32. None depends on the rank."""
-    key = f"{seed},{step},{stream},{round_},{index}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little")
+    """Seed of a step's stream (0: sampling; 1: rejection sampling of global prompt `index`; 2: mini-batch deal) in
+    round round_: hashed to the 32 bits a CPU generator (mt19937) keeps; two keys collide with probability 2^-32."""
+    return int(hashlib.blake2b(f"{seed},{step},{stream},{round_},{index}".encode(), digest_size=4).hexdigest(), 16)
 
 
 def truncate_mask(response_ids, response_mask, truncate_id):
