@@ -26,7 +26,7 @@ def tool_spans(r_ids, tok):
     """1 on every token of a tool's result, found in the ids: from an opening result tag right after
     a call's closing tag (where a result goes; a row whose call gets none ends there) through the
     next closing result tag, or the row's end (a result cut at --max_new_tokens). A result tag the
-    policy samples anywhere else is its own token (the calculator's policy does, now and then)."""
+    policy samples anywhere else is its own token (the calculator's policy sometimes does)."""
     call_close, opening, closing = map(tok.convert_tokens_to_ids, (tools.CALL_CLOSE, tools.RESULT_OPEN, tools.RESULT_CLOSE))
     spans = torch.zeros_like(r_ids)
     for i, row in enumerate(r_ids.tolist()):
