@@ -4,6 +4,7 @@ normalisation and every script's evaluation. Its speed against model.generate:
 bench/sampler.py; its correctness: tests/test_sampler.py.
 """
 import copy
+import hashlib
 import time
 import weakref
 from dataclasses import dataclass
@@ -17,10 +18,9 @@ import tool_rollout
 
 
 def stream_seed(seed, step, stream, index=0, round_=0):
-    """The seed of a random stream of a step (0: sampling; 1: rejection sampling, per prompt of
-    global `index`; 2: mini-batch order) in rollout round round_ (< 16): distinct for every
-    (seed, step, stream, round, index), unlike seed + step. None depends on the rank."""
-    return seed * 1_000_003 + step + 2**32 * stream + 2**36 * round_ + 2**40 * index
+    """Seed of a step's stream (0: sampling; 1: rejection sampling of global prompt `index`; 2: mini-batch deal) in
+    round round_: hashed to the 32 bits a CPU generator (mt19937) keeps; two keys collide with probability 2^-32."""
+    return int(hashlib.blake2b(f"{seed},{step},{stream},{round_},{index}".encode(), digest_size=4).hexdigest(), 16)
 
 
 def truncate_mask(response_ids, response_mask, truncate_id):

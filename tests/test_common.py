@@ -189,6 +189,30 @@ def test_response_logprobs_match_a_full_forward(tiny):
     torch.testing.assert_close(got, want)
 
 
+def test_response_logprobs_of_a_model_without_logits_to_keep(tiny):
+    """A model whose forward takes no logits_to_keep (a wrapper module, as many custom models are):
+    every position's logits are computed and the R before the response kept; log-probs and
+    entropies equal those of the logits_to_keep path, at temperature 1 and 0.7. Planted: the
+    fallback's slice one position late (`slice(-n_response, None)`) fails here."""
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False):
+            return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              use_cache=use_cache)
+
+    model, tok = tiny
+    plain = Wrapper(model)
+    assert common._accepts(model, "logits_to_keep") and not common._accepts(plain, "logits_to_keep")
+    ids, mask, resp = common.join_prompt_response(*_rows(tok), tok.pad_token_id)
+    for T in (1.0, 0.7):
+        want = common.response_logprobs(model, ids, mask, resp.shape[1], T, with_entropy=True)
+        got = common.response_logprobs(plain, ids, mask, resp.shape[1], T, with_entropy=True)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 # -----------------------------------------------------------------------------
 # sampling
 

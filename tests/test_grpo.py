@@ -599,12 +599,12 @@ def test_kl_in_reward_is_subtracted(multi_pass_kl_in_reward_run):
 def test_script_lora_checkpoint_is_merged(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    # --no_eos_penalty: rewards that differ within a group, so the step has a gradient (at the
-    # first step the KL penalty is 0 and every sort reward 0) and the adapters move
-    out, _ = run_grpo(tmp_path, "--lora", "--kl_in_reward", "--lr", "1e-2", "--steps", "1", "--no_eos_penalty", "0.5")
+    # --entropy_coef: a gradient whatever the rewards, so the adapters move (at the first step the
+    # KL penalty is 0, every sort reward 0, and the random policy's completions may all be clipped)
+    out, _ = run_grpo(tmp_path, "--lora", "--kl_in_reward", "--lr", "1e-2", "--steps", "1", "--entropy_coef", "0.01")
     model = AutoModelForCausalLM.from_pretrained(out / "checkpoint")
     assert not any("lora" in name for name, _ in model.named_parameters())
-    # the adapters' update is in the weights (they moved by up to 0.015, measured): unloaded
+    # the adapters' update is in the weights (they moved by up to 0.017, measured): unloaded
     # unmerged, they would leave the base model
     assert moved_from_the_initial_weights(out) > 1e-3
 

@@ -23,9 +23,19 @@ TWO_RANK_RUNS["grpo_tools"] = lambda folder, models: grpo_argv(folder / "run", *
 
 
 def tool_spans(r_ids, tok):
-    """1 on every token from an opening result tag through its closing tag, found in the ids."""
-    opens, closes = (r_ids == tok.convert_tokens_to_ids(t) for t in (tools.RESULT_OPEN, tools.RESULT_CLOSE))
-    return (opens.long().cumsum(1) - closes.long().cumsum(1) + closes.long()).clamp(max=1)
+    """1 on every token of a tool's result, found in the ids: from an opening result tag right after
+    a call's closing tag (where a result goes; a row whose call gets none ends there) through the
+    next closing result tag, or the row's end (a result cut at --max_new_tokens). A result tag the
+    policy samples anywhere else is its own token (the calculator's policy sometimes does)."""
+    call_close, opening, closing = map(tok.convert_tokens_to_ids, (tools.CALL_CLOSE, tools.RESULT_OPEN, tools.RESULT_CLOSE))
+    spans = torch.zeros_like(r_ids)
+    for i, row in enumerate(r_ids.tolist()):
+        inside = False
+        for j, t in enumerate(row):
+            inside = inside or (t == opening and j > 0 and row[j - 1] == call_close)
+            spans[i, j] = int(inside)
+            inside = inside and t != closing
+    return spans
 
 
 @pytest.fixture(scope="module")

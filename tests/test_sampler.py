@@ -260,6 +260,21 @@ def test_rollout_uniforms_make_samples_independent_of_how_rows_are_split():
     assert gen[1][0][0].tolist() != whole[0][2][:gen[1][0].shape[1]].tolist()
 
 
+def test_every_stream_of_a_step_draws_its_own_numbers():
+    """sampling.stream_seed over every (seed, step, stream, round, index) of a grid: each seed fits
+    the 32 bits a CPU generator (mt19937) keeps, and each seeds a generator whose first draws no
+    other's repeat. Fields packed above bit 31 of the seed would give one stream to all of a step's
+    streams, rounds and prompts (stream_seed(0, 1, stream=s) for s = 0, 1, 2: the same torch.rand)."""
+    keys = [(seed, step, stream, round_, index) for seed in (0, 1) for step in (1, 2, 3) for stream in (0, 1, 2)
+            for round_ in (0, 1, 2) for index in range(8)]
+    seeds = [sampling.stream_seed(seed, step, stream, index=index, round_=round_)
+             for seed, step, stream, round_, index in keys]
+    assert all(0 <= s < 2**32 for s in seeds)
+    draws = {tuple(torch.rand(2, generator=torch.Generator().manual_seed(s)).tolist()) for s in seeds}
+    assert len(draws) == len(keys)
+    assert seeds == [sampling.stream_seed(*k[:3], index=k[4], round_=k[3]) for k in keys]  # a function of the key alone
+
+
 def test_greedy_evaluation_stops_at_every_end_of_turn_id_of_the_generation_config(monkeypatch):
     """Llama-3 and Qwen instruct list two ids in generation_config.eos_token_id (end of turn,
     end of text); stopping only at the tokenizer's EOS ran answers past the end of the turn. The
