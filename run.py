@@ -220,21 +220,24 @@ RUN_FILES = ("checkpoint", "checkpoint.old", "checkpoint.tmp", "metrics.jsonl", 
 _RUNS = []  # the runs of this process, for `script` to tidy up after a failure
 
 
+SAMPLE_ABOVE, SAMPLED_BLOCKS, SAMPLED_BLOCK = 2**28, 64, 2**16  # a file above 256 MiB: 64 blocks of 64 KiB
+
+
 def _digest(path):
-    """A short sha256 of a file: of its bytes; of a large one (> 256 MiB: weights), of its size
-    and 64 evenly spaced 64 KiB blocks, which tell two checkpoints apart without reading them."""
+    """A short sha256 of a file: of its bytes; of a large one (> SAMPLE_ABOVE: weights), of its size
+    and SAMPLED_BLOCKS evenly spaced blocks, which tell two checkpoints apart without reading them."""
     import hashlib
 
     h, size = hashlib.sha256(), os.path.getsize(path)
     with open(path, "rb") as f:
-        if size <= 2**28:
+        if size <= SAMPLE_ABOVE:
             for block in iter(lambda: f.read(2**20), b""):
                 h.update(block)
         else:
             h.update(str(size).encode())
-            for i in range(64):
-                f.seek(i * (size - 2**16) // 63)
-                h.update(f.read(2**16))
+            for i in range(SAMPLED_BLOCKS):
+                f.seek(i * (size - SAMPLED_BLOCK) // (SAMPLED_BLOCKS - 1))
+                h.update(f.read(SAMPLED_BLOCK))
     return h.hexdigest()[:16]
 
 
