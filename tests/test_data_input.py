@@ -102,10 +102,10 @@ def test_an_unused_column_of_mixed_types_is_left_out(tmp_path, capsys):
     ds = data.load_data(str(tmp_path / "d.parquet"), "train", ["prompt", "completion"])
     assert ds.column_names == ["prompt", "completion", "id"] and ds["id"] == [2**63 + 5, 1]
     assert capsys.readouterr().out.startswith(f"{tmp_path / 'd.parquet'}: left out column 'meta', which this script "
-                                              f"does not read: map<string, int64>")
+                                              f"does not read: map<string, int64")
     pyarrow.parquet.write_table(table.rename_columns(["prompt", "completion", "id", "answer"]), tmp_path / "a.parquet")
-    with pytest.raises(ValueError, match=r"a\.parquet: column 'answer' is map<string, int64>, which `datasets` cannot "
-                                         r"hold"):
+    with pytest.raises(ValueError, match=r"a\.parquet: column 'answer' is map<string, int64 \('answer'\)>, which "
+                                         r"`datasets` cannot hold"):
         data.load_prompts(grpo.Config(dataset=str(tmp_path / "a.parquet"), reward_fn="math"), rules=True)
 
 

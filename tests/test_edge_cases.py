@@ -514,7 +514,7 @@ def test_out_dir_is_a_folder_of_its_own(tmp_path, monkeypatch):
     for extra in ({}, {"overwrite": True}):
         try:
             with pytest.raises(ValueError, match=rf"--out_dir \. is the folder this command runs in \({work}\)"):
-                sft.main(sft.Config(out_dir=".", steps=1, **extra))
+                sft.main(sft.Config(out_dir=".", steps=1, n_train=64, n_eval=8, **extra))
         finally:
             run.release()
     assert sorted(os.listdir(work)) == ["notes.txt"]

@@ -151,7 +151,8 @@ def test_a_torn_last_line_is_skipped_with_a_note(tmp_path, capsys, torn):
     assert plot.read_metrics(run_dir) == whole
     assert capsys.readouterr().err == (f"note: {os.path.join(run_dir, 'metrics.jsonl')}, line {STEPS + 2}: not a "
                                        f"complete row (a run stopped while writing it?); skipped\n")
-    check_png(plot.plot_run(run_dir, tmp_path / "out"))
+    (png,) = plot.plot_run(run_dir, tmp_path / "out")
+    check_png(png)
 
 
 def test_cli(tmp_path, capsys):
