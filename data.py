@@ -72,11 +72,9 @@ def _csv_rows(path, text):
             raise ValueError(f"{path} row {n}: {len(cells)} fields, while the header names {len(header)}; quote "
                              f"each field that holds a comma")
         row = dict(zip(header, cells))
-        if row.get("margin") == "":
-            row["margin"] = None
-        if row.get("margin") is not None:
+        if "margin" in row:  # a number, or missing (an empty cell)
             try:
-                row["margin"] = float(row["margin"])
+                row["margin"] = float(row["margin"]) if row["margin"] else None
             except ValueError:
                 raise ValueError(f"{path} row {n}: field 'margin' is {row['margin']!r}, not a number") from None
         rows.append(row)
@@ -411,7 +409,8 @@ def load_pairs(name, split, n=None, seed=0, holdout=False):
     any others the source has, such as a numeric `margin`). Rows without a prompt field are
     Anthropic HH dialogues, split by split_hh. Errors name the source and the row (1-based).
     holdout: as in load_data, by the hash of the (split) prompt."""
-    ds = load_data(name, split, ["chosen", "rejected"], kind="preference", n=n, seed=seed, optional=("prompt", "margin"))
+    ds = load_data(name, split, ["chosen", "rejected"], kind="preference", n=n, seed=seed,
+                   optional=("prompt", "margin"))
     if "prompt" in ds.column_names:
         check_field(ds["prompt"], "prompt", name)
     else:  # the implicit prompt: HH dialogues split at the last "Assistant:", or shared first turns

@@ -218,6 +218,7 @@ INPUT_FLAGS = ("model", "ref_model", "reward_model", "normalize_policy", "datase
                "chat_template")
 DATA_FLAGS = ("dataset", "eval_dataset", "eval_pairs", "chat_template")  # hashed whole, whatever their size
 RUN_FILES = ("checkpoint", "checkpoint.old", "checkpoint.tmp", "metrics.jsonl", "run_config.json")
+_RUNS = []  # the runs of this process, for `script` to tidy up after a failure
 
 
 def _run_file(name):
@@ -225,7 +226,6 @@ def _run_file(name):
     into its out_dir."""
     return (name in RUN_FILES or name in (".lock", "metrics.jsonl.tmp", "run_config.json.tmp")
             or name.startswith("export-step-"))
-_RUNS = []  # the runs of this process, for `script` to tidy up after a failure
 
 
 SAMPLE_ABOVE, SAMPLED_BLOCKS, SAMPLED_BLOCK = 2**28, 64, 2**16  # a file above 256 MiB: 64 blocks of 64 KiB
