@@ -19,7 +19,8 @@ import run
 
 FILE_TYPES = (".jsonl", ".json", ".csv", ".parquet")
 HOLDOUT = 0.05  # share of a local file's prompts held out for evaluation when no --eval_dataset is given
-# the columns the scripts read: one of them that cannot be stored is an error, any other is left out
+# the columns some script reads (read_file's default): one a script reads that cannot be stored is an
+# error, any other is left out
 COLUMNS = ("prompt", "completion", "chosen", "rejected", "messages", "reward_fn", "answer", "margin")
 
 
@@ -60,7 +61,9 @@ def _json_rows(path, text):
 
 def _csv_rows(path, text):
     """The rows of a .csv file, every cell text exactly as written (pyarrow would read a column of
-    " 19" and "046" as the numbers 19 and 46), an empty cell None (missing), `margin` a float."""
+    " 19" and "046" as the numbers 19 and 46): an empty cell is the empty text, as `""` is in a
+    JSON row (CSV has no other way to write it, nor a missing value); `margin` is a float, and an
+    empty margin None (missing)."""
     reader = csv.reader(io.StringIO(text, newline=""))
     header = next(reader, [])
     rows = []
@@ -68,10 +71,10 @@ def _csv_rows(path, text):
         if len(cells) != len(header):
             raise ValueError(f"{path} row {n}: {len(cells)} fields, while the header names {len(header)}; quote "
                              f"each field that holds a comma")
-        row = dict(zip(header, (v or None for v in cells)))  # an empty cell is a missing value
-        if row.get("margin") is not None:
+        row = dict(zip(header, cells))
+        if "margin" in row:  # a number, or missing (an empty cell)
             try:
-                row["margin"] = float(row["margin"])
+                row["margin"] = float(row["margin"]) if row["margin"] else None
             except ValueError:
                 raise ValueError(f"{path} row {n}: field 'margin' is {row['margin']!r}, not a number") from None
         rows.append(row)
@@ -105,13 +108,16 @@ def _arrow_column(values, column):
                          f"it the same structure in every row") from None
 
 
-def read_file(path):
+def read_file(path, reads=COLUMNS):
     """A local .jsonl / .json / .csv / .parquet file as an in-memory `datasets.Dataset`: nothing
     is copied into the datasets cache (~/.cache/huggingface/datasets), which a
     `load_dataset("json", data_files=...)` would fill with an Arrow copy on every new file.
     Every column any row has is kept (missing values are None, for the row checks to name), but one
-    that no script reads (not in COLUMNS) and whose rows do not share one type is left out, with
-    a note. The file is checked before it is opened: a FIFO would block, and load_data reads it twice."""
+    the script does not read (not in `reads`) that a Dataset cannot hold (rows that do not share
+    one type; a parquet type `datasets` has none for, such as a map) is left out, with a note; in
+    a column it reads, that is an error naming the row or the type. A parquet file's columns keep
+    their Arrow types (uint64 ids above 2**63 included). The file is checked before it is opened:
+    a FIFO would block, and load_data reads it twice."""
     import datasets
 
     if os.path.isdir(path):
@@ -131,7 +137,18 @@ def read_file(path):
             table = pyarrow.parquet.read_table(path)
         except Exception as e:  # pyarrow's messages do not name the file
             raise ValueError(f"{path}: could not be read as parquet: {e}") from None
-        return datasets.Dataset.from_dict(table.to_pydict())
+        keep = []
+        for field in table.schema:
+            try:
+                datasets.Features.from_arrow_schema(pyarrow.schema([field]))
+                keep.append(field.name)
+            except (ValueError, TypeError, NotImplementedError):
+                if field.name in reads:
+                    raise ValueError(f"{path}: column {field.name!r} is {field.type}, which `datasets` cannot "
+                                     f"hold: give it a plain type (text, numbers, lists, structs)") from None
+                common.print0(f"{path}: left out column {field.name!r}, which this script does not read: "
+                              f"{field.type}, which `datasets` cannot hold")
+        return datasets.Dataset(datasets.table.InMemoryTable(table.select(keep).replace_schema_metadata()))
     with open(path, "rb") as f:
         text = _decode(path, f.read()).removeprefix("\ufeff")  # a byte-order mark (Excel) is no part of a name
     rows = _csv_rows(path, text) if path.endswith(".csv") else _json_rows(path, text)
@@ -140,9 +157,9 @@ def read_file(path):
         try:
             data[c] = _arrow_column([r.get(c) for r in rows], c)
         except ValueError as e:
-            if c in COLUMNS:
+            if c in reads:
                 raise ValueError(f"{path} {e}") from None
-            common.print0(f"{path}: left out column {c!r}, which no script reads: {e}")
+            common.print0(f"{path}: left out column {c!r}, which this script does not read: {e}")
     return datasets.Dataset.from_dict(data)
 
 
@@ -166,11 +183,13 @@ def hold_out(ds, name, split):
     return ds.select(rows)
 
 
-def load_data(name, split, columns, kind=None, n=None, seed=0, holdout=False):
+def load_data(name, split, columns, kind=None, n=None, seed=0, holdout=False, optional=()):
     """A `datasets.Dataset` with string `columns`, from an embedded task (`sort`), a local
     .jsonl / .json / .csv / .parquet file (read_file), or a hub id. Every row is checked: a
-    missing or non-string field is an error naming the file, the row (1-based) and the field.
-    Nothing is dropped.
+    missing or non-string field is an error naming the file, the row (1-based) and the field; an
+    empty one is read as empty text, with a note counting such rows. No row is dropped; a column
+    neither in `columns` nor `optional` (those the caller reads where present) that cannot be
+    stored is left out with a note (read_file).
 
     kind ("sft", "preference", "prompt") and n pick the rows of an embedded task. holdout: a
     local file is split by prompt hash (hold_out) into `split` "train" or "test".
@@ -183,7 +202,7 @@ def load_data(name, split, columns, kind=None, n=None, seed=0, holdout=False):
         split = "test" if split in ("test", "validation", "eval") else split
         ds = datasets.Dataset.from_list(tasks.task_rows(name, kind, n, seed=seed, split=split))
     elif name.endswith(FILE_TYPES) or (os.path.exists(name) and not os.path.isdir(name)):
-        ds = read_file(name)
+        ds = read_file(name, reads={*columns, *optional, *(["messages"] if "prompt" in columns else [])})
     elif run.looks_local(name) and not os.path.isdir(name):
         raise FileNotFoundError(f"{name}: no such file or folder (a local path, not a hub id)")
     else:  # a hub id, or a local dataset folder with its own split files
@@ -200,6 +219,11 @@ def load_data(name, split, columns, kind=None, n=None, seed=0, holdout=False):
         raise ValueError(f"{name} ({split}): missing column(s) {missing}; has {ds.column_names}")
     for c in columns:
         check_field(ds[c], c, name)
+        empty = [i + 1 for i, v in enumerate(ds[c]) if v == ""]
+        if empty:  # legitimate (an empty completion trains the model to stop at once), and worth a look
+            common.print0(f"note: {name}: {len(empty)} of {len(ds)} rows have an empty {c!r} (row"
+                          f"{'s' if len(empty) > 1 else ''} {', '.join(map(str, empty[:5]))}"
+                          f"{', ...' if len(empty) > 5 else ''}), read as empty text")
     if holdout and os.path.isfile(name):
         ds = hold_out(ds, name, split)
     return ds
@@ -385,7 +409,8 @@ def load_pairs(name, split, n=None, seed=0, holdout=False):
     any others the source has, such as a numeric `margin`). Rows without a prompt field are
     Anthropic HH dialogues, split by split_hh. Errors name the source and the row (1-based).
     holdout: as in load_data, by the hash of the (split) prompt."""
-    ds = load_data(name, split, ["chosen", "rejected"], kind="preference", n=n, seed=seed)
+    ds = load_data(name, split, ["chosen", "rejected"], kind="preference", n=n, seed=seed,
+                   optional=("prompt", "margin"))
     if "prompt" in ds.column_names:
         check_field(ds["prompt"], "prompt", name)
     else:  # the implicit prompt: HH dialogues split at the last "Assistant:", or shared first turns
@@ -461,7 +486,8 @@ def load_prompts(cfg, rules):
     import tasks
 
     columns = ["prompt"] + (["reward_fn"] if rules and not cfg.reward_fn else [])
-    train = load_data(cfg.dataset, "train", columns, kind="prompt", n=cfg.n_train, seed=cfg.seed)
+    train = load_data(cfg.dataset, "train", columns, kind="prompt", n=cfg.n_train, seed=cfg.seed,
+                      optional=("reward_fn", "answer") if rules else ())
     if rules and "reward_fn" not in train.column_names:  # --reward_fn for every row
         train = train.add_column("reward_fn", [cfg.reward_fn] * len(train))
     if rules:

@@ -625,7 +625,7 @@ def main(cfg):
     # 0. setup: policy, reference, optional reward model, data
     d = run.start(cfg)  # flags checked, process group joined, seed set
     run.check_grpo_config(cfg, d)  # flags that do not go together, with what to change
-    weights = run.parse_weights(cfg.reward_weights, bool(cfg.reward_model))
+    weights = run.parse_weights(cfg.reward_weights, bool(cfg.reward_model), has_teacher=bool(cfg.teacher))
     train = data.load_prompts(cfg, rules="rule" in weights or cfg.dataset in tasks.TASKS)
     order = data.DataOrder(len(train), cfg.seed, cfg.prompts_per_step, f"--dataset {cfg.dataset}", "--prompts_per_step")
     job = run.Run(cfg, d, models=["model", "reward_model", "teacher"])  # out_dir checked and locked; nothing written yet

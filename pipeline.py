@@ -155,6 +155,26 @@ def redo(cfg, name):
     return cfg.redo == "all" or name in cfg.redo.split(",")
 
 
+def redo_names(cfg):
+    """The stages --redo may name in the mode cfg picks: the groups of its runs (stages(), studies'
+    real_stages, tool_stages, real_distill_stages) and the studies' own steps (pairs, base, eval)."""
+    if cfg.smollm2:
+        return ("pairs", "grpo", "rm", "dpo", "grpo_rm", "eval")
+    if cfg.smollm2_tools:
+        return ("base", "sft", "grpo", "eval")
+    if cfg.smollm2_distill:
+        return ("grpo", "distill")
+    return (*MAIN, "kl", "overopt", "variants", "distill")
+
+
+def check_redo(cfg):
+    """A name --redo does not know (a typo: `dop`) would redo nothing: refused, with the names."""
+    unknown = [n for n in cfg.redo.split(",") if n and n not in redo_names(cfg)]
+    if cfg.redo != "all" and unknown:
+        raise SystemExit(f"--redo {cfg.redo}: no stage {', '.join(unknown)}; the stages are "
+                         f"{', '.join(redo_names(cfg))} (or all)")
+
+
 def run_stage(name, argv, cfg, times):
     out_dir = argv[argv.index("--out_dir") + 1]
     redo_it = redo(cfg, name)
@@ -268,6 +288,7 @@ def results_table(cfg, times):
 
 def main(cfg):
     run.check_ranges(cfg)
+    check_redo(cfg)
     studies.overopt_betas(cfg)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so that the running stage is ended
     if cfg.smollm2:

@@ -216,38 +216,52 @@ RESUME_MAY_CHANGE = ("steps", "grad_accum", "activation_checkpointing", "offload
 # the flags that name a model or data: what each names is recorded, by content, with the run
 INPUT_FLAGS = ("model", "ref_model", "reward_model", "normalize_policy", "dataset", "eval_dataset", "eval_pairs",
                "chat_template")
+DATA_FLAGS = ("dataset", "eval_dataset", "eval_pairs", "chat_template")  # hashed whole, whatever their size
 RUN_FILES = ("checkpoint", "checkpoint.old", "checkpoint.tmp", "metrics.jsonl", "run_config.json")
 _RUNS = []  # the runs of this process, for `script` to tidy up after a failure
 
 
-def _digest(path):
-    """A short sha256 of a file: of its bytes; of a large one (> 256 MiB: weights), of its size
-    and 64 evenly spaced 64 KiB blocks, which tell two checkpoints apart without reading them."""
+def _run_file(name):
+    """Whether a run (or `python run.py export`, into export-step-N/) writes a file of this name
+    into its out_dir."""
+    return (name in RUN_FILES or name in (".lock", "metrics.jsonl.tmp", "run_config.json.tmp")
+            or name.startswith("export-step-"))
+
+
+SAMPLE_ABOVE, SAMPLED_BLOCKS, SAMPLED_BLOCK = 2**28, 64, 2**16  # a file above 256 MiB: 64 blocks of 64 KiB
+
+
+def _digest(path, whole=False):
+    """A short sha256 of a file: of its bytes (whole: always; sha256 reads 300 MiB in 0.2 s); of a
+    weight file above SAMPLE_ABOVE, of its size and SAMPLED_BLOCKS evenly spaced blocks, which tell
+    two checkpoints apart without reading every rank through 16 GB. An edit of such a file that
+    keeps its size and misses every block is not seen."""
     import hashlib
 
     h, size = hashlib.sha256(), os.path.getsize(path)
     with open(path, "rb") as f:
-        if size <= 2**28:
+        if whole or size <= SAMPLE_ABOVE:
             for block in iter(lambda: f.read(2**20), b""):
                 h.update(block)
         else:
             h.update(str(size).encode())
-            for i in range(64):
-                f.seek(i * (size - 2**16) // 63)
-                h.update(f.read(2**16))
+            for i in range(SAMPLED_BLOCKS):
+                f.seek(i * (size - SAMPLED_BLOCK) // (SAMPLED_BLOCKS - 1))
+                h.update(f.read(SAMPLED_BLOCK))
     return h.hexdigest()[:16]
 
 
-def fingerprint(value):
+def fingerprint(value, whole=False):
     """What a model or data flag names, by content: a file (data, chat template, GGUF) by its
     digest, a checkpoint folder (or a run's out_dir) by the digests of its files, anything else (a
-    hub id, an embedded task, `tiny`) by the name alone."""
+    hub id, an embedded task, `tiny`) by the name alone. whole: a file is hashed whole whatever
+    its size (data files, DATA_FLAGS); otherwise weights above SAMPLE_ABOVE are sampled (_digest)."""
     try:
         path = gguf_file(value) or value
     except (FileNotFoundError, ModuleNotFoundError):
         path = value
     if os.path.isfile(path):
-        return _digest(path)
+        return _digest(path, whole)
     if os.path.isdir(path):
         folder = resolve_checkpoint(path)
         files = sorted(n for n in os.listdir(folder) if os.path.isfile(os.path.join(folder, n)))
@@ -316,7 +330,9 @@ class Run:
     (rank 0) and writes nothing else: a run that stops before `begin` (a bad flag, a model that
     does not load) leaves out_dir as it found it.
     - Without --resume or --overwrite, out_dir must be empty or absent: a checkpoint or any
-      other file there stops the run, with what to do.
+      other file there stops the run, with what to do. A folder holding files no run writes
+      (_run_file), or the one the command runs in, is refused whatever the flags: --overwrite
+      would move it aside whole.
     - --resume: the flags must be the checkpoint's (RESUME_MAY_CHANGE excepted), and what the
       model and data flags name must be what the run started from (fingerprint); metrics rows past
       its step are cut at `begin`, and run_config.json gains an entry in its "history". With no
@@ -328,10 +344,17 @@ class Run:
     def __init__(self, cfg, d, models=("model",)):
         if not cfg.out_dir:
             raise ValueError("--out_dir is empty: pass the folder the run writes into")
+        here, there = os.path.realpath(os.getcwd()), os.path.realpath(cfg.out_dir)
+        if (here + os.sep).startswith(there.rstrip(os.sep) + os.sep):  # os.rename cannot move it aside
+            raise ValueError(f"--out_dir {cfg.out_dir} is the folder this command runs in ({there})"
+                             f"{'' if here == there else ', or one above it'}: a run needs a folder of its own "
+                             f"(--overwrite moves it aside whole); pass one, e.g. --out_dir runs/NAME")
         check_model_paths(cfg, *models)
         self.cfg, self.d, self.out_dir = cfg, d, cfg.out_dir
-        self.inputs = {f: fingerprint(getattr(cfg, f)) for f in INPUT_FLAGS if getattr(cfg, f, None)}
+        self.inputs = {f: fingerprint(getattr(cfg, f), whole=f in DATA_FLAGS) for f in INPUT_FLAGS
+                       if getattr(cfg, f, None)}
         self.created = not os.path.exists(cfg.out_dir)
+        self.locked_new = not os.path.exists(os.path.join(cfg.out_dir, ".lock"))  # a .lock this run adds
         self.started, self.replaced, self.logger = False, None, None
         _RUNS.append(self)
         if d.is_main:
@@ -348,6 +371,11 @@ class Run:
         if has_ckpt and not (cfg.resume or cfg.overwrite):
             raise FileExistsError(f"{cfg.out_dir} already holds a checkpoint ({found}); pass --resume to continue that "
                                   f"run or --overwrite to replace it")
+        foreign = [n for n in held if not _run_file(n)] if os.path.isdir(cfg.out_dir) else []
+        if foreign and not (has_ckpt and cfg.resume):
+            raise FileExistsError(f"--out_dir {cfg.out_dir} holds files no run writes ({', '.join(foreign[:4])}"
+                                  f"{', ...' if len(foreign) > 4 else ''}): it is not a run's folder, and --overwrite "
+                                  f"would move it aside whole; pass a folder of its own")
         if held and not (cfg.resume or cfg.overwrite):
             raise FileExistsError(f"{cfg.out_dir} is not empty (it holds {', '.join(held[:4])}"
                                   f"{', ...' if len(held) > 4 else ''}) and has no checkpoint: pass another --out_dir, "
@@ -359,6 +387,11 @@ class Run:
                 raise FileNotFoundError(f"{found} has no trainer_state.json (a final checkpoint): it cannot be resumed; "
                                         f"start a new run from it (--model {found})")
             self.step, self.changed = state["step"], _compare(cfg, state, self.inputs, found)
+            trained = _training_state(found)["step"]  # the step the weights and data order are at
+            if trained != self.step:  # metrics.jsonl would be cut at the one, training go on from the other
+                raise ValueError(f"--resume: {os.path.join(found, 'trainer_state.json')} is at step {self.step} but "
+                                 f"{os.path.join(found, 'training_state.pt')} at step {trained} (a file copied from "
+                                 f"another checkpoint?): {_damaged(found)}")
             if self.step >= cfg.steps:
                 raise ValueError(f"--resume: {found} is at step {self.step}, and --steps {cfg.steps} ends there or "
                                  f"before: nothing to train. Pass --steps above {self.step} to go on")
@@ -413,14 +446,18 @@ class Run:
 
     def save(self, step=None, model=None):
         """A checkpoint: resumable (optimizer, data order) with a step, the final export without.
-        Weights that are not finite are never written: the last good checkpoint stays the last."""
+        Weights that are not finite, or whose outputs on a fixed batch are not (finite_outputs),
+        are never written: the last good checkpoint stays the last."""
         model = model or self.model
         params = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
-        bad = common.all_reduce_sum(torch.stack([~torch.isfinite(p).all() for p in params]).sum().float(), self.d)
-        if bad.item():
-            raise FloatingPointError(f"{'step %d: ' % step if step else ''}the weights hold NaN or inf after the "
-                                     f"update; no checkpoint written. Last good checkpoint: "
-                                     f"{self.last_ckpt or 'none written yet'}")
+        bad_weights = torch.stack([~torch.isfinite(p).all() for p in params]).any()
+        bad = common.all_reduce_sum(torch.stack([bad_weights, ~finite_outputs(model, self.d)]).float(), self.d)
+        bad_weights, bad_outputs = bad.tolist()  # one transfer, at a save
+        if bad_weights or bad_outputs:
+            what = ("the weights hold NaN or inf" if bad_weights else "the model's outputs on a fixed batch are NaN "
+                    "or inf, though every weight is finite (too large an --lr?),")
+            raise FloatingPointError(f"{'step %d: ' % step if step else ''}{what} after the update; no checkpoint "
+                                     f"written. Last good checkpoint: {self.last_ckpt or 'none written yet'}")
         resumable = dict(optimizer=self.optimizer, scheduler=self.scheduler, step=step, order=self.order,
                          config=self.cfg, inputs=self.inputs) if step else {}
         return save_checkpoint(model, self.tokenizer, self.out_dir, self.d, dtype=export_dtype(self.cfg.save_dtype),
@@ -436,15 +473,27 @@ class Run:
         return path
 
     def abandon(self):
-        """After a failure: a run that wrote nothing removes the out_dir it created (its lock
-        file alone); one that moved the old contents aside says where they are."""
+        """After a failure: a run that wrote nothing removes the lock file it added (and the out_dir
+        it created, then empty); one that moved the old contents aside says where they are."""
         if not self.d.is_main:
             return
-        if not self.started and self.created and os.listdir(self.out_dir) == [".lock"]:
+        if not self.started and self.locked_new and os.path.isfile(os.path.join(self.out_dir, ".lock")):
             os.remove(os.path.join(self.out_dir, ".lock"))
-            os.rmdir(self.out_dir)
+            if self.created and not os.listdir(self.out_dir):
+                os.rmdir(self.out_dir)
         if self.replaced:
             common.print0(f"what {self.out_dir} held before this run is in {self.replaced}", file=sys.stderr)
+
+
+def finite_outputs(model, d):
+    """Whether the model's outputs (logits, or a reward model's scores) on a fixed batch of 8 tokens
+    are all finite, as a bool tensor on d.device: what a checkpoint must give to be named good.
+    Finite weights are not enough: after `--lr 1e10` every weight is finite, near 1e10, and the
+    logits are NaN. One forward without gradients (~1 ms at 0.8M parameters, a decode step's cost
+    at 7B, once per save); a collective under FSDP, like the save itself."""
+    ids = torch.arange(8, device=d.device)[None] % model.config.vocab_size  # (1, 8)
+    with torch.no_grad(), common.autocast(d):
+        return torch.isfinite(model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits).all()
 
 
 def release():
@@ -623,12 +672,13 @@ _WAIT_GROUP = []
 
 
 @contextmanager
-def _dcp_call(folder):
-    """Around a torch.distributed.checkpoint save or load of `folder`: its warning on every call
-    without a process group (also when told, no_dist, that one process is meant) is silenced; a
-    Ctrl-C in the middle, which it wraps with every other failure of its workers in a
+def _dcp_call(folder, reading=False):
+    """Around a torch.distributed.checkpoint save or load (reading) of `folder`: its warning on every
+    call without a process group (also when told, no_dist, that one process is meant) is silenced;
+    a Ctrl-C in the middle, which it wraps with every other failure of its workers in a
     CheckpointException, comes out as the KeyboardInterrupt it was (`script` then ends the run
-    with its one line); a value refused by the safe reader (_SafeLoadPlanner) names the folder."""
+    with its one line); a value refused by the safe reader (_SafeLoadPlanner) names the folder,
+    and so does any other failure to read it (a damaged checkpoint)."""
     import pickle
 
     from torch.distributed.checkpoint.api import CheckpointException
@@ -644,6 +694,9 @@ def _dcp_call(folder):
             if any(isinstance(exc, pickle.UnpicklingError) for exc in failures):
                 raise ValueError(f"{folder} holds values other than tensors and plain Python values: refusing to "
                                  f"read them (they could run code)") from None
+            if reading:
+                raise ValueError(f"reading {folder} failed ({type(failures[0]).__name__}: {failures[0]}): "
+                                 f"{_damaged(folder)}") from None
             raise
 
 
@@ -656,26 +709,63 @@ _METADATA_CLASSES = {("torch", "Size"), ("torch.serialization", "_get_layout"), 
         "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")}
 
 
+def _damaged(folder):
+    """What to do about a damaged checkpoint in folder (a checkpoint/ or its sharded/)."""
+    folder = os.path.normpath(folder)
+    ckpt = os.path.dirname(folder) if os.path.basename(folder) == "sharded" else folder
+    old = os.path.join(os.path.dirname(ckpt), "checkpoint.old")
+    return (f"the checkpoint {ckpt} is damaged. Restore it from a copy"
+            f"{f' (or resume from {old}: move it to checkpoint/)' if os.path.isdir(old) else ''}, or start the run "
+            f"afresh with --overwrite")
+
+
 def _check_metadata(folder):
     """torch.distributed.checkpoint reads a checkpoint's .metadata with pickle.load, which runs
     whatever a crafted file asks (os.system...). Read it first with an unpickler that knows only
-    the classes real metadata holds; refuse the folder, naming the file, otherwise."""
+    the classes real metadata holds; refuse the folder, naming the file, otherwise. A folder
+    without one is not a complete checkpoint, and one that cannot be read is damaged: each said
+    so. Returns the metadata."""
     import pickle
+
+    class Refused(pickle.UnpicklingError):
+        pass
 
     class Restricted(pickle.Unpickler):
         def find_class(self, module, name):
             if (module, name) in _METADATA_CLASSES or (module == "torch" and isinstance(getattr(torch, name, None),
                                                                                        torch.dtype)):
                 return super().find_class(module, name)
-            raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+            raise Refused(f"{module}.{name} is not part of a checkpoint's metadata")
 
     path = os.path.join(folder, ".metadata")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{folder} is not a complete checkpoint: it has no .metadata (the index of its "
+                                f"shards); {_damaged(folder)}")
     try:
         with open(path, "rb") as f:
-            Restricted(f).load()
-    except Exception as e:
-        raise ValueError(f"{path} is not a checkpoint's metadata ({type(e).__name__}: {e}); refusing to read it, as "
-                         f"it could run code") from None
+            return Restricted(f).load()
+    except Refused as e:
+        raise ValueError(f"{path} is not a checkpoint's metadata ({e}); refusing to read it, as it could run "
+                         f"code") from None
+    except Exception as e:  # cut short (EOFError, "pickle data was truncated") or overwritten
+        raise ValueError(f"{path} cannot be read ({type(e).__name__}: {e}): {_damaged(folder)}") from None
+
+
+def _check_shards(folder, metadata):
+    """Every shard file the metadata indexes is there and long enough for the bytes it places in
+    it: a file cut short (an interrupted copy) is named, not met as torch's "failed finding
+    central directory" halfway through a load. (A file of the right length with other bytes is
+    not seen here.)"""
+    ends = {}
+    for info in (metadata.storage_data or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} is missing: {_damaged(folder)}")
+        if os.path.getsize(path) < end:
+            raise ValueError(f"{path} is cut short ({os.path.getsize(path)} bytes; its .metadata places data up to byte "
+                             f"{end}): {_damaged(folder)}")
 
 
 def _safe_load_planner():
@@ -799,15 +889,33 @@ def export(path, dest=None):
     sharded_dir = os.path.join(ckpt, "sharded")
     if state is None or not os.path.isdir(sharded_dir):
         raise FileNotFoundError(f"{path} holds no resumable checkpoint (trainer_state.json and sharded/)")
+    dest = dest or os.path.join(os.path.dirname(os.path.abspath(ckpt)), f"export-step-{state['step']}")
+    _check_export_dest(dest)
     config = AutoConfig.from_pretrained(ckpt)
     scores = any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
     model = (AutoModelForSequenceClassification if scores else AutoModelForCausalLM).from_config(config)
     weights = _read_sharded(sharded_dir, {"model": get_model_state_dict(model)})
     set_model_state_dict(model, weights["model"])
-    dest = dest or os.path.join(os.path.dirname(os.path.abspath(ckpt)), f"export-step-{state['step']}")
     _write_export(model, AutoTokenizer.from_pretrained(ckpt), dest, model.state_dict(),
                   export_dtype(state["config"].get("save_dtype", "float32")))
     return dest
+
+
+def _check_export_dest(dest):
+    """An export goes into a new or empty folder, or one holding neither a model nor a run: into a
+    model's folder it would replace its weights without a word, and into a run's out_dir its
+    config.json would make `--model out_dir` load the export instead of the run's checkpoint."""
+    if os.path.exists(dest) and not os.path.isdir(dest):
+        raise FileExistsError(f"{dest} is a file: pass a folder to export into")
+    names = sorted(os.listdir(dest)) if os.path.isdir(dest) else []
+    runs = [n for n in names if n in RUN_FILES]
+    models = [n for n in names if n == "config.json" or n.endswith((".safetensors", ".bin", ".gguf"))]
+    if runs:
+        raise FileExistsError(f"{dest} already holds a run ({', '.join(runs)}): an export there would make "
+                              f"`--model {dest}` load it instead of the run's checkpoint; pass a new folder as DEST")
+    if models:
+        raise FileExistsError(f"{dest} already holds a model ({', '.join(models)}): an export there would replace "
+                              f"its weights; pass a new folder as DEST")
 
 
 def _read_sharded(sharded_dir, state):
@@ -816,10 +924,33 @@ def _read_sharded(sharded_dir, state):
     through a restricted unpickler, everything else with weights_only."""
     import torch.distributed.checkpoint as dcp
 
-    _check_metadata(sharded_dir)
-    with _dcp_call(sharded_dir):
+    _check_shards(sharded_dir, _check_metadata(sharded_dir))
+    with _dcp_call(sharded_dir, reading=True):
         dcp.load(state, checkpoint_id=sharded_dir, planner=_safe_load_planner(), no_dist=not dist.is_initialized())
     return state
+
+
+def _training_state(folder):
+    """A checkpoint's training_state.pt (scheduler, every rank's RNG state, step, data order), read
+    with weights_only: a file holding anything but tensors and plain Python values is refused,
+    naming it and the first thing it holds that is not, before any of it is unpickled (torch's own
+    message names no file and advises weights_only=False, which would run it)."""
+    import pickle
+    import re
+
+    path = os.path.join(folder, "training_state.pt")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{folder} is not a complete checkpoint: it has no training_state.pt; "
+                                f"{_damaged(folder)}")
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as e:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        raise ValueError(f"{path} holds something other than tensors and plain Python values"
+                         f"{f' ({found[1]})' if found else ''}: refusing to unpickle it, as it could run code; "
+                         f"{_damaged(folder)}") from None
+    except (RuntimeError, EOFError) as e:  # a zip archive cut short or overwritten
+        raise ValueError(f"{path} cannot be read ({type(e).__name__}: {e}): {_damaged(folder)}") from None
 
 
 def load_training_state(path, model, optimizer, scheduler, order, d):
@@ -834,7 +965,7 @@ def load_training_state(path, model, optimizer, scheduler, order, d):
         raise FileNotFoundError(f"{path} has no sharded/ training state (a checkpoint of an older version, which "
                                 f"kept it in training_state.pt): it cannot be resumed; start a new run from it "
                                 f"(--model {path})")
-    state = torch.load(os.path.join(path, "training_state.pt"), weights_only=True, map_location="cpu")
+    state = _training_state(path)
     model_state, optim_state = get_state_dict(model, optimizer)  # the layout to read into
     sharded = _read_sharded(sharded_dir, {"model": model_state, "optimizer": optim_state})
     set_state_dict(model, optimizer, model_state_dict=sharded["model"], optim_state_dict=sharded["optimizer"])
@@ -882,7 +1013,7 @@ class SharedConfig:
     the groups, so parameter all-gathers stay on intra-node links (0: shard over all ranks) [>= 0]"""
     timeout_minutes: float = 60.0
     """under torchrun: how long a rank waits in one collective for the others (while rank 0 alone reads the weights,
-    another decodes a long rollout or runs a slow reward function) before the job fails [> 0]"""
+    another decodes a long rollout or runs a slow reward function) before the job fails; at most a week (0, 10080]"""
     # --- run ---
     out_dir: str = "runs/run"
     """where metrics.jsonl and the checkpoint/ folder go"""
@@ -979,7 +1110,7 @@ def _field_docs(cls):
     return docs
 
 
-_INTERRUPTED = None  # the signal that interrupted the run (SIGINT or SIGTERM), once one has
+_INTERRUPTED = None  # the signal that interrupted the run (SIGINT, SIGTERM or SIGHUP), once one has
 
 
 def _on_signal(signum, frame):
@@ -1008,15 +1139,17 @@ def _command():
 
 
 def script(main, cls):
-    """Parse the command line into cls and run main. A Ctrl-C (SIGINT) or a SIGTERM (a scheduler's,
-    or torchrun's as it stops) ends the run with one line naming the last resumable checkpoint
-    and the command that continues from it, not a traceback; exit status 130 or 143. A Ctrl-C
-    is ignored where the shell asked for that (a background job `cmd &` starts with SIGINT
-    ignored); SIGTERM is not. A run that fails leaves out_dir as `Run.abandon` says."""
+    """Parse the command line into cls and run main. A Ctrl-C (SIGINT), a SIGTERM (a scheduler's,
+    or torchrun's as it stops) or a SIGHUP (the terminal or ssh session closed) ends the run with
+    one line naming the last resumable checkpoint and the command that continues from it, not a
+    traceback; exit status 130, 143 or 129. A signal is left alone where the shell asked for that:
+    a background job `cmd &` starts with SIGINT ignored, `nohup cmd` with SIGHUP ignored, and the
+    run goes on. A run that fails leaves out_dir as `Run.abandon` says."""
     global _INTERRUPTED
     cfg = parse_config(cls)
     _INTERRUPTED, installed = None, {}
-    for sig, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
+    for sig, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL),
+                         (signal.SIGHUP, signal.SIG_DFL)):
         if signal.getsignal(sig) is default:  # not when ignored, nor when a caller installed its own
             installed[sig] = signal.signal(sig, _on_signal)
     try:
@@ -1037,7 +1170,7 @@ def script(main, cls):
             state = _trainer_state(ckpt) if cfg.out_dir else None
         except ValueError:
             state = None
-        what = "terminated (SIGTERM)" if _INTERRUPTED == signal.SIGTERM else "interrupted"
+        what = {signal.SIGTERM: "terminated (SIGTERM)", signal.SIGHUP: "hung up (SIGHUP)"}.get(_INTERRUPTED, "interrupted")
         if state is not None:
             line = f"{what}. Last checkpoint: {ckpt} (step {state['step']}); continue with: {_command()} --resume"
         else:
@@ -1105,14 +1238,18 @@ def field_range(doc):
 
 
 def check_ranges(cfg):
-    """Refuse every numeric field outside the range its docstring ends with (shown by --help), and
-    every Literal field off its choices, naming the flag: the parser refuses both on the command
-    line; this catches a Config built in code (tests, the pipeline)."""
+    """Refuse every numeric field outside the range its docstring ends with (shown by --help), every
+    float that is not finite in float32 (inf, nan, 1e39: the flags reach the loss in float32 or
+    bf16 tensors, where 1e39 is inf), and every Literal field off its choices, naming the flag: the
+    parser refuses the choices on the command line; this catches the rest, and a Config built in
+    code (tests, the pipeline)."""
     docs, hints = _field_docs(type(cfg)), typing.get_type_hints(type(cfg))
     bad = []
     for f in dataclasses.fields(cfg):
         value, rng = getattr(cfg, f.name), field_range(docs.get(f.name, ""))
-        if rng is not None and value is not None and not isinstance(value, bool) and not rng[1](value):
+        if isinstance(value, float) and not abs(value) <= torch.finfo(torch.float32).max:  # nan: False too
+            bad.append(f"--{f.name} {value} is not a finite number{' in float32' if math.isfinite(value) else ''}")
+        elif rng is not None and value is not None and not isinstance(value, bool) and not rng[1](value):
             bad.append(f"--{f.name} {value} is out of range {rng[0]}")
         choices = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is typing.Literal else ()
         if choices and value not in choices:
@@ -1180,11 +1317,17 @@ def micro_batch(batch_size, grad_accum, d):
     return batch_size // (d.world_size * grad_accum)
 
 
-def parse_weights(spec, has_model):
-    """`rule:1.0,model:0.5` -> {"rule": 1.0, "model": 0.5}; empty picks the one reward there is."""
+def parse_weights(spec, has_model, has_teacher=False):
+    """`rule:1.0,model:0.5` -> {"rule": 1.0, "model": 0.5}; empty picks the one reward there is. Each
+    reward is named once, and some weight is not 0 unless a --teacher (has_teacher) gives the
+    advantages: with all weights 0 they are all 0, and nothing is trained."""
     if not spec:
         return {"model": 1.0} if has_model else {"rule": 1.0}
-    weights = {name.strip(): w for name, _, w in (part.partition(":") for part in spec.split(","))}
+    parts = [(name.strip(), w) for name, _, w in (part.partition(":") for part in spec.split(","))]
+    twice = sorted({name for name, _ in parts if [n for n, _ in parts].count(name) > 1})
+    if twice:
+        raise ValueError(f"--reward_weights {spec!r} names {', '.join(twice)} twice: give each reward one weight")
+    weights = dict(parts)
     for name, w in weights.items():
         try:
             weights[name] = float(w)
@@ -1194,6 +1337,9 @@ def parse_weights(spec, has_model):
             raise ValueError(f"--reward_weights {spec!r}: expected parts like rule:1.0 or model:0.5 (finite weights)")
     if "model" in weights and not has_model:
         raise ValueError(f"--reward_weights {spec!r} uses `model` but no --reward_model is given")
+    if not has_teacher and not any(weights.values()):
+        raise ValueError(f"--reward_weights {spec!r} gives every reward weight 0 and there is no --teacher: nothing "
+                         f"would be trained (every advantage is 0)")
     return weights
 
 
@@ -1224,4 +1370,7 @@ if __name__ == "__main__":
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    print(f"exported {export(*sys.argv[2:])}")
+    try:
+        print(f"exported {export(*sys.argv[2:])}")
+    except (OSError, ValueError) as e:  # a destination refused, a checkpoint missing or damaged: named
+        sys.exit(f"run.py export: {e}")

@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import os
+import sys
 
 import matplotlib
 
@@ -34,23 +35,28 @@ PANEL_SIZE = (5.2, 3.6)  # inches per panel
 
 
 def read_metrics(path):
-    """The rows of a metrics.jsonl (a file, or a run dir holding one), as a list of dicts."""
+    """The rows of a metrics.jsonl (a file, or a run dir holding one), as a list of dicts. A last
+    line that is not JSON is a row torn by a kill (or being written by a running run): skipped,
+    with a note; such a line anywhere else is an error naming it."""
     if not str(path).endswith(".jsonl"):  # a run dir
         path = os.path.join(path, "metrics.jsonl")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no metrics file: {path}")
     rows = []
     with open(path) as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}, line {i}: not JSON ({e.msg}): {line.strip()[:80]!r}") from None
-            if not isinstance(row, dict) or "step" not in row:
-                raise ValueError(f"{path}, line {i}: expected a JSON object with a 'step' key")
-            rows.append(row)
+        lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
+    for i, line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            if i == lines[-1][0]:
+                print(f"note: {path}, line {i}: not a complete row (a run stopped while writing it?); skipped",
+                      file=sys.stderr)
+                break
+            raise ValueError(f"{path}, line {i}: not JSON ({e.msg}): {line.strip()[:80]!r}") from None
+        if not isinstance(row, dict) or "step" not in row:
+            raise ValueError(f"{path}, line {i}: expected a JSON object with a 'step' key")
+        rows.append(row)
     return rows
 
 

@@ -28,8 +28,8 @@ def test_jsonl_lines_may_hold_unicode_line_separators(tmp_path):
 
 
 def test_csv_cells_are_read_as_written_and_margin_as_a_number(tmp_path):
-    """Digits stay text (" 19", "046" keep their space and zero); `margin` is a float; an empty
-    cell is a missing value, named by the row checks like a bad margin."""
+    """Digits stay text (" 19", "046" keep their space and zero); `margin` is a float, and an empty
+    margin cell a missing value, named by the row checks like a bad margin."""
     path = tmp_path / "d.csv"
     path.write_text('prompt,chosen,rejected,margin\n12 + 7 =,19, 19,1.5\n40 + 6 =,046,46,2\n"a, b", 7 ,x,-0.25\n')
     ds = data.load_pairs(str(path), "train")
@@ -38,9 +38,24 @@ def test_csv_cells_are_read_as_written_and_margin_as_a_number(tmp_path):
     path.write_text("prompt,chosen,rejected,margin\nq,1,2,0.5\nq,1,2,big\n")
     with pytest.raises(ValueError, match=r"d\.csv row 2: field 'margin' is 'big', not a number"):
         data.load_pairs(str(path), "train")
-    path.write_text("prompt,completion\nq,1\nq,\n")
-    with pytest.raises(ValueError, match=r"d\.csv row 2: missing field 'completion'"):
-        data.load_data(str(path), "train", ["prompt", "completion"])
+    path.write_text("prompt,chosen,rejected,margin\nq,1,2,0.5\nq,1,2,\n")
+    with pytest.raises(ValueError, match=r"d\.csv row 2: field 'margin' is None, not a number"):
+        data.load_pairs(str(path), "train")
+
+
+def test_an_empty_csv_cell_is_empty_text_as_in_jsonl(tmp_path, capsys):
+    """An empty cell of a text column was a missing field, while the same row in JSON Lines (`""`)
+    was read as empty text: one file refused, the other trained. A CSV cell is text, and the
+    format has no other way to write an empty completion, so it is "" in both, with a note that
+    counts such rows (an empty completion trains the model to stop at once, as TRL does with "")."""
+    rows = [{"prompt": "q", "completion": "1"}, {"prompt": "r", "completion": ""}, {"prompt": "s", "completion": ""}]
+    (tmp_path / "d.csv").write_text('prompt,completion\nq,1\nr,\ns,""\n')
+    from_csv = data.load_data(str(tmp_path / "d.csv"), "train", ["prompt", "completion"])
+    from_jsonl = data.load_data(write_jsonl(tmp_path / "d.jsonl", rows), "train", ["prompt", "completion"])
+    assert from_csv.to_list() == from_jsonl.to_list() == rows
+    notes = capsys.readouterr().out.splitlines()
+    assert notes == [f"note: {tmp_path / f'd.{x}'}: 2 of 3 rows have an empty 'completion' (rows 2, 3), read as empty "
+                     f"text" for x in ("csv", "jsonl")]
 
 
 def test_columns_of_mixed_nested_types(tmp_path, capsys):
@@ -59,6 +74,39 @@ def test_columns_of_mixed_nested_types(tmp_path, capsys):
            {"prompt": [{"role": "user", "content": 3}], "completion": "c"}]
     with pytest.raises(ValueError, match=r"p\.jsonl row 3: field 'prompt'"):
         data.load_data(write_jsonl(tmp_path / "p.jsonl", bad), "train", ["prompt", "completion"])
+
+
+def test_an_unused_column_of_mixed_types_is_left_out(tmp_path, capsys):
+    """An `answer` of 7 in one row and "3/4" in another stopped sft.py, which never reads it (it is
+    one of the columns some script reads); a parquet column of a type `datasets` cannot hold (a map)
+    crashed naming no file, and one of uint64 ids above 2**63 overflowed. A column the script does not
+    read is left out with a note (uint64 ids are kept, as Arrow holds them); one it reads (grpo.py's
+    `math` rule reads `answer`) is still an error naming the file, the row and the field."""
+    import pyarrow
+    import pyarrow.parquet
+
+    import grpo
+
+    rows = [{"prompt": "p1", "completion": "c1", "answer": 7}, {"prompt": "p2", "completion": "c2", "answer": "3/4"}]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    assert data.load_data(path, "train", ["prompt", "completion"]).column_names == ["prompt", "completion"]
+    assert capsys.readouterr().out == (f"{path}: left out column 'answer', which this script does not read: row 2: "
+                                       f"field 'answer' is str, while earlier rows hold int\n")
+    with pytest.raises(ValueError, match=rf"^{path} row 2: field 'answer' is str, while earlier rows hold int$"):
+        data.load_prompts(grpo.Config(dataset=path, reward_fn="math"), rules=True)
+    assert data.load_prompts(grpo.Config(dataset=path), rules=False).column_names == ["prompt", "completion"]
+    table = pyarrow.table({"prompt": ["p1", "p2"], "completion": ["c1", "c2"], "id": pyarrow.array([2**63 + 5, 1], pyarrow.uint64()),
+                           "meta": pyarrow.array([[("k", 1)], [("j", 2)]], pyarrow.map_(pyarrow.string(), pyarrow.int64()))})
+    pyarrow.parquet.write_table(table, tmp_path / "d.parquet")
+    capsys.readouterr()
+    ds = data.load_data(str(tmp_path / "d.parquet"), "train", ["prompt", "completion"])
+    assert ds.column_names == ["prompt", "completion", "id"] and ds["id"] == [2**63 + 5, 1]
+    assert capsys.readouterr().out.startswith(f"{tmp_path / 'd.parquet'}: left out column 'meta', which this script "
+                                              f"does not read: map<string, int64")
+    pyarrow.parquet.write_table(table.rename_columns(["prompt", "completion", "id", "answer"]), tmp_path / "a.parquet")
+    with pytest.raises(ValueError, match=r"a\.parquet: column 'answer' is map<string, int64 \('answer'\)>, which "
+                                         r"`datasets` cannot hold"):
+        data.load_prompts(grpo.Config(dataset=str(tmp_path / "a.parquet"), reward_fn="math"), rules=True)
 
 
 def test_a_fifo_is_not_a_data_file(tmp_path):

@@ -1,13 +1,18 @@
 """What a careless user does, and what a run on many GPUs meets: each case either works or stops
 with a message that names the flag, file or row, and nothing is written first, lost, or run from
 a checkpoint folder. Each test failed before its fix (the report's case is in its docstring)."""
+import dataclasses
+import importlib
 import json
+import math
+import os
 import pickle
 import re
 import signal
 import subprocess
 import sys
 import time
+import typing
 
 import pytest
 import torch
@@ -16,7 +21,7 @@ import common
 import run
 from helpers import (ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, chat, checkpoint_weights, read_metrics, run_here,
                      write_jsonl)
-from test_robustness import FAST, run_fast
+from test_robustness import FAST, _files, run_fast
 
 # -----------------------------------------------------------------------------
 # checkpoints: never named good with NaN weights; safe to read; a full disk said so
@@ -38,23 +43,32 @@ def _nan_at_update(monkeypatch, n):
     monkeypatch.setattr(common, "optimizer_step", poisoned)
 
 
+_STOPPED = {}  # the interrupted run's exit code and output, for the test of its signal
+
+
 @pytest.fixture(scope="module")
 def interrupted(tmp_path_factory):
-    """An sft.py run of 3 steps stopped by a Ctrl-C at step 3, in this process: its folder holds the
-    resumable step-2 checkpoint (--save_every 2). Tests copy it (`resumable`)."""
+    """An sft.py run of 3 steps ended at step 3 by a SIGHUP (its terminal closed), in this process:
+    its folder holds the resumable step-2 checkpoint (--save_every 2). Tests copy it (`resumable`)."""
     out = tmp_path_factory.mktemp("interrupted") / "run"
     step, calls = common.optimizer_step, []
 
-    def ctrl_c_at_step_3(*a, **kw):
+    def hang_up_at_step_3(*a, **kw):
         calls.append(1)
         if len(calls) == 3:
-            raise KeyboardInterrupt
+            if signal.getsignal(signal.SIGHUP) in (signal.SIG_DFL, signal.SIG_IGN):  # it would end pytest itself
+                raise AssertionError("the run installed no SIGHUP handler")
+            os.kill(os.getpid(), signal.SIGHUP)
         return step(*a, **kw)
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(common, "optimizer_step", ctrl_c_at_step_3)
-        r = run_fast("sft.py", ["--steps", "3", "--save_every", "2", "--out_dir", str(out)])
-    assert r.returncode == 130 and (out / "checkpoint" / "sharded" / ".metadata").exists(), r.stderr[-2000:]
+    old = signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as in a terminal (a suite run under nohup ignores it)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(common, "optimizer_step", hang_up_at_step_3)
+            _STOPPED["sighup"] = run_fast("sft.py", ["--steps", "3", "--save_every", "2", "--out_dir", str(out)])
+    finally:
+        signal.signal(signal.SIGHUP, old)
+    assert (out / "checkpoint" / "sharded" / ".metadata").exists(), _STOPPED["sighup"].stderr[-2000:]
     return out
 
 
@@ -69,7 +83,8 @@ def test_a_checkpoint_with_nan_weights_is_never_written_nor_named_good(tmp_path,
     """`sft.py --lr inf --warmup_steps 0 --save_every 1 --steps 3` named as the last good checkpoint
     one whose every weight was NaN: the finiteness check read the loss of the step before the
     update, and the checkpoint was written after it. Now the weights are checked before any save:
-    with NaN after step 2, the step-1 checkpoint stays, finite, and the error names it."""
+    with NaN after step 2, the step-1 checkpoint stays, finite, and the error names it. (inf is
+    refused as a flag; 1e30 gives weights of 1e30 and NaN outputs, refused likewise.)"""
     out = tmp_path / "run"
     _nan_at_update(monkeypatch, 2)
     r = run_fast("sft.py", ["--steps", "4", "--save_every", "1", "--out_dir", str(out)])
@@ -77,10 +92,10 @@ def test_a_checkpoint_with_nan_weights_is_never_written_nor_named_good(tmp_path,
     assert f"Last good checkpoint: {out / 'checkpoint'}" in r.stderr
     assert json.loads((out / "checkpoint" / "trainer_state.json").read_text())["step"] == 1
     assert all(torch.isfinite(w).all() for w in checkpoint_weights(out).values())
-    r = run_fast("sft.py", ["--lr", "inf", "--warmup_steps", "0", "--save_every", "1", "--steps", "3", "--out_dir",
-                            str(tmp_path / "inf")])
+    r = run_fast("sft.py", ["--lr", "1e30", "--warmup_steps", "0", "--save_every", "1", "--steps", "3", "--out_dir",
+                            str(tmp_path / "big")])
     assert r.returncode != 0 and "Last good checkpoint: none written yet" in r.stderr, r.stderr[-2000:]
-    assert not (tmp_path / "inf" / "checkpoint").exists()
+    assert not (tmp_path / "big" / "checkpoint").exists()
 
 
 class _Payload:
@@ -348,3 +363,230 @@ def test_the_log_is_one_line_per_step_without_transformers_bars_or_reports(tmp_p
         assert not noise, noise[:3]
         steps = [int(line.split("|")[0].split()[1]) for line in r.stdout.splitlines() if line.startswith("step ")]
         assert steps == [row["step"] for row in read_metrics(tmp_path / out)], r.stdout
+
+
+# -----------------------------------------------------------------------------
+# what a careless user still broke: exports over models, checkpoints named good with NaN
+# outputs, flags of any size, files that disagree or are damaged, a closed terminal
+
+
+def run_cli(argv):
+    """`python run.py ARGV` (its __main__ block) in this process, as helpers.run_here returns a
+    script's run: exit code, stdout, stderr (a traceback, when one ends it, on stderr)."""
+    import contextlib
+    import io
+    import runpy
+    import traceback
+
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with pytest.MonkeyPatch.context() as m, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        m.setattr(sys, "argv", ["run.py", *map(str, argv)])
+        try:
+            runpy.run_path(os.path.join(ROOT, "run.py"), run_name="__main__")
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+        except Exception:
+            traceback.print_exc()
+            code = 1
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
+def test_export_refuses_a_folder_that_holds_a_model_or_a_run(interrupted, tmp_path):
+    """`python run.py export RUN some/model` wrote over the model's weights without a word; into a
+    finished run's out_dir, its files made `--model out_dir` load the export instead of the run's
+    checkpoint. Both are refused, naming the folder and what it holds, and nothing is written."""
+    out = resumable(interrupted, tmp_path)  # a run's folder: checkpoint/, metrics.jsonl, run_config.json
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"the user's weights")
+    for dest, held in ((model, "config.json, model.safetensors"), (out, "checkpoint, metrics.jsonl, run_config.json")):
+        before = _files(dest)
+        r = run_cli(["export", out, dest])
+        assert r.returncode == 1 and f"{dest} already holds a {'model' if dest == model else 'run'} ({held})" in r.stderr, \
+            r.stderr[-2000:]
+        assert "Traceback" not in r.stderr and _files(dest) == before
+
+
+def test_the_last_good_checkpoint_gives_finite_outputs(tmp_path):
+    """`--lr 1e10`: an update leaves weights near 1e10, every one finite, whose logits are NaN; the
+    run saved them and, when the next loss was NaN, named that checkpoint the last good one. A save
+    now runs the model on a fixed batch first. Warm-up makes step 1's lr 0: its checkpoint is good;
+    step 2's update is refused, and the checkpoint named is step 1's, whose logits are finite."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    r = run_fast("sft.py", ["--lr", "1e10", "--warmup_steps", "2", "--save_every", "1", "--steps", "4",
+                            "--out_dir", str(out)])
+    assert r.returncode != 0 and "step 2: the model's outputs on a fixed batch are NaN or inf" in r.stderr, r.stderr[-2000:]
+    assert f"no checkpoint written. Last good checkpoint: {out / 'checkpoint'}" in r.stderr
+    assert json.loads((out / "checkpoint" / "trainer_state.json").read_text())["step"] == 1
+    model = AutoModelForCausalLM.from_pretrained(run.export(out / "checkpoint", tmp_path / "export"))
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])).logits).all()
+
+
+def test_reward_weights_name_each_reward_once_and_train_something(tmp_path):
+    """`--reward_weights rule:1,rule:2` trained with weight 2 without a word; `rule:0` without a
+    --teacher trained on advantages that are all 0. Both are refused before anything loads."""
+    assert run.parse_weights("rule:0", False, has_teacher=True) == {"rule": 0.0}  # on-policy distillation alone
+    assert run.parse_weights("rule:0,model:1", True) == {"rule": 0.0, "model": 1.0}
+    with pytest.raises(ValueError, match=r"--reward_weights 'rule:0,model:0' gives every reward weight 0 and there is no "
+                                         r"--teacher: nothing would be trained"):
+        run.parse_weights("rule:0,model:0", True)
+    for spec, message in (("rule:1,rule:2", "--reward_weights 'rule:1,rule:2' names rule twice"),
+                          ("rule:0", "--reward_weights 'rule:0' gives every reward weight 0")):
+        r = run_here(["grpo.py", "--reward_weights", spec, "--out_dir", str(tmp_path / "o")])
+        assert r.returncode != 0 and message in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "o").exists()
+
+
+def _float_fields(config):
+    hints = typing.get_type_hints(config)
+    return [f.name for f in dataclasses.fields(config) if hints[f.name] in (float, typing.Optional[float])]
+
+
+@pytest.mark.parametrize("script", ["sft", "reward", "dpo", "grpo"])
+def test_every_float_flag_is_finite(script):
+    """`--teacher_coef inf` was accepted, as was inf for every float flag bounded only below (and
+    1e39, finite for Python, inf in the float32 the flags reach the loss in). Every float field of
+    every script's Config is walked, so a new flag is covered as it is added; --timeout_minutes,
+    whose timedelta overflows, is bounded by a week."""
+    config = importlib.import_module(script).Config
+    names = _float_fields(config)
+    assert "lr" in names and "timeout_minutes" in names
+    for name in names:
+        for value in (math.inf, -math.inf, math.nan, 1e39):
+            with pytest.raises(ValueError, match=rf"--{name} {re.escape(str(value))} is "):
+                run.check_ranges(config(**{name: value}))
+    with pytest.raises(ValueError, match=r"--timeout_minutes 1e\+30 is out of range \(0, 10080\]"):
+        run.check_ranges(config(timeout_minutes=1e30))
+    run.check_ranges(config(timeout_minutes=10080.0))
+
+
+def test_a_non_finite_flag_is_refused_before_anything_is_written(tmp_path):
+    r = run_here(["grpo.py", "--teacher_coef", "inf", "--out_dir", str(tmp_path / "o")])
+    assert r.returncode != 0 and "--teacher_coef inf is not a finite number" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_trainer_state_that_disagrees_with_the_training_state_is_refused(interrupted, tmp_path):
+    """A trainer_state.json at step 1 beside a training_state.pt of step 2 (a file copied from
+    another checkpoint) was trusted: metrics.jsonl was cut to step 1, then training went on from
+    step 3, and step 2's row was lost. Now --resume refuses, naming both files and their steps,
+    before metrics.jsonl is touched."""
+    out = resumable(interrupted, tmp_path)
+    ckpt = out / "checkpoint"
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    (ckpt / "trainer_state.json").write_text(json.dumps({**state, "step": 1}))
+    metrics = (out / "metrics.jsonl").read_bytes()
+    r = run_fast("sft.py", ["--steps", "3", "--save_every", "2", "--out_dir", str(out), "--resume"])
+    assert r.returncode != 0 and (f"{ckpt / 'trainer_state.json'} is at step 1 but {ckpt / 'training_state.pt'} at "
+                                  f"step 2") in r.stderr, r.stderr[-2000:]
+    assert (out / "metrics.jsonl").read_bytes() == metrics
+
+
+def test_a_pickle_in_the_training_state_is_named_and_never_run(interrupted, tmp_path):
+    """A training_state.pt holding a pickled object ended in torch's advice to pass
+    weights_only=False, naming no file. The file is named, nothing in it runs."""
+    out, marker = resumable(interrupted, tmp_path), tmp_path / "ran"
+    path = out / "checkpoint" / "training_state.pt"
+    torch.save({**torch.load(path, weights_only=True), "scheduler": _Payload(str(marker))}, path)
+    r = run_fast("sft.py", ["--steps", "3", "--save_every", "2", "--out_dir", str(out), "--resume"])
+    assert r.returncode != 0 and (f"{path} holds something other than tensors and plain Python values (io.open): "
+                                  f"refusing to unpickle it") in r.stderr, r.stderr[-2000:]
+    assert "weights_only=False" not in r.stderr and not marker.exists()
+
+
+def test_out_dir_is_a_folder_of_its_own(tmp_path, monkeypatch):
+    """`--out_dir .` in the repository was refused as "not empty" after writing a .lock there, and with
+    --overwrite the run loaded its model, then died renaming '.' (Errno 16). Any folder holding files
+    no run writes would have been moved aside whole by --overwrite. Both are refused, naming the
+    flag, before anything is written."""
+    import sft
+
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("mine")
+    monkeypatch.chdir(work)
+    for extra in ({}, {"overwrite": True}):
+        try:
+            with pytest.raises(ValueError, match=rf"--out_dir \. is the folder this command runs in \({work}\)"):
+                sft.main(sft.Config(out_dir=".", steps=1, n_train=64, n_eval=8, **extra))
+        finally:
+            run.release()
+    assert sorted(os.listdir(work)) == ["notes.txt"]
+    r = run_fast("sft.py", ["--steps", "1", "--out_dir", str(work), "--overwrite"])
+    assert r.returncode != 0 and f"--out_dir {work} holds files no run writes (notes.txt)" in r.stderr, r.stderr[-2000:]
+    assert sorted(os.listdir(work)) == ["notes.txt"] and sorted(os.listdir(tmp_path)) == ["work"]
+
+
+@pytest.mark.parametrize("damage", ["truncated_shard", "overwritten_shard", "no_metadata"])
+def test_a_damaged_sharded_checkpoint_is_named(interrupted, tmp_path, damage):
+    """A .distcp cut short (an interrupted copy) ended --resume and `run.py export` in torch's
+    "failed finding central directory", naming no file; a missing .metadata in the refusal meant for
+    a crafted pickle ("it could run code"). Each now names the file and says what is wrong; a shard
+    of the right length whose last bytes were overwritten names the folder it was read from."""
+    out = resumable(interrupted, tmp_path)
+    sharded = out / "checkpoint" / "sharded"
+    (shard,) = sharded.glob("*.distcp")
+    if damage == "truncated_shard":
+        shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 2])
+        message = f"{shard} is cut short ({shard.stat().st_size} bytes"
+    elif damage == "overwritten_shard":
+        shard.write_bytes(shard.read_bytes()[:-4096] + bytes(4096))
+        message = f"reading {sharded} failed (RuntimeError: PytorchStreamReader failed"
+    else:
+        (sharded / ".metadata").unlink()
+        message = f"{sharded} is not a complete checkpoint: it has no .metadata"
+    resumed = run_fast("sft.py", ["--steps", "3", "--save_every", "2", "--out_dir", str(out), "--resume"])
+    assert resumed.returncode != 0 and message in resumed.stderr and "could run code" not in resumed.stderr, \
+        resumed.stderr[-2000:]
+    if damage != "overwritten_shard":  # its last bytes hold optimizer state, which an export does not read
+        exported = run_cli(["export", out, tmp_path / "export"])
+        assert exported.returncode == 1 and message in exported.stderr and "Traceback" not in exported.stderr
+        assert not (tmp_path / "export").exists()
+
+
+def test_resume_sees_a_changed_byte_anywhere_in_a_large_data_file(tmp_path, monkeypatch):
+    """A data file above 256 MiB was fingerprinted by 64 sampled blocks: --resume accepted it after a
+    byte between them changed. Data files are now hashed whole (300 MiB: 0.2 s); the threshold and
+    block are made small here, and the byte changed is one no block covers."""
+    monkeypatch.setattr(run, "SAMPLE_ABOVE", 1024)
+    monkeypatch.setattr(run, "SAMPLED_BLOCK", 16)
+    rows = [{"prompt": f"sort {i % 10} {i // 10 % 10} 3 =", "completion": " 3"} for i in range(200)]
+    path = tmp_path / "d.jsonl"
+    write_jsonl(path, rows)
+    text, size = path.read_bytes(), path.stat().st_size
+    sampled = {o + k for i in range(run.SAMPLED_BLOCKS) for o in [i * (size - 16) // (run.SAMPLED_BLOCKS - 1)]
+               for k in range(16)}
+    at = next(i + 1 for i in range(len(text)) if text[i:i + 3] == b' 3"' and i + 1 not in sampled)
+    out = tmp_path / "run"
+    step, calls = common.optimizer_step, []
+
+    def ctrl_c_at_step_3(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return step(*a, **kw)
+
+    args = ["--dataset", str(path), "--steps", "3", "--save_every", "2", "--out_dir", str(out)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(common, "optimizer_step", ctrl_c_at_step_3)
+        assert run_fast("sft.py", args).returncode == 130
+    path.write_bytes(text[:at] + b"4" + text[at + 1:])  # one completion " 3" -> " 4": a valid file, other rows
+    r = run_fast("sft.py", args + ["--resume"])
+    assert r.returncode != 0 and f"--resume: --dataset {path} no longer holds what the run started" in r.stderr, \
+        r.stderr[-2000:]
+
+
+def test_sighup_ends_a_run_like_sigterm(interrupted):
+    """A closed terminal (SIGHUP) ended a run at once: no resume line, and the kernel's exit status.
+    It now ends as SIGTERM does: one line naming the last checkpoint and the command that resumes
+    it, exit 128 + 1. (The run is the `interrupted` fixture's: SIGHUP at step 3.)"""
+    r = _STOPPED["sighup"]
+    assert r.returncode == 129 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert f"hung up (SIGHUP). Last checkpoint: {interrupted / 'checkpoint'} (step 2); continue with: python sft.py" \
+        in r.stderr and r.stderr.rstrip().endswith("--resume")

@@ -262,3 +262,33 @@ def test_policy_kl_is_zero_to_itself_and_the_naive_per_row_k3_sum_otherwise(tmp_
             log_r = lr - lp
             total += (log_r.exp() - log_r - 1).sum().item()
     assert got == pytest.approx(total / 8, rel=1e-4) and got > 0.01
+
+
+def test_redo_refuses_a_stage_it_does_not_know(tmp_path, monkeypatch):
+    """`--redo dop` (a typo) redid nothing and exited 0. An unknown name now stops the pipeline
+    before any stage runs, listing the names of the mode asked for; and every mode's names cover
+    the groups of its runs and the studies' own steps (pairs, base, eval), so none is refused."""
+    import re
+
+    ran = []
+    monkeypatch.setattr(pipeline, "run_stages", lambda stage_list, *a: ran.append([n for n, _ in stage_list]))
+    monkeypatch.setattr(studies, "real_study", lambda cfg, flag, *a: ran.append(flag))
+    for mode, redo, unknown, names in (
+            ({}, "dop", "dop", "sft, rm, dpo, grpo_rm, grpo_gold, kl, overopt, variants, distill"),
+            ({"smollm2": True}, "dpo,sft,", "sft", "pairs, grpo, rm, dpo, grpo_rm, eval")):
+        with pytest.raises(SystemExit, match=rf"^--redo {redo}: no stage {unknown}; the stages are {names} \(or "
+                                             rf"all\)$"):
+            pipeline.main(pipeline.Config(runs=str(tmp_path), redo=redo, **mode))
+    assert ran == []
+    pipeline.main(pipeline.Config(runs=str(tmp_path), redo="grpo,distill", smollm2_distill=True))
+    assert ran == ["--smollm2_distill"]
+    everything = {"kl_compare": True, "overopt": True, "variants": True, "distill": True}
+    for mode, groups in (({}, lambda cfg: pipeline.stages(cfg)), ({"smollm2": True}, studies.real_stages),
+                         ({"smollm2_tools": True}, studies.tool_stages),
+                         ({"smollm2_distill": True}, studies.real_distill_stages)):
+        cfg = pipeline.Config(runs=str(tmp_path), **everything, **mode)
+        assert {name for name, _ in groups(cfg)} <= set(pipeline.redo_names(cfg)), mode
+    steps = set(re.findall(r'pipeline\.redo\(cfg, "(\w+)"\)', open(studies.__file__).read()))
+    assert steps == {"pairs", "base", "eval"}
+    assert steps <= {*pipeline.redo_names(pipeline.Config(smollm2=True)),
+                     *pipeline.redo_names(pipeline.Config(smollm2_tools=True))}

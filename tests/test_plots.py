@@ -134,9 +134,26 @@ def test_errors_name_the_file(tmp_path):
         plot.plot_run(str(empty), tmp_path / "out")
     bad = tmp_path / "bad_run"
     bad.mkdir()
-    (bad / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": \n')
+    (bad / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": \n{"step": 3, "loss": 0.5}\n')
     with pytest.raises(ValueError, match=r"bad_run.*metrics.jsonl, line 2"):
         plot.read_metrics(str(bad))
+
+
+def test_a_torn_last_line_is_skipped_with_a_note(tmp_path, capsys):
+    """A run killed while writing its metrics (or one still writing them, plotted live) leaves a
+    torn last line, with or without its newline: the run could not be plotted. It is skipped with a
+    note naming it; the rows before it are plotted as they are."""
+    run_dir = write_run(tmp_path / "sft_run", "sft")
+    path = os.path.join(run_dir, "metrics.jsonl")
+    whole, text = plot.read_metrics(run_dir), open(path).read()
+    for torn in ('{"step": 31, "loss": 0.', '{"step": 31, "lo\n'):
+        with open(path, "w") as f:
+            f.write(text + torn)
+        assert plot.read_metrics(run_dir) == whole
+        assert capsys.readouterr().err == (f"note: {path}, line {STEPS + 2}: not a complete row (a run stopped while "
+                                           f"writing it?); skipped\n")
+    (png,) = plot.plot_run(run_dir, tmp_path / "out")
+    check_png(png)
 
 
 def test_cli(tmp_path, capsys):

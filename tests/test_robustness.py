@@ -185,7 +185,7 @@ def test_a_folder_holding_anything_else_is_refused_without_overwrite(tmp_path):
     before = _files(out)
     r = run_fast("sft.py", ["--steps", "1", "--out_dir", str(out)])
     assert r.returncode != 0 and "is not empty (it holds checkpoint, metrics.jsonl) and has no checkpoint" in r.stderr
-    assert _files(out) == before and sorted(os.listdir(out)) == [".lock", "checkpoint", "metrics.jsonl"]
+    assert _files(out) == before and sorted(os.listdir(out)) == ["checkpoint", "metrics.jsonl"]  # no .lock left
     r = run_fast("sft.py", ["--steps", "1", "--out_dir", str(out), "--overwrite"])
     assert r.returncode == 0, r.stderr
     (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("x.replaced-")]
