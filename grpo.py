@@ -362,9 +362,10 @@ def aggregate(x, mask, agg, normaliser):
 
 def loss_normaliser(mask, agg, max_new_tokens, d=common.Dist()):
     """The denominator of `aggregate` for a global mini-batch whose local rows have this
-    mask (B, T): tokens or sequences summed over all ranks. Collective."""
+    mask (B, T): tokens or sequences summed over all ranks, at least 1 (with
+    --mask_truncated_completions a mini-batch may hold no token: its loss is 0, not 0 / 0). Collective."""
     n = mask.sum() if agg == "token_mean" else mask.new_tensor(mask.shape[0] * (max_new_tokens if agg == "constant" else 1))
-    return common.all_reduce_sum(n.double(), d)  # a tensor: no host sync per mini-batch
+    return common.all_reduce_sum(n.double(), d).clamp(min=1)  # a tensor: no host sync per mini-batch
 
 
 def importance_ratio(logps, old_logps, mask, level="token"):

@@ -814,3 +814,15 @@ def test_math_rows_with_reward_fn_flag_are_scored_against_their_answers(tmp_path
     with pytest.raises(ValueError, match=r"q.jsonl row 1: reward_fn 'math' has no `answer` column"):
         grpo.main(grpo.Config(model="tiny", dataset=str(tmp_path / "q.jsonl"), reward_fn="math",
                               out_dir=str(tmp_path / "q")))
+
+
+def test_a_mini_batch_of_truncated_completions_only_has_a_zero_loss_not_nan(tmp_path):
+    """--mask_truncated_completions with 4 new tokens: 15 of the tiny random policy's 16 completions
+    never stop, so one of the two mini-batches of 8 has an empty loss mask. Its token mean was 0 / 0
+    and the run stopped at step 1 ("loss is nan"); the denominator is at least 1 (TRL clamps it
+    too), so that mini-batch's loss is 0."""
+    out, rows = run_grpo(tmp_path, "--mask_truncated_completions", "--max_new_tokens", "4", "--steps", "1",
+                         "--eval_every", "5")
+    step = rows[-1]
+    assert step["completions/clipped_ratio"] == 15 / 16, step  # the case: one stopped completion in 16
+    assert math.isfinite(step["loss"]) and math.isfinite(step["grad_norm"]), step

@@ -16,7 +16,8 @@ import tools
 def tool_flags(folder, models):
     """The Llama-shaped calculator caller (helpers.calculator_llama), read from its folder."""
     return ("--model", models["llama_calculator"], "--dataset", write_digits_prompts(folder / "prompts.jsonl", 16),
-            "--tools", "calculator", "--max_new_tokens", "24", "--lr", "1e-4", "--warmup_steps", "0")
+            "--tools", "calculator", "--max_new_tokens", "24", "--lr", "1e-4", "--warmup_steps", "0",
+            "--seed", "1")  # a seed whose rollouts' calls per row differ by rank (the test below)
 
 
 TWO_RANK_RUNS["grpo_tools"] = lambda folder, models: grpo_argv(folder / "run", *tool_flags(folder, models))

@@ -142,8 +142,8 @@ def tools_teacher_run(tmp_path_factory):
     cfg = grpo.Config(model=policy, teacher=teacher, teacher_coef=0.5, temperature=0.7, tools="calculator",
                       mask_truncated_completions=True, kl_in_reward=True, beta=0.5, epsilon_low=0.1, epsilon_high=0.3,
                       dataset=write_digits_prompts(tmp / "p.jsonl", 8), out_dir=str(tmp / "g"), steps=2,
-                      prompts_per_step=4, group_size=4, max_new_tokens=16, lr=1e-2, warmup_steps=0, eval_every=100,
-                      n_eval_pairs=4)
+                      prompts_per_step=4, group_size=4, max_prompt_len=64, max_new_tokens=16, lr=1e-2, warmup_steps=0,
+                      eval_every=100, n_eval_pairs=4)
     return cfg, record_grpo(cfg), data.load_tokenizer(policy)
 
 
@@ -235,8 +235,8 @@ def streams_run(tmp_path_factory):
     rows = [{"prompt": r["prompt"], "reward_fn": ("sort", "digits")[i % 2]} for i, r in enumerate(tasks.prompt_rows(24))]
     cfg = grpo.Config(model=leaning_gpt2(tmp / "policy", {"<eos>": 5.0}), dataset=write_jsonl(tmp / "p.jsonl", rows),
                       loss_agg="constant", rs_samples=6, dynamic_sampling=True, max_num_gen_batches=3,
-                      out_dir=str(tmp / "g"), steps=2, prompts_per_step=4, group_size=4, max_new_tokens=16, lr=1e-2,
-                      warmup_steps=0, eval_every=100, n_eval_pairs=4)
+                      out_dir=str(tmp / "g"), steps=2, prompts_per_step=4, group_size=4, max_prompt_len=64,
+                      max_new_tokens=16, lr=1e-2, warmup_steps=0, eval_every=100, n_eval_pairs=4)
     return cfg, record_grpo(cfg)
 
 
