@@ -1,6 +1,6 @@
 """What sft.py, reward.py, dpo.py and grpo.py share: distributed setup and FSDP2, padding and
-position ids, log-probs and reward scores, loading models, the optimizer step (each algorithm's
-math is in its script, the sampler in sampling.py, data in data.py, running a script in run.py).
+position ids, log-probs and reward scores, the optimizer step (each algorithm's
+math is in its script, the sampler in sampling.py, data in data.py, running a script in plumbing/).
 
 Shapes, named alike in every file: B rows (sequences) of a batch, G completions per prompt (a
 group), P prompt tokens, R response tokens, V vocabulary entries; N rows of a whole rollout or
@@ -22,6 +22,7 @@ Three rules every script follows, so that the scripts differ only in their math:
 import dataclasses
 import functools
 import inspect
+import math
 import os
 import random
 from contextlib import contextmanager, nullcontext
@@ -87,7 +88,7 @@ def setup_distributed(timeout_minutes=10.0, hsdp=0):
 
 
 def cleanup_distributed():
-    """Leave the process group (run.release also lets go of the run's out_dir)."""
+    """Leave the process group (rundir.release also lets go of the run's out_dir)."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -246,12 +247,6 @@ def freeze(model, d, cpu_offload=False):
         p.requires_grad_(False)
         p.data = p.data.to(dtype)
     return shard_model(model.eval(), d, cpu_offload=cpu_offload)
-
-
-def load_frozen(name, tokenizer, d, kind="causal", trust_remote_code=False, cpu_offload=False):
-    """load_model in frozen_dtype(d) (bf16 read as bf16: half the host memory), then freeze."""
-    model = load_model(name, tokenizer, kind=kind, dtype=frozen_dtype(d), trust_remote_code=trust_remote_code, d=d)
-    return freeze(model, d, cpu_offload=cpu_offload)
 
 
 def fill_from_rank0(model, full, d):
@@ -501,126 +496,25 @@ class FP32Head(torch.nn.Linear):
                                               None if self.bias is None else self.bias.float())
 
 
-def dropout_fields(config, prefix=""):
-    """The dropout probabilities a config holds, {dotted name: value}, sub-configs included (a
-    multimodal model's text_config): `attention_dropout`, `hidden_dropout`, GPT-2's `*_pdrop`,
-    OPT's `layerdrop`... Only the non-zero ones."""
-    found = {}
-    for key, value in vars(config).items():
-        if hasattr(value, "to_dict") and hasattr(value, "model_type"):  # a sub-config
-            found |= dropout_fields(value, f"{prefix}{key}.")
-        elif ("dropout" in key or key.endswith("pdrop") or key == "layerdrop") and not isinstance(value, bool) \
-                and isinstance(value, (int, float)) and value:
-            found[prefix + key] = value
-    return found
-
-
-def zero_dropout(config):
-    """Set every dropout probability of a config to 0 (dropout_fields); returns their old values."""
-    found = dropout_fields(config)
-    for name in found:
-        owner, _, key = name.rpartition(".")
-        setattr(functools.reduce(getattr, owner.split("."), config) if owner else config, key, 0.0)
-    return found
-
-
-def no_dropout(model):
-    """Dropout off in every forward, in train mode too (activation checkpointing trains in train
-    mode; RLHF compares log-probs of two forwards: with dropout the ratio is not 1, nor the KL 0,
-    at step 0). Llama, Qwen2 and most current models pass `config.attention_dropout` to SDPA as a
-    float, read from the config or copied onto the attention module when it is built, so zeroing
-    nn.Dropout modules is not enough: the config's fields (zero_dropout, best before the model is
-    built), every nn.Dropout and every float module attribute named *dropout* are set to 0. The
-    config's own values are kept in `model.dropout_config`, for the exported config.json to say
-    what the model had (run._write_export)."""
-    found = zero_dropout(model.config)
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-        for key, value in list(vars(m).items()):
-            if "dropout" in key and isinstance(value, float):
-                setattr(m, key, 0.0)
-    model.dropout_config = {**found, **getattr(model, "dropout_config", {})}
-    return model
-
-
-def load_model(name, tokenizer, kind="causal", dtype=torch.float32, trust_remote_code=False, d=None):
-    """`tiny` (a small GPT-2, tasks.py), a hub id, a checkpoint folder, or a GGUF file or packaged
-    model (run.model_folder). kind: "causal" (its LM head in fp32, FP32Head), "reward" (a trained
-    reward model) or "new_reward" (a new score head: reward.py's start). Safetensors only; dropout
-    off (no_dropout) and in eval mode on every rank (from_pretrained's mode; shard_model sets train
-    mode for activation checkpointing). d: under torchrun only rank 0 reads the weights, the others
-    build on `meta` and shard_model fills them (one copy in host memory, not one per rank)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
-
-    if kind not in ("causal", "reward", "new_reward"):
-        raise ValueError(f"unknown model kind {kind!r}")
-    reward = kind != "causal"
-    auto = AutoModelForSequenceClassification if reward else AutoModelForCausalLM
-    extra = dict(num_labels=1) if reward else {}
-    if name == "tiny":
-        import tasks
-
-        if kind == "reward":
-            raise ValueError("`tiny` has no trained score head: pass a reward model checkpoint (reward.py's out_dir)")
-        model = auto.from_config(tasks.char_gpt2_config(tokenizer, **extra), dtype=dtype)
-    else:
-        import run
-
-        path = run.model_folder(name, kind=kind, trust_remote_code=trust_remote_code)  # of that kind
-        from_rank0 = d is not None and d.torchrun and d.world_size > 1
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **extra)
-        dropout = zero_dropout(config)  # before the modules copy it
-        if from_rank0 and not d.is_main:
-            with torch.device("meta"):
-                model = auto.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
-        else:  # a new score head is missing from the checkpoint by design: no load report for it
-            with run.transformers_quiet(kind == "new_reward"):
-                model = auto.from_pretrained(path, config=config, dtype=dtype, use_safetensors=True,
-                                             trust_remote_code=trust_remote_code)
-        model.dropout_config = dropout
-        if from_rank0 and not reward:  # the stop ids every rank samples with: rank 0's generation config
-            gen = [model.generation_config.to_dict() if d.is_main else None]  # (a score model has none)
-            dist.broadcast_object_list(gen, src=0, device=d.device if d.device.type == "cuda" else None)
-            model.generation_config = GenerationConfig.from_dict(gen[0])
-        model._from_rank0 = from_rank0  # shard_model broadcasts rank 0's weights
-    n_emb = model.get_input_embeddings().num_embeddings
-    if len(tokenizer) > n_emb:
-        raise ValueError(f"tokenizer of {name!r} has {len(tokenizer)} tokens but the model's embedding has "
-                         f"{n_emb} rows: the tokenizer does not match the model")
-    if reward:
-        model.config.pad_token_id = tokenizer.pad_token_id
-    elif type(model.get_output_embeddings()) is torch.nn.Linear:
-        model.get_output_embeddings().__class__ = FP32Head  # same weights; checkpoints are unchanged
-    return no_dropout(model).eval()
-
-
 # -----------------------------------------------------------------------------
 # loading what a script trains, and its optimizer step
 
 
-def load_policy(name, cfg, d, response_len, response_flag="--max_response_len", kind="causal", shard=True):
-    """The tokenizer and the model a script trains, from --model or the checkpoint it resumes:
-    loaded (data.load_tokenizer, load_model), its context checked against prompt + response, and
-    sharded (FSDP2 under torchrun) unless shard=False (grpo.py copies its reference first)."""
-    import data
-    import run
-
-    tokenizer = data.load_tokenizer(name, cfg.trust_remote_code, cfg.chat_template)
-    model = load_model(name, tokenizer, kind=kind, trust_remote_code=cfg.trust_remote_code, d=d)
-    run.check_context(model, cfg.max_prompt_len, response_len, response_flag)
-    if shard:
-        model = shard_model(model, d, activation_checkpointing=cfg.activation_checkpointing)
-    return tokenizer, model
+def cosine_schedule(step, warmup_steps, total_steps):
+    """The learning rate's multiplier at an optimizer step: a linear warmup from 0, then a cosine
+    decay to 0 at total_steps (transformers' get_cosine_schedule_with_warmup, the same floats)."""
+    if step < warmup_steps:
+        return step / max(1, warmup_steps)
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
 def make_optimizer(params, lr, weight_decay, warmup_steps, total_steps):
     """AdamW (betas 0.9, 0.95; fused: one kernel for all parameters, bench/test_micro.py) and its
-    schedule: linear warmup, then cosine decay to zero (transformers')."""
-    from transformers import get_cosine_schedule_with_warmup
-
+    schedule (cosine_schedule)."""
     optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, fused=True)
-    return optimizer, get_cosine_schedule_with_warmup(optimizer, warmup_steps, max(total_steps, 1))
+    schedule = functools.partial(cosine_schedule, warmup_steps=warmup_steps, total_steps=max(total_steps, 1))
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
 def clip_grad_norm(model, max_norm):
@@ -632,9 +526,6 @@ def clip_grad_norm(model, max_norm):
 
 def optimizer_step(model, optimizer, scheduler, max_norm):
     """Clip, step, advance the schedule, clear the gradients -> (pre-clip grad norm, the lr used)."""
-    import run
-
-    run.raise_if_interrupted()
     norm = clip_grad_norm(model, max_norm)
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()

@@ -6,7 +6,6 @@ tokenised with the truncation rules every script shares, and batched in the layo
 GRPO's Env (what a rollout samples and what scores it) is built here too.
 """
 import csv
-import dataclasses
 import hashlib
 import io
 import json
@@ -15,7 +14,7 @@ import os
 import torch
 
 import common
-import run
+import tasks
 
 FILE_TYPES = (".jsonl", ".json", ".csv", ".parquet")
 HOLDOUT = 0.05  # share of a local file's prompts held out for evaluation when no --eval_dataset is given
@@ -24,7 +23,7 @@ HOLDOUT = 0.05  # share of a local file's prompts held out for evaluation when n
 COLUMNS = ("prompt", "completion", "chosen", "rejected", "messages", "reward_fn", "answer", "margin")
 
 
-def _decode(path, raw):
+def decode_utf8(path, raw):
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -150,7 +149,7 @@ def read_file(path, reads=COLUMNS):
                               f"{field.type}, which `datasets` cannot hold")
         return datasets.Dataset(datasets.table.InMemoryTable(table.select(keep).replace_schema_metadata()))
     with open(path, "rb") as f:
-        text = _decode(path, f.read()).removeprefix("\ufeff")  # a byte-order mark (Excel) is no part of a name
+        text = decode_utf8(path, f.read()).removeprefix("\ufeff")  # a byte-order mark (Excel) is no part of a name
     rows = _csv_rows(path, text) if path.endswith(".csv") else _json_rows(path, text)
     data = {}
     for c in dict.fromkeys(k for r in rows for k in r):
@@ -183,6 +182,14 @@ def hold_out(ds, name, split):
     return ds.select(rows)
 
 
+def looks_local(name):
+    """A name that can only be a local path, never a hub id ("org/name" or "name"): it starts
+    with . / ~, has two or more slashes, ends with a slash, or its first folder exists here
+    (runs/sftt when runs/ exists)."""
+    return (name.startswith((".", "/", "~")) or name.count("/") > 1 or name.endswith("/")
+            or ("/" in name and os.path.isdir(name.split("/")[0])))
+
+
 def load_data(name, split, columns, kind=None, n=None, seed=0, holdout=False, optional=()):
     """A `datasets.Dataset` with string `columns`, from an embedded task (`sort`), a local
     .jsonl / .json / .csv / .parquet file (read_file), or a hub id. Every row is checked: a
@@ -196,14 +203,12 @@ def load_data(name, split, columns, kind=None, n=None, seed=0, holdout=False, op
     """
     import datasets
 
-    import tasks
-
     if name in tasks.TASKS:
         split = "test" if split in ("test", "validation", "eval") else split
         ds = datasets.Dataset.from_list(tasks.task_rows(name, kind, n, seed=seed, split=split))
     elif name.endswith(FILE_TYPES) or (os.path.exists(name) and not os.path.isdir(name)):
         ds = read_file(name, reads={*columns, *optional, *(["messages"] if "prompt" in columns else [])})
-    elif run.looks_local(name) and not os.path.isdir(name):
+    elif looks_local(name) and not os.path.isdir(name):
         raise FileNotFoundError(f"{name}: no such file or folder (a local path, not a hub id)")
     else:  # a hub id, or a local dataset folder with its own split files
         try:
@@ -361,29 +366,6 @@ def render_chat(ds, tokenizer, source):
     return datasets.Dataset.from_dict({**out, **other}), True
 
 
-def read_chat_template(path):
-    """The text of a --chat_template file, refused when it is missing, empty, or not a template
-    that transformers can compile (its own compiler: the sandbox, filters and tags it renders
-    with)."""
-    import jinja2
-    from transformers.utils.chat_template_utils import _compile_jinja_template
-
-    flag = f"--chat_template {path}"
-    if os.path.exists(path) and not os.path.isfile(path):
-        raise ValueError(f"{flag} is not a regular file; pass a Jinja template file")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{flag}: no such file")
-    with open(path, "rb") as f:
-        text = _decode(flag, f.read())
-    if not text.strip():
-        raise ValueError(f"{flag} is empty; pass a file holding a Jinja chat template")
-    try:
-        _compile_jinja_template(text)
-    except jinja2.TemplateSyntaxError as e:
-        raise ValueError(f"{flag} line {e.lineno}: not a valid Jinja template ({e.message})") from None
-    return text
-
-
 HH_MARKER = "\n\nAssistant:"
 
 
@@ -433,173 +415,6 @@ def load_pairs(name, split, n=None, seed=0, holdout=False):
     if holdout and os.path.isfile(name):
         ds = hold_out(ds, name, split)
     return ds
-
-
-def check_tokenizer(tokenizer, name):
-    """Refuse a tokenizer without an EOS token, right after loading: every response ends with one
-    (and padding uses it when there is no pad token)."""
-    if tokenizer.eos_token_id is None:
-        raise ValueError(f"{name}: its tokenizer has no EOS token (eos_token is None): responses could not end. "
-                         f"Set eos_token in its tokenizer_config.json, or use a checkpoint whose tokenizer has one")
-
-
-def load_tokenizer(name, trust_remote_code=False, chat_template=""):
-    """`tiny` (the embedded task's), a checkpoint folder, a GGUF file or packaged model, or a hub
-    id; chat_template: a Jinja file that replaces the tokenizer's own."""
-    if name == "tiny":
-        import tasks
-
-        tok = tasks.char_tokenizer()
-    else:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(run.model_folder(name), trust_remote_code=trust_remote_code)
-    check_tokenizer(tok, name)
-    if tok.pad_token is None:  # GPT-2 and Pythia have none; masks, not pad ids, decide what is padding
-        tok.pad_token = tok.eos_token
-    if chat_template:
-        tok.chat_template = read_chat_template(chat_template)
-    return tok
-
-
-def stop_token_ids(tokenizer, model, truncate_token=""):
-    """The ids that end a response, as model.generate stops: EOS, then every id of the generation
-    config's eos_token_id (instruct models list end of turn and end of text), then a truncate
-    token (a string of one token: grpo.py's --truncate_token) last."""
-    ids = [tokenizer.eos_token_id]
-    extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    for i in [extra] if isinstance(extra, int) else list(extra or []):
-        if i not in ids:
-            ids.append(i)
-    if truncate_token:
-        t_ids = tokenizer(truncate_token, add_special_tokens=False)["input_ids"]
-        if len(t_ids) != 1:
-            raise ValueError(f"--truncate_token {truncate_token!r} is {len(t_ids)} tokens; it must be one")
-        ids += t_ids
-    return ids
-
-
-def load_prompts(cfg, rules):
-    """grpo.py's training prompts (--dataset, --n_train of an embedded task). Where rules are
-    scored, every row gets its rule (`reward_fn`: the row's own, else --reward_fn), checked
-    against its prompt and answer here: a bad row found at step 2 would have cost a run."""
-    import tasks
-
-    columns = ["prompt"] + (["reward_fn"] if rules and not cfg.reward_fn else [])
-    train = load_data(cfg.dataset, "train", columns, kind="prompt", n=cfg.n_train, seed=cfg.seed,
-                      optional=("reward_fn", "answer") if rules else ())
-    if rules and "reward_fn" not in train.column_names:  # --reward_fn for every row
-        train = train.add_column("reward_fn", [cfg.reward_fn] * len(train))
-    if rules:
-        answers = list(train["answer"]) if "answer" in train.column_names else None
-        tasks.check_rule_rows(train["reward_fn"], train["prompt"], cfg.dataset, answers)
-    return train
-
-
-def grpo_evals(cfg, tokenizer):
-    """What grpo.py evaluates on: an embedded task's held-out prompts (rendered, and as given), and
-    held-out preference pairs (--eval_pairs, or the task's own) encoded; None where there are none."""
-    import tasks
-
-    embedded = cfg.dataset in tasks.TASKS
-    held_out = pairs = gold_pairs = None
-    if embedded:
-        rows = load_data(cfg.dataset, "test", ["prompt"], kind="prompt", n=cfg.n_eval, seed=cfg.seed)
-        held_out = {**render_chat(rows, tokenizer, cfg.dataset)[0][:], "own_prompt": list(rows["prompt"])}
-    if cfg.eval_pairs or (embedded and "preference" in tasks.TASKS[cfg.dataset]):
-        rows = load_pairs(cfg.eval_pairs or cfg.dataset, cfg.eval_pairs_split if cfg.eval_pairs else "test",
-                               cfg.n_eval_pairs, cfg.seed)
-        rows, chat = render_chat(rows.select(range(min(cfg.n_eval_pairs, len(rows)))), tokenizer,
-                                      cfg.eval_pairs or cfg.dataset)
-        pairs = encode_pairs(rows, tokenizer, cfg.max_prompt_len, cfg.max_new_tokens, "eval pairs", eos=not chat)
-        gold_pairs = None if cfg.eval_pairs else rows  # the embedded task's label noise is known
-    return {"held_out": held_out, "pairs": pairs, "gold_pairs": gold_pairs}
-
-
-@dataclasses.dataclass
-class Env:
-    """What a rollout samples and what scores it, built once (make_env): the prompts rendered (with
-    reward_fn and answer where the rules need them) and as given (text or messages: what the rules
-    read, as TRL passes them), their order, the stop ids (EOS first), the rewards."""
-    prompts: object  # a datasets.Dataset
-    own_prompts: list
-    order: DataOrder
-    tokenizer: object
-    stop_ids: list
-    truncate_id: int | None
-    weights: dict
-    rm: object = None
-    rm_tokenizer: object = None
-    teacher: object = None  # on-policy distillation's, frozen
-    tool: object = None  # --tools: a function, text -> text
-    prompt_cut: object = None  # (n,) bool: the prompt is longer than --max_prompt_len, cut from the left
-
-
-def make_env(cfg, d, prompts, order, tokenizer, model, weights):
-    """The Env of a run: conversational prompts rendered with the generation prompt (and their
-    tokens cut from the left counted once, here), the stop ids, and the reward model, loaded
-    frozen with its context checked against prompt + completion (re-tokenised: learned_rewards)."""
-    rm = rm_tokenizer = None
-    if cfg.reward_model:
-        rm_tokenizer = load_tokenizer(cfg.reward_model, cfg.trust_remote_code)
-        rm = common.load_frozen(cfg.reward_model, rm_tokenizer, d, kind="reward", trust_remote_code=cfg.trust_remote_code,
-                                cpu_offload=cfg.offload_frozen)
-        run.check_context(rm, cfg.max_prompt_len, cfg.max_new_tokens + 1, "--max_new_tokens (+1)",
-                             f"--reward_model {cfg.reward_model}")
-    teacher = None
-    if cfg.teacher:  # it scores the policy's own tokens: one vocabulary for both
-        vocab = load_tokenizer(cfg.teacher, cfg.trust_remote_code).get_vocab()
-        if vocab != tokenizer.get_vocab():
-            raise ValueError(f"--teacher {cfg.teacher}: its tokenizer ({len(vocab)} tokens) is not the policy's "
-                             f"({len(tokenizer)}): on-policy distillation scores the policy's own tokens with the "
-                             f"teacher, so both must share one tokenizer")
-        teacher = common.load_frozen(cfg.teacher, tokenizer, d, trust_remote_code=cfg.trust_remote_code,
-                                     cpu_offload=cfg.offload_frozen)
-        run.check_context(teacher, cfg.max_prompt_len, cfg.max_new_tokens, "--max_new_tokens", f"--teacher {cfg.teacher}")
-    stop_ids = stop_token_ids(tokenizer, model, cfg.truncate_token)  # EOS first, the truncate token last
-    rendered, _ = render_chat(prompts, tokenizer, cfg.dataset)
-    p_ids, cut = encode_prompts(tokenizer, rendered["prompt"], cfg.max_prompt_len, cfg.dataset)
-    show_example(tokenizer, p_ids[0], None, cfg.dataset)
-    tool = None
-    if getattr(cfg, "tools", ""):  # the closing tag must be one token, for the sampler to stop at
-        import tool_rollout
-        import tools
-
-        tool = tools.load_tool(cfg.tools)
-        tool_rollout.closing_tag_id(tokenizer, flag=f"--tools {cfg.tools}")
-    return Env(prompts=rendered, own_prompts=list(prompts["prompt"]), order=order, tokenizer=tokenizer,
-               stop_ids=stop_ids, truncate_id=stop_ids[-1] if cfg.truncate_token else None, weights=weights, rm=rm,
-               rm_tokenizer=rm_tokenizer, teacher=teacher, tool=tool, prompt_cut=torch.tensor(cut))
-
-
-@torch.no_grad()
-def learned_rewards(env, prompts, completions, cfg, d):
-    """Reward model scores of prompt + completion re-tokenized with the RM's tokenizer, (N,)."""
-    p_ids, _ = encode_prompts(env.rm_tokenizer, prompts, cfg.max_prompt_len)
-    r_ids, _ = encode_responses(env.rm_tokenizer, completions, cfg.max_new_tokens + 1)
-    ids, attn, _ = common.join_prompt_response(p_ids, r_ids, env.rm_tokenizer.pad_token_id)  # (N, P+R)
-    with common.autocast(d):
-        return common.reward_scores(env.rm, ids.to(d.device), attn.to(d.device)).float()
-
-
-def respond(model, tokenizer, prompts, max_prompt_len, max_new_tokens, stops, device, temperature=0.0,
-            uniforms=None, tool=None, max_tool_calls=2):
-    """The model's responses to text prompts (a chat already rendered), as text, sampled until one
-    of `stops` (stop_token_ids); temperature 0 is greedy, uniforms the rows' draws. With a `tool`
-    (tools.load_tool), the calls it makes run (tool_rollout.py) and the text holds their results."""
-    import sampling  # the sampler and the tool loop read this module: imported when first called
-    import tool_rollout
-
-    p_ids, p_mask = common.pad(encode_prompts(tokenizer, prompts, max_prompt_len)[0], tokenizer.pad_token_id,
-                               side="left")
-    kw = dict(eos_id=stops[0], pad_id=tokenizer.pad_token_id, temperature=temperature, stop_ids=stops[1:],
-              uniforms=uniforms)
-    if tool is None:
-        r_ids, r_mask = sampling.generate(model, p_ids.to(device), p_mask.to(device), max_new_tokens, **kw)
-    else:
-        r_ids, r_mask, _, _ = tool_rollout.generate_with_tools(model, p_ids.to(device), p_mask.to(device), max_new_tokens,
-                                                               tokenizer=tokenizer, tool=tool, max_calls=max_tool_calls, **kw)
-    return decode_responses(tokenizer, r_ids, r_mask, p_ids)
 
 
 def added_tokens(tokenizer):

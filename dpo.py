@@ -47,15 +47,16 @@ import torch.nn.functional as F
 
 import common
 import data
-import run
 import tasks
+import sampling
+from plumbing import cli, logs, models, rundir
 
 LossType = Literal["sigmoid", "sigmoid_norm", "ipo", "hinge", "robust", "apo_zero", "simpo"]
 
 
 @dataclass
-class Config(run.SharedConfig):
-    # the values of the flags left unset (run.fill_defaults): the embedded task's, or TRL 1.16's DPOConfig
+class Config(cli.SharedConfig):
+    # the values of the flags left unset (cli.fill_defaults): the embedded task's, or TRL 1.16's DPOConfig
     # (lr 1e-6; max_length 1024 in all, here 512 prompt + 512 response tokens)
     DEFAULTS: ClassVar[dict] = {"embedded": dict(lr=1e-4, max_prompt_len=64, max_response_len=32),
                                 "trl": dict(lr=1e-6, max_prompt_len=512, max_response_len=512)}
@@ -206,7 +207,7 @@ def all_pair_logps(model, pairs, pad_id, d, batch_size):
 
 
 def check_config(cfg):
-    """Flags that do not go together (each flag's own range and choices: run.check_ranges)."""
+    """Flags that do not go together (each flag's own range and choices: cli.check_ranges)."""
     if cfg.label_smoothing and cfg.loss_type not in ("sigmoid", "sigmoid_norm", "robust"):
         raise ValueError("--label_smoothing applies to --loss_type sigmoid, sigmoid_norm and robust only")
     if cfg.ref_model and cfg.loss_type == "simpo":
@@ -226,7 +227,7 @@ def evaluate(model, tokenizer, held_out, gold_prompts, cfg, d):
                "eval/margin": (cfg.beta * h).mean().item()}
     if gold_prompts:
         metrics |= tasks.against_bayes(metrics["eval/accuracy"], gold_prompts["pairs"])
-        metrics |= tasks.evaluate_generations(model, tokenizer, gold_prompts["prompts"], tasks.REWARD_FNS["sort"], d,
+        metrics |= sampling.evaluate_generations(model, tokenizer, gold_prompts["prompts"], tasks.REWARD_FNS["sort"], d,
                                               max_prompt_len=cfg.max_prompt_len, max_new_tokens=cfg.max_response_len)
     return metrics
 
@@ -236,13 +237,13 @@ def evaluate(model, tokenizer, held_out, gold_prompts, cfg, d):
 
 def main(cfg):
     # 0. setup and checks that fail fast
-    d = run.start(cfg)  # flags checked, process group joined, seed set
-    micro = run.micro_batch(cfg.batch_size, cfg.grad_accum, d)
+    d = cli.start(cfg)  # flags checked, process group joined, seed set
+    micro = cli.micro_batch(cfg.batch_size, cfg.grad_accum, d)
     check_config(cfg)
     train, test = data.load_preferences(cfg)
     order = data.DataOrder(len(train), cfg.seed, batch=cfg.batch_size, source=f"--dataset {cfg.dataset}")
-    job = run.Run(cfg, d, models=["model", "ref_model"])  # out_dir checked and locked; nothing written yet
-    tokenizer = data.load_tokenizer(cfg.model, cfg.trust_remote_code, cfg.chat_template)
+    job = rundir.Run(cfg, d, models=["model", "ref_model"])  # out_dir checked and locked; nothing written yet
+    tokenizer = models.load_tokenizer(cfg.model, cfg.trust_remote_code, cfg.chat_template)
     train, test, train_pairs, test_pairs = data.encode_preferences(train, test, tokenizer, cfg)
     # response tokens (N, 2) of chosen and rejected: sigmoid_norm's, simpo's and RPO's per-token averages
     train_len, test_len = (torch.tensor([[len(c), len(r)] for c, r in zip(pairs[1], pairs[2])], dtype=torch.float,
@@ -257,9 +258,9 @@ def main(cfg):
         ref_test, ref_train = (torch.zeros(len(x), 2, device=d.device) for x in (test, train))
     else:
         common.set_seed(cfg.seed)  # `--model tiny` builds random weights: the policy must start equal to its reference
-        ref = common.load_frozen(cfg.ref_model or cfg.model, tokenizer, d, trust_remote_code=cfg.trust_remote_code,
+        ref = models.load_frozen(cfg.ref_model or cfg.model, tokenizer, d, trust_remote_code=cfg.trust_remote_code,
                                  cpu_offload=cfg.offload_frozen)
-        run.check_context(ref, cfg.max_prompt_len, cfg.max_response_len)
+        models.check_context(ref, cfg.max_prompt_len, cfg.max_response_len)
         ref_test = all_pair_logps(ref, test_pairs, tokenizer.pad_token_id, d, cfg.eval_batch_size)  # (N_eval, 2)
         if cfg.precompute_ref:
             t_ref = time.time()
@@ -267,11 +268,11 @@ def main(cfg):
             ref = None  # freed
             common.print0(f"reference log-probs of {len(train)} train pairs in {time.time() - t_ref:.1f}s")
     common.set_seed(cfg.seed)
-    _, model = common.load_policy(cfg.model, cfg, d, response_len=cfg.max_response_len)
+    _, model = models.load_policy(cfg.model, cfg, d, response_len=cfg.max_response_len)
     optimizer, scheduler = common.make_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps,
                                                  cfg.steps)
     common.print0(f"dpo: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {len(train)} train pairs, "
-                  f"{len(test)} eval pairs, world size {d.world_size}{run.layout(d)}, micro-batch {micro} pairs x "
+                  f"{len(test)} eval pairs, world size {d.world_size}{logs.layout(d)}, micro-batch {micro} pairs x "
                   f"{cfg.grad_accum}, {'live' if ref else 'no' if cfg.loss_type == 'simpo' else 'precomputed'} reference")
     knobs = dict(beta=cfg.beta, loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing,
                  simpo_gamma=cfg.simpo_gamma, rpo_alpha=cfg.rpo_alpha)
@@ -317,4 +318,4 @@ def main(cfg):
 
 
 if __name__ == "__main__":
-    run.script(main, Config)
+    cli.script(main, Config)

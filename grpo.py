@@ -40,7 +40,6 @@ Run:
 import contextlib
 import copy
 import math
-import time
 from dataclasses import dataclass
 from typing import ClassVar, Literal, get_args
 
@@ -48,10 +47,11 @@ import torch
 
 import common
 import data
-import run
+import environment
 import sampling
 import tasks
 import tool_rollout
+from plumbing import cli, logs, models, rundir
 
 KlEstimator = Literal["k1", "k2", "k3", "ratio_k1", "ratio_k3"]
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "constant"]
@@ -63,8 +63,8 @@ KL_ESTIMATORS, LOSS_AGGS, LOSS_TYPES, IS_LEVELS, ADV_ESTIMATORS = map(
 
 
 @dataclass
-class Config(run.SharedConfig):
-    # the values of the flags left unset (run.fill_defaults): the embedded task's, or TRL 1.16's GRPOConfig
+class Config(cli.SharedConfig):
+    # the values of the flags left unset (cli.fill_defaults): the embedded task's, or TRL 1.16's GRPOConfig
     # (lr 1e-6, 512 prompt tokens, 256 completion tokens)
     DEFAULTS: ClassVar[dict] = {"embedded": dict(lr=1e-4, max_prompt_len=64, max_new_tokens=24),
                                 "trl": dict(lr=1e-6, max_prompt_len=512, max_new_tokens=256)}
@@ -232,6 +232,87 @@ class Config(run.SharedConfig):
     """where metrics.jsonl and the checkpoint/ folder go"""
     seed: int = 0
     """seed for data order and sampling (the same rollouts on any number of ranks) [0, 4294967295]"""
+
+
+def check_config(cfg, d):
+    """The batch arithmetic and the flags that do not go together, with messages that say what to
+    change (each flag's own range and choices: cli.check_ranges)."""
+    n_local = cfg.prompts_per_step // max(d.world_size, 1)
+    checks = [
+        (cfg.prompts_per_step % d.world_size == 0,
+         f"--prompts_per_step {cfg.prompts_per_step} must be divisible by world size {d.world_size} (groups stay on one rank)"),
+        ((n_local * cfg.group_size) % (cfg.num_mini_batches * cfg.grad_accum) == 0,
+         f"each rank's {n_local} prompts x --group_size {cfg.group_size} completions must split into "
+         f"--num_mini_batches {cfg.num_mini_batches} x --grad_accum {cfg.grad_accum} equal micro-batches"),
+        (cfg.rs_samples == 0 or cfg.rs_samples >= cfg.group_size,
+         f"--rs_samples {cfg.rs_samples} must be at least --group_size {cfg.group_size} (it keeps group_size of them)"),
+        (cfg.adv_estimator == "grpo" or (cfg.scale_rewards == "none" and not cfg.global_norm),
+         f"--adv_estimator {cfg.adv_estimator} sets its own scale: pass --scale_rewards none and no --global_norm"),
+        (cfg.loss_type != "cispo" or cfg.epsilon_high >= 1,
+         f"--loss_type cispo caps the IS weight at --epsilon_high itself, as TRL does: {cfg.epsilon_high} would "
+         f"scale every token down; pass a cap above 1 (TRL suggests 5, ScaleRL's eps_max)"),
+        (not (cfg.delta or cfg.clip_ratio_c) or cfg.loss_type == "grpo",
+         f"--delta and --clip_ratio_c bound the clipped surrogate: they need --loss_type grpo, not {cfg.loss_type}"),
+        (not cfg.delta or cfg.delta > 1 + cfg.epsilon_high,
+         f"--delta {cfg.delta} must exceed 1 + --epsilon_high ({1 + cfg.epsilon_high}) or be 0 (off)"),
+        (not cfg.clip_ratio_c or cfg.clip_ratio_c > 1, f"--clip_ratio_c {cfg.clip_ratio_c} must exceed 1 or be 0 (off)"),
+        (cfg.overlong_buffer_len <= cfg.max_new_tokens,
+         f"--overlong_buffer_len {cfg.overlong_buffer_len} must be at most --max_new_tokens {cfg.max_new_tokens}"),
+        (not (cfg.lora and (cfg.ref_refresh_every or d.torchrun or cfg.save_every or cfg.resume)),
+         "--lora runs under `python` (sharded adapters are not merged), without --ref_refresh_every (its reference is "
+         "the adapters switched off), --save_every or --resume (its checkpoint holds merged weights)"),
+        (not (cfg.compile and d.torchrun), "--compile runs under `python`: under torchrun FSDP2's hooks split the decode "
+         "step into a graph per layer, and CUDA graphs would be re-recorded every rollout (the gathered weights move)"),
+        (not (cfg.teacher and cfg.off_policy_mask_threshold),
+         "--off_policy_mask_threshold masks sequences by the sign of their advantage; with --teacher each token has "
+         "its own: use one or the other"),
+        (not (cfg.save_every and cfg.ref_refresh_every and cfg.save_every % cfg.ref_refresh_every),
+         f"--save_every {cfg.save_every} must be a multiple of --ref_refresh_every {cfg.ref_refresh_every} "
+         f"(a resumed run rebuilds its reference from the checkpoint)"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise ValueError(msg)
+
+
+def parse_weights(spec, has_model, has_teacher=False):
+    """`rule:1.0,model:0.5` -> {"rule": 1.0, "model": 0.5}; empty picks the one reward there is. Each
+    reward is named once, and some weight is not 0 unless a --teacher (has_teacher) gives the
+    advantages: with all weights 0 they are all 0, and nothing is trained."""
+    if not spec:
+        return {"model": 1.0} if has_model else {"rule": 1.0}
+    parts = [(name.strip(), w) for name, _, w in (part.partition(":") for part in spec.split(","))]
+    twice = sorted({name for name, _ in parts if [n for n, _ in parts].count(name) > 1})
+    if twice:
+        raise ValueError(f"--reward_weights {spec!r} names {', '.join(twice)} twice: give each reward one weight")
+    weights = dict(parts)
+    for name, w in weights.items():
+        try:
+            weights[name] = float(w)
+        except ValueError:
+            weights[name] = math.nan
+        if name not in ("rule", "model") or not math.isfinite(weights[name]):
+            raise ValueError(f"--reward_weights {spec!r}: expected parts like rule:1.0 or model:0.5 (finite weights)")
+    if "model" in weights and not has_model:
+        raise ValueError(f"--reward_weights {spec!r} uses `model` but no --reward_model is given")
+    if not has_teacher and not any(weights.values()):
+        raise ValueError(f"--reward_weights {spec!r} gives every reward weight 0 and there is no --teacher: nothing "
+                         f"would be trained (every advantage is 0)")
+    return weights
+
+
+def banner(cfg, d, params, micro, env):
+    """The run's first line: what is trained, on how many ranks, in what batches, from what rewards,
+    and how many of the prompts are cut to --max_prompt_len."""
+    n_cut = int(env.prompt_cut.sum())
+    cut = (f"; {n_cut} of {len(env.prompt_cut)} prompts are longer than --max_prompt_len {cfg.max_prompt_len} tokens "
+           f"and cut from the left (each step's share: prompts/truncated_ratio)") if n_cut else ""
+    return (f"grpo: {sum(p.numel() for p in params) / 1e6:.2f}M trained parameters, world size {d.world_size}"
+            f"{logs.layout(d)}, {cfg.prompts_per_step} prompts x {cfg.group_size} completions per rollout"
+            f"{f' (kept of {cfg.rs_samples})' if cfg.rs_samples else ''}, {cfg.num_iterations} pass(es) x "
+            f"{cfg.num_mini_batches} mini-batch(es) of {micro * cfg.grad_accum} x {cfg.grad_accum} micro per "
+            f"rank, rewards {env.weights}{f', tool {cfg.tools} (<= {cfg.max_tool_calls} calls)' if cfg.tools else ''}"
+            f"{cut}")
 
 
 # -----------------------------------------------------------------------------
@@ -544,24 +625,14 @@ def pairwise_accuracy(model, ref, pairs, pad_id, d, batch_size):
 
 
 # -----------------------------------------------------------------------------
-# the rollout's rewards (phase 2; sampling.rollout samples it, phase 1)
+# the rollout's rewards (phase 2; environment.rollout samples it, phase 1)
 
 
 def reward(roll, env, cfg, d, step, round_=0):
-    """Phase 2: each completion's reward: its row's rule (logged even when not optimised), a reward
-    model, or their weighted sum, minus --no_eos_penalty, plus DAPO's overlong term; then with
-    --rs_samples group_size of each prompt's samples kept. Returns the Rollout and its seconds."""
-    t0 = time.time()
-    is_stop = torch.isin(roll.r_ids, roll.r_ids.new_tensor(env.stop_ids))
-    texts = data.decode_responses(env.tokenizer, roll.r_ids, roll.r_mask * (~is_stop).long(), roll.p_ids)
-    idx, parts = roll.prompt_idx.tolist(), {}
-    rows = env.prompts.select(idx)[:]  # columns as lists: a Dataset indexed row by row is ~100x slower
-    if "reward_fn" in rows:  # Python floats of Python functions, computed on the host
-        answers = rows.get("answer", [None] * len(idx))
-        parts["rule"] = torch.tensor([tasks.REWARD_FNS[f](env.own_prompts[i], c, a)
-                                      for f, i, c, a in zip(rows["reward_fn"], idx, texts, answers)], device=d.device)
-    if env.rm is not None:
-        parts["model"] = data.learned_rewards(env, rows["prompt"], texts, cfg, d)
+    """Phase 2: each completion's reward, the weighted sum of what scores it (environment.score: its
+    row's rule, logged even when not optimised, and a reward model) minus --no_eos_penalty, plus
+    DAPO's overlong term; then with --rs_samples group_size of each prompt's samples kept."""
+    parts = environment.score(roll, env, cfg, d)
     rewards = sum(w * parts[k] for k, w in env.weights.items()) - cfg.no_eos_penalty * (~roll.stopped).float()
     if cfg.overlong_buffer_len:  # a reward term, logged as reward/overlong
         parts["overlong"] = overlong_penalty(roll.r_mask.sum(-1).float(), cfg.max_new_tokens, cfg.overlong_buffer_len,
@@ -575,14 +646,14 @@ def reward(roll, env, cfg, d, step, round_=0):
         keep = rejection_sample(rewards.view(n_local, cfg.rs_samples), cfg.group_size, cfg.rs_gamma, mode=cfg.rs_mode,
                                 generator=gens)  # (n_local, G)
         roll = roll.select((keep + torch.arange(n_local)[:, None] * cfg.rs_samples).flatten())
-    return roll, time.time() - t0
+    return roll
 
 
 def dynamic_sample(rounds, cfg, d, pad_id):
     """DAPO's dynamic sampling (Sec. 3.2): of the rounds so far (each a global rollout), the first
     prompts_per_step groups whose rewards differ, then equal-reward ones to fill up (they carry no
     gradient): this rank's share of them, and how many groups are still missing."""
-    roll = sampling.Rollout.cat(rounds, pad_id)
+    roll = environment.Rollout.cat(rounds, pad_id)
     g = roll.rewards.view(-1, cfg.group_size)
     ok = (g.amax(1) > g.amin(1)).repeat_interleave(cfg.group_size)  # (rows,), one host sync below
     roll = roll.select(torch.cat([ok.nonzero().flatten(), (~ok).nonzero().flatten()]))
@@ -595,7 +666,7 @@ def minibatch_rows(n_rows, n_minibatches, generator, local=slice(None)):
     """The rows of each mini-batch, (K, n_rows / K): each K consecutive rows of the global rollout
     are dealt one to each of the K mini-batches in a random order (the generator: the same on
     every rank). A rank's share (`local`, its slice; indices within it) is whole blocks of K rows
-    (run.check_grpo_config): every mini-batch holds the same rows on any number of ranks, as many on each."""
+    (check_config): every mini-batch holds the same rows on any number of ranks, as many on each."""
     K = n_minibatches
     deal = torch.rand(n_rows // K, K, generator=generator).argsort(1)  # (n/K, K): the row of each block for mb j
     rows = (torch.arange(n_rows // K)[:, None] * K + deal).T  # (K, n/K) global rows of each mini-batch
@@ -610,9 +681,9 @@ def evaluate(model, ref, tokenizer, evals, cfg, d):
     metrics = {}
     if evals["held_out"] is not None:  # every row of a task has its rule
         h = evals["held_out"]
-        metrics |= tasks.evaluate_generations(model, tokenizer, h["prompt"], tasks.REWARD_FNS[h["reward_fn"][0]], d,
+        metrics |= sampling.evaluate_generations(model, tokenizer, h["prompt"], tasks.REWARD_FNS[h["reward_fn"][0]], d,
                                               max_prompt_len=cfg.max_prompt_len, max_new_tokens=cfg.max_new_tokens,
-                                              answers=h.get("answer"), own_prompts=h["own_prompt"], tools=cfg.tools,
+                                              answers=h.get("answer"), own_prompts=h["own_prompt"], tool_spec=cfg.tools,
                                               max_tool_calls=cfg.max_tool_calls)
     if evals["pairs"] is not None:
         metrics["eval/accuracy"] = pairwise_accuracy(model, ref, evals["pairs"], tokenizer.pad_token_id, d,
@@ -624,13 +695,13 @@ def evaluate(model, ref, tokenizer, evals, cfg, d):
 
 def main(cfg):
     # 0. setup: policy, reference, optional reward model, data
-    d = run.start(cfg)  # flags checked, process group joined, seed set
-    run.check_grpo_config(cfg, d)  # flags that do not go together, with what to change
-    weights = run.parse_weights(cfg.reward_weights, bool(cfg.reward_model), has_teacher=bool(cfg.teacher))
-    train = data.load_prompts(cfg, rules="rule" in weights or cfg.dataset in tasks.TASKS)
+    d = cli.start(cfg)  # flags checked and filled, process group joined, seed set
+    check_config(cfg, d)  # flags that do not go together, with what to change
+    weights = parse_weights(cfg.reward_weights, bool(cfg.reward_model), has_teacher=bool(cfg.teacher))
+    train = environment.load_prompts(cfg, rules="rule" in weights or cfg.dataset in tasks.TASKS)
     order = data.DataOrder(len(train), cfg.seed, cfg.prompts_per_step, f"--dataset {cfg.dataset}", "--prompts_per_step")
-    job = run.Run(cfg, d, models=["model", "reward_model", "teacher"])  # out_dir checked and locked; nothing written yet
-    tokenizer, model = common.load_policy(cfg.model, cfg, d, response_len=cfg.max_new_tokens,
+    job = rundir.Run(cfg, d, models=["model", "reward_model", "teacher"])  # out_dir checked and locked; nothing written yet
+    tokenizer, model = models.load_policy(cfg.model, cfg, d, response_len=cfg.max_new_tokens,
                                           response_flag="--max_new_tokens", shard=False)
     ref = None  # with --lora: the policy with its adapters disabled
     if cfg.lora:
@@ -638,15 +709,15 @@ def main(cfg):
     else:  # the starting policy (with --ref_refresh_every, a resumed run's last refresh: below)
         ref = common.freeze(copy.deepcopy(model), d, cpu_offload=cfg.offload_frozen)
     model = common.shard_model(model, d, activation_checkpointing=cfg.activation_checkpointing)
-    env = data.make_env(cfg, d, prompts=train, order=order, tokenizer=tokenizer, model=model, weights=weights)
-    evals = data.grpo_evals(cfg, tokenizer)  # the embedded task's held-out prompts, and held-out pairs
+    env = environment.make_env(cfg, d, prompts=train, order=order, tokenizer=tokenizer, model=model, weights=weights)
+    evals = environment.grpo_evals(cfg, tokenizer)  # the embedded task's held-out prompts, and held-out pairs
     params = [p for p in model.parameters() if p.requires_grad]
     n_updates = cfg.num_iterations * cfg.num_mini_batches  # optimizer steps per rollout
     optimizer, scheduler = common.make_optimizer(params, cfg.lr, cfg.weight_decay, cfg.warmup_steps,
                                                  cfg.steps * n_updates)
     n_local, rows_local = cfg.prompts_per_step // d.world_size, cfg.prompts_per_step // d.world_size * cfg.group_size
     micro = rows_local // cfg.num_mini_batches // cfg.grad_accum  # rows per forward on this rank
-    common.print0(run.grpo_banner(cfg, d, params, micro, env))
+    common.print0(banner(cfg, d, params, micro, env))
     loss_knobs = dict(epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high, beta=0 if cfg.kl_in_reward else cfg.beta,
                       kl_estimator=cfg.kl_estimator, agg=cfg.loss_agg, entropy_coef=cfg.entropy_coef,
                       loss_type=cfg.loss_type, level=cfg.importance_sampling_level, delta=cfg.delta,
@@ -654,23 +725,23 @@ def main(cfg):
     start = job.begin(model, tokenizer, optimizer, scheduler, order,  # restores a resumed run's state
                       show=["reward", "kl", "clip_ratio/low", "clip_ratio/high", "completions/mean_length",
                             "eval/exact_match", "eval/gold_reward", "eval/accuracy", "time/step"])
-    if job.resume_from and cfg.ref_refresh_every:  # a checkpoint is at a refresh (run.check_grpo_config)
+    if job.resume_from and cfg.ref_refresh_every:  # a checkpoint is at a refresh (check_config)
         refresh_reference(ref, model)
     if start == 1 and (first := evaluate(model, ref, tokenizer, evals, cfg=cfg, d=d)):  # prompts alone: no evaluation
         job.log(0, first)
+    clock = logs.Clock(d)  # each phase's seconds and peak GPU memory: time/*, mem/* (bookkeeping, not the step)
     for step in range(start, cfg.steps + 1):
-        t0 = time.time()
-        run.peak_memory(d)
+        clock.split()
         # ---------------------------------------------------------------------
         # 1. rollout: prompts_per_step new prompts, group_size completions each (rs_samples, of which
         #    group_size are kept); 2. reward. With --dynamic_sampling, rounds of both until that many
         #    groups have rewards that differ (a group of equal rewards has no advantage, no gradient)
-        rounds, sums, t_roll, t_rew, mem_rollout = [], {}, 0.0, 0.0, 0.0
+        rounds, sums = [], {}
         for k in range(cfg.max_num_gen_batches if cfg.dynamic_sampling else 1):
-            roll, seconds = sampling.rollout(model, env, cfg, d, step=step, round_=k)  # 1
-            t_roll, mem_rollout = t_roll + seconds, max(mem_rollout, run.peak_memory(d))
-            roll, seconds = reward(roll, env, cfg, d, step=step, round_=k)  # 2
-            t_rew = t_rew + seconds
+            roll = environment.rollout(model, env, cfg, d, step=step, round_=k)  # 1
+            clock.split("rollout")
+            roll = reward(roll, env, cfg, d, step=step, round_=k)  # 2
+            clock.split("reward")
             if cfg.dynamic_sampling:  # the groups found so far, from every rank, in global order
                 rounds.append(roll.gather(tokenizer.pad_token_id, d))
                 roll, missing = dynamic_sample(rounds, cfg, d, tokenizer.pad_token_id)
@@ -686,7 +757,6 @@ def main(cfg):
         # ---------------------------------------------------------------------
         # 3. advantages, after the reference (and, for mu > 1 or several mini-batches, the
         #    rollout policy's) log-probs, in the precision of training
-        t2 = time.time()
         with reference_context(model, ref):
             ref_logps = batched_logprobs(model if ref is None else ref, ids, attn, R, temperature=cfg.temperature, d=d,
                                          rows_per_forward=micro)  # (rows_local, R)
@@ -754,18 +824,15 @@ def main(cfg):
                 grad_norms.append(grad_norm)
         if cfg.ref_refresh_every and step % cfg.ref_refresh_every == 0:
             refresh_reference(ref, model)
-        run.sync(d)
-        t_update, mem_update = time.time() - t2, run.peak_memory(d)  # reward, reference and update phases
+        clock.split("update")  # reference and old log-probs, advantages and the optimizer steps
 
         # ---------------------------------------------------------------------
         # 5. metrics (one all-reduce), eval, log, checkpoint
         metrics = common.reduce_metrics(sums, d, maxes={"completions/max_length": lengths.max(),
                                                         "rollout/logp_diff_max": gap_max},
                                         same={"grad_norm": torch.stack(grad_norms).mean()})
-        metrics |= {"lr": lr, "time/rollout": t_roll, "time/reward": t_rew, "time/update": t_update}
-        metrics |= {"mem/rollout_gib": mem_rollout, "mem/update_gib": mem_update} if d.device.type == "cuda" else {}
+        metrics |= {"lr": lr} | clock.lap()  # time/step: training only, evaluation is not part of a step
         job.check(step, metrics, ["loss", "kl", "grad_norm"])  # a NaN stops the run, naming the last good checkpoint
-        metrics["time/step"] = time.time() - t0  # training only: evaluation is not part of a step
         if step % cfg.eval_every == 0 or step == cfg.steps:
             metrics |= evaluate(model, ref, tokenizer, evals, cfg=cfg, d=d)
         job.log(step, metrics)  # and a checkpoint every --save_every steps
@@ -774,4 +841,4 @@ def main(cfg):
 
 
 if __name__ == "__main__":
-    run.script(main, Config)
+    cli.script(main, Config)

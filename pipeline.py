@@ -11,7 +11,7 @@
     --smollm2_tools:   instead, SmolLM2 with a calculator: SFT on demonstrations, GRPO --tools (3 seeds)
     --smollm2_distill: instead, SmolLM2 distilled from its GRPO model (grpo.py --teacher, 3 seeds)
 
-The studies' runs and tables live in studies.py; this file is the pipeline itself. Each stage
+The studies' runs and tables live in studies/; this file is the pipeline itself. Each stage
 is its own script run in a subprocess with its default flags (the defaults are tuned for this
 task), writing into runs/<stage>/ (seed k > 0: runs/seed<k>/<stage>/; the
 studies: runs/kl/<estimator>/seed<k>/, runs/overopt/beta<b>/seed<k>/) and a resumable
@@ -37,8 +37,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-import run
-import studies
+from plumbing import cli
+from studies import embedded, runner, smollm2
 
 
 @dataclass
@@ -107,16 +107,11 @@ SAVE_EVERY = 50  # steps between the resumable checkpoints of every stage (~0.1 
 MAIN = ("sft", "rm", "dpo", "grpo_rm", "grpo_gold")
 
 
-def seed_dir(runs, seed):
-    """Seed 0 is the default run (RUNS/sft is every script's default --model); seed k > 0 lives in RUNS/seed<k>."""
-    return runs if seed == 0 else os.path.join(runs, f"seed{seed}")
-
-
 def stages(cfg):
     """(group, argv) of every run, in order; the group is what --redo names."""
     out = []
     for seed in range(cfg.seeds):
-        r = lambda name: os.path.join(seed_dir(cfg.runs, seed), name)  # noqa: E731
+        r = lambda name: os.path.join(runner.seed_dir(cfg.runs, seed), name)  # noqa: E731
         s = ["--seed", str(seed)]
         out += [
             ("sft", ["sft.py", "--out_dir", r("sft"), *s]),
@@ -128,31 +123,8 @@ def stages(cfg):
                          "--out_dir", r("grpo_rm"), *s]),
             ("grpo_gold", ["grpo.py", "--model", r("sft"), "--out_dir", r("grpo_gold"), *s]),
         ]
-    out += studies.stages(cfg)
+    out += embedded.stages(cfg)
     return [(name, argv + ["--save_every", str(SAVE_EVERY)]) for name, argv in out]
-
-
-def state_of(out_dir):
-    """'done', 'interrupted' (a resumable checkpoint), 'failed' (files of a run that ended before
-    its first checkpoint) or 'new' (an empty or absent folder)."""
-    ckpt = run.resolve_checkpoint(out_dir)
-    if os.path.isfile(os.path.join(ckpt, "config.json")):
-        return "interrupted" if os.path.isfile(os.path.join(ckpt, "training_state.pt")) else "done"
-    held = set(os.listdir(out_dir)) - {".lock"} if os.path.isdir(out_dir) else set()
-    return "failed" if held else "new"
-
-
-def load_times(path):
-    """The wall times of the stages an earlier invocation ran ({} if none)."""
-    if not os.path.isfile(path):
-        return {}
-    with open(path) as f:
-        return json.load(f)
-
-
-def redo(cfg, name):
-    """Whether --redo names this stage (or is `all`)."""
-    return cfg.redo == "all" or name in cfg.redo.split(",")
 
 
 def redo_names(cfg):
@@ -175,92 +147,8 @@ def check_redo(cfg):
                          f"{', '.join(redo_names(cfg))} (or all)")
 
 
-def run_stage(name, argv, cfg, times):
-    out_dir = argv[argv.index("--out_dir") + 1]
-    redo_it = redo(cfg, name)
-    state = state_of(out_dir)
-    if state == "done" and not redo_it:
-        print(f"== {name}: done already ({out_dir}), skipped", flush=True)
-        return
-    # a failed stage's files are moved aside (out_dir.replaced-<time>) by --overwrite, never deleted
-    extra = ["--overwrite"] if redo_it or state == "failed" else (["--resume"] if state == "interrupted" else [])
-    cmd = [sys.executable, *argv, *extra]
-    print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
-    t0 = time.time()
-    # the stage ends with the pipeline: on SIGTERM or Ctrl-C (the finally below), and on SIGKILL
-    # through the kernel's parent-death signal (Linux), so a rerun never finds it still running
-    proc = subprocess.Popen(cmd, preexec_fn=_end_with_parent)
-    try:
-        rc = proc.wait()
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-    if rc != 0:
-        raise SystemExit(f"stage {name} failed: {' '.join(cmd)}")
-    times[os.path.relpath(out_dir, cfg.runs)] = round(time.time() - t0, 1)
-
-
-def run_stages(stage_list, cfg, times, times_path):
-    """run_stage for each, the wall times written after each (a later invocation keeps them)."""
-    for name, argv in stage_list:
-        run_stage(name, argv, cfg, times)
-        with open(times_path, "w") as f:
-            json.dump(times, f, indent=1)
-
-
-def _end_with_parent():
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:  # not Linux: SIGTERM and Ctrl-C still end the stage
-        pass
-
-
 # -----------------------------------------------------------------------------
 # the results table
-
-
-def read_rows(out_dir):
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def last_eval(out_dir):
-    """The last value of every eval/* metric of a run."""
-    found = {}
-    for row in read_rows(out_dir):
-        found |= {k: v for k, v in row.items() if k.startswith("eval/")}
-        if row["step"] == 0:
-            found |= {f"start/{k}": v for k, v in row.items() if k.startswith("eval/")}
-    return found
-
-
-def stats(values):
-    """mean, sample std (0 for one value), min, max of a list of numbers."""
-    n = len(values)
-    mean = sum(values) / n
-    std = (sum((v - mean) ** 2 for v in values) / (n - 1)) ** 0.5 if n > 1 else 0.0
-    return {"mean": mean, "std": std, "min": min(values), "max": max(values), "n": n}
-
-
-def cell(values, digits=3):
-    """A table cell: the value of one seed, or mean +- std of several."""
-    values = [v for v in values if v is not None]
-    if not values:
-        return ""
-    s = stats(values)
-    return f"{s['mean']:.{digits}f}" if s["n"] == 1 else f"{s['mean']:.{digits}f} ± {s['std']:.{digits}f}"
-
-
-def seconds(times, dirs, runs):
-    """Mean wall time of the runs in dirs (those this folder has times for)."""
-    found = [times[k] for k in (os.path.relpath(d, runs) for d in dirs) if k in times]
-    return f"{sum(found) / len(found):.0f}" if found else ""
 
 
 STAGE_LABELS = [("sft", "SFT"), ("rm", "Reward model"), ("dpo", "DPO"), ("grpo_rm", "GRPO, learned reward"),
@@ -273,43 +161,43 @@ def results_table(cfg, times):
              "gold reward | wall time (s) |", "|---|---|---|---|---|---|---|"]
     by_seed = {}
     for name, label in STAGE_LABELS:
-        dirs = [os.path.join(seed_dir(cfg.runs, s), name) for s in range(cfg.seeds)]
-        evs = [last_eval(d) for d in dirs]
+        dirs = [os.path.join(runner.seed_dir(cfg.runs, s), name) for s in range(cfg.seeds)]
+        evs = [runner.last_eval(d) for d in dirs]
         for ev in evs:
             if ev.get("eval/accuracy") is not None and ev.get("eval/bayes_accuracy"):
                 ev["eval/accuracy_over_bayes"] = ev["eval/accuracy"] / ev["eval/bayes_accuracy"]
         by_seed[name] = evs
-        col = lambda key: cell([ev.get(key) for ev in evs])  # noqa: E731
+        col = lambda key: runner.cell([ev.get(key) for ev in evs])  # noqa: E731
         lines.append(f"| {label} | {col('eval/accuracy')} | {col('eval/bayes_accuracy')} | "
                      f"{col('eval/accuracy_over_bayes')} | {col('eval/exact_match')} | {col('eval/gold_reward')} | "
-                     f"{seconds(times, dirs, cfg.runs)} |")
+                     f"{runner.seconds(times, dirs, cfg.runs)} |")
     return "\n".join(lines), by_seed
 
 
 def main(cfg):
-    run.check_ranges(cfg)
+    cli.check_ranges(cfg)
     check_redo(cfg)
-    studies.overopt_betas(cfg)
+    embedded.overopt_betas(cfg)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so that the running stage is ended
     if cfg.smollm2:
-        return studies.run_real(cfg)
+        return smollm2.run_real(cfg)
     if cfg.smollm2_tools:
-        return studies.run_tools(cfg)
+        return smollm2.run_tools(cfg)
     if cfg.smollm2_distill:
-        return studies.run_real_distill(cfg)
+        return smollm2.run_real_distill(cfg)
     os.makedirs(cfg.runs, exist_ok=True)
     times_path = os.path.join(cfg.runs, "pipeline_times.json")
-    times = load_times(times_path)
+    times = runner.load_times(times_path)
     t0 = time.time()
-    run_stages(stages(cfg), cfg, times, times_path)
+    runner.run_stages(stages(cfg), cfg, times, times_path)
     seeds = "seed 0" if cfg.seeds == 1 else f"mean ± std over seeds 0-{cfg.seeds - 1}"
     table, by_seed = results_table(cfg, times)
     table = f"The five stages ({seeds}):\n\n{table}"
-    spread = {k: {m: stats([e[m] for e in evs if m in e]) for m in evs[0]} for k, evs in by_seed.items()}
+    spread = {k: {m: runner.stats([e[m] for e in evs if m in e]) for m in evs[0]} for k, evs in by_seed.items()}
     results = {"seeds": cfg.seeds, "eval_by_seed": by_seed,
                "eval": {k: {m: s["mean"] for m, s in ms.items()} for k, ms in spread.items()},
                "eval_std": {k: {m: s["std"] for m, s in ms.items()} for k, ms in spread.items()}}
-    table += studies.tables(cfg, times, results)
+    table += embedded.tables(cfg, times, results)
     results["wall_time_s"] = times
     with open(os.path.join(cfg.runs, "results.md"), "w") as f:
         f.write(table + "\n")
@@ -325,4 +213,4 @@ def main(cfg):
 
 
 if __name__ == "__main__":
-    main(run.parse_config(Config))
+    main(cli.parse_config(Config))

@@ -39,14 +39,14 @@ import torch.nn.functional as F
 
 import common
 import data
-import run
 import sampling
 import tasks
+from plumbing import cli, logs, models, rundir
 
 
 @dataclass
-class Config(run.SharedConfig):
-    # the values of the flags left unset (run.fill_defaults): the embedded task's, or TRL 1.16's RewardConfig
+class Config(cli.SharedConfig):
+    # the values of the flags left unset (cli.fill_defaults): the embedded task's, or TRL 1.16's RewardConfig
     # (lr 1e-4; max_length 1024 in all, here 512 prompt + 512 response tokens)
     DEFAULTS: ClassVar[dict] = {"embedded": dict(lr=1e-3, max_prompt_len=64, max_response_len=32),
                                 "trl": dict(lr=1e-4, max_prompt_len=512, max_response_len=512)}
@@ -139,15 +139,15 @@ def normalization(model, tokenizer, cfg, prompts, d):
     """Gain and bias that give the policy's samples on `prompts` reward mean 0 and std 1 (the
     population std over the samples). Returns (gain, bias, mean, std)."""
     name = cfg.normalize_policy or cfg.model
-    p_tok = data.load_tokenizer(name, cfg.trust_remote_code)
-    policy = common.load_frozen(name, p_tok, d, trust_remote_code=cfg.trust_remote_code)
-    stops = data.stop_token_ids(p_tok, policy)
+    p_tok = models.load_tokenizer(name, cfg.trust_remote_code)
+    policy = models.load_frozen(name, p_tok, d, trust_remote_code=cfg.trust_remote_code)
+    stops = sampling.stop_token_ids(p_tok, policy)
     u = sampling.rollout_uniforms(len(prompts), cfg.max_response_len, cfg.seed)  # by row: the same on any world size
 
     def rewards(rows):
         texts = [prompts[i] for i in rows]
         with common.autocast(d):
-            replies = data.respond(policy, p_tok, texts, max_prompt_len=cfg.max_prompt_len,
+            replies = sampling.respond(policy, p_tok, texts, max_prompt_len=cfg.max_prompt_len,
                                    max_new_tokens=cfg.max_response_len, stops=stops, device=d.device,
                                    temperature=1.0, uniforms=u[rows])
         # re-encoded: the policy's tokenizer need not be the reward model's
@@ -191,12 +191,12 @@ def normalize(model, tokenizer, train, cfg, d):
 
 def main(cfg):
     # 0. setup: the same seed on every rank so every rank builds the same score head
-    d = run.start(cfg)  # flags checked, process group joined, seed set
-    micro = run.micro_batch(cfg.batch_size, cfg.grad_accum, d)
+    d = cli.start(cfg)  # flags checked, process group joined, seed set
+    micro = cli.micro_batch(cfg.batch_size, cfg.grad_accum, d)
     train, test = data.load_preferences(cfg)
     order = data.DataOrder(len(train), cfg.seed, batch=cfg.batch_size, source=f"--dataset {cfg.dataset}")
-    job = run.Run(cfg, d, models=["model", "normalize_policy"])  # out_dir checked and locked; nothing written yet
-    tokenizer, model = common.load_policy(cfg.model, cfg, d, response_len=cfg.max_response_len,
+    job = rundir.Run(cfg, d, models=["model", "normalize_policy"])  # out_dir checked and locked; nothing written yet
+    tokenizer, model = models.load_policy(cfg.model, cfg, d, response_len=cfg.max_response_len,
                                           kind="new_reward")
     model.config.reward_gain, model.config.reward_bias = 1.0, 0.0  # training sees raw scores
     train, test, train_pairs, test_pairs = data.encode_preferences(train, test, tokenizer, cfg)
@@ -205,7 +205,7 @@ def main(cfg):
     optimizer, scheduler = common.make_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps,
                                                  cfg.steps)
     common.print0(f"reward: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {len(train)} train pairs, "
-                  f"{len(test)} eval pairs, world size {d.world_size}{run.layout(d)}, micro-batch {micro} pairs x "
+                  f"{len(test)} eval pairs, world size {d.world_size}{logs.layout(d)}, micro-batch {micro} pairs x "
                   f"{cfg.grad_accum}")
     start = job.begin(model, tokenizer, optimizer, scheduler, order)  # restores a resumed run's state
     if start == 1:
@@ -247,4 +247,4 @@ def main(cfg):
 
 
 if __name__ == "__main__":
-    run.script(main, Config)
+    cli.script(main, Config)

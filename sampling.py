@@ -5,32 +5,20 @@ bench/sampler.py; its correctness: tests/test_sampler.py.
 """
 import copy
 import hashlib
-import time
 import weakref
-from dataclasses import dataclass
 
 import torch
 
 import common
 import data
-import run
 import tool_rollout
+import tools as tools_module
 
 
 def stream_seed(seed, step, stream, index=0, round_=0):
     """Seed of a step's stream (0: sampling; 1: rejection sampling of global prompt `index`; 2: mini-batch deal) in
     round round_: hashed to the 32 bits a CPU generator (mt19937) keeps; two keys collide with probability 2^-32."""
     return int(hashlib.blake2b(f"{seed},{step},{stream},{round_},{index}".encode(), digest_size=4).hexdigest(), 16)
-
-
-def truncate_mask(response_ids, response_mask, truncate_id):
-    """(B, R) mask zeroed after each row's first truncate token (kept): nothing after it is
-    rewarded or trained on."""
-    if truncate_id is None:
-        return response_mask
-    hit = (response_ids == truncate_id) & response_mask.bool()
-    after = (hit.long().cumsum(-1) - hit.long()) > 0  # strictly after the first hit
-    return response_mask * (~after).long()
 
 
 def rollout_uniforms(n_rows, n_tokens, seed):
@@ -244,86 +232,67 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
 # GRPO's rollouts: the sampled rows of a step, on this rank
 
 
-@dataclass
-class Rollout:
-    """The rows of a rollout on this rank, each prompt's G completions contiguous; the prompt block
-    left-padded to P tokens and the response block right-padded to R (common.py's layout)."""
-    p_ids: torch.Tensor  # (N, P)
-    p_mask: torch.Tensor  # (N, P)
-    r_ids: torch.Tensor  # (N, R)
-    r_mask: torch.Tensor  # (N, R) 1 up to and including the stop token
-    r_logps: torch.Tensor  # (N, R) the sampler's log-probs of its tokens
-    r_tool: torch.Tensor  # (N, R) 1 on a tool's tokens (--tools): attended to, never trained on
-    stopped: torch.Tensor  # (N,) ended with EOS, an end-of-turn id or the truncate token
-    prompt_idx: torch.Tensor  # (N,) each row's prompt: its row in the data set
-    prompt_cut: torch.Tensor  # (N,) its prompt is longer than --max_prompt_len, cut from the left
-    rewards: torch.Tensor  # (N,) 0 until `reward`
-    parts: dict  # each term of the reward, (N,): logged as reward/<name>
-
-    def map(self, fn):
-        """A rollout of fn(name, tensor) for every tensor."""
-        tensors = {f: fn(f, getattr(self, f)) for f in self.__dataclass_fields__ if f != "parts"}
-        return Rollout(**tensors, parts={k: fn(k, v) for k, v in self.parts.items()})
-
-    def select(self, idx):
-        """The rows idx (a 1-D index)."""
-        return self.map(lambda name, x: x[idx.to(x.device)])
-
-    def padded(self, P, R, pad_id):
-        """The prompt block left-padded to P tokens, the response block right-padded to R."""
-        def pad(name, x):
-            if name[:2] not in ("p_", "r_"):
-                return x
-            side = (P - x.shape[1], 0) if name[:2] == "p_" else (0, R - x.shape[1])
-            return torch.nn.functional.pad(x, side, value=pad_id if name.endswith("_ids") else 0)
-        return self.map(pad)
-
-    @staticmethod
-    def cat(rolls, pad_id):
-        """Several rollouts as one, padded to the longest prompt and response blocks."""
-        P, R = max(r.p_ids.shape[1] for r in rolls), max(r.r_ids.shape[1] for r in rolls)
-        rolls = [r.padded(P, R, pad_id) for r in rolls]
-        tensors = [f for f in Rollout.__dataclass_fields__ if f != "parts"]
-        return Rollout(**{f: torch.cat([getattr(r, f) for r in rolls]) for f in tensors},
-                       parts={k: torch.cat([r.parts[k] for r in rolls]) for k in rolls[0].parts})
-
-    def gather(self, pad_id, d):
-        """Every rank's rows, in rank order (the global rollout), on every rank. Collective."""
-        if d.world_size == 1:
-            return self
-        blocks = self.p_ids.new_tensor([[self.p_ids.shape[1], self.r_ids.shape[1]]])  # (1, 2): P and R
-        P, R = common.all_gather(blocks, d).amax(0).tolist()  # the longest of any rank
-        return self.padded(P, R, pad_id).map(lambda name, x: common.all_gather(x.int(), d).bool()
-                                             if x.dtype == torch.bool else common.all_gather(x, d))
+# -----------------------------------------------------------------------------
+# text in, text out: the stop ids of a model, its responses to prompts, greedy answers scored by a rule
 
 
-def rollout(model, env, cfg, d, step, round_=0):
-    """Phase 1: this rank's share of prompts_per_step new prompts, rs_samples or group_size
-    completions each, groups contiguous, drawn with the random numbers of the global rollout
-    indexed by row (any number of ranks samples the same). Returns the Rollout and its seconds."""
-    t0, n_sample = time.time(), cfg.rs_samples or cfg.group_size
-    rows = env.order.next(cfg.prompts_per_step)[common.shard_batch(cfg.prompts_per_step, d)]
-    prompts = [p for p in env.prompts.select(rows)["prompt"] for _ in range(n_sample)]  # groups contiguous
-    u = rollout_uniforms(cfg.prompts_per_step * n_sample, cfg.max_new_tokens,
-                         stream_seed(cfg.seed, step, stream=0, round_=round_))
-    u = u[common.shard_batch(cfg.prompts_per_step * n_sample, d)]  # (N, max_new_tokens) this rank's rows
-    p_ids, _ = data.encode_prompts(env.tokenizer, prompts, cfg.max_prompt_len)
-    p_ids, p_mask = (t.to(d.device) for t in common.pad(p_ids, env.tokenizer.pad_token_id, side="left"))  # (N, P)
-    kw = dict(eos_id=env.stop_ids[0], pad_id=env.tokenizer.pad_token_id, temperature=cfg.temperature, top_k=cfg.top_k,
-              top_p=cfg.top_p, stop_ids=env.stop_ids[1:], uniforms=u, compile=cfg.compile)
-    with common.evaluating(model, gather=True), common.autocast(d):
-        if env.tool is None:
-            r_ids, r_mask, r_logps = generate(model, p_ids, p_mask, cfg.max_new_tokens, return_logprobs=True, **kw)
-            r_tool = torch.zeros_like(r_mask)  # (N, R) each
-        else:  # the policy's calls run between its turns; r_tool: 1 on the tools' tokens (tool_rollout.py)
-            r_ids, r_mask, r_logps, r_tool = tool_rollout.generate_with_tools(
-                model, p_ids, p_mask, cfg.max_new_tokens, tokenizer=env.tokenizer, tool=env.tool,
-                max_calls=cfg.max_tool_calls, **kw)
-    r_mask = truncate_mask(r_ids, r_mask, env.truncate_id)
-    stopped = (torch.isin(r_ids, r_ids.new_tensor(env.stop_ids)) & r_mask.bool()).any(-1)  # (N,)
-    prompt_idx = torch.tensor(rows, device=d.device).repeat_interleave(n_sample)  # (N,)
-    prompt_cut = env.prompt_cut[rows].to(d.device).repeat_interleave(n_sample)  # (N,)
-    run.sync(d)  # each phase's clock read after its GPU work is done
-    roll = Rollout(p_ids, p_mask, r_ids, r_mask, r_logps, r_tool=r_tool * r_mask, stopped=stopped,
-                   prompt_idx=prompt_idx, prompt_cut=prompt_cut, rewards=torch.zeros_like(r_logps[:, 0]), parts={})
-    return roll, time.time() - t0
+def stop_token_ids(tokenizer, model, truncate_token=""):
+    """The ids that end a response, as model.generate stops: EOS, then every id of the generation
+    config's eos_token_id (instruct models list end of turn and end of text), then a truncate
+    token (a string of one token: grpo.py's --truncate_token) last."""
+    ids = [tokenizer.eos_token_id]
+    extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for i in [extra] if isinstance(extra, int) else list(extra or []):
+        if i not in ids:
+            ids.append(i)
+    if truncate_token:
+        t_ids = tokenizer(truncate_token, add_special_tokens=False)["input_ids"]
+        if len(t_ids) != 1:
+            raise ValueError(f"--truncate_token {truncate_token!r} is {len(t_ids)} tokens; it must be one")
+        ids += t_ids
+    return ids
+
+
+def respond(model, tokenizer, prompts, max_prompt_len, max_new_tokens, stops, device, temperature=0.0,
+            uniforms=None, tool=None, max_tool_calls=2):
+    """The model's responses to text prompts (a chat already rendered), as text, sampled until one
+    of `stops` (stop_token_ids); temperature 0 is greedy, uniforms the rows' draws. With a `tool`
+    (tools.load_tool), the calls it makes run (tool_rollout.py) and the text holds their results."""
+    p_ids, p_mask = common.pad(data.encode_prompts(tokenizer, prompts, max_prompt_len)[0], tokenizer.pad_token_id,
+                               side="left")
+    kw = dict(eos_id=stops[0], pad_id=tokenizer.pad_token_id, temperature=temperature, stop_ids=stops[1:],
+              uniforms=uniforms)
+    if tool is None:
+        r_ids, r_mask = generate(model, p_ids.to(device), p_mask.to(device), max_new_tokens, **kw)
+    else:
+        r_ids, r_mask, _, _ = tool_rollout.generate_with_tools(model, p_ids.to(device), p_mask.to(device), max_new_tokens,
+                                                               tokenizer=tokenizer, tool=tool, max_calls=max_tool_calls, **kw)
+    return data.decode_responses(tokenizer, r_ids, r_mask, p_ids)
+
+
+def evaluate_generations(model, tokenizer, prompts, reward_fn, d, max_prompt_len, max_new_tokens, batch_size=256,
+                         answers=None, own_prompts=None, tools="", max_tool_calls=2):
+    """Greedy answers to held-out prompts (text, a chat already rendered), scored by a gold reward
+    fn(prompt, completion, answer) of tasks.REWARD_FNS, given each row's own prompt (`own_prompts`:
+    the messages of a conversational row; default `prompts`) and its `answers` where the rule
+    needs one: mean reward and the share of exact answers (reward 1). `tools`: grpo.py's --tools,
+    whose calls run as in its rollouts."""
+    tool = tools_module.load_tool(tools) if tools else None
+
+    own_prompts = prompts if own_prompts is None else own_prompts
+
+    def score(rows):
+        texts = [prompts[i] for i in rows]
+        refs = [answers[i] for i in rows] if answers is not None else [None] * len(rows)
+        with common.autocast(d):
+            replies = respond(model, tokenizer, texts, max_prompt_len=max_prompt_len,
+                                   max_new_tokens=max_new_tokens, stops=stops, device=d.device, tool=tool,
+                                   max_tool_calls=max_tool_calls)
+        rewards = [reward_fn(own_prompts[i], c, a) for i, c, a in zip(rows, replies, refs)]
+        return torch.tensor([[r, float(r == 1.0)] for r in rewards], dtype=torch.float64, device=d.device)
+
+    stops = stop_token_ids(tokenizer, model)
+    with common.evaluating(model, gather=True):
+        r = common.map_rows(score, len(prompts), d, batch_size)  # (n, 2)
+    gold, exact = r.mean(0).tolist()
+    return {"eval/gold_reward": gold, "eval/exact_match": exact}

@@ -9,7 +9,7 @@ Deliberate choices:
 1. The normaliser is the number of completion tokens in the whole global batch, counted
    before the forward passes, so gradient accumulation and the number of ranks do not change
    the gradient (trl #3021).
-2. Dropout is off (common.load_model), so the SFT policy is the same network that the
+2. Dropout is off (models.load_model), so the SFT policy is the same network that the
    later stages compare log-probs against.
 3. Over-long prompts are cut from the left and over-long completions from the right; both
    are counted and printed, never dropped silently.
@@ -27,14 +27,15 @@ from typing import ClassVar
 import torch
 
 import common
-import run
 import data
 import tasks
+import sampling
+from plumbing import cli, logs, models, rundir
 
 
 @dataclass
-class Config(run.SharedConfig):
-    # the values of the flags left unset (run.fill_defaults): the embedded task's, or TRL 1.16's SFTConfig
+class Config(cli.SharedConfig):
+    # the values of the flags left unset (cli.fill_defaults): the embedded task's, or TRL 1.16's SFTConfig
     # (lr 2e-5; max_length 1024 in all, here 512 prompt + 512 completion tokens)
     DEFAULTS: ClassVar[dict] = {"embedded": dict(lr=1e-3, max_prompt_len=64, max_response_len=32),
                                 "trl": dict(lr=2e-5, max_prompt_len=512, max_response_len=512)}
@@ -137,7 +138,7 @@ def evaluate(model, tokenizer, held_out, cfg, d):
     metrics = {"eval/loss": eval_loss(model, prompts, completions, tokenizer.pad_token_id, d=d,
                                       batch_size=cfg.eval_batch_size)}
     if gold_prompts:
-        metrics |= tasks.evaluate_generations(model, tokenizer, gold_prompts, tasks.REWARD_FNS["sort"], d,
+        metrics |= sampling.evaluate_generations(model, tokenizer, gold_prompts, tasks.REWARD_FNS["sort"], d,
                                               max_prompt_len=cfg.max_prompt_len, max_new_tokens=cfg.max_response_len)
     return metrics
 
@@ -147,15 +148,15 @@ def evaluate(model, tokenizer, held_out, cfg, d):
 
 def main(cfg):
     # 0. setup: one seed on every rank, so that every rank builds the same initial weights
-    d = run.start(cfg)  # flags checked, process group joined, seed set
-    micro = run.micro_batch(cfg.batch_size, cfg.grad_accum, d)
+    d = cli.start(cfg)  # flags checked, process group joined, seed set
+    micro = cli.micro_batch(cfg.batch_size, cfg.grad_accum, d)
     split = cfg.eval_dataset is None  # a local file without a held-out one is split by prompt hash
     train = data.load_data(cfg.dataset, "train", COLUMNS, kind="sft", n=cfg.n_train, seed=cfg.seed, holdout=split)
     test = data.load_data(cfg.eval_dataset or cfg.dataset, cfg.eval_split, COLUMNS, kind="sft", n=cfg.n_eval,
                           seed=cfg.seed, holdout=split)
     order = data.DataOrder(len(train), cfg.seed, batch=cfg.batch_size, source=f"--dataset {cfg.dataset}")
-    job = run.Run(cfg, d, models=["model"])  # out_dir checked and locked; nothing is written before job.begin
-    tokenizer, model = common.load_policy(cfg.model, cfg, d, response_len=cfg.max_response_len)
+    job = rundir.Run(cfg, d, models=["model"])  # out_dir checked and locked; nothing is written before job.begin
+    tokenizer, model = models.load_policy(cfg.model, cfg, d, response_len=cfg.max_response_len)
     train_p, train_c = encode_sft(train, tokenizer, cfg, cfg.dataset)
     data.show_example(tokenizer, train_p[0], train_c[0], cfg.dataset)
     held_out = (*encode_sft(test.select(range(min(cfg.n_eval, len(test)))), tokenizer, cfg,
@@ -164,7 +165,7 @@ def main(cfg):
     optimizer, scheduler = common.make_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps,
                                                  cfg.steps)
     common.print0(f"sft: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {len(train)} train "
-                  f"rows, world size {d.world_size}{run.layout(d)}, micro-batch {micro} x {cfg.grad_accum} accumulation")
+                  f"rows, world size {d.world_size}{logs.layout(d)}, micro-batch {micro} x {cfg.grad_accum} accumulation")
     start = job.begin(model, tokenizer, optimizer, scheduler, order)  # restores a resumed run's state
     if start == 1:
         job.log(0, evaluate(model, tokenizer, held_out, cfg, d))
@@ -204,4 +205,4 @@ def main(cfg):
 
 
 if __name__ == "__main__":
-    run.script(main, Config)
+    cli.script(main, Config)

@@ -167,40 +167,6 @@ def check_rule_rows(reward_fns, prompts, source, answers=None):
 def sigmoid(x):
     return 1.0 / (1.0 + math.exp(-x))
 
-def evaluate_generations(model, tokenizer, prompts, reward_fn, d, max_prompt_len, max_new_tokens, batch_size=256,
-                         answers=None, own_prompts=None, tools="", max_tool_calls=2):
-    """Greedy answers to held-out prompts (text, a chat already rendered), scored by a gold reward
-    fn(prompt, completion, answer) of tasks.REWARD_FNS, given each row's own prompt (`own_prompts`:
-    the messages of a conversational row; default `prompts`) and its `answers` where the rule
-    needs one: mean reward and the share of exact answers (reward 1). `tools`: grpo.py's --tools,
-    whose calls run as in its rollouts."""
-    import torch
-
-    import common
-    import data
-    import tools as tools_module
-
-    tool = tools_module.load_tool(tools) if tools else None
-
-    own_prompts = prompts if own_prompts is None else own_prompts
-
-    def score(rows):
-        texts = [prompts[i] for i in rows]
-        refs = [answers[i] for i in rows] if answers is not None else [None] * len(rows)
-        with common.autocast(d):
-            replies = data.respond(model, tokenizer, texts, max_prompt_len=max_prompt_len,
-                                   max_new_tokens=max_new_tokens, stops=stops, device=d.device, tool=tool,
-                                   max_tool_calls=max_tool_calls)
-        rewards = [reward_fn(own_prompts[i], c, a) for i, c, a in zip(rows, replies, refs)]
-        return torch.tensor([[r, float(r == 1.0)] for r in rewards], dtype=torch.float64, device=d.device)
-
-    stops = data.stop_token_ids(tokenizer, model)
-    with common.evaluating(model, gather=True):
-        r = common.map_rows(score, len(prompts), d, batch_size)  # (n, 2)
-    gold, exact = r.mean(0).tolist()
-    return {"eval/gold_reward": gold, "eval/exact_match": exact}
-
-
 # -----------------------------------------------------------------------------
 # splits and prompt sampling
 

@@ -1,4 +1,4 @@
-"""Rollouts in which the policy calls a tool (grpo.py --tools, sampling.rollout). The sampler
+"""Rollouts in which the policy calls a tool (grpo.py --tools, environment.rollout). The sampler
 stops a row at the closing tag of a call, the tool runs on the text the row wrote since the last
 opening tag, its result goes in as tokens of a result tag pair, and the row continues from its
 exact tokens (what the model wrote is never re-tokenised), until it ends its turn, has made

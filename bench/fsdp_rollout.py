@@ -23,9 +23,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
-import run
 import sampling  # noqa: E402
 from bench import util  # noqa: E402
+from plumbing import rundir  # noqa: E402
 
 
 def child(args):
@@ -77,7 +77,7 @@ def child(args):
         del model
     if d.is_main:
         print(json.dumps({"world_size": d.world_size, "cases": cases}))
-    run.release()
+    rundir.release()
 
 
 def title(args, threads, device):

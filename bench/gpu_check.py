@@ -8,7 +8,7 @@ The models are built from configs with random weights and saved as folders with 
 byte-level BPE trained here, 4,096 tokens, the rest of the vocabulary unused), then loaded as a
 user loads them: a Qwen2.5-0.5B and a Qwen2.5-1.5B shape (RoPE, GQA, tied head, 151,936 tokens),
 a 4-layer Llama-3-8B shape (untied head, 128,256 tokens), and SmolLM2-135M-Instruct's real
-weights where its package is installed (run.model_folder("smollm2")). Checks:
+weights where its package is installed (models.model_folder("smollm2")). Checks:
 (a) the sampler's log-probs (sampling.generate(..., return_logprobs=True)) against the training
     forward (common.response_logprobs) of the same tokens, temperature 0.7, top-p 0.95, prompts
     of distinct lengths (left padding): fp32 with TF32 off, max |diff| <= 1e-4; bf16 autocast (as
@@ -53,11 +53,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import common  # noqa: E402
-import data  # noqa: E402
 import grpo  # noqa: E402
-import run  # noqa: E402
 import sampling  # noqa: E402
 from bench import memory  # noqa: E402
+from plumbing import cli, models, rundir  # noqa: E402
 
 QWEN_05B = dict(L=24, h=896, heads=14, kv_heads=2, I=4864, V=151936, tied=True, gated=True, pos=0)
 GPU = dict(  # what the check runs on a GPU: shapes in bench/memory.py's format, sizes of each check
@@ -210,8 +209,8 @@ def contiguous_and_dealt(model, ids, attn, R, mini_batches, grad_accum):
 
 def check_sampler(name, folder, device, size):
     """(a) on one model folder: rows of the table."""
-    tok = data.load_tokenizer(folder)
-    model = common.load_model(folder, tok).to(device).eval()
+    tok = models.load_tokenizer(folder)
+    model = models.load_model(folder, tok).to(device).eval()
     rng = random.Random(0)
     specials = set(tok.all_special_ids)
     vocab = [i for i in range(len(tok)) if i not in specials]
@@ -264,7 +263,7 @@ def free(device):
 def launch(script, argv, log, launcher, in_process, env=None, timeout=600):
     """Run `python SCRIPT ARGV` (launcher "torchrun": torchrun x1) from the repository root, its
     output into the file `log`; in_process (the CPU subset's `python` runs): in this process, as
-    run.script would under that command line, saving an interpreter's start per run. Returns the
+    cli.script would under that command line, saving an interpreter's start per run. Returns the
     exit status."""
     if in_process and launcher == "python":
         module = importlib.import_module(script[:-3])
@@ -274,14 +273,14 @@ def launch(script, argv, log, launcher, in_process, env=None, timeout=600):
         try:
             with open(log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
                 try:
-                    run.script(module.main, module.Config)
+                    cli.script(module.main, module.Config)
                 except SystemExit as e:
                     code = e.code if isinstance(e.code, int) else int(e.code is not None)
                 except Exception:
                     traceback.print_exc()
                     code = 1
                 finally:
-                    run.release()
+                    rundir.release()
         finally:
             sys.argv = argv0
             os.chdir(cwd)
@@ -517,14 +516,14 @@ def main(argv=None):
     free(device)
     # the data's lengths counted by the tokenizer as the scripts load it: transformers gives a Qwen2
     # folder's BPE Qwen's own pre-tokenizer (digits one by one), not the one it was trained with
-    paths = write_data(work, data.load_tokenizer(folders[plan["dpo"]["shape"]]), plan)
+    paths = write_data(work, models.load_tokenizer(folders[plan["dpo"]["shape"]]), plan)
     print(f"models and data ready in {time.time() - t0:.0f} s", flush=True)
 
     if "a" in only:
         sampled = dict(folders)
         if plan["smollm2"]:
             try:
-                sampled["SmolLM2-135M-Instruct"] = run.model_folder("smollm2")
+                sampled["SmolLM2-135M-Instruct"] = models.model_folder("smollm2")
             except (FileNotFoundError, ModuleNotFoundError) as e:
                 rows.append(row("a", "SmolLM2-135M-Instruct", f"not run: {e}", "", None))
         for name, folder in sampled.items():

@@ -4,7 +4,7 @@ processes: this repository's way against the way it was done before, side by sid
     python bench/load_memory.py                      # GPT-2 large (774M, fp32), 2 processes, CPU
     python bench/load_memory.py --layers 12 --width 768 --heads 12     # GPT-2 small
 
-- "rank 0 reads" (common.load_model(..., d) + shard_model): rank 0 reads the weights, the
+- "rank 0 reads" (models.load_model(..., d) + shard_model): rank 0 reads the weights, the
   other ranks build the model on the meta device and receive their shards by broadcast. The
   training state is a sharded torch.distributed.checkpoint: each rank writes and reads only
   its shards.
@@ -26,6 +26,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from plumbing import checkpoints, models, rundir  # noqa: E402
 
 
 def peak_gib():
@@ -46,7 +47,6 @@ def worker(mode, folder, out):
 
     import common
     import data
-    import run
 
     d = common.setup_distributed()
     torch.manual_seed(0)
@@ -55,8 +55,8 @@ def worker(mode, folder, out):
         print("ROW " + json.dumps({"mode": mode, "rank": d.rank, "phase": phase, "gib": peak_gib()}), flush=True)
 
     reset_peak()
-    tok = data.load_tokenizer(folder)
-    model = common.load_model(folder, tok, d=d if mode == "rank0" else None)
+    tok = models.load_tokenizer(folder)
+    model = models.load_model(folder, tok, d=d if mode == "rank0" else None)
     model = common.shard_model(model, d)
     report("load")
     optimizer, scheduler = common.make_optimizer(model.parameters(), 1e-5, 0.0, 0, 10)
@@ -66,11 +66,11 @@ def worker(mode, folder, out):
     order = data.DataOrder(8, 0)
     reset_peak()
     if mode == "rank0":
-        run.save_checkpoint(model, tok, out, d, optimizer, scheduler, 1, order)
+        checkpoints.save_checkpoint(model, tok, out, d, optimizer, scheduler, 1, order)
     else:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        run.save_checkpoint(model, tok, out, d)  # the export, as before: gathered to rank 0
+        checkpoints.save_checkpoint(model, tok, out, d)  # the export, as before: gathered to rank 0
         full = get_optimizer_state_dict(model, optimizer,
                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if d.is_main:
@@ -80,7 +80,7 @@ def worker(mode, folder, out):
     report("save")
     reset_peak()
     if mode == "rank0":
-        run.load_training_state(os.path.join(out, "checkpoint"), model, optimizer, scheduler, order, d)
+        checkpoints.load_training_state(os.path.join(out, "checkpoint"), model, optimizer, scheduler, order, d)
     else:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
@@ -90,18 +90,16 @@ def worker(mode, folder, out):
     report("resume")
     del model, optimizer
     dist.barrier()
-    run.release()
+    rundir.release()
 
 
 def build(folder, layers, width, heads):
     import torch
     from transformers import AutoModelForCausalLM, GPT2Config
 
-    import data
-
     if os.path.isfile(os.path.join(folder, "model.safetensors")):
         return
-    tok = data.load_tokenizer("tiny")
+    tok = models.load_tokenizer("tiny")
     config = GPT2Config(n_layer=layers, n_embd=width, n_head=heads, vocab_size=50257, n_positions=1024)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)

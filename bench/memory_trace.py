@@ -72,7 +72,7 @@ def _world(world, launcher):
 
 
 def _build(shape, kind="causal"):
-    """The model transformers builds from the shape's config, as common.load_model leaves it."""
+    """The model transformers builds from the shape's config, as models.load_model leaves it."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     config = memory.hf_config(shape)
@@ -239,7 +239,7 @@ def _grpo(model, optimizer, scheduler, frozen, cfg, d, tracker):
         ids, attn, loss_mask = _batch(rows, P, R, d)
         if cfg.reward_model:
             with tracker.phase("reward model", measure=step == 1), common.autocast(d), torch.no_grad():
-                common.reward_scores(frozen[-1], ids[:, :-1], attn[:, :-1])  # data.learned_rewards: all rows
+                common.reward_scores(frozen[-1], ids[:, :-1], attn[:, :-1])  # environment.learned_rewards: all rows
         with tracker.phase("reference and old log-probs", measure=step == 1):
             with grpo.reference_context(model, ref):
                 ref_logps = grpo.batched_logprobs(model if ref is None else ref, ids, attn, R,

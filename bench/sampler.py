@@ -132,7 +132,7 @@ def main():
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     strict = device.type == "cpu" and dtype == torch.float32  # greedy outputs must match exactly
     tok, model = util.random_model(args.model)  # seeded random weights, or a checkpoint
-    if type(model.get_output_embeddings()) is torch.nn.Linear:  # the scripts' head: fp32 logits (common.load_model)
+    if type(model.get_output_embeddings()) is torch.nn.Linear:  # the scripts' head: fp32 logits (models.load_model)
         model.get_output_embeddings().__class__ = common.FP32Head
     model = model.to(device=device, dtype=dtype).eval()
     ids, mask = prompts_batch(tok, args.prompts, args.G, device)

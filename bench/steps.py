@@ -40,9 +40,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
-import data  # noqa: E402
 import tasks  # noqa: E402
 from bench import util  # noqa: E402
+from plumbing import models  # noqa: E402
 
 ALGOS = ("sft", "reward", "dpo", "grpo")
 
@@ -216,7 +216,7 @@ def main():
             if model in util.SHAPES:
                 config, tok = util.model_config(model, tasks.char_tokenizer()), tasks.char_tokenizer()
             else:
-                config, tok = AutoConfig.from_pretrained(args.model), data.load_tokenizer(args.model)
+                config, tok = AutoConfig.from_pretrained(args.model), models.load_tokenizer(args.model)
             with torch.device("meta"):  # count the parameters without allocating them
                 built = AutoModelForCausalLM.from_config(config)
             n_params = sum(x.numel() for x in built.parameters())

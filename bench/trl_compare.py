@@ -57,6 +57,7 @@ import common  # noqa: E402
 import data  # noqa: E402
 from bench import util  # noqa: E402
 from bench.steps import exact_alphabet, gpu_memory, make_data, run_case  # noqa: E402
+from plumbing import models  # noqa: E402
 
 GRPO_BETA, DPO_BETA = 0.04, 0.1
 TARGETS = {"grpo": 1.5, "dpo": 1.3}  # ours / TRL tokens/s wanted, like for like, at equal or lower memory
@@ -166,7 +167,7 @@ def child_trl_grpo(spec):
 
     import tasks
 
-    tok = data.load_tokenizer(spec["model"])
+    tok = models.load_tokenizer(spec["model"])
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
     train = Dataset.from_list(read_rows(spec["data"], ["prompt", "reward_fn"]))
     calls = []  # one entry per generation (= per optimizer step here): token counts TRL produced
@@ -240,7 +241,7 @@ def child_trl_dpo(spec):
             precompute_s[name] = time.perf_counter() - t0
             return out
 
-    tok = data.load_tokenizer(spec["model"])
+    tok = models.load_tokenizer(spec["model"])
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
     # live: an explicit frozen reference loaded from the same folder; precomputed: none, so that TRL frees it
     # after the precompute (with an explicit one it would keep it for the whole run), as ours does
@@ -516,7 +517,7 @@ def main():
                 # DPO: ours precomputes the reference over the whole file, so it holds just the rows trained on
                 n_rows = 512 if algo == "grpo" else a.batch_size * (a.steps + 1)
                 rows_file = make_data(os.path.join(tmp, f"{algo}-rows.jsonl"), n_rows, a.prompt_len, a.response_len,
-                                 alphabet=exact_alphabet(data.load_tokenizer(model_dir)))
+                                 alphabet=exact_alphabet(models.load_tokenizer(model_dir)))
                 runs = {name: [] for name in VARIANTS[algo]}
                 for rep in range(a.repeats):
                     # ours and TRL alternate, and the order flips every repeat (ABBA): a slow spell of the

@@ -16,9 +16,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import common  # noqa: E402
-import data  # noqa: E402
 import tasks  # noqa: E402
+from plumbing import models  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
@@ -136,8 +135,8 @@ def random_model(shape, seed=0):
     from transformers import AutoModelForCausalLM
 
     if shape not in SHAPES:
-        tok = data.load_tokenizer(shape)
-        return tok, common.load_model(shape, tok)
+        tok = models.load_tokenizer(shape)
+        return tok, models.load_model(shape, tok)
     tok = tasks.char_tokenizer()
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(model_config(shape, tok), dtype=torch.float32)

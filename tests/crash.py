@@ -1,7 +1,7 @@
 """Run a training script as `python` or torchrun would, but make this process fail at a chosen point.
 
     python tests/crash.py after_save:N    sft.py ARGS   # die (os._exit) right after the N-th checkpoint is written
-    python tests/crash.py at_rename:N     sft.py ARGS   # die at the N-th os.rename of a run file (run.RUN_FILES:
+    python tests/crash.py at_rename:N     sft.py ARGS   # die at the N-th os.rename of a run file (checkpoints.RUN_FILES:
                                                         # checkpoint folders, metrics): a kill while a checkpoint is
                                                         # written (the renames inside torch.distributed.checkpoint's
                                                         # own writing are not counted)
@@ -16,7 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
-import run
+from plumbing import checkpoints  # noqa: E402
 
 mode, n = sys.argv[1].split(":")
 n = int(n)
@@ -24,7 +24,7 @@ script, args = sys.argv[2], sys.argv[3:]
 calls = {"count": 0}
 
 if mode == "after_save":
-    original = run.save_checkpoint
+    original = checkpoints.save_checkpoint
 
     def save_then_die(*a, **kw):
         path = original(*a, **kw)
@@ -33,13 +33,13 @@ if mode == "after_save":
             os._exit(9)
         return path
 
-    run.save_checkpoint = save_then_die
+    checkpoints.save_checkpoint = save_then_die
 elif mode == "at_rename":
     rename = os.rename
 
     def rename_or_die(src, dst):
         name = os.path.basename(os.path.normpath(dst))
-        if name not in run.RUN_FILES and ".replaced-" not in name:
+        if name not in checkpoints.RUN_FILES and ".replaced-" not in name:
             return rename(src, dst)
         calls["count"] += 1
         if calls["count"] == n:

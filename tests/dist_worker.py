@@ -7,8 +7,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import common  # noqa: E402
-import data  # noqa: E402
-import run
+import sampling  # noqa: E402
+from plumbing import checkpoints, cli, models, rundir  # noqa: E402
 
 
 def out_dir_seen_differently(base):
@@ -25,12 +25,12 @@ def out_dir_seen_differently(base):
             with open(os.path.join(ckpt, name), "w") as f:
                 f.write(text)
     try:
-        run.Run(sft.Config(out_dir=out, resume=True), d)
+        rundir.Run(sft.Config(out_dir=out, resume=True), d)
     except RuntimeError as e:
         print(f"rank {d.rank} stopped: {e}", flush=True)
-        run.release()
+        rundir.release()
         sys.exit(3)
-    run.release()
+    rundir.release()
 
 
 def data_seen_differently(base):
@@ -49,19 +49,19 @@ def data_seen_differently(base):
             f.write(json.dumps({"prompt": f"sort {i % 10} 1 2 =", "completion": " 1 2"}) + "\n")
     os.chdir(node)
     try:
-        run.Run(sft.Config(dataset="data.jsonl", out_dir=os.path.join(base, "out")), d)
+        rundir.Run(sft.Config(dataset="data.jsonl", out_dir=os.path.join(base, "out")), d)
     except RuntimeError as e:
         print(f"rank {d.rank} stopped: {e}", flush=True)
-        run.release()
+        rundir.release()
         sys.exit(3)
-    run.release()
+    rundir.release()
 
 
 def loaded_from_rank0(*folders):
     """loaded_from_one(folder) for each folder, in one process group."""
     for folder in folders:
         loaded_from_one(folder)
-    run.release()
+    rundir.release()
 
 
 def loaded_from_one(folder):
@@ -73,17 +73,17 @@ def loaded_from_one(folder):
     from safetensors.torch import load_file
 
     d = common.setup_distributed(timeout_minutes=1.0)
-    tok = data.load_tokenizer(folder)
-    model = common.load_model(folder, tok, d=d)
+    tok = models.load_tokenizer(folder)
+    model = models.load_model(folder, tok, d=d)
     on_meta = all(p.is_meta for p in model.parameters())
     assert on_meta == (d.rank != 0), (d.rank, on_meta)
     model = common.shard_model(model.eval(), d)
-    state = run.full_state_dict(model, d)  # rank 0's; empty elsewhere
+    state = checkpoints.full_state_dict(model, d)  # rank 0's; empty elsewhere
     if d.is_main:
         want = load_file(os.path.join(folder, "model.safetensors"))
         assert want.keys() == state.keys(), sorted(want.keys() ^ state.keys())
         assert all(torch.equal(want[k], state[k]) for k in want)
-    whole = common.load_model(folder, tok).eval()
+    whole = models.load_model(folder, tok).eval()
     ids = torch.tensor([[5, 9, 2, 7, 3, 11, 4]])
     with torch.no_grad():
         diff = (model(input_ids=ids).logits - whole(input_ids=ids).logits).abs().max().item()
@@ -97,10 +97,10 @@ def loaded_from_one(folder):
 def stop_ids(name):
     """The ids each rank stops sampling at, for a model named by hub id (read from the hub cache)."""
     d = common.setup_distributed(timeout_minutes=1.0)
-    tok = data.load_tokenizer(name)
-    model = common.load_model(name, tok, d=d)
-    print(f"rank {d.rank} stops at {data.stop_token_ids(tok, model)}", flush=True)
-    run.release()
+    tok = models.load_tokenizer(name)
+    model = models.load_model(name, tok, d=d)
+    print(f"rank {d.rank} stops at {sampling.stop_token_ids(tok, model)}", flush=True)
+    rundir.release()
 
 
 def accumulated_gradients():
@@ -123,9 +123,9 @@ def accumulated_gradients():
         return sum(seen.values())
 
     d = common.setup_distributed(timeout_minutes=1.0)
-    tok = data.load_tokenizer("tiny")
+    tok = models.load_tokenizer("tiny")
     common.set_seed(0)
-    whole = common.load_model("tiny", tok)
+    whole = models.load_model("tiny", tok)
     model = common.shard_model(copy.deepcopy(whole), d)
     ids = torch.randint(4, len(tok), (8, 12), generator=torch.Generator().manual_seed(0))  # the global batch
     mine = ids[common.shard_batch(8, d)]
@@ -144,20 +144,20 @@ def accumulated_gradients():
     assert diff < 1e-6, (d.rank, diff)
     print(f"rank {d.rank} ok: {grown} bytes more after a micro-batch, a shard of gradients is {shard}; "
           f"gradient within {diff:.1e}", flush=True)
-    run.release()
+    rundir.release()
 
 
 def slow_sampler(seconds, script, *args):
     """`script ARGS` with rank 1 sleeping `seconds` at the start of its first generate, as a rank
     decoding a longer rollout would: the other rank waits in its next collective. Also checks
-    that run.start gave the process group --timeout_minutes and made the group in which ranks
+    that cli.start gave the process group --timeout_minutes and made the group in which ranks
     wait for rank 0's exports."""
     import importlib
     import time
 
     import sampling
 
-    generate, start, seconds = sampling.generate, run.start, [seconds]
+    generate, start, seconds = sampling.generate, cli.start, [seconds]
 
     def slow_generate(*a, **kw):
         if int(os.environ["RANK"]) == 1 and seconds:
@@ -169,15 +169,15 @@ def slow_sampler(seconds, script, *args):
         import torch.distributed as dist
 
         d = start(cfg)
-        assert run._WAIT_GROUP, "run.start made no wait group"
+        assert checkpoints.WAIT_GROUP, "cli.start made no wait group"
         timeout = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu")).options._timeout
         assert timeout.total_seconds() == 60 * cfg.timeout_minutes, (timeout, cfg.timeout_minutes)
         return d
 
-    sampling.generate, run.start = slow_generate, checked_start
+    sampling.generate, cli.start = slow_generate, checked_start
     module = importlib.import_module(os.path.splitext(os.path.basename(script))[0])
     sys.argv = [script, *args]
-    run.script(module.main, module.Config)
+    cli.script(module.main, module.Config)
 
 
 if __name__ == "__main__":

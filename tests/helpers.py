@@ -59,7 +59,7 @@ def run_script(args, nproc=1, timeout=300, env=SUBPROCESS_ENV):
 
 def run_here(args):
     """`python SCRIPT ARGS` run in this process, as run_script returns it: the script's
-    `run.script(main, Config)` under sys.argv = [SCRIPT, *ARGS], from ROOT, on one torch thread,
+    `cli.script(main, Config)` under sys.argv = [SCRIPT, *ARGS], from ROOT, on one torch thread,
     with its stdout and stderr captured; returncode 0, a SystemExit's code, or 1 with the
     traceback on stderr. It saves the 6-8 s a new interpreter spends importing torch and
     transformers. What only a process of its own shows (a kill, a signal, torchrun's ranks, an
@@ -71,7 +71,7 @@ def run_here(args):
 
     import torch
 
-    import run
+    from plumbing import cli, rundir
 
     script, *rest = args
     module = importlib.import_module(os.path.splitext(os.path.basename(script))[0])
@@ -83,7 +83,7 @@ def run_here(args):
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
-                run.script(module.main, module.Config)
+                cli.script(module.main, module.Config)
             except SystemExit as e:  # argparse's errors, Ctrl-C's 130
                 code = e.code if isinstance(e.code, int) else int(e.code is not None)
                 if isinstance(e.code, str):
@@ -92,7 +92,7 @@ def run_here(args):
                 traceback.print_exc()
                 code = 1
             finally:
-                run.release()  # the process group and the out_dir lock of the run
+                rundir.release()  # the process group and the out_dir lock of the run
     finally:
         sys.argv = argv
         os.chdir(cwd)
@@ -134,7 +134,7 @@ def write_jsonl(path, rows):
 
 def checkpoint_weights(out_dir, name="checkpoint"):
     """The tensors of out_dir/name/model.safetensors, by name; of a resumable checkpoint (sharded/
-    state only: --save_every's), those of its export (run.export, into a temporary folder)."""
+    state only: --save_every's), those of its export (checkpoints.export, into a temporary folder)."""
     import tempfile
 
     from safetensors.torch import load_file  # here: test files without torch need not load it
@@ -142,10 +142,10 @@ def checkpoint_weights(out_dir, name="checkpoint"):
     folder = os.path.join(out_dir, name)
     if os.path.isfile(os.path.join(folder, "model.safetensors")):
         return load_file(os.path.join(folder, "model.safetensors"))
-    import run
+    from plumbing import checkpoints
 
     with tempfile.TemporaryDirectory() as tmp:
-        return load_file(os.path.join(run.export(folder, tmp), "model.safetensors"))
+        return load_file(os.path.join(checkpoints.export(folder, tmp), "model.safetensors"))
 
 
 def max_abs_diff(a, b):
@@ -243,7 +243,7 @@ TURN_TOKENS = {"llama3": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|
 USER_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=128, max_position_embeddings=2048, attention_dropout=0.1)
 """RoPE, GQA (4 query heads over 2 key-value heads) and an attention dropout of 0.1, which every
-forward of the scripts must leave out (common.no_dropout): a run that kept it would differ
+forward of the scripts must leave out (models.no_dropout): a run that kept it would differ
 between 1 and 2 processes, and from its reference at lr 0"""
 
 

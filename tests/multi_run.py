@@ -3,7 +3,7 @@ process group for all of them:
 
     torchrun --nproc_per_node 2 tests/multi_run.py RESULTS.json -- NAME SCRIPT ARGS -- NAME SCRIPT ARGS ...
 
-Each run is the script's own `run.script(main, Config)`, as `python SCRIPT ARGS` runs it, without
+Each run is the script's own `cli.script(main, Config)`, as `python SCRIPT ARGS` runs it, without
 the 3-4 s of imports of an interpreter of its own and the start of a torchrun for each. RESULTS.json
 (rank 0's) gets each run's exit code as it ends; the first run that fails ends the job, since a rank
 left waiting in a collective would wait out its timeout. helpers.run_many launches it.
@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import common  # noqa: E402
-import run  # noqa: E402
+from plumbing import cli, rundir  # noqa: E402
 
 
 def runs_of(argv):
@@ -42,7 +42,7 @@ def main(results, runs):
             module = importlib.import_module(os.path.splitext(os.path.basename(script))[0])
             sys.argv, code = [script, *args], 0
             try:
-                run.script(module.main, module.Config)
+                cli.script(module.main, module.Config)
             except SystemExit as e:
                 code = e.code if isinstance(e.code, int) else int(e.code is not None)
             except Exception:  # a crash: its traceback, then out at once (below)
@@ -56,7 +56,7 @@ def main(results, runs):
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(code)  # torchrun then stops them
-            run.release()
+            rundir.release()
     finally:
         common.cleanup_distributed = leave
         common.cleanup_distributed()

@@ -12,8 +12,8 @@ import dpo
 import grpo
 import reward
 import sft
-import run
 from helpers import chat, family_tokenizer, question, read_metrics, write_jsonl
+from plumbing import cli, models
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -38,14 +38,14 @@ def test_messages_render_to_a_prompt_and_exactly_the_assistant_turn(chat_model):
     """SFT's `messages` rows: the last (assistant) message is the completion; the prompt ends with
     the template's generation prompt; the loss mask covers exactly the assistant turn as the
     template renders it, its end-of-turn token included, and no EOS is added after it."""
-    tok = data.load_tokenizer(chat_model)
+    tok = models.load_tokenizer(chat_model)
     rows = [{"messages": question(5) + chat(("assistant", "12"))}]
     ds = data.split_messages(datasets.Dataset.from_list(rows), "rows.jsonl")
     assert ds[0]["prompt"] == question(5) and ds[0]["completion"] == chat(("assistant", "12"))
     text, is_chat = data.render_chat(ds, tok, "rows.jsonl")
     assert is_chat and text[0]["prompt"].endswith("<|im_start|>assistant\n")
     assert text[0]["completion"] == "12<|im_end|>\n"
-    prompts, completions = sft.encode_sft(ds, tok, run.with_defaults(sft.Config()), "rows.jsonl")
+    prompts, completions = sft.encode_sft(ds, tok, cli.with_defaults(sft.Config()), "rows.jsonl")
     assert prompts[0][:2] == [tok.bos_token_id, tok.convert_tokens_to_ids("<|im_start|>")]  # one BOS
     ids, attn, resp = sft.make_batch(prompts, completions, [0], tok.pad_token_id, "cpu")
     trained = ids[0, -resp.shape[1]:][resp[0].bool()].tolist()
@@ -53,7 +53,7 @@ def test_messages_render_to_a_prompt_and_exactly_the_assistant_turn(chat_model):
 
 
 def test_implicit_prompt_conversations_split_at_their_shared_turns(tmp_path, chat_model):
-    tok = data.load_tokenizer(chat_model)
+    tok = models.load_tokenizer(chat_model)
     rows = [{"chosen": question(i) + chat(("assistant", str(i + 7))),
              "rejected": question(i) + chat(("assistant", "no"))} for i in range(3)]
     pairs = data.load_pairs(write_jsonl(tmp_path / "pairs.jsonl", rows), "train")
@@ -88,9 +88,9 @@ def test_conversations_without_a_chat_template_name_the_flag(tmp_path):
         data.render_chat(mixed, family_tokenizer("bos", chat=True), "rows.jsonl")
     template = tmp_path / "chatml.jinja"
     template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
-    assert data.load_tokenizer("tiny", chat_template=str(template)).chat_template == template.read_text()
+    assert models.load_tokenizer("tiny", chat_template=str(template)).chat_template == template.read_text()
     with pytest.raises(FileNotFoundError, match="--chat_template nope.jinja: no such file"):
-        data.load_tokenizer("tiny", chat_template="nope.jinja")
+        models.load_tokenizer("tiny", chat_template="nope.jinja")
 
 
 def test_every_script_trains_on_conversational_rows(tmp_path, chat_model, capsys):
@@ -125,5 +125,5 @@ def test_every_script_trains_on_conversational_rows(tmp_path, chat_model, capsys
         row = read_metrics(tmp_path / module.__name__)[-1]
         assert row["step"] == 1 and torch.isfinite(torch.tensor(row[key])), (module.__name__, row)
         saved = AutoTokenizer.from_pretrained(tmp_path / module.__name__ / "checkpoint")
-        assert saved.chat_template == data.load_tokenizer(chat_model).chat_template
+        assert saved.chat_template == models.load_tokenizer(chat_model).chat_template
     json.dumps(capsys.readouterr().out)  # the logs rendered without error

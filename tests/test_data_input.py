@@ -8,7 +8,9 @@ import datasets
 import pytest
 
 import data
+import environment
 from helpers import chat, family_tokenizer, write_jsonl
+from plumbing import models
 
 
 def test_jsonl_lines_may_hold_unicode_line_separators(tmp_path):
@@ -93,8 +95,8 @@ def test_an_unused_column_of_mixed_types_is_left_out(tmp_path, capsys):
     assert capsys.readouterr().out == (f"{path}: left out column 'answer', which this script does not read: row 2: "
                                        f"field 'answer' is str, while earlier rows hold int\n")
     with pytest.raises(ValueError, match=rf"^{path} row 2: field 'answer' is str, while earlier rows hold int$"):
-        data.load_prompts(grpo.Config(dataset=path, reward_fn="math"), rules=True)
-    assert data.load_prompts(grpo.Config(dataset=path), rules=False).column_names == ["prompt", "completion"]
+        environment.load_prompts(grpo.Config(dataset=path, reward_fn="math"), rules=True)
+    assert environment.load_prompts(grpo.Config(dataset=path), rules=False).column_names == ["prompt", "completion"]
     table = pyarrow.table({"prompt": ["p1", "p2"], "completion": ["c1", "c2"], "id": pyarrow.array([2**63 + 5, 1], pyarrow.uint64()),
                            "meta": pyarrow.array([[("k", 1)], [("j", 2)]], pyarrow.map_(pyarrow.string(), pyarrow.int64()))})
     pyarrow.parquet.write_table(table, tmp_path / "d.parquet")
@@ -106,7 +108,7 @@ def test_an_unused_column_of_mixed_types_is_left_out(tmp_path, capsys):
     pyarrow.parquet.write_table(table.rename_columns(["prompt", "completion", "id", "answer"]), tmp_path / "a.parquet")
     with pytest.raises(ValueError, match=r"a\.parquet: column 'answer' is map<string, int64 \('answer'\)>, which "
                                          r"`datasets` cannot hold"):
-        data.load_prompts(grpo.Config(dataset=str(tmp_path / "a.parquet"), reward_fn="math"), rules=True)
+        environment.load_prompts(grpo.Config(dataset=str(tmp_path / "a.parquet"), reward_fn="math"), rules=True)
 
 
 def test_a_fifo_is_not_a_data_file(tmp_path):
@@ -127,8 +129,8 @@ def test_a_tokenizer_without_eos_is_refused():
     no_eos = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
     assert no_eos.eos_token_id is None and no_eos("a a")["input_ids"] == [1, 1]
     with pytest.raises(ValueError, match=r"^my-model: its tokenizer has no EOS token.*: responses could not end"):
-        data.check_tokenizer(no_eos, "my-model")
-    data.check_tokenizer(family_tokenizer("bpe"), "gpt2-like")
+        models.check_tokenizer(no_eos, "my-model")
+    models.check_tokenizer(family_tokenizer("bpe"), "gpt2-like")
 
 
 def test_read_chat_template(tmp_path):
@@ -137,18 +139,18 @@ def test_read_chat_template(tmp_path):
     good = ("{% for m in messages %}{% if loop.index > 8 %}{% break %}{% endif %}"
             "{% generation %}{{ m['content'] }}{% endgeneration %}\n{% endfor %}")
     (tmp_path / "t.jinja").write_text(good)
-    assert data.read_chat_template(str(tmp_path / "t.jinja")) == good
+    assert models.read_chat_template(str(tmp_path / "t.jinja")) == good
     with pytest.raises(FileNotFoundError, match=r"--chat_template \S*nope\.jinja: no such file"):
-        data.read_chat_template(str(tmp_path / "nope.jinja"))
+        models.read_chat_template(str(tmp_path / "nope.jinja"))
     with pytest.raises(ValueError, match=r"--chat_template \S* is not a regular file"):
-        data.read_chat_template(str(tmp_path))
+        models.read_chat_template(str(tmp_path))
     for text in ("", " \n\t\n"):
         (tmp_path / "t.jinja").write_text(text)
         with pytest.raises(ValueError, match=r"--chat_template \S*t\.jinja is empty"):
-            data.read_chat_template(str(tmp_path / "t.jinja"))
+            models.read_chat_template(str(tmp_path / "t.jinja"))
     (tmp_path / "t.jinja").write_text("{% for m in messages %}\n{{ m['content'] }}\n{% if x %}\n{% endfor %}")
     with pytest.raises(ValueError, match=r"--chat_template \S*t\.jinja line 4: not a valid Jinja template \(.*endfor"):
-        data.read_chat_template(str(tmp_path / "t.jinja"))
+        models.read_chat_template(str(tmp_path / "t.jinja"))
 
 
 ALTERNATE = ("{% for m in messages %}{% if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]['role'] %}"

@@ -8,6 +8,7 @@ import pytest
 from helpers import SUBPROCESS_ENV_NO_TOKENIZER_THREADS, checkpoint_weights, max_abs_diff, read_metrics, run_script
 from helpers import chat_rows, run_many, write_jsonl
 from test_robustness import FAST, run_fast
+from plumbing import cli
 
 
 def run_worker(name, *args, nproc=2, timeout=180):
@@ -167,7 +168,7 @@ def test_a_rank_slow_in_generate_waits_for_timeout_minutes(tmp_path):
     waits for it in its next collective, whose limit is --timeout_minutes (here 0.1: 6 s; the
     default, 60 min, is for rollouts of many thousand tokens and for rank 0 reading a large model
     alone; before the flag every run had 10 minutes). The run completes; inside it, the process
-    group's timeout is the flag's and run.start has made the group ranks wait in for rank 0's
+    group's timeout is the flag's and cli.start has made the group ranks wait in for rank 0's
     exports (before, the first save made it: a setup that cannot failed hours in)."""
     argv = ["grpo.py", "--model", "tiny", "--steps", "1", "--prompts_per_step", "4", "--group_size", "2",
             "--max_new_tokens", "4", "--n_eval", "4", "--n_eval_pairs", "4", "--timeout_minutes", "0.1",
@@ -180,7 +181,6 @@ def test_a_rank_slow_in_generate_waits_for_timeout_minutes(tmp_path):
 def test_a_collective_timeout_names_the_flag(monkeypatch):
     """gloo's timeout error ("Timed out waiting 1200ms for recv ...") gets a note naming
     --timeout_minutes and its value, so that a slow rank is told from a stuck one."""
-    import run
     import sft
 
     def main(cfg):
@@ -188,7 +188,7 @@ def test_a_collective_timeout_names_the_flag(monkeypatch):
 
     monkeypatch.setattr(sys, "argv", ["sft.py", "--timeout_minutes", "0.02"])
     with pytest.raises(RuntimeError) as e:
-        run.script(main, sft.Config)
+        cli.script(main, sft.Config)
     assert "--timeout_minutes 0.02" in "".join(e.value.__notes__)
 
 

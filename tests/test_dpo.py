@@ -10,8 +10,8 @@ import torch
 import common
 import data
 import dpo
-import run
 from helpers import read_metrics, run_here, write_jsonl
+from plumbing import cli, models
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 D = common.Dist()
@@ -173,11 +173,11 @@ REJECTED = [" 3 2", " 0 1 9", " 5 5 5 5 5 5", " 8 1", " 1 2"]
 
 @pytest.fixture(scope="module")
 def tiny():
-    tok = data.load_tokenizer("tiny")
+    tok = models.load_tokenizer("tiny")
     torch.manual_seed(0)
-    policy = common.load_model("tiny", tok).eval()
+    policy = models.load_model("tiny", tok).eval()
     torch.manual_seed(1)
-    ref = common.load_model("tiny", tok).eval()
+    ref = models.load_model("tiny", tok).eval()
     pairs = data.encode_pairs({"prompt": PROMPTS, "chosen": CHOSEN, "rejected": REJECTED}, tok, 64, 32, "test")
     return tok, policy, ref, pairs
 
@@ -255,11 +255,11 @@ def test_dpo_script_tiny(base_run):
     # log-ratio to the reference of chosen minus that of rejected, pair by pair; its sign flips with
     # chosen and rejected, or policy and reference, swapped. Every |h| here is above 0.018
     # (measured), so no pair is a tie that rounding could turn
-    tok = data.load_tokenizer("tiny")
-    cfg = replace(run.with_defaults(dpo.Config()), max_response_len=16)  # TINY's
+    tok = models.load_tokenizer("tiny")
+    cfg = replace(cli.with_defaults(dpo.Config()), max_response_len=16)  # TINY's
     pairs = data.encode_pairs(data.load_pairs("sort", "test", 16, 0), tok, cfg.max_prompt_len, 16, "eval")  # TINY's 16
     common.set_seed(0)  # the initial weights, built as dpo.py builds them
-    ref = common.load_model("tiny", tok).eval()
+    ref = models.load_model("tiny", tok).eval()
     with torch.no_grad():
         pi, pi_ref = (dpo.all_pair_logps(m, pairs, tok.pad_token_id, D, 16) for m in (model, ref))
     h = (pi[:, 0] - pi[:, 1]) - (pi_ref[:, 0] - pi_ref[:, 1])

@@ -18,10 +18,11 @@ import pytest
 import torch
 
 import common
-import run
+import grpo
 from helpers import (ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, chat, checkpoint_weights, read_metrics, run_here,
                      write_jsonl)
 from test_robustness import FAST, _files, run_fast
+from plumbing import checkpoints, cli, rundir
 
 # -----------------------------------------------------------------------------
 # checkpoints: never named good with NaN weights; safe to read; a full disk said so
@@ -124,7 +125,7 @@ def test_a_checkpoint_folder_runs_no_code_on_resume(interrupted, tmp_path):
     metadata.write_bytes(real)
     import io
 
-    planner = run._safe_load_planner()
+    planner = checkpoints._safe_load_planner()
     with pytest.raises(pickle.UnpicklingError):
         planner.load_bytes(None, io.BytesIO(pickle.dumps(_Payload(str(marker)))))
     assert not marker.exists()
@@ -273,12 +274,12 @@ def test_a_background_run_ends_cleanly_on_sigterm(tmp_path):
 def test_the_resume_command_is_the_launchers(monkeypatch):
     """Under torchrun the resume hint said `python ...`."""
     monkeypatch.setattr(sys, "argv", ["grpo.py", "--lr", "1e-6", "--overwrite"])
-    assert run._command() == "python grpo.py --lr 1e-6"
+    assert cli._command() == "python grpo.py --lr 1e-6"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     monkeypatch.setenv("WORLD_SIZE", "8")
-    assert run._command() == "torchrun --nproc_per_node 8 grpo.py --lr 1e-6"
+    assert cli._command() == "torchrun --nproc_per_node 8 grpo.py --lr 1e-6"
     monkeypatch.setenv("WORLD_SIZE", "16")
-    assert run._command() == "torchrun --nnodes 2 --nproc_per_node 8 grpo.py --lr 1e-6"
+    assert cli._command() == "torchrun --nnodes 2 --nproc_per_node 8 grpo.py --lr 1e-6"
 
 
 # -----------------------------------------------------------------------------
@@ -371,7 +372,7 @@ def test_the_log_is_one_line_per_step_without_transformers_bars_or_reports(tmp_p
 
 
 def run_cli(argv):
-    """`python run.py ARGV` (its __main__ block) in this process, as helpers.run_here returns a
+    """`python -m plumbing ARGV` (its __main__ module) in this process, as helpers.run_here returns a
     script's run: exit code, stdout, stderr (a traceback, when one ends it, on stderr)."""
     import contextlib
     import io
@@ -380,9 +381,9 @@ def run_cli(argv):
 
     out, err, code = io.StringIO(), io.StringIO(), 0
     with pytest.MonkeyPatch.context() as m, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        m.setattr(sys, "argv", ["run.py", *map(str, argv)])
+        m.setattr(sys, "argv", ["plumbing", *map(str, argv)])
         try:
-            runpy.run_path(os.path.join(ROOT, "run.py"), run_name="__main__")
+            runpy.run_module("plumbing", run_name="__main__", alter_sys=True)
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else 1
             if isinstance(e.code, str):
@@ -394,7 +395,7 @@ def run_cli(argv):
 
 
 def test_export_refuses_a_folder_that_holds_a_model_or_a_run(interrupted, tmp_path):
-    """`python run.py export RUN some/model` wrote over the model's weights without a word; into a
+    """`python -m plumbing export RUN some/model` wrote over the model's weights without a word; into a
     finished run's out_dir, its files made `--model out_dir` load the export instead of the run's
     checkpoint. Both are refused, naming the folder and what it holds, and nothing is written."""
     out = resumable(interrupted, tmp_path)  # a run's folder: checkpoint/, metrics.jsonl, run_config.json
@@ -423,7 +424,7 @@ def test_the_last_good_checkpoint_gives_finite_outputs(tmp_path):
     assert r.returncode != 0 and "step 2: the model's outputs on a fixed batch are NaN or inf" in r.stderr, r.stderr[-2000:]
     assert f"no checkpoint written. Last good checkpoint: {out / 'checkpoint'}" in r.stderr
     assert json.loads((out / "checkpoint" / "trainer_state.json").read_text())["step"] == 1
-    model = AutoModelForCausalLM.from_pretrained(run.export(out / "checkpoint", tmp_path / "export"))
+    model = AutoModelForCausalLM.from_pretrained(checkpoints.export(out / "checkpoint", tmp_path / "export"))
     with torch.no_grad():
         assert torch.isfinite(model(torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])).logits).all()
 
@@ -431,11 +432,11 @@ def test_the_last_good_checkpoint_gives_finite_outputs(tmp_path):
 def test_reward_weights_name_each_reward_once_and_train_something(tmp_path):
     """`--reward_weights rule:1,rule:2` trained with weight 2 without a word; `rule:0` without a
     --teacher trained on advantages that are all 0. Both are refused before anything loads."""
-    assert run.parse_weights("rule:0", False, has_teacher=True) == {"rule": 0.0}  # on-policy distillation alone
-    assert run.parse_weights("rule:0,model:1", True) == {"rule": 0.0, "model": 1.0}
+    assert grpo.parse_weights("rule:0", False, has_teacher=True) == {"rule": 0.0}  # on-policy distillation alone
+    assert grpo.parse_weights("rule:0,model:1", True) == {"rule": 0.0, "model": 1.0}
     with pytest.raises(ValueError, match=r"--reward_weights 'rule:0,model:0' gives every reward weight 0 and there is no "
                                          r"--teacher: nothing would be trained"):
-        run.parse_weights("rule:0,model:0", True)
+        grpo.parse_weights("rule:0,model:0", True)
     for spec, message in (("rule:1,rule:2", "--reward_weights 'rule:1,rule:2' names rule twice"),
                           ("rule:0", "--reward_weights 'rule:0' gives every reward weight 0")):
         r = run_here(["grpo.py", "--reward_weights", spec, "--out_dir", str(tmp_path / "o")])
@@ -460,10 +461,10 @@ def test_every_float_flag_is_finite(script):
     for name in names:
         for value in (math.inf, -math.inf, math.nan, 1e39):
             with pytest.raises(ValueError, match=rf"--{name} {re.escape(str(value))} is "):
-                run.check_ranges(config(**{name: value}))
+                cli.check_ranges(config(**{name: value}))
     with pytest.raises(ValueError, match=r"--timeout_minutes 1e\+30 is out of range \(0, 10080\]"):
-        run.check_ranges(config(timeout_minutes=1e30))
-    run.check_ranges(config(timeout_minutes=10080.0))
+        cli.check_ranges(config(timeout_minutes=1e30))
+    cli.check_ranges(config(timeout_minutes=10080.0))
 
 
 def test_a_non_finite_flag_is_refused_before_anything_is_written(tmp_path):
@@ -516,7 +517,7 @@ def test_out_dir_is_a_folder_of_its_own(tmp_path, monkeypatch):
             with pytest.raises(ValueError, match=rf"--out_dir \. is the folder this command runs in \({work}\)"):
                 sft.main(sft.Config(out_dir=".", steps=1, n_train=64, n_eval=8, **extra))
         finally:
-            run.release()
+            rundir.release()
     assert sorted(os.listdir(work)) == ["notes.txt"]
     r = run_fast("sft.py", ["--steps", "1", "--out_dir", str(work), "--overwrite"])
     assert r.returncode != 0 and f"--out_dir {work} holds files no run writes (notes.txt)" in r.stderr, r.stderr[-2000:]
@@ -525,7 +526,7 @@ def test_out_dir_is_a_folder_of_its_own(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("damage", ["truncated_shard", "overwritten_shard", "no_metadata"])
 def test_a_damaged_sharded_checkpoint_is_named(interrupted, tmp_path, damage):
-    """A .distcp cut short (an interrupted copy) ended --resume and `run.py export` in torch's
+    """A .distcp cut short (an interrupted copy) ended --resume and `python -m plumbing export` in torch's
     "failed finding central directory", naming no file; a missing .metadata in the refusal meant for
     a crafted pickle ("it could run code"). Each now names the file and says what is wrong; a shard
     of the right length whose last bytes were overwritten names the folder it was read from."""
@@ -554,13 +555,13 @@ def test_resume_sees_a_changed_byte_anywhere_in_a_large_data_file(tmp_path, monk
     """A data file above 256 MiB was fingerprinted by 64 sampled blocks: --resume accepted it after a
     byte between them changed. Data files are now hashed whole (300 MiB: 0.2 s); the threshold and
     block are made small here, and the byte changed is one no block covers."""
-    monkeypatch.setattr(run, "SAMPLE_ABOVE", 1024)
-    monkeypatch.setattr(run, "SAMPLED_BLOCK", 16)
+    monkeypatch.setattr(rundir, "SAMPLE_ABOVE", 1024)
+    monkeypatch.setattr(rundir, "SAMPLED_BLOCK", 16)
     rows = [{"prompt": f"sort {i % 10} {i // 10 % 10} 3 =", "completion": " 3"} for i in range(200)]
     path = tmp_path / "d.jsonl"
     write_jsonl(path, rows)
     text, size = path.read_bytes(), path.stat().st_size
-    sampled = {o + k for i in range(run.SAMPLED_BLOCKS) for o in [i * (size - 16) // (run.SAMPLED_BLOCKS - 1)]
+    sampled = {o + k for i in range(rundir.SAMPLED_BLOCKS) for o in [i * (size - 16) // (rundir.SAMPLED_BLOCKS - 1)]
                for k in range(16)}
     at = next(i + 1 for i in range(len(text)) if text[i:i + 3] == b' 3"' and i + 1 not in sampled)
     out = tmp_path / "run"

@@ -18,6 +18,7 @@ import grpo
 import reward
 import sft
 from helpers import TURN_TOKENS, chat, family_tokenizer, question, read_metrics, write_jsonl
+from plumbing import models
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -120,8 +121,8 @@ def test_a_padded_batch_scores_each_row_as_alone(family, folders):
     from transformers import AutoModelForSequenceClassification
 
     path = folders(family)
-    tok = data.load_tokenizer(path)
-    model = common.load_model(path, tok).eval()
+    tok = models.load_tokenizer(path)
+    model = models.load_model(path, tok).eval()
     prompts = [tok(p)["input_ids"] for p in ["What is 1 + 7?", "sort 3 1 2 =", "hi"]]
     responses = [tok(r, add_special_tokens=False)["input_ids"] for r in [" 8", " 1 2 3 and more", " hello world"]]
 
@@ -149,7 +150,7 @@ def test_the_chat_template_renders_one_bos_and_trains_on_the_assistant_turn_only
     holds one; the tokens the loss is on are the assistant's answer and the template's end of
     turn, with no EOS appended after it."""
     path = folders(family)
-    tok = data.load_tokenizer(path)
+    tok = models.load_tokenizer(path)
     ds = data.split_messages(__import__("datasets").Dataset.from_list(
         [{"messages": question(5) + chat(("assistant", "12"))}]), "rows.jsonl")
     prompts, completions = sft.encode_sft(ds, tok, sft.Config(max_prompt_len=64, max_response_len=32), "rows.jsonl")
@@ -205,4 +206,4 @@ def test_every_script_trains_each_family(family, fmt, folders, files, tmp_path):
         weights = checkpoint_weights(cfg.out_dir)
         shared = {k: v for k, v in weights.items() if k in start}
         assert max_abs_diff({k: start[k] for k in shared}, shared) > 1e-4, f"{name} did not change the weights"
-        assert data.load_tokenizer(cfg.out_dir).chat_template == data.load_tokenizer(path).chat_template
+        assert models.load_tokenizer(cfg.out_dir).chat_template == models.load_tokenizer(path).chat_template

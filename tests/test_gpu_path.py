@@ -6,12 +6,12 @@ import pytest
 import torch
 
 import common
-import run
 import grpo
 import sampling
 import tasks
 from bench import gpu_check
 from helpers import free_port, read_metrics
+from plumbing import models, rundir
 
 META = common.Dist(device=torch.device("meta"))
 
@@ -20,7 +20,7 @@ META = common.Dist(device=torch.device("meta"))
 def tiny():
     tok = tasks.char_tokenizer()
     torch.manual_seed(0)
-    return common.load_model("tiny", tok).eval(), tok
+    return models.load_model("tiny", tok).eval(), tok
 
 
 def test_grpo_math_runs_on_one_device_without_host_syncs():
@@ -72,7 +72,7 @@ def test_lm_head_logits_are_fp32_under_bf16_autocast(tiny):
     computed) hidden states: log-probs equal an fp32 head on those hidden states, and differ
     from bf16-rounded logits by more than the tolerance (so the check has teeth)."""
     model, tok = tiny
-    model = common.load_model("tiny", tok).eval()
+    model = models.load_model("tiny", tok).eval()
     with torch.no_grad():  # logits of GPT-2's size (tens): where bf16's step is 0.125-0.5
         model.transformer.wte.weight.mul_(40)
     assert type(model.lm_head) is common.FP32Head
@@ -121,7 +121,7 @@ def test_lora_forward_computes_only_the_kept_logits(tiny):
     LM head sees the R positions before the response, not all P+R (a (B, P+R, V) tensor per forward)."""
     pytest.importorskip("peft")
     _, tok = tiny
-    model = grpo.add_lora(common.load_model("tiny", tok), 4, 8.0)
+    model = grpo.add_lora(models.load_model("tiny", tok), 4, 8.0)
     assert common._accepts(model, "logits_to_keep")
     seen = []
     head = model.get_output_embeddings()
@@ -142,7 +142,7 @@ def test_the_logits_are_never_copied_whole(tiny):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     _, tok = tiny
-    model = common.load_model("tiny", tok)
+    model = models.load_model("tiny", tok)
     ids, attn, resp = common.join_prompt_response([tok("sort 3 1 2 =")["input_ids"]] * 2,
                                                   [tok(" 1 2 3")["input_ids"], tok(" 1 2")["input_ids"]],
                                                   tok.pad_token_id)
@@ -179,8 +179,8 @@ def test_frozen_fsdp_root_reshards_after_a_no_grad_forward(tiny, monkeypatch):
     d = common.setup_distributed()
     try:
         ids = torch.tensor([tok("sort 3 1 2 = 1 2 3")["input_ids"]])
-        frozen = common.shard_model(common.load_model("tiny", tok).requires_grad_(False).eval(), d)
-        trained = common.shard_model(common.load_model("tiny", tok), d)
+        frozen = common.shard_model(models.load_model("tiny", tok).requires_grad_(False).eval(), d)
+        trained = common.shard_model(models.load_model("tiny", tok), d)
         with torch.no_grad():
             frozen(input_ids=ids)
             trained(input_ids=ids)
@@ -192,7 +192,7 @@ def test_frozen_fsdp_root_reshards_after_a_no_grad_forward(tiny, monkeypatch):
             frozen(input_ids=ids)
         assert all(isinstance(p, DTensor) for p in frozen.parameters())  # unsharded restores it
     finally:
-        run.release()
+        rundir.release()
 
 
 def test_non_finite_logits_give_valid_ids_and_a_clear_error(tiny):
@@ -205,7 +205,7 @@ def test_non_finite_logits_give_valid_ids_and_a_clear_error(tiny):
     tok_ids = sampling.sample_token(logits, 1.0, generator=torch.Generator().manual_seed(0), bad=bad)
     assert bool(bad) and int(tok_ids.max()) < 7
     model, tok = tiny
-    broken = common.load_model("tiny", tok).eval()
+    broken = models.load_model("tiny", tok).eval()
     with torch.no_grad():
         broken.lm_head.weight[5] = float("nan")
     ids, mask = common.pad([tok("sort 3 1 =")["input_ids"]] * 2, tok.pad_token_id, side="left")

@@ -8,14 +8,13 @@ import pytest
 import torch
 
 import common
-import data
 import grpo
-import run
 import tasks
 from grpo import (aggregate, group_advantages, grpo_loss, kl_per_token, loss_normaliser,
                   rejection_sample)
 from sampling import truncate_mask
 from helpers import TWO_RANK_RUNS, checkpoint_weights, max_abs_diff, read_metrics, run_here, write_jsonl
+from plumbing import cli, models
 
 
 # -----------------------------------------------------------------------------
@@ -222,7 +221,7 @@ def test_logprobs_and_entropy_use_the_temperature(entropy_grad):
     position ids matter too."""
     torch.manual_seed(0)
     tok = tasks.char_tokenizer()
-    model = common.load_model("tiny", tok)
+    model = models.load_model("tiny", tok)
     with torch.no_grad():  # random init gives near-uniform logits, on which T barely shows: sharpen them
         model.get_output_embeddings().weight.mul_(30)
     ids, attn, resp = common.join_prompt_response([tok("sort 3 1 2 =")["input_ids"], tok("9 8 =")["input_ids"]],
@@ -376,28 +375,28 @@ def test_rejection_sampler_limits_and_topbottom():
 
 
 def test_batch_arithmetic_is_checked():
-    base = vars(run.with_defaults(grpo.Config(prompts_per_step=4, group_size=4)))  # its lengths filled
-    run.check_grpo_config(grpo.Config(**base), common.Dist())
+    base = vars(cli.with_defaults(grpo.Config(prompts_per_step=4, group_size=4)))  # its lengths filled
+    grpo.check_config(grpo.Config(**base), common.Dist())
     for bad, match in [(dict(num_mini_batches=3), "equal micro-batches"), (dict(rs_samples=2), "rs_samples")]:
         with pytest.raises(ValueError, match=match):
-            run.check_grpo_config(grpo.Config(**(base | bad)), common.Dist())
+            grpo.check_config(grpo.Config(**(base | bad)), common.Dist())
     with pytest.raises(ValueError, match="--kl_estimator 'k4' is not one of k1, k2, k3, ratio_k1, ratio_k3"):
-        run.check_ranges(grpo.Config(kl_estimator="k4"))
+        cli.check_ranges(grpo.Config(kl_estimator="k4"))
     with pytest.raises(ValueError, match="divisible by world size"):
-        run.check_grpo_config(grpo.Config(**(base | dict(prompts_per_step=3))), common.Dist(world_size=2))
+        grpo.check_config(grpo.Config(**(base | dict(prompts_per_step=3))), common.Dist(world_size=2))
 
 
 def test_parse_weights():
-    assert run.parse_weights("", False) == {"rule": 1.0}
-    assert run.parse_weights("", True) == {"model": 1.0}
-    assert run.parse_weights("rule:1.0,model:0.5", True) == {"rule": 1.0, "model": 0.5}
+    assert grpo.parse_weights("", False) == {"rule": 1.0}
+    assert grpo.parse_weights("", True) == {"model": 1.0}
+    assert grpo.parse_weights("rule:1.0,model:0.5", True) == {"rule": 1.0, "model": 0.5}
     with pytest.raises(ValueError):
-        run.parse_weights("rule:1,model:1", False)
+        grpo.parse_weights("rule:1,model:1", False)
     with pytest.raises(ValueError):
-        run.parse_weights("gold:1", False)
+        grpo.parse_weights("gold:1", False)
     for bad in ("rule:nan", "rule:inf", "rule:x", "rule:"):
         with pytest.raises(ValueError, match="finite weights"):
-            run.parse_weights(bad, False)
+            grpo.parse_weights(bad, False)
 
 
 # -----------------------------------------------------------------------------
@@ -407,8 +406,8 @@ def test_parse_weights():
 @pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft is not installed")
 def test_lora_reference_is_the_base_model():
     torch.manual_seed(0)
-    tok = data.load_tokenizer("tiny")
-    base = common.load_model("tiny", tok, dtype=torch.float32)
+    tok = models.load_tokenizer("tiny")
+    base = models.load_model("tiny", tok, dtype=torch.float32)
     model = grpo.add_lora(copy.deepcopy(base), r=4, alpha=8)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -450,7 +449,7 @@ def moved_from_the_initial_weights(out):
     """The largest change of any weight from the tiny model grpo.py starts from to out's checkpoint."""
     w = checkpoint_weights(out)
     common.set_seed(0)  # the initial weights, built as grpo.py builds them
-    start = common.load_model("tiny", data.load_tokenizer("tiny")).state_dict()
+    start = models.load_model("tiny", models.load_tokenizer("tiny")).state_dict()
     return max((w[k] - start[k]).abs().max().item() for k in w)
 
 
@@ -515,10 +514,10 @@ def test_script_pairwise_accuracy_on_a_preference_file(tmp_path):
     assert rows[0]["eval/accuracy"] == 0.5  # policy == reference: every pair a tie, exactly
     assert "eval/exact_match" not in rows[-1]
 
-    tok = data.load_tokenizer("tiny")
+    tok = models.load_tokenizer("tiny")
     policy = AutoModelForCausalLM.from_pretrained(out / "checkpoint").eval()
     common.set_seed(0)  # the reference: the initial weights, built as grpo.py builds them
-    ref = common.load_model("tiny", tok).eval()
+    ref = models.load_model("tiny", tok).eval()
     wins = losses = 0
     with torch.no_grad():
         for pair in pairs:

@@ -11,6 +11,7 @@ import common
 import grpo
 import tool_rollout
 import tools
+from plumbing import models
 
 
 def tool_flags(folder, models):
@@ -45,7 +46,7 @@ def tool_run(tmp_path_factory, user_models):
     loss is given (each micro-batch's ids, attention mask and loss mask) and the calls each row
     of each rollout made."""
     tmp = tmp_path_factory.mktemp("tools")
-    cfg = grpo.run.parse_config(grpo.Config, grpo_argv(tmp / "run", *tool_flags(tmp, user_models))[1:])
+    cfg = grpo.cli.parse_config(grpo.Config, grpo_argv(tmp / "run", *tool_flags(tmp, user_models))[1:])
     seen, calls = {}, []
     logprobs, loss_fn, gen = common.response_logprobs, grpo.grpo_loss, tool_rollout.generate_with_tools
 
@@ -77,7 +78,7 @@ def test_the_loss_kl_and_ratios_never_see_a_tools_tokens(tool_run):
     from the tag ids, set to 0. Planted bug: the loss mask taken from the response mask alone
     (`own = roll.r_mask`), as a loop that forgets the tool's tokens would, fails here."""
     _, loss_inputs, _, folder = tool_run
-    tok = grpo.data.load_tokenizer(folder)
+    tok = models.load_tokenizer(folder)
     n_tool = 0
     for ids, attn, mask in loss_inputs:
         R = mask.shape[1]

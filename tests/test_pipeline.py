@@ -7,8 +7,9 @@ import os
 import pytest
 
 import pipeline
-import studies
+from studies import embedded, runner, smollm2
 from helpers import write_jsonl
+from plumbing import models
 
 
 def argv_of(stages, out_dir):
@@ -35,13 +36,13 @@ def test_every_seed_and_study_run_has_its_own_folder_seed_and_inputs(tmp_path):
         assert flag(argv_of(stages, os.path.join(base, "grpo_rm")), "--reward_model") == rm
         assert "--reward_model" not in argv_of(stages, os.path.join(base, "grpo_gold"))
     for seed in range(3):
-        for est in studies.KL_RUNS:
-            argv = argv_of(stages, studies.kl_dir(runs, est, seed))
+        for est in embedded.KL_RUNS:
+            argv = argv_of(stages, embedded.kl_dir(runs, est, seed))
             assert flag(argv, "--seed") == str(seed) and flag(argv, "--model") == os.path.join(runs, "sft")
             assert flag(argv, "--beta") == ("0" if est == "none" else str(cfg.kl_beta))
             assert est == "none" or flag(argv, "--kl_estimator") == est
         for beta in ("0.04", "1"):
-            argv = argv_of(stages, studies.overopt_dir(runs, beta, seed))
+            argv = argv_of(stages, embedded.overopt_dir(runs, beta, seed))
             assert (flag(argv, "--beta"), flag(argv, "--seed")) == (beta, str(seed))
             assert flag(argv, "--reward_model") == os.path.join(runs, "rm")
     groups = {name for name, _ in stages}
@@ -52,16 +53,16 @@ def test_the_default_runs_only_seed_0_of_the_five_stages(tmp_path):
     stages = pipeline.stages(pipeline.Config(runs=str(tmp_path)))
     assert [name for name, _ in stages] == list(pipeline.MAIN)
     with pytest.raises(SystemExit, match="--overopt_betas"):
-        studies.overopt_betas(pipeline.Config(overopt_betas="0.1,x"))
+        embedded.overopt_betas(pipeline.Config(overopt_betas="0.1,x"))
 
 
 def test_stats_and_cells():
-    s = pipeline.stats([1.0, 2.0, 4.0])
+    s = runner.stats([1.0, 2.0, 4.0])
     assert s["mean"] == pytest.approx(7 / 3)
     assert s["std"] == pytest.approx(math.sqrt(((1 - 7 / 3) ** 2 + (2 - 7 / 3) ** 2 + (4 - 7 / 3) ** 2) / 2))  # n - 1
     assert (s["min"], s["max"], s["n"]) == (1.0, 4.0, 3)
-    assert pipeline.cell([0.5]) == "0.500" and pipeline.cell([]) == "" and pipeline.cell([None, 0.25], 2) == "0.25"
-    assert pipeline.cell([0.1, 0.3]) == f"0.200 ± {math.sqrt(0.02):.3f}"
+    assert runner.cell([0.5]) == "0.500" and runner.cell([]) == "" and runner.cell([None, 0.25], 2) == "0.25"
+    assert runner.cell([0.1, 0.3]) == f"0.200 ± {math.sqrt(0.02):.3f}"
 
 
 def _run(path, rows):
@@ -74,7 +75,7 @@ def test_tables_average_the_seeds_and_the_last_half_of_the_kl_steps(tmp_path):
     cfg = pipeline.Config(runs=runs, seeds=2, kl_compare=True, overopt=True, study_seeds=3, kl_steps=4,
                           overopt_betas="0.5")
     for seed in range(2):
-        base = pipeline.seed_dir(runs, seed)
+        base = runner.seed_dir(runs, seed)
         _run(os.path.join(base, "sft"), [{"step": 0, "eval/exact_match": 0.0, "eval/gold_reward": 0.1},
                                          {"step": 9, "eval/exact_match": 0.3 + 0.1 * seed, "eval/gold_reward": 0.6}])
         for stage in ("rm", "dpo", "grpo_rm", "grpo_gold"):
@@ -85,28 +86,28 @@ def test_tables_average_the_seeds_and_the_last_half_of_the_kl_steps(tmp_path):
     ratios = [0.6 / 0.75, 0.62 / 0.8]  # per seed, then averaged: not mean(acc) / mean(bayes)
     assert [e["eval/accuracy_over_bayes"] for e in by_seed["rm"]] == pytest.approx(ratios)
     rm_line = next(line for line in table.splitlines() if line.startswith("| Reward model"))
-    assert pipeline.cell(ratios) in rm_line and "0.610 ± 0.014" in rm_line
+    assert runner.cell(ratios) in rm_line and "0.610 ± 0.014" in rm_line
     assert next(line for line in table.splitlines() if line.startswith("| SFT")).endswith("| 15 |")
 
     kl = {"none": 0.5, "k1": 0.4, "k2": 0.1, "k3": 0.1, "ratio_k1": 0.05}
     for seed in range(3):
         for est, scale in kl.items():  # KL at step s: scale * s * (1 + seed); steps 3 and 4 are the last half
             rows = [{"step": s, "kl": scale * s * (1 + seed)} for s in range(1, 5)]
-            _run(studies.kl_dir(runs, est, seed), rows + [{"step": 4, "eval/exact_match": 0.5,
+            _run(embedded.kl_dir(runs, est, seed), rows + [{"step": 4, "eval/exact_match": 0.5,
                                                             "eval/gold_reward": 0.8 + 0.01 * seed}])
         rows = [{"step": s, "kl": 0.01 * s * s, "completions/mean_length": 4.0 + seed, "reward/model": 0.3 * s,
                  "reward/rule": 0.6 - 0.01 * s} for s in range(1, 7)]
         evals = [{"step": s, "eval/gold_reward": g} for s, g in ((0, 0.6), (3, 0.8 + 0.01 * seed), (6, 0.5))]
-        _run(studies.overopt_dir(runs, "0.5", seed), rows[:3] + evals[:2] + rows[3:] + evals[2:])
-    curves = studies.kl_curves(cfg)
-    studies.kl_table(cfg, curves, {})
+        _run(embedded.overopt_dir(runs, "0.5", seed), rows[:3] + evals[:2] + rows[3:] + evals[2:])
+    curves = embedded.kl_curves(cfg)
+    embedded.kl_table(cfg, curves, {})
     for est, scale in kl.items():
         assert curves[est]["kl_last_half"] == pytest.approx([scale * 3.5 * (1 + seed) for seed in range(3)])
-    oo = studies.overopt_curves(cfg)["0.5"]
+    oo = embedded.overopt_curves(cfg)["0.5"]
     assert oo["sqrt_kl_by_seed"][2] == pytest.approx([math.sqrt(0.01 * s * s * 6.0) for s in range(1, 7)])
     assert oo["eval_steps"] == [0, 3, 6]  # each greedy evaluation at the KL of its own step, 0 at the start
     assert oo["eval_sqrt_kl_by_seed"][2] == pytest.approx([0.0, math.sqrt(0.09 * 6.0), math.sqrt(0.36 * 6.0)])
-    table = studies.overopt_table(cfg, {"0.5": oo}, {})
+    table = embedded.overopt_table(cfg, {"0.5": oo}, {})
     assert oo["peak"]["step"] == 3 and oo["peak"]["gold"] == pytest.approx(0.81)
     assert oo["peak"]["sqrt_kl"] == pytest.approx(sum(math.sqrt(0.09 * (4.0 + s)) for s in range(3)) / 3)
     assert "| 0.600 ± 0.000 -> 0.810 (step 3, 0.67) -> 0.500 ± 0.000 |" in table
@@ -118,9 +119,9 @@ def test_main_writes_the_tables_and_results_json(tmp_path, monkeypatch, capsys):
     runs = str(tmp_path)
     for seed in range(2):
         for stage in pipeline.MAIN:
-            _run(os.path.join(pipeline.seed_dir(runs, seed), stage),
+            _run(os.path.join(runner.seed_dir(runs, seed), stage),
                  [{"step": 1, "eval/exact_match": 0.5 + 0.1 * seed, "eval/gold_reward": 0.9}])
-    monkeypatch.setattr(pipeline, "run_stage", lambda *a: None)
+    monkeypatch.setattr(runner, "run_stage", lambda *a: None)
     pipeline.main(pipeline.Config(runs=runs, seeds=2, plots=False))
     out = capsys.readouterr().out
     assert "mean ± std over seeds 0-1" in out and "0.550 ± 0.071" in out
@@ -136,7 +137,7 @@ def test_verifier_pairs_take_the_first_right_and_the_first_wrong_answer():
     answers = [["2 + 1 = 3", "It is 1", "1", "one"],  # row 0 (answer 1): the final number decides
                ["2", "2", "2", "2"],  # row 1: all right, no pair
                ["4", "0 + 3 = 3.", "5", "3"]]  # row 2: wrong, right, wrong, right
-    pairs, right = studies.verifier_pairs(rows, answers)
+    pairs, right = smollm2.verifier_pairs(rows, answers)
     assert right == pytest.approx(8 / 12)
     assert [(p["answer"], p["chosen"][0]["content"], p["rejected"][0]["content"]) for p in pairs] == [
         ("1", "It is 1", "2 + 1 = 3"), ("3", "0 + 3 = 3.", "4")]
@@ -159,7 +160,7 @@ def test_the_real_model_table_from_synthetic_runs(tmp_path):
     write_jsonl(tmp_path / "smollm2" / "rm" / "metrics.jsonl", [{"step": 24, "eval/accuracy": 0.75}])
     write_jsonl(tmp_path / "smollm2" / "dpo" / "metrics.jsonl", [{"step": 24, "eval/accuracy": 0.6}])
     (tmp_path / "smollm2" / "eval.json").write_text(json.dumps({"dpo_accuracy": 0.42, "examples": []}))
-    table, curves, _ = studies.real_results(cfg, {})
+    table, curves, _ = smollm2.real_results(cfg, {})
     gains = [0.20, 0.05, 0.25]
     mean, std = sum(gains) / 3, math.sqrt(sum((g - sum(gains) / 3) ** 2 for g in gains) / 2)
     assert f"0.350 ± 0.050 -> 0.517 ± 0.076 (gain {mean:.3f} ± {std:.3f})" in table
@@ -182,16 +183,16 @@ def test_each_variant_run_has_its_own_folder_flags_seed_and_the_seed_0_sft_start
     runs = str(tmp_path)
     cfg = pipeline.Config(runs=runs, variants=True, study_seeds=3, variant_steps=10)
     stages = [s for s in pipeline.stages(cfg) if s[0] == "variants"]
-    assert len(stages) == 3 * (len(studies.VARIANTS["grpo"]) + len(studies.VARIANTS["dpo"]))
+    assert len(stages) == 3 * (len(embedded.VARIANTS["grpo"]) + len(embedded.VARIANTS["dpo"]))
     for seed in range(3):
-        for algo, variants in studies.VARIANTS.items():
+        for algo, variants in embedded.VARIANTS.items():
             for name, flags in variants.items():
-                argv = argv_of(stages, studies.variant_dir(runs, algo, name, seed))
+                argv = argv_of(stages, embedded.variant_dir(runs, algo, name, seed))
                 assert argv[0] == f"{algo}.py" and flag(argv, "--seed") == str(seed)
                 assert flag(argv, "--model") == os.path.join(runs, "sft")
                 assert " ".join(flags) in " ".join(argv)  # the variant's own flags, in order
                 assert flag(argv, "--steps") == ("10" if algo == "grpo" else "50")
-    assert studies.VARIANTS["grpo"]["gspo"][:2] == ["--importance_sampling_level", "sequence"]
+    assert embedded.VARIANTS["grpo"]["gspo"][:2] == ["--importance_sampling_level", "sequence"]
 
 
 def test_the_variants_tables_from_synthetic_runs(tmp_path, monkeypatch):
@@ -203,21 +204,21 @@ def test_the_variants_tables_from_synthetic_runs(tmp_path, monkeypatch):
     for stage in pipeline.MAIN:
         _run(os.path.join(runs, stage), [{"step": 1}])
     for seed in range(3):
-        for i, name in enumerate(studies.VARIANTS["grpo"]):
-            d = studies.variant_dir(runs, "grpo", name, seed)
+        for i, name in enumerate(embedded.VARIANTS["grpo"]):
+            d = embedded.variant_dir(runs, "grpo", name, seed)
             _run(d, [{"step": 0, "eval/gold_reward": 0.1}, {"step": 20, "eval/gold_reward": 0.5 + 0.1 * i + 0.2 * seed,
                                                              "eval/exact_match": 0.3}])
             kl[d] = 1.0 + i + seed
-        for i, name in enumerate(studies.VARIANTS["dpo"]):
-            d = studies.variant_dir(runs, "dpo", name, seed)
+        for i, name in enumerate(embedded.VARIANTS["dpo"]):
+            d = embedded.variant_dir(runs, "dpo", name, seed)
             _run(d, [{"step": 100, "eval/accuracy": 0.6 + 0.01 * i, "eval/accuracy_over_bayes": 0.8,
                       "eval/gold_reward": 0.7}])
             kl[d] = 3.0 * seed
-    monkeypatch.setattr(studies, "cached_kl", lambda d, ref: kl[d])
-    monkeypatch.setattr(pipeline, "run_stage", lambda *a: None)
-    (grpo_t, dpo_t), curves = studies.variants_results(cfg, {})
+    monkeypatch.setattr(embedded, "cached_kl", lambda d, ref: kl[d])
+    monkeypatch.setattr(runner, "run_stage", lambda *a: None)
+    (grpo_t, dpo_t), curves = embedded.variants_results(cfg, {})
     line = next(x for x in grpo_t.splitlines() if x.startswith("| cispo |"))
-    i = list(studies.VARIANTS["grpo"]).index("cispo")
+    i = list(embedded.VARIANTS["grpo"]).index("cispo")
     assert line.startswith("| cispo | --loss_type cispo --epsilon_high 5 | ")
     assert f"| {0.7 + 0.1 * i:.3f} ± 0.200 | 0.300 ± 0.000 | {2 + i:.2f} ± 1.00 |" in line
     assert "| sigmoid | (defaults) | 0.600 ± 0.000 | 0.800 ± 0.000 | 0.700 ± 0.000 | 3.00 ± 3.00 |" in dpo_t
@@ -225,7 +226,7 @@ def test_the_variants_tables_from_synthetic_runs(tmp_path, monkeypatch):
     pipeline.main(cfg)
     with open(os.path.join(runs, "variants.json")) as f:
         saved = json.load(f)
-    assert saved["variants"]["dpo"]["simpo"]["flags"] == studies.VARIANTS["dpo"]["simpo"]
+    assert saved["variants"]["dpo"]["simpo"]["flags"] == embedded.VARIANTS["dpo"]["simpo"]
     assert "GRPO variants" in open(os.path.join(runs, "variants.md")).read()
 
 
@@ -241,12 +242,12 @@ def test_policy_kl_is_zero_to_itself_and_the_naive_per_row_k3_sum_otherwise(tmp_
     tok = tasks.char_tokenizer()
     for seed, name in ((0, "a"), (1, "b")):
         torch.manual_seed(seed)
-        common.load_model("tiny", tok).save_pretrained(tmp_path / name)
+        models.load_model("tiny", tok).save_pretrained(tmp_path / name)
         tok.save_pretrained(tmp_path / name)
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    assert studies.policy_kl(a, a, n=8) == pytest.approx(0.0, abs=1e-6)
-    got = studies.policy_kl(a, b, n=8)
-    pi, ref = studies.load_policy(a)[1], studies.load_policy(b)[1]
+    assert embedded.policy_kl(a, a, n=8) == pytest.approx(0.0, abs=1e-6)
+    got = embedded.policy_kl(a, b, n=8)
+    pi, ref = runner.load_trained(a)[1], runner.load_trained(b)[1]
     prompts = [r["prompt"] for r in tasks.prompt_rows(8, split="test")]
     p_ids, p_mask = common.pad([tok(p)["input_ids"] for p in prompts], tok.pad_token_id, side="left")
     with torch.no_grad():
@@ -271,8 +272,8 @@ def test_redo_refuses_a_stage_it_does_not_know(tmp_path, monkeypatch):
     import re
 
     ran = []
-    monkeypatch.setattr(pipeline, "run_stages", lambda stage_list, *a: ran.append([n for n, _ in stage_list]))
-    monkeypatch.setattr(studies, "real_study", lambda cfg, flag, *a: ran.append(flag))
+    monkeypatch.setattr(runner, "run_stages", lambda stage_list, *a: ran.append([n for n, _ in stage_list]))
+    monkeypatch.setattr(smollm2, "real_study", lambda cfg, flag, *a: ran.append(flag))
     for mode, redo, unknown, names in (
             ({}, "dop", "dop", "sft, rm, dpo, grpo_rm, grpo_gold, kl, overopt, variants, distill"),
             ({"smollm2": True}, "dpo,sft,", "sft", "pairs, grpo, rm, dpo, grpo_rm, eval")):
@@ -283,12 +284,12 @@ def test_redo_refuses_a_stage_it_does_not_know(tmp_path, monkeypatch):
     pipeline.main(pipeline.Config(runs=str(tmp_path), redo="grpo,distill", smollm2_distill=True))
     assert ran == ["--smollm2_distill"]
     everything = {"kl_compare": True, "overopt": True, "variants": True, "distill": True}
-    for mode, groups in (({}, lambda cfg: pipeline.stages(cfg)), ({"smollm2": True}, studies.real_stages),
-                         ({"smollm2_tools": True}, studies.tool_stages),
-                         ({"smollm2_distill": True}, studies.real_distill_stages)):
+    for mode, groups in (({}, lambda cfg: pipeline.stages(cfg)), ({"smollm2": True}, smollm2.real_stages),
+                         ({"smollm2_tools": True}, smollm2.tool_stages),
+                         ({"smollm2_distill": True}, smollm2.real_distill_stages)):
         cfg = pipeline.Config(runs=str(tmp_path), **everything, **mode)
         assert {name for name, _ in groups(cfg)} <= set(pipeline.redo_names(cfg)), mode
-    steps = set(re.findall(r'pipeline\.redo\(cfg, "(\w+)"\)', open(studies.__file__).read()))
+    steps = set(re.findall(r'runner\.redo\(cfg, "(\w+)"\)', open(smollm2.__file__).read()))
     assert steps == {"pairs", "base", "eval"}
     assert steps <= {*pipeline.redo_names(pipeline.Config(smollm2=True)),
                      *pipeline.redo_names(pipeline.Config(smollm2_tools=True))}

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import common
-import run
 import data
 import reward
 from helpers import read_metrics, run_here
+from plumbing import cli, models
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 D = common.Dist()
@@ -87,8 +87,8 @@ def test_bt_loss_gradcheck():
 @pytest.fixture(scope="module")
 def tiny_rm():
     torch.manual_seed(0)
-    tok = data.load_tokenizer("tiny")
-    model = common.load_model("tiny", tok, kind="new_reward").eval()
+    tok = models.load_tokenizer("tiny")
+    model = models.load_model("tiny", tok, kind="new_reward").eval()
     torch.nn.init.normal_(model.score.weight, std=1.0)  # a new head is near zero: make scores differ
     return tok, model
 
@@ -123,10 +123,10 @@ def test_concatenated_pair_forward_equals_separate(tiny_rm):
 def test_normalization_gives_mean_zero_std_one(tiny_rm, tmp_path):
     tok, model = tiny_rm
     torch.manual_seed(3)
-    policy = common.load_model("tiny", tok)
+    policy = models.load_model("tiny", tok)
     policy.save_pretrained(tmp_path / "policy")
     tok.save_pretrained(tmp_path / "policy")
-    cfg = replace(run.with_defaults(reward.Config()), normalize_policy=str(tmp_path / "policy"), max_response_len=8, eval_batch_size=8)
+    cfg = replace(cli.with_defaults(reward.Config()), normalize_policy=str(tmp_path / "policy"), max_response_len=8, eval_batch_size=8)
     prompts = [f"sort {i} {i + 1} 3 =" for i in range(7)]
     gain, bias, mean, std = reward.normalization(model, tok, cfg, prompts, D)
     assert gain == pytest.approx(1 / std) and bias == pytest.approx(-mean / std) and std > 1e-3
@@ -151,7 +151,7 @@ def test_normalization_uses_the_population_std_of_known_scores(tiny_rm, monkeypa
 
     monkeypatch.setattr(common, "reward_scores", known_scores)
     # 5 prompts in batches of 2: the sums are carried over 3 batches, one of them short
-    cfg = replace(run.with_defaults(reward.Config()), normalize_policy="tiny", max_response_len=4, eval_batch_size=2)
+    cfg = replace(cli.with_defaults(reward.Config()), normalize_policy="tiny", max_response_len=4, eval_batch_size=2)
     gain, bias, mean, std = reward.normalization(model, tok, cfg, [f"sort {i} 1 2 =" for i in range(5)], D)
     assert next(fed, None) is None  # every score was used, each once
     assert mean == pytest.approx(4.0) and std == pytest.approx(math.sqrt(10.0))  # n - 1 would give sqrt(12.5)
@@ -217,14 +217,14 @@ def test_reward_model_learns_the_right_direction(tmp_path):
     """A reward model that learns chosen < rejected trains just as smoothly (the BT loss falls,
     every norm is finite) and passes every shape and equality test; only held-out accuracy shows
     it. 0.53 sits between the two measured accuracies, with margin on both sides."""
-    reward.main(run.parse_config(reward.Config, ["--out_dir", str(tmp_path), *LEARN]))  # in this process
+    reward.main(cli.parse_config(reward.Config, ["--out_dir", str(tmp_path), *LEARN]))  # in this process
     final = [r for r in read_metrics(tmp_path) if "eval/accuracy" in r][-1]
     assert final["step"] == 20
     assert final["eval/accuracy"] > 0.53 and final["eval/margin"] > 0, final
 
 
 def test_batch_arithmetic_is_checked():
-    cfg = replace(run.with_defaults(reward.Config()), model="tiny", batch_size=6, grad_accum=4)
+    cfg = replace(cli.with_defaults(reward.Config()), model="tiny", batch_size=6, grad_accum=4)
     with pytest.raises(ValueError, match="divisible"):
         reward.main(cfg)
 

@@ -11,11 +11,11 @@ import time
 import pytest
 from transformers import AutoModelForCausalLM
 
-import run
 import sft
 
 from helpers import (ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, checkpoint_weights, free_port, max_abs_diff,
                      read_metrics, run_here, run_script, write_jsonl)
+from plumbing import checkpoints, rundir
 
 # a few fast steps of each script on the tiny model
 FAST = {
@@ -54,9 +54,9 @@ def test_resume_ends_with_the_same_weights(tmp_path, script, extra):
     full = run_fast(script, args + ["--out_dir", str(tmp_path / "full")])
     assert full.returncode == 0, full.stderr
     if extra:  # a Ctrl-C right after the first save, in this process: what is resumed is the same
-        save = run.save_checkpoint
+        save = checkpoints.save_checkpoint
         with pytest.MonkeyPatch.context() as m:
-            m.setattr(run, "save_checkpoint", lambda *a, **kw: save(*a, **kw) and (_ for _ in ()).throw(KeyboardInterrupt))
+            m.setattr(checkpoints, "save_checkpoint", lambda *a, **kw: save(*a, **kw) and (_ for _ in ()).throw(KeyboardInterrupt))
             killed = run_fast(script, args + ["--out_dir", str(tmp_path / "resumed")])
         assert killed.returncode == 130, killed.stderr
     else:  # killed (tests/crash.py: os._exit(9) after the first save)
@@ -83,7 +83,7 @@ def test_kill_while_writing_a_checkpoint_leaves_the_previous_one(tmp_path, nth_r
                  crash=f"at_rename:{nth_rename}")
     assert r.returncode == 9, r.stderr
     assert os.path.isdir(out / left)
-    AutoModelForCausalLM.from_pretrained(run.export(out / left, tmp_path / "export"))  # exports, loadable
+    AutoModelForCausalLM.from_pretrained(checkpoints.export(out / left, tmp_path / "export"))  # exports, loadable
     resumed = run_fast("sft.py", ["--steps", "6", "--save_every", "2", "--out_dir", str(out), "--resume"])
     assert resumed.returncode == 0, resumed.stderr
     assert "at step 2" in resumed.stdout
@@ -93,14 +93,14 @@ def test_kill_while_writing_a_checkpoint_leaves_the_previous_one(tmp_path, nth_r
 def test_a_save_every_checkpoint_is_the_sharded_state_and_exports_on_demand(tmp_path, monkeypatch):
     """--save_every writes the resumable state only (sharded/, with the config and tokenizer):
     a Hugging Face export gathers the whole model to rank 0 while the others wait (32 GB at 8B),
-    so only the end writes one. `python run.py export` writes it on demand: the weights of the
+    so only the end writes one. `python -m plumbing export` writes it on demand: the weights of the
     step it was saved at, exactly; a script given the unexported folder as --model says so."""
     import shutil
 
     import torch
 
     out, kept, gathered = tmp_path / "run", {}, []
-    save, gather = run.save_checkpoint, run.full_state_dict
+    save, gather = checkpoints.save_checkpoint, checkpoints.full_state_dict
 
     def saving(model, tokenizer, out_dir, d, **kw):
         path = save(model, tokenizer, out_dir, d, **kw)
@@ -109,20 +109,20 @@ def test_a_save_every_checkpoint_is_the_sharded_state_and_exports_on_demand(tmp_
             shutil.copytree(path, tmp_path / "step2")
         return path
 
-    monkeypatch.setattr(run, "save_checkpoint", saving)
-    monkeypatch.setattr(run, "full_state_dict", lambda *a: gathered.append(1) or gather(*a))
+    monkeypatch.setattr(checkpoints, "save_checkpoint", saving)
+    monkeypatch.setattr(checkpoints, "full_state_dict", lambda *a: gathered.append(1) or gather(*a))
     assert run_fast("sft.py", ["--steps", "3", "--save_every", "2", "--out_dir", str(out)]).returncode == 0
     assert len(gathered) == 1  # the final export's; none at the step-2 save
     files = set(os.listdir(tmp_path / "step2"))
     assert {"sharded", "training_state.pt", "trainer_state.json", "config.json", "tokenizer.json"} <= files
     assert not any(f.endswith(".safetensors") for f in files)
-    r = run_script(["run.py", "export", str(tmp_path / "step2"), str(tmp_path / "export")], timeout=120,
+    r = run_script(["-m", "plumbing", "export", str(tmp_path / "step2"), str(tmp_path / "export")], timeout=120,
                    env=SUBPROCESS_ENV_NO_TOKENIZER_THREADS)
     assert r.returncode == 0 and "exported" in r.stdout, r.stderr[-2000:]
     exported = checkpoint_weights(tmp_path, "export")
     assert all(torch.equal(exported[k], kept["weights"][k]) for k in exported)
     refused = run_fast("sft.py", ["--model", str(tmp_path / "step2"), "--steps", "1", "--out_dir", str(tmp_path / "b")])
-    assert refused.returncode != 0 and "python run.py export" in refused.stderr, refused.stderr[-2000:]
+    assert refused.returncode != 0 and "python -m plumbing export" in refused.stderr, refused.stderr[-2000:]
 
 
 def test_a_failing_rank_ends_the_whole_job(tmp_path):
@@ -155,7 +155,7 @@ def test_overwrite_moves_the_old_run_aside_whole_and_deletes_nothing(tmp_path):
         with pytest.raises(FileExistsError, match="already holds a checkpoint.*--resume.*--overwrite"):
             sft.main(sft.Config(steps=2, lr=0.1, out_dir=str(out)))
     finally:
-        run.release()  # the lock this process took
+        rundir.release()  # the lock this process took
     assert _files(out) == old
     with pytest.raises(FileNotFoundError, match="typo.jsonl does not exist"):
         sft.main(sft.Config(steps=2, out_dir=str(out), overwrite=True, dataset=str(tmp_path / "typo.jsonl")))
@@ -196,6 +196,7 @@ def test_pipeline_resumes_an_interrupted_stage(tmp_path, monkeypatch):
     """The pipeline said it resumed an interrupted stage, but its stages wrote no checkpoint
     before the end. Each stage now saves every SAVE_EVERY steps; the flags each state gets:"""
     import pipeline
+    from studies import runner
 
     cfg = pipeline.Config(runs=str(tmp_path))
     assert all(argv[argv.index("--save_every") + 1] == str(pipeline.SAVE_EVERY) for _, argv in pipeline.stages(cfg))
@@ -216,8 +217,8 @@ def test_pipeline_resumes_an_interrupted_stage(tmp_path, monkeypatch):
             (tmp_path / state / f).write_text("")
         if state == "new":
             (tmp_path / state / "checkpoint").rmdir()
-        assert pipeline.state_of(str(tmp_path / state)) == state
-        pipeline.run_stage(state, ["sft.py", "--out_dir", str(tmp_path / state)], cfg, {})
+        assert runner.state_of(str(tmp_path / state)) == state
+        runner.run_stage(state, ["sft.py", "--out_dir", str(tmp_path / state)], cfg, {})
     extra = [cmd[4:] for cmd in launched]
     assert extra == [[], ["--resume"], ["--overwrite"]]
 

@@ -15,9 +15,9 @@ from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForC
 
 import common
 import data
-import run
 import sampling
 from helpers import ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, run_script
+from plumbing import models, rundir
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 V, PAD, EOS = 16, 0, 1
@@ -221,7 +221,7 @@ def _fsdp_worker():
     common.print0(f"fsdp ok: {steps} steps over 2 ranks ({lengths[0]} + {lengths[1]})")
     del model  # FSDP's device mesh holds the process group: release it before the group is destroyed
     torch.distributed.barrier()
-    run.release()
+    rundir.release()
 
 
 def test_generate_under_fsdp2_with_ranks_stopping_at_different_steps():
@@ -285,9 +285,9 @@ def test_greedy_evaluation_stops_at_every_end_of_turn_id_of_the_generation_confi
     model = GPT2LMHeadModel(tasks.char_gpt2_config(tok, n_layer=1, n_embd=32, n_head=2))
     end_of_turn = tok.convert_tokens_to_ids("|")
     model.generation_config.eos_token_id = [end_of_turn, tok.eos_token_id]
-    assert data.stop_token_ids(tok, model) == [tok.eos_token_id, end_of_turn]
+    assert sampling.stop_token_ids(tok, model) == [tok.eos_token_id, end_of_turn]
     model.generation_config.eos_token_id = end_of_turn  # an int works too
-    assert data.stop_token_ids(tok, model) == [tok.eos_token_id, end_of_turn]
+    assert sampling.stop_token_ids(tok, model) == [tok.eos_token_id, end_of_turn]
     seen = []
     real = sampling.generate
 
@@ -296,7 +296,7 @@ def test_greedy_evaluation_stops_at_every_end_of_turn_id_of_the_generation_confi
         return real(*args, **kw)
 
     monkeypatch.setattr(sampling, "generate", spy)
-    tasks.evaluate_generations(model, tok, ["sort 3 1 2 ="], tasks.REWARD_FNS["sort"], common.Dist(),
+    sampling.evaluate_generations(model, tok, ["sort 3 1 2 ="], tasks.REWARD_FNS["sort"], common.Dist(),
                                max_prompt_len=16, max_new_tokens=4)
     assert seen == [(tok.eos_token_id, [end_of_turn])]
 
@@ -316,7 +316,7 @@ def test_greedy_evaluation_scores_each_prompt_against_its_own_answer():
         seen[prompt] = answer
         return 1.0 if int(answer) % 3 == 0 else 0.25
 
-    out = tasks.evaluate_generations(model, tok, prompts, rule, common.Dist(), max_prompt_len=16, max_new_tokens=3,
+    out = sampling.evaluate_generations(model, tok, prompts, rule, common.Dist(), max_prompt_len=16, max_new_tokens=3,
                                      batch_size=3, answers=[str(10 * i) for i in range(7)])
     assert seen == {f"q{i} =": str(10 * i) for i in range(7)}
     assert out == pytest.approx({"eval/gold_reward": (3 + 4 * 0.25) / 7, "eval/exact_match": 3 / 7})
@@ -351,9 +351,9 @@ def test_the_sampler_benchmark_counts_a_divergence_only_past_a_bf16_tie():
     the two candidates' logits are made exactly equal (their head rows equal) does not."""
     from bench.sampler import real_divergences
 
-    tok = data.load_tokenizer("tiny")
+    tok = models.load_tokenizer("tiny")
     torch.manual_seed(0)
-    model = common.load_model("tiny", tok).eval()
+    model = models.load_model("tiny", tok).eval()
     ids, mask = common.pad([tok("sort 3 1 =")["input_ids"], tok("sort 9 2 =")["input_ids"]], tok.pad_token_id,
                            side="left")
     ref = sampling.generate(model, ids, mask, 6, eos_id=-1, pad_id=tok.pad_token_id, temperature=0)[0]
@@ -383,7 +383,7 @@ def test_compiled_decoding_under_autocast_reads_bf16_weights_cast_once_per_rollo
     import tasks
 
     tok = tasks.char_tokenizer()
-    model = common.load_model("tiny", tok)
+    model = models.load_model("tiny", tok)
     weights = {p.data_ptr() for n, p in model.named_parameters() if n.endswith("c_attn.weight") or "mlp" in n}
 
     class Casts(TorchDispatchMode):

@@ -5,12 +5,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import run
 import data
 import sft
 import tasks
 from helpers import (SUBPROCESS_ENV_NO_TOKENIZER_THREADS, TWO_RANK_RUNS, checkpoint_weights, max_abs_diff, read_metrics,
                      chat_rows, run_here, run_script, write_jsonl)
+from plumbing import cli
 
 FAST = ["--n_train", "256", "--n_eval", "8", "--batch_size", "8", "--max_response_len", "20", "--warmup_steps", "2"]
 
@@ -94,7 +94,7 @@ def test_grad_accum_gives_the_full_batch_loss_and_gradient(tmp_path):
     (nll_sum / n_tokens) and would not show it, the gradient norm does."""
     args = ["--steps", "1", "--eval_every", "1", *FAST, "--n_eval", "2", "--seed", "3"]
     for accum in (1, 4):  # in this process: the two runs differ in --grad_accum only
-        sft.main(run.parse_config(sft.Config, args + ["--out_dir", str(tmp_path / str(accum)),
+        sft.main(cli.parse_config(sft.Config, args + ["--out_dir", str(tmp_path / str(accum)),
                                                          "--grad_accum", str(accum)]))
     (a,), (b,) = ([m for m in read_metrics(tmp_path / str(accum)) if m["step"] == 1] for accum in (1, 4))
     assert a["tokens"] == b["tokens"]  # the same global batch

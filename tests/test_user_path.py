@@ -4,7 +4,7 @@ and an end-of-turn id beside its EOS; a Qwen2-shaped one with tied embeddings an
 reward model and teacher), loaded from a path as users load them (under torchrun rank 0 reads
 and broadcasts), trained on conversational rows in TRL's formats. Each script on 2 ranks
 reproduces 1 process (the 2-rank runs are conftest.py's `two_ranks`), and every model carries an
-attention dropout of 0.1 that no forward may apply (common.no_dropout): at lr 0 the KL to the
+attention dropout of 0.1 that no forward may apply (models.no_dropout): at lr 0 the KL to the
 reference is 0 and no token is clipped, under `python` and torchrun, with and without activation
 checkpointing."""
 import json
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from helpers import TWO_RANK_RUNS, chat_rows, checkpoint_weights, max_abs_diff, read_metrics, run_here, write_jsonl
+from plumbing import checkpoints, cli, models
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -183,14 +184,12 @@ def test_lora_on_a_folder_exports_merged_weights(tmp_path, user_models):
 
 def test_every_dropout_field_is_zeroed_and_kept_for_the_export(tmp_path):
     """Configs of several families with every dropout field at 0.1 (attention, hidden, residual,
-    embedding, OPT's activation dropout and layerdrop): loaded by common.load_model, two forwards
+    embedding, OPT's activation dropout and layerdrop): loaded by models.load_model, two forwards
     of the same tokens in train mode are identical, and the config's values are what the export
     writes back."""
     import transformers
     from transformers import AutoModelForCausalLM
 
-    import common
-    import run
     from helpers import family_tokenizer
 
     tok = family_tokenizer("bpe")
@@ -209,11 +208,11 @@ def test_every_dropout_field_is_zeroed_and_kept_for_the_export(tmp_path):
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / name)
         tok.save_pretrained(tmp_path / name)
-        model = common.load_model(str(tmp_path / name), tok).train()
+        model = models.load_model(str(tmp_path / name), tok).train()
         with torch.no_grad():
             assert torch.equal(model(ids).logits, model(ids).logits), name
         assert set(fields) - {"ffn_dim", "word_embed_proj_dim", "n_inner"} <= set(model.dropout_config), name
-        run._write_export(model, tok, str(tmp_path / f"{name}-export"), model.state_dict(), None)
+        checkpoints._write_export(model, tok, str(tmp_path / f"{name}-export"), model.state_dict(), None)
         with open(tmp_path / f"{name}-export" / "config.json") as f:
             written = json.load(f)
         assert all(written[k] == v for k, v in model.dropout_config.items()), (name, written)
@@ -236,19 +235,18 @@ def test_a_model_and_data_of_your_own_get_trls_defaults(script, trl):
     the README's; a flag given is kept either way."""
     import importlib
 
-    import run
 
     Config = importlib.import_module(script).Config
-    own = run.parse_config(Config, ["--model", "Qwen/Qwen2.5-0.5B-Instruct", "--dataset", "prompts.jsonl"])
-    line = run.fill_defaults(own)
+    own = cli.parse_config(Config, ["--model", "Qwen/Qwen2.5-0.5B-Instruct", "--dataset", "prompts.jsonl"])
+    line = cli.fill_defaults(own)
     assert {k: getattr(own, k) for k in trl} == trl and "TRL 1.16's" in line
     assert all(f"--{k} {v:g}" in line for k, v in trl.items()), line
     readme = {"sft": (1e-3, 32), "reward": (1e-3, 32), "dpo": (1e-4, 32), "grpo": (1e-4, 24)}[script]
     for argv in (["--model", "tiny", "--dataset", "prompts.jsonl"], ["--model", "runs/sft", "--dataset", "sort"]):
-        cfg = run.with_defaults(run.parse_config(Config, argv))
+        cfg = cli.with_defaults(cli.parse_config(Config, argv))
         assert (cfg.lr, cfg.max_prompt_len, getattr(cfg, "max_new_tokens", getattr(cfg, "max_response_len", None))) \
             == (*readme[:1], 64, readme[1]), argv
-    given = run.with_defaults(run.parse_config(Config, ["--model", "m", "--dataset", "d.jsonl", "--lr", "3e-4"]))
+    given = cli.with_defaults(cli.parse_config(Config, ["--model", "m", "--dataset", "d.jsonl", "--lr", "3e-4"]))
     assert given.lr == 3e-4 and given.max_prompt_len == 512
 
 

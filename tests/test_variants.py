@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import common
-import run
 import dpo
 import grpo
 import sampling
@@ -20,6 +19,7 @@ import test_grpo
 from grpo import (grpo_loss, importance_ratio, off_policy_mask, overlong_penalty, policy_loss, top_entropy_mask,
                   truncated_is_weights)
 from helpers import TWO_RANK_RUNS, checkpoint_weights, max_abs_diff, read_metrics, run_here, write_jsonl
+from plumbing import cli, models
 
 f64 = dict(dtype=torch.float64)
 
@@ -214,7 +214,7 @@ def test_sampler_log_probs_are_the_trainers_at_the_sampling_temperature():
     logged as rollout/logp_diff is numerics only. Without the temperature it would not be."""
     torch.manual_seed(0)
     tok = tasks.char_tokenizer()
-    model = common.load_model("tiny", tok).eval()
+    model = models.load_model("tiny", tok).eval()
     p_ids, p_mask = common.pad([tok(t)["input_ids"] for t in ["sort 3 1 2 =", "sort 9 =", "sort 5 4 =", "sort 1 ="]],
                                tok.pad_token_id, side="left")
     with torch.no_grad():
@@ -256,7 +256,7 @@ def test_a_flag_said_to_be_trls_is_a_trl_flag(script):
     """--help says whose name each flag is. `sequence_token` and `rpo_alpha` were called TRL's but
     are not in TRL's configs; a flag that keeps TRL's name keeps TRL's meaning (cispo's cap, above),
     and one that means something else has another name (--top_entropy_share)."""
-    docs = run._field_docs(__import__(script).Config)
+    docs = cli._field_docs(__import__(script).Config)
     claimed = {name for name, doc in docs.items() if re.search(r"\(TRL's (CPO trainer's )?name", doc)}
     assert claimed and claimed <= TRL_FIELDS[script], claimed - TRL_FIELDS[script]
     if script == "grpo":
@@ -303,7 +303,7 @@ def test_top_entropy_share_keeps_ceil_share_of_the_rollout_not_trls_count():
     because it means another thing (its --help says how)."""
     keep = top_entropy_mask(torch.tensor([[0.4, 0.1, 0.3, 0.2]]), torch.ones(1, 4), 0.3)
     assert keep.tolist() == [[1.0, 0.0, 1.0, 0.0]]
-    assert "TRL's top_entropy_quantile differs" in run._field_docs(grpo.Config)["top_entropy_share"]
+    assert "TRL's top_entropy_quantile differs" in cli._field_docs(grpo.Config)["top_entropy_share"]
 
 
 @pytest.mark.parametrize("length, want", [(5, 0.0), (6, 0.0), (7, -0.5), (9, -1.5), (10, -2.0)])
@@ -334,18 +334,18 @@ def test_overlong_penalty_is_dapo_eq_13(length, want):
 ])
 def test_flags_that_cannot_go_together_are_refused(flags, message):
     with pytest.raises(ValueError, match=message.replace("+", r"\+").replace("(", r"\(")):
-        cfg = replace(run.with_defaults(grpo.Config()), **flags)
-        run.check_ranges(cfg)  # each flag's range and choices
-        run.check_grpo_config(cfg, common.Dist())  # the flags that do not go together
+        cfg = replace(cli.with_defaults(grpo.Config()), **flags)
+        cli.check_ranges(cfg)  # each flag's range and choices
+        grpo.check_config(cfg, common.Dist())  # the flags that do not go together
 
 
 @pytest.mark.parametrize("flag", ["lora", "compile"])
 def test_lora_and_compile_are_refused_under_torchrun(flag):
     """--compile under FSDP2 would split the decode step into a graph per layer and re-record
     its CUDA graphs every rollout; LoRA's adapters are not merged when sharded."""
-    run.check_grpo_config(replace(run.with_defaults(grpo.Config()), **{flag: True}), common.Dist())
+    grpo.check_config(replace(cli.with_defaults(grpo.Config()), **{flag: True}), common.Dist())
     with pytest.raises(ValueError, match=f"--{flag} runs under `python`"):
-        run.check_grpo_config(replace(run.with_defaults(grpo.Config()), **{flag: True}), common.Dist(torchrun=True))
+        grpo.check_config(replace(cli.with_defaults(grpo.Config()), **{flag: True}), common.Dist(torchrun=True))
 
 
 def run_grpo(tmp_path, *extra):
@@ -464,8 +464,8 @@ def test_rpo_adds_alpha_times_the_chosen_nll_per_token_and_alpha_0_is_dpo():
 
 def test_simpo_loads_no_reference_and_trains(tmp_path, monkeypatch):
     loaded = []
-    load = common.load_model
-    monkeypatch.setattr(common, "load_model", lambda name, *a, **kw: loaded.append(name) or load(name, *a, **kw))
+    load = models.load_model
+    monkeypatch.setattr(models, "load_model", lambda name, *a, **kw: loaded.append(name) or load(name, *a, **kw))
     out = tmp_path / "run"
     proc = run_here(["dpo.py", "--model", "tiny", "--loss_type", "simpo", "--beta", "2.0", "--steps", "3",
                      "--batch_size", "8", "--n_train", "64", "--n_eval", "16", "--n_eval_prompts", "4",

@@ -12,13 +12,13 @@ import common
 import data
 import dpo
 import grpo
-import run
 import sampling
 import sft
 import tasks
 from helpers import read_metrics, run_here, write_jsonl
 from test_grpo import write_digits_prompts
 from test_grpo_tools import tool_spans
+from plumbing import checkpoints, models
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -28,7 +28,7 @@ def leaning_gpt2(folder, lean, seed=None):
     `lean` (token text -> logit) on top of it, or with seed, drawn at random for every token: a
     model unlike the calculator's. Its folder, as a string."""
     tasks.calculator_gpt2(folder)
-    tok = data.load_tokenizer(str(folder))
+    tok = models.load_tokenizer(str(folder))
     model = GPT2LMHeadModel.from_pretrained(folder)
     with torch.no_grad():
         if seed is not None:
@@ -144,7 +144,7 @@ def tools_teacher_run(tmp_path_factory):
                       dataset=write_digits_prompts(tmp / "p.jsonl", 8), out_dir=str(tmp / "g"), steps=2,
                       prompts_per_step=4, group_size=4, max_prompt_len=64, max_new_tokens=16, lr=1e-2, warmup_steps=0,
                       eval_every=100, n_eval_pairs=4)
-    return cfg, record_grpo(cfg), data.load_tokenizer(policy)
+    return cfg, record_grpo(cfg), models.load_tokenizer(policy)
 
 
 def own_tokens(ids, attn, R, tok):
@@ -307,7 +307,7 @@ def sft_resumed_run(tmp_path_factory):
     argv = ["sft.py", "--dataset", rows, "--eval_dataset", rows, "--n_eval", "2", "--batch_size", "4", "--grad_accum", "2",
             "--steps", "3", "--save_every", "2", "--lr", "1e-3", "--warmup_steps", "0", "--out_dir", str(tmp / "run")]
     drawn, losses = [], []
-    next_rows, loss_fn, save = data.DataOrder.next, sft.sft_loss, run.save_checkpoint
+    next_rows, loss_fn, save = data.DataOrder.next, sft.sft_loss, checkpoints.save_checkpoint
 
     def recording_next(self, k):
         drawn.append(next_rows(self, k))
@@ -321,7 +321,7 @@ def sft_resumed_run(tmp_path_factory):
         mp.setattr(data.DataOrder, "next", recording_next)
         mp.setattr(sft, "sft_loss", recording_loss)
         with pytest.MonkeyPatch.context() as kill:  # a Ctrl-C right after the first save
-            kill.setattr(run, "save_checkpoint", lambda *a, **kw: save(*a, **kw) and (_ for _ in ()).throw(KeyboardInterrupt))
+            kill.setattr(checkpoints, "save_checkpoint", lambda *a, **kw: save(*a, **kw) and (_ for _ in ()).throw(KeyboardInterrupt))
             killed = run_here(argv)
         assert killed.returncode == 130, killed.stderr
         resumed = run_here(argv + ["--resume"])

@@ -1,0 +1,223 @@
+"""GRPO's environment: what a rollout samples and what scores it. Built once (make_env): the
+prompts, rendered with the chat template and each with its rule, their order, the stop ids, a
+reward model, on-policy distillation's teacher and the tool a policy may call. Each step: the
+rollout (rollout: prompts -> completions, drawn by the sampler with the random numbers of the
+global batch) and what scores its completions (score: each row's rule, the reward model)."""
+import dataclasses
+
+import torch
+
+import common
+import data
+import sampling
+import tasks
+import tool_rollout
+import tools
+from plumbing import models
+
+
+def load_prompts(cfg, rules):
+    """grpo.py's training prompts (--dataset, --n_train of an embedded task). Where rules are
+    scored, every row gets its rule (`reward_fn`: the row's own, else --reward_fn), checked
+    against its prompt and answer here: a bad row found at step 2 would have cost a run."""
+    columns = ["prompt"] + (["reward_fn"] if rules and not cfg.reward_fn else [])
+    train = data.load_data(cfg.dataset, "train", columns, kind="prompt", n=cfg.n_train, seed=cfg.seed,
+                      optional=("reward_fn", "answer") if rules else ())
+    if rules and "reward_fn" not in train.column_names:  # --reward_fn for every row
+        train = train.add_column("reward_fn", [cfg.reward_fn] * len(train))
+    if rules:
+        answers = list(train["answer"]) if "answer" in train.column_names else None
+        tasks.check_rule_rows(train["reward_fn"], train["prompt"], cfg.dataset, answers)
+    return train
+
+
+def grpo_evals(cfg, tokenizer):
+    """What grpo.py evaluates on: an embedded task's held-out prompts (rendered, and as given), and
+    held-out preference pairs (--eval_pairs, or the task's own) encoded; None where there are none."""
+    embedded = cfg.dataset in tasks.TASKS
+    held_out = pairs = gold_pairs = None
+    if embedded:
+        rows = data.load_data(cfg.dataset, "test", ["prompt"], kind="prompt", n=cfg.n_eval, seed=cfg.seed)
+        held_out = {**data.render_chat(rows, tokenizer, cfg.dataset)[0][:], "own_prompt": list(rows["prompt"])}
+    if cfg.eval_pairs or (embedded and "preference" in tasks.TASKS[cfg.dataset]):
+        rows = data.load_pairs(cfg.eval_pairs or cfg.dataset, cfg.eval_pairs_split if cfg.eval_pairs else "test",
+                               cfg.n_eval_pairs, cfg.seed)
+        rows, chat = data.render_chat(rows.select(range(min(cfg.n_eval_pairs, len(rows)))), tokenizer,
+                                      cfg.eval_pairs or cfg.dataset)
+        pairs = data.encode_pairs(rows, tokenizer, cfg.max_prompt_len, cfg.max_new_tokens, "eval pairs", eos=not chat)
+        gold_pairs = None if cfg.eval_pairs else rows  # the embedded task's label noise is known
+    return {"held_out": held_out, "pairs": pairs, "gold_pairs": gold_pairs}
+
+
+@dataclasses.dataclass
+class Env:
+    """What a rollout samples and what scores it, built once (make_env): the prompts rendered (with
+    reward_fn and answer where the rules need them) and as given (text or messages: what the rules
+    read, as TRL passes them), their order, the stop ids (EOS first), the rewards."""
+    prompts: object  # a datasets.Dataset
+    own_prompts: list
+    order: data.DataOrder
+    tokenizer: object
+    stop_ids: list
+    truncate_id: int | None
+    weights: dict
+    rm: object = None
+    rm_tokenizer: object = None
+    teacher: object = None  # on-policy distillation's, frozen
+    tool: object = None  # --tools: a function, text -> text
+    prompt_cut: object = None  # (n,) bool: the prompt is longer than --max_prompt_len, cut from the left
+
+
+def make_env(cfg, d, prompts, order, tokenizer, model, weights):
+    """The Env of a run: conversational prompts rendered with the generation prompt (and their
+    tokens cut from the left counted once, here), the stop ids, and the reward model, loaded
+    frozen with its context checked against prompt + completion (re-tokenised: learned_rewards)."""
+    rm = rm_tokenizer = None
+    if cfg.reward_model:
+        rm_tokenizer = models.load_tokenizer(cfg.reward_model, cfg.trust_remote_code)
+        rm = models.load_frozen(cfg.reward_model, rm_tokenizer, d, kind="reward", trust_remote_code=cfg.trust_remote_code,
+                                cpu_offload=cfg.offload_frozen)
+        models.check_context(rm, cfg.max_prompt_len, cfg.max_new_tokens + 1, "--max_new_tokens (+1)",
+                             f"--reward_model {cfg.reward_model}")
+    teacher = None
+    if cfg.teacher:  # it scores the policy's own tokens: one vocabulary for both
+        vocab = models.load_tokenizer(cfg.teacher, cfg.trust_remote_code).get_vocab()
+        if vocab != tokenizer.get_vocab():
+            raise ValueError(f"--teacher {cfg.teacher}: its tokenizer ({len(vocab)} tokens) is not the policy's "
+                             f"({len(tokenizer)}): on-policy distillation scores the policy's own tokens with the "
+                             f"teacher, so both must share one tokenizer")
+        teacher = models.load_frozen(cfg.teacher, tokenizer, d, trust_remote_code=cfg.trust_remote_code,
+                                     cpu_offload=cfg.offload_frozen)
+        models.check_context(teacher, cfg.max_prompt_len, cfg.max_new_tokens, "--max_new_tokens", f"--teacher {cfg.teacher}")
+    stop_ids = sampling.stop_token_ids(tokenizer, model, cfg.truncate_token)  # EOS first, the truncate token last
+    rendered, _ = data.render_chat(prompts, tokenizer, cfg.dataset)
+    p_ids, cut = data.encode_prompts(tokenizer, rendered["prompt"], cfg.max_prompt_len, cfg.dataset)
+    data.show_example(tokenizer, p_ids[0], None, cfg.dataset)
+    tool = None
+    if getattr(cfg, "tools", ""):  # the closing tag must be one token, for the sampler to stop at
+        tool = tools.load_tool(cfg.tools)
+        tool_rollout.closing_tag_id(tokenizer, flag=f"--tools {cfg.tools}")
+    return Env(prompts=rendered, own_prompts=list(prompts["prompt"]), order=order, tokenizer=tokenizer,
+               stop_ids=stop_ids, truncate_id=stop_ids[-1] if cfg.truncate_token else None, weights=weights, rm=rm,
+               rm_tokenizer=rm_tokenizer, teacher=teacher, tool=tool, prompt_cut=torch.tensor(cut))
+
+
+@torch.no_grad()
+def learned_rewards(env, prompts, completions, cfg, d):
+    """Reward model scores of prompt + completion re-tokenized with the RM's tokenizer, (N,)."""
+    p_ids, _ = data.encode_prompts(env.rm_tokenizer, prompts, cfg.max_prompt_len)
+    r_ids, _ = data.encode_responses(env.rm_tokenizer, completions, cfg.max_new_tokens + 1)
+    ids, attn, _ = common.join_prompt_response(p_ids, r_ids, env.rm_tokenizer.pad_token_id)  # (N, P+R)
+    with common.autocast(d):
+        return common.reward_scores(env.rm, ids.to(d.device), attn.to(d.device)).float()
+
+
+def truncate_mask(response_ids, response_mask, truncate_id):
+    """(B, R) mask zeroed after each row's first truncate token (kept): nothing after it is
+    rewarded or trained on."""
+    if truncate_id is None:
+        return response_mask
+    hit = (response_ids == truncate_id) & response_mask.bool()
+    after = (hit.long().cumsum(-1) - hit.long()) > 0  # strictly after the first hit
+    return response_mask * (~after).long()
+
+
+@dataclasses.dataclass
+class Rollout:
+    """The rows of a rollout on this rank, each prompt's G completions contiguous; the prompt block
+    left-padded to P tokens and the response block right-padded to R (common.py's layout)."""
+    p_ids: torch.Tensor  # (N, P)
+    p_mask: torch.Tensor  # (N, P)
+    r_ids: torch.Tensor  # (N, R)
+    r_mask: torch.Tensor  # (N, R) 1 up to and including the stop token
+    r_logps: torch.Tensor  # (N, R) the sampler's log-probs of its tokens
+    r_tool: torch.Tensor  # (N, R) 1 on a tool's tokens (--tools): attended to, never trained on
+    stopped: torch.Tensor  # (N,) ended with EOS, an end-of-turn id or the truncate token
+    prompt_idx: torch.Tensor  # (N,) each row's prompt: its row in the data set
+    prompt_cut: torch.Tensor  # (N,) its prompt is longer than --max_prompt_len, cut from the left
+    rewards: torch.Tensor  # (N,) 0 until `reward`
+    parts: dict  # each term of the reward, (N,): logged as reward/<name>
+
+    def map(self, fn):
+        """A rollout of fn(name, tensor) for every tensor."""
+        tensors = {f: fn(f, getattr(self, f)) for f in self.__dataclass_fields__ if f != "parts"}
+        return Rollout(**tensors, parts={k: fn(k, v) for k, v in self.parts.items()})
+
+    def select(self, idx):
+        """The rows idx (a 1-D index)."""
+        return self.map(lambda name, x: x[idx.to(x.device)])
+
+    def padded(self, P, R, pad_id):
+        """The prompt block left-padded to P tokens, the response block right-padded to R."""
+        def pad(name, x):
+            if name[:2] not in ("p_", "r_"):
+                return x
+            side = (P - x.shape[1], 0) if name[:2] == "p_" else (0, R - x.shape[1])
+            return torch.nn.functional.pad(x, side, value=pad_id if name.endswith("_ids") else 0)
+        return self.map(pad)
+
+    @staticmethod
+    def cat(rolls, pad_id):
+        """Several rollouts as one, padded to the longest prompt and response blocks."""
+        P, R = max(r.p_ids.shape[1] for r in rolls), max(r.r_ids.shape[1] for r in rolls)
+        rolls = [r.padded(P, R, pad_id) for r in rolls]
+        tensors = [f for f in Rollout.__dataclass_fields__ if f != "parts"]
+        return Rollout(**{f: torch.cat([getattr(r, f) for r in rolls]) for f in tensors},
+                       parts={k: torch.cat([r.parts[k] for r in rolls]) for k in rolls[0].parts})
+
+    def gather(self, pad_id, d):
+        """Every rank's rows, in rank order (the global rollout), on every rank. Collective."""
+        if d.world_size == 1:
+            return self
+        blocks = self.p_ids.new_tensor([[self.p_ids.shape[1], self.r_ids.shape[1]]])  # (1, 2): P and R
+        P, R = common.all_gather(blocks, d).amax(0).tolist()  # the longest of any rank
+        return self.padded(P, R, pad_id).map(lambda name, x: common.all_gather(x.int(), d).bool()
+                                             if x.dtype == torch.bool else common.all_gather(x, d))
+
+
+def rollout(model, env, cfg, d, step, round_=0):
+    """Phase 1: this rank's share of prompts_per_step new prompts, rs_samples or group_size
+    completions each, groups contiguous, drawn with the random numbers of the global rollout
+    indexed by row (any number of ranks samples the same)."""
+    n_sample = cfg.rs_samples or cfg.group_size
+    rows = env.order.next(cfg.prompts_per_step)[common.shard_batch(cfg.prompts_per_step, d)]
+    prompts = [p for p in env.prompts.select(rows)["prompt"] for _ in range(n_sample)]  # groups contiguous
+    u = sampling.rollout_uniforms(cfg.prompts_per_step * n_sample, cfg.max_new_tokens,
+                         sampling.stream_seed(cfg.seed, step, stream=0, round_=round_))
+    u = u[common.shard_batch(cfg.prompts_per_step * n_sample, d)]  # (N, max_new_tokens) this rank's rows
+    p_ids, _ = data.encode_prompts(env.tokenizer, prompts, cfg.max_prompt_len)
+    p_ids, p_mask = (t.to(d.device) for t in common.pad(p_ids, env.tokenizer.pad_token_id, side="left"))  # (N, P)
+    kw = dict(eos_id=env.stop_ids[0], pad_id=env.tokenizer.pad_token_id, temperature=cfg.temperature, top_k=cfg.top_k,
+              top_p=cfg.top_p, stop_ids=env.stop_ids[1:], uniforms=u, compile=cfg.compile)
+    with common.evaluating(model, gather=True), common.autocast(d):
+        if env.tool is None:
+            r_ids, r_mask, r_logps = sampling.generate(model, p_ids, p_mask, cfg.max_new_tokens, return_logprobs=True, **kw)
+            r_tool = torch.zeros_like(r_mask)  # (N, R) each
+        else:  # the policy's calls run between its turns; r_tool: 1 on the tools' tokens (tool_rollout.py)
+            r_ids, r_mask, r_logps, r_tool = tool_rollout.generate_with_tools(
+                model, p_ids, p_mask, cfg.max_new_tokens, tokenizer=env.tokenizer, tool=env.tool,
+                max_calls=cfg.max_tool_calls, **kw)
+    r_mask = truncate_mask(r_ids, r_mask, env.truncate_id)
+    stopped = (torch.isin(r_ids, r_ids.new_tensor(env.stop_ids)) & r_mask.bool()).any(-1)  # (N,)
+    prompt_idx = torch.tensor(rows, device=d.device).repeat_interleave(n_sample)  # (N,)
+    prompt_cut = env.prompt_cut[rows].to(d.device).repeat_interleave(n_sample)  # (N,)
+    roll = Rollout(p_ids, p_mask, r_ids, r_mask, r_logps, r_tool=r_tool * r_mask, stopped=stopped,
+                   prompt_idx=prompt_idx, prompt_cut=prompt_cut, rewards=torch.zeros_like(r_logps[:, 0]), parts={})
+    return roll
+
+
+def score(roll, env, cfg, d):
+    """What scores each completion of a rollout, {name: (N,)}: `rule`, its row's rule (tasks.py)
+    on the text after the prompt (stop tokens left out), given the row's prompt as written (text
+    or messages, as TRL passes it) and its `answer`; `model`, the reward model. Where there are."""
+    is_stop = torch.isin(roll.r_ids, roll.r_ids.new_tensor(env.stop_ids))
+    texts = data.decode_responses(env.tokenizer, roll.r_ids, roll.r_mask * (~is_stop).long(), roll.p_ids)
+    idx, parts = roll.prompt_idx.tolist(), {}
+    rows = env.prompts.select(idx)[:]  # columns as lists: a Dataset indexed row by row is ~100x slower
+    if "reward_fn" in rows:  # Python floats of Python functions, computed on the host
+        answers = rows.get("answer", [None] * len(idx))
+        parts["rule"] = torch.tensor([tasks.REWARD_FNS[f](env.own_prompts[i], c, a)
+                                      for f, i, c, a in zip(rows["reward_fn"], idx, texts, answers)], device=d.device)
+    if env.rm is not None:
+        parts["model"] = learned_rewards(env, rows["prompt"], texts, cfg, d)
+    return parts

@@ -1,0 +1,264 @@
+"""The command line: one flat Config dataclass per script, its field docstrings the --help, its
+ranges checked, its unset flags filled (fill_defaults); a script's start (start) and its run under
+Ctrl-C, SIGTERM and SIGHUP (script)."""
+import argparse
+import ast
+import dataclasses
+import functools
+import inspect
+import math
+import os
+import signal
+import sys
+import textwrap
+import typing
+
+import torch
+
+import common
+from plumbing import checkpoints, models, rundir
+
+
+@dataclasses.dataclass
+class SharedConfig:
+    """The flags every script has, declared once; each script's Config adds its own (and gives
+    out_dir its default). --help lists a script's own flags first, then these."""
+    # --- data ---
+    chat_template: str = ""
+    """a Jinja chat template file for conversational rows (default: the tokenizer's own)"""
+    max_prompt_len: int | None = None
+    """prompt tokens kept; a longer prompt is cut from the left (its end is what the response follows), counted in
+    the banner and the metrics [>= 1]"""
+    # --- optimisation ---
+    lr: float | None = None
+    """peak learning rate (AdamW; 0 trains nothing, a check that KL and clipping stay 0) [>= 0]"""
+    weight_decay: float = 0.0
+    """AdamW weight decay [>= 0]"""
+    grad_clip: float = 1.0
+    """clip the global gradient norm to this (0: no clipping) [>= 0]"""
+    activation_checkpointing: bool = False
+    """recompute activations in the backward pass (less memory, ~30% more compute)"""
+    hsdp: int = 0
+    """under torchrun: shard each model within groups of this many ranks (the GPUs of a node) and replicate across
+    the groups, so parameter all-gathers stay on intra-node links (0: shard over all ranks) [>= 0]"""
+    timeout_minutes: float = 60.0
+    """under torchrun: how long a rank waits in one collective for the others (while rank 0 alone reads the weights,
+    another decodes a long rollout or runs a slow reward function) before the job fails; at most a week (0, 10080]"""
+    # --- run ---
+    out_dir: str = "runs/run"
+    """where metrics.jsonl and the checkpoint/ folder go"""
+    save_every: int = 0
+    """also write a resumable checkpoint (optimizer, data position) every this many steps (0: only at the end) [>=
+    0]"""
+    save_dtype: typing.Literal["float32", "bfloat16", "float16"] = "float32"
+    """dtype of the exported weights in checkpoint/; the resumable state stays fp32"""
+    resume: bool = False
+    """continue the run whose checkpoint is in out_dir"""
+    overwrite: bool = False
+    """replace the checkpoint and metrics already in out_dir"""
+    wandb: bool = False
+    """also log to Weights & Biases"""
+    trust_remote_code: bool = False
+    """allow a hub model's own Python code to run"""
+
+
+def start(cfg):
+    """A script's first lines: every flag within the range --help states and among its choices
+    (before anything is loaded or written), torchrun's process group (or a world of one), the
+    seed. Returns the common.Dist. The log is one line per step: transformers' progress bars of
+    each load and save ("Loading weights", "Writing model shards") are switched off."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    filled = fill_defaults(cfg)
+    check_ranges(cfg)
+    d = common.setup_distributed(timeout_minutes=cfg.timeout_minutes, hsdp=cfg.hsdp)
+    if filled:
+        common.print0(filled)
+    checkpoints.wait_group(d)  # made here, where a multi-node setup that cannot make it fails at once
+    common.set_seed(cfg.seed)
+    return d
+
+
+EMBEDDED_MODEL, EMBEDDED_TASK = "tiny", "sort"  # the 0.8M GPT-2 and the task whose values a Config's DEFAULTS hold
+
+
+def fill_defaults(cfg):
+    """The flags a run left unset (None) that its Config's DEFAULTS name (the learning rate and the
+    token limits), set in place: the embedded task's own values when the run trains `--model tiny` or on
+    `--dataset sort` (tuned on them: lr 1e-4 and 24 new tokens for GRPO), else TRL 1.16's defaults,
+    what a user who names a model and data of their own expects (GRPO lr 1e-6, 512 prompt tokens,
+    256 completion tokens). Returns the banner line naming each value and where it came from ("" when
+    every one was given)."""
+    embedded = getattr(cfg, "model", "") == EMBEDDED_MODEL or getattr(cfg, "dataset", "") == EMBEDDED_TASK
+    preset = type(cfg).DEFAULTS["embedded" if embedded else "trl"]
+    filled = {k: v for k, v in preset.items() if getattr(cfg, k) is None}
+    for k, v in filled.items():
+        setattr(cfg, k, v)
+    if not filled:
+        return ""
+    source = (f"the embedded task's (--model {EMBEDDED_MODEL} or --dataset {EMBEDDED_TASK})" if embedded
+              else "TRL 1.16's, for a model and data of your own")
+    return f"defaults, {source}: {' '.join(f'--{k} {v:g}' for k, v in filled.items())} (pass a flag to change one)"
+
+
+def with_defaults(cfg):
+    """A copy of cfg with its unset flags filled (fill_defaults), for code that reads a Config
+    without running it (benchmarks, the memory model)."""
+    cfg = dataclasses.replace(cfg)
+    fill_defaults(cfg)
+    return cfg
+
+
+@functools.lru_cache(maxsize=None)
+def _field_docs(cls):
+    """The string literal under each dataclass field (its docstring) becomes its --help."""
+    docs = {}
+    for klass in reversed(cls.__mro__[:-1]):
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):
+            continue
+        body = tree.body[0].body
+        for node, nxt in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def _command():
+    """The command that started this process, without --resume and --overwrite: `python ...`, or
+    torchrun's (add your rendezvous flags on several nodes)."""
+    args = " ".join(a for a in sys.argv if a not in ("--resume", "--overwrite"))
+    if "LOCAL_WORLD_SIZE" not in os.environ:
+        return f"python {args}"
+    local, nodes = os.environ["LOCAL_WORLD_SIZE"], int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"])
+    return f"torchrun {f'--nnodes {nodes} ' if nodes > 1 else ''}--nproc_per_node {local} {args}"
+
+
+def script(main, cls):
+    """Parse the command line into cls and run main. A Ctrl-C (SIGINT), a SIGTERM (a scheduler's,
+    or torchrun's as it stops) or a SIGHUP (the terminal or ssh session closed) ends the run with
+    one line naming the last resumable checkpoint and the command that continues from it, not a
+    traceback; exit status 130, 143 or 129. A signal is left alone where the shell asked for that:
+    a background job `cmd &` starts with SIGINT ignored, `nohup cmd` with SIGHUP ignored, and the
+    run goes on. A run that fails leaves out_dir as `Run.abandon` says."""
+    cfg = parse_config(cls)
+    rundir.INTERRUPTED, installed = None, {}
+    for sig, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL),
+                         (signal.SIGHUP, signal.SIG_DFL)):
+        if signal.getsignal(sig) is default:  # not when ignored, nor when a caller installed its own
+            installed[sig] = signal.signal(sig, rundir.on_signal)
+    try:
+        main(cfg)
+    except BaseException as e:
+        for r in rundir.RUNS:
+            r.abandon()
+        # a Ctrl-C can surface as another exception: one raised by a context's __exit__ that the
+        # KeyboardInterrupt was unwinding through (torch.save's zip writer: "unexpected pos"),
+        # which torch.distributed.checkpoint then wraps; the handler's record says what it was
+        if not (isinstance(e, KeyboardInterrupt) or rundir.INTERRUPTED):
+            if "Timed out" in str(e):  # gloo's words; NCCL's watchdog ends the process itself, saying "timeout"
+                e.add_note(f"a collective waited longer than --timeout_minutes {cfg.timeout_minutes} for another "
+                           f"rank: raise it where a rank is slow (a long rollout, rank 0 reading a large model alone)")
+            raise
+        ckpt = models.resolve_checkpoint(cfg.out_dir)
+        try:
+            state = checkpoints.trainer_state(ckpt) if cfg.out_dir else None
+        except ValueError:
+            state = None
+        what = {signal.SIGTERM: "terminated (SIGTERM)", signal.SIGHUP: "hung up (SIGHUP)"}.get(rundir.INTERRUPTED, "interrupted")
+        if state is not None:
+            line = f"{what}. Last checkpoint: {ckpt} (step {state['step']}); continue with: {_command()} --resume"
+        else:
+            line = f"{what} before any resumable checkpoint in {cfg.out_dir} (--save_every N writes them)"
+        if "LOCAL_WORLD_SIZE" in os.environ:
+            line += "\n(a traceback of torchrun's that may follow reports the same signal)"
+        common.print0("\n" + line, file=sys.stderr)
+        sys.exit(128 + (rundir.INTERRUPTED or signal.SIGINT))
+    finally:
+        rundir.RUNS.clear()
+        for sig, old in installed.items():
+            signal.signal(sig, old)
+
+
+def parse_config(cls, argv=None):
+    """Build a Config from the command line: `--lr 1e-6`, `--lr=1e-6`, `--flag` / `--no-flag`,
+    `--x none` (or `--x ""`) for an optional field, one of a Literal's values for a field typed
+    with one. An unknown flag, a value of the wrong type or not among the choices exits with an
+    error that names it (argparse). A Config's own flags are listed before the shared ones."""
+    docs, hints = _field_docs(cls), typing.get_type_hints(cls)
+    parser = argparse.ArgumentParser(description=(sys.modules[cls.__module__].__doc__ or "").split("\n\n")[0],
+                                     allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    shared = {f.name for f in dataclasses.fields(SharedConfig)} - set(cls.__dict__.get("__annotations__", {}))
+    for f in sorted(dataclasses.fields(cls), key=lambda f: f.name in shared):
+        tp = hints[f.name]
+        optional = type(None) in typing.get_args(tp)
+        if optional:
+            tp = next(a for a in typing.get_args(tp) if a is not type(None))
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        kw = dict(default=default, help=docs.get(f.name, " ").replace("%", "%%"), dest=f.name)  # argparse formats %
+        if f.name in getattr(cls, "DEFAULTS", {}).get("trl", {}):  # fill_defaults': both values, not "None"
+            kw["help"] += (f" (default: {cls.DEFAULTS['embedded'][f.name]:g} with --model {EMBEDDED_MODEL} or --dataset "
+                           f"{EMBEDDED_TASK}, else {cls.DEFAULTS['trl'][f.name]:g}, TRL's)%(default).0s")
+        if tp is bool:
+            parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, **kw)
+            continue
+        if typing.get_origin(tp) is typing.Literal:
+            parser.add_argument(f"--{f.name}", choices=typing.get_args(tp), **kw)
+            continue
+        convert = tp
+        if optional:
+            convert = lambda s, tp=tp: None if s.lower() in ("none", "") else tp(s)
+            convert.__name__ = tp.__name__
+        parser.add_argument(f"--{f.name}", type=convert, metavar=tp.__name__.upper(), **kw)
+    return cls(**vars(parser.parse_args(argv)))
+
+
+_RANGE = (r"\[(?P<op>>=|>) (?P<bound>-?[0-9.e+-]+)\]$"
+          r"|(?P<lo_br>[\[(])(?P<lo>-?[0-9.e+-]+), (?P<hi>-?[0-9.e+-]+)(?P<hi_br>[\])])$")
+
+
+def field_range(doc):
+    """The valid range a field's docstring ends with: a bound, "[>= 1]" or "[> 0]", or an
+    interval, "[0, 1)" or "(0, 1]". Returns (text, test) or None when the docstring has none."""
+    import re
+
+    m = re.search(_RANGE, doc)
+    if m is None:
+        return None
+    if m["op"]:
+        b = float(m["bound"])
+        return m[0], (lambda v: v >= b) if m["op"] == ">=" else (lambda v: v > b)
+    lo, hi = float(m["lo"]), float(m["hi"])
+    return m[0], lambda v: (v >= lo if m["lo_br"] == "[" else v > lo) and (v <= hi if m["hi_br"] == "]" else v < hi)
+
+
+def check_ranges(cfg):
+    """Refuse every numeric field outside the range its docstring ends with (shown by --help), every
+    float that is not finite in float32 (inf, nan, 1e39: the flags reach the loss in float32 or
+    bf16 tensors, where 1e39 is inf), and every Literal field off its choices, naming the flag: the
+    parser refuses the choices on the command line; this catches the rest, and a Config built in
+    code (tests, the pipeline)."""
+    docs, hints = _field_docs(type(cfg)), typing.get_type_hints(type(cfg))
+    bad = []
+    for f in dataclasses.fields(cfg):
+        value, rng = getattr(cfg, f.name), field_range(docs.get(f.name, ""))
+        if isinstance(value, float) and not abs(value) <= torch.finfo(torch.float32).max:  # nan: False too
+            bad.append(f"--{f.name} {value} is not a finite number{' in float32' if math.isfinite(value) else ''}")
+        elif rng is not None and value is not None and not isinstance(value, bool) and not rng[1](value):
+            bad.append(f"--{f.name} {value} is out of range {rng[0]}")
+        choices = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is typing.Literal else ()
+        if choices and value not in choices:
+            bad.append(f"--{f.name} {value!r} is not one of {', '.join(choices)}")
+    if bad:
+        raise ValueError("; ".join(bad))
+
+
+def micro_batch(batch_size, grad_accum, d):
+    """Rows per micro-batch on each rank; the global batch must split evenly over ranks and
+    accumulation steps (checked up front, naming the flags)."""
+    if batch_size % (d.world_size * grad_accum):
+        raise ValueError(f"--batch_size {batch_size} must be divisible by world size {d.world_size} x --grad_accum "
+                         f"{grad_accum}")
+    return batch_size // (d.world_size * grad_accum)

