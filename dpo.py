@@ -242,7 +242,7 @@ def main(cfg):
     check_config(cfg)
     train, test = data.load_preferences(cfg)
     order = data.DataOrder(len(train), cfg.seed, batch=cfg.batch_size, source=f"--dataset {cfg.dataset}")
-    job = rundir.Run(cfg, d, models=["model", "ref_model"])  # out_dir checked and locked; nothing written yet
+    job = rundir.Run(cfg, d, model_flags=["model", "ref_model"])  # out_dir checked and locked; nothing written yet
     tokenizer = models.load_tokenizer(cfg.model, cfg.trust_remote_code, cfg.chat_template)
     train, test, train_pairs, test_pairs = data.encode_preferences(train, test, tokenizer, cfg)
     # response tokens (N, 2) of chosen and rejected: sigmoid_norm's, simpo's and RPO's per-token averages

@@ -700,7 +700,7 @@ def main(cfg):
     weights = parse_weights(cfg.reward_weights, bool(cfg.reward_model), has_teacher=bool(cfg.teacher))
     train = environment.load_prompts(cfg, rules="rule" in weights or cfg.dataset in tasks.TASKS)
     order = data.DataOrder(len(train), cfg.seed, cfg.prompts_per_step, f"--dataset {cfg.dataset}", "--prompts_per_step")
-    job = rundir.Run(cfg, d, models=["model", "reward_model", "teacher"])  # out_dir checked and locked; nothing written yet
+    job = rundir.Run(cfg, d, model_flags=["model", "reward_model", "teacher"])  # out_dir checked and locked; nothing written yet
     tokenizer, model = models.load_policy(cfg.model, cfg, d, response_len=cfg.max_new_tokens,
                                           response_flag="--max_new_tokens", shard=False)
     ref = None  # with --lora: the policy with its adapters disabled

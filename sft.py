@@ -155,7 +155,7 @@ def main(cfg):
     test = data.load_data(cfg.eval_dataset or cfg.dataset, cfg.eval_split, COLUMNS, kind="sft", n=cfg.n_eval,
                           seed=cfg.seed, holdout=split)
     order = data.DataOrder(len(train), cfg.seed, batch=cfg.batch_size, source=f"--dataset {cfg.dataset}")
-    job = rundir.Run(cfg, d, models=["model"])  # out_dir checked and locked; nothing is written before job.begin
+    job = rundir.Run(cfg, d, model_flags=["model"])  # out_dir checked and locked; nothing is written before job.begin
     tokenizer, model = models.load_policy(cfg.model, cfg, d, response_len=cfg.max_response_len)
     train_p, train_c = encode_sft(train, tokenizer, cfg, cfg.dataset)
     data.show_example(tokenizer, train_p[0], train_c[0], cfg.dataset)

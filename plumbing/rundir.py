@@ -141,7 +141,7 @@ class Run:
     loop stays in each script's main(); a Run holds what the loop's ends need (what to resume,
     the log, when to save, the last good checkpoint).
 
-    Run(cfg, d, models) checks the model flags (models.check_model_paths) and out_dir, locks out_dir
+    Run(cfg, d, model_flags) checks the model flags (models.check_model_paths) and out_dir, locks out_dir
     (rank 0) and writes nothing else: a run that stops before `begin` (a bad flag, a model that
     does not load) leaves out_dir as it found it.
     - Without --resume or --overwrite, out_dir must be empty or absent: a checkpoint or any
@@ -156,7 +156,7 @@ class Run:
       moved, in one rename, to a sibling out_dir.replaced-<time>, which nothing deletes.
     """
 
-    def __init__(self, cfg, d, models=("model",)):
+    def __init__(self, cfg, d, model_flags=("model",)):
         if not cfg.out_dir:
             raise ValueError("--out_dir is empty: pass the folder the run writes into")
         here, there = os.path.realpath(os.getcwd()), os.path.realpath(cfg.out_dir)
@@ -164,7 +164,7 @@ class Run:
             raise ValueError(f"--out_dir {cfg.out_dir} is the folder this command runs in ({there})"
                              f"{'' if here == there else ', or one above it'}: a run needs a folder of its own "
                              f"(--overwrite moves it aside whole); pass one, e.g. --out_dir runs/NAME")
-        models.check_model_paths(cfg, *models)
+        models.check_model_paths(cfg, *model_flags)
         self.cfg, self.d, self.out_dir = cfg, d, cfg.out_dir
         self.inputs = {f: fingerprint(getattr(cfg, f), whole=f in DATA_FLAGS) for f in INPUT_FLAGS
                        if getattr(cfg, f, None)}

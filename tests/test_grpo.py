@@ -12,7 +12,7 @@ import grpo
 import tasks
 from grpo import (aggregate, group_advantages, grpo_loss, kl_per_token, loss_normaliser,
                   rejection_sample)
-from sampling import truncate_mask
+from environment import truncate_mask
 from helpers import TWO_RANK_RUNS, checkpoint_weights, max_abs_diff, read_metrics, run_here, write_jsonl
 from plumbing import cli, models
 

@@ -11,6 +11,7 @@ from transformers import GPT2LMHeadModel
 import common
 import data
 import dpo
+import environment
 import grpo
 import sampling
 import sft
@@ -69,7 +70,7 @@ def record_grpo(cfg):
     seen = {k: [] for k in ("logprobs", "reward", "adv", "minibatches", "deal", "loss", "uniforms", "rs")}
     orig = {name: getattr(mod, name) for mod, name in [
         (grpo, "batched_logprobs"), (grpo, "reward"), (grpo, "group_advantages"), (grpo, "minibatch_rows"),
-        (grpo, "grpo_loss"), (grpo, "rejection_sample"), (common, "response_logprobs"), (sampling, "rollout"),
+        (grpo, "grpo_loss"), (grpo, "rejection_sample"), (common, "response_logprobs"), (environment, "rollout"),
         (sampling, "rollout_uniforms")]}
     last = {}
 
@@ -79,9 +80,9 @@ def record_grpo(cfg):
         return out
 
     def reward(*args, **kwargs):
-        roll, seconds = orig["reward"](*args, **kwargs)
+        roll = orig["reward"](*args, **kwargs)
         seen["reward"].append(roll.rewards.clone())
-        return roll, seconds
+        return roll
 
     def group_advantages(rewards, *args, **kwargs):
         adv, metrics = orig["group_advantages"](rewards, *args, **kwargs)
@@ -119,7 +120,7 @@ def record_grpo(cfg):
         for mod, name, fn in [(grpo, "batched_logprobs", batched_logprobs), (grpo, "reward", reward),
                               (grpo, "group_advantages", group_advantages), (grpo, "minibatch_rows", minibatch_rows),
                               (grpo, "grpo_loss", grpo_loss), (grpo, "rejection_sample", rejection_sample),
-                              (common, "response_logprobs", response_logprobs), (sampling, "rollout", rollout),
+                              (common, "response_logprobs", response_logprobs), (environment, "rollout", rollout),
                               (sampling, "rollout_uniforms", rollout_uniforms)]:
             mp.setattr(mod, name, fn)
         grpo.main(cfg)
