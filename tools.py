@@ -11,6 +11,7 @@ its workers with it.
     python -c "import tools; print(tools.calculator('12 * (3 + 4)'))"    # 84
 """
 import ast
+import importlib
 import json
 import math
 import multiprocessing.connection
@@ -112,7 +113,6 @@ def _import(spec):
         return calculator, {}
     module, _, name = spec.partition(":")
     try:
-        import importlib
         fn = getattr(importlib.import_module(module), name, None)
     except BaseException as e:  # SyntaxError, a missing dependency, SystemExit: anything the module's code does
         raise ValueError(f"importing module {module!r} failed: {_failure(e, where=True)}") from None
@@ -158,7 +158,7 @@ def _serve(fd):
     except ValueError as e:
         conn.send_bytes(json.dumps({"failed": str(e)}).encode())
         return
-    conn.send_bytes(json.dumps({"ready": declared}).encode())
+    conn.send_bytes(json.dumps({"ready": declared}, default=repr).encode())
     while True:
         try:
             text, max_chars = json.loads(conn.recv_bytes())
@@ -183,7 +183,7 @@ class _Worker:
                                      stdin=subprocess.PIPE, pass_fds=(theirs.fileno(),), start_new_session=True)
         theirs.close()
         self.conn = multiprocessing.connection.Connection(ours.detach())
-        self.conn.send_bytes(json.dumps([spec, sys.path]).encode())
+        self.conn.send_bytes(json.dumps([spec, [str(p) for p in sys.path]]).encode())
         self.declared = None  # what the tool's function set (timeout_s, workers), once it has loaded
 
     def ready(self):
@@ -281,10 +281,10 @@ def load_tool(spec, timeout_s=None, workers=None):
     declared = tool.idle[0].declared
     tool.timeout_s = timeout_s or declared.get("timeout_s", TIMEOUT_S)
     tool.workers = workers or declared.get("workers", WORKERS)
-    for name, value in (("timeout_s", tool.timeout_s), ("workers", tool.workers)):
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
-            raise ValueError(f"--tools {spec!r}: its {name} is {value!r}, not a positive number")
-    tool.workers = int(tool.workers)
+    if type(tool.timeout_s) not in (int, float) or not 0 < tool.timeout_s < math.inf:
+        raise ValueError(f"--tools {spec!r}: its timeout_s is {tool.timeout_s!r}, not a positive number of seconds")
+    if type(tool.workers) is not int or tool.workers < 1:
+        raise ValueError(f"--tools {spec!r}: its workers is {tool.workers!r}, not a positive integer")
     return tool
 
 
@@ -296,8 +296,9 @@ def as_tool(tool):
     load_tool makes of its spec, once per process."""
     if isinstance(tool, Tool):
         return tool
-    spec = "calculator" if tool is calculator else f"{tool.__module__}:{tool.__qualname__}"
-    if tool.__module__ == "__main__" or "<" in tool.__qualname__:
+    module, name = getattr(tool, "__module__", None), getattr(tool, "__qualname__", "<none>")
+    spec = "calculator" if tool is calculator else f"{module}:{name}"
+    if module in (None, "__main__") or "<" in name or "." in name:
         raise ValueError(f"{tool!r}: a tool runs in a worker process, which imports it by name: give a function "
                          f"defined at the top level of a module (tools.load_tool('module:function'))")
     if spec not in _OF_FUNCTION:
