@@ -56,7 +56,7 @@ def results_tokens(tokenizer, written, tool, rooms):
         return []
     width = longest_token(tokenizer, len(tokenizer))
     texts = [call_text(tokenizer, ids) for ids in written]
-    replies = tools.call_tools(tool, texts, max_chars=max(rooms) * width if rooms else 0)
+    replies = tools.call_tools(tool, texts, max_chars=max(rooms) * width)
     return [tokenizer.encode(tools.RESULT_OPEN + reply[:room * width] + tools.RESULT_CLOSE,
                              add_special_tokens=False)[:room] for reply, room in zip(replies, rooms)]
 

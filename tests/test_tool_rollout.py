@@ -174,8 +174,8 @@ def test_grpo_rollouts_answer_two_calls_of_three_with_each_calls_own_value(tmp_p
     from test_grpo import grpo_argv
 
     proc = run_here(grpo_argv(tmp_path / "run", "--model", policy, "--dataset", str(prompts), "--tools", "calculator",
-                              "--max_tool_calls", "2", "--max_prompt_len", "8", "--max_new_tokens", "64", "--steps", "1", "--prompts_per_step",
-                              "2", "--group_size", "2"))
+                              "--max_tool_calls", "2", "--max_prompt_len", "8", "--max_new_tokens", "64",
+                              "--steps", "1", "--prompts_per_step", "2", "--group_size", "2"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     tok = tool_tokenizer()
     assert len(rows) == 4  # 2 prompts x 2

@@ -14,6 +14,8 @@ import time
 
 import pytest
 from helpers import ROOT, SUBPROCESS_ENV, TWO_RANK_RUNS, read_metrics, run_here
+from test_grpo import grpo_argv
+from test_grpo_tools import tool_flags
 
 import tools
 
@@ -54,10 +56,10 @@ def test_a_tool_that_hangs_sleeps_or_ignores_signals_is_ended_at_its_time_limit(
     answered `took longer` after the tool's time limit, its worker killed (SIGKILL after the grace
     when SIGTERM is ignored) and replaced: the tool answers the next turn."""
     monkeypatch.setenv("TOOL_TEST_DIR", str(tmp_path))
-    monkeypatch.setattr(tools, "KILL_GRACE_S", 0.2)
+    monkeypatch.setattr(tools, "KILL_GRACE_S", 0.1)
     texts = ["hang", "sleep", "ignore_signals", "kill_its_thread"]
-    tool = tools.load_tool("misbehaving_tools:misbehaves", timeout_s=0.3, workers=len(texts))
-    assert tools.call_tools(tool, texts) == ["error: the tool took longer than 0.3 s"] * len(texts)
+    tool = tools.load_tool("misbehaving_tools:misbehaves", timeout_s=0.2, workers=len(texts))
+    assert tools.call_tools(tool, texts) == ["error: the tool took longer than 0.2 s"] * len(texts)
     assert all(len(marked(tmp_path, name)) == 1 and gone(marked(tmp_path, name)[0]) for name in texts)
     assert tools.call_tools(tool, ["2 ** 10", "7 - 9"], timeout_s=10) == ["1024", "-2"]
 
@@ -87,17 +89,13 @@ def test_a_tool_module_that_fails_at_import_is_refused_naming_the_flag_when_the_
     for name, (_, why) in MODULES.items():
         with pytest.raises(ValueError, match=re.escape(f"--tools '{name}:f': cannot load it: ") + why):
             tools.load_tool(f"{name}:f")
-    monkeypatch.setattr(tools, "START_TIMEOUT_S", 0.5)
-    with pytest.raises(ValueError, match="hangs_at_import:f'.*did not start within 0.5 s"):
+    with monkeypatch.context() as patched, pytest.raises(ValueError, match="import:f'.*not start within 0.2 s"):
+        patched.setattr(tools, "START_TIMEOUT_S", 0.2)
         tools.load_tool("hangs_at_import:f")
-    monkeypatch.undo()
-    monkeypatch.syspath_prepend(str(tmp_path))
-    from test_grpo import grpo_argv
-
     proc = run_here(grpo_argv(tmp_path / "run", "--tools", "raises_at_import:f"))
     last = proc.stderr.strip().splitlines()[-1]
-    assert proc.returncode == 1 and re.fullmatch(
-        r"ValueError: --tools 'raises_at_import:f': cannot load it: " + MODULES["raises_at_import"][1], last), proc.stderr
+    want = r"ValueError: --tools 'raises_at_import:f': cannot load it: " + MODULES["raises_at_import"][1]
+    assert proc.returncode == 1 and re.fullmatch(want, last), proc.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
@@ -127,19 +125,20 @@ def test_ten_megabytes_from_a_tool_are_cut_to_the_rows_room_before_the_tokenizer
     assert seen and max(seen) <= bound < 1000, seen
 
 
-TWO_RANK_RUNS["grpo_tool_hangs_on_rank_1"] = lambda folder: __import__("test_grpo").grpo_argv(
-    folder / "run", *__import__("test_grpo_tools").tool_flags(folder), "--tools", "misbehaving_tools:hangs_on_rank_1",
-    "--steps", "1", "--max_tool_calls", "1")
+TWO_RANK_RUNS["grpo_tool_hangs_on_rank_1"] = lambda folder: grpo_argv(
+    folder / "run", *tool_flags(folder), "--tools", "misbehaving_tools:hangs_on_rank_1", "--steps", "1",
+    "--max_tool_calls", "1")
 
 
 def test_a_tool_that_never_returns_on_one_rank_is_ended_and_both_ranks_finish(two_ranks):
     """torchrun, 2 ranks: rank 1's calls block forever (misbehaving_tools.hangs_on_rank_1, time
-    limit 0.5 s), rank 0's are the calculator's. Both ranks end with exit status 0 (the fixture
-    checks), the step is logged with its calls, and it took at least the time limit: rank 0 waited
-    in the update's collectives while rank 1's calls ran out their time (before: the fifth hung
-    call waited for a free thread, and the process never exited)."""
+    limit 0.3 s), rank 0's are the calculator's. Both ranks end with exit status 0 (the fixture
+    checks), the step is logged with its calls, and it took at least the time limit (rank 0 waited
+    in the update's collectives while rank 1's calls ran out their time) and far less than one
+    call's default limit of 10 s. Before: each hung call took its 10 s in turn once four had filled
+    the pool (a 50 s step here), and under a torchrun of its own the process never exited."""
     rows = [r for r in read_metrics(two_ranks("grpo_tool_hangs_on_rank_1") / "run") if "loss" in r]
-    assert len(rows) == 1 and rows[0]["tools/call_frequency"] > 0 and rows[0]["time/step"] >= 0.5
+    assert len(rows) == 1 and rows[0]["tools/call_frequency"] > 0 and 0.3 <= rows[0]["time/step"] < 10
 
 
 def our_processes(marker):
@@ -155,40 +154,50 @@ def our_processes(marker):
     return pids
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds processes through /proc")
-def test_ctrl_c_while_a_tool_is_blocked_ends_the_run_with_130_and_leaves_no_process(tmp_path):
+@pytest.fixture(scope="module")
+def blocked_grpo(tmp_path_factory):
     """`python grpo.py --tools misbehaving_tools:blocks` in a session of its own, as a terminal
-    runs it: once its tool is blocked (SIGTERM and SIGINT ignored; the worker's marker file, not a
-    time, says so), SIGINT to the whole process group, as Ctrl-C sends it. The worker is not in
-    that group; the run ends with the usual line and status 130, and no process started with this
-    test's environment is left (the trainer killed its workers as it exited)."""
-    from test_grpo import grpo_argv
-    from test_grpo_tools import tool_flags
-
-    markers = tmp_path / "markers"
-    markers.mkdir()
-    env = {**SUBPROCESS_ENV, "TOOL_TEST_DIR": str(markers), "PYTHONPATH": os.path.join(ROOT, "tests")}
-    argv = grpo_argv(tmp_path / "run", *tool_flags(tmp_path), "--tools", "misbehaving_tools:blocks")
-    # a Python handler becomes SIG_DFL in the child, where an ignored SIGINT (a suite run as `cmd &`) stays ignored
+    runs it, with SIGINT at its default (a suite run as `cmd &` has it ignored, and an ignored
+    signal stays ignored in a child; a Python handler does not). Started by the module's first
+    test (pytestmark), so that its seconds of imports overlap the in-process tests, which mostly
+    wait on worker processes; the Ctrl-C test ends it. Yields the process and its folder."""
+    tmp = tmp_path_factory.mktemp("blocked_grpo")
+    (tmp / "markers").mkdir()
+    env = {**SUBPROCESS_ENV, "TOOL_TEST_DIR": str(tmp / "markers"), "PYTHONPATH": os.path.join(ROOT, "tests")}
+    argv = grpo_argv(tmp / "run", *tool_flags(tmp), "--tools", "misbehaving_tools:blocks")
     sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        with open(tmp / "out", "w") as out, open(tmp / "err", "w") as err:
             proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=out, stderr=err,
                                     start_new_session=True)
     finally:
         signal.signal(signal.SIGINT, sigint)
-    try:
-        while not marked(markers, "blocked") and proc.poll() is None:
-            time.sleep(0.02)  # waiting for the file, bounded by the run itself (it blocks or ends)
-        assert marked(markers, "blocked"), (tmp_path / "err").read_text()[-3000:]
-        worker = marked(markers, "blocked")[0]
-        assert os.getpgid(worker) != os.getpgid(proc.pid)  # out of the terminal's reach
-        os.killpg(proc.pid, signal.SIGINT)
-        assert proc.wait(timeout=120) == 130, (tmp_path / "err").read_text()[-3000:]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    lines = (tmp_path / "err").read_text().strip().splitlines()
+    yield proc, tmp
+    if proc.poll() is None:  # the Ctrl-C test did not run, or failed
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+pytestmark = pytest.mark.usefixtures("blocked_grpo")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds processes through /proc")
+def test_ctrl_c_while_a_tool_is_blocked_ends_the_run_with_130_and_leaves_no_process(blocked_grpo):
+    """Once the tool of `python grpo.py --tools misbehaving_tools:blocks` is blocked (SIGTERM and
+    SIGINT ignored; the worker's marker file, not a time, says so), SIGINT to the run's whole
+    process group, as Ctrl-C sends it. The worker is not in that group; the run ends with the
+    usual line and status 130, and no process started with this test's environment is left (the
+    trainer killed its workers as it exited). Before: the line was printed, and the process never
+    exited (its pool thread, blocked in the tool, is joined at exit)."""
+    proc, tmp = blocked_grpo
+    markers = tmp / "markers"
+    while not marked(markers, "blocked") and proc.poll() is None:
+        time.sleep(0.02)  # waiting for the file, bounded by the run itself (it blocks or ends)
+    assert marked(markers, "blocked"), (tmp / "err").read_text()[-3000:]
+    worker = marked(markers, "blocked")[0]
+    assert os.getpgid(worker) != os.getpgid(proc.pid)  # out of the terminal's reach
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=120) == 130, (tmp / "err").read_text()[-3000:]
+    lines = (tmp / "err").read_text().strip().splitlines()
     assert lines[-1].startswith("interrupted before any resumable checkpoint") and "Traceback" not in "".join(lines)
     assert our_processes(f"TOOL_TEST_DIR={markers}") == [] and gone(worker)
