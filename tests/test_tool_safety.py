@@ -5,6 +5,7 @@ and answered with an error text, and the tool answers again after; 10 MB of text
 is tokenized; a module that fails at import is refused naming --tools when the run starts; one
 rank's tool hanging under torchrun; a Ctrl-C while a tool is blocked ends the run with 130 and
 leaves no process behind."""
+import concurrent.futures
 import os
 import re
 import signal
@@ -14,7 +15,7 @@ import time
 
 import pytest
 from helpers import ROOT, SUBPROCESS_ENV, TWO_RANK_RUNS, read_metrics, run_here
-from test_grpo import grpo_argv
+from test_grpo import grpo_argv, write_digits_prompts
 from test_grpo_tools import tool_flags
 
 import tools
@@ -86,13 +87,21 @@ def test_a_tool_module_that_fails_at_import_is_refused_naming_the_flag_when_the_
         (tmp_path / f"{name}.py").write_text(text)
     (tmp_path / "hangs_at_import.py").write_text("import threading\nthreading.Event().wait()\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    for name, (_, why) in MODULES.items():
-        with pytest.raises(ValueError, match=re.escape(f"--tools '{name}:f': cannot load it: ") + why):
+
+    def refusal(name):
+        with pytest.raises(ValueError) as e:
             tools.load_tool(f"{name}:f")
+        return str(e.value)
+
+    with concurrent.futures.ThreadPoolExecutor(len(MODULES)) as pool:  # their workers import side by side
+        refusals = dict(zip(MODULES, pool.map(refusal, MODULES)))
+    for name, (_, why) in MODULES.items():
+        assert re.match(re.escape(f"--tools '{name}:f': cannot load it: ") + why, refusals[name]), refusals[name]
     with monkeypatch.context() as patched, pytest.raises(ValueError, match="import:f'.*not start within 0.2 s"):
         patched.setattr(tools, "START_TIMEOUT_S", 0.2)
         tools.load_tool("hangs_at_import:f")
-    proc = run_here(grpo_argv(tmp_path / "run", "--tools", "raises_at_import:f"))
+    prompts = write_digits_prompts(tmp_path / "prompts.jsonl", 8)  # not the embedded task's 100k prompts
+    proc = run_here(grpo_argv(tmp_path / "run", "--dataset", prompts, "--tools", "raises_at_import:f"))
     last = proc.stderr.strip().splitlines()[-1]
     want = r"ValueError: --tools 'raises_at_import:f': cannot load it: " + MODULES["raises_at_import"][1]
     assert proc.returncode == 1 and re.fullmatch(want, last), proc.stderr
@@ -158,9 +167,8 @@ def our_processes(marker):
 def blocked_grpo(tmp_path_factory):
     """`python grpo.py --tools misbehaving_tools:blocks` in a session of its own, as a terminal
     runs it, with SIGINT at its default (a suite run as `cmd &` has it ignored, and an ignored
-    signal stays ignored in a child; a Python handler does not). Started by the module's first
-    test (pytestmark), so that its seconds of imports overlap the in-process tests, which mostly
-    wait on worker processes; the Ctrl-C test ends it. Yields the process and its folder."""
+    signal stays ignored in a child; a Python handler does not). Yields the process and its
+    folder; killed (SIGKILL to its group) if the test did not end it."""
     tmp = tmp_path_factory.mktemp("blocked_grpo")
     (tmp / "markers").mkdir()
     env = {**SUBPROCESS_ENV, "TOOL_TEST_DIR": str(tmp / "markers"), "PYTHONPATH": os.path.join(ROOT, "tests")}
@@ -176,9 +184,6 @@ def blocked_grpo(tmp_path_factory):
     if proc.poll() is None:  # the Ctrl-C test did not run, or failed
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-
-
-pytestmark = pytest.mark.usefixtures("blocked_grpo")
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds processes through /proc")
