@@ -9,7 +9,9 @@ times; the first step of a run is warm-up and left out. Tokens/s counts response
 model's and (with the tool) the results', per second: the tool's tokens are not sampled, but a
 step attends to them and carries them through every forward. What the tool loop costs: a
 sampler call per turn (prefill of the grown prompts, no KV cache kept across turns) and the
-host work of decoding a call and encoding its result.
+host work of decoding a call and encoding its result. A call runs in a worker process
+(tools.py): its cost alone, per call of the calculator, is measured too, against a thread of a
+pool in the trainer's own process (how a tool ran before, and what a hanging tool could hang).
 
     python bench/tool_step.py                        # the TINY_GPT2 shape, 8 prompts x 8, 48 tokens, CPU
     python bench/tool_step.py --n_layer 1 --n_embd 32 --steps 4
@@ -19,10 +21,12 @@ Results: bench/results/tool-step-{cpu,cuda}.json.
 import argparse
 import json
 import os
+import concurrent.futures
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 import torch
 
@@ -48,6 +52,28 @@ def one_run(folder, policy, prompts, tools, args):
     n = args.prompts * args.G
     return [(r["completions/mean_length"] * n, r["time/step"], r["time/rollout"], r.get("tools/call_frequency", 0.0))
             for r in rows]
+
+
+def per_call_seconds(n=2000, turn=64):
+    """Seconds per calculator call: in a thread of a pool (a future each), through a worker
+    process one call at a time (tools.call_tool), and in turns of `turn` calls at once
+    (tools.call_tools, as a rollout's turn makes them)."""
+    import tools
+
+    pool, tool = concurrent.futures.ThreadPoolExecutor(4), tools.load_tool("calculator")
+    tools.call_tools(tool, ["1"] * turn)  # every worker started
+    t = time.perf_counter()
+    for _ in range(n):
+        pool.submit(tools.calculator, "12 * 34").result(timeout=10)
+    thread = (time.perf_counter() - t) / n
+    t = time.perf_counter()
+    for _ in range(n):
+        tools.call_tool(tool, "12 * 34")
+    worker = (time.perf_counter() - t) / n
+    t = time.perf_counter()
+    for _ in range(n // turn):
+        tools.call_tools(tool, ["12 * 34"] * turn)
+    return {"thread": thread, "worker": worker, f"worker_turn_of_{turn}": (time.perf_counter() - t) / (n // turn * turn)}
 
 
 def main():
@@ -80,7 +106,9 @@ def main():
             "calls_per_answer": statistics.mean(calls), "step_s_median": statistics.median(step_s),
             "tokens_per_s": sum(tokens) / sum(step_s), "rollout_tokens_per_s": sum(tokens) / sum(roll_s)}
     w, wo = sides["with tool calls"], sides["without"]
+    calls = per_call_seconds()
     result = {"device": util.device_name(util.default_device()), "torch": torch.__version__, "args": vars(args), "sides": sides,
+              "per_call_s": calls,
               "ratio_tokens_per_s": w["tokens_per_s"] / wo["tokens_per_s"],
               "ratio_rollout_tokens_per_s": w["rollout_tokens_per_s"] / wo["rollout_tokens_per_s"]}
     out = args.out or os.path.join(ROOT, "bench", "results", f"tool-step-{'cuda' if torch.cuda.is_available() else 'cpu'}.json")
@@ -92,6 +120,7 @@ def main():
               f"{s['rollout_tokens_per_s']:.0f})")
     print(f"with / without: {result['ratio_tokens_per_s']:.2f}x tokens/s, rollout {result['ratio_rollout_tokens_per_s']:.2f}x "
           f"({result['device']}); {out}")
+    print("per calculator call: " + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in calls.items()))
 
 
 if __name__ == "__main__":

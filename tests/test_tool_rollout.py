@@ -2,8 +2,11 @@
 the tool's result tokens, resumed tokens; masks, log-probs, the exact tokens each turn continues
 from, the random numbers' columns), and a policy that never calls the tool giving exactly
 sampling.generate's rollout."""
+import json
+
 import pytest
 import torch
+from helpers import read_metrics, run_here
 from transformers import GPT2LMHeadModel
 
 import common
@@ -17,6 +20,23 @@ def tool_tokenizer():
     tok = tasks.char_tokenizer()
     tok.add_tokens([tools.CALL_OPEN, tools.CALL_CLOSE, tools.RESULT_OPEN, tools.RESULT_CLOSE])
     return tok
+
+
+def scripted_sampler(monkeypatch, turns, pad_id):
+    """sampling.generate replaced by a script: turns[t] is the list of what each row still active
+    at turn t writes (token lists, in row order); the number of turns run is len(seen)."""
+    seen = []
+
+    def scripted(model, ids, mask, n, eos_id, pad_id, stop_ids=(), uniforms=None, return_logprobs=False, **kw):
+        assert len(seen) < len(turns), f"turn {len(seen) + 1} was asked for; the script has {len(turns)}"
+        outs = turns[len(seen)]
+        assert len(outs) == ids.shape[0], (len(outs), ids.shape)
+        seen.append([ids[k][mask[k].bool()].tolist() for k in range(ids.shape[0])])
+        r_ids, r_mask = common.pad([o[:n] for o in outs], pad_id)
+        return r_ids, r_mask, -0.01 * r_mask.float()
+
+    monkeypatch.setattr(tool_rollout.sampling, "generate", scripted)
+    return seen
 
 
 def test_a_call_is_answered_in_tokens_masked_out_and_the_row_resumes_from_its_exact_tokens(monkeypatch):
@@ -80,6 +100,88 @@ def test_a_policy_that_never_calls_the_tool_gives_exactly_the_samplers_rollout()
                                            tokenizer=tok, tool=tools.calculator, uniforms=u)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
     assert got[3].sum() == 0
+
+
+def test_a_row_gets_max_calls_results_each_of_its_own_last_call(monkeypatch):
+    """A scripted policy whose row 0 makes 3 calls of distinct values (12*3, 5*7, 11*13) and row 1
+    one (2+9), max_calls 2: row 0 gets exactly 2 results, 36 and then 35 (the second call's own
+    text: what follows the row's last opening tag), and ends at its third call, unanswered; row 1
+    gets 11 and answers. Planted bugs: `calls[i] <= max_calls` (a third result, a fourth turn)
+    and the text after the row's first opening tag (the second result an error text): each fails."""
+    tok = tool_tokenizer()
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    call = lambda e: enc(f"{tools.CALL_OPEN}{e}{tools.CALL_CLOSE}")  # noqa: E731
+    result = lambda v: enc(f"{tools.RESULT_OPEN}{v}{tools.RESULT_CLOSE}")  # noqa: E731
+    answer = enc("so 11") + [tok.eos_token_id]
+    seen = scripted_sampler(monkeypatch, [[call("12*3"), call("2+9")], [call("5*7"), answer], [call("11*13")],
+                                          [enc("more") + [tok.eos_token_id]]], tok.pad_token_id)
+    ids, mask = common.pad([enc("a ="), enc("b =")], tok.pad_token_id, side="left")
+    r_ids, r_mask, r_logps, tool_mask = tool_rollout.generate_with_tools(
+        None, ids, mask, 60, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, tokenizer=tok, tool=tools.calculator,
+        max_calls=2)
+    rows = [call("12*3") + result(36) + call("5*7") + result(35) + call("11*13"), call("2+9") + result(11) + answer]
+    for k, row in enumerate(rows):
+        assert r_ids[k, :len(row)].tolist() == row and r_mask[k].sum() == len(row), tok.decode(r_ids[k])
+    assert tool_rollout.tool_calls(tool_mask).tolist() == [2, 1] and len(seen) == 3
+    results = [tok.decode(r_ids[0][tool_mask[0].bool()])]
+    assert results == [f"{tools.RESULT_OPEN}36{tools.RESULT_CLOSE}{tools.RESULT_OPEN}35{tools.RESULT_CLOSE}"]
+
+
+def forced_gpt2(folder, prompt_len, text, context=80):
+    """A GPT-2 of the character tokenizer with the tag pairs as tokens that writes `text` and then
+    EOS after any prompt of prompt_len tokens, whatever it is given: the output at position p is
+    the token at position p + 1 of prompt + text, read from the position alone (a one-hot position
+    embedding, no token embedding, the blocks' outputs zeroed), so each response token sits at its
+    position in `text` only while the results the tool put in are the ones `text` holds."""
+    tok = tool_tokenizer()
+    script = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+    width = context  # the positions and the hidden width: one-hot positions
+    model = GPT2LMHeadModel(tasks.char_gpt2_config(tok, n_layer=1, n_embd=width, n_head=1, n_positions=width,
+                                                   tie_word_embeddings=False))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        model.transformer.wpe.weight.copy_(torch.eye(width))
+        model.transformer.ln_f.weight.fill_(1.0)
+        for p in range(prompt_len - 1, width):
+            k = p - prompt_len + 1
+            model.lm_head.weight[script[k] if k < len(script) else tok.eos_token_id, p] = 30.0
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+def test_grpo_rollouts_answer_two_calls_of_three_with_each_calls_own_value(tmp_path, monkeypatch):
+    """grpo.py --tools calculator --max_tool_calls 2 on a policy forced to write three calls
+    (12*3, 5*7, 11*13), each after the result it expects: every rollout row is exactly call, 36,
+    call, 35, third call, and the step logs 2 calls per answer. Through the
+    script, the same planted bugs fail (a third result; an error text for the second call), as
+    would a call site passing max_calls + 1."""
+    c = lambda e: f"{tools.CALL_OPEN}{e}{tools.CALL_CLOSE}"  # noqa: E731
+    r = lambda v: f"{tools.RESULT_OPEN}{v}{tools.RESULT_CLOSE}"  # noqa: E731
+    want = c("12*3") + r(36) + c("5*7") + r(35) + c("11*13")
+    policy = forced_gpt2(tmp_path / "policy", 4, want + r(143) + "so 143")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"q{i} =", "reward_fn": "digits"}) + "\n" for i in range(10)))
+    rows, generate = [], tool_rollout.generate_with_tools
+
+    def recording(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        rows.extend(zip(out[0].tolist(), out[1].tolist(), tool_rollout.tool_calls(out[3]).tolist()))
+        return out
+
+    monkeypatch.setattr(tool_rollout, "generate_with_tools", recording)
+    from test_grpo import grpo_argv
+
+    proc = run_here(grpo_argv(tmp_path / "run", "--model", policy, "--dataset", str(prompts), "--tools", "calculator",
+                              "--max_tool_calls", "2", "--max_prompt_len", "8", "--max_new_tokens", "64",
+                              "--steps", "1", "--prompts_per_step", "2", "--group_size", "2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tok = tool_tokenizer()
+    assert len(rows) == 4  # 2 prompts x 2
+    for ids, mask, calls in rows:
+        assert tok.decode([t for t, m in zip(ids, mask) if m]) == want and calls == 2
+    assert [m["tools/call_frequency"] for m in read_metrics(tmp_path / "run") if "loss" in m] == [2.0]
 
 
 def test_a_closing_tag_of_several_tokens_is_refused():
