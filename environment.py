@@ -11,7 +11,6 @@ import common
 import data
 import sampling
 import tasks
-import tool_rollout
 import tools
 from plumbing import models
 
@@ -69,9 +68,14 @@ class Env:
 
 
 def make_env(cfg, d, prompts, order, tokenizer, model, weights):
-    """The Env of a run: conversational prompts rendered with the generation prompt (and their
-    tokens cut from the left counted once, here), the stop ids, and the reward model, loaded
-    frozen with its context checked against prompt + completion (re-tokenised: learned_rewards)."""
+    """The Env of a run: the tool first (a bad --tools is named at once; the closing tag must be one
+    token, for the sampler to stop at), the reward model and the teacher, loaded frozen with their
+    context checked against prompt + completion, the stop ids, and the prompts rendered with the
+    generation prompt (those cut from the left counted here)."""
+    tool = None
+    if cfg.tools:
+        tool = tools.load_tool(cfg.tools)
+        sampling.closing_tag_id(tokenizer, flag=f"--tools {cfg.tools}")
     rm = rm_tokenizer = None
     if cfg.reward_model:
         rm_tokenizer = models.load_tokenizer(cfg.reward_model, cfg.trust_remote_code)
@@ -93,10 +97,6 @@ def make_env(cfg, d, prompts, order, tokenizer, model, weights):
     rendered, _ = data.render_chat(prompts, tokenizer, cfg.dataset)
     p_ids, cut = data.encode_prompts(tokenizer, rendered["prompt"], cfg.max_prompt_len, cfg.dataset)
     data.show_example(tokenizer, p_ids[0], None, cfg.dataset)
-    tool = None
-    if getattr(cfg, "tools", ""):  # the closing tag must be one token, for the sampler to stop at
-        tool = tools.load_tool(cfg.tools)
-        tool_rollout.closing_tag_id(tokenizer, flag=f"--tools {cfg.tools}")
     return Env(prompts=rendered, own_prompts=list(prompts["prompt"]), order=order, tokenizer=tokenizer,
                stop_ids=stop_ids, truncate_id=stop_ids[-1] if cfg.truncate_token else None, weights=weights, rm=rm,
                rm_tokenizer=rm_tokenizer, teacher=teacher, tool=tool, prompt_cut=torch.tensor(cut))
@@ -193,8 +193,8 @@ def rollout(model, env, cfg, d, step, round_=0):
         if env.tool is None:
             r_ids, r_mask, r_logps = sampling.generate(model, p_ids, p_mask, cfg.max_new_tokens, return_logprobs=True, **kw)
             r_tool = torch.zeros_like(r_mask)  # (N, R) each
-        else:  # the policy's calls run between its turns; r_tool: 1 on the tools' tokens (tool_rollout.py)
-            r_ids, r_mask, r_logps, r_tool = tool_rollout.generate_with_tools(
+        else:  # the policy's calls run between its turns; r_tool: 1 on the tools' tokens (sampling.generate_with_tools)
+            r_ids, r_mask, r_logps, r_tool = sampling.generate_with_tools(
                 model, p_ids, p_mask, cfg.max_new_tokens, tokenizer=env.tokenizer, tool=env.tool,
                 max_calls=cfg.max_tool_calls, **kw)
     r_mask = truncate_mask(r_ids, r_mask, env.truncate_id)

@@ -15,7 +15,7 @@ advantages (GRPO, RLOO, REINFORCE++), KL estimators, aggregation (Dr. GRPO), rej
 (RSO), DAPO's dynamic sampling and overlong term, and weights of the policy term (DeepSeek-V3.2's
 off-policy mask, high-entropy tokens, truncated importance sampling); with --teacher, on-policy
 distillation (`distill_advantages`: a per-token advantage from a teacher's log-probs); with --tools,
-calls to a tool inside the rollout (tool_rollout.py), whose result tokens the loss leaves out.
+calls to a tool inside the rollout (sampling.py), whose result tokens the loss leaves out.
 
 Deliberate departures:
 1. Each loss normaliser (tokens, sequences, or Dr. GRPO's constant) is that of the whole global
@@ -50,7 +50,6 @@ import data
 import environment
 import sampling
 import tasks
-import tool_rollout
 from plumbing import cli, logs, models, rundir
 
 KlEstimator = Literal["k1", "k2", "k3", "ratio_k1", "ratio_k3"]
@@ -94,7 +93,7 @@ class Config(cli.SharedConfig):
     compile: bool = False
     """torch.compile the rollout's decode step (10-60 s once per batch shape; pays over a run's many rollouts)"""
     tools: str = ""
-    """a tool the policy may call mid-answer (tool_rollout.py): `calculator`, or your `module:function` (text -> text)"""
+    """a tool the policy may call mid-answer (sampling.generate_with_tools): `calculator`, or your `module:function` (text -> text)"""
     max_tool_calls: int = 2
     """tool calls per completion at most; their results count in --max_new_tokens but never in the loss [>= 1]"""
     # --- reward ---
@@ -674,19 +673,20 @@ def minibatch_rows(n_rows, n_minibatches, generator, local=slice(None)):
     return rows[:, start // K:stop // K] - start
 
 
-def evaluate(model, ref, tokenizer, evals, cfg, d):
+def evaluate(model, ref, env, evals, cfg, d):
     """Greedy answers to the embedded task's held-out prompts, scored by its rule (exact-match and
-    gold reward), and the held-out pairs' accuracy of the implicit reward beta log(pi / pi_ref);
-    on the embedded task also against the best accuracy its label noise allows."""
+    gold reward; with --tools, the tool's calls run as in the rollouts), and the held-out pairs'
+    accuracy of the implicit reward beta log(pi / pi_ref); on the embedded task also against the
+    best accuracy its label noise allows."""
     metrics = {}
     if evals["held_out"] is not None:  # every row of a task has its rule
         h = evals["held_out"]
-        metrics |= sampling.evaluate_generations(model, tokenizer, h["prompt"], tasks.REWARD_FNS[h["reward_fn"][0]], d,
-                                              max_prompt_len=cfg.max_prompt_len, max_new_tokens=cfg.max_new_tokens,
-                                              answers=h.get("answer"), own_prompts=h["own_prompt"], tool_spec=cfg.tools,
-                                              max_tool_calls=cfg.max_tool_calls)
+        metrics |= sampling.evaluate_generations(model, env.tokenizer, h["prompt"], tasks.REWARD_FNS[h["reward_fn"][0]],
+                                                 d, max_prompt_len=cfg.max_prompt_len, max_new_tokens=cfg.max_new_tokens,
+                                                 answers=h.get("answer"), own_prompts=h["own_prompt"], tool=env.tool,
+                                                 max_tool_calls=cfg.max_tool_calls)
     if evals["pairs"] is not None:
-        metrics["eval/accuracy"] = pairwise_accuracy(model, ref, evals["pairs"], tokenizer.pad_token_id, d,
+        metrics["eval/accuracy"] = pairwise_accuracy(model, ref, evals["pairs"], env.tokenizer.pad_token_id, d,
                                                      batch_size=cfg.eval_batch_size)
     if evals["gold_pairs"] is not None:
         metrics |= tasks.against_bayes(metrics["eval/accuracy"], evals["gold_pairs"])
@@ -727,7 +727,7 @@ def main(cfg):
                             "eval/exact_match", "eval/gold_reward", "eval/accuracy", "time/step"])
     if job.resume_from and cfg.ref_refresh_every:  # a checkpoint is at a refresh (check_config)
         refresh_reference(ref, model)
-    if start == 1 and (first := evaluate(model, ref, tokenizer, evals, cfg=cfg, d=d)):  # prompts alone: no evaluation
+    if start == 1 and (first := evaluate(model, ref, env, evals, cfg=cfg, d=d)):  # prompts alone: no evaluation
         job.log(0, first)
     clock = logs.Clock(d)  # each phase's seconds and peak GPU memory: time/*, mem/* (bookkeeping, not the step)
     for step in range(start, cfg.steps + 1):
@@ -785,7 +785,7 @@ def main(cfg):
         sums |= {"completions/mean_length": lengths.sum() / n_rows,
                  "completions/clipped_ratio": (~roll.stopped).float().sum() / n_rows,
                  "prompts/truncated_ratio": roll.prompt_cut.float().sum() / n_rows}  # cut to --max_prompt_len
-        sums |= {"tools/call_frequency": tool_rollout.tool_calls(roll.r_tool).sum() / n_rows} if cfg.tools else {}
+        sums |= {"tools/call_frequency": sampling.tool_calls(roll.r_tool).sum() / n_rows} if cfg.tools else {}
 
         # ---------------------------------------------------------------------
         # 4. update: num_iterations passes, each over num_mini_batches optimizer steps of
@@ -834,7 +834,7 @@ def main(cfg):
         metrics |= {"lr": lr} | clock.lap()  # time/step: training only, evaluation is not part of a step
         job.check(step, metrics, ["loss", "kl", "grad_norm"])  # a NaN stops the run, naming the last good checkpoint
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            metrics |= evaluate(model, ref, tokenizer, evals, cfg=cfg, d=d)
+            metrics |= evaluate(model, ref, env, evals, cfg=cfg, d=d)
         job.log(step, metrics)  # and a checkpoint every --save_every steps
     # LoRA: the adapters folded into the weights, so that the checkpoint loads with AutoModelForCausalLM
     job.finish(model.merge_and_unload() if cfg.lora else None)

@@ -9,7 +9,7 @@ from test_grpo import assert_same_run, grpo_argv, write_digits_prompts
 
 import common
 import grpo
-import tool_rollout
+import sampling
 import tools
 from plumbing import models
 
@@ -48,7 +48,7 @@ def tool_run(tmp_path_factory, user_models):
     tmp = tmp_path_factory.mktemp("tools")
     cfg = grpo.cli.parse_config(grpo.Config, grpo_argv(tmp / "run", *tool_flags(tmp, user_models))[1:])
     seen, calls = {}, []
-    logprobs, loss_fn, gen = common.response_logprobs, grpo.grpo_loss, tool_rollout.generate_with_tools
+    logprobs, loss_fn, gen = common.response_logprobs, grpo.grpo_loss, sampling.generate_with_tools
 
     def recording_logprobs(model, ids, attn, *args, **kwargs):
         seen["ids"], seen["attn"] = ids, attn
@@ -61,13 +61,13 @@ def tool_run(tmp_path_factory, user_models):
     def recording_generate(*args, **kwargs):
         out = gen(*args, **kwargs)
         if kwargs.get("temperature", 1.0) != 0:  # a rollout, not the greedy evaluation
-            calls.append(tool_rollout.tool_calls(out[3]))
+            calls.append(sampling.tool_calls(out[3]))
         return out
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(common, "response_logprobs", recording_logprobs)
         mp.setattr(grpo, "grpo_loss", recording_loss)
-        mp.setattr(tool_rollout, "generate_with_tools", recording_generate)
+        mp.setattr(sampling, "generate_with_tools", recording_generate)
         grpo.main(cfg)
     return read_metrics(tmp / "run"), seen["loss"], calls, user_models["llama_calculator"]
 

@@ -1,4 +1,4 @@
-"""tool_rollout.py: the token layout of a rollout with tool calls on a hand case (written tokens,
+"""sampling.generate_with_tools: the token layout of a rollout with tool calls on a hand case (written tokens,
 the tool's result tokens, resumed tokens; masks, log-probs, the exact tokens each turn continues
 from, the random numbers' columns), and a policy that never calls the tool giving exactly
 sampling.generate's rollout."""
@@ -12,7 +12,6 @@ from transformers import GPT2LMHeadModel
 import common
 import sampling
 import tasks
-import tool_rollout
 import tools
 
 
@@ -35,7 +34,7 @@ def scripted_sampler(monkeypatch, turns, pad_id):
         r_ids, r_mask = common.pad([o[:n] for o in outs], pad_id)
         return r_ids, r_mask, -0.01 * r_mask.float()
 
-    monkeypatch.setattr(tool_rollout.sampling, "generate", scripted)
+    monkeypatch.setattr(sampling, "generate", scripted)
     return seen
 
 
@@ -62,10 +61,10 @@ def test_a_call_is_answered_in_tokens_masked_out_and_the_row_resumes_from_its_ex
         logps = torch.arange(1, r_ids.numel() + 1, dtype=torch.float).view(r_ids.shape) / -100 * r_mask
         return r_ids, r_mask, logps
 
-    monkeypatch.setattr(tool_rollout.sampling, "generate", scripted)
+    monkeypatch.setattr(sampling, "generate", scripted)
     ids, mask = common.pad(prompts, pad, side="left")
     u = torch.rand(2, 40, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    r_ids, r_mask, r_logps, tool_mask = tool_rollout.generate_with_tools(
+    r_ids, r_mask, r_logps, tool_mask = sampling.generate_with_tools(
         None, ids, mask, 40, eos_id=eos, pad_id=pad, tokenizer=tok, tool=tools.calculator, uniforms=u)
     row0 = call + result + answer0
     assert r_ids[0, :len(row0)].tolist() == row0 and r_mask[0].tolist() == [1] * len(row0) + [0] * (r_ids.shape[1] - len(row0))
@@ -73,7 +72,7 @@ def test_a_call_is_answered_in_tokens_masked_out_and_the_row_resumes_from_its_ex
     want_tool = [0] * len(call) + [1] * len(result) + [0] * len(answer0)
     assert tool_mask[0, :len(row0)].tolist() == want_tool and tool_mask[1].sum() == 0
     assert (r_logps[0][tool_mask[0].bool()] == 0).all() and (r_logps[0, :len(call)] < 0).all()
-    assert tool_rollout.tool_calls(tool_mask).tolist() == [1, 0]
+    assert sampling.tool_calls(tool_mask).tolist() == [1, 0]
     # turn 2 continues row 0 from its exact tokens (never re-tokenised), with the uniforms of its
     # next response positions
     (rows1, u1, n1), (rows2, u2, n2) = seen
@@ -89,14 +88,14 @@ def test_a_policy_that_never_calls_the_tool_gives_exactly_the_samplers_rollout()
     tok = tool_tokenizer()
     torch.manual_seed(0)
     model = GPT2LMHeadModel(tasks.char_gpt2_config(tok, n_layer=1, n_embd=32, n_head=2)).eval()
-    close = tool_rollout.closing_tag_id(tok)
+    close = sampling.closing_tag_id(tok)
     model.lm_head.register_forward_hook(lambda m, a, out: out.index_fill(-1, torch.tensor([close]), float("-inf")))
     prompts = [tok.encode(p) for p in ("sort 3 1 =", "sort 9 =", "x")]
     ids, mask = common.pad(prompts, tok.pad_token_id, side="left")
     u = sampling.rollout_uniforms(3, 12, seed=1)
     want = sampling.generate(model, ids, mask, 12, tok.eos_token_id, tok.pad_token_id, uniforms=u,
                              return_logprobs=True)
-    got = tool_rollout.generate_with_tools(model, ids, mask, 12, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
+    got = sampling.generate_with_tools(model, ids, mask, 12, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
                                            tokenizer=tok, tool=tools.calculator, uniforms=u)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
     assert got[3].sum() == 0
@@ -116,13 +115,13 @@ def test_a_row_gets_max_calls_results_each_of_its_own_last_call(monkeypatch):
     seen = scripted_sampler(monkeypatch, [[call("12*3"), call("2+9")], [call("5*7"), answer], [call("11*13")],
                                           [enc("more") + [tok.eos_token_id]]], tok.pad_token_id)
     ids, mask = common.pad([enc("a ="), enc("b =")], tok.pad_token_id, side="left")
-    r_ids, r_mask, r_logps, tool_mask = tool_rollout.generate_with_tools(
+    r_ids, r_mask, r_logps, tool_mask = sampling.generate_with_tools(
         None, ids, mask, 60, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, tokenizer=tok, tool=tools.calculator,
         max_calls=2)
     rows = [call("12*3") + result(36) + call("5*7") + result(35) + call("11*13"), call("2+9") + result(11) + answer]
     for k, row in enumerate(rows):
         assert r_ids[k, :len(row)].tolist() == row and r_mask[k].sum() == len(row), tok.decode(r_ids[k])
-    assert tool_rollout.tool_calls(tool_mask).tolist() == [2, 1] and len(seen) == 3
+    assert sampling.tool_calls(tool_mask).tolist() == [2, 1] and len(seen) == 3
     results = [tok.decode(r_ids[0][tool_mask[0].bool()])]
     assert results == [f"{tools.RESULT_OPEN}36{tools.RESULT_CLOSE}{tools.RESULT_OPEN}35{tools.RESULT_CLOSE}"]
 
@@ -163,14 +162,14 @@ def test_grpo_rollouts_answer_two_calls_of_three_with_each_calls_own_value(tmp_p
     policy = forced_gpt2(tmp_path / "policy", 4, want + r(143) + "so 143")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"q{i} =", "reward_fn": "digits"}) + "\n" for i in range(10)))
-    rows, generate = [], tool_rollout.generate_with_tools
+    rows, generate = [], sampling.generate_with_tools
 
     def recording(*args, **kwargs):
         out = generate(*args, **kwargs)
-        rows.extend(zip(out[0].tolist(), out[1].tolist(), tool_rollout.tool_calls(out[3]).tolist()))
+        rows.extend(zip(out[0].tolist(), out[1].tolist(), sampling.tool_calls(out[3]).tolist()))
         return out
 
-    monkeypatch.setattr(tool_rollout, "generate_with_tools", recording)
+    monkeypatch.setattr(sampling, "generate_with_tools", recording)
     from test_grpo import grpo_argv
 
     proc = run_here(grpo_argv(tmp_path / "run", "--model", policy, "--dataset", str(prompts), "--tools", "calculator",
@@ -186,4 +185,4 @@ def test_grpo_rollouts_answer_two_calls_of_three_with_each_calls_own_value(tmp_p
 
 def test_a_closing_tag_of_several_tokens_is_refused():
     with pytest.raises(ValueError, match="add the tags"):
-        tool_rollout.closing_tag_id(tasks.char_tokenizer())
+        sampling.closing_tag_id(tasks.char_tokenizer())

@@ -114,7 +114,7 @@ def test_ten_megabytes_from_a_tool_are_cut_to_the_rows_room_before_the_tokenizer
     the 10 MB; the result tokens are the first tokens of the whole reply's (checked on the same
     text cut independently, short enough to tokenize whole)."""
     import common
-    import tool_rollout
+    import sampling
     from test_tool_rollout import scripted_sampler, tool_tokenizer
 
     tok = tool_tokenizer()
@@ -127,7 +127,7 @@ def test_ten_megabytes_from_a_tool_are_cut_to_the_rows_room_before_the_tokenizer
     seen, encode = [], tok.encode
     monkeypatch.setattr(tok, "encode", lambda text, **kw: seen.append(len(text)) or encode(text, **kw))
     ids, mask = common.pad([enc("a =")], tok.pad_token_id, side="left")
-    r_ids, r_mask, _, tool_mask = tool_rollout.generate_with_tools(
+    r_ids, r_mask, _, tool_mask = sampling.generate_with_tools(
         None, ids, mask, 60, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, tokenizer=tok,
         tool=tools.load_tool("misbehaving_tools:misbehaves"))
     assert r_ids[0].tolist() == call + want and tool_mask[0].tolist() == [0] * len(call) + [1] * room
