@@ -681,9 +681,10 @@ def evaluate(model, ref, env, evals, cfg, d):
     metrics = {}
     if evals["held_out"] is not None:  # every row of a task has its rule
         h = evals["held_out"]
-        metrics |= sampling.evaluate_generations(model, env.tokenizer, h["prompt"], tasks.REWARD_FNS[h["reward_fn"][0]],
-                                                 d, max_prompt_len=cfg.max_prompt_len, max_new_tokens=cfg.max_new_tokens,
-                                                 answers=h.get("answer"), own_prompts=h["own_prompt"], tool=env.tool,
+        rule = tasks.REWARD_FNS[h["reward_fn"][0]]
+        metrics |= sampling.evaluate_generations(model, env.tokenizer, h["prompt"], rule, d, max_prompt_len=cfg.max_prompt_len,
+                                                 max_new_tokens=cfg.max_new_tokens, answers=h.get("answer"),
+                                                 own_prompts=h["own_prompt"], tool=env.tool,
                                                  max_tool_calls=cfg.max_tool_calls)
     if evals["pairs"] is not None:
         metrics["eval/accuracy"] = pairwise_accuracy(model, ref, evals["pairs"], env.tokenizer.pad_token_id, d,
@@ -700,7 +701,7 @@ def main(cfg):
     weights = parse_weights(cfg.reward_weights, bool(cfg.reward_model), has_teacher=bool(cfg.teacher))
     train = environment.load_prompts(cfg, rules="rule" in weights or cfg.dataset in tasks.TASKS)
     order = data.DataOrder(len(train), cfg.seed, cfg.prompts_per_step, f"--dataset {cfg.dataset}", "--prompts_per_step")
-    job = rundir.Run(cfg, d, model_flags=["model", "reward_model", "teacher"])  # out_dir checked and locked; nothing written yet
+    job = rundir.Run(cfg, d, model_flags=["model", "reward_model", "teacher"])  # out_dir checked, locked; nothing written
     tokenizer, model = models.load_policy(cfg.model, cfg, d, response_len=cfg.max_new_tokens,
                                           response_flag="--max_new_tokens", shard=False)
     ref = None  # with --lora: the policy with its adapters disabled

@@ -195,7 +195,7 @@ def main(cfg):
     micro = cli.micro_batch(cfg.batch_size, cfg.grad_accum, d)
     train, test = data.load_preferences(cfg)
     order = data.DataOrder(len(train), cfg.seed, batch=cfg.batch_size, source=f"--dataset {cfg.dataset}")
-    job = rundir.Run(cfg, d, model_flags=["model", "normalize_policy"])  # out_dir checked and locked; nothing written yet
+    job = rundir.Run(cfg, d, model_flags=["model", "normalize_policy"])  # out_dir checked, locked; nothing written
     tokenizer, model = models.load_policy(cfg.model, cfg, d, response_len=cfg.max_response_len,
                                           kind="new_reward")
     model.config.reward_gain, model.config.reward_bias = 1.0, 0.0  # training sees raw scores

@@ -164,7 +164,7 @@ def check_model_paths(cfg, *flags):
                                         f"checkpoint/): has the run that writes it finished?")
             if os.path.isdir(os.path.join(folder, "sharded")) and not glob.glob(os.path.join(folder, "*.safetensors")):
                 raise FileNotFoundError(f"--{flag} {name} is a resumable checkpoint of a run still going (or stopped): "
-                                        f"its weights are in sharded/ only. `python py export {name}` writes them "
+                                        f"its weights are in sharded/ only. `python -m plumbing export {name}` writes them "
                                         f"as a Hugging Face folder to pass instead")
             continue
         default = next(f.default for f in dataclasses.fields(cfg) if f.name == flag)

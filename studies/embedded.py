@@ -149,8 +149,8 @@ def policy_kl(policy, reference, n=VARIANT_KL_PROMPTS, new_tokens=32):
     ref = runner.load_trained(reference)[1]
     prompts = [r["prompt"] for r in tasks.prompt_rows(n, split="test")]
     p_ids, p_mask = common.pad([tok(p)["input_ids"] for p in prompts], tok.pad_token_id, side="left")
-    r_ids, r_mask = sampling.generate(pi, p_ids, p_mask, new_tokens, tok.eos_token_id, tok.pad_token_id, 1.0,
-                                      uniforms=sampling.rollout_uniforms(n, new_tokens, 0))
+    r_ids, r_mask = sampling.generate(pi, p_ids, p_mask, new_tokens, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
+                                      temperature=1.0, uniforms=sampling.rollout_uniforms(n, new_tokens, 0))
     ids, attn = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1)
     log_r = common.response_logprobs(ref, ids, attn, r_ids.shape[1]) - common.response_logprobs(pi, ids, attn,
                                                                                                  r_ids.shape[1])

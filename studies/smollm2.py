@@ -81,8 +81,9 @@ def answers(tok, model, rows, temperature=0.0, seed=0, batch_size=64):
     texts = []
     with torch.no_grad():
         for i in range(0, len(prompts), batch_size):
-            texts += sampling.respond(model, tok, prompts[i:i + batch_size], REAL_PROMPT_LEN, REAL_NEW_TOKENS, stops,
-                                  model.device, temperature, None if u is None else u[i:i + batch_size])
+            texts += sampling.respond(model, tok, prompts[i:i + batch_size], max_prompt_len=REAL_PROMPT_LEN,
+                                      max_new_tokens=REAL_NEW_TOKENS, stops=stops, device=model.device,
+                                      temperature=temperature, uniforms=None if u is None else u[i:i + batch_size])
     return texts
 
 
@@ -217,7 +218,8 @@ def run_real(cfg):
     def results(cfg, times):
         table, curves, shown = real_results(cfg, times)
         return table, {"smollm2": curves}, f"Greedy answers before and after GRPO (seed 0):\n{shown}"
-    real_study(cfg, "--smollm2", real_dir(cfg.runs), real_pairs, real_stages, results, "SmolLM2-135M-Instruct on arith")
+    real_study(cfg, "--smollm2", folder=real_dir(cfg.runs), prepare=real_pairs, stages=real_stages, results=results,
+               title="SmolLM2-135M-Instruct on arith")
 
 
 # -----------------------------------------------------------------------------
@@ -303,8 +305,9 @@ def tool_answers(folder, rows, with_tool):
     tok, model = runner.load_trained(folder)
     prompts = data.render_chat(datasets.Dataset.from_list(rows), tok, "calculator")[0]["prompt"]
     with torch.no_grad():
-        texts = sampling.respond(model, tok, prompts, TOOL_PROMPT_LEN, TOOL_NEW_TOKENS, sampling.stop_token_ids(tok, model),
-                             model.device, tool=tools.calculator if with_tool else None)
+        texts = sampling.respond(model, tok, prompts, max_prompt_len=TOOL_PROMPT_LEN, max_new_tokens=TOOL_NEW_TOKENS,
+                                 stops=sampling.stop_token_ids(tok, model), device=model.device,
+                                 tool=tools.calculator if with_tool else None)
     mark = tools.RESULT_OPEN if with_tool else tools.CALL_OPEN
     return {"accuracy": sum(tasks.math_reward(None, t, r["answer"]) for t, r in zip(texts, rows)) / len(rows),
             "calls": sum(mark in t for t in texts) / len(rows), "examples": texts[:2]}
@@ -363,8 +366,8 @@ def run_tools(cfg):
     def results(cfg, times):
         table, curves, shown = tool_results(cfg, times)
         return table, {"smollm2_tools": curves}, f"Greedy answers with the calculator (seed 0):\n{shown}"
-    real_study(cfg, "--smollm2_tools", tool_dir(cfg.runs), tool_base, tool_stages, results,
-               "SmolLM2-135M-Instruct with a calculator")
+    real_study(cfg, "--smollm2_tools", folder=tool_dir(cfg.runs), prepare=tool_base, stages=tool_stages, results=results,
+               title="SmolLM2-135M-Instruct with a calculator")
 
 
 # -----------------------------------------------------------------------------
@@ -407,5 +410,6 @@ def real_distill_results(cfg, times):
 
 def run_real_distill(cfg):
     """--smollm2_distill: SmolLM2 distilled from its GRPO model (RUNS/smollm2/distill/): the table."""
-    real_study(cfg, "--smollm2_distill", real_dir(cfg.runs, "distill"), lambda cfg, times: None, real_distill_stages,
-               real_distill_results, "SmolLM2-135M-Instruct distilled from its GRPO model")
+    real_study(cfg, "--smollm2_distill", folder=real_dir(cfg.runs, "distill"), prepare=lambda cfg, times: None,
+               stages=real_distill_stages, results=real_distill_results,
+               title="SmolLM2-135M-Instruct distilled from its GRPO model")

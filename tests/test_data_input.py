@@ -121,10 +121,11 @@ def test_a_fifo_is_not_a_data_file(tmp_path):
 
 
 def test_a_tokenizer_without_eos_is_refused():
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers import models as token_models
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>"))
+    tok = Tokenizer(token_models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     no_eos = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
     assert no_eos.eos_token_id is None and no_eos("a a")["input_ids"] == [1, 1]

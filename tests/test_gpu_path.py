@@ -334,7 +334,7 @@ PLANTS = {  # name: (where, what, the checks to run, the rows that must fail, ro
     "sampler": (sampling, "_next_logits", _decode_ignoring_padding, "a", ["fp32, TF32 off", "bf16 autocast"],
                 ["contiguous chunks"]),
     "deal": (grpo, "minibatch_rows", _one_row_dealt_twice, "a", ["contiguous chunks"], ["fp32, TF32 off"]),
-    "dpo": (common, "load_frozen", _scaled_reference, "e", ["loss - ln 2", "rewards/margins"], []),
+    "dpo": (models, "load_frozen", _scaled_reference, "e", ["loss - ln 2", "rewards/margins"], []),
 }
 
 

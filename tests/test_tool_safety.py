@@ -134,8 +134,8 @@ def test_ten_megabytes_from_a_tool_are_cut_to_the_rows_room_before_the_tokenizer
     assert seen and max(seen) <= bound < 1000, seen
 
 
-TWO_RANK_RUNS["grpo_tool_hangs_on_rank_1"] = lambda folder: grpo_argv(
-    folder / "run", *tool_flags(folder), "--tools", "misbehaving_tools:hangs_on_rank_1", "--steps", "1",
+TWO_RANK_RUNS["grpo_tool_hangs_on_rank_1"] = lambda folder, models: grpo_argv(
+    folder / "run", *tool_flags(folder, models), "--tools", "misbehaving_tools:hangs_on_rank_1", "--steps", "1",
     "--max_tool_calls", "1")
 
 
@@ -164,7 +164,7 @@ def our_processes(marker):
 
 
 @pytest.fixture(scope="module")
-def blocked_grpo(tmp_path_factory):
+def blocked_grpo(tmp_path_factory, user_models):
     """`python grpo.py --tools misbehaving_tools:blocks` in a session of its own, as a terminal
     runs it, with SIGINT at its default (a suite run as `cmd &` has it ignored, and an ignored
     signal stays ignored in a child; a Python handler does not). Yields the process and its
@@ -172,7 +172,7 @@ def blocked_grpo(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("blocked_grpo")
     (tmp / "markers").mkdir()
     env = {**SUBPROCESS_ENV, "TOOL_TEST_DIR": str(tmp / "markers"), "PYTHONPATH": os.path.join(ROOT, "tests")}
-    argv = grpo_argv(tmp / "run", *tool_flags(tmp), "--tools", "misbehaving_tools:blocks")
+    argv = grpo_argv(tmp / "run", *tool_flags(tmp, user_models), "--tools", "misbehaving_tools:blocks")
     sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with open(tmp / "out", "w") as out, open(tmp / "err", "w") as err:
