@@ -273,7 +273,7 @@ def test_redo_refuses_a_stage_it_does_not_know(tmp_path, monkeypatch):
 
     ran = []
     monkeypatch.setattr(runner, "run_stages", lambda stage_list, *a: ran.append([n for n, _ in stage_list]))
-    monkeypatch.setattr(smollm2, "real_study", lambda cfg, flag, *a: ran.append(flag))
+    monkeypatch.setattr(smollm2, "real_study", lambda cfg, flag, **kw: ran.append(flag))
     for mode, redo, unknown, names in (
             ({}, "dop", "dop", "sft, rm, dpo, grpo_rm, grpo_gold, kl, overopt, variants, distill"),
             ({"smollm2": True}, "dpo,sft,", "sft", "pairs, grpo, rm, dpo, grpo_rm, eval")):
