@@ -14,6 +14,7 @@ import os
 import torch
 
 import common
+import sampling
 import tasks
 
 FILE_TYPES = (".jsonl", ".json", ".csv", ".parquet")
@@ -417,45 +418,6 @@ def load_pairs(name, split, n=None, seed=0, holdout=False):
     return ds
 
 
-def added_tokens(tokenizer):
-    """The ids a tokenizer's post-processor puts before and after every text: Llama and Gemma
-    ([bos], []), some SentencePiece set-ups ([bos], [eos]), GPT-2 and Qwen ([], []). Found by
-    tokenizing a probe with and without special tokens."""
-    full = tokenizer("a b")["input_ids"]
-    body = tokenizer("a b", add_special_tokens=False)["input_ids"]
-    at = next((i for i in range(len(full) - len(body) + 1) if full[i:i + len(body)] == body), None)
-    return ([], []) if at is None else (full[:at], full[at + len(body):])
-
-
-def encode_prompts(tokenizer, texts, max_len, source="prompts"):
-    """Token ids of each prompt, with the special tokens the tokenizer adds in front (BOS) but
-    not those it adds at the end (an EOS there would sit between prompt and response), and no
-    second BOS when the text holds one already (a rendered chat template). An over-long prompt
-    keeps those leading tokens and its last tokens (the end of a prompt is what the response
-    follows). Returns (ids, cut): cut[i] says prompt i was cut. A prompt of no tokens is refused:
-    the first response token would have no position to be predicted from."""
-    head, _ = added_tokens(tokenizer)
-    ids = [x if x[:len(head)] == head else head + x
-           for x in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
-    empty = sum(len(x) == 0 for x in ids)
-    if empty:
-        raise ValueError(f"{source}: {empty} of {len(ids)} prompts are empty (no tokens): the first response token "
-                         f"needs a token before it. Give every row a prompt, or use a tokenizer that adds a BOS token")
-    cut = [len(x) > max_len for x in ids]
-    keep = len(head) if max_len > len(head) else 0
-    return [x if len(x) <= max_len else x[:keep] + x[len(x) - max_len + keep:] for x in ids], cut
-
-
-def encode_responses(tokenizer, texts, max_len, eos=True):
-    """Token ids of each response followed by EOS (not for rendered chat turns, eos=False: they
-    end with the template's end-of-turn tokens); an over-long one keeps its first max_len
-    tokens (and so loses its end). Returns (ids, number truncated)."""
-    end = [tokenizer.eos_token_id] if eos else []
-    ids = [x + end for x in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
-    n_cut = sum(len(x) > max_len for x in ids)
-    return [x[:max_len] for x in ids], n_cut
-
-
 def show_example(tokenizer, prompt, response, what):
     """Print a training example as the model sees it: the prompt's tokens, then the tokens the
     loss is taken on, each token quoted, so a wrong template, a double BOS or a missing end of
@@ -469,9 +431,9 @@ def encode_pairs(ds, tokenizer, max_prompt_len, max_response_len, what, eos=True
     """Token ids (prompts, chosen, rejected) of a pairs Dataset of text (render_chat): prompts
     cut from the left, responses (+ EOS for plain text) from the right; the cuts are counted and
     printed, never silent."""
-    prompts, cut = encode_prompts(tokenizer, ds["prompt"], max_prompt_len, what)
-    chosen, c_cut = encode_responses(tokenizer, ds["chosen"], max_response_len, eos)
-    rejected, r_cut = encode_responses(tokenizer, ds["rejected"], max_response_len, eos)
+    prompts, cut = sampling.encode_prompts(tokenizer, ds["prompt"], max_prompt_len, what)
+    chosen, c_cut = sampling.encode_responses(tokenizer, ds["chosen"], max_response_len, eos)
+    rejected, r_cut = sampling.encode_responses(tokenizer, ds["rejected"], max_response_len, eos)
     p_cut = sum(cut)
     if p_cut or c_cut or r_cut:
         common.print0(f"{what}: truncated {p_cut} prompts (left), {c_cut} chosen and {r_cut} rejected responses "
@@ -516,18 +478,3 @@ def pair_logits(pairs, model):
     """The logits one pair's forward makes at most: chosen and rejected, the longest response each."""
     return 2 * max(map(len, pairs[1] + pairs[2])) * model.config.vocab_size
 
-
-def decode_responses(tokenizer, response_ids, response_mask, prompt_ids=None):
-    """Text of each response, without stop tokens or padding, as it continues its prompt: decoded
-    after the prompt's last token (left padding: its last column) and that token's text cut off,
-    since a SentencePiece decoder drops the leading space of a text alone (" 19" -> "19")."""
-    ids, mask = response_ids.tolist(), response_mask.tolist()
-    last = prompt_ids[:, -1].tolist() if prompt_ids is not None else [None] * len(ids)
-    texts = []
-    for row, keep, p in zip(ids, mask, last):
-        r = [t for t, m in zip(row, keep) if m]
-        head = tokenizer.decode([p], skip_special_tokens=True) if p is not None else ""
-        joint = tokenizer.decode([p] + r, skip_special_tokens=True) if head else ""
-        texts.append(joint[len(head):] if head and joint.startswith(head) else
-                     tokenizer.decode(r, skip_special_tokens=True))
-    return texts

@@ -95,7 +95,7 @@ def make_env(cfg, d, prompts, order, tokenizer, model, weights):
         models.check_context(teacher, cfg.max_prompt_len, cfg.max_new_tokens, "--max_new_tokens", f"--teacher {cfg.teacher}")
     stop_ids = sampling.stop_token_ids(tokenizer, model, cfg.truncate_token)  # EOS first, the truncate token last
     rendered, _ = data.render_chat(prompts, tokenizer, cfg.dataset)
-    p_ids, cut = data.encode_prompts(tokenizer, rendered["prompt"], cfg.max_prompt_len, cfg.dataset)
+    p_ids, cut = sampling.encode_prompts(tokenizer, rendered["prompt"], cfg.max_prompt_len, cfg.dataset)
     data.show_example(tokenizer, p_ids[0], None, cfg.dataset)
     return Env(prompts=rendered, own_prompts=list(prompts["prompt"]), order=order, tokenizer=tokenizer,
                stop_ids=stop_ids, truncate_id=stop_ids[-1] if cfg.truncate_token else None, weights=weights, rm=rm,
@@ -105,8 +105,8 @@ def make_env(cfg, d, prompts, order, tokenizer, model, weights):
 @torch.no_grad()
 def learned_rewards(env, prompts, completions, cfg, d):
     """Reward model scores of prompt + completion re-tokenized with the RM's tokenizer, (N,)."""
-    p_ids, _ = data.encode_prompts(env.rm_tokenizer, prompts, cfg.max_prompt_len)
-    r_ids, _ = data.encode_responses(env.rm_tokenizer, completions, cfg.max_new_tokens + 1)
+    p_ids, _ = sampling.encode_prompts(env.rm_tokenizer, prompts, cfg.max_prompt_len)
+    r_ids, _ = sampling.encode_responses(env.rm_tokenizer, completions, cfg.max_new_tokens + 1)
     ids, attn, _ = common.join_prompt_response(p_ids, r_ids, env.rm_tokenizer.pad_token_id)  # (N, P+R)
     with common.autocast(d):
         return common.reward_scores(env.rm, ids.to(d.device), attn.to(d.device)).float()
@@ -185,7 +185,7 @@ def rollout(model, env, cfg, d, step, round_=0):
     u = sampling.rollout_uniforms(cfg.prompts_per_step * n_sample, cfg.max_new_tokens,
                          sampling.stream_seed(cfg.seed, step, stream=0, round_=round_))
     u = u[common.shard_batch(cfg.prompts_per_step * n_sample, d)]  # (N, max_new_tokens) this rank's rows
-    p_ids, _ = data.encode_prompts(env.tokenizer, prompts, cfg.max_prompt_len)
+    p_ids, _ = sampling.encode_prompts(env.tokenizer, prompts, cfg.max_prompt_len)
     p_ids, p_mask = (t.to(d.device) for t in common.pad(p_ids, env.tokenizer.pad_token_id, side="left"))  # (N, P)
     kw = dict(eos_id=env.stop_ids[0], pad_id=env.tokenizer.pad_token_id, temperature=cfg.temperature, top_k=cfg.top_k,
               top_p=cfg.top_p, stop_ids=env.stop_ids[1:], uniforms=u, compile=cfg.compile)
@@ -211,7 +211,7 @@ def score(roll, env, cfg, d):
     on the text after the prompt (stop tokens left out), given the row's prompt as written (text
     or messages, as TRL passes it) and its `answer`; `model`, the reward model. Where there are."""
     is_stop = torch.isin(roll.r_ids, roll.r_ids.new_tensor(env.stop_ids))
-    texts = data.decode_responses(env.tokenizer, roll.r_ids, roll.r_mask * (~is_stop).long(), roll.p_ids)
+    texts = sampling.decode_responses(env.tokenizer, roll.r_ids, roll.r_mask * (~is_stop).long(), roll.p_ids)
     idx, parts = roll.prompt_idx.tolist(), {}
     rows = env.prompts.select(idx)[:]  # columns as lists: a Dataset indexed row by row is ~100x slower
     if "reward_fn" in rows:  # Python floats of Python functions, computed on the host

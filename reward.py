@@ -151,8 +151,8 @@ def normalization(model, tokenizer, cfg, prompts, d):
                                    max_new_tokens=cfg.max_response_len, stops=stops, device=d.device,
                                    temperature=1.0, uniforms=u[rows])
         # re-encoded: the policy's tokenizer need not be the reward model's
-        responses, _ = data.encode_responses(tokenizer, replies, cfg.max_response_len)  # a cut-off sample keeps no EOS
-        ids, attn, _ = common.join_prompt_response(data.encode_prompts(tokenizer, texts, cfg.max_prompt_len)[0],
+        responses, _ = sampling.encode_responses(tokenizer, replies, cfg.max_response_len)  # a cut-off sample keeps no EOS
+        ids, attn, _ = common.join_prompt_response(sampling.encode_prompts(tokenizer, texts, cfg.max_prompt_len)[0],
                                                    responses, tokenizer.pad_token_id)
         with common.autocast(d):
             return common.reward_scores(model, ids.to(d.device), attn.to(d.device)).double()[:, None]  # (b, 1)

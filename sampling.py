@@ -11,7 +11,6 @@ import weakref
 import torch
 
 import common
-import data
 import tools
 
 
@@ -344,7 +343,63 @@ def tool_calls(tool_mask):
 
 
 # -----------------------------------------------------------------------------
-# text in, text out: the stop ids of a model, its responses to prompts, greedy answers scored by a rule
+# text in, text out: prompts and responses as token ids (with the truncation rules every script
+# shares) and back, the stop ids of a model, its responses to prompts, greedy answers scored by a rule
+
+
+def added_tokens(tokenizer):
+    """The ids a tokenizer's post-processor puts before and after every text: Llama and Gemma
+    ([bos], []), some SentencePiece set-ups ([bos], [eos]), GPT-2 and Qwen ([], []). Found by
+    tokenizing a probe with and without special tokens."""
+    full = tokenizer("a b")["input_ids"]
+    body = tokenizer("a b", add_special_tokens=False)["input_ids"]
+    at = next((i for i in range(len(full) - len(body) + 1) if full[i:i + len(body)] == body), None)
+    return ([], []) if at is None else (full[:at], full[at + len(body):])
+
+
+def encode_prompts(tokenizer, texts, max_len, source="prompts"):
+    """Token ids of each prompt, with the special tokens the tokenizer adds in front (BOS) but
+    not those it adds at the end (an EOS there would sit between prompt and response), and no
+    second BOS when the text holds one already (a rendered chat template). An over-long prompt
+    keeps those leading tokens and its last tokens (the end of a prompt is what the response
+    follows). Returns (ids, cut): cut[i] says prompt i was cut. A prompt of no tokens is refused:
+    the first response token would have no position to be predicted from."""
+    head, _ = added_tokens(tokenizer)
+    ids = [x if x[:len(head)] == head else head + x
+           for x in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+    empty = sum(len(x) == 0 for x in ids)
+    if empty:
+        raise ValueError(f"{source}: {empty} of {len(ids)} prompts are empty (no tokens): the first response token "
+                         f"needs a token before it. Give every row a prompt, or use a tokenizer that adds a BOS token")
+    cut = [len(x) > max_len for x in ids]
+    keep = len(head) if max_len > len(head) else 0
+    return [x if len(x) <= max_len else x[:keep] + x[len(x) - max_len + keep:] for x in ids], cut
+
+
+def encode_responses(tokenizer, texts, max_len, eos=True):
+    """Token ids of each response followed by EOS (not for rendered chat turns, eos=False: they
+    end with the template's end-of-turn tokens); an over-long one keeps its first max_len
+    tokens (and so loses its end). Returns (ids, number truncated)."""
+    end = [tokenizer.eos_token_id] if eos else []
+    ids = [x + end for x in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+    n_cut = sum(len(x) > max_len for x in ids)
+    return [x[:max_len] for x in ids], n_cut
+
+
+def decode_responses(tokenizer, response_ids, response_mask, prompt_ids=None):
+    """Text of each response, without stop tokens or padding, as it continues its prompt: decoded
+    after the prompt's last token (left padding: its last column) and that token's text cut off,
+    since a SentencePiece decoder drops the leading space of a text alone (" 19" -> "19")."""
+    ids, mask = response_ids.tolist(), response_mask.tolist()
+    last = prompt_ids[:, -1].tolist() if prompt_ids is not None else [None] * len(ids)
+    texts = []
+    for row, keep, p in zip(ids, mask, last):
+        r = [t for t, m in zip(row, keep) if m]
+        head = tokenizer.decode([p], skip_special_tokens=True) if p is not None else ""
+        joint = tokenizer.decode([p] + r, skip_special_tokens=True) if head else ""
+        texts.append(joint[len(head):] if head and joint.startswith(head) else
+                     tokenizer.decode(r, skip_special_tokens=True))
+    return texts
 
 
 def stop_token_ids(tokenizer, model, truncate_token=""):
@@ -369,7 +424,7 @@ def respond(model, tokenizer, prompts, max_prompt_len, max_new_tokens, stops, de
     """The model's responses to text prompts (a chat already rendered), as text, sampled until one
     of `stops` (stop_token_ids); temperature 0 is greedy, uniforms the rows' draws. With a `tool`
     (tools.load_tool), the calls it makes run (py) and the text holds their results."""
-    p_ids, p_mask = common.pad(data.encode_prompts(tokenizer, prompts, max_prompt_len)[0], tokenizer.pad_token_id,
+    p_ids, p_mask = common.pad(encode_prompts(tokenizer, prompts, max_prompt_len)[0], tokenizer.pad_token_id,
                                side="left")
     kw = dict(eos_id=stops[0], pad_id=tokenizer.pad_token_id, temperature=temperature, stop_ids=stops[1:],
               uniforms=uniforms)
@@ -378,7 +433,7 @@ def respond(model, tokenizer, prompts, max_prompt_len, max_new_tokens, stops, de
     else:
         r_ids, r_mask, _, _ = generate_with_tools(model, p_ids.to(device), p_mask.to(device), max_new_tokens,
                                                                tokenizer=tokenizer, tool=tool, max_calls=max_tool_calls, **kw)
-    return data.decode_responses(tokenizer, r_ids, r_mask, p_ids)
+    return decode_responses(tokenizer, r_ids, r_mask, p_ids)
 
 
 def evaluate_generations(model, tokenizer, prompts, reward_fn, d, max_prompt_len, max_new_tokens, batch_size=256,

@@ -103,9 +103,9 @@ def encode_sft(ds, tokenizer, cfg, source):
     gets EOS after the completion, a conversation's completion ends with its template's
     end-of-turn tokens (data.render_chat)."""
     ds, chat = data.render_chat(ds, tokenizer, source)
-    prompts, cut = data.encode_prompts(tokenizer, ds["prompt"], cfg.max_prompt_len, source)
+    prompts, cut = sampling.encode_prompts(tokenizer, ds["prompt"], cfg.max_prompt_len, source)
     p_cut = sum(cut)
-    completions, c_cut = data.encode_responses(tokenizer, ds["completion"], cfg.max_response_len, eos=not chat)
+    completions, c_cut = sampling.encode_responses(tokenizer, ds["completion"], cfg.max_response_len, eos=not chat)
     if p_cut or c_cut:
         common.print0(f"{source}: truncated {p_cut} prompts (left) and {c_cut} completions (right) "
                       f"of {len(ds)} rows to {cfg.max_prompt_len}/{cfg.max_response_len} tokens")

@@ -368,7 +368,7 @@ def test_a_local_file_without_a_held_out_one_is_split_by_prompt_hash(tmp_path, c
 def test_empty_prompts_are_refused_naming_the_source():
     tok = tasks.char_tokenizer()  # no BOS: an empty prompt has no tokens
     with pytest.raises(ValueError, match=r"rows\.jsonl: 2 of 3 prompts are empty \(no tokens\)"):
-        data.encode_prompts(tok, ["", "a", ""], 8, "rows.jsonl")
+        sampling.encode_prompts(tok, ["", "a", ""], 8, "rows.jsonl")
 
 
 def test_transformer_blocks_found_inside_a_wrapper(tiny):
@@ -777,12 +777,12 @@ def test_prompts_get_one_bos_no_eos_and_keep_it_when_cut(kind):
     tok = family_tokenizer(kind)
     head = [] if kind == "bpe" else [tok.bos_token_id]
     body = tok("hello world", add_special_tokens=False)["input_ids"]
-    ids, cut = data.encode_prompts(tok, ["hello world", tok.bos_token + "hello world"], 64)
+    ids, cut = sampling.encode_prompts(tok, ["hello world", tok.bos_token + "hello world"], 64)
     assert cut == [False, False] and ids[0] == head + body
     assert ids[1] == head + body if head else ids[1][-len(body):] == body
     long = " ".join(["the quick brown fox"] * 10)
     body = tok(long, add_special_tokens=False)["input_ids"]
-    ids, cut = data.encode_prompts(tok, [long], 8)
+    ids, cut = sampling.encode_prompts(tok, [long], 8)
     assert cut == [True] and ids == [head + body[-(8 - len(head)):]]
 
 

@@ -308,7 +308,7 @@ def test_rule_rewards_read_the_rows_own_conversation(tmp_path, monkeypatch):
         users = [t.split("user: ")[1].split("\n")[0] for t in texts]
         return [right[u] if k % 2 == 0 else " 0" for k, u in enumerate(users)]
 
-    monkeypatch.setattr(grpo.data, "decode_responses", fixed)
+    monkeypatch.setattr(grpo.sampling, "decode_responses", fixed)
     grpo.main(grpo.Config(model="tiny", dataset=write_jsonl(tmp_path / "c.jsonl", rows), chat_template=str(template),
                           out_dir=str(tmp_path / "g"), steps=2, prompts_per_step=2, group_size=2, max_new_tokens=4,
                           eval_every=100, n_eval_pairs=4, warmup_steps=0))

@@ -755,7 +755,7 @@ def test_prompt_truncation_is_counted_in_the_banner_and_each_step(tmp_path, caps
 def test_rollouts_stop_at_every_end_of_turn_id_and_rewards_see_the_text_after_the_prompt(tmp_path, monkeypatch):
     """grpo.py passes the generation config's end-of-turn ids to the sampler, counts a rollout
     that ends at one as stopped (no --no_eos_penalty), and decodes completions after their
-    prompts (data.decode_responses with prompt_ids)."""
+    prompts (sampling.decode_responses with prompt_ids)."""
     from transformers import AutoModelForCausalLM
 
     tok = tasks.char_tokenizer()
@@ -765,7 +765,7 @@ def test_rollouts_stop_at_every_end_of_turn_id_and_rewards_see_the_text_after_th
     model.save_pretrained(tmp_path / "m")
     tok.save_pretrained(tmp_path / "m")
     calls = {"generate": [], "decode": []}
-    generate, decode = grpo.sampling.generate, grpo.data.decode_responses
+    generate, decode = grpo.sampling.generate, grpo.sampling.decode_responses
 
     def spy_generate(model, p_ids, p_mask, n, eos_id, pad_id, **kw):
         calls["generate"].append((eos_id, kw.get("stop_ids")))
@@ -778,7 +778,7 @@ def test_rollouts_stop_at_every_end_of_turn_id_and_rewards_see_the_text_after_th
         return decode(tokenizer, r_ids, r_mask, prompt_ids)
 
     monkeypatch.setattr(grpo.sampling, "generate", spy_generate)
-    monkeypatch.setattr(grpo.data, "decode_responses", spy_decode)
+    monkeypatch.setattr(grpo.sampling, "decode_responses", spy_decode)
     data = write_digits_prompts(tmp_path / "prompts.jsonl", 8)
     grpo.main(grpo.Config(model=str(tmp_path / "m"), dataset=data, out_dir=str(tmp_path / "g"), steps=1,
                           prompts_per_step=2, group_size=2, max_prompt_len=64, max_new_tokens=4, no_eos_penalty=1.0,
@@ -803,7 +803,7 @@ def test_math_rows_with_reward_fn_flag_are_scored_against_their_answers(tmp_path
         seen.extend(prompts)
         return [f"so it is {by_prompt[p] + (k % 2)}" for k, p in enumerate(prompts)]  # right, wrong, right, ...
 
-    monkeypatch.setattr(grpo.data, "decode_responses", fixed_texts)
+    monkeypatch.setattr(grpo.sampling, "decode_responses", fixed_texts)
     grpo.main(grpo.Config(model="tiny", dataset=path, reward_fn="math", out_dir=str(tmp_path / "g"), steps=2,
                           prompts_per_step=2, group_size=2, max_new_tokens=4, eval_every=100, n_eval_pairs=4,
                           warmup_steps=0))

@@ -14,7 +14,6 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
 
 import common
-import data
 import sampling
 from helpers import ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, run_script
 from plumbing import models, rundir
@@ -338,9 +337,9 @@ def test_a_response_decodes_to_exactly_the_text_that_follows_its_prompt():
         mask = torch.ones_like(r)
         mask[0, -1] = 0  # the EOS is not text
         p_ids = torch.tensor([[tok.pad_token_id] * 2 + p])  # left-padded, as the sampler's prompts are
-        assert data.decode_responses(tok, r, mask, p_ids) == [completion], kind
+        assert sampling.decode_responses(tok, r, mask, p_ids) == [completion], kind
         if kind == "metaspace":  # what decoding alone gave
-            assert data.decode_responses(tok, r, mask) == [completion.lstrip()]
+            assert sampling.decode_responses(tok, r, mask) == [completion.lstrip()]
 
 
 def test_the_sampler_benchmark_counts_a_divergence_only_past_a_bf16_tie():

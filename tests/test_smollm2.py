@@ -109,7 +109,7 @@ def test_a_sampled_turn_decodes_without_template_tokens_and_stops_at_end_of_turn
     model = models.load_model(small, tok).eval()
     assert sampling.stop_token_ids(tok, model) == [tok.convert_tokens_to_ids("<|im_end|>")]
     prompt = tok.apply_chat_template(chat(("user", "What is 12 + 7?")), tokenize=False, add_generation_prompt=True)
-    p_ids, p_mask = common.pad(data.encode_prompts(tok, [prompt], 64)[0], tok.pad_token_id, side="left")
+    p_ids, p_mask = common.pad(sampling.encode_prompts(tok, [prompt], 64)[0], tok.pad_token_id, side="left")
     answer = tok("19", add_special_tokens=False)["input_ids"]
     end = tok.eos_token_id
     forced = answer + [end] + tok("<|im_start|>user", add_special_tokens=False)["input_ids"]
@@ -126,7 +126,7 @@ def test_a_sampled_turn_decodes_without_template_tokens_and_stops_at_end_of_turn
         r_ids, r_mask = sampling.generate(model, p_ids, p_mask, 8, end, tok.pad_token_id, temperature=0)
     assert r_ids[0, :int(r_mask[0].sum())].tolist() == answer + [end]  # stopped at <|im_end|>, kept it
     for mask in (r_mask * (r_ids != end), r_mask):  # as grpo.py masks the stop token, and with it
-        assert data.decode_responses(tok, r_ids, mask, p_ids) == ["19"]
+        assert sampling.decode_responses(tok, r_ids, mask, p_ids) == ["19"]
 
 
 def test_the_reward_model_reads_the_last_token_of_a_rendered_conversation(small):
