@@ -827,8 +827,8 @@ def main(cfg):
             refresh_reference(ref, model)
         clock.split("update")  # reference and old log-probs, advantages and the optimizer steps
 
-        # ---------------------------------------------------------------------
-        # 5. metrics (one all-reduce), eval, log, checkpoint
+        # =====================================================================
+        # 5. bookkeeping, not the algorithm: metrics (one all-reduce), eval, log, checkpoint
         metrics = common.reduce_metrics(sums, d, maxes={"completions/max_length": lengths.max(),
                                                         "rollout/logp_diff_max": gap_max},
                                         same={"grad_norm": torch.stack(grad_norms).mean()})

@@ -233,8 +233,8 @@ def main(cfg):
         # 3. optimizer step
         grad_norm, lr = common.optimizer_step(model, optimizer, scheduler, cfg.grad_clip)
 
-        # ---------------------------------------------------------------------
-        # 4. metrics (one all-reduce), eval, log, checkpoint
+        # =====================================================================
+        # 4. bookkeeping, not the algorithm: metrics (one all-reduce), eval, log, checkpoint
         metrics = common.reduce_metrics(sums, d, same={"grad_norm": grad_norm})
         metrics |= {"lr": lr, "time/step": time.time() - t0}
         job.check(step, metrics)  # a NaN loss stops the run, naming the last good checkpoint

@@ -68,7 +68,7 @@ def test_the_calculators_powers_are_pythons_and_only_huge_integers_are_refused()
 def test_a_tool_that_raises_or_overruns_returns_an_error_text():
     """A loaded tool's exception or overrun is an error text (every other way a tool can fail:
     test_tool_safety.py); a module-level function given to call_tool runs in a worker process too,
-    which imports it by name (tools.calculator, as studies.py passes it)."""
+    which imports it by name (tools.calculator, as studies/smollm2.py passes it)."""
     tool = tools.load_tool("misbehaving_tools:misbehaves")
     assert tools.call_tool(tool, "raise") == "error: RuntimeError: no such city"
     assert tools.call_tool(tool, "sleep", timeout_s=0.2) == "error: the tool took longer than 0.2 s"
