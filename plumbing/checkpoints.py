@@ -80,7 +80,7 @@ WAIT_GROUP = []
 
 def wait_group(d):
     """The gloo group, with a 2-hour timeout, in which ranks wait while rank 0 alone writes files
-    (a full export of a large model can outlast --timeout_minutes). Made by run.start."""
+    (a full export of a large model can outlast --timeout_minutes). Made by cli.start."""
     if d.world_size > 1 and not WAIT_GROUP:
         WAIT_GROUP.append(dist.new_group(backend="gloo", timeout=timedelta(hours=2)))
     return WAIT_GROUP[0] if WAIT_GROUP else None
@@ -283,7 +283,7 @@ def _write_export(model, tokenizer, folder, state, dtype, weights=True):
         if dtype is not None:
             state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
         model.save_pretrained(folder, state_dict=state)
-    dropout = getattr(model, "dropout_config", {})  # trained without (common.no_dropout): the model's own
+    dropout = getattr(model, "dropout_config", {})  # trained without (models.no_dropout): the model's own
     if dropout or (weights and dtype is not None):  # the config names the dtype the weights are stored in
         with open(os.path.join(folder, "config.json")) as f:
             cfg_json = json.load(f)
