@@ -1,5 +1,5 @@
 """Model files and loading, for every script: where a model flag points (a checkpoint folder, a
-run's out_dir, a hub id, a GGUF file converted once), the tokenizer with its chat template and
+run's out_dir, a hub id, a GGUF file converted once), the tokenizer with its chat template,
 and the model itself, dropout off, read by rank 0 alone under torchrun."""
 import dataclasses
 import functools
