@@ -4,29 +4,41 @@ script's own flags (its Config's defaults unless given).
     python bench/memory.py --model llama-3-8b --world 8 --max_prompt_len 512 --max_new_tokens 1024
     python bench/memory.py --model path/to/config.json --world 1 --launcher python --script grpo
     python bench/memory.py --table      # what fits 1 and 8 80-GB GPUs: GPT-2 large, Qwen2.5-1.5B, Llama-3-8B
+    python bench/memory.py --table --readme   # the README's shorter table
     python bench/memory.py --check      # against bench/memory_trace.py (the scripts' code on fake tensors)
     python bench/memory.py --validate   # the CPU model against the peaks measured here (bench/results)
 
 On a GPU (bytes per GPU; N parameters, W ranks under torchrun, bf16 compute), per phase:
-- always: fp32 parameters 4N/W and AdamW's moments 8N/W; frozen models (the reference, the
-  reward model) in bf16, 2N/W, under torchrun (none on the GPU with --offload_frozen), fp32 4N
-  under `python`;
-- forward and backward of one micro-batch, at the start of the backward: the bf16 weights
-  computed with (FSDP2: the root and two blocks gathered, and the head's unsharded gradient,
-  kept to the end of the backward; autocast: a bf16 copy of every block weight, cached), the
-  earlier micro-batches' gradients (4N/W, --grad_accum > 1), the activations each op keeps for
-  its backward per token and layer (gated MLP: 24 h + 8 I bytes under FSDP, 34 h + 8 I under
-  autocast, whose residual stream and norms are fp32 and whose linears each cast their input;
-  GPT-2's Python GELU: 16 h + 10 I, 20 h + 10 I; plus flash attention's log-sum-exp and the
-  padding mask as a bf16 bias), and the fp32 logits of the R response positions with their
-  gradient (and log_softmax's output where common.logprobs_from_logits takes that path). With
-  --activation_checkpointing: each block's input, then the largest of the logits with their
-  gradient, one block recomputed, and autocast's copies;
+- always: fp32 parameters 4N/W and AdamW's moments 8N/W (--lora, under `python` only: the frozen
+  base 4N, and the adapters' parameters, gradients and moments alone); frozen models (the
+  reference, the reward model, grpo.py's --teacher, of the policy's shape) in bf16, 2N/W, under
+  torchrun (none on the GPU with --offload_frozen), fp32 4N under `python`; GRPO's --compile: the
+  static KV cache kept from one rollout to the next, and under `python` the bf16 copies of the
+  linear weights the compiled decode step reads (2 bytes per linear weight);
+- forward and backward of one micro-batch, the larger of the backward's start and the forward's
+  end: the bf16 weights computed with (FSDP2: the root and two blocks gathered, and the head's
+  unsharded gradient, kept to the end of the backward; autocast: a bf16 copy of every block
+  weight, cached, or for LoRA's frozen base saved for the backward), the earlier micro-batches'
+  gradients (--grad_accum > 1), the activations each op keeps for its backward per token and
+  layer (gated MLP: 24 h + 8 I bytes under FSDP, 34 h + 8 I under autocast, whose residual stream
+  and norms are fp32 and whose linears each cast their input; GPT-2's Python GELU: 16 h + 10 I,
+  20 h + 10 I; LoRA: -6 h gated, +2 h GPT-2, and its adapters' r-wide outputs; plus flash
+  attention's log-sum-exp and the padding mask as a bf16 bias), and the fp32 logits of the R
+  response positions with their gradient (and log_softmax's output where
+  common.logprobs_from_logits takes that path; GRPO: at the forward's end, the entropy's three
+  chunks of 2^26 logits instead of the gradient). With --activation_checkpointing: each block's
+  input, then the largest of the logits with their gradient, one block recomputed, and the
+  forward's end with autocast's copies;
 - the optimizer step: the gradients, 4N/W;
 - GRPO's rollout: the whole policy gathered (FSDP2) or autocast's copies, the static KV cache (bf16;
-  a RoPE model's keys stay fp32 under autocast) and, while it is filled, the prefill's;
-- GRPO's reward model over the rank's whole rollout, without a graph (its largest transients:
-  6 I + c h bytes per token, c fitted to the tracker), and the reference's and old policy's
+  a RoPE model's keys stay fp32 under autocast) of every sampled row (--rs_samples a prompt, else
+  --group_size) and, while it is filled, the prefill's, whose forward's transients come first
+  (6 I + c h bytes per token). The largest call of the sampler: the first (each distinct prompt
+  prefilled once, P + R slots), or with --tools a later turn of tool_rollout's loop, bounded by
+  every row prefilled again with P + R tokens into P + 2R slots (one row R tokens past its prompt,
+  another none);
+- GRPO's reward model over every sampled row, without a graph (its largest transients: 6 I + c h
+  bytes per token, c fitted to the tracker), and the reference's, old policy's and teacher's
   log-probs, one micro-batch of logits at a time.
 Checked against bench/memory_trace.py (`--check`; tests/test_memory_model.py fails past 10%). Not
 counted: CUDA's context and the allocator's fragmentation (`fits` adds 1 GiB and 10%), the data,
@@ -395,23 +407,44 @@ def first_fit(s, script, world, flags):
     return None
 
 
-def table(settings=("defaults", "long")):
+COLUMNS = [("sft.py", "sft", {}), ("reward.py", "reward", {}), ("dpo.py", "dpo", {}), ("grpo.py", "grpo", {}),
+           ("grpo.py + reward model", "grpo", {"reward_model": "rm"}),
+           ("grpo.py + teacher (its size)", "grpo", {"teacher": "teacher"})]
+SHORT = {"x8": "", "--activation_checkpointing": "AC", "--offload_frozen": "offload", "--grad_accum": "accum",
+         "--lora": "LoRA"}  # the README's table: its columns name the GPUs
+
+
+def cell(s, script, world, setting, flags, short=False):
+    """One cell of the tables: the first rung that fits and its peak, at the defaults or the long setting."""
+    if setting == "long" and s["pos"] and s["pos"] < sum(LONG.values()):
+        return f"n/a ({s['pos']}-token context)"
+    fit = first_fit(s, script, world, dict(flags, **(LONG if setting == "long" else {})))
+    if fit is None:
+        return "does not fit"
+    how = " ".join(filter(None, (SHORT.get(w, w) for w in fit[0].split()))) if short else fit[0]
+    return f"{how}: {fit[1] / GIB:.0f} GiB"
+
+
+def table(settings=("defaults", "long"), readme=False):
     """Which flags fit each script on 1 and 8 80-GB GPUs, for three model sizes, at the scripts'
-    defaults and at 512 + 1024 tokens: the first rung of KNOBS that fits."""
-    print("| model | GPUs | lengths | sft.py | reward.py | dpo.py | grpo.py | grpo.py + reward model |")
-    print("|---|---|---|---|---|---|---|---|")
+    defaults and at 512 + 1024 tokens: the first rung of KNOBS that fits. readme: the README's
+    shorter table (Qwen2.5-1.5B and Llama-3-8B, dpo.py and grpo.py with a rule reward)."""
+    if readme:
+        print("| model | script | 1 GPU, defaults | 1 GPU, 512 + 1024 | 8 GPUs, defaults | 8 GPUs, 512 + 1024 |")
+        print("|---|---|---|---|---|---|")
+        for model, shown_as in (("qwen2.5-1.5b", "Qwen2.5-1.5B"), ("llama-3-8b", "Llama-3-8B")):
+            for script in ("dpo", "grpo"):
+                cells = [cell(SHAPES[model], script, world, setting, {}, short=True)
+                         for world in (1, 8) for setting in settings]
+                print(f"| {shown_as} | {script}.py | " + " | ".join(cells) + " |")
+        return
+    print("| model | GPUs | lengths | " + " | ".join(c[0] for c in COLUMNS) + " |")
+    print("|---" * (3 + len(COLUMNS)) + "|")
     for model in ("gpt2-large", "qwen2.5-1.5b", "llama-3-8b"):
         s = SHAPES[model]
         for setting in settings:
             for world in (1, 8):
-                cells = []
-                for script, flags in (("sft", {}), ("reward", {}), ("dpo", {}), ("grpo", {}),
-                                      ("grpo", {"reward_model": "rm"})):
-                    if setting == "long" and s["pos"] and s["pos"] < sum(LONG.values()):
-                        cells.append(f"n/a ({s['pos']}-token context)")
-                        continue
-                    fit = first_fit(s, script, world, dict(flags, **(LONG if setting == "long" else {})))
-                    cells.append("does not fit" if fit is None else f"{fit[0]}: {fit[1] / GIB:.0f} GiB")
+                cells = [cell(s, script, world, setting, flags) for _, script, flags in COLUMNS]
                 lengths = "defaults" if setting == "defaults" else "512 + 1024"
                 print(f"| {model} ({n_params(s)[0] / 1e9:.2f}B) | {world} | {lengths} | " + " | ".join(cells) + " |")
 
@@ -478,6 +511,7 @@ def main():
     p.add_argument("--validate", action="store_true", help="against the CPU peaks measured here (bench/results)")
     p.add_argument("--check", action="store_true", help="against bench/memory_trace.py, three shapes")
     p.add_argument("--table", action="store_true")
+    p.add_argument("--readme", action="store_true", help="with --table: the README's shorter table")
     args, rest = p.parse_known_args()
     flags = parse_flags(rest)  # any script flag: --max_prompt_len 512 --max_new_tokens 1024 --grad_accum 2 ...
     if args.validate:
@@ -485,7 +519,7 @@ def main():
     if args.check:
         sys.exit(1 if check()[0] > 0.1 else 0)
     if args.table:
-        return table()
+        return table(readme=args.readme)
     s = shape_of(args.model)
     print(f"{args.model}: {n_params(s)[0] / 1e9:.3f}B parameters; {args.launcher} on {args.world} {args.device}(s)")
     for script in args.script.split(","):

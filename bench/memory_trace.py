@@ -1,18 +1,24 @@
 """Peak memory per GPU of each script's step, measured without a GPU: the scripts' own functions
-(common.shard_model, response_logprobs, the losses, backward, optimizer_step; grpo.py's reference
-and update passes; the sampler's prefill and cache) run on fake tensors (torch's FakeTensorMode:
-shapes and dtypes, no storage) under a fake process group of W ranks, FSDP2 included, and torch's
-MemTracker (FSDPMemTracker under torchrun) adds up the live bytes per phase. bench/memory.py's
-model is checked against it (tests/test_memory_model.py).
+(common.shard_model, response_logprobs, the losses, backward, optimizer_step; grpo.py's reference,
+teacher and update passes, add_lora; the sampler's prefill, cache and bf16 decoder) run on fake
+tensors (torch's FakeTensorMode: shapes and dtypes, no storage) under a fake process group of W
+ranks, FSDP2 included, and torch's MemTracker (FSDPMemTracker under torchrun) adds up the live
+bytes per phase. bench/memory.py's model is checked against it (tests/test_memory_model.py).
 
     python bench/memory_trace.py --model llama-3-8b --world 8 --script grpo --max_new_tokens 1024
+    python bench/memory_trace.py --model gpt2 --launcher python --script grpo --lora True --tools calculator
 
 A GPU's choices on fake CPU tensors: bf16 compute (FSDP2's MixedPrecisionPolicy, or autocast under
 `python`), bf16 frozen models under torchrun, the fp32-output head matmul and log_softmax + gather
 (common.on_gpu), and a flash-attention kernel (keeps its output and log-sum-exp, not the
 probabilities). Not counted: CUDA's context and the allocator's fragmentation (memory.fits adds
-them). GRPO's rollout is its prefill and one decode step into the full static cache: the cache is
-allocated whole before the first token, so later tokens add only a step's logits.
+them). A call of the sampler is its prefill and one decode step into the full static cache: the
+cache is allocated whole before the first token, so later tokens add only a step's logits. GRPO's
+rollout is the first call; with --tools also the largest later turn of tool_rollout's loop
+(which needs a tokenizer and the rows' tokens, so it is not run itself): every row's prompt and
+response so far prefilled again into a new cache, as generate_with_tools calls sampling.generate.
+With --compile the persistent cache and the bf16 decoder copies are sampling's own, kept by it
+between steps; the decode step runs uncompiled (the memory is its inputs').
 """
 import argparse
 import contextlib
