@@ -191,6 +191,9 @@ def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, r
     prefill_rows, prefill_len = (rollout_rows, S) if tools else (prompts, prompt_len)
     cache = rollout_rows * slots * L * kv_bytes
     kept = {}
+    if script == "grpo" and lora and ac:  # transformers makes the embeddings' output a leaf that requires grad;
+        # grpo.py's last loss (and log-probs) keep their graph's nodes, and so it and its gradient, to the next update
+        kept["last micro-batch's input embeddings"] = 8 * seqs * S * h
     if script == "grpo" and compile:
         kept["compiled KV cache"] = cache
         if not fsdp:
