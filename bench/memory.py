@@ -208,8 +208,6 @@ def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, r
         # cast of its input, one more than the full model (+2h), and each adapter its r-wide output
         per_token_layer += (-6 * h if s["gated"] else 2 * h) + 2 * lora_r * (7 if s["gated"] else 4)
     fb = dict(state_kept, **weights)  # LoRA: the bf16 base weights autograd saves for the input's gradient
-    if fsdp and script != "reward":  # the root's gradients wait for the end of the backward, unsharded
-        fb["head gradient (FSDP)"] = 2 * V * h
     if grad_accum > 1:
         fb["gradients"] = 4 * trained  # the earlier micro-batches', reduce-scattered
     logits = logits_end = 0  # at the backward's start, and at the forward's end
@@ -220,14 +218,18 @@ def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, r
         logits, logits_end = 4 * seqs * R * V * (3 if small else 2), 4 * seqs * R * V * (2 if small else 1)
     if script == "grpo":  # the update's entropy (common.entropy_from_logits): three fp32 chunks of 2^26 logits
         logits_end += 3 * 4 * min(seqs * R, max(1, 2**26 // V)) * V
+    # FSDP2: the root's gradients (the head's) are made first in the backward and wait for its end, unsharded
+    head = {"head gradient (FSDP)": 2 * V * h} if fsdp and script != "reward" else {}
     if not ac:
-        fb["activations"], fb["logits"] = tokens * L * per_token_layer, max(logits, logits_end)
+        fb["activations"] = tokens * L * per_token_layer
+        start, end = dict(head, logits=logits), {"logits": logits_end}
     else:  # each block's input (bf16 under FSDP, fp32 under autocast), then the largest of: the logits and
         # their gradient (the backward's start), one block recomputed, autocast's copies (the forward's end)
         fb.pop("autocast copies", None)
         fb["activations"] = tokens * (2 if fsdp else 4) * h * L
-        fb["largest transient"] = max(logits, tokens * per_token_layer,
-                                      logits_end + no_grad_weights.get("autocast copies", 0))
+        start = dict(head, **{"largest transient": max(logits, tokens * per_token_layer)})
+        end = {"largest transient": logits_end + no_grad_weights.get("autocast copies", 0)}
+    fb.update(max(start, end, key=lambda parts: sum(parts.values())))
     phases = {"forward and backward": fb}
     phases["optimizer step"] = dict(state_kept, gradients=4 * trained)
     if script != "grpo":
