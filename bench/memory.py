@@ -14,10 +14,13 @@ On a GPU (bytes per GPU; N parameters, W ranks under torchrun, bf16 compute), pe
   reference, the reward model, grpo.py's --teacher, of the policy's shape) in bf16, 2N/W, under
   torchrun (none on the GPU with --offload_frozen), fp32 4N under `python`; GRPO's --compile: the
   static KV cache kept from one rollout to the next, and under `python` the bf16 copies of the
-  linear weights the compiled decode step reads (2 bytes per linear weight);
+  linear weights the compiled decode step reads (2 bytes per linear weight); --lora with
+  --activation_checkpointing: the last micro-batch's input embeddings and their gradient (a leaf
+  transformers makes require grad), which grpo.py's last loss keeps to the next update (8 h bytes
+  per token);
 - forward and backward of one micro-batch, the larger of the backward's start and the forward's
-  end: the bf16 weights computed with (FSDP2: the root and two blocks gathered, and the head's
-  unsharded gradient, kept to the end of the backward; autocast: a bf16 copy of every block
+  end: the bf16 weights computed with (FSDP2: the root and two blocks gathered, and from the
+  backward's start the head's unsharded gradient, kept to its end; autocast: a bf16 copy of every block
   weight, cached, or for LoRA's frozen base saved for the backward), the earlier micro-batches'
   gradients (--grad_accum > 1), the activations each op keeps for its backward per token and
   layer (gated MLP: 24 h + 8 I bytes under FSDP, 34 h + 8 I under autocast, whose residual stream
@@ -142,7 +145,8 @@ def lora_params(s, r=16):
     """LoRA's adapter parameters (grpo.add_lora: every linear of every block, r x (in + out) each)."""
     kv = s["kv_heads"] * s["h"] // s["heads"]
     h, I = s["h"], s["I"]
-    per_block = 9 * h + 2 * kv + 3 * I if s["gated"] else 8 * h + 2 * I  # q k v o gate up down; c_attn c_proj c_fc c_proj
+    # q, k, v, o, gate, up, down; GPT-2: c_attn, c_proj, c_fc, c_proj
+    per_block = 9 * h + 2 * kv + 3 * I if s["gated"] else 8 * h + 2 * I
     return s["L"] * r * per_block
 
 
@@ -304,7 +308,7 @@ def script_config(script, **flags):
 
 
 SCRIPT_ONLY = {"prompts_per_step", "group_size", "num_mini_batches", "reward_model", "lora", "precompute_ref",
-               "batch_size", "compile", "teacher", "rs_samples", "tools"}  # another script's flags, ignored by the scripts without them
+               "batch_size", "compile", "teacher", "rs_samples", "tools"}  # other scripts' flags: ignored
 
 
 def parse_flags(argv):
@@ -497,8 +501,9 @@ def check(shapes=("gpt2-large", "qwen2.5-1.5b", "llama-3-8b"), cases=CHECKS, lay
                 for phase, t in traced.items():
                     err = est.get(phase, 0) / t - 1
                     worst_phase = max(worst_phase, abs(err))
-                    print(f"| {name}{f' ({layers} layers)' if layers else ''} | {launcher} x{world} | {shown(flags, ac)} "
-                          f"| {script} | {phase} | {est.get(phase, 0) / GIB:.2f} | {t / GIB:.2f} | {err:+.1%} |")
+                    model = f"{name} ({layers} layers)" if layers else name
+                    print(f"| {model} | {launcher} x{world} | {shown(flags, ac)} | {script} | {phase} | "
+                          f"{est.get(phase, 0) / GIB:.2f} | {t / GIB:.2f} | {err:+.1%} |")
                 worst_peak = max(worst_peak, abs(max(est.values()) / max(traced.values()) - 1))
     print(f"\nlargest error: a script's peak {worst_peak:.1%}, a phase {worst_phase:.1%}")
     return worst_peak, worst_phase
