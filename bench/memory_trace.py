@@ -139,7 +139,7 @@ def _grad_hooks_released():
     grad, and the hook and the autograd nodes it watches hold each other: a leaf no backward reaches
     (the embeddings' output, which transformers makes require grad under activation checkpointing,
     in no-grad passes too), or one a backward has reached and its gradient (LoRA's), would outlive
-    its step here, never in a run (18 GiB at 512 + 1024 tokens on Qwen2.5-1.5B with LoRA). So no hook
+    its step here, never in a run (18 GiB on Qwen2.5-1.5B at 512 + 1024 tokens, LoRA and AC). No hook
     in a no-grad pass, and each backward's hooks removed once it is done; only the split of a phase's
     bytes into activations and temporaries reads them."""
     from torch.distributed._tools import mod_tracker
