@@ -4,29 +4,44 @@ script's own flags (its Config's defaults unless given).
     python bench/memory.py --model llama-3-8b --world 8 --max_prompt_len 512 --max_new_tokens 1024
     python bench/memory.py --model path/to/config.json --world 1 --launcher python --script grpo
     python bench/memory.py --table      # what fits 1 and 8 80-GB GPUs: GPT-2 large, Qwen2.5-1.5B, Llama-3-8B
+    python bench/memory.py --table --readme   # the README's shorter table
     python bench/memory.py --check      # against bench/memory_trace.py (the scripts' code on fake tensors)
     python bench/memory.py --validate   # the CPU model against the peaks measured here (bench/results)
 
 On a GPU (bytes per GPU; N parameters, W ranks under torchrun, bf16 compute), per phase:
-- always: fp32 parameters 4N/W and AdamW's moments 8N/W; frozen models (the reference, the
-  reward model) in bf16, 2N/W, under torchrun (none on the GPU with --offload_frozen), fp32 4N
-  under `python`;
-- forward and backward of one micro-batch, at the start of the backward: the bf16 weights
-  computed with (FSDP2: the root and two blocks gathered, and the head's unsharded gradient,
-  kept to the end of the backward; autocast: a bf16 copy of every block weight, cached), the
-  earlier micro-batches' gradients (4N/W, --grad_accum > 1), the activations each op keeps for
-  its backward per token and layer (gated MLP: 24 h + 8 I bytes under FSDP, 34 h + 8 I under
-  autocast, whose residual stream and norms are fp32 and whose linears each cast their input;
-  GPT-2's Python GELU: 16 h + 10 I, 20 h + 10 I; plus flash attention's log-sum-exp and the
-  padding mask as a bf16 bias), and the fp32 logits of the R response positions with their
-  gradient (and log_softmax's output where common.logprobs_from_logits takes that path). With
-  --activation_checkpointing: each block's input, then the largest of the logits with their
-  gradient, one block recomputed, and autocast's copies;
+- always: fp32 parameters 4N/W and AdamW's moments 8N/W (--lora, under `python` only: the frozen
+  base 4N, and the adapters' parameters, gradients and moments alone); frozen models (the
+  reference, the reward model, grpo.py's --teacher, of the policy's shape) in bf16, 2N/W, under
+  torchrun (none on the GPU with --offload_frozen), fp32 4N under `python`; GRPO's --compile: the
+  static KV cache kept from one rollout to the next, and under `python` the bf16 copies of the
+  linear weights the compiled decode step reads (2 bytes per linear weight); --lora with
+  --activation_checkpointing: the last micro-batch's input embeddings and their gradient (a leaf
+  transformers makes require grad), which grpo.py's last loss keeps to the next update (8 h bytes
+  per token);
+- forward and backward of one micro-batch, the larger of the backward's start and the forward's
+  end: the bf16 weights computed with (FSDP2: the root and two blocks gathered, and from the
+  backward's start the head's unsharded gradient, kept to its end; autocast: a bf16 copy of every block
+  weight, cached, or for LoRA's frozen base saved for the backward), the earlier micro-batches'
+  gradients (--grad_accum > 1), the activations each op keeps for its backward per token and
+  layer (gated MLP: 24 h + 8 I bytes under FSDP, 34 h + 8 I under autocast, whose residual stream
+  and norms are fp32 and whose linears each cast their input; GPT-2's Python GELU: 16 h + 10 I,
+  20 h + 10 I; LoRA: -6 h gated, +2 h GPT-2, and its adapters' r-wide outputs; plus flash
+  attention's log-sum-exp and the padding mask as a bf16 bias), and the fp32 logits of the R
+  response positions with their gradient (and log_softmax's output where
+  common.logprobs_from_logits takes that path; GRPO: at the forward's end, the entropy's three
+  chunks of 2^26 logits instead of the gradient). With --activation_checkpointing: each block's
+  input, then the largest of the logits with their gradient, one block recomputed, and the
+  forward's end with autocast's copies;
 - the optimizer step: the gradients, 4N/W;
 - GRPO's rollout: the whole policy gathered (FSDP2) or autocast's copies, the static KV cache (bf16;
-  a RoPE model's keys stay fp32 under autocast) and, while it is filled, the prefill's;
-- GRPO's reward model over the rank's whole rollout, without a graph (its largest transients:
-  6 I + c h bytes per token, c fitted to the tracker), and the reference's and old policy's
+  a RoPE model's keys stay fp32 under autocast) of every sampled row (--rs_samples a prompt, else
+  --group_size) and, while it is filled, the prefill's, whose forward's transients come first
+  (6 I + c h bytes per token). The largest call of the sampler: the first (each distinct prompt
+  prefilled once, P + R slots), or with --tools a later turn of the tool loop (sampling.generate_with_tools), bounded by
+  every row prefilled again with P + R tokens into P + 2R slots (one row R tokens past its prompt,
+  another none);
+- GRPO's reward model over every sampled row, without a graph (its largest transients: 6 I + c h
+  bytes per token, c fitted to the tracker), and the reference's, old policy's and teacher's
   log-probs, one micro-batch of logits at a time.
 Checked against bench/memory_trace.py (`--check`; tests/test_memory_model.py fails past 10%). Not
 counted: CUDA's context and the allocator's fragmentation (`fits` adds 1 GiB and 10%), the data,
@@ -126,13 +141,22 @@ def parts(s, script, world=1, launcher="torchrun", device="gpu", seqs=4, prompt_
     return phases
 
 
+def lora_params(s, r=16):
+    """LoRA's adapter parameters (grpo.add_lora: every linear of every block, r x (in + out) each)."""
+    kv = s["kv_heads"] * s["h"] // s["heads"]
+    h, I = s["h"], s["I"]
+    # q, k, v, o, gate, up, down; GPT-2: c_attn, c_proj, c_fc, c_proj
+    per_block = 9 * h + 2 * kv + 3 * I if s["gated"] else 8 * h + 2 * I
+    return s["L"] * r * per_block
+
+
 def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, response_len=512, rollout_rows=64,
-              grad_accum=1, group_size=8, ac=False, offload_frozen=False, lora=False, precompute_ref=True,
-              reward_model=True, cache_len=None):
+              prompts=8, grad_accum=1, ac=False, offload_frozen=False, lora=False, lora_r=16, precompute_ref=True,
+              reward_model=True, teacher=False, compile=False, tools=False):
     """Bytes per GPU of each phase's parts, {phase: {part: bytes}}, bf16 compute (FSDP2's
     MixedPrecisionPolicy under torchrun, autocast under `python`). seqs: sequences of one
     micro-batch (DPO and the reward model: both sequences of each pair); rollout_rows: GRPO's
-    completions per rank; cache_len: the KV cache's slots (default prompt + response)."""
+    completions sampled per rank (--rs_samples of each of its `prompts`, else group_size)."""
     N, n_block, n_root = n_params(s)
     fsdp = launcher == "torchrun"
     W = world if fsdp else 1
@@ -142,67 +166,114 @@ def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, r
         N, n_root = N - head, n_root - head
     kv = s["kv_heads"] * h // s["heads"]
     S, R = prompt_len + response_len, response_len
-    state = {"parameters": 4 * N if lora else 4 * N / W}
-    if not lora:
-        state["optimizer"] = 8 * N / W
+    linear = 2 * h * h + 2 * h * kv + (3 if s["gated"] else 2) * h * I  # a block's linear weights
+    # LoRA (`python` only): the base frozen in fp32; gradients and AdamW's moments of the adapters alone
+    trained = lora_params(s, lora_r) if lora else N / W
+    state = {"parameters": 4 * N + 4 * trained if lora else 4 * N / W, "optimizer": 8 * trained}
     frozen = 0 if offload_frozen and fsdp else 2 * N / W if fsdp else 4 * N
     if script == "dpo" and not precompute_ref or script == "grpo" and not lora:
         state["reference"] = frozen
     if script == "grpo" and reward_model:
         state["reward model"] = frozen * (N - head) / N
+    if script == "grpo" and teacher:  # the policy's shape (environment.make_env: models.load_frozen, like the reference)
+        state["teacher"] = frozen
     # bf16 weights for compute: FSDP2 gathers the root (embeddings, head; kept until the backward)
     # and two blocks (one computing, one prefetched); autocast caches a bf16 copy of every weight a
-    # block's linears use (FP32Head computes in fp32 from the fp32 weight: no copy)
+    # block's linears use (FP32Head computes in fp32 from the fp32 weight: no copy). A frozen weight
+    # (LoRA's base) is cast anew by each op instead, and kept only where the backward needs it
     weights = {"gathered (FSDP)": 2 * (n_root + 2 * n_block)} if fsdp else {"autocast copies": 2 * L * n_block}
+    no_grad_weights = {} if lora else weights  # the rollout's and the log-prob passes'
+    # GRPO --compile: one static KV cache per model kept between rollouts (sampling._decode_cache) and,
+    # under autocast, bf16 copies of the linear weights kept for the compiled decode (sampling._bf16_decoder)
+    # bf16 keys and values; under autocast a RoPE model's keys stay fp32 (its fp32 residual stream makes
+    # cos and sin fp32, and q * cos with them)
+    kv_bytes = kv * (6 if not fsdp and not s["pos"] else 4)
+    # the largest call of sampling.generate: the first, whose distinct prompts are prefilled once into a
+    # cache of P + R slots; with --tools (sampling.generate_with_tools) a later one, at most every row's prompt and response
+    # so far (the prompt block P + R) prefilled, into P + 2R slots (one row R tokens past its prompt, one 0)
+    slots = cache_slots(S + (R if tools else 0), compile)
+    prefill_rows, prefill_len = (rollout_rows, S) if tools else (prompts, prompt_len)
+    cache = rollout_rows * slots * L * kv_bytes
+    kept = {}
+    if script == "grpo" and lora and ac:  # transformers makes the embeddings' output a leaf that requires grad;
+        # grpo.py's last loss (and log-probs) keep their graph's nodes, and so it and its gradient, to the next update
+        kept["last micro-batch's input embeddings"] = 8 * seqs * S * h
+    if script == "grpo" and compile:
+        kept["compiled KV cache"] = cache
+        if not fsdp:
+            kept["bf16 decoder copies"] = 2 * L * linear
+    state_kept = dict(state, **kept)
 
     # forward and backward of one micro-batch, at the start of the backward
     tokens = seqs * S
     per_token_layer = ((24 if fsdp else 34) if s["gated"] else (16 if fsdp else 20)) * h \
         + (8 if s["gated"] else 10) * I + 4 * s["heads"] + 2 * S
-    fb = dict(state, **weights)
-    if fsdp and script != "reward":  # the root's gradients wait for the end of the backward, unsharded
-        fb["head gradient (FSDP)"] = 2 * V * h
+    if lora:  # measured: frozen RMSNorm weights keep no fp32 normalised input (-8h); LoRA's A keeps its own bf16
+        # cast of its input, one more than the full model (+2h), and each adapter its r-wide output
+        per_token_layer += (-6 * h if s["gated"] else 2 * h) + 2 * lora_r * (7 if s["gated"] else 4)
+    fb = dict(state_kept, **weights)  # LoRA: the bf16 base weights autograd saves for the input's gradient
     if grad_accum > 1:
-        fb["gradients"] = 4 * N / W  # the earlier micro-batches', reduce-scattered
-    logits = 0
+        fb["gradients"] = 4 * trained  # the earlier micro-batches', reduce-scattered
+    logits = logits_end = 0  # at the backward's start, and at the forward's end
     if script != "reward":
-        logits = 4 * seqs * R * V
-        # log_softmax + gather keep a second (B, R, V) where it fits EVAL_LOGITS (common.logprobs_from_logits)
-        logits = 3 * logits if seqs * R * V <= 2**28 else 2 * logits
+        # fp32 logits and their gradient; log_softmax + gather keep a second (B, R, V) where it fits
+        # EVAL_LOGITS (common.logprobs_from_logits)
+        small = seqs * R * V <= 2**28
+        logits, logits_end = 4 * seqs * R * V * (3 if small else 2), 4 * seqs * R * V * (2 if small else 1)
+    if script == "grpo":  # the update's entropy (common.entropy_from_logits): three fp32 chunks of 2^26 logits
+        logits_end += 3 * 4 * min(seqs * R, max(1, 2**26 // V)) * V
+    # FSDP2: the root's gradients (the head's) are made first in the backward and wait for its end, unsharded
+    head = {"head gradient (FSDP)": 2 * V * h} if fsdp and script != "reward" else {}
     if not ac:
-        fb["activations"], fb["logits"] = tokens * L * per_token_layer, logits
+        fb["activations"] = tokens * L * per_token_layer
+        start, end = dict(head, logits=logits), {"logits": logits_end}
     else:  # each block's input (bf16 under FSDP, fp32 under autocast), then the largest of: the logits and
         # their gradient (the backward's start), one block recomputed, autocast's copies (the forward's end)
         fb.pop("autocast copies", None)
         fb["activations"] = tokens * (2 if fsdp else 4) * h * L
-        fb["largest transient"] = max(logits, tokens * per_token_layer, logits / 2 + weights.get("autocast copies", 0))
+        start = dict(head, **{"largest transient": max(logits, tokens * per_token_layer)})
+        end = {"largest transient": logits_end + no_grad_weights.get("autocast copies", 0)}
+    fb.update(max(start, end, key=lambda parts: sum(parts.values())))
     phases = {"forward and backward": fb}
-    phases["optimizer step"] = dict(state, gradients=4 * N / W)
+    phases["optimizer step"] = dict(state_kept, gradients=4 * trained)
     if script != "grpo":
         return phases
 
-    # GRPO: the rollout, the reward model over the rank's rollout, the reference's and old log-probs
-    roll = dict(state, **({"gathered (FSDP)": 2 * N} if fsdp else weights))  # common.unsharded: all of it
-    # bf16 keys and values; under autocast a RoPE model's keys stay fp32 (its fp32 residual stream makes
-    # cos and sin fp32, and q * cos with them); while the cache is filled, the prefill's own of each prompt
-    kv_bytes = kv * (6 if not fsdp and not s["pos"] else 4)
-    roll["KV cache"] = rollout_rows * (cache_len or S) * L * kv_bytes
-    roll["prefill cache"] = rollout_rows // group_size * prompt_len * L * kv_bytes
+    # GRPO: the rollout, the reward model over the rank's rollout, the reference's, old and teacher's log-probs
+    roll = dict(state, **({"gathered (FSDP)": 2 * N} if fsdp else no_grad_weights), **kept)  # common.unsharded
+    roll["KV cache"] = roll.pop("compiled KV cache", cache)
+    # the prefill's own cache of each prompt while the static cache is filled; its forward's largest moment
+    # (one layer's MLP and a few hidden states for every token, the constant c fitted to bench/memory_trace.py:
+    # GPT-2's Python GELU and autocast's fp32 residual stream keep more) comes before the static cache is
+    # made, unless --compile kept it
+    roll["prefill cache"] = prefill_rows * prefill_len * L * kv_bytes
+    c = (17 if s["gated"] else 31) if not fsdp else (6 if s["gated"] else 21)
+    transients = prefill_rows * prefill_len * (6 * I + c * h)
+    roll["prefill forward"] = transients if compile else max(0, transients - cache)
     roll["logits"] = 4 * rollout_rows * V
     phases["rollout"] = roll
-    if reward_model:
-        rm = dict(state)
-        # no graph: one layer's MLP and a few hidden states at a time (the hidden-state bytes per token fitted
-        # to bench/memory_trace.py: GPT-2's Python GELU and autocast's fp32 residual stream keep more)
-        c = (17 if s["gated"] else 31) if not fsdp else (6 if s["gated"] else 21)
+    if reward_model:  # no graph, over every sampled row (environment.learned_rewards); the same transients
+        rm = dict(state_kept)
         rm["reward model forward"] = rollout_rows * S * (6 * I + c * h)
         if fsdp:
             rm["gathered (FSDP)"] = 2 * (n_root + 2 * n_block)
         phases["reward model"] = rm
-    ref = dict(state, **weights)  # the reference's, then the policy's (autocast caches the policy's only)
-    ref["logits"] = 4 * seqs * R * V + (4 * seqs * R * V if seqs * R * V <= 2**28 else 2 * 4 * 2**26)  # + log_softmax
+    rows = seqs  # one micro-batch of logits at a time, + log_softmax's
+    ref = dict(state_kept, **no_grad_weights)  # the reference's, then the policy's (autocast caches the policy's only)
+    ref["logits"] = 4 * rows * R * V + (4 * rows * R * V if rows * R * V <= 2**28 else 2 * 4 * 2**26)
     phases["reference and old log-probs"] = ref
+    if teacher:  # frozen: under autocast each op casts a weight anew, none cached
+        phases["teacher log-probs"] = dict(state_kept, **(weights if fsdp else {}), logits=ref["logits"])
     return phases
+
+
+def cache_slots(L, compile=False):
+    """The slots of the static KV cache sampling.generate makes for L tokens: under --compile
+    rounded up to a multiple of L/8 to L/4, so that nearby lengths share a compiled graph."""
+    if not compile:
+        return L
+    q = max(8, 2 ** (L.bit_length() - 3))
+    return -(-L // q) * q
 
 
 def hf_config(s):
@@ -221,7 +292,9 @@ def hf_config(s):
 
 def script_config(script, **flags):
     """The script's Config at its defaults, with flags (its own names; max_response_len and
-    max_new_tokens both name the response length) in place of them."""
+    max_new_tokens both name the response length) in place of them. The flags a run fills from
+    the model named (lr and the token limits, cli.fill_defaults) take the values of a model of
+    your own: TRL's (GRPO: 512 prompt and 256 completion tokens)."""
     import importlib
 
     if ROOT not in sys.path:
@@ -233,11 +306,11 @@ def script_config(script, **flags):
     unknown = sorted(k for k in flags if k not in names and k not in SCRIPT_ONLY)
     if unknown:
         raise ValueError(f"{script}.py has no flag(s) {', '.join('--' + k for k in unknown)}")
-    return Config(**{k: v for k, v in flags.items() if k in names})
+    return Config(**{**Config.DEFAULTS["trl"], **{k: v for k, v in flags.items() if k in names}})
 
 
 SCRIPT_ONLY = {"prompts_per_step", "group_size", "num_mini_batches", "reward_model", "lora", "precompute_ref",
-               "batch_size", "compile"}  # another script's flags, ignored by the scripts without them
+               "batch_size", "compile", "teacher", "rs_samples", "tools"}  # other scripts' flags: ignored
 
 
 def parse_flags(argv):
@@ -261,18 +334,21 @@ def estimate(s, script, world=1, launcher="torchrun", device="gpu", ac=False, of
     cfg = script_config(script, **flags)
     W = world if launcher == "torchrun" else 1
     if script == "grpo":
-        rollout_rows = cfg.prompts_per_step // W * cfg.group_size
-        seqs, R = rollout_rows // cfg.num_mini_batches // cfg.grad_accum, cfg.max_new_tokens
+        prompts = cfg.prompts_per_step // W
+        rows = prompts * cfg.group_size
+        seqs, R = rows // cfg.num_mini_batches // cfg.grad_accum, cfg.max_new_tokens
+        rollout_rows = prompts * (cfg.rs_samples or cfg.group_size)
     else:
-        rollout_rows, seqs, R = 0, cfg.batch_size // W // cfg.grad_accum, cfg.max_response_len
+        prompts, rollout_rows, seqs, R = 0, 0, cfg.batch_size // W // cfg.grad_accum, cfg.max_response_len
     knobs = dict(seqs=seqs, prompt_len=cfg.max_prompt_len, response_len=R, rollout_rows=rollout_rows, ac=ac,
                  offload_frozen=offload_frozen, lora=getattr(cfg, "lora", False),
                  precompute_ref=getattr(cfg, "precompute_ref", True), reward_model=bool(getattr(cfg, "reward_model", "")))
     if device == "cpu":  # the CPU model counts pairs; the GPU model sequences (both of each pair)
         return parts(s, script, world, launcher, device, **knobs)
     knobs["seqs"] *= 2 if script in ("dpo", "reward") else 1
-    return gpu_parts(s, script, world, launcher, grad_accum=cfg.grad_accum, group_size=getattr(cfg, "group_size", 1),
-                     **knobs)
+    return gpu_parts(s, script, world, launcher, grad_accum=cfg.grad_accum, prompts=prompts,
+                     lora_r=getattr(cfg, "lora_r", 16), teacher=bool(getattr(cfg, "teacher", "")),
+                     compile=getattr(cfg, "compile", False), tools=bool(getattr(cfg, "tools", "")), **knobs)
 
 
 def total(phases, device):
@@ -342,39 +418,75 @@ def first_fit(s, script, world, flags):
     return None
 
 
-def table(settings=("defaults", "long")):
+COLUMNS = [("sft.py", "sft", {}), ("reward.py", "reward", {}), ("dpo.py", "dpo", {}), ("grpo.py", "grpo", {}),
+           ("grpo.py + reward model", "grpo", {"reward_model": "rm"}),
+           ("grpo.py + teacher (its size)", "grpo", {"teacher": "teacher"})]
+SHORT = {"x8": "", "--activation_checkpointing": "AC", "--offload_frozen": "offload", "--grad_accum": "accum",
+         "--lora": "LoRA"}  # the README's table: its columns name the GPUs
+
+
+def cell(s, script, world, setting, flags, short=False):
+    """One cell of the tables: the first rung that fits and its peak, at the defaults or the long setting."""
+    if setting == "long" and s["pos"] and s["pos"] < sum(LONG.values()):
+        return f"n/a ({s['pos']}-token context)"
+    fit = first_fit(s, script, world, dict(flags, **(LONG if setting == "long" else {})))
+    if fit is None:
+        return "does not fit"
+    how = " ".join(filter(None, (SHORT.get(w, w) for w in fit[0].split()))) if short else fit[0]
+    return f"{how}: {fit[1] / GIB:.0f} GiB"
+
+
+def table(settings=("defaults", "long"), readme=False):
     """Which flags fit each script on 1 and 8 80-GB GPUs, for three model sizes, at the scripts'
-    defaults and at 512 + 1024 tokens: the first rung of KNOBS that fits."""
-    print("| model | GPUs | lengths | sft.py | reward.py | dpo.py | grpo.py | grpo.py + reward model |")
-    print("|---|---|---|---|---|---|---|---|")
+    defaults and at 512 + 1024 tokens: the first rung of KNOBS that fits. readme: the README's
+    shorter table (Qwen2.5-1.5B and Llama-3-8B, dpo.py and grpo.py with a rule reward)."""
+    if readme:
+        print("| model | script | 1 GPU, defaults | 1 GPU, 512 + 1024 | 8 GPUs, defaults | 8 GPUs, 512 + 1024 |")
+        print("|---|---|---|---|---|---|")
+        for model, shown_as in (("qwen2.5-1.5b", "Qwen2.5-1.5B"), ("llama-3-8b", "Llama-3-8B")):
+            for script in ("dpo", "grpo"):
+                cells = [cell(SHAPES[model], script, world, setting, {}, short=True)
+                         for world in (1, 8) for setting in settings]
+                print(f"| {shown_as} | {script}.py | " + " | ".join(cells) + " |")
+        return
+    print("| model | GPUs | lengths | " + " | ".join(c[0] for c in COLUMNS) + " |")
+    print("|---" * (3 + len(COLUMNS)) + "|")
     for model in ("gpt2-large", "qwen2.5-1.5b", "llama-3-8b"):
         s = SHAPES[model]
         for setting in settings:
             for world in (1, 8):
-                cells = []
-                for script, flags in (("sft", {}), ("reward", {}), ("dpo", {}), ("grpo", {}),
-                                      ("grpo", {"reward_model": "rm"})):
-                    if setting == "long" and s["pos"] and s["pos"] < sum(LONG.values()):
-                        cells.append(f"n/a ({s['pos']}-token context)")
-                        continue
-                    fit = first_fit(s, script, world, dict(flags, **(LONG if setting == "long" else {})))
-                    cells.append("does not fit" if fit is None else f"{fit[0]}: {fit[1] / GIB:.0f} GiB")
+                cells = [cell(s, script, world, setting, flags) for _, script, flags in COLUMNS]
                 lengths = "defaults" if setting == "defaults" else "512 + 1024"
                 print(f"| {model} ({n_params(s)[0] / 1e9:.2f}B) | {world} | {lengths} | " + " | ".join(cells) + " |")
 
 
-CHECKS = [  # (launcher, world, flags) the model is checked at against bench/memory_trace.py
-    ("python", 1, {}), ("torchrun", 8, {}),
-    ("python", 1, dict(LONG, reward_model="rm")), ("torchrun", 8, dict(LONG, reward_model="rm")),
-    ("python", 1, dict(LONG, ac=True, grad_accum=2)), ("torchrun", 8, dict(LONG, ac=True, grad_accum=2)),
+SCRIPTS = ("sft", "reward", "dpo", "grpo")
+CHECKS = [  # (launcher, world, flags, scripts) the model is checked at against bench/memory_trace.py
+    *[(launcher, world, flags, SCRIPTS) for launcher, world, flags in [
+        ("python", 1, {}), ("torchrun", 8, {}),
+        ("python", 1, dict(LONG, reward_model="rm")), ("torchrun", 8, dict(LONG, reward_model="rm")),
+        ("python", 1, dict(LONG, ac=True, grad_accum=2)), ("torchrun", 8, dict(LONG, ac=True, grad_accum=2))]],
+    # grpo.py's own: a teacher (the policy's shape), rejection sampling's rows, LoRA, --compile, tool calls
+    *[(launcher, world, dict(LONG, **flags), ("grpo",)) for launcher, world, flags in [
+        ("python", 1, dict(teacher="teacher")), ("torchrun", 8, dict(teacher="teacher")),
+        ("python", 1, dict(rs_samples=16, reward_model="rm")), ("torchrun", 8, dict(rs_samples=16, reward_model="rm")),
+        ("python", 1, dict(lora=True)), ("python", 1, dict(lora=True, ac=True)), ("python", 1, dict(compile=True)),
+        ("python", 1, dict(tools="calculator")), ("torchrun", 8, dict(tools="calculator"))]],
 ]
 
 
-def check(shapes=("gpt2-large", "qwen2.5-1.5b", "llama-3-8b"), scripts=("sft", "reward", "dpo", "grpo"),
-          cases=CHECKS, layers=None):
+def shown(flags, ac=False):
+    """The flags of a check as on a command line."""
+    out = [f"--{k}" if v is True else f"--{k} {v}" for k, v in flags.items() if k not in ("reward_model", "teacher")]
+    out += ["--activation_checkpointing"] * ac + ["+ a teacher"] * ("teacher" in flags)
+    return " ".join(out + ["+ reward model"] * ("reward_model" in flags)) or "defaults"
+
+
+def check(shapes=("gpt2-large", "qwen2.5-1.5b", "llama-3-8b"), cases=CHECKS, layers=None):
     """Each phase of the model against bench/memory_trace.py's tracker (the scripts' own code on fake
-    tensors); layers: build the shapes with this many blocks (the tests: faster, same terms).
-    Prints a table; returns the largest error of a script's peak and of any phase."""
+    tensors) for each (launcher, world, flags, scripts) of cases; layers: build the shapes with this
+    many blocks (the tests: faster, same terms). A phase the model lacks counts as -100%. Prints a
+    table; returns the largest error of a script's peak and of any phase."""
     import memory_trace
 
     print("| model | launcher | flags | script | phase | model GiB | tracker GiB | error |")
@@ -382,19 +494,18 @@ def check(shapes=("gpt2-large", "qwen2.5-1.5b", "llama-3-8b"), scripts=("sft", "
     worst_peak = worst_phase = 0.0
     for name in shapes:
         s = dict(SHAPES[name], **({"L": layers} if layers else {}))
-        for launcher, world, flags in cases:
+        for launcher, world, flags, scripts in cases:
             flags = dict(flags)
             ac = flags.pop("ac", False)
             for script in scripts:
                 traced = memory_trace.trace(s, script, world, launcher, ac=ac, **flags)
                 est = {k: sum(v.values()) for k, v in estimate(s, script, world, launcher, ac=ac, **flags).items()}
-                shown = " ".join(f"--{k} {v}" for k, v in flags.items() if k != "reward_model")
-                shown += " --activation_checkpointing" * ac + " + reward model" * ("reward_model" in flags)
                 for phase, t in traced.items():
-                    err = est[phase] / t - 1
+                    err = est.get(phase, 0) / t - 1
                     worst_phase = max(worst_phase, abs(err))
-                    print(f"| {name} | {launcher} x{world} | {shown or 'defaults'} | {script} | {phase} | "
-                          f"{est[phase] / GIB:.2f} | {t / GIB:.2f} | {err:+.1%} |")
+                    model = f"{name} ({layers} layers)" if layers else name
+                    print(f"| {model} | {launcher} x{world} | {shown(flags, ac)} | {script} | {phase} | "
+                          f"{est.get(phase, 0) / GIB:.2f} | {t / GIB:.2f} | {err:+.1%} |")
                 worst_peak = max(worst_peak, abs(max(est.values()) / max(traced.values()) - 1))
     print(f"\nlargest error: a script's peak {worst_peak:.1%}, a phase {worst_phase:.1%}")
     return worst_peak, worst_phase
@@ -412,6 +523,7 @@ def main():
     p.add_argument("--validate", action="store_true", help="against the CPU peaks measured here (bench/results)")
     p.add_argument("--check", action="store_true", help="against bench/memory_trace.py, three shapes")
     p.add_argument("--table", action="store_true")
+    p.add_argument("--readme", action="store_true", help="with --table: the README's shorter table")
     args, rest = p.parse_known_args()
     flags = parse_flags(rest)  # any script flag: --max_prompt_len 512 --max_new_tokens 1024 --grad_accum 2 ...
     if args.validate:
@@ -419,7 +531,7 @@ def main():
     if args.check:
         sys.exit(1 if check()[0] > 0.1 else 0)
     if args.table:
-        return table()
+        return table(readme=args.readme)
     s = shape_of(args.model)
     print(f"{args.model}: {n_params(s)[0] / 1e9:.3f}B parameters; {args.launcher} on {args.world} {args.device}(s)")
     for script in args.script.split(","):

@@ -1,23 +1,30 @@
 """Peak memory per GPU of each script's step, measured without a GPU: the scripts' own functions
-(common.shard_model, response_logprobs, the losses, backward, optimizer_step; grpo.py's reference
-and update passes; the sampler's prefill and cache) run on fake tensors (torch's FakeTensorMode:
-shapes and dtypes, no storage) under a fake process group of W ranks, FSDP2 included, and torch's
-MemTracker (FSDPMemTracker under torchrun) adds up the live bytes per phase. bench/memory.py's
-model is checked against it (tests/test_memory_model.py).
+(common.shard_model, response_logprobs, the losses, backward, optimizer_step; grpo.py's reference,
+teacher and update passes, add_lora; the sampler's prefill, cache and bf16 decoder) run on fake
+tensors (torch's FakeTensorMode: shapes and dtypes, no storage) under a fake process group of W
+ranks, FSDP2 included, and torch's MemTracker (FSDPMemTracker under torchrun) adds up the live
+bytes per phase. bench/memory.py's model is checked against it (tests/test_memory_model.py).
 
     python bench/memory_trace.py --model llama-3-8b --world 8 --script grpo --max_new_tokens 1024
+    python bench/memory_trace.py --model gpt2 --launcher python --script grpo --lora True --tools calculator
 
 A GPU's choices on fake CPU tensors: bf16 compute (FSDP2's MixedPrecisionPolicy, or autocast under
 `python`), bf16 frozen models under torchrun, the fp32-output head matmul and log_softmax + gather
 (common.on_gpu), and a flash-attention kernel (keeps its output and log-sum-exp, not the
 probabilities). Not counted: CUDA's context and the allocator's fragmentation (memory.fits adds
-them). GRPO's rollout is its prefill and one decode step into the full static cache: the cache is
-allocated whole before the first token, so later tokens add only a step's logits.
+them). A call of the sampler is its prefill and one decode step into the full static cache: the
+cache is allocated whole before the first token, so later tokens add only a step's logits. GRPO's
+rollout is the first call; with --tools also the largest later turn of the tool loop (sampling.generate_with_tools)
+(which needs a tokenizer and the rows' tokens, so it is not run itself): every row's prompt and
+response so far prefilled again into a new cache, as generate_with_tools calls sampling.generate.
+With --compile the persistent cache and the bf16 decoder copies are sampling's own, kept by it
+between steps; the decode step runs uncompiled (the memory is its inputs').
 """
 import argparse
 import contextlib
 import os
 import sys
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -35,8 +42,6 @@ GIB = 2**30
 def _as_on_a_gpu(d):
     """The patches that make fake CPU tensors take a GPU's paths (see the module docstring), undone
     on leaving. Under `python` no move to the device (the fake tensors are on it already)."""
-    from unittest import mock
-
     def autocast(d, enabled=True):
         return torch.autocast("cpu", dtype=torch.bfloat16) if enabled and not d.torchrun else contextlib.nullcontext()
 
@@ -128,6 +133,36 @@ def _tracker_class():
     return Tracker
 
 
+@contextlib.contextmanager
+def _grad_hooks_released():
+    """MemTracker's module tracker hooks the gradient of every module input and output that requires
+    grad, and the hook and the autograd nodes it watches hold each other: a leaf no backward reaches
+    (the embeddings' output, which transformers makes require grad under activation checkpointing,
+    in no-grad passes too), or one a backward has reached and its gradient (LoRA's), would outlive
+    its step here, never in a run (18 GiB on Qwen2.5-1.5B at 512 + 1024 tokens, LoRA and AC). No hook
+    in a no-grad pass, and each backward's hooks removed once it is done; only the split of a phase's
+    bytes into activations and temporaries reads them."""
+    from torch.distributed._tools import mod_tracker
+
+    register, backward, hooks = mod_tracker.register_multi_grad_hook, common.backward, []
+
+    def register_when_grad(*args, **kwargs):
+        if torch.is_grad_enabled():
+            hooks.append(register(*args, **kwargs))
+            return hooks[-1]
+
+    def backward_then_release(*args, **kwargs):
+        out = backward(*args, **kwargs)
+        for hook in hooks:
+            hook.remove()
+        hooks.clear()
+        return out
+
+    with mock.patch.object(mod_tracker, "register_multi_grad_hook", register_when_grad), \
+            mock.patch.object(common, "backward", backward_then_release):
+        yield
+
+
 def trace(shape, script, world=1, launcher="torchrun", ac=False, breakdown=False, **flags):
     """{phase: peak bytes} of one step of `script` at its Config's defaults, overridden by flags
     (max_prompt_len, max_response_len or max_new_tokens, batch sizes, grad_accum...). Two
@@ -138,16 +173,24 @@ def trace(shape, script, world=1, launcher="torchrun", ac=False, breakdown=False
     d = _world(world, launcher)
     with FakeTensorMode(), _as_on_a_gpu(d):
         model = _build(shape, "new_reward" if script == "reward" else "causal")
-        frozen = []
-        if script == "grpo" and not cfg.lora:
-            frozen.append(common.freeze(_build(shape), d))  # grpo.py: a copy of the policy
+        frozen = {}  # grpo.py's and dpo.py's frozen models, by role
+        if script == "grpo" and cfg.lora:  # grpo.py: the reference is the policy with its adapters off
+            import grpo
+
+            # peft moves each adapter to its base layer's device and dtype with Module.to, which swaps fake
+            # tensors and cannot here; the adapters are made there (the fake CPU, fp32) already
+            with mock.patch.object(torch.nn.Module, "to", lambda self, *args, **kwargs: self):
+                model = grpo.add_lora(model, cfg.lora_r, cfg.lora_alpha)
+        elif script == "grpo" or script == "dpo" and not cfg.precompute_ref:
+            frozen["reference"] = common.freeze(_build(shape), d)  # a copy of the policy
         model = common.shard_model(model, d, activation_checkpointing=ac)
         if script == "grpo" and cfg.reward_model:
-            frozen.append(common.freeze(_build(shape, "reward"), d))
-        if script == "dpo" and not cfg.precompute_ref:
-            frozen.append(common.freeze(_build(shape), d))
-        optimizer, scheduler = common.make_optimizer(model.parameters(), 1e-5, 0.0, 1, 10)
-        with _tracker_class()(model, optimizer, *frozen) as tracker:
+            frozen["reward model"] = common.freeze(_build(shape, "reward"), d)
+        if script == "grpo" and cfg.teacher:  # environment.make_env: models.load_frozen, the policy's shape here
+            frozen["teacher"] = common.freeze(_build(shape), d)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer, scheduler = common.make_optimizer(params, 1e-5, 0.0, 1, 10)
+        with _tracker_class()(model, optimizer, *frozen.values()) as tracker, _grad_hooks_released():
             STEPS[script](model, optimizer, scheduler, frozen, cfg, d, tracker)
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -204,42 +247,59 @@ def _dpo(model, optimizer, scheduler, frozen, cfg, d, tracker):
         ref_c, ref_r = torch.zeros_like(pi_c), torch.zeros_like(pi_r)  # precomputed (or SimPO's none)
         if frozen:  # a live reference
             with torch.no_grad():
-                ref_c, ref_r = common.sequence_logprobs(frozen[0], batch, d).chunk(2)
+                ref_c, ref_r = common.sequence_logprobs(frozen["reference"], batch, d).chunk(2)
         return dpo.dpo_loss(pi_c, pi_r, ref_c, ref_r, beta=cfg.beta, n_pairs=cfg.batch_size)[0]
 
     _steps(model, optimizer, scheduler, cfg, d, tracker, micro_loss)
 
 
-def _grpo(model, optimizer, scheduler, frozen, cfg, d, tracker):
-    """The rollout (prefill of the distinct prompts, one decode step), the reward model's forward
-    over the rank's rollout, the reference's and the old policy's log-probs, the update."""
-    import grpo
+def _turn(model, rows, n_prompts, prompt_len, slots, cfg, d):
+    """One call of sampling.generate, as far as its memory goes: a static cache of `rows` rows and
+    `slots` slots (sampling._decode_cache: with --compile the persistent one), the prefill of
+    n_prompts distinct prompts of prompt_len tokens copied into it (each to rows / n_prompts rows),
+    and one decode step into the full cache (from the bf16 copies under autocast with --compile)."""
     import sampling
 
-    rows = cfg.prompts_per_step // d.world_size * cfg.group_size  # this rank's completions
+    cache, slots = sampling._decode_cache(model, rows, slots, persistent=cfg.compile)
+    prompts, mask, _ = _batch(n_prompts, prompt_len, 0, d)
+    out = model(input_ids=prompts, attention_mask=mask, position_ids=common.position_ids_from_mask(mask),
+                use_cache=True, logits_to_keep=1)
+    inverse = None if n_prompts == rows else torch.arange(rows, device=d.device) // (rows // n_prompts)
+    sampling._fill_cache(cache, out.cache, inverse, prompt_len)
+    logits = out.logits[:, -1] if inverse is None else out.logits[:, -1][inverse]  # (rows, V)
+    del out
+    compiled_autocast = cfg.compile and torch.is_autocast_enabled(d.device.type)  # sampling.generate's test
+    decoder = sampling._bf16_decoder(model) if compiled_autocast else model
+    full = torch.ones(rows, slots, dtype=torch.long, device=d.device)
+    sampling._next_logits(decoder, logits.argmax(-1)[:, None], full, torch.full((rows, 1), prompt_len, device=d.device),
+                          cache=cache, kw=dict(logits_to_keep=1))
+
+
+def _grpo(model, optimizer, scheduler, frozen, cfg, d, tracker):
+    """The rollout (prefill of the distinct prompts, one decode step; with --tools also a later turn:
+    every row's prompt and response so far prefilled again, into a new cache), the reward model's
+    forward over the rank's rollout (--rs_samples rows a prompt), the reference's, the old policy's
+    and the teacher's log-probs, the update."""
+    import grpo
+
+    n_local = cfg.prompts_per_step // d.world_size
+    rows = n_local * cfg.group_size  # this rank's completions in the update
+    sampled = n_local * (cfg.rs_samples or cfg.group_size)  # and in the rollout (rejection sampling keeps rows)
     micro = rows // cfg.num_mini_batches // cfg.grad_accum
     P, R = cfg.max_prompt_len, cfg.max_new_tokens
-    ref = None if cfg.lora else frozen[0]
+    ref = frozen.get("reference")  # None with --lora: the policy with its adapters off
     for step in range(2):
         with tracker.phase("rollout", measure=step == 1):
             with common.evaluating(model, gather=True), common.autocast(d), torch.no_grad():
-                cache, L = sampling._decode_cache(model, rows, P + R, persistent=cfg.compile)
-                prompts, mask, _ = _batch(rows // cfg.group_size, P, 0, d)
-                out = model(input_ids=prompts, attention_mask=mask, position_ids=common.position_ids_from_mask(mask),
-                            use_cache=True, logits_to_keep=1)
-                inverse = torch.arange(rows, device=d.device) // cfg.group_size
-                sampling._fill_cache(cache, out.cache, inverse, P)
-                logits = out.logits[:, -1][inverse]
-                del out
-                full = torch.ones(rows, L, dtype=torch.long, device=d.device)
-                logits = sampling._next_logits(model, logits.argmax(-1)[:, None], full,
-                                               torch.full((rows, 1), P, device=d.device), cache=cache,
-                                               kw=dict(logits_to_keep=1))
-                del cache, logits
-        ids, attn, loss_mask = _batch(rows, P, R, d)
+                _turn(model, sampled, n_local, P, memory.cache_slots(P + R, cfg.compile), cfg, d)
+                if cfg.tools:  # the tool loop: at most every row active, the longest history R tokens past its
+                    # prompt (the prompt block P + R), the shortest 0 (R tokens to go): P + 2R slots
+                    _turn(model, sampled, sampled, P + R, memory.cache_slots(P + 2 * R, cfg.compile), cfg, d)
+        ids, attn, _ = _batch(sampled, P, R, d)
         if cfg.reward_model:
             with tracker.phase("reward model", measure=step == 1), common.autocast(d), torch.no_grad():
-                common.reward_scores(frozen[-1], ids[:, :-1], attn[:, :-1])  # environment.learned_rewards: all rows
+                common.reward_scores(frozen["reward model"], ids[:, :-1], attn[:, :-1])  # environment.learned_rewards
+        ids, attn, loss_mask = _batch(rows, P, R, d)  # grpo.reward: group_size of each prompt's samples kept
         with tracker.phase("reference and old log-probs", measure=step == 1):
             with grpo.reference_context(model, ref):
                 ref_logps = grpo.batched_logprobs(model if ref is None else ref, ids, attn, R,
@@ -247,6 +307,11 @@ def _grpo(model, optimizer, scheduler, frozen, cfg, d, tracker):
             old_logps = grpo.batched_logprobs(model, ids, attn, R, temperature=cfg.temperature, d=d,
                                               rows_per_forward=micro)
         adv = torch.zeros(rows, device=d.device)
+        if cfg.teacher:
+            with tracker.phase("teacher log-probs", measure=step == 1):
+                teacher_logps = grpo.batched_logprobs(frozen["teacher"], ids, attn, R, temperature=cfg.temperature,
+                                                      d=d, rows_per_forward=micro)
+                adv = adv[:, None] + grpo.distill_advantages(teacher_logps, old_logps, loss_mask, cfg.teacher_coef)
         for _ in range(cfg.num_mini_batches):
             with tracker.phase("forward and backward", measure=step == 1):
                 for k in range(cfg.grad_accum):
