@@ -25,8 +25,8 @@ RESUME_MAY_CHANGE = ("steps", "grad_accum", "activation_checkpointing", "offload
 
 
 # the flags that name a model or data: what each names is recorded, by content, with the run
-INPUT_FLAGS = ("model", "ref_model", "reward_model", "normalize_policy", "dataset", "eval_dataset", "eval_pairs",
-               "chat_template")
+INPUT_FLAGS = ("model", "ref_model", "reward_model", "teacher", "normalize_policy", "dataset", "eval_dataset",
+               "eval_pairs", "chat_template")
 
 
 DATA_FLAGS = ("dataset", "eval_dataset", "eval_pairs", "chat_template")  # hashed whole, whatever their size

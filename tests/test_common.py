@@ -702,6 +702,34 @@ def test_resume_refuses_other_flags_and_inputs_and_keeps_the_history(tmp_path, t
     assert config["history"][1]["changed"] == {"steps": [4, 8], "grad_accum": [1, 2], "eval_every": [100, 3]}
 
 
+def test_resume_refuses_another_teacher_where_the_run_s_pointed(tmp_path, tiny):
+    """--teacher names a model the advantages are computed from: another checkpoint put where it
+    points must stop a resume as another --model does, not change the target silently."""
+    import grpo
+
+    model, tok = tiny
+    for name in ("base", "teacher"):
+        model.save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+    cfg = cli.with_defaults(grpo.Config(model=str(tmp_path / "base"), teacher=str(tmp_path / "teacher"),
+                                        out_dir=str(tmp_path / "out"), steps=4))
+    try:
+        job = rundir.Run(cfg, common.Dist())
+        job.begin(model, tok, *common.make_optimizer(model.parameters(), 1e-3, 0.0, 0, 4), data.DataOrder(8, 0))
+        job.save(step=2)
+        job.logger.close()
+    finally:
+        rundir.release()
+    assert "teacher" in json.loads((tmp_path / "out" / "run_config.json").read_text())["inputs"]
+    torch.manual_seed(1)
+    models.load_model("tiny", tok).save_pretrained(tmp_path / "teacher")
+    try:
+        with pytest.raises(ValueError, match=re.escape(f"--teacher {tmp_path / 'teacher'} no longer holds")):
+            rundir.Run(dataclasses.replace(cfg, resume=True), common.Dist())
+    finally:
+        rundir.release()
+
+
 @pytest.mark.parametrize("script", ["sft", "reward", "dpo", "grpo", "pipeline"])
 def test_help_shows_every_flag(script, capsys):
     """--help renders every field's docstring (a "%" in one broke argparse's formatting)."""
