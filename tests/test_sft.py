@@ -26,8 +26,8 @@ def test_loss_mask_covers_exactly_the_completion_and_eos():
     tok = tasks.char_tokenizer()
     ds = data.load_data("sort", "train", ["prompt", "completion"], kind="sft", n=4, seed=0)
     cfg = sft.Config(max_prompt_len=64, max_response_len=32)
-    prompts, completions = sft.encode_sft(ds, tok, cfg, "sort")
-    ids, attn, resp = sft.make_batch(prompts, completions, [0, 1, 2, 3], tok.pad_token_id, "cpu")
+    prompts, completions, masks = sft.encode_sft(ds, tok, cfg, "sort")
+    ids, attn, resp = sft.make_batch(prompts, completions, masks, [0, 1, 2, 3], tok.pad_token_id, "cpu")
     R = resp.shape[1]
     for i, row in enumerate(ds):
         labels = ids[i, -R:][resp[i].bool()].tolist()  # the tokens the loss is taken on
