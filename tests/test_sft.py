@@ -75,8 +75,9 @@ def test_sft_runs_and_its_checkpoint_loads(tmp_path):
 
 
 def test_unknown_flag_is_named():
-    r = run_sft(["--learning_rate", "1e-3"])
-    assert r.returncode == 2 and "--learning_rate" in r.stderr
+    r = run_sft(["--lerning_rate", "1e-3"])
+    assert r.returncode == 2
+    assert "sft.py: unknown flag --lerning_rate; did you mean --lr (TRL: --learning_rate)?" in r.stderr
 
 
 def test_jsonl_row_missing_completion_is_named(tmp_path):
