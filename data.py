@@ -21,7 +21,7 @@ FILE_TYPES = (".jsonl", ".json", ".csv", ".parquet")
 HOLDOUT = 0.05  # share of a local file's prompts held out for evaluation when no --eval_dataset is given
 # the columns some script reads (read_file's default): one a script reads that cannot be stored is an
 # error, any other is left out
-COLUMNS = ("prompt", "completion", "chosen", "rejected", "messages", "reward_fn", "answer", "margin")
+COLUMNS = ("prompt", "completion", "chosen", "rejected", "messages", "text", "reward_fn", "answer", "margin")
 
 
 def decode_utf8(path, raw):
@@ -172,7 +172,7 @@ def held_out(prompt):
 
 def hold_out(ds, name, split):
     """The rows of split "train" or "test" of a local file that has no splits of its own."""
-    test = [held_out(p) for p in ds["prompt"]]
+    test = [held_out(p) for p in ds["prompt" if "prompt" in ds.column_names else "text"]]
     rows = [i for i, t in enumerate(test) if t == (split == "test")]
     if not rows:
         raise ValueError(f"{name}: none of its {len(ds)} rows falls in the {split} share of the hash split "
@@ -218,13 +218,18 @@ def load_data(name, split, columns, kind=None, n=None, seed=0, holdout=False, op
             raise ValueError(f"{name} ({split}): {e}") from None
     if len(ds) == 0:
         raise ValueError(f"{name} ({split}): no rows")
+    if "completion" in columns and "text" in ds.column_names and not {"prompt", "completion", "messages"} & {
+            *ds.column_names}:
+        columns = ["text"]  # TRL's language-modelling rows: SFT trains on every token of the text
     if "messages" in ds.column_names and "prompt" in columns and "prompt" not in ds.column_names:
-        ds = split_messages(ds, name)
+        ds = split_messages(ds, name, every_turn="completion" in columns)
     missing = [c for c in columns if c not in ds.column_names]
     if missing:
         raise ValueError(f"{name} ({split}): missing column(s) {missing}; has {ds.column_names}")
     for c in columns:
         check_field(ds[c], c, name)
+        if c == "text" and is_conversation(ds[0][c]):
+            raise ValueError(f"{name}: column 'text' holds conversations; name it `messages`, TRL's column for them")
         empty = [i + 1 for i, v in enumerate(ds[c]) if v == ""]
         if empty:  # legitimate (an empty completion trains the model to stop at once), and worth a look
             common.print0(f"note: {name}: {len(empty)} of {len(ds)} rows have an empty {c!r} (row"
@@ -295,10 +300,12 @@ def check_field(values, column, source):
         raise ValueError(f"{source} row {i + 1}: field is {type(v).__name__}, not a string: {column!r}")
 
 
-def split_messages(ds, source):
-    """SFT's conversational language-modelling rows (`messages`) as prompt-completion rows: the
-    last message, which must be the assistant's, is the completion; the turns before it are the
-    prompt (earlier assistant turns are context, as in TRL's prompt-completion form)."""
+def split_messages(ds, source, every_turn=False):
+    """Conversational language-modelling rows (`messages`) as prompt-completion rows. The last
+    message must be the assistant's. every_turn (SFT, as TRL's assistant-only loss): the prompt is
+    the turns before the first assistant message and the completion all the rest, each of its
+    assistant turns trained on (assistant_turns); else (GRPO's prompts) the last message is the
+    completion and every turn before it the prompt."""
     import datasets
 
     check_field(ds["messages"], "messages", source)
@@ -307,8 +314,12 @@ def split_messages(ds, source):
         if msgs[-1]["role"] != "assistant" or len(msgs) < 2:
             raise ValueError(f"{source} row {i + 1}: `messages` must end with an assistant message after at least "
                              f"one other (it ends with {msgs[-1]['role']!r}, {len(msgs)} message(s))")
-        prompts.append(msgs[:-1])
-        completions.append(msgs[-1:])
+        k = next(k for k, m in enumerate(msgs) if m["role"] == "assistant") if every_turn else len(msgs) - 1
+        if k == 0:
+            raise ValueError(f"{source} row {i + 1}: `messages` starts with an assistant message, which has no turn "
+                             f"before it to answer: begin the conversation with a system or user message")
+        prompts.append(msgs[:k])
+        completions.append(msgs[k:])
     other = {c: ds[c] for c in ds.column_names if c != "messages"}
     return datasets.Dataset.from_dict({"prompt": prompts, "completion": completions, **other})
 
@@ -325,6 +336,32 @@ def shared_turns(chosen, rejected):
     return chosen[:k], chosen[k:], rejected[k:]
 
 
+def chat_columns(ds, tokenizer, source):
+    """The text columns of ds that some script renders (prompt, completion, chosen, rejected) if
+    they are conversations, else []; a mix of text and conversations, or conversations without a
+    chat template, is refused."""
+    columns = [c for c in ("prompt", "completion", "chosen", "rejected") if c in ds.column_names]
+    chat = [c for c in columns if is_conversation(ds[0][c])]
+    if chat and chat != columns:
+        raise ValueError(f"{source}: columns {chat} are conversations but {sorted(set(columns) - set(chat))} are text: "
+                         f"give all of them as messages, or all as text")
+    if chat and not tokenizer.chat_template:
+        raise ValueError(f"{source}: conversational rows need a chat template, and this tokenizer has none: pass "
+                         f"--chat_template FILE (a Jinja template), or give the rows as plain text")
+    return chat
+
+
+def apply_template(tokenizer, source, i, msgs, **kw):
+    """Row i's messages rendered to text by the tokenizer's chat template; a template that
+    cannot render them (its own raise_exception("Conversation roles must alternate ...")) is
+    named with the row."""
+    try:
+        return tokenizer.apply_chat_template(list(msgs), tokenize=False, **kw)
+    except Exception as e:
+        raise ValueError(f"{source} row {i + 1}: the chat template cannot render this row "
+                         f"({type(e).__name__}: {e})") from None
+
+
 def render_chat(ds, tokenizer, source):
     """Conversational rows rendered to text with the tokenizer's chat template, as TRL does:
     the prompt with the generation prompt (`add_generation_prompt=True`), each completion
@@ -334,30 +371,15 @@ def render_chat(ds, tokenizer, source):
     come back unchanged."""
     import datasets
 
-    columns = [c for c in ("prompt", "completion", "chosen", "rejected") if c in ds.column_names]
-    chat = [c for c in columns if is_conversation(ds[0][c])]
-    if not chat:
+    columns = chat_columns(ds, tokenizer, source)
+    if not columns:
         return ds, False
-    if chat != columns:
-        raise ValueError(f"{source}: columns {chat} are conversations but {sorted(set(columns) - set(chat))} are text: "
-                         f"give all of them as messages, or all as text")
-    if not tokenizer.chat_template:
-        raise ValueError(f"{source}: conversational rows need a chat template, and this tokenizer has none: pass "
-                         f"--chat_template FILE (a Jinja template), or give the rows as plain text")
-
-    def template(i, msgs, **kw):
-        try:
-            return tokenizer.apply_chat_template(msgs, tokenize=False, **kw)
-        except Exception as e:  # the template's own raise_exception("Conversation roles must alternate ...")
-            raise ValueError(f"{source} row {i + 1}: the chat template cannot render this row "
-                             f"({type(e).__name__}: {e})") from None
-
-    prompts = [template(i, list(p), add_generation_prompt=True) for i, p in enumerate(ds["prompt"])]
+    prompts = [apply_template(tokenizer, source, i, p, add_generation_prompt=True) for i, p in enumerate(ds["prompt"])]
     out = {"prompt": prompts}
     for c in columns[1:]:
         texts = []
         for i, (p, p_text, msgs) in enumerate(zip(ds["prompt"], prompts, ds[c])):
-            full = template(i, list(p) + list(msgs))
+            full = apply_template(tokenizer, source, i, list(p) + list(msgs))
             if not full.startswith(p_text):
                 raise ValueError(f"{source} row {i + 1}: the chat template renders the prompt differently once the "
                                  f"{c} follows it, so the {c} cannot be cut off as the text after the prompt")
@@ -365,6 +387,48 @@ def render_chat(ds, tokenizer, source):
         out[c] = texts
     other = {c: ds[c] for c in ds.column_names if c not in out}
     return datasets.Dataset.from_dict({**out, **other}), True
+
+
+def assistant_turns(ds, tokenizer, source):
+    """SFT's prompt-completion rows as text: (prompts, pieces, chat). pieces[i] is row i's
+    completion as [(text, trained), ...] in order. A plain-text row's completion is one trained
+    piece. A conversation's pieces are its assistant turns, each as the template writes it (its
+    end-of-turn tokens included, as render_chat's completion), trained on, and the text between
+    them (a user's turn, the next generation prompt), context only: TRL's assistant-only loss.
+    Turn k is what msgs[:k+1] adds to msgs[:k] rendered with the generation prompt, which holds
+    where each render is a prefix of the whole conversation's; a template that renders an
+    earlier turn differently once later turns follow (one that strips the reasoning of earlier
+    turns) is refused, naming the row and the turn, since its turns have no place in the text
+    the model is trained on."""
+    if not chat_columns(ds, tokenizer, source):
+        return list(ds["prompt"]), [[(c, True)] for c in ds["completion"]], False
+    prompts, pieces = [], []
+    for i, (prompt, completion) in enumerate(zip(ds["prompt"], ds["completion"])):
+        msgs = list(prompt) + list(completion)
+        full = apply_template(tokenizer, source, i, msgs)
+        pos, row = None, []
+        for k in range(len(prompt), len(msgs)):
+            if msgs[k]["role"] != "assistant":
+                continue
+            before = apply_template(tokenizer, source, i, msgs[:k], add_generation_prompt=True)
+            after = full if k == len(msgs) - 1 else apply_template(tokenizer, source, i, msgs[:k + 1])
+            if pos is None:
+                prompts.append(before)
+                pos = len(before)
+            if not (after.startswith(before) and full.startswith(after) and len(before) >= pos):
+                raise ValueError(f"{source} row {i + 1}: the chat template renders message {k + 1} (an assistant turn) "
+                                 f"differently once later turns follow it (as templates that drop the reasoning of "
+                                 f"earlier turns do), so its tokens cannot be found in the conversation: give each "
+                                 f"assistant turn a row of its own, or pass a --chat_template that renders every turn "
+                                 f"as it renders the last")
+            row += [(full[pos:len(before)], False)] * (len(before) > pos) + [(full[len(before):len(after)], True)]
+            pos = len(after)
+        if pos is None:
+            raise ValueError(f"{source} row {i + 1}: the completion holds no assistant message, so nothing in it is "
+                             f"trained on")
+        row += [(full[pos:], False)] * (len(full) > pos)
+        pieces.append(row)
+    return prompts, pieces, True
 
 
 HH_MARKER = "\n\nAssistant:"
@@ -418,12 +482,24 @@ def load_pairs(name, split, n=None, seed=0, holdout=False):
     return ds
 
 
-def show_example(tokenizer, prompt, response, what):
+def show_example(tokenizer, prompt, response, what, mask=None):
     """Print a training example as the model sees it: the prompt's tokens, then the tokens the
     loss is taken on, each token quoted, so a wrong template, a double BOS or a missing end of
-    turn shows in the log before the first step."""
+    turn shows in the log before the first step. mask (0/1 per response token): the response's
+    tokens the loss leaves out (the user turns between assistant turns) are shown in [brackets]."""
     quote = lambda ids: " ".join(repr(t) for t in tokenizer.convert_ids_to_tokens(ids))  # noqa: E731
-    loss = "the sampled completion" if response is None else f"({len(response)} tokens) {quote(response)}"
+    if response is None:
+        loss = "the sampled completion"
+    elif mask is None or all(mask):
+        loss = f"({len(response)} tokens) {quote(response)}"
+    else:
+        parts, start = [], 0
+        for j in range(1, len(response) + 1):  # runs of trained and of context tokens
+            if j == len(response) or mask[j] != mask[start]:
+                text = quote(response[start:j])
+                parts.append(text if mask[start] else f"[{text}]")
+                start = j
+        loss = f"({sum(mask)} of {len(response)} tokens; [context]) {' '.join(parts)}"
     common.print0(f"{what}, first example: prompt ({len(prompt)} tokens) {quote(prompt)}\n  loss on {loss}")
 
 

@@ -95,48 +95,84 @@ def sft_loss(logps, mask, n_tokens):
 # data
 
 
-COLUMNS = ["prompt", "completion"]
+COLUMNS = ["prompt", "completion"]  # or TRL's `messages` or `text` rows (data.load_data)
+
+
+def encode_text(texts, tokenizer, cfg, source):
+    """TRL's language-modelling rows: every token of the text and the EOS after it is trained on,
+    but the first, which has no position before it to be predicted from; that token (or the BOS
+    the tokenizer adds in front) is the prompt. A text is cut from the right to --max_response_len."""
+    head, _ = sampling.added_tokens(tokenizer)
+    prompts, completions, c_cut = [], [], 0
+    for i, x in enumerate(tokenizer(list(texts), add_special_tokens=False)["input_ids"]):
+        x = x if x[:len(head)] == head else head + x
+        if not x:
+            raise ValueError(f"{source} row {i + 1}: empty 'text', and this tokenizer adds no BOS before it: nothing "
+                             f"to train on")
+        p = max(len(head), 1)
+        prompts.append(x[:p])
+        completions.append((x[p:] + [tokenizer.eos_token_id])[:cfg.max_response_len])
+        c_cut += len(x) - p + 1 > cfg.max_response_len
+    if c_cut:
+        common.print0(f"{source}: truncated {c_cut} of {len(texts)} texts (right) to {cfg.max_response_len} tokens")
+    return prompts, completions, [[1] * len(c) for c in completions]
 
 
 def encode_sft(ds, tokenizer, cfg, source):
-    """Token ids of every row: prompts cut from the left, completions from the right; plain text
-    gets EOS after the completion, a conversation's completion ends with its template's
-    end-of-turn tokens (data.render_chat)."""
-    ds, chat = data.render_chat(ds, tokenizer, source)
-    prompts, cut = sampling.encode_prompts(tokenizer, ds["prompt"], cfg.max_prompt_len, source)
-    p_cut = sum(cut)
-    completions, c_cut = sampling.encode_responses(tokenizer, ds["completion"], cfg.max_response_len, eos=not chat)
-    if p_cut or c_cut:
-        common.print0(f"{source}: truncated {p_cut} prompts (left) and {c_cut} completions (right) "
+    """(prompts, completions, masks): token ids of every row and the 0/1 loss mask over its
+    completion. Prompts are cut from the left, completions from the right; plain text gets EOS
+    after the completion; a conversation's completion is trained on its assistant turns only,
+    each ending with its template's end-of-turn tokens (data.assistant_turns), the turns between
+    them context; a `text` row on every token (encode_text)."""
+    if "text" in ds.column_names:
+        return encode_text(ds["text"], tokenizer, cfg, source)
+    prompt_texts, pieces, chat = data.assistant_turns(ds, tokenizer, source)
+    prompts, cut = sampling.encode_prompts(tokenizer, prompt_texts, cfg.max_prompt_len, source)
+    ids = iter(tokenizer([t for row in pieces for t, _ in row], add_special_tokens=False)["input_ids"])
+    completions, masks, c_cut = [], [], 0
+    for row in pieces:
+        tokens, mask = [], []
+        for _, trained in row:
+            piece = next(ids)
+            tokens += piece
+            mask += [int(trained)] * len(piece)
+        if not chat:
+            tokens, mask = tokens + [tokenizer.eos_token_id], mask + [1]
+        c_cut += len(tokens) > cfg.max_response_len
+        completions.append(tokens[:cfg.max_response_len])
+        masks.append(mask[:cfg.max_response_len])
+    if sum(cut) or c_cut:
+        common.print0(f"{source}: truncated {sum(cut)} prompts (left) and {c_cut} completions (right) "
                       f"of {len(ds)} rows to {cfg.max_prompt_len}/{cfg.max_response_len} tokens")
-    return prompts, completions
+    return prompts, completions, masks
 
 
-def make_batch(prompts, completions, rows, pad_id, device):
-    input_ids, attention_mask, response_mask = common.join_prompt_response(
+def make_batch(prompts, completions, masks, rows, pad_id, device):
+    """input_ids, attention_mask (B, P+R) and the loss mask (B, R): 1 on the trained tokens."""
+    input_ids, attention_mask, _ = common.join_prompt_response(
         [prompts[i] for i in rows], [completions[i] for i in rows], pad_id)
-    return input_ids.to(device), attention_mask.to(device), response_mask.to(device)
+    loss_mask, _ = common.pad([masks[i] for i in rows], 0, side="right")
+    return input_ids.to(device), attention_mask.to(device), loss_mask.to(device)
 
 
-def eval_loss(model, prompts, completions, pad_id, d, batch_size):
-    """Token-mean NLL of held-out completions."""
+def eval_loss(model, encoded, pad_id, d, batch_size):
+    """Token-mean NLL of held-out completions (encoded: encode_sft's triple)."""
     def nll(rows):  # (b, 2): NLL sum and token count of each row
-        ids, attn, resp = make_batch(prompts, completions, rows, pad_id, d.device)
+        ids, attn, resp = make_batch(*encoded, rows, pad_id, d.device)
         with common.autocast(d):
             logps = common.response_logprobs(model, ids, attn, resp.shape[1])  # (b, R)
         return torch.stack([-(logps.double() * resp).sum(-1), resp.sum(-1).double()], 1)
 
     with common.evaluating(model):
-        longest = max(map(len, completions)) * model.config.vocab_size  # logits of a row, at most
-        total = common.map_rows(nll, len(prompts), d, batch_size, logits_per_row=longest).sum(0)
+        longest = max(map(len, encoded[1])) * model.config.vocab_size  # logits of a row, at most
+        total = common.map_rows(nll, len(encoded[0]), d, batch_size, logits_per_row=longest).sum(0)
     return (total[0] / total[1]).item()
 
 
 def evaluate(model, tokenizer, held_out, cfg, d):
     """The held-out NLL and, on the embedded task, greedy answers scored by the gold reward."""
-    prompts, completions, gold_prompts = held_out
-    metrics = {"eval/loss": eval_loss(model, prompts, completions, tokenizer.pad_token_id, d=d,
-                                      batch_size=cfg.eval_batch_size)}
+    encoded, gold_prompts = held_out
+    metrics = {"eval/loss": eval_loss(model, encoded, tokenizer.pad_token_id, d=d, batch_size=cfg.eval_batch_size)}
     if gold_prompts:
         metrics |= sampling.evaluate_generations(model, tokenizer, gold_prompts, tasks.REWARD_FNS["sort"], d,
                                               max_prompt_len=cfg.max_prompt_len, max_new_tokens=cfg.max_response_len)
@@ -157,10 +193,10 @@ def main(cfg):
     order = data.DataOrder(len(train), cfg.seed, batch=cfg.batch_size, source=f"--dataset {cfg.dataset}")
     job = rundir.Run(cfg, d, model_flags=["model"])  # out_dir checked and locked; nothing is written before job.begin
     tokenizer, model = models.load_policy(cfg.model, cfg, d, response_len=cfg.max_response_len)
-    train_p, train_c = encode_sft(train, tokenizer, cfg, cfg.dataset)
-    data.show_example(tokenizer, train_p[0], train_c[0], cfg.dataset)
-    held_out = (*encode_sft(test.select(range(min(cfg.n_eval, len(test)))), tokenizer, cfg,
-                            f"{cfg.eval_dataset or cfg.dataset} (held out)"),
+    encoded = encode_sft(train, tokenizer, cfg, cfg.dataset)  # prompts, completions, loss masks
+    data.show_example(tokenizer, encoded[0][0], encoded[1][0], cfg.dataset, mask=encoded[2][0])
+    held_out = (encode_sft(test.select(range(min(cfg.n_eval, len(test)))), tokenizer, cfg,
+                           f"{cfg.eval_dataset or cfg.dataset} (held out)"),
                 tasks.test_prompts(cfg.n_eval, cfg.seed) if (cfg.eval_dataset or cfg.dataset) in tasks.TASKS else [])
     optimizer, scheduler = common.make_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps,
                                                  cfg.steps)
@@ -175,13 +211,13 @@ def main(cfg):
         # 1. the global batch: every rank draws the same rows, then takes its slice
         global_rows = order.next(cfg.batch_size)
         rows = global_rows[common.shard_batch(cfg.batch_size, d)]
-        n_tokens = sum(len(train_c[i]) for i in global_rows)  # the loss's denominator: the global batch's tokens
+        n_tokens = sum(sum(encoded[2][i]) for i in global_rows)  # the loss's denominator: the global batch's tokens
 
         # ---------------------------------------------------------------------
         # 2. forward and backward per micro-batch
         sums = {}
         for k in range(cfg.grad_accum):
-            ids, attn, resp = make_batch(train_p, train_c, rows[k * micro:(k + 1) * micro], tokenizer.pad_token_id,
+            ids, attn, resp = make_batch(*encoded, rows[k * micro:(k + 1) * micro], tokenizer.pad_token_id,
                                          d.device)  # (micro, P+R), (micro, P+R), (micro, R)
             with common.autocast(d):
                 logps = common.response_logprobs(model, ids, attn, resp.shape[1])  # (micro, R)

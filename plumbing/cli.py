@@ -16,7 +16,7 @@ import typing
 import torch
 
 import common
-from plumbing import checkpoints, models, rundir
+from plumbing import checkpoints, models, rundir, trl_flags
 
 
 @dataclasses.dataclass
@@ -185,9 +185,12 @@ def script(main, cls):
 def parse_config(cls, argv=None):
     """Build a Config from the command line: `--lr 1e-6`, `--lr=1e-6`, `--flag` / `--no-flag`,
     `--x none` (or `--x ""`) for an optional field, one of a Literal's values for a field typed
-    with one. An unknown flag, a value of the wrong type or not among the choices exits with an
-    error that names it (argparse). A Config's own flags are listed before the shared ones."""
+    with one; TRL's name of a flag where it means the same (`--learning_rate`, trl_flags). A value
+    of the wrong type or not among the choices exits with an error that names it (argparse); an
+    unknown flag, or a TRL flag that means something else here, with the script's name, the flag,
+    and what was meant (trl_flags). A Config's own flags are listed before the shared ones."""
     docs, hints = _field_docs(cls), typing.get_type_hints(cls)
+    script = os.path.splitext(os.path.basename(getattr(sys.modules[cls.__module__], "__file__", None) or "run"))[0]
     parser = argparse.ArgumentParser(description=(sys.modules[cls.__module__].__doc__ or "").split("\n\n")[0],
                                      allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     shared = {f.name for f in dataclasses.fields(SharedConfig)} - set(cls.__dict__.get("__annotations__", {}))
@@ -197,7 +200,8 @@ def parse_config(cls, argv=None):
         if optional:
             tp = next(a for a in typing.get_args(tp) if a is not type(None))
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        kw = dict(default=default, help=docs.get(f.name, " ").replace("%", "%%"), dest=f.name)  # argparse formats %
+        kw = dict(default=default, help=(docs.get(f.name, " ") + trl_flags.help_note(script, f.name)).replace("%", "%%"),
+                  dest=f.name)  # argparse formats %
         if f.name in getattr(cls, "DEFAULTS", {}).get("trl", {}):  # fill_defaults': both values, not "None"
             kw["help"] += (f" (default: {cls.DEFAULTS['embedded'][f.name]:g} with --model {EMBEDDED_MODEL} or --dataset "
                            f"{EMBEDDED_TASK}, else {cls.DEFAULTS['trl'][f.name]:g}, TRL's)%(default).0s")
@@ -212,6 +216,12 @@ def parse_config(cls, argv=None):
             convert = lambda s, tp=tp: None if s.lower() in ("none", "") else tp(s)
             convert.__name__ = tp.__name__
         parser.add_argument(f"--{f.name}", type=convert, metavar=tp.__name__.upper(), **kw)
+    bools = {f.name for f in dataclasses.fields(cls) if hints[f.name] is bool}
+    try:
+        argv = trl_flags.translate(script, sys.argv[1:] if argv is None else list(argv),
+                                   {f.name for f in dataclasses.fields(cls)} | {f"no-{b}" for b in bools}, bools)
+    except ValueError as e:
+        parser.exit(2, f"{e}\n")
     return cls(**vars(parser.parse_args(argv)))
 
 

@@ -45,9 +45,9 @@ def test_messages_render_to_a_prompt_and_exactly_the_assistant_turn(chat_model):
     text, is_chat = data.render_chat(ds, tok, "rows.jsonl")
     assert is_chat and text[0]["prompt"].endswith("<|im_start|>assistant\n")
     assert text[0]["completion"] == "12<|im_end|>\n"
-    prompts, completions = sft.encode_sft(ds, tok, cli.with_defaults(sft.Config()), "rows.jsonl")
+    prompts, completions, masks = sft.encode_sft(ds, tok, cli.with_defaults(sft.Config()), "rows.jsonl")
     assert prompts[0][:2] == [tok.bos_token_id, tok.convert_tokens_to_ids("<|im_start|>")]  # one BOS
-    ids, attn, resp = sft.make_batch(prompts, completions, [0], tok.pad_token_id, "cpu")
+    ids, attn, resp = sft.make_batch(prompts, completions, masks, [0], tok.pad_token_id, "cpu")
     trained = ids[0, -resp.shape[1]:][resp[0].bool()].tolist()
     assert tok.decode(trained) == "12<|im_end|>\n" and trained.count(tok.eos_token_id) == 1
 

@@ -862,6 +862,7 @@ def test_every_evaluation_forward_keeps_its_logits_under_the_budget(tiny, monkey
     longest, shorter = tok(" 1 2 3 4 5 6|")["input_ids"], tok(" 1 2|")["input_ids"]
     completions = [longest if i == 3 else shorter for i in range(7)]
     pairs = (prompts, completions, [shorter] * 7)
+    encoded = (prompts, completions, [[1] * len(c) for c in completions])  # sft's: every completion token trained
     d, rows_seen = common.Dist(), []
     forward = common.response_logprobs
 
@@ -869,12 +870,12 @@ def test_every_evaluation_forward_keeps_its_logits_under_the_budget(tiny, monkey
         rows_seen.append(ids.shape[0])
         return forward(m, ids, *args, **kw)
 
-    whole = (sft.eval_loss(model, prompts, completions, tok.pad_token_id, d, 256),
+    whole = (sft.eval_loss(model, encoded, tok.pad_token_id, d, 256),
              dpo.all_pair_logps(model, pairs, tok.pad_token_id, d, 64),
              grpo.pairwise_accuracy(model, model, pairs, tok.pad_token_id, d, batch_size=128))
     monkeypatch.setattr(common, "response_logprobs", counted)
     monkeypatch.setattr(common, "EVAL_LOGITS", 2 * len(longest) * model.config.vocab_size)
-    cut = (sft.eval_loss(model, prompts, completions, tok.pad_token_id, d, 256),
+    cut = (sft.eval_loss(model, encoded, tok.pad_token_id, d, 256),
            dpo.all_pair_logps(model, pairs, tok.pad_token_id, d, 64),
            grpo.pairwise_accuracy(model, model, pairs, tok.pad_token_id, d, batch_size=128))
     assert rows_seen and max(rows_seen) <= 2, rows_seen

@@ -153,7 +153,7 @@ def test_the_chat_template_renders_one_bos_and_trains_on_the_assistant_turn_only
     tok = models.load_tokenizer(path)
     ds = data.split_messages(__import__("datasets").Dataset.from_list(
         [{"messages": question(5) + chat(("assistant", "12"))}]), "rows.jsonl")
-    prompts, completions = sft.encode_sft(ds, tok, sft.Config(max_prompt_len=64, max_response_len=32), "rows.jsonl")
+    prompts, completions, _ = sft.encode_sft(ds, tok, sft.Config(max_prompt_len=64, max_response_len=32), "rows.jsonl")
     template = FAMILIES[family][2]
     end_of_turn = "<|im_end|>" if template == "chatml" else TURN_TOKENS[template][-1]
     text = tok.apply_chat_template(question(5), tokenize=False, add_generation_prompt=True)

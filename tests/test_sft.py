@@ -1,6 +1,7 @@
 """Tests of sft.py: the loss mask and normaliser, and real runs of the script in subprocesses."""
 import dataclasses
 
+import datasets
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -8,9 +9,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import data
 import sft
 import tasks
-from helpers import (SUBPROCESS_ENV_NO_TOKENIZER_THREADS, TWO_RANK_RUNS, checkpoint_weights, max_abs_diff, read_metrics,
-                     chat_rows, run_here, run_script, write_jsonl)
-from plumbing import cli
+from helpers import (SUBPROCESS_ENV_NO_TOKENIZER_THREADS, TWO_RANK_RUNS, chat, checkpoint_weights, max_abs_diff,
+                     read_metrics, chat_rows, run_here, run_script, write_jsonl)
+from plumbing import cli, models
 
 FAST = ["--n_train", "256", "--n_eval", "8", "--batch_size", "8", "--max_response_len", "20", "--warmup_steps", "2"]
 
@@ -26,8 +27,8 @@ def test_loss_mask_covers_exactly_the_completion_and_eos():
     tok = tasks.char_tokenizer()
     ds = data.load_data("sort", "train", ["prompt", "completion"], kind="sft", n=4, seed=0)
     cfg = sft.Config(max_prompt_len=64, max_response_len=32)
-    prompts, completions = sft.encode_sft(ds, tok, cfg, "sort")
-    ids, attn, resp = sft.make_batch(prompts, completions, [0, 1, 2, 3], tok.pad_token_id, "cpu")
+    prompts, completions, masks = sft.encode_sft(ds, tok, cfg, "sort")
+    ids, attn, resp = sft.make_batch(prompts, completions, masks, [0, 1, 2, 3], tok.pad_token_id, "cpu")
     R = resp.shape[1]
     for i, row in enumerate(ds):
         labels = ids[i, -R:][resp[i].bool()].tolist()  # the tokens the loss is taken on
@@ -74,8 +75,9 @@ def test_sft_runs_and_its_checkpoint_loads(tmp_path):
 
 
 def test_unknown_flag_is_named():
-    r = run_sft(["--learning_rate", "1e-3"])
-    assert r.returncode == 2 and "--learning_rate" in r.stderr
+    r = run_sft(["--lerning_rate", "1e-3"])
+    assert r.returncode == 2
+    assert "sft.py: unknown flag --lerning_rate; did you mean --lr (TRL: --learning_rate)?" in r.stderr
 
 
 def test_jsonl_row_missing_completion_is_named(tmp_path):
@@ -161,3 +163,103 @@ def test_sft_on_a_local_file_holds_out_rows_by_hash(tmp_path, capsys):
     assert "100 train rows" in capsys.readouterr().out
     split, given = read_metrics(tmp_path / "split"), read_metrics(tmp_path / "given")
     assert split[0]["eval/loss"] != given[0]["eval/loss"]  # other rows: the held-out ones, not the first 50
+
+
+# -----------------------------------------------------------------------------
+# TRL's formats: every assistant turn of a conversation, every token of a text
+
+
+THREE_TURNS = chat(("system", "Answer with a number."), ("user", "What is 2 + 7?"), ("assistant", "9"),
+                   ("user", "And 3 + 7?"), ("assistant", "It is 10."), ("user", "And 12 + 7?"), ("assistant", "19, I think"))
+END_OF_TURN = {"llama": "<|eot_id|>", "qwen2": "<|im_end|>\n", "smollm2": "<|im_end|>\n"}
+"""what each template writes after an assistant turn's content, up to the next turn"""
+
+
+def trained_runs(tok, completion, mask):
+    """The text of each run of consecutive tokens the loss is taken on."""
+    runs, run = [], []
+    for t, m in zip(completion + [None], mask + [0]):
+        if m:
+            run.append(t)
+        elif run:
+            runs.append(tok.decode(run))
+            run = []
+    return runs
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "smollm2"])
+def test_every_assistant_turn_of_a_conversation_is_trained_on_and_nothing_else(name, user_models, request):
+    """TRL's assistant-only loss on a three-turn `messages` row, with the Llama-3- and Qwen2-shaped
+    folders' templates and SmolLM2-Instruct's own (a default system turn when there is none): the
+    tokens the loss is on are exactly the three assistant turns, each with its end of turn; the
+    row is the conversation as the template writes it, nothing lost or added."""
+    folder = request.getfixturevalue("smollm2") if name == "smollm2" else user_models[name]
+    tok = models.load_tokenizer(folder)
+    for msgs in (THREE_TURNS, THREE_TURNS[1:]):  # with and without a system turn
+        ds = data.split_messages(datasets.Dataset.from_list([{"messages": msgs}]), "rows.jsonl", every_turn=True)
+        prompts, completions, masks = sft.encode_sft(ds, tok, sft.Config(max_prompt_len=512, max_response_len=512),
+                                                     "rows.jsonl")
+        turns = [m["content"] + END_OF_TURN[name] for m in msgs if m["role"] == "assistant"]
+        assert trained_runs(tok, completions[0], masks[0]) == turns
+        assert tok.decode(prompts[0] + completions[0]) == tok.apply_chat_template(msgs, tokenize=False)
+
+
+def naive_nll(model, ids, trained):
+    """The NLL sum of the tokens at positions `trained` of one sequence, and their count, from
+    one plain forward (log_softmax in float64)."""
+    with torch.no_grad():
+        logps = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
+    return -sum(logps[t - 1, ids[t]].item() for t in trained), len(trained)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_sft_s_loss_on_conversations_and_texts_is_the_naive_nll_of_their_trained_tokens(name, user_models, tmp_path):
+    """One step of sft.py on four three-turn conversations, then on four `text` rows: the logged
+    loss equals a naive token mean computed from the whole text tokenised at once. A conversation's
+    tokens are those whose characters lie in an assistant turn (content and end of turn, found by
+    searching the text); a text's are all but the first, and the EOS after it (TRL's language
+    modelling: Llama's BOS is the first, Qwen2 adds none, so there the text's first token is)."""
+    folder = user_models[name]
+    tok, model = AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder)
+    convs = [[THREE_TURNS[0]] + [dict(m, content=f"{m['content']} ({i})") for m in THREE_TURNS[1:]] for i in range(4)]
+    texts = [f"the quick brown fox {i} is a test" for i in range(4)]
+    for fmt, rows in (("messages", convs), ("text", texts)):
+        path = write_jsonl(tmp_path / f"{fmt}.jsonl", [{fmt: r} for r in rows])
+        sft.main(sft.Config(model=folder, dataset=path, eval_dataset=path, steps=1, batch_size=4, n_eval=4,
+                            warmup_steps=0, max_prompt_len=512, max_response_len=512, out_dir=str(tmp_path / fmt)))
+        nll = n = 0
+        for r in rows:
+            if fmt == "text":
+                ids = tok(r)["input_ids"] + [tok.eos_token_id]
+                trained = range(1, len(ids))
+            else:
+                text = tok.apply_chat_template(r, tokenize=False)
+                enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+                spans, at = [], 0
+                for m in r[1:]:
+                    if m["role"] == "assistant":
+                        start = text.index(m["content"] + END_OF_TURN[name], at)
+                        at = start + len(m["content"] + END_OF_TURN[name])
+                        spans.append((start, at))
+                ids = enc["input_ids"]
+                trained = [t for t, (a, b) in enumerate(enc["offset_mapping"]) if any(s <= a < b <= e for s, e in spans)]
+                assert tok.decode([ids[t] for t in trained]) == "".join(text[s:e] for s, e in spans)
+            row_nll, row_n = naive_nll(model, ids, trained)
+            nll, n = nll + row_nll, n + row_n
+        assert read_metrics(tmp_path / fmt)[1]["loss"] == pytest.approx(nll / n, abs=1e-5), fmt
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused_naming_row_and_turn(user_models):
+    """A template that drops the reasoning of earlier assistant turns (as Qwen3's does) renders a
+    turn one way when it is last and another once later turns follow: its tokens have no place in
+    the conversation, and the row is refused rather than trained on the wrong tokens."""
+    tok = models.load_tokenizer(user_models["qwen2"])
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' and not "
+                         "loop.last %}{{ m['content'].split('</think>')[-1] }}{% else %}{{ m['content'] }}{% endif %}"
+                         "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    msgs = chat(("user", "2 + 7?"), ("assistant", "<think>nine</think>9"), ("user", "3 + 7?"), ("assistant", "10"))
+    ds = data.split_messages(datasets.Dataset.from_list([{"messages": THREE_TURNS[1:]}, {"messages": msgs}]),
+                             "rows.jsonl", every_turn=True)
+    with pytest.raises(ValueError, match=r"rows.jsonl row 2: the chat template renders message 2 \(an assistant turn\) "
+                                         r"differently once later turns follow it"):
+        data.assistant_turns(ds, tok, "rows.jsonl")

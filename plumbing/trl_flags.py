@@ -1,0 +1,161 @@
+"""TRL's flag names on this project's scripts: the ones that mean the same here (aliases of a flag
+of ours), the ones that do not (refused, saying what to pass instead), and a "did you mean" for
+any unknown flag. One table serves the parser (cli.parse_config), each flag's --help line and the
+table in docs/usage.md ("Coming from TRL"; `python -m plumbing.trl_flags` prints it)."""
+import difflib
+import sys
+
+SCRIPTS = ("sft", "reward", "dpo", "grpo")
+ALL, OFFLINE = SCRIPTS, ("sft", "reward", "dpo")  # OFFLINE: the scripts that train on a fixed data set
+STEPS = ("a run here is counted in optimizer steps: pass --steps = epochs x training rows / --batch_size (3 epochs of "
+         "10,000 rows at --batch_size 64: --steps 469)")
+ONLY_THIS = ("always on here: every assistant turn of a `messages` row is trained on and the other turns are context; "
+             "a prompt/completion row trains on its completion, a `text` row on all of its tokens")
+
+# (TRL's name, the scripts it holds for, the flag here, note). No note: an alias, the same meaning
+# under another name. A note: TRL's flag means something else here (or nothing), and a command
+# that uses it is refused with the note, which says what to pass instead.
+TRL_FLAGS = [
+    ("learning_rate", ALL, "lr", ""),
+    ("output_dir", ALL, "out_dir", ""),
+    ("model_name_or_path", ALL, "model", ""),
+    ("dataset_name", ALL, "dataset", ""),
+    ("dataset_test_split", OFFLINE, "eval_split", ""),
+    ("gradient_accumulation_steps", ALL, "grad_accum", ""),
+    ("gradient_checkpointing", ALL, "activation_checkpointing", ""),
+    ("max_grad_norm", ALL, "grad_clip", ""),
+    ("eval_steps", ALL, "eval_every", ""),
+    ("save_steps", ALL, "save_every", ""),
+    ("report_to", ALL, "wandb", ""),  # a value: wandb (--wandb) or none (--no-wandb)
+    ("max_prompt_length", ALL, "max_prompt_len", ""),
+    ("max_completion_length", ("dpo",), "max_response_len", ""),
+    ("max_completion_length", ("grpo",), "max_new_tokens", ""),
+    ("per_device_eval_batch_size", OFFLINE, "eval_batch_size", ""),
+    ("max_steps", OFFLINE, "steps", ""),
+    ("num_generations", ("grpo",), "group_size", ""),
+    ("use_peft", ("grpo",), "lora", ""),
+    ("center_rewards_coefficient", ("reward",), "center_coef", ""),
+    ("precompute_ref_log_probs", ("dpo",), "precompute_ref", ""),
+    ("per_device_train_batch_size", OFFLINE, "batch_size",
+     "--batch_size here is the global batch, over all GPUs and micro-batches: pass --batch_size = per-device x GPUs x "
+     "--grad_accum (8 per device on 4 GPUs with --grad_accum 2: --batch_size 64)"),
+    ("per_device_train_batch_size", ("grpo",), "prompts_per_step",
+     "a rollout here is --prompts_per_step prompts x --group_size completions over all GPUs, split into "
+     "--num_mini_batches optimizer steps: pass --prompts_per_step = per-device x GPUs x --grad_accum x "
+     "--num_mini_batches / --group_size"),
+    ("max_steps", ("grpo",), "steps",
+     "--steps here counts rollouts, each followed by --num_iterations x --num_mini_batches optimizer steps (TRL's "
+     "max_steps counts optimizer steps): pass --steps = max_steps / (num_iterations x num_mini_batches)"),
+    ("num_train_epochs", OFFLINE, "steps", STEPS),
+    ("num_train_epochs", ("grpo",), "steps",
+     "a run here is counted in rollouts: pass --steps = epochs x prompts / --prompts_per_step"),
+    ("warmup_ratio", ALL, "warmup_steps",
+     "warmup here is a number of steps: pass --warmup_steps = ceil(ratio x --steps) (0.1 of 700 steps: "
+     "--warmup_steps 70)"),
+    ("max_length", OFFLINE, "max_prompt_len",
+     "the prompt and the completion each have a limit here: --max_prompt_len (cut from the left) and "
+     "--max_response_len (cut from the right); TRL's 1024 is 512 + 512"),
+    ("epsilon", ("grpo",), "epsilon_low",
+     "TRL's --epsilon sets both clip bounds unless --epsilon_high is given, and the upper bound here defaults to "
+     "0.28 (DAPO): pass --epsilon_low X --epsilon_high X"),
+    ("logging_steps", ALL, None, "every step is logged here: one line and one metrics.jsonl row per step"),
+    ("lr_scheduler_type", ALL, None,
+     "the schedule here is fixed: a linear warmup over --warmup_steps, then a cosine decay to 0"),
+    ("bf16", ALL, None,
+     "precision is chosen here: bf16 autocast (FSDP's mixed precision under torchrun) on a GPU that has bf16, fp32 "
+     "weights and optimizer; --save_dtype sets the exported weights' dtype"),
+    ("use_vllm", ("grpo",), None, "the sampler is built in (sampling.py: KV cache, CUDA graphs); there is no vLLM here"),
+    ("assistant_only_loss", ("sft",), None, ONLY_THIS),
+    ("completion_only_loss", ("sft",), None, ONLY_THIS),
+    ("packing", ("sft",), None, "no packing here: each row is a sequence of its own, padded"),
+]
+
+# TRL's flags whose name and meaning are this project's too (listed in the docs' table)
+SAME_NAME = [("seed", ALL), ("weight_decay", ALL), ("warmup_steps", ALL), ("trust_remote_code", ALL),
+             ("beta", ("dpo", "grpo")), ("loss_type", ("dpo", "grpo")), ("label_smoothing", ("dpo",)),
+             ("temperature", ("grpo",)), ("top_p", ("grpo",)), ("top_k", ("grpo",)), ("num_iterations", ("grpo",)),
+             ("epsilon_high", ("grpo",)), ("scale_rewards", ("grpo",)), ("reward_weights", ("grpo",)),
+             ("mask_truncated_completions", ("grpo",)), ("lora_r", ("grpo",)), ("lora_alpha", ("grpo",))]
+
+TRUE, FALSE = ("true", "1", "yes"), ("false", "0", "no")  # how TRL's parser (HfArgumentParser) reads a bool's value
+
+
+def rows(script):
+    """{TRL's name: (the flag here, note)} of the rows that hold for `script` (a script's file
+    name without .py; none for another, such as pipeline)."""
+    return {trl: (ours, note) for trl, scripts, ours, note in TRL_FLAGS if script in scripts}
+
+
+def help_note(script, flag):
+    """What a flag's --help line says of TRL: "(TRL: --learning_rate)" for an alias of it, and the
+    note of each TRL flag that means something else here and names it."""
+    table = rows(script)
+    same = [f"--{trl}" for trl, (ours, note) in table.items() if ours == flag and not note]
+    other = [f" (not TRL's --{trl}: {note})" for trl, (ours, note) in table.items() if ours == flag and note]
+    return (f" (TRL: {', '.join(same)})" if same else "") + "".join(other)
+
+
+def translate(script, argv, flags, bools):
+    """argv with TRL's names of `script` replaced by this project's: `--learning_rate 1e-5` ->
+    `--lr 1e-5`, `--use_peft true` -> `--lora`, `--report_to wandb` -> `--wandb`. flags: every
+    flag name the script has (bools too, and their `no-` forms); bools: those that take no value.
+    ValueError, naming the script and the flag, for a TRL flag that means something else here
+    (its note) and for a flag that is neither (with a "did you mean")."""
+    table, out, i = rows(script), [], 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if arg == "--":
+            return out + argv[i - 1:]
+        name, eq, value = arg[2:].partition("=")
+        if not arg.startswith("--") or arg == "--help" or name in flags:
+            out.append(arg)
+            continue
+        if name not in table:
+            raise ValueError(f"{script}.py: unknown flag --{name}{did_you_mean(name, flags, table)} (--help lists "
+                             f"every flag)")
+        ours, note = table[name]
+        if note:
+            raise ValueError(f"{script}.py: --{name} is TRL's flag, and means something else here: {note}")
+        if ours in bools or name == "report_to":  # a bool takes its value, if any, as TRL's parser does
+            if not eq and i < len(argv) and (argv[i].lower() in TRUE + FALSE or name == "report_to"):
+                value, i = argv[i], i + 1
+            value = value.lower() or "true"
+            if name == "report_to":
+                if value not in ("wandb", "none"):
+                    raise ValueError(f"{script}.py: --report_to {value}: only wandb here (--wandb), or none")
+                value = "true" if value == "wandb" else "false"
+            if value not in TRUE + FALSE:
+                raise ValueError(f"{script}.py: --{name} {value}: give true or false")
+            out.append(f"--{ours}" if value in TRUE else f"--no-{ours}")
+        else:
+            out.append(f"--{ours}{eq}{value}")
+    return out
+
+
+def did_you_mean(name, flags, table):
+    """"; did you mean --lr (TRL: --learning_rate)?": the closest of the script's flags and TRL's
+    names (difflib), each shown as the flag here; "" when none is close."""
+    def shown(n):
+        if n in table and not table[n][1]:
+            return f"--{table[n][0]} (TRL: --{n})"
+        same = [trl for trl, (ours, note) in table.items() if ours == n and not note]
+        return f"--{n}" + (f" (TRL: --{same[0]})" if same else "")
+
+    close = list(dict.fromkeys(map(shown, difflib.get_close_matches(name, [*flags, *table], n=3))))
+    return f"; did you mean {' or '.join(close)}?" if close else ""
+
+
+def docs_table():
+    """The table of docs/usage.md's "Coming from TRL", in markdown."""
+    scripts = lambda s: "all" if s == ALL else ", ".join(s)  # noqa: E731
+    lines = ["| TRL's flag | here | scripts | what differs |", "|---|---|---|---|"]
+    for trl, s, ours, note in TRL_FLAGS:
+        here = "refused" if note else f"`--{ours}`"
+        lines.append(f"| `--{trl}` | {here} | {scripts(s)} | {note or 'nothing: the same meaning'} |")
+    same = ", ".join(f"`--{n}`" + ("" if s == ALL else f" ({scripts(s)})") for n, s in SAME_NAME)
+    return "\n".join(lines) + f"\n\nThe same name and meaning here: {same}."
+
+
+if __name__ == "__main__":
+    sys.stdout.write(docs_table() + "\n")
