@@ -291,27 +291,26 @@ def test_run_labels_are_the_shortest_distinguishing_path_ends(tmp_path):
 
 
 def test_several_runs_overlay_labelled_by_folder_and_never_share_a_file(tmp_path, capsys):
-    """Two GRPO runs whose folders share a name (a/run, b/run) and a DPO run: one GRPO figure
-    with both runs, its legends `a/run` and `b/run` (an issue: two runs labelled alike), a DPO
-    figure; each run alone, plotted into the same folder, gets a file of its own, and the two
-    pictures differ."""
-    a = write_run(tmp_path / "a" / "run", "grpo", config={"kl_estimator": "k3", "beta": 0.04})
-    b = write_run(tmp_path / "b" / "run", "grpo", scale=3.0, config={"kl_estimator": "k3", "beta": 0.04})
-    dpo = write_run(tmp_path / "c" / "dpo_run", "dpo")
-    plot.main([a, b, dpo, "--out", str(tmp_path / "out")])
+    """Two DPO runs whose folders share a name (a/run, b/run) and a reward-model run: one DPO
+    figure with both runs, its legends `a/run` and `b/run` (where they were labelled alike), an
+    RM figure; each run alone, plotted into the same folder, gets a file of its own, and the two
+    pictures differ; the same run plotted again redraws its own file."""
+    a = write_run(tmp_path / "a" / "run", "dpo", config={"beta": 0.1})
+    b = write_run(tmp_path / "b" / "run", "dpo", scale=3.0, config={"beta": 0.1})
+    rm = write_run(tmp_path / "c" / "rm_run", "rm")
+    plot.main([a, b, rm, "--out", str(tmp_path / "out")])
     paths = capsys.readouterr().out.split()
-    assert [os.path.basename(p)[:-len("_12345678.png")] for p in paths] == ["a-run+b-run_grpo", "dpo_run_dpo"]
+    assert [os.path.basename(p)[:-len("_12345678.png")] for p in paths] == ["a-run+b-run_dpo", "rm_run_rm"]
     for p in paths:
         check_png(p)
-    assert legend_labels([("a/run", a), ("b/run", b)], "grpo", "Reward") == ["a/run", "b/run"]
-    assert legend_labels([("a/run", a), ("b/run", b)], "grpo", "Clipped tokens") == [
-        "a/run: low (rho < 1 - eps, A < 0)", "a/run: high (rho > 1 + eps, A > 0)",
-        "b/run: low (rho < 1 - eps, A < 0)", "b/run: high (rho > 1 + eps, A > 0)"]
+    assert legend_labels([("a/run", a), ("b/run", b)], "dpo", "Loss") == ["a/run", "b/run"]
+    assert legend_labels([("a/run", a), ("b/run", b)], "dpo", "Implicit rewards") == [
+        "a/run: chosen", "a/run: rejected", "b/run: chosen", "b/run: rejected"]
     alone = [plot.plot_run(d, tmp_path / "same")[0] for d in (a, b)]
     assert len(set(alone)) == 2 and sorted(os.listdir(tmp_path / "same")) == sorted(map(os.path.basename, alone))
     img_a, img_b = (mpimg.imread(p) for p in alone)
     assert img_a.shape == img_b.shape and (img_a != img_b).any(axis=-1).mean() > 0.001
-    assert plot.plot_run(a, tmp_path / "same") == alone[:1]  # the same run redraws its own file
+    assert plot.plot_run(a, tmp_path / "same") == alone[:1]
 
 
 def test_kl_compare_labels_runs_of_one_estimator_by_folder(tmp_path):
