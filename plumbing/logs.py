@@ -125,8 +125,8 @@ class Logger:
         the command that plots them."""
         if not self.enabled or self.step is None:
             return
-        keys = [k for k in (self.show or self.last) if k in self.last and not k.startswith(("time/", "mem/"))]
-        keys += [k for k in self.last if k.startswith("eval/") and k not in keys]
+        keys = [k for k in (self.show or self.last) if k in self.last and not k.startswith(("time/", "mem/", "eval/"))]
+        keys += [k for k in self.last if k.startswith("eval/")]  # the last evaluation's, after training's
         first = self.step - self.n_steps + 1
         each = f" ({duration((self.now() - self.t_steps) / self.n_steps)} per step)" if self.n_steps else ""
         lines = [f"done: steps {first}-{self.step} of {self.steps}, {duration(wall)} wall time{each}",
