@@ -226,6 +226,9 @@ class Config(cli.SharedConfig):
     uses its own test pairs"""
     eval_pairs_split: str = "validation"
     """split of --eval_pairs (a local file has one)"""
+    log_completions: int = 0
+    """print each step's first N completions of rank 0 (prompt, completion, reward and its parts) as a table and append
+    them to out_dir/completions.jsonl (TRL's log_completions) [>= 0]"""
     # --- run ---
     out_dir: str = "runs/grpo"
     """where metrics.jsonl and the checkpoint/ folder go"""
@@ -724,13 +727,14 @@ def main(cfg):
                       loss_type=cfg.loss_type, level=cfg.importance_sampling_level, delta=cfg.delta,
                       clip_ratio_c=cfg.clip_ratio_c, sapo_temperatures=(cfg.sapo_temperature_pos, cfg.sapo_temperature_neg))
     start = job.begin(model, tokenizer, optimizer, scheduler, order,  # restores a resumed run's state
-                      show=["reward", "kl", "clip_ratio/low", "clip_ratio/high", "completions/mean_length",
-                            "eval/exact_match", "eval/gold_reward", "eval/accuracy", "time/step"])
+                      show=["loss", "grad_norm", "reward", "reward_std", "frac_reward_zero_std", "kl", "clip_ratio/low",
+                            "clip_ratio/high", "completions/mean_length", "eval/exact_match", "eval/gold_reward",
+                            "eval/accuracy", "time/step"])
     if job.resume_from and cfg.ref_refresh_every:  # a checkpoint is at a refresh (check_config)
         refresh_reference(ref, model)
     if start == 1 and (first := evaluate(model, ref, env, evals, cfg=cfg, d=d)):  # prompts alone: no evaluation
         job.log(0, first)
-    clock = logs.Clock(d)  # each phase's seconds and peak GPU memory: time/*, mem/* (bookkeeping, not the step)
+    clock = logs.Clock(d, job.logger)  # each phase's seconds and peak GPU memory (time/*, mem/*); the heartbeat's phase
     for step in range(start, cfg.steps + 1):
         clock.split()
         # ---------------------------------------------------------------------
@@ -836,6 +840,7 @@ def main(cfg):
         job.check(step, metrics, ["loss", "kl", "grad_norm"])  # a NaN stops the run, naming the last good checkpoint
         if step % cfg.eval_every == 0 or step == cfg.steps:
             metrics |= evaluate(model, ref, env, evals, cfg=cfg, d=d)
+        job.logger.completions(step, roll, env, rewards=rewards, parts=parts, n=cfg.log_completions)  # before a save
         job.log(step, metrics)  # and a checkpoint every --save_every steps
     # LoRA: the adapters folded into the weights, so that the checkpoint loads with AutoModelForCausalLM
     job.finish(model.merge_and_unload() if cfg.lora else None)

@@ -353,7 +353,7 @@ def ms_per_token(rows):
     return 1000 * last["time/rollout"] / last["completions/max_length"]
 
 
-STEP_LINE = re.compile(r"^step +(\d+) \|", re.M)
+STEP_LINE = re.compile(r"^step (\d+)/\d+ \|", re.M)  # a step line, not a heartbeat (`step 3/10: ...`)
 TRACING = re.compile(r"\[(\d+)/(\d+)[^\]]*\][^\n]*torchdynamo start tracing (\S+)")
 RECORDING = re.compile(r"recording (function|cudagraph tree)", re.I)
 

@@ -1,21 +1,30 @@
 """Plots of the metrics.jsonl that every run writes (sft.py, reward.py, dpo.py, grpo.py).
 
-    python plots/plot.py RUN_DIR [RUN_DIR ...] --out DIR          # one figure per run
-    python plots/plot.py --kl_compare RUN_DIR ... --out DIR       # KL estimators side by side
-    python plots/plot.py                                          # the README's figures: runs/ -> plots/
+    python plots/plot.py RUN_DIR [RUN_DIR ...]             # a figure per kind of run, the runs overlaid
+    python plots/plot.py --kl_compare RUN_DIR ...          # KL estimators side by side
+    python plots/plot.py                                   # the README's figures from runs/results.json
 
-The README's figures (plots/*.png) are drawn from pipeline.py's runs/results.json (the summary;
-with --kl_compare and --overopt, the KL estimators and over-optimisation curves over the seeds;
-from runs/variants.json, with --variants, the variants side by side)
-and from bench/results/ (the TRL comparison).
+Every figure goes to --out (default runs/plots/, beside the runs and ignored by git: no command
+rewrites a committed file unless told to with --out). A figure of runs is named after them: the
+shortest end of each run's path that tells it from the others (its label in the legends,
+`a/run+b/run` as `a-run+b-run`), the kind, and 8 hex digits of the runs' absolute paths, so that
+runs whose folders share a name never write the same file, and plotting the same runs again
+redraws theirs.
+
+The README's figures (plots/*.png, copies of what this draws) come from pipeline.py's
+runs/results.json (the summary; with --kl_compare and --overopt, the KL estimators and
+over-optimisation curves over the seeds; from runs/variants.json, with --variants, the variants
+side by side) and from bench/results/ (the TRL comparison).
 
 A run's kind (sft, rm, dpo, grpo) is read from the metric keys it logged, or from its
 run_config.json; each figure is a grid of panels, and panels whose metrics are absent are
 left out. Train metrics are drawn as thin lines (plus a moving average with --smooth N),
 eval metrics as markers, and eval/bayes_accuracy as a dashed ceiling: the best accuracy any
-model can reach against the noisy annotator's labels.
+model can reach against the noisy annotator's labels. With several runs, each run has a colour
+and each metric of a panel a line style.
 """
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -29,6 +38,8 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 DPI = 120
 PANEL_SIZE = (5.2, 3.6)  # inches per panel
+OUT = os.path.join("runs", "plots")  # the default --out: ignored by git, beside the runs
+LINE_STYLES = ("-", "--", ":", "-.")  # with several runs: one per metric of a panel
 
 # -----------------------------------------------------------------------------
 # reading
@@ -116,6 +127,9 @@ PANELS = {
         ("Preference accuracy", "share of pairs ranked right", [("rewards/accuracies", "train batch"), ACC_EVAL],
          "eval/bayes_accuracy"),
         GENERATIONS,
+        ("Implicit reward margin", "beta log(pi/pi_ref), chosen - rejected", [("rewards/margins", "margin")], None),
+        ("Policy log-probs", "log pi(y | x), summed over the response",
+         [("logps/chosen", "chosen"), ("logps/rejected", "rejected")], None),
         ("Loss", "DPO loss", [("loss", "train")], None),
     ],
     "grpo": [
@@ -129,6 +143,12 @@ PANELS = {
         GENERATIONS,
         ("Completion length", "mean tokens per completion", [("completions/mean_length", "mean length")], None),
         ("Entropy", "mean token entropy (nats)", [("entropy", "entropy")], None),
+        ("Reward spread within groups", "std of a group's rewards (mean)", [("reward_std", "reward_std")], None),
+        ("Groups without signal", "share of groups of equal rewards",
+         [("frac_reward_zero_std", "frac_reward_zero_std")], None),
+        ("Loss", "GRPO loss (mean over the step's updates)", [("loss", "train")], None),
+        ("Gradient norm", "||grad|| before clipping (step's mean)", [("grad_norm", "grad norm")], None),
+        ("Learning rate", "lr (the step's last update)", [("lr", "lr")], None),
     ],
 }
 
@@ -141,28 +161,34 @@ def moving_average(values, n):
     return out
 
 
-def draw_panel(ax, rows, title, ylabel, keys, ceiling, smooth=0):
-    """Draw one panel; False (and nothing drawn) when none of its keys has data."""
-    drawn = 0
-    for key, label in keys:
-        steps, values = series(rows, key)
-        if not steps:
-            continue
-        color = f"C{drawn}"
-        if key.startswith("eval/") or len(steps) <= 12:  # sparse: markers show where the points are
-            ax.plot(steps, values, "o-", color=color, ms=4, lw=1.2, label=label, zorder=3)
-        elif smooth > 1 and len(steps) > smooth and key != "lr":  # lr is a schedule: nothing to smooth
-            ax.plot(steps, values, color=color, lw=0.8, alpha=0.35)
-            ax.plot(steps, moving_average(values, smooth), color=color, lw=1.6, label=f"{label} (avg {smooth})")
-        else:
-            ax.plot(steps, values, color=color, lw=1.2, label=label)
-        drawn += 1
+def draw_panel(ax, runs, title, ylabel, keys, ceiling, smooth=0):
+    """Draw one panel of runs [(label, rows, config), ...]; False (and nothing drawn) when none of
+    its keys has data. One run: a colour per metric; several: a colour per run, a line style per
+    metric, legends "label: metric"."""
+    drawn, several = 0, len(runs) > 1
+    for r, (run_label, rows, config) in enumerate(runs):
+        for j, (key, label) in enumerate(keys):
+            steps, values = series(rows, key)
+            if not steps:
+                continue
+            label = label.format(kl_estimator=config.get("kl_estimator", "estimator"))
+            color, ls = (f"C{r}", LINE_STYLES[j % len(LINE_STYLES)]) if several else (f"C{drawn}", "-")
+            label = f"{run_label}: {label}" if several and len(keys) > 1 else run_label if several else label
+            if key.startswith("eval/") or len(steps) <= 12:  # sparse: markers show where the points are
+                ax.plot(steps, values, marker="o", ls=ls, color=color, ms=4, lw=1.2, label=label, zorder=3)
+            elif smooth > 1 and len(steps) > smooth and key != "lr":  # lr is a schedule: nothing to smooth
+                ax.plot(steps, values, color=color, ls=ls, lw=0.8, alpha=0.35)
+                ax.plot(steps, moving_average(values, smooth), color=color, ls=ls, lw=1.6,
+                        label=f"{label} (avg {smooth})")
+            else:
+                ax.plot(steps, values, color=color, ls=ls, lw=1.2, label=label)
+            drawn += 1
+        _, best = series(rows, ceiling) if ceiling else ([], [])
+        if best:
+            ax.axhline(best[-1], color=f"C{r}" if several else "k", ls="--", lw=1,
+                       label=f"{run_label + ': ' if several else ''}Bayes ceiling ({best[-1]:.3f})")
     if not drawn:
         return False
-    if ceiling:
-        _, best = series(rows, ceiling)
-        if best:
-            ax.axhline(best[-1], color="k", ls="--", lw=1, label=f"Bayes ceiling ({best[-1]:.3f})")
     ax.set_title(title)
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -173,9 +199,9 @@ def draw_panel(ax, rows, title, ylabel, keys, ceiling, smooth=0):
     return True
 
 
-def plot_panels(rows, panels, title, path, smooth=0):
-    """A grid of the panels that have data, saved to path."""
-    full = [p for p in panels if any(series(rows, k)[0] for k, _ in p[2])]
+def plot_panels(runs, panels, title, path, smooth=0):
+    """A grid of the panels that have data in any of runs [(label, rows, config), ...], saved to path."""
+    full = [p for p in panels if any(series(rows, k)[0] for _, rows, _ in runs for k, _ in p[2])]
     if not full:
         raise ValueError(f"{title}: none of the plotted metrics is in the file")
     ncols = len(full) if len(full) <= 3 else 2 if len(full) == 4 else 3
@@ -184,11 +210,12 @@ def plot_panels(rows, panels, title, path, smooth=0):
                              squeeze=False)
     flat = axes.ravel()
     for ax, panel in zip(flat, full):
-        draw_panel(ax, rows, *panel, smooth=smooth)
+        draw_panel(ax, runs, *panel, smooth=smooth)
     for ax in flat[len(full):]:
         ax.remove()
     fig.suptitle(title, fontsize=13)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight()))  # the title above the panels' titles
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return path
@@ -204,65 +231,104 @@ def save(fig, out_dir, name):
     return path
 
 
+def run_labels(run_dirs):
+    """Each run's label: the shortest end of its absolute path that no other run's path ends with
+    (`x/a/run`, `y/a/run`, `z/b` -> `x/a/run`, `y/a/run`, `b`). A run given twice is an error."""
+    paths = [tuple(os.path.normpath(os.path.abspath(d)).split(os.sep)) for d in run_dirs]
+    for d, p in zip(run_dirs, paths):
+        if paths.count(p) > 1:
+            raise ValueError(f"{d}: the same run given twice ({run_dirs[paths.index(p)]})")
+    labels = []
+    for i, p in enumerate(paths):
+        k = 1
+        while k < len(p) and any(q[-k:] == p[-k:] for j, q in enumerate(paths) if j != i):
+            k += 1
+        labels.append("/".join(p[-k:]) or os.sep)
+    return labels
+
+
+def figure_name(run_dirs, labels, kind):
+    """`<labels>_<kind>_<8 hex digits of the runs' absolute paths>.png`: two sets of runs never
+    share a name, however their folders are named, and the same runs keep theirs."""
+    digest = hashlib.sha256("\n".join(os.path.normpath(os.path.abspath(d)) for d in run_dirs).encode()).hexdigest()
+    stem = "+".join(label.strip(os.sep).replace(os.sep, "-") for label in labels)
+    return f"{stem[:80]}_{kind}_{digest[:8]}.png"
+
+
 def run_name(run_dir):
     return os.path.basename(os.path.normpath(os.path.abspath(run_dir)))
 
 
+def plot_runs(run_dirs, out_dir, smooth=0, kind=None):
+    """A figure per kind of run (sft, rm, dpo, grpo) among run_dirs, overlaying the runs of that
+    kind, each labelled by its shortest distinguishing path (run_labels); returns the paths written."""
+    labels, by_kind = run_labels(run_dirs), {}
+    for run_dir, label in zip(run_dirs, labels):
+        rows, config = read_metrics(run_dir), read_config(run_dir)
+        if not rows:
+            raise ValueError(f"{os.path.join(run_dir, 'metrics.jsonl')} holds no rows")
+        by_kind.setdefault(kind or detect_kind(rows, config), []).append((run_dir, label, rows, config))
+    paths = []
+    for k, runs in by_kind.items():
+        if len(runs) == 1:
+            (run_dir, _, rows, config), label = runs[0], run_name(runs[0][0])
+            title = f"{label} ({k.upper()})"
+            if k == "grpo" and config:
+                title += f": kl_estimator={config.get('kl_estimator', '?')}, beta={config.get('beta', '?')}"
+            elif k == "dpo" and "beta" in config:
+                title += f": beta={config['beta']}"
+        else:
+            title = f"{k.upper()}: {', '.join(label for _, label, _, _ in runs)}"
+        path = os.path.join(out_dir, figure_name([r[0] for r in runs], [r[1] for r in runs], k))
+        try:
+            paths.append(plot_panels([(label, rows, config) for _, label, rows, config in runs], PANELS[k], title,
+                                     path, smooth))
+        except ValueError as e:
+            raise ValueError(f"{', '.join(os.path.join(r[0], 'metrics.jsonl') for r in runs)}: {e}") from None
+    return paths
+
+
 def plot_run(run_dir, out_dir, smooth=0, kind=None):
-    """The figure(s) of one run dir; returns the paths written."""
-    rows, config = read_metrics(run_dir), read_config(run_dir)
-    metrics_path = os.path.join(run_dir, "metrics.jsonl")
-    if not rows:
-        raise ValueError(f"{metrics_path} holds no rows")
-    kind = kind or detect_kind(rows, config)
-    name = run_name(run_dir)
-    title = f"{name} ({kind.upper()})"
-    if kind == "grpo" and config:
-        title += f": kl_estimator={config.get('kl_estimator', '?')}, beta={config.get('beta', '?')}"
-    elif kind == "dpo" and "beta" in config:
-        title += f": beta={config['beta']}"
-    panels = [(t, y, [(k, label.format(kl_estimator=config.get("kl_estimator", "estimator"))) for k, label in keys], c)
-              for t, y, keys, c in PANELS[kind]]
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"{name}_{kind}.png")
-    try:
-        return [plot_panels(rows, panels, title, path, smooth)]
-    except ValueError as e:
-        raise ValueError(f"{metrics_path}: {e}") from None
+    """The figure of one run dir; returns the paths written."""
+    return plot_runs([run_dir], out_dir, smooth, kind)
 
 
 def plot_kl_compare(run_dirs, out_dir, smooth=0):
-    """Measured KL (the k3 monitor, logged as 'kl') of several GRPO runs, one line per run."""
+    """Measured KL (the k3 monitor, logged as 'kl') of several GRPO runs, one line per run, named
+    by its estimator, and by its folder (run_labels) where estimators repeat."""
     fig, ax = plt.subplots(figsize=(8, 4.8))
-    configs = [read_config(d) for d in run_dirs]
-    for i, (run_dir, config) in enumerate(zip(run_dirs, configs)):
-        steps, values = series(read_metrics(run_dir), "kl")
-        if not steps:
-            raise ValueError(f"{os.path.join(run_dir, 'metrics.jsonl')}: no 'kl' rows (not a GRPO run?)")
-        nonzero = {c.get("beta") for c in configs if c.get("beta") != 0}
+    configs, folders = [read_config(d) for d in run_dirs], run_labels(run_dirs)
+    nonzero = {c.get("beta") for c in configs if c.get("beta") != 0}
+    labels = []
+    for config, folder in zip(configs, folders):
         if config.get("beta") == 0:  # the baseline: no KL term at all
             label = "none (beta=0)"
         else:
-            label = config.get("kl_estimator", run_name(run_dir))
+            label = config.get("kl_estimator", folder)
             if "beta" in config and len(nonzero) > 1:
                 label += f" (beta={config['beta']})"
+        labels.append(label)
+    labels = [f"{label}: {folder}" if labels.count(label) > 1 else label for label, folder in zip(labels, folders)]
+    for i, (run_dir, label) in enumerate(zip(run_dirs, labels)):
+        steps, values = series(read_metrics(run_dir), "kl")
+        if not steps:
+            raise ValueError(f"{os.path.join(run_dir, 'metrics.jsonl')}: no 'kl' rows (not a GRPO run?)")
         if smooth > 1 and len(steps) > smooth:
             ax.plot(steps, values, color=f"C{i}", lw=0.8, alpha=0.3)
             ax.plot(steps, moving_average(values, smooth), color=f"C{i}", lw=1.8, label=f"{label} (avg {smooth})")
         else:
             ax.plot(steps, values, color=f"C{i}", lw=1.5, marker="o" if len(steps) <= 12 else None, ms=4,
                     label=label)
-    betas = {c.get("beta") for c in configs if c.get("beta") != 0}
     title = "Measured KL by KL estimator in the loss"
-    if len(betas) == 1 and None not in betas:
-        title += f" (beta={betas.pop()})"
+    if len(nonzero) == 1 and None not in nonzero:
+        title += f" (beta={next(iter(nonzero))})"
     ax.set_title(title)
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("KL(pi || pi_ref), k3 estimate per token")
     ax.grid(True, alpha=0.3)
     ax.legend(title="kl_estimator")
-    return save(fig, out_dir, "kl_estimators.png")
+    return save(fig, out_dir, figure_name(run_dirs, folders, "kl_estimators"))
 
 
 SUMMARY_STAGES = [("sft", "SFT"), ("rm", "reward\nmodel"), ("dpo", "DPO"), ("grpo_rm", "GRPO\nlearned RM"),
@@ -581,27 +647,33 @@ def figures(runs, out_dir):
     return paths
 
 
-def main(argv=None):
+def parse_args(argv=None):
+    """The command line, --out filled (OUT: never a folder git tracks files in)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dirs", nargs="*", help="run out_dirs, each holding metrics.jsonl (and run_config.json)")
+    p.add_argument("run_dirs", nargs="*", help="run out_dirs, each holding metrics.jsonl (and run_config.json); "
+                   "several are overlaid, a figure per kind of run")
     p.add_argument("--summary", help="also draw pipeline.py's results.json as summary.png")
-    p.add_argument("--out", help="folder for the PNGs (default: plots/ for --figures, else plots/out)")
+    p.add_argument("--out", default=OUT, help=f"folder for the PNGs (default: {OUT})")
     p.add_argument("--figures", metavar="RUNS", help="the README's figures from RUNS/results.json (pipeline.py) and "
-                   "bench/results/ (the default when no run dir is given: --figures runs --out plots)")
+                   "bench/results/ (the default when no run dir is given: --figures runs)")
     p.add_argument("--kl_compare", action="store_true", help="one KL-estimator comparison figure of all runs")
     p.add_argument("--kind", choices=sorted(PANELS), help="override the detected kind of run")
     p.add_argument("--smooth", type=int, default=0, help="moving-average window over train metrics (0: off)")
     args = p.parse_args(argv)
     if not args.run_dirs and not args.summary and not args.figures:
         args.figures = "runs"
-    args.out = args.out or ("plots" if args.figures else "plots/out")
+    return p, args
+
+
+def main(argv=None):
+    p, args = parse_args(argv)
     try:
         if args.figures:
             paths = figures(args.figures, args.out)
         elif args.kl_compare:
             paths = [plot_kl_compare(args.run_dirs, args.out, args.smooth)]
         else:
-            paths = [path for d in args.run_dirs for path in plot_run(d, args.out, args.smooth, args.kind)]
+            paths = plot_runs(args.run_dirs, args.out, args.smooth, args.kind)
         if args.summary and not args.figures:
             paths.append(plot_summary(args.summary, args.out))
     except (OSError, ValueError) as e:  # a missing or broken metrics file: one clear line, no traceback

@@ -1,27 +1,61 @@
-"""Logging a run: metrics.jsonl and a step line on rank 0 (wandb when asked), each phase's wall time
-and peak GPU memory (Clock), and how the models are spread, for the banners."""
+"""Logging a run: metrics.jsonl and a step line on rank 0 (step k/N, elapsed time, ETA; wandb when
+asked), a heartbeat line while a long step runs, sampled completions (completions.jsonl), the
+run's closing summary, each phase's wall time and peak GPU memory (Clock), and how the models are
+spread, for the banners."""
 import dataclasses
 import json
 import os
+import sys
+import threading
 import time
 
 import torch
 
+import sampling
+
+# While a step runs, rank 0 prints a line after this many seconds with nothing printed, and again
+# after as many more: a 13-minute rollout says it is alive without a progress bar, and the lines
+# stay readable in a log file. Printed only, never in metrics.jsonl.
+HEARTBEAT_SECONDS = 30.0
+
+PLOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "plots", "plot.py")
+
 
 class Logger:
     """metrics.jsonl (every metric, one row per step) on rank 0; a step line on stdout with the
-    `show` metrics (all when None); wandb (project rlhf-<script>) with --wandb."""
+    `show` metrics (all when None), opening `step k/N | elapsed | ETA`; wandb (project
+    rlhf-<script>) with --wandb; a heartbeat thread (HEARTBEAT_SECONDS; 0: none); with
+    --log_completions, completions.jsonl. `now` is the clock (tests pass their own).
 
-    def __init__(self, out_dir, cfg, d, show=None):
-        self.peak_gib = 0.0
-        self.enabled, self.wandb, self.t0, self.show = d.is_main, None, time.time(), show
+    ETA = the steps left x the mean wall time per step of this process so far, everything between
+    two step lines included (training, evaluation, checkpoints), from the end of the step-0
+    evaluation (or from the start, on a resume)."""
+
+    def __init__(self, out_dir, cfg, d, show=None, heartbeat=HEARTBEAT_SECONDS, now=time.time):
+        self.peak_gib, self.now, self.out_dir, self.steps = 0.0, now, out_dir, cfg.steps
+        self.enabled, self.wandb, self.show, self.last = d.is_main, None, show, {}
+        self.t0 = self.t_steps = self.t_said = now()
+        self.n_steps, self.step, self.phase, self.t_phase = 0, None, None, self.t0
+        self.completions_file, self.heartbeat, self.lock, self.stop = None, heartbeat, threading.Lock(), threading.Event()
         if not self.enabled:
             return
         self.file = open(os.path.join(out_dir, "metrics.jsonl"), "a")
+        if getattr(cfg, "log_completions", 0):
+            self.completions_file = open(os.path.join(out_dir, "completions.jsonl"), "a")
         if cfg.wandb:
             import wandb  # optional extra
 
             self.wandb = wandb.init(project=f"rlhf-{type(cfg).__module__}", config=dataclasses.asdict(cfg))
+        if heartbeat:
+            threading.Thread(target=self._watch, daemon=True, name="heartbeat").start()
+
+    def say(self, text):
+        """Print a line from rank 0 (a step line, a heartbeat, a table), whole: the heartbeat
+        thread and the loop never interleave within a line."""
+        with self.lock:
+            sys.stdout.write(text + "\n")
+            sys.stdout.flush()
+            self.t_said = self.now()
 
     def log(self, step, metrics, echo=True):
         if not self.enabled:
@@ -30,20 +64,134 @@ class Logger:
             self.peak_gib = max(self.peak_gib, torch.cuda.max_memory_allocated() / 2**30,
                                 *(v for k, v in metrics.items() if k.startswith("mem/")))
             metrics = {**metrics, "mem/peak_gib": self.peak_gib}
-        row = {"step": step, "time": round(time.time() - self.t0, 2), **metrics}
+        now = self.now()
+        row = {"step": step, "time": round(now - self.t0, 2), **metrics}
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
+        if step == 0:  # the evaluation before training: the steps' clock starts after it
+            self.t_steps = now
+        else:
+            self.n_steps += 1
+        self.step, self.phase, self.t_phase, self.last = step, None, now, {**self.last, **metrics}
         if echo:
             keys = [k for k in (self.show or metrics) if k in metrics]
-            print(f"step {step:5d} | " + " | ".join(f"{k} {_fmt(metrics[k])}" for k in keys), flush=True)
+            self.say(f"{self.step_line(step, now)} | " + " | ".join(f"{k} {_fmt(metrics[k])}" for k in keys))
+
+    def step_line(self, step, now):
+        """`step k/N | elapsed 1m05s | ETA 4m50s` (no ETA before the first step)."""
+        line = f"step {step}/{self.steps} | elapsed {duration(now - self.t0)}"
+        if self.n_steps:
+            line += f" | ETA {duration((now - self.t_steps) / self.n_steps * max(self.steps - step, 0))}"
+        return line
+
+    def running(self, phase, since):
+        """What the loop runs now (Clock.split says; None: not known), for the heartbeat."""
+        self.phase, self.t_phase = phase, since
+
+    def beat(self):
+        """The heartbeat's line when nothing has been printed for `heartbeat` seconds, else None:
+        `step 3/100: rollout running, 45s` (the step the loop is in, the phase Clock expects and
+        how long it has run; without a phase, how long the step has)."""
+        now = self.now()
+        if not self.heartbeat or now - self.t_said < self.heartbeat:
+            return None
+        step = 1 if self.step is None else self.step + 1
+        what = f"{self.phase} running" if self.phase else "running"
+        return f"step {step}/{self.steps}: {what}, {duration(now - self.t_phase)}"
+
+    def _watch(self):
+        while not self.stop.wait(min(1.0, self.heartbeat / 4)):
+            line = self.beat()
+            if line:
+                self.say(line)
+
+    def completions(self, step, roll, env, rewards, parts, n):
+        """grpo.py --log_completions n: the first n completions of this rank's rollout (whole
+        groups first; other ranks' rows are theirs alone, never gathered), each a row of
+        completions.jsonl (step, the prompt as the data set gives it, the completion as the rules
+        read it, its reward and each part) and of a table printed under the step line. Rank 0."""
+        if not self.enabled or not n:
+            return
+        rows = completion_rows(step, roll, env, rewards=rewards, parts=parts, n=n)
+        self.completions_file.writelines(json.dumps(r) + "\n" for r in rows)
+        self.completions_file.flush()
+        self.say(completion_table(rows, self.steps))
+
+    def summary(self, checkpoint, wall):
+        """The run's last lines (rank 0): its steps and wall time, the final metrics (the step
+        line's, and the last evaluation's), where the checkpoint, metrics and completions are, and
+        the command that plots them."""
+        if not self.enabled or self.step is None:
+            return
+        keys = [k for k in (self.show or self.last) if k in self.last and not k.startswith(("time/", "mem/", "eval/"))]
+        keys += [k for k in self.last if k.startswith("eval/")]  # the last evaluation's, after training's
+        first = self.step - self.n_steps + 1
+        each = f" ({duration((self.now() - self.t_steps) / self.n_steps)} per step)" if self.n_steps else ""
+        lines = [f"done: steps {first}-{self.step} of {self.steps}, {duration(wall)} wall time{each}",
+                 f"final: " + " | ".join(f"{k} {_fmt(self.last[k])}" for k in keys),
+                 f"checkpoint:  {checkpoint}",
+                 f"metrics:     {os.path.join(self.out_dir, 'metrics.jsonl')}"]
+        if self.completions_file is not None:
+            lines.append(f"completions: {os.path.join(self.out_dir, 'completions.jsonl')}")
+        lines.append(f"plot:        python {os.path.relpath(PLOT)} {self.out_dir}")
+        self.say("\n".join(lines))
 
     def close(self):
-        if self.enabled:
+        self.stop.set()  # the heartbeat ends with the run, also with a failed one (Run.abandon)
+        if self.enabled and not self.file.closed:
             self.file.close()
+            if self.completions_file is not None:
+                self.completions_file.close()
             if self.wandb is not None:
                 self.wandb.finish()
+
+
+def completion_rows(step, roll, env, rewards, parts, n):
+    """The first n rows of a rollout (environment.Rollout) as completions.jsonl rows: the texts
+    decoded as environment.score decodes them for the rules (stop tokens left out), rewards (N,)
+    and parts {name: (N,)} read in one transfer."""
+    n = min(n, roll.r_ids.shape[0])
+    ids, mask = roll.r_ids[:n], roll.r_mask[:n]
+    is_stop = torch.isin(ids, ids.new_tensor(env.stop_ids))
+    texts = sampling.decode_responses(env.tokenizer, ids, mask * (~is_stop).long(), roll.p_ids[:n])
+    values = torch.stack([rewards[:n].float(), *(v[:n].float() for v in parts.values())]).tolist()
+    return [{"step": step, "prompt": env.own_prompts[i], "completion": text, "reward": values[0][j],
+             **{f"reward/{k}": values[1 + m][j] for m, k in enumerate(parts)}}
+            for j, (i, text) in enumerate(zip(roll.prompt_idx[:n].tolist(), texts))]
+
+
+def _clip(text, width, tail=False):
+    """A prompt or completion on one line (newlines shown as \\n; a conversation: its last
+    message), at most width characters: its tail, or its head and tail."""
+    if not isinstance(text, str):
+        text = text[-1]["content"] if text else ""
+    text = json.dumps(text, ensure_ascii=False)[1:-1]
+    if len(text) <= width:
+        return text
+    keep = width - 3
+    return "..." + text[-keep:] if tail else text[:keep // 2] + "..." + text[-(keep - keep // 2):]
+
+
+def completion_table(rows, steps):
+    """The rows of completion_rows as a small table: the rewards, the prompt's end (a
+    conversation's last message), the completion's head and tail."""
+    parts = [k for k in rows[0] if k.startswith("reward/")]
+    head = ["reward", *(k[len("reward/"):] for k in parts)]
+    width = [max(7, len(h)) for h in head]
+    lines = [f"step {rows[0]['step']}/{steps}: {len(rows)} completions (rank 0's first)",
+             "  " + " ".join(h.rjust(w) for h, w in zip(head, width)) + " | " + "prompt".ljust(36) + " | completion"]
+    for r in rows:
+        nums = " ".join(_fmt(r[k]).rjust(w) for k, w in zip(["reward", *parts], width))
+        lines.append(f"  {nums} | {_clip(r['prompt'], 36, tail=True).ljust(36)} | {_clip(r['completion'], 72)}")
+    return "\n".join(lines)
+
+
+def duration(seconds):
+    """45s, 4m05s, 2h03m."""
+    s = int(round(max(seconds, 0.0)))
+    return f"{s}s" if s < 60 else f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s // 60 % 60:02d}m"
 
 
 def _fmt(v):
@@ -81,10 +229,13 @@ class Clock:
     timers in it: `clock.split("rollout")` ends the phase "rollout" (after the device's queued work:
     CUDA runs asynchronously), adding the seconds since the previous split to time/rollout and the
     peak since then to mem/rollout_gib (GPU only); lap() returns them, with time/step (the first
-    split of the step to the last), and starts the next step."""
+    split of the step to the last), and starts the next step. With a Logger, each split tells its
+    heartbeat which phase runs next: the one that came next in the previous step (none known in
+    the first), and after lap() the evaluation."""
 
-    def __init__(self, d):
+    def __init__(self, d, logger=None):
         self.d, self.t0, self.last, self.seconds, self.peaks = d, None, None, {}, {}
+        self.logger, self.ended, self.order = logger, [], []
 
     def split(self, phase=None):
         sync(self.d)
@@ -92,7 +243,11 @@ class Clock:
         if phase is not None and self.last is not None:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.last
             self.peaks[phase] = max(self.peaks.get(phase, 0.0), peak)
+            self.ended.append(phase)
         self.t0, self.last = self.t0 or now, now
+        if self.logger is not None:
+            n = len(self.ended)
+            self.logger.running(self.order[n] if n < len(self.order) else None, now)
 
     def lap(self):
         out = {f"time/{k}": v for k, v in self.seconds.items()}
@@ -100,4 +255,7 @@ class Clock:
             out |= {f"mem/{k}_gib": v for k, v in self.peaks.items()}
         out["time/step"] = (self.last or 0.0) - (self.t0 or 0.0)
         self.t0, self.last, self.seconds, self.peaks = None, None, {}, {}
+        self.order, self.ended = self.ended, []
+        if self.logger is not None:
+            self.logger.running("evaluation", time.time())  # if the step has one; its log line ends it
         return out

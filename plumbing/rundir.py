@@ -1,6 +1,6 @@
-"""The run folder: out_dir holds one run (its lock, run_config.json, metrics.jsonl and checkpoint/),
-checked before anything is written (overwrite, resume, what every rank sees), locked for the run's
-life, and written at the run's ends (Run.begin, Run.log, Run.save, Run.finish)."""
+"""The run folder: out_dir holds one run (its lock, run_config.json, metrics.jsonl, completions.jsonl,
+checkpoint/), checked before anything is written (overwrite, resume, what every rank sees), locked
+for the run's life, and written at the run's ends (Run.begin, Run.log, Run.save, Run.finish)."""
 import dataclasses
 import json
 import math
@@ -21,7 +21,7 @@ from plumbing import checkpoints, logs, models
 # run, and --resume refuses a difference (docs/distributed.md, "Resuming").
 RESUME_MAY_CHANGE = ("steps", "grad_accum", "activation_checkpointing", "offload_frozen", "compile", "eval_every",
                      "eval_batch_size", "save_every", "save_dtype", "hsdp", "timeout_minutes", "out_dir", "wandb",
-                     "trust_remote_code")
+                     "trust_remote_code", "log_completions")
 
 
 # the flags that name a model or data: what each names is recorded, by content, with the run
@@ -39,7 +39,7 @@ def _run_file(name):
     """Whether a run (or `python -m plumbing export`, into export-step-N/) writes a file of this name
     into its out_dir."""
     return (name in checkpoints.RUN_FILES or name in (".lock", "metrics.jsonl.tmp", "run_config.json.tmp")
-            or name.startswith("export-step-"))
+            or name in ("completions.jsonl", "completions.jsonl.tmp") or name.startswith("export-step-"))
 
 
 SAMPLE_ABOVE, SAMPLED_BLOCKS, SAMPLED_BLOCK = 2**28, 64, 2**16  # a file above 256 MiB: 64 blocks of 64 KiB
@@ -165,7 +165,7 @@ class Run:
                              f"{'' if here == there else ', or one above it'}: a run needs a folder of its own "
                              f"(--overwrite moves it aside whole); pass one, e.g. --out_dir runs/NAME")
         models.check_model_paths(cfg, *model_flags)
-        self.cfg, self.d, self.out_dir = cfg, d, cfg.out_dir
+        self.cfg, self.d, self.out_dir, self.t_start = cfg, d, cfg.out_dir, time.time()
         self.inputs = {f: fingerprint(getattr(cfg, f), whole=f in DATA_FLAGS) for f in INPUT_FLAGS
                        if getattr(cfg, f, None)}
         self.created = not os.path.exists(cfg.out_dir)
@@ -237,7 +237,8 @@ class Run:
                 if os.path.isfile(config):
                     with open(config) as f:
                         history = json.load(f).get("history", [])
-                _cut_metrics(os.path.join(self.out_dir, "metrics.jsonl"), self.step)
+                for name in ("metrics.jsonl", "completions.jsonl"):  # rows past the checkpoint come again
+                    _cut_metrics(os.path.join(self.out_dir, name), self.step)
             entry = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv),
                      "resumed_at_step": self.step, "changed": self.changed}
             checkpoints.write_json(config, {**dataclasses.asdict(self.cfg), "inputs": self.inputs, "history": history + [entry]})
@@ -284,7 +285,7 @@ class Run:
         """The final export (model: another module to export, e.g. LoRA merged into the weights),
         then the end of the run. Returns the checkpoint's path."""
         path = self.save(model=model)
-        common.print0(f"saved {path}")
+        self.logger.summary(path, wall=time.time() - self.t_start)
         self.logger.close()
         release()
         return path
@@ -292,6 +293,8 @@ class Run:
     def abandon(self):
         """After a failure: a run that wrote nothing removes the lock file it added (and the out_dir
         it created, then empty); one that moved the old contents aside says where they are."""
+        if self.logger is not None:
+            self.logger.close()  # and its heartbeat
         if not self.d.is_main:
             return
         if not self.started and self.locked_new and os.path.isfile(os.path.join(self.out_dir, ".lock")):
@@ -351,7 +354,8 @@ def lock_out_dir(out_dir):
 
 
 def _cut_metrics(metrics, step):
-    """Keep the rows of metrics.jsonl up to `step`; a line torn by a kill is dropped with a note."""
+    """Keep the rows of metrics.jsonl (or completions.jsonl) up to `step`; a line torn by a kill is
+    dropped with a note."""
     if not os.path.isfile(metrics):
         return
     keep = []

@@ -362,7 +362,7 @@ def test_the_log_is_one_line_per_step_without_transformers_bars_or_reports(tmp_p
         noise = [line for line in (r.stdout + r.stderr).splitlines()
                  if re.search("Writing model shards|Loading weights|LOAD REPORT|it/s]", line)]
         assert not noise, noise[:3]
-        steps = [int(line.split("|")[0].split()[1]) for line in r.stdout.splitlines() if line.startswith("step ")]
+        steps = [int(m[1]) for m in re.finditer(r"^step (\d+)/\d+ \|", r.stdout, re.M)]
         assert steps == [row["step"] for row in read_metrics(tmp_path / out)], r.stdout
 
 

@@ -364,7 +364,7 @@ def test_gpu_check_reads_compilations_and_cuda_graph_recordings_from_torch_logs(
     trace = "I1125 14:03:09.495000 7499 torch/_dynamo/symbolic_convert.py:5335] [{}] Step 1: torchdynamo start " \
             "tracing _next_logits /repo/sampling.py:78"
     record = "V1125 14:03:09.6 7499 torch/_inductor/cudagraph_trees.py:2403] [0/0] [__cudagraphs] {}"
-    step = "step     {} | reward 0.1 | kl 0 | clip_ratio/low 0 | clip_ratio/high 0"
+    step = "step {}/3 | elapsed 9s | ETA 4s | reward 0.1 | kl 0 | clip_ratio/low 0 | clip_ratio/high 0"
     good = log(trace.format("0/0"), trace.format("0/0_1"), record.format("Running warmup function=0, mode=INFERENCE"),
                record.format("Recording function=0, mode=INFERENCE, cuda_graph_id=0, inputs: [...]"),
                step.format(1), step.format(2), step.format(3))

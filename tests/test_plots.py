@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import re
 import sys
 
 import matplotlib.image as mpimg
@@ -89,7 +90,7 @@ def test_plot_run_each_kind(tmp_path, kind):
     rows = plot.read_metrics(run)
     assert plot.detect_kind(rows, plot.read_config(run)) == kind
     paths = plot.plot_run(run, tmp_path / "out")
-    assert [os.path.basename(p) for p in paths] == [f"run_{kind}_{kind}.png"]
+    assert [os.path.basename(p)[:-len("_12345678.png")] for p in paths] == [f"run_{kind}_{kind}"]
     check_png(paths[0])
 
 
@@ -123,7 +124,7 @@ def test_kl_compare(tmp_path):
             for i, e in enumerate(["k1", "k2", "k3", "ratio_k1"])]
     runs.append(write_run(tmp_path / "grpo_none", "grpo", scale=5, config={"kl_estimator": "k3", "beta": 0}))
     path = plot.plot_kl_compare(runs, tmp_path / "out")
-    assert os.path.basename(path) == "kl_estimators.png"
+    assert os.path.basename(path).startswith("grpo_k1+grpo_k2+grpo_k3+grpo_ratio_k1+grpo_none_kl_estimators_")
     check_png(path)
 
 
@@ -163,7 +164,7 @@ def test_cli(tmp_path, capsys):
     r = run_script(["plots/plot.py", sft, rm, "--out", str(out), "--smooth", "5"], timeout=60,
                    env={**os.environ, "MPLBACKEND": "Agg"})
     assert r.returncode == 0, r.stderr
-    assert sorted(os.listdir(out)) == ["rm_run_rm.png", "sft_run_sft.png"]
+    assert sorted(name[:-len("_12345678.png")] for name in os.listdir(out)) == ["rm_run_rm", "sft_run_sft"]
     with pytest.raises(SystemExit) as e:  # a missing run dir: exit 1 with one line naming the file
         plot.main([str(tmp_path / "nope"), "--out", str(out)])
     err = capsys.readouterr().err
@@ -262,3 +263,120 @@ def test_the_variants_figure_from_pipeline_variants_json(tmp_path):
     plot.figures(str(tmp_path / "two"), str(tmp_path / "out2"))
     other = mpimg.imread(os.path.join(tmp_path / "out2", "variants.png"))
     assert img.shape == other.shape and (img != other).any(axis=-1).mean() > 0.001
+
+
+# -----------------------------------------------------------------------------
+# several runs in one figure set, labelled by folder; names that never collide; the panels of each
+# script; no documented command rewriting a committed file
+
+
+def legend_labels(runs, kind, title):
+    """The legend of one panel of PANELS[kind], drawn from runs [(label, run_dir)]."""
+    import matplotlib.pyplot as plt
+
+    panel = next(p for p in plot.PANELS[kind] if p[0] == title)
+    fig, ax = plt.subplots()
+    drawn = plot.draw_panel(ax, [(label, plot.read_metrics(d), plot.read_config(d)) for label, d in runs], *panel)
+    labels = ax.get_legend_handles_labels()[1] if drawn else []
+    plt.close(fig)
+    return labels
+
+
+def test_run_labels_are_the_shortest_distinguishing_path_ends(tmp_path):
+    assert plot.run_labels(["x/a/run", "y/a/run", "z/b"]) == ["x/a/run", "y/a/run", "b"]
+    assert plot.run_labels(["runs/grpo", "runs/dpo"]) == ["grpo", "dpo"]
+    assert plot.run_labels([str(tmp_path / "run"), "elsewhere/run"]) == [f"{tmp_path.name}/run", "elsewhere/run"]
+    with pytest.raises(ValueError, match="the same run given twice"):
+        plot.run_labels(["runs/a", "runs/./a"])
+
+
+def test_several_runs_overlay_labelled_by_folder_and_never_share_a_file(tmp_path, capsys):
+    """Two DPO runs whose folders share a name (a/run, b/run) and a reward-model run: one DPO
+    figure with both runs, its legends `a/run` and `b/run` (where they were labelled alike), an
+    RM figure; each run alone, plotted into the same folder, gets a file of its own, and the two
+    pictures differ; the same run plotted again redraws its own file."""
+    a = write_run(tmp_path / "a" / "run", "dpo", config={"beta": 0.1})
+    b = write_run(tmp_path / "b" / "run", "dpo", scale=3.0, config={"beta": 0.1})
+    rm = write_run(tmp_path / "c" / "rm_run", "rm")
+    plot.main([a, b, rm, "--out", str(tmp_path / "out")])
+    paths = capsys.readouterr().out.split()
+    assert [os.path.basename(p)[:-len("_12345678.png")] for p in paths] == ["a-run+b-run_dpo", "rm_run_rm"]
+    for p in paths:
+        check_png(p)
+    assert legend_labels([("a/run", a), ("b/run", b)], "dpo", "Loss") == ["a/run", "b/run"]
+    assert legend_labels([("a/run", a), ("b/run", b)], "dpo", "Implicit rewards") == [
+        "a/run: chosen", "a/run: rejected", "b/run: chosen", "b/run: rejected"]
+    alone = [plot.plot_run(d, tmp_path / "same")[0] for d in (a, b)]
+    assert len(set(alone)) == 2 and sorted(os.listdir(tmp_path / "same")) == sorted(map(os.path.basename, alone))
+    img_a, img_b = (mpimg.imread(p) for p in alone)
+    assert img_a.shape == img_b.shape and (img_a != img_b).any(axis=-1).mean() > 0.001
+    assert plot.plot_run(a, tmp_path / "same") == alone[:1]
+
+
+def test_kl_compare_labels_runs_of_one_estimator_by_folder(tmp_path):
+    """Two k3 runs were both labelled "k3"; now each estimator that repeats carries its folder."""
+    import matplotlib.pyplot as plt
+
+    runs = [write_run(tmp_path / s / "run", "grpo", scale=1 + i, config={"kl_estimator": "k3", "beta": 0.04})
+            for i, s in enumerate(("x", "y"))]
+    runs.append(write_run(tmp_path / "z", "grpo", config={"kl_estimator": "k1", "beta": 0.04}))
+    seen = []
+    real = plt.Axes.legend
+
+    def spy(ax, *args, **kw):
+        seen.append(ax.get_legend_handles_labels()[1])
+        return real(ax, *args, **kw)
+
+    plt.Axes.legend = spy
+    try:
+        plot.plot_kl_compare(runs, tmp_path / "out")
+    finally:
+        plt.Axes.legend = real
+    assert seen == [["k3: x/run", "k3: y/run", "k1"]]
+
+
+def test_each_script_s_panels_are_drawn(tmp_path):
+    """GRPO: loss, grad norm, lr, reward std and the zero-std share beside the others; DPO: the
+    margins and the policy's log-probs of chosen and rejected (dpo_loss's metric names)."""
+    grpo = write_run(tmp_path / "grpo", "grpo")
+    with open(os.path.join(grpo, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    write_jsonl(os.path.join(grpo, "metrics.jsonl"),
+                [r | ({"loss": 0.1 * r["step"], "grad_norm": 1.0 + r["step"], "lr": 1e-6} if r["step"] else {})
+                 for r in rows])
+    for title, want in (("Loss", ["train"]), ("Gradient norm", ["grad norm"]), ("Learning rate", ["lr"]),
+                        ("Reward spread within groups", ["reward_std"]),
+                        ("Groups without signal", ["frac_reward_zero_std"])):
+        assert legend_labels([("grpo", grpo)], "grpo", title) == want, title
+    dpo = write_run(tmp_path / "dpo", "dpo")
+    assert legend_labels([("dpo", dpo)], "dpo", "Implicit reward margin") == ["margin"]
+    assert legend_labels([("dpo", dpo)], "dpo", "Policy log-probs") == ["chosen", "rejected"]
+
+
+def documented_plot_commands():
+    """Every `python plots/plot.py ...` command in the README, docs/ and plot.py's docstring, as
+    argument lists (placeholders such as RUN_DIR and `...` dropped)."""
+    found = []
+    for path in [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "plots", "plot.py"),
+                 *(os.path.join(ROOT, "docs", n) for n in sorted(os.listdir(os.path.join(ROOT, "docs"))))]:
+        with open(path) as f:
+            text = f.read()
+        for m in re.finditer(r"python plots/plot\.py([^`#]*?)(?=`|#|\n\n|\n {4}python|$)", text):  # may wrap
+            argv = [a for a in m[1].split() if a not in ("...", "[RUN_DIR") and not a.endswith("...]")]
+            found.append((os.path.relpath(path, ROOT), argv))
+    return found
+
+
+def test_no_documented_command_writes_where_git_keeps_files():
+    """`python plots/plot.py` as documented rewrote plots/summary.png, a committed file: every
+    documented command's --out (the default, runs/plots/, where none is given) holds no file git
+    tracks."""
+    import subprocess
+
+    commands = documented_plot_commands()
+    assert len(commands) >= 5, commands
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    for where, argv in commands:
+        _, args = plot.parse_args(argv)
+        out = os.path.normpath(args.out)
+        assert not [t for t in tracked if os.path.dirname(t) == out], (where, argv, out)
