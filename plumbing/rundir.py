@@ -292,11 +292,22 @@ class Run:
 
     def abandon(self):
         """After a failure: a run that wrote nothing removes the lock file it added (and the out_dir
-        it created, then empty); one that moved the old contents aside says where they are."""
+        it created, then empty); one that moved the old contents aside says where they are. A fresh
+        run that failed after `begin` but before its first logged step (wandb.init refused, the first
+        step out of memory) removes what `begin` wrote too, so that the same command, corrected, is
+        not refused for a folder that "is not empty"."""
         if self.logger is not None:
             self.logger.close()  # and its heartbeat
         if not self.d.is_main:
             return
+        metrics = os.path.join(self.out_dir, "metrics.jsonl")
+        if self.started and not self.resume_from and not (os.path.isfile(metrics) and os.path.getsize(metrics)):
+            for name in ("run_config.json", "metrics.jsonl"):
+                if os.path.isfile(os.path.join(self.out_dir, name)):
+                    os.remove(os.path.join(self.out_dir, name))
+            self.started = False
+            self.locked_new |= bool(self.replaced)  # begin made the folder anew, and its lock
+            self.created |= bool(self.replaced)
         if not self.started and self.locked_new and os.path.isfile(os.path.join(self.out_dir, ".lock")):
             os.remove(os.path.join(self.out_dir, ".lock"))
             if self.created and not os.listdir(self.out_dir):

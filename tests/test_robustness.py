@@ -17,13 +17,14 @@ from helpers import (ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, checkpoint_weigh
                      read_metrics, run_here, run_script, write_jsonl)
 from plumbing import checkpoints, rundir
 
-# a few fast steps of each script on the tiny model
+# a few fast steps of each script on the tiny model (no warmup: many runs are of 1 or 2 steps, which a
+# warmup of as many steps would never get past, and cli.check_schedule refuses)
 FAST = {
     "sft.py": ["--n_train", "256", "--n_eval", "8", "--batch_size", "8", "--max_response_len", "20",
-               "--warmup_steps", "2", "--eval_every", "100"],
-    "reward.py": ["--model", "tiny", "--n_train", "64", "--batch_size", "8", "--warmup_steps", "2", "--n_eval", "8",
+               "--warmup_steps", "0", "--eval_every", "100"],
+    "reward.py": ["--model", "tiny", "--n_train", "64", "--batch_size", "8", "--warmup_steps", "0", "--n_eval", "8",
                   "--eval_every", "100", "--n_normalize", "8", "--max_response_len", "20"],
-    "dpo.py": ["--model", "tiny", "--n_train", "48", "--batch_size", "8", "--warmup_steps", "2", "--lr", "1e-3",
+    "dpo.py": ["--model", "tiny", "--n_train", "48", "--batch_size", "8", "--warmup_steps", "0", "--lr", "1e-3",
                "--n_eval", "8", "--n_eval_prompts", "4", "--max_response_len", "16", "--eval_every", "100"],
     "grpo.py": ["--model", "tiny", "--prompts_per_step", "4", "--group_size", "4", "--max_new_tokens", "8",
                 "--n_eval", "8", "--n_eval_pairs", "8", "--eval_every", "100", "--lr", "1e-3", "--warmup_steps", "2",

@@ -94,7 +94,7 @@ def test_grad_accum_gives_the_full_batch_loss_and_gradient(tmp_path):
     micro-batch by its own token count (the classic bug) weights a token of a short micro-batch more
     and still trains, so every other test passes; the logged loss is summed apart from the backward
     (nll_sum / n_tokens) and would not show it, the gradient norm does."""
-    args = ["--steps", "1", "--eval_every", "1", *FAST, "--n_eval", "2", "--seed", "3"]
+    args = ["--steps", "1", "--eval_every", "1", *FAST, "--warmup_steps", "0", "--n_eval", "2", "--seed", "3"]
     for accum in (1, 4):  # in this process: the two runs differ in --grad_accum only
         sft.main(cli.parse_config(sft.Config, args + ["--out_dir", str(tmp_path / str(accum)),
                                                          "--grad_accum", str(accum)]))

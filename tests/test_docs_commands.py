@@ -1,0 +1,287 @@
+"""The shell commands of README.md and docs/*.md, as a user copies them: every one extracted (the
+lines of each ```bash block, `\\` continuations joined, `&&` chains split; and each inline
+`python ...` or `torchrun ...` span, a block of its own) and checked.
+
+- Every command of a training script parses: its flags are the script's (cli.parse_config).
+- No two training commands of one block write into the same --out_dir (flag or default) unless
+  the later one is a --resume: the second would be refused ("already holds a checkpoint").
+- The commands this machine can run are run as written, in a scratch folder as the working
+  directory, with three substitutions, each a value and never a flag: a hub model becomes a
+  model folder of the user_models fixture (Llama- and Qwen2-shaped), a hub data set a local
+  .jsonl of its format, and a file the docs ask the user to bring (my_pairs.jsonl) is written
+  with the columns they name; `torchrun --nproc_per_node 8 X.py` runs as `python X.py`. Flags
+  that set the scale only (--steps 1, a batch of 4, 16 new tokens, 4 held-out rows) are
+  appended after the command's own, so that a run takes a second. Each must exit 0 and change
+  no file tracked in git.
+
+The suite runs the README's "your own model and data" block and docs/distributed.md's block
+(about 15 s); `RLHF_DOCS_ALL=1 python -m pytest -q tests/test_docs_commands.py` runs every
+command that can run here, also plots/plot.py and the benchmarks (minutes). What is never run
+here and why: `NOT_RUN` (installs, the suite itself, several nodes, hub downloads, GPUs, the
+pipeline's minutes, a placeholder such as OUT_DIR)."""
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ROOT, question, write_jsonl
+from plumbing import cli, rundir
+
+SCRIPTS = ("sft.py", "reward.py", "dpo.py", "grpo.py")
+
+NOT_RUN = [  # (pattern on the command, why it is not run here)
+    (r"^(pip|python3? -m (venv|pip)|\. \.venv)", "sets up the environment"),
+    (r"-m pytest", "the test suite itself"),
+    (r"--nnodes [2-9]|HOST", "several nodes"),
+    (r"^python -c .*load_dataset", "downloads a data set from the hub"),
+    (r"bench/gpu_check\.py(?!.*--cpu)|bench/(sampler|steps|logprobs|trl_compare)\.py", "a GPU benchmark"),
+    (r"pipeline\.py", "the pipeline: minutes to an hour (tests/test_pipeline.py runs its stages at small scale)"),
+    (r"\b(OUT_DIR|DEST|RUN\d?|RUNS|FILE|N)\b|\.\.\.", "a placeholder the user fills in"),
+    (r"--help", "prints the flags (tests/test_common.py reads every script's --help)"),
+]
+
+HUB_MODELS = {"Qwen/Qwen2.5-0.5B-Instruct": "llama", "Qwen/Qwen2.5-7B-Instruct": "llama_teacher", "gpt2": "qwen2"}
+"""hub model -> user_models folder (the teacher shares its student's tokenizer, as Qwen2.5's sizes do)"""
+
+SCALE = {  # appended after a training command's own flags: the scale, never what the command means
+    "sft.py": ["--steps", "1", "--n_train", "64", "--batch_size", "4", "--n_eval", "4"],
+    "reward.py": ["--steps", "1", "--n_train", "64", "--batch_size", "4", "--n_eval", "4", "--n_normalize", "4"],
+    "dpo.py": ["--steps", "1", "--n_train", "64", "--batch_size", "4", "--n_eval", "4", "--n_eval_prompts", "2"],
+    "grpo.py": ["--steps", "1", "--n_train", "64", "--prompts_per_step", "2", "--group_size", "2", "--max_new_tokens", "16", "--n_eval", "2",
+                "--n_eval_pairs", "2"],
+}
+
+
+def blocks(path):
+    """[(where, [command, ...]), ...] of a Markdown file: a ```bash (or sh, console) block's
+    commands, then each inline `python ...` or `torchrun ...` span of the prose as a block of one."""
+    found, block, fence, lines = [], None, None, open(path).read().split("\n")
+    text = []
+    for n, line in enumerate(lines, 1):
+        if line.lstrip().startswith("```"):
+            if block is None:
+                fence, block = line.strip()[3:], (n, [])
+            else:
+                if fence in ("bash", "sh", "shell", "console"):
+                    found.append((f"{os.path.relpath(path, ROOT)}:{block[0]}", commands(block[1])))
+                block = None
+            continue
+        (block[1] if block is not None else text).append(line if block is not None else (n, line))
+    for n, line in text:  # prose names commands too (`python grpo.py --tools`, `python x.py`): only these run
+        for span in re.findall(r"`((?:python|torchrun) [^`]+)`", line):
+            if re.match(r"python (plots|bench)/\w+\.py", span) or (training(span) and parses(*training(span))):
+                found.append((f"{os.path.relpath(path, ROOT)}:{n}", commands([span])))
+    return found
+
+
+def commands(lines):
+    """A block's commands: comments dropped, `\\` continuations joined, `a && b` as two."""
+    out, joined = [], []
+    for line in lines:
+        joined.append(line.rstrip().removesuffix("\\"))
+        if line.rstrip().endswith("\\"):
+            continue
+        words, joined = shlex.split(" ".join(joined), comments=True), []
+        while words:
+            cut = words.index("&&") if "&&" in words else len(words)
+            out.append(shlex.join(words[:cut]))
+            words = words[cut + 1:]
+    return [c for c in out if c]
+
+
+def parses(script, argv):
+    import contextlib
+    import io
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            out_dir(script, argv)
+    except SystemExit:
+        return False
+    return True
+
+
+def all_blocks():
+    return [b for f in ["README.md", *sorted(os.listdir(os.path.join(ROOT, "docs")))]
+            for b in blocks(os.path.join(ROOT, f if f == "README.md" else os.path.join("docs", f)))]
+
+
+def training(command):
+    """(script, argv) of a training command, `python X.py ...` or `torchrun [its flags] X.py ...`;
+    None for any other."""
+    words = shlex.split(command)
+    for i, w in enumerate(words):
+        if w in SCRIPTS and words[0] in ("python", "torchrun"):
+            return w, words[i + 1:]
+    return None
+
+
+def not_run(command):
+    return next((why for pattern, why in NOT_RUN if re.search(pattern, command)), None)
+
+
+def out_dir(script, argv):
+    """The --out_dir a training command writes into (its flag, else the script's default)."""
+    module = __import__(script.removesuffix(".py"))
+    return os.path.normpath(cli.parse_config(module.Config, argv).out_dir)
+
+
+def test_every_training_command_parses_and_no_two_of_a_block_share_an_out_dir():
+    """Every training command of the docs parses (its flags are its script's), and no two of one
+    block write into one --out_dir unless the later is a --resume: docs/distributed.md's four
+    commands and the README's DPO and two GRPO commands all wrote runs/dpo or runs/grpo, so each
+    after the first stopped with "already holds a checkpoint"."""
+    shared, seen_training = [], 0
+    for where, cmds in all_blocks():
+        dirs = {}
+        for c in cmds:
+            t = training(c)
+            if t is None:
+                continue
+            seen_training += 1
+            script, argv = t
+            try:
+                d = out_dir(script, argv)
+            except SystemExit:  # argparse's error, printed above it
+                shared.append(f"{where}: `{c}` does not parse")
+                continue
+            if d in dirs and "--resume" not in argv:
+                shared.append(f"{where}: `{c}` writes into {d}, as `{dirs[d]}` does")
+            dirs[d] = c
+    assert seen_training >= 20, seen_training  # the extraction found the docs' commands
+    assert not shared, "\n".join(shared)
+
+
+def test_the_docs_name_every_command_they_cannot_run_here():
+    """Each command is either run (a training script, plots/plot.py, a CPU benchmark) or named in
+    NOT_RUN with its reason: a new kind of command in the docs is seen here first."""
+    unknown = [f"{where}: {c}" for where, cmds in all_blocks() for c in cmds
+               if not (training(c) or not_run(c) or re.match(r"python (plots/plot\.py|bench/\w+\.py)", c))]
+    assert not unknown, "\n".join(unknown)
+
+
+def data_files(folder):
+    """The local files the substituted hub data sets and the docs' own file names become."""
+    n = range(24)
+    pref = [{"prompt": f"What is {i} + 7?", "chosen": f" {i + 7}", "rejected": " no"} for i in n]
+    files = {
+        "trl-lib/tldr": [{"prompt": f"POST: what is {i} + 7?\nTL;DR:", "completion": f" {i + 7}"} for i in n],
+        "trl-lib/tldr-preference": pref,
+        "my_pairs.jsonl": pref,  # prompt, chosen, rejected
+        "my_prompts.jsonl": [{"prompt": f"What is {i} + 7?", "answer": str(i + 7)} for i in n],  # prompt, answer
+        "gsm8k.jsonl": [{"prompt": question(i), "answer": f"{i} + 7 = {i + 7}\n#### {i + 7}"} for i in n],
+    }
+    return {name: write_jsonl(os.path.join(folder, name.replace("/", "_") + ".jsonl" if "/" in name else name), rows)
+            for name, rows in files.items()}
+
+
+def as_run_here(command, models, files):
+    """(script, argv) of a training command as this test runs it: the hub names substituted, the
+    scale flags appended."""
+    script, argv = training(command)
+    swap = {**{k: models[v] for k, v in HUB_MODELS.items()}, **{k: v for k, v in files.items() if "/" in k}}
+    return script, [swap.get(a, a) for a in argv] + SCALE[script]
+
+
+def tracked_mtimes():
+    names = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return {n: os.stat(os.path.join(ROOT, n)).st_mtime_ns for n in names.split("\0") if n and os.path.exists(
+        os.path.join(ROOT, n))}
+
+
+def run_in(folder, script, argv):
+    """`python SCRIPT ARGV` in this process with `folder` as the working directory (where the
+    command's relative paths, runs/..., land), as helpers.run_here runs it from the repository."""
+    import contextlib
+    import importlib
+    import io
+    import traceback
+
+    module = importlib.import_module(script.removesuffix(".py"))
+    out, err, code, old = io.StringIO(), io.StringIO(), 0, (sys.argv, os.getcwd())
+    sys.argv = [script, *argv]
+    os.chdir(folder)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                cli.script(module.main, module.Config)
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+                print(e.code, file=sys.stderr)
+            except Exception:
+                traceback.print_exc()
+                code = 1
+            finally:
+                rundir.release()
+    finally:
+        sys.argv, _ = old
+        os.chdir(old[1])
+    return code, out.getvalue() + err.getvalue()
+
+
+def run_block(where, cmds, folder, models):
+    """Run a block's commands in order in folder; [(command, status)], status "ok", the reason
+    it was not run, or the failure. Asserts that no file tracked in git changed."""
+    files, results = data_files(folder), []
+    for c in cmds:
+        why = not_run(c)
+        if why:
+            results.append((c, f"not run: {why}"))
+            continue
+        before = tracked_mtimes()
+        if training(c):
+            code, log = run_in(folder, *as_run_here(c, models, files))
+        else:  # plots/plot.py, a CPU benchmark: a process of its own, from the repository as the docs say
+            r = subprocess.run([sys.executable, *shlex.split(c)[1:]], cwd=ROOT, capture_output=True, text=True,
+                               timeout=1800, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            code, log = r.returncode, r.stdout + r.stderr
+        changed = sorted(n for n, t in tracked_mtimes().items() if before.get(n) != t)
+        assert not changed, f"{where}: `{c}` rewrote files tracked in git: {changed}"
+        results.append((c, "ok" if code == 0 else f"FAILED ({code}): {log[-700:]}"))
+    return results
+
+
+def the_block(heading_file, first_words):
+    (found,) = [(w, c) for w, c in all_blocks() if w.startswith(heading_file) and c and c[0].startswith(first_words)]
+    return found
+
+
+@pytest.mark.parametrize("file, first", [("README.md", "python sft.py --model Qwen"),
+                                         ("docs/distributed.md", "python grpo.py")], ids=["readme-own-data", "distributed"])
+def test_a_docs_block_runs_as_written(tmp_path, user_models, file, first):
+    """The README's "your own model and data" block (SFT -> reward model -> DPO -> GRPO with a rule
+    and with the learned reward, each from the SFT run) and docs/distributed.md's block (grpo.py on
+    one process, on torchrun's single process with --offload_frozen, on 8: here one) each run in
+    order, as written but for the substitutions, and each exits 0 without touching a tracked file.
+    docs/distributed.md's block starts from `runs/sft`, the pipeline's SFT stage: a one-step
+    `sft.py --model tiny` stands for it."""
+    where, cmds = the_block(file, first)
+    if file == "docs/distributed.md":
+        code, log = run_in(tmp_path, "sft.py", ["--model", "tiny", "--out_dir", "runs/sft", *SCALE["sft.py"]])
+        assert code == 0, log[-2000:]
+    results = run_block(where, cmds, tmp_path, user_models)
+    failed = [f"`{c}`: {s}" for c, s in results if s != "ok" and not s.startswith("not run")]
+    assert not failed, "\n\n".join(failed)
+    assert sum(s == "ok" for _, s in results) >= 3, results
+
+
+@pytest.mark.skipif(not os.environ.get("RLHF_DOCS_ALL"), reason="minutes: RLHF_DOCS_ALL=1 runs every docs command")
+def test_every_docs_command_that_can_run_here_runs(tmp_path, user_models):
+    """Every block of the README and docs/, each in a scratch folder of its own; prints what ran
+    and what was not run, and why."""
+    report, failed = [], []
+    for i, (where, cmds) in enumerate(all_blocks()):
+        folder = tmp_path / f"block{i}"
+        folder.mkdir()
+        for c, status in run_block(where, cmds, folder, user_models):
+            report.append(f"{where}\t{status.splitlines()[0][:100]}\t{c}")
+            if status != "ok" and not status.startswith("not run"):
+                failed.append(f"{where}: `{c}`: {status}")
+    print("\n".join(report))
+    json.dump(report, open(os.path.join(os.environ.get("RLHF_DOCS_REPORT", str(tmp_path)), "docs_commands.json"), "w"),
+              indent=1)
+    assert not failed, "\n\n".join(failed)
