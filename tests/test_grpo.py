@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import common
+import environment
 import grpo
 import tasks
 from grpo import (aggregate, group_advantages, grpo_loss, kl_per_token, loss_normaliser,
@@ -387,16 +388,16 @@ def test_batch_arithmetic_is_checked():
 
 
 def test_parse_weights():
-    assert grpo.parse_weights("", False) == {"rule": 1.0}
-    assert grpo.parse_weights("", True) == {"model": 1.0}
-    assert grpo.parse_weights("rule:1.0,model:0.5", True) == {"rule": 1.0, "model": 0.5}
+    assert environment.parse_weights("", False) == {"rule": 1.0}
+    assert environment.parse_weights("", True) == {"model": 1.0}
+    assert environment.parse_weights("rule:1.0,model:0.5", True) == {"rule": 1.0, "model": 0.5}
     with pytest.raises(ValueError):
-        grpo.parse_weights("rule:1,model:1", False)
+        environment.parse_weights("rule:1,model:1", False)
     with pytest.raises(ValueError):
-        grpo.parse_weights("gold:1", False)
+        environment.parse_weights("gold:1", False)
     for bad in ("rule:nan", "rule:inf", "rule:x", "rule:"):
         with pytest.raises(ValueError, match="finite weights"):
-            grpo.parse_weights(bad, False)
+            environment.parse_weights(bad, False)
 
 
 # -----------------------------------------------------------------------------
