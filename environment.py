@@ -217,15 +217,16 @@ def load_prompts(cfg, rules, fns=(), split="train"):
     local = not cfg.eval_dataset and cfg.dataset not in tasks.TASKS and os.path.isfile(cfg.dataset)
     if split == "test" and not (cfg.eval_dataset or local):
         return None, None
-    columns = ["prompt"] + (["reward_fn"] if rules and not cfg.reward_fn else [])
+    one_rule = cfg.reward_fn in tasks.REWARD_FNS  # --reward_fn NAME: every row's rule, a row's own winning
+    columns = ["prompt"] + (["reward_fn"] if rules and not one_rule else [])
     ds = data.load_data(source, cfg.eval_split if cfg.eval_dataset and split == "test" else split, columns,
                         kind="prompt", n=cfg.n_train, seed=cfg.seed,
                         optional=("reward_fn", "answer", "solution", cfg.answer_column) if rules or fns else ())
-    if rules and "reward_fn" not in ds.column_names:  # --reward_fn for every row
-        ds = ds.add_column("reward_fn", [cfg.reward_fn] * len(ds))
     builtin = [f.name for f in fns if f.builtin]
-    row_rules = list(ds["reward_fn"]) if rules else []
+    row_rules = (list(ds["reward_fn"]) if "reward_fn" in ds.column_names else [cfg.reward_fn] * len(ds)) if rules else []
     column = answer_column(ds, cfg, source, needed=any(r in tasks.NEEDS_ANSWER for r in [*builtin, *row_rules]))
+    if rules and "reward_fn" not in ds.column_names:  # --reward_fn for every row
+        ds = ds.add_column("reward_fn", row_rules)
     answers = list(ds[column]) if column else None
     if rules:
         tasks.check_rule_rows(row_rules, ds["prompt"], source, answers)

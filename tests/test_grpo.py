@@ -790,11 +790,13 @@ def test_rollouts_stop_at_every_end_of_turn_id_and_rewards_see_the_text_after_th
     assert row["completions/clipped_ratio"] == 0.0, row  # each ended at the end-of-turn id
 
 
-def test_math_rows_with_reward_fn_flag_are_scored_against_their_answers(tmp_path, monkeypatch):
-    """A local jsonl of questions with an `answer` column and no `reward_fn` column, run with
-    --reward_fn math: every completion is scored against its own row's answer. Completions are
-    fixed here (every other one right), so the logged rule reward must be exactly 0.5."""
-    rows = [{"prompt": f"What is {i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"} for i in range(8)]
+@pytest.mark.parametrize("column, flag", [("answer", ""), ("solution", ""), ("ref", "ref")])
+def test_math_rows_with_reward_fn_flag_are_scored_against_their_answers(tmp_path, monkeypatch, column, flag):
+    """A local jsonl of questions with an `answer` column (or TRL's `solution`, or one --answer_column
+    names) and no `reward_fn` column, run with --reward_fn math: every completion is scored against
+    its own row's answer. Completions are fixed here (every other one right), so the logged rule
+    reward must be exactly 0.5."""
+    rows = [{"prompt": f"What is {i} + 1?", column: f"{i} + 1 = {i + 1}\n#### {i + 1}"} for i in range(8)]
     path = write_jsonl(tmp_path / "math.jsonl", rows)
     by_prompt = {r["prompt"]: i + 1 for i, r in enumerate(rows)}
     seen = []
@@ -805,13 +807,13 @@ def test_math_rows_with_reward_fn_flag_are_scored_against_their_answers(tmp_path
         return [f"so it is {by_prompt[p] + (k % 2)}" for k, p in enumerate(prompts)]  # right, wrong, right, ...
 
     monkeypatch.setattr(grpo.sampling, "decode_responses", fixed_texts)
-    grpo.main(grpo.Config(model="tiny", dataset=path, reward_fn="math", out_dir=str(tmp_path / "g"), steps=2,
-                          prompts_per_step=2, group_size=2, max_new_tokens=4, eval_every=100, n_eval_pairs=4,
+    grpo.main(grpo.Config(model="tiny", dataset=path, reward_fn="math", answer_column=flag, out_dir=str(tmp_path / "g"),
+                          steps=2, prompts_per_step=2, group_size=2, max_new_tokens=4, eval_every=100, n_eval_pairs=4,
                           warmup_steps=0))
     assert len(seen) == 8 and set(seen) <= set(by_prompt)
     assert [r["reward/rule"] for r in read_metrics(tmp_path / "g")] == [0.5, 0.5]  # no step-0 row: nothing to evaluate
     write_jsonl(tmp_path / "q.jsonl", [{"prompt": r["prompt"]} for r in rows])
-    with pytest.raises(ValueError, match=r"q.jsonl row 1: reward_fn 'math' has no `answer` column"):
+    with pytest.raises(ValueError, match=r"q.jsonl: the reward needs an `answer` or `solution` column"):
         grpo.main(grpo.Config(model="tiny", dataset=str(tmp_path / "q.jsonl"), reward_fn="math",
                               out_dir=str(tmp_path / "q")))
 
