@@ -756,7 +756,8 @@ def test_prompt_truncation_is_counted_in_the_banner_and_each_step(tmp_path, caps
 def test_rollouts_stop_at_every_end_of_turn_id_and_rewards_see_the_text_after_the_prompt(tmp_path, monkeypatch):
     """grpo.py passes the generation config's end-of-turn ids to the sampler, counts a rollout
     that ends at one as stopped (no --no_eos_penalty), and decodes completions after their
-    prompts (sampling.decode_responses with prompt_ids)."""
+    prompts (sampling.decode_responses with prompt_ids), in the rollouts and in the evaluation of
+    the file's held-out prompts."""
     from transformers import AutoModelForCausalLM
 
     tok = tasks.char_tokenizer()
@@ -785,7 +786,7 @@ def test_rollouts_stop_at_every_end_of_turn_id_and_rewards_see_the_text_after_th
                           prompts_per_step=2, group_size=2, max_prompt_len=64, max_new_tokens=4, no_eos_penalty=1.0,
                           eval_every=100,
                           n_eval_pairs=4, warmup_steps=0))
-    assert calls["generate"][0] == (tok.eos_token_id, [end_of_turn]) and calls["decode"] == [True]
+    assert calls["generate"][0] == (tok.eos_token_id, [end_of_turn]) and calls["decode"] and all(calls["decode"])
     row = read_metrics(tmp_path / "g")[-1]
     assert row["completions/clipped_ratio"] == 0.0, row  # each ended at the end-of-turn id
 
