@@ -3,7 +3,16 @@ prompts, rendered with the chat template and each with its rule, their order, th
 reward model, on-policy distillation's teacher and the tool a policy may call. Each step: the
 rollout (rollout: prompts -> completions, drawn by the sampler with the random numbers of the
 global batch) and what scores its completions (score: each row's rule, the reward model)."""
+import asyncio
+import concurrent.futures
 import dataclasses
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import os
+import threading
 
 import torch
 
@@ -15,29 +24,243 @@ import tools
 from plumbing import models
 
 
-def load_prompts(cfg, rules):
-    """grpo.py's training prompts (--dataset, --n_train of an embedded task). Where rules are
-    scored, every row gets its rule (`reward_fn`: the row's own, else --reward_fn), checked
-    against its prompt and answer here: a bad row found at step 2 would have cost a run."""
-    columns = ["prompt"] + (["reward_fn"] if rules and not cfg.reward_fn else [])
-    train = data.load_data(cfg.dataset, "train", columns, kind="prompt", n=cfg.n_train, seed=cfg.seed,
-                      optional=("reward_fn", "answer") if rules else ())
-    if rules and "reward_fn" not in train.column_names:  # --reward_fn for every row
-        train = train.add_column("reward_fn", [cfg.reward_fn] * len(train))
+def answer_column(ds, cfg, source, needed):
+    """The column the rules read as a row's reference: --answer_column, else `answer`, else TRL's
+    `solution` (its math sets and accuracy_reward); refused, naming the file and its columns, when
+    a rule that needs one (`needed`) finds none."""
+    name = cfg.answer_column or next((c for c in ("answer", "solution") if c in ds.column_names), None)
+    if (needed or cfg.answer_column) and name not in ds.column_names:
+        asked = f"--answer_column {cfg.answer_column}" if cfg.answer_column else "an `answer` or `solution` column"
+        raise ValueError(f"{source}: the reward needs {asked} (each row's reference); it has columns {ds.column_names}: "
+                         f"name the column with --answer_column")
+    return name
+
+
+# -----------------------------------------------------------------------------
+# reward functions (--reward_fn): the rules of tasks.py by name, and the user's own called as TRL
+# calls its reward_funcs: fn(prompts=, completions=, completion_ids=, **columns) -> list of float or None
+
+
+@dataclasses.dataclass
+class RewardFn:
+    name: str  # a rule's name, or the function's in `module:function` (its weight's and its metrics' name)
+    fn: object
+    builtin: bool  # a rule of tasks.REWARD_FNS: fn(prompt, completion, answer) -> float, one row at a time
+
+
+def _import(module, flag):
+    """A module by name (on the Python path, or a `name.py` in the working directory), or a .py file."""
+    path = module if module.endswith(".py") else f"{module}.py"
+    try:
+        if module.endswith(".py") or (os.path.isfile(path) and importlib.util.find_spec(module) is None):
+            spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            return mod
+        return importlib.import_module(module)
+    except Exception as e:  # any failure at import (a missing file or dependency, an error in the module)
+        raise ValueError(f"{flag}: cannot import {module!r}: {type(e).__name__}: {e}") from None
+
+
+def load_reward_fns(spec):
+    """--reward_fn's functions, each a rule's name or a `module:function` (a module on the Python
+    path, a `name.py` in the working directory, or a .py file: `path/to/rewards.py:fn`), imported
+    once here, so a bad one is refused naming the flag before anything is written. One rule alone
+    ([] here) is every row's `rule`, a row's own `reward_fn` column winning."""
+    entries = [e.strip() for e in spec.split(",")] if spec else []
+    if len(entries) <= 1 and all(e in tasks.REWARD_FNS for e in entries):
+        return []
+    fns = []
+    for e in entries:
+        module, _, name = e.rpartition(":")
+        if e in tasks.REWARD_FNS:
+            fns.append(RewardFn(e, tasks.REWARD_FNS[e], builtin=True))
+            continue
+        if not module or not name:
+            raise ValueError(f"--reward_fn {spec!r}: {e!r} is neither a rule ({', '.join(sorted(tasks.REWARD_FNS))}) "
+                             f"nor a `module:function`")
+        fn = getattr(_import(module, f"--reward_fn {e}"), name, None)
+        if not callable(fn):
+            raise ValueError(f"--reward_fn {e}: {module!r} has no function {name!r}")
+        fns.append(RewardFn(name, fn, builtin=False))
+    names = [f.name for f in fns]
+    for taken in sorted({n for n in names if names.count(n) > 1} | ({"rule", "model"} & set(names))):
+        raise ValueError(f"--reward_fn {spec!r}: two rewards are named {taken!r} (`rule` is each row's own rule and "
+                         f"`model` the --reward_model): give each function its own name")
+    return fns
+
+
+def parse_weights(spec, has_model, has_teacher=False, names=()):
+    """`rule:1.0,model:0.5` -> {"rule": 1.0, "model": 0.5}: each reward by its name (`rule`, each
+    row's rule; `model`, the reward model; each --reward_fn function's, `names`; the weight after
+    the last colon). Empty: every --reward_fn function and the reward model at 1 (TRL's default),
+    else the one reward there is. Each reward is named once, and some weight is not 0 unless a
+    --teacher (has_teacher) gives the advantages: with all weights 0 they are all 0, and nothing is
+    trained."""
+    if not spec:
+        return dict.fromkeys([*names, *(["model"] if has_model else [])], 1.0) if names else \
+            ({"model": 1.0} if has_model else {"rule": 1.0})
+    parts = [(name.strip(), w) for name, _, w in (part.rpartition(":") for part in spec.split(","))]
+    twice = sorted({name for name, _ in parts if [n for n, _ in parts].count(name) > 1})
+    if twice:
+        raise ValueError(f"--reward_weights {spec!r} names {', '.join(twice)} twice: give each reward one weight")
+    weights = dict(parts)
+    for name, w in weights.items():
+        try:
+            weights[name] = float(w)
+        except ValueError:
+            weights[name] = math.nan
+        if name not in ("rule", "model", *names) or not math.isfinite(weights[name]):
+            known = ", ".join(f"{n}:1.0" for n in ("rule", "model", *names))
+            raise ValueError(f"--reward_weights {spec!r}: expected parts like {known} (finite weights), one per reward")
+    missing = [n for n in names if n not in weights]
+    if missing:
+        raise ValueError(f"--reward_weights {spec!r} gives no weight to --reward_fn's {', '.join(missing)}: name each "
+                         f"(0 to log it without training on it)")
+    if "model" in weights and not has_model:
+        raise ValueError(f"--reward_weights {spec!r} uses `model` but no --reward_model is given")
+    if not has_teacher and not any(weights.values()):
+        raise ValueError(f"--reward_weights {spec!r} gives every reward weight 0 and there is no --teacher: nothing "
+                         f"would be trained (every advantage is 0)")
+    return weights
+
+
+class RewardCaller:
+    """Calls a run's reward functions on a batch of rows, all at once: each plain function in a
+    thread of its own, the `async def` ones on one event loop (kept for the run, in a thread, as
+    TRL keeps one) awaited together, so that slow ones (a judge behind an API) overlap. A function
+    that raises is run again row by row to find the row to name."""
+
+    def __init__(self, fns):
+        self.fns = [f for f in fns if not f.builtin]
+        self.pool = concurrent.futures.ThreadPoolExecutor(max(1, len(self.fns)))
+        self.loop = None
+        if any(inspect.iscoroutinefunction(f.fn) for f in self.fns):
+            self.loop = asyncio.new_event_loop()
+            threading.Thread(target=self.loop.run_forever, daemon=True).start()
+
+    def _submit(self, f, kw):
+        if inspect.iscoroutinefunction(f.fn):
+            return asyncio.run_coroutine_threadsafe(f.fn(**kw), self.loop)
+        return self.pool.submit(f.fn, **kw)
+
+    def __call__(self, prompts, completions, completion_ids, columns, rows, source):
+        """{name: [float, NaN for None]} of each function on these rows. rows: each row's number
+        in the data set (1-based), for the errors; columns: every other column, as lists."""
+        kw = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        futures = [self._submit(f, kw) for f in self.fns]
+        out = {}
+        for f, future in zip(self.fns, futures):
+            try:
+                values = future.result()
+            except Exception as e:
+                raise ValueError(self._culprit(f, kw, rows, source) + f"{type(e).__name__}: {e}") from e
+            out[f.name] = check_rewards(values, f.name, rows, source)
+        return out
+
+    def _culprit(self, f, kw, rows, source):
+        """`--reward_fn NAME raised on SOURCE row K: `, K the first row that raises alone (none: every row)."""
+        for i, row in enumerate(rows):
+            try:
+                self._submit(f, {k: v[i:i + 1] for k, v in kw.items()}).result()
+            except Exception:
+                return f"--reward_fn {f.name} raised on {source} row {row}: "
+        return f"--reward_fn {f.name} raised on {source} rows {rows[0]}..{rows[-1]} together: "
+
+
+def check_rewards(values, name, rows, source):
+    """A function's return value as floats, None (not applicable) as NaN, as TRL reads it: a list
+    of one real number or None per completion; anything else is an error naming the row."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__") or len(values) != len(rows):
+        raise ValueError(f"--reward_fn {name} returned {type(values).__name__} "
+                         f"{'of length ' + str(len(values)) if hasattr(values, '__len__') else ''} for {len(rows)} "
+                         f"completions: return a list of one float (or None) per completion")
+    out = []
+    for v, row in zip(values, rows):
+        if v is not None and not (isinstance(v, numbers.Real) and not math.isinf(v)):
+            raise ValueError(f"--reward_fn {name} returned {v!r} for {source} row {row}: a reward is a finite "
+                             f"number, or None where it does not apply")
+        out.append(math.nan if v is None else float(v))
+    return out
+
+
+def combine(parts, weights):
+    """The weighted sum of the rewards, NaN (a function's None) left out as TRL's nansum does; a
+    completion no weighted reward scores is NaN (TRL: left out of its group's statistics, advantage 0)."""
+    terms = torch.stack([w * parts[k] for k, w in weights.items()])  # (F, N)
+    return terms.nansum(0).masked_fill(terms.isnan().all(0), math.nan)
+
+
+def reward_metrics(parts, names, n_rows, d):
+    """reward/<k> (the mean of each term that is never None: rule, model, penalties), and TRL's
+    rewards/<name>/mean and /std of each reward function over the global batch, its None left out
+    (NaN when it scored none). Values whose sum over ranks is the metric. Collective."""
+    out = {f"reward/{k}": v.sum() / n_rows for k, v in parts.items() if k not in names or k in ("rule", "model")}
+    if names:
+        x = torch.stack([parts[k] for k in names]).double()  # (F, N)
+        ok = ~x.isnan()
+        s = common.all_reduce_sum(torch.stack([x.nansum(1), (x * x).nansum(1), ok.sum(1).double()]), d)  # (3, F)
+        mean = s[0] / s[2]
+        std = ((s[1] - s[2] * mean * mean) / (s[2] - 1).clamp(min=1)).clamp(min=0).sqrt()
+        for i, k in enumerate(names):  # every rank holds the global value: each adds its share
+            out |= {f"rewards/{k}/mean": mean[i] / d.world_size, f"rewards/{k}/std": std[i] / d.world_size}
+    return out
+
+
+def load_prompts(cfg, rules, fns=(), split="train"):
+    """grpo.py's training prompts (--dataset, --n_train of an embedded task), or with split "test"
+    its held-out ones (--eval_dataset, else a local file's prompts hashing into the held-out share,
+    else None), and each row's number in the data set (1-based). Where rules are scored, every row gets its rule (`reward_fn`:
+    the row's own, else --reward_fn), and every row is checked against each rule of --reward_fn
+    (fns): a bad row found at step 2 would have cost a run."""
+    source = (cfg.eval_dataset or cfg.dataset) if split == "test" else cfg.dataset
+    local = not cfg.eval_dataset and cfg.dataset not in tasks.TASKS and os.path.isfile(cfg.dataset)
+    if split == "test" and not (cfg.eval_dataset or local):
+        return None, None
+    one_rule = cfg.reward_fn in tasks.REWARD_FNS  # --reward_fn NAME: every row's rule, a row's own winning
+    columns = ["prompt"] + (["reward_fn"] if rules and not one_rule else [])
+    ds = data.load_data(source, cfg.eval_split if cfg.eval_dataset and split == "test" else split, columns,
+                        kind="prompt", n=cfg.n_train, seed=cfg.seed,
+                        optional=("reward_fn", "answer", "solution", cfg.answer_column) if rules or fns else ())
+    builtin = [f.name for f in fns if f.builtin]
+    row_rules = (list(ds["reward_fn"]) if "reward_fn" in ds.column_names else [cfg.reward_fn] * len(ds)) if rules else []
+    column = answer_column(ds, cfg, source, needed=any(r in tasks.NEEDS_ANSWER for r in [*builtin, *row_rules]))
+    if rules and "reward_fn" not in ds.column_names:  # --reward_fn for every row
+        ds = ds.add_column("reward_fn", row_rules)
+    answers = list(ds[column]) if column else None
     if rules:
-        answers = list(train["answer"]) if "answer" in train.column_names else None
-        tasks.check_rule_rows(train["reward_fn"], train["prompt"], cfg.dataset, answers)
-    return train
+        tasks.check_rule_rows(row_rules, ds["prompt"], source, answers)
+    for name in builtin:
+        tasks.check_rule_rows([name] * len(ds), ds["prompt"], source, answers, flag=f"--reward_fn {name}")
+    rows = list(range(len(ds)))  # each row's in the data set, for the errors that name one
+    if local:  # as sft.py and dpo.py split a file without --eval_dataset, where both shares hold rows
+        test = [data.held_out(p) for p in ds["prompt"]]
+        if 0 < sum(test) < len(ds):
+            rows = [i for i, t in enumerate(test) if t == (split == "test")]
+            if split == "train":
+                common.print0(f"{source}: no --eval_dataset, so the {sum(test)} of {len(test)} prompts hashing into "
+                              f"the held-out {data.HOLDOUT:.0%} are evaluated, not trained on")
+        elif split == "test":
+            return None, None
+    rows = rows[:cfg.n_eval] if split == "test" else rows
+    return ds.select(rows), [i + 1 for i in rows]
 
 
-def grpo_evals(cfg, tokenizer):
-    """What grpo.py evaluates on: an embedded task's held-out prompts (rendered, and as given), and
-    held-out preference pairs (--eval_pairs, or the task's own) encoded; None where there are none."""
+def grpo_evals(cfg, tokenizer, rules=False, fns=()):
+    """What grpo.py evaluates on: an embedded task's held-out prompts (rendered, and as given), the
+    held-out prompts of --eval_dataset or of a local file's hash split (`prompts`: their rendered
+    columns, as given, their rows), and held-out preference pairs (--eval_pairs, or the task's own)
+    encoded; None where there are none."""
     embedded = cfg.dataset in tasks.TASKS
-    held_out = pairs = gold_pairs = None
+    held_out = pairs = gold_pairs = prompts = None
     if embedded:
         rows = data.load_data(cfg.dataset, "test", ["prompt"], kind="prompt", n=cfg.n_eval, seed=cfg.seed)
         held_out = {**data.render_chat(rows, tokenizer, cfg.dataset)[0][:], "own_prompt": list(rows["prompt"])}
+    test, numbers = load_prompts(cfg, rules, fns, split="test")
+    if test is not None:
+        source = cfg.eval_dataset or cfg.dataset
+        prompts = {"rows": data.render_chat(test, tokenizer, source)[0][:], "own": list(test["prompt"]),
+                   "numbers": numbers, "source": source}
     if cfg.eval_pairs or (embedded and "preference" in tasks.TASKS[cfg.dataset]):
         rows = data.load_pairs(cfg.eval_pairs or cfg.dataset, cfg.eval_pairs_split if cfg.eval_pairs else "test",
                                cfg.n_eval_pairs, cfg.seed)
@@ -45,7 +268,7 @@ def grpo_evals(cfg, tokenizer):
                                       cfg.eval_pairs or cfg.dataset)
         pairs = data.encode_pairs(rows, tokenizer, cfg.max_prompt_len, cfg.max_new_tokens, "eval pairs", eos=not chat)
         gold_pairs = None if cfg.eval_pairs else rows  # the embedded task's label noise is known
-    return {"held_out": held_out, "pairs": pairs, "gold_pairs": gold_pairs}
+    return {"held_out": held_out, "pairs": pairs, "gold_pairs": gold_pairs, "prompts": prompts}
 
 
 @dataclasses.dataclass
@@ -60,6 +283,10 @@ class Env:
     stop_ids: list
     truncate_id: int | None
     weights: dict
+    rows: list = None  # each prompt's row in the data set (1-based), for the errors that name one
+    fns: list = dataclasses.field(default_factory=list)  # --reward_fn's functions (RewardFn)
+    caller: object = None  # RewardCaller of the user's functions
+    answer_column: str | None = None  # the rules' reference: `answer`, `solution` or --answer_column
     rm: object = None
     rm_tokenizer: object = None
     teacher: object = None  # on-policy distillation's, frozen
@@ -67,7 +294,7 @@ class Env:
     prompt_cut: object = None  # (n,) bool: the prompt is longer than --max_prompt_len, cut from the left
 
 
-def make_env(cfg, d, prompts, order, tokenizer, model, weights):
+def make_env(cfg, d, prompts, order, tokenizer, model, weights, rows=None, fns=()):
     """The Env of a run: the tool first (a bad --tools is named at once; the closing tag must be one
     token, for the sampler to stop at), the reward model and the teacher, loaded frozen with their
     context checked against prompt + completion, the stop ids, and the prompts rendered with the
@@ -99,7 +326,9 @@ def make_env(cfg, d, prompts, order, tokenizer, model, weights):
     data.show_example(tokenizer, p_ids[0], None, cfg.dataset)
     return Env(prompts=rendered, own_prompts=list(prompts["prompt"]), order=order, tokenizer=tokenizer,
                stop_ids=stop_ids, truncate_id=stop_ids[-1] if cfg.truncate_token else None, weights=weights, rm=rm,
-               rm_tokenizer=rm_tokenizer, teacher=teacher, tool=tool, prompt_cut=torch.tensor(cut))
+               rm_tokenizer=rm_tokenizer, teacher=teacher, tool=tool, prompt_cut=torch.tensor(cut),
+               rows=rows or list(range(1, len(prompts) + 1)), fns=list(fns), caller=RewardCaller(fns),
+               answer_column=answer_column(prompts, cfg, cfg.dataset, needed=False))
 
 
 @torch.no_grad()
@@ -175,6 +404,26 @@ class Rollout:
                                              if x.dtype == torch.bool else common.all_gather(x, d))
 
 
+def sample(model, env, prompts, u, temperature, cfg, d):
+    """Completions of rendered prompts, drawn with the uniforms u (N, max_new_tokens) at the
+    temperature (0: greedy), with --tools' calls where there is a tool: the prompt block
+    left-padded, the response right-padded and cut after a truncate token, the sampler's
+    log-probs, 1 on the tools' tokens. Inside common.evaluating."""
+    p_ids, _ = sampling.encode_prompts(env.tokenizer, prompts, cfg.max_prompt_len)
+    p_ids, p_mask = (t.to(d.device) for t in common.pad(p_ids, env.tokenizer.pad_token_id, side="left"))  # (N, P)
+    kw = dict(eos_id=env.stop_ids[0], pad_id=env.tokenizer.pad_token_id, temperature=temperature, top_k=cfg.top_k,
+              top_p=cfg.top_p, stop_ids=env.stop_ids[1:], uniforms=u, compile=cfg.compile)
+    with common.autocast(d):
+        if env.tool is None:
+            r_ids, r_mask, r_logps = sampling.generate(model, p_ids, p_mask, cfg.max_new_tokens, return_logprobs=True, **kw)
+            r_tool = torch.zeros_like(r_mask)  # (N, R) each
+        else:  # the policy's calls run between its turns; r_tool: 1 on the tools' tokens (sampling.generate_with_tools)
+            r_ids, r_mask, r_logps, r_tool = sampling.generate_with_tools(
+                model, p_ids, p_mask, cfg.max_new_tokens, tokenizer=env.tokenizer, tool=env.tool,
+                max_calls=cfg.max_tool_calls, **kw)
+    return p_ids, p_mask, r_ids, truncate_mask(r_ids, r_mask, env.truncate_id), r_logps, r_tool
+
+
 def rollout(model, env, cfg, d, step, round_=0):
     """Phase 1: this rank's share of prompts_per_step new prompts, rs_samples or group_size
     completions each, groups contiguous, drawn with the random numbers of the global rollout
@@ -185,19 +434,8 @@ def rollout(model, env, cfg, d, step, round_=0):
     u = sampling.rollout_uniforms(cfg.prompts_per_step * n_sample, cfg.max_new_tokens,
                          sampling.stream_seed(cfg.seed, step, stream=0, round_=round_))
     u = u[common.shard_batch(cfg.prompts_per_step * n_sample, d)]  # (N, max_new_tokens) this rank's rows
-    p_ids, _ = sampling.encode_prompts(env.tokenizer, prompts, cfg.max_prompt_len)
-    p_ids, p_mask = (t.to(d.device) for t in common.pad(p_ids, env.tokenizer.pad_token_id, side="left"))  # (N, P)
-    kw = dict(eos_id=env.stop_ids[0], pad_id=env.tokenizer.pad_token_id, temperature=cfg.temperature, top_k=cfg.top_k,
-              top_p=cfg.top_p, stop_ids=env.stop_ids[1:], uniforms=u, compile=cfg.compile)
-    with common.evaluating(model, gather=True), common.autocast(d):
-        if env.tool is None:
-            r_ids, r_mask, r_logps = sampling.generate(model, p_ids, p_mask, cfg.max_new_tokens, return_logprobs=True, **kw)
-            r_tool = torch.zeros_like(r_mask)  # (N, R) each
-        else:  # the policy's calls run between its turns; r_tool: 1 on the tools' tokens (sampling.generate_with_tools)
-            r_ids, r_mask, r_logps, r_tool = sampling.generate_with_tools(
-                model, p_ids, p_mask, cfg.max_new_tokens, tokenizer=env.tokenizer, tool=env.tool,
-                max_calls=cfg.max_tool_calls, **kw)
-    r_mask = truncate_mask(r_ids, r_mask, env.truncate_id)
+    with common.evaluating(model, gather=True):
+        p_ids, p_mask, r_ids, r_mask, r_logps, r_tool = sample(model, env, prompts, u, cfg.temperature, cfg=cfg, d=d)
     stopped = (torch.isin(r_ids, r_ids.new_tensor(env.stop_ids)) & r_mask.bool()).any(-1)  # (N,)
     prompt_idx = torch.tensor(rows, device=d.device).repeat_interleave(n_sample)  # (N,)
     prompt_cut = env.prompt_cut[rows].to(d.device).repeat_interleave(n_sample)  # (N,)
@@ -207,17 +445,68 @@ def rollout(model, env, cfg, d, step, round_=0):
 
 
 def score(roll, env, cfg, d):
-    """What scores each completion of a rollout, {name: (N,)}: `rule`, its row's rule (tasks.py)
-    on the text after the prompt (stop tokens left out), given the row's prompt as written (text
-    or messages, as TRL passes it) and its `answer`; `model`, the reward model. Where there are."""
+    """What scores each completion of a rollout, {name: (N,)}, on the text after the prompt (stop
+    tokens left out): score_texts of this rank's rows."""
     is_stop = torch.isin(roll.r_ids, roll.r_ids.new_tensor(env.stop_ids))
     texts = sampling.decode_responses(env.tokenizer, roll.r_ids, roll.r_mask * (~is_stop).long(), roll.p_ids)
-    idx, parts = roll.prompt_idx.tolist(), {}
-    rows = env.prompts.select(idx)[:]  # columns as lists: a Dataset indexed row by row is ~100x slower
+    idx = roll.prompt_idx.tolist()
+    ids = None
+    if env.caller.fns:  # TRL's completion_ids: the sampled tokens, the stop token included
+        ids = [row[:n] for row, n in zip(roll.r_ids.tolist(), roll.r_mask.sum(-1).tolist())]
+    return score_texts(env, env.prompts.select(idx)[:], [env.own_prompts[i] for i in idx], texts, ids=ids,
+                       numbers=[env.rows[i] for i in idx], source=cfg.dataset, cfg=cfg, d=d)
+
+
+def score_texts(env, rows, own_prompts, texts, ids, numbers, source, cfg, d):
+    """{name: (N,)}: `rule`, each row's rule (tasks.py) given its prompt as written (text or
+    messages, as TRL passes it) and its answer; each --reward_fn function, a rule on every row or
+    the user's own called as TRL calls it (prompts and completions as the row is written, every
+    other column as a keyword list; NaN where it returns None); `model`, the reward model. rows:
+    the rendered rows' columns as lists; numbers: their rows in `source` (1-based)."""
+    parts, device = {}, d.device
+    answers = rows.get(env.answer_column, [None] * len(texts))
     if "reward_fn" in rows:  # Python floats of Python functions, computed on the host
-        answers = rows.get("answer", [None] * len(idx))
-        parts["rule"] = torch.tensor([tasks.REWARD_FNS[f](env.own_prompts[i], c, a)
-                                      for f, i, c, a in zip(rows["reward_fn"], idx, texts, answers)], device=d.device)
+        parts["rule"] = torch.tensor([tasks.REWARD_FNS[f](p, c, a)
+                                      for f, p, c, a in zip(rows["reward_fn"], own_prompts, texts, answers)], device=device)
+    for f in env.fns:
+        if f.builtin:
+            parts[f.name] = torch.tensor([f.fn(p, c, a) for p, c, a in zip(own_prompts, texts, answers)], device=device)
+    if env.caller.fns:
+        chat = data.is_conversation(own_prompts[0])  # completions as TRL passes them: messages after messages
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
+        columns = {k: v for k, v in rows.items() if k not in ("prompt", "completion")}
+        values = env.caller(own_prompts, completions, ids, columns, rows=numbers, source=source)
+        parts |= {k: torch.tensor(v, device=device) for k, v in values.items()}
     if env.rm is not None:
         parts["model"] = learned_rewards(env, rows["prompt"], texts, cfg, d)
     return parts
+
+
+def evaluate_rewards(model, env, held, cfg, d):
+    """Held-out prompts (grpo_evals' `prompts`) answered greedily and sampled as the rollouts sample
+    (--temperature, --top_k, --top_p, with draws seeded by --seed alone: the same at every
+    evaluation, on any number of ranks), each completion scored as in the rollouts (score_texts).
+    The weighted reward and each reward's mean, None left out, under TRL's names with this
+    project's eval/ prefix: eval/reward and eval/rewards/<name>/mean sampled (TRL evaluates with
+    its sampling settings), eval/greedy/reward and eval/greedy/rewards/<name>/mean. Collective."""
+    rows, own, n = held["rows"], held["own"], len(held["own"])
+    names = (["rule"] if "reward_fn" in rows else []) + [f.name for f in env.fns] + (["model"] if env.rm else [])
+    u = sampling.rollout_uniforms(n, cfg.max_new_tokens, sampling.stream_seed(cfg.seed, 0, stream=3))
+    metrics = {}
+    for mode, temperature in (("greedy/", 0.0), ("", cfg.temperature)):
+        def run(idx):
+            p_ids, _, r_ids, r_mask, _, _ = sample(model, env, [rows["prompt"][i] for i in idx], u[idx], temperature,
+                                                   cfg=cfg, d=d)
+            is_stop = torch.isin(r_ids, r_ids.new_tensor(env.stop_ids))
+            texts = sampling.decode_responses(env.tokenizer, r_ids, r_mask * (~is_stop).long(), p_ids)
+            ids = [row[:k] for row, k in zip(r_ids.tolist(), r_mask.sum(-1).tolist())]
+            parts = score_texts(env, {c: [v[i] for i in idx] for c, v in rows.items()}, [own[i] for i in idx], texts,
+                                ids=ids, numbers=[held["numbers"][i] for i in idx], source=held["source"], cfg=cfg, d=d)
+            return torch.stack([parts[k].to(d.device, torch.float64) for k in names], 1)  # (len(idx), F)
+
+        with common.evaluating(model, gather=True):
+            r = common.map_rows(run, n, d, cfg.eval_batch_size)  # (n, F), NaN where a function returned None
+        parts = {k: r[:, i] for i, k in enumerate(names)}
+        metrics[f"eval/{mode}reward"] = combine(parts, env.weights).nanmean().item()
+        metrics |= {f"eval/{mode}rewards/{k}/mean": v.nanmean().item() for k, v in parts.items()}
+    return metrics

@@ -72,7 +72,7 @@ class Config(cli.SharedConfig):
     """the policy to start from: a checkpoint folder (runs/sft), a hub id, `tiny`, `smollm2` or path/to/model.gguf"""
     dataset: str = "sort"
     """embedded task (sort; arith, a chat task for instruct models), a hub id, or a local .jsonl/.json/.parquet with
-    a prompt (and reward_fn) column"""
+    a prompt (and reward_fn) column; every other column reaches your reward functions"""
     n_train: int = 20000
     """prompts drawn from an embedded task [>= 1]"""
     # --- sampling ---
@@ -100,11 +100,18 @@ class Config(cli.SharedConfig):
     reward_model: str = ""
     """a reward model checkpoint (reward.py's out_dir), scored on prompt + decoded completion"""
     reward_fn: str = ""
-    """a rule of tasks.REWARD_FNS for every row of a data set without a `reward_fn` column (`math`: the final number
-    against the row's `answer`, GSM8K's `#### 72` or a bare number; `think_format`: R1's
-    <think>...</think><answer>...</answer>); a row's own `reward_fn` wins"""
+    """a rule of tasks.REWARD_FNS for every row without a `reward_fn` of its own (`math`: the final number against
+    the row's answer, GSM8K's `#### 72` or a bare number; `think_format`: R1's <think>...</think><answer>...
+    </answer>); or TRL's reward_funcs, comma-separated: rules and your `module:function`s (a module, or
+    path/to/file.py:fn), each called fn(prompts=, completions=, completion_ids=, **columns) -> a float or None
+    per completion"""
     reward_weights: str = ""
-    """weighted sum of rewards, e.g. `rule:1.0,model:0.5` (empty: `model:1` with --reward_model, else `rule:1`)"""
+    """weighted sum of rewards by name, e.g. `rule:1.0,model:0.5` or `math:1,fn:0.5` (rule: each row's rule; model:
+    --reward_model; a function: its name) (empty: each --reward_fn function and --reward_model at 1, else the one
+    reward there is)"""
+    answer_column: str = ""
+    """the column holding each row's reference for the rules that need one (math) (empty: `answer`, else TRL's
+    `solution`)"""
     teacher: str = ""
     """on-policy distillation: a model with the policy's tokenizer whose log-probs of the policy's own tokens give each
     token an advantage, teacher_coef x (log p_teacher - log pi), beside the reward's (`--reward_weights rule:0`: alone)"""
@@ -213,10 +220,16 @@ class Config(cli.SharedConfig):
     """keep the reference and reward model's parameters in CPU memory between uses (FSDP2 on GPUs, under
     torchrun)"""
     # --- evaluation ---
+    eval_dataset: str | None = None
+    """held-out prompts (a file, or a hub id's --eval_split), answered greedily and sampled and scored by every
+    reward (eval/reward, eval/rewards/<name>/mean; eval/greedy/...); None: a local --dataset's prompts hashing into
+    a held-out 5%"""
+    eval_split: str = "test"
+    """split of a hub --eval_dataset"""
     eval_every: int = 10
     """evaluate every this many steps (and at step 0 and the end) [>= 1]"""
     n_eval: int = 500
-    """held-out prompts for greedy exact-match and gold reward (embedded task) [>= 1]"""
+    """held-out prompts evaluated at most (the embedded task's: greedy exact-match and gold reward) [>= 1]"""
     n_eval_pairs: int = 500
     """held-out preference pairs for the pairwise accuracy of beta*log(pi/pi_ref) [>= 1]"""
     eval_batch_size: int = 128
@@ -275,32 +288,6 @@ def check_config(cfg, d):
     for ok, msg in checks:
         if not ok:
             raise ValueError(msg)
-
-
-def parse_weights(spec, has_model, has_teacher=False):
-    """`rule:1.0,model:0.5` -> {"rule": 1.0, "model": 0.5}; empty picks the one reward there is. Each
-    reward is named once, and some weight is not 0 unless a --teacher (has_teacher) gives the
-    advantages: with all weights 0 they are all 0, and nothing is trained."""
-    if not spec:
-        return {"model": 1.0} if has_model else {"rule": 1.0}
-    parts = [(name.strip(), w) for name, _, w in (part.partition(":") for part in spec.split(","))]
-    twice = sorted({name for name, _ in parts if [n for n, _ in parts].count(name) > 1})
-    if twice:
-        raise ValueError(f"--reward_weights {spec!r} names {', '.join(twice)} twice: give each reward one weight")
-    weights = dict(parts)
-    for name, w in weights.items():
-        try:
-            weights[name] = float(w)
-        except ValueError:
-            weights[name] = math.nan
-        if name not in ("rule", "model") or not math.isfinite(weights[name]):
-            raise ValueError(f"--reward_weights {spec!r}: expected parts like rule:1.0 or model:0.5 (finite weights)")
-    if "model" in weights and not has_model:
-        raise ValueError(f"--reward_weights {spec!r} uses `model` but no --reward_model is given")
-    if not has_teacher and not any(weights.values()):
-        raise ValueError(f"--reward_weights {spec!r} gives every reward weight 0 and there is no --teacher: nothing "
-                         f"would be trained (every advantage is 0)")
-    return weights
 
 
 def banner(cfg, d, params, micro, env):
@@ -370,31 +357,38 @@ def group_advantages(rewards, scale="group", global_norm=False, d=common.Dist(),
     rloo: A_i = r_i - mean_{j != i} r_j = G / (G - 1) (r_i - mean_group(r)) (arXiv:2402.14740).
     reinforce_pp: r - mean_group(r), whitened over every response token of the batch (each
     response counted `lengths` (B, G) times: (A - mean) / sqrt(var + 1e-8), as verl and OpenRLHF
-    compute REINFORCE++-baseline, arXiv:2501.03262 Sec. 3)."""
+    compute REINFORCE++-baseline, arXiv:2501.03262 Sec. 3).
+    A NaN reward (no reward function scored the completion) is left out of every mean and std, and
+    its advantage is 0 (TRL's unscorable completions); a group without one takes the plain path."""
     G = rewards.shape[1]
-    mean = rewards.mean(1, keepdim=True)
-    std = rewards.std(1, keepdim=True) if G > 1 else torch.zeros_like(mean)
+    scored = ~rewards.isnan()  # (B, G)
+    full, n, r0 = scored.all(1, keepdim=True), scored.sum(1, keepdim=True), rewards.nan_to_num(0.0)
+    nan_mean = r0.sum(1, keepdim=True) / n.clamp(min=1)
+    nan_std = ((((r0 - nan_mean) * scored) ** 2).sum(1, keepdim=True) / (n - 1).clamp(min=1)).sqrt()
+    mean = torch.where(full, rewards.mean(1, keepdim=True), nan_mean)
+    std = torch.where(full, rewards.std(1, keepdim=True), nan_std) if G > 1 else torch.zeros_like(mean)
     adv = rewards - mean
     if estimator == "rloo":
-        adv = adv * G / (G - 1)
+        adv = adv * n / (n - 1).clamp(min=1)
     elif estimator == "reinforce_pp":
-        t_mean, t_std = _global_mean_std(adv, d, weights=lengths)
+        t_mean, t_std = _global_mean_std(adv.nan_to_num(0.0), d, weights=(torch.ones_like(r0) if lengths is None else lengths) * scored)
         adv = (adv - t_mean) * torch.rsqrt(t_std * t_std + 1e-8)
     elif estimator != "grpo":
         raise ValueError(f"unknown adv_estimator {estimator!r}, expected one of {ADV_ESTIMATORS}")
     if scale == "group":
         adv = adv / (std + eps)
     elif scale == "batch":
-        adv = adv / (_global_mean_std(rewards, d)[1] + eps)
+        adv = adv / (_global_mean_std(r0, d, weights=scored)[1] + eps)
     elif scale != "none":
         raise ValueError(f"unknown scale_rewards {scale!r}")
     if global_norm:
-        g_mean, g_std = _global_mean_std(adv, d)
+        g_mean, g_std = _global_mean_std(adv.nan_to_num(0.0), d, weights=scored)
         adv = (adv - g_mean) / (g_std + eps)
     n_groups = rewards.shape[0] * d.world_size
-    metrics = {"reward": rewards.mean(1).sum() / n_groups, "reward_std": std.sum() / n_groups,
-               "frac_reward_zero_std": (rewards.amax(1) == rewards.amin(1)).float().sum() / n_groups}
-    return adv, metrics
+    zero_std = torch.where(full[:, 0], rewards.amax(1) == rewards.amin(1), nan_std[:, 0] == 0)
+    metrics = {"reward": mean.sum() / n_groups, "reward_std": std.sum() / n_groups,
+               "frac_reward_zero_std": zero_std.float().sum() / n_groups}
+    return torch.where(scored, adv, 0.0), metrics
 
 
 def kl_per_token(logps, ref_logps, old_logps, estimator):
@@ -634,8 +628,8 @@ def reward(roll, env, cfg, d, step, round_=0):
     """Phase 2: each completion's reward, the weighted sum of what scores it (environment.score: its
     row's rule, logged even when not optimised, and a reward model) minus --no_eos_penalty, plus
     DAPO's overlong term; then with --rs_samples group_size of each prompt's samples kept."""
-    parts = environment.score(roll, env, cfg, d)
-    rewards = sum(w * parts[k] for k, w in env.weights.items()) - cfg.no_eos_penalty * (~roll.stopped).float()
+    parts = environment.score(roll, env, cfg, d)  # NaN where a function returned None: left out (TRL's nansum)
+    rewards = environment.combine(parts, env.weights) - cfg.no_eos_penalty * (~roll.stopped).float()
     if cfg.overlong_buffer_len:  # a reward term, logged as reward/overlong
         parts["overlong"] = overlong_penalty(roll.r_mask.sum(-1).float(), cfg.max_new_tokens, cfg.overlong_buffer_len,
                                              cfg.overlong_penalty_factor)
@@ -645,7 +639,8 @@ def reward(roll, env, cfg, d, step, round_=0):
         n_local = cfg.prompts_per_step // d.world_size
         gens = [torch.Generator().manual_seed(sampling.stream_seed(cfg.seed, step, stream=1, index=i, round_=round_))
                 for i in range(d.rank * n_local, (d.rank + 1) * n_local)]
-        keep = rejection_sample(rewards.view(n_local, cfg.rs_samples), cfg.group_size, cfg.rs_gamma, mode=cfg.rs_mode,
+        ranked = rewards.nan_to_num(torch.finfo(rewards.dtype).min)  # a completion no reward scores: the lowest
+        keep = rejection_sample(ranked.view(n_local, cfg.rs_samples), cfg.group_size, cfg.rs_gamma, mode=cfg.rs_mode,
                                 generator=gens)  # (n_local, G)
         roll = roll.select((keep + torch.arange(n_local)[:, None] * cfg.rs_samples).flatten())
     return roll
@@ -657,7 +652,7 @@ def dynamic_sample(rounds, cfg, d, pad_id):
     gradient): this rank's share of them, and how many groups are still missing."""
     roll = environment.Rollout.cat(rounds, pad_id)
     g = roll.rewards.view(-1, cfg.group_size)
-    ok = (g.amax(1) > g.amin(1)).repeat_interleave(cfg.group_size)  # (rows,), one host sync below
+    ok = (g.nan_to_num(-math.inf).amax(1) > g.nan_to_num(math.inf).amin(1)).repeat_interleave(cfg.group_size)  # (rows,)
     roll = roll.select(torch.cat([ok.nonzero().flatten(), (~ok).nonzero().flatten()]))
     missing = max(cfg.prompts_per_step - int(ok.sum()) // cfg.group_size, 0)
     rows_local = cfg.prompts_per_step // d.world_size * cfg.group_size
@@ -689,6 +684,8 @@ def evaluate(model, ref, env, evals, cfg, d):
                                                  max_new_tokens=cfg.max_new_tokens, answers=h.get("answer"),
                                                  own_prompts=h["own_prompt"], tool=env.tool,
                                                  max_tool_calls=cfg.max_tool_calls)
+    if evals["prompts"] is not None:  # --eval_dataset, or a local file's held-out share
+        metrics |= environment.evaluate_rewards(model, env, evals["prompts"], cfg, d)
     if evals["pairs"] is not None:
         metrics["eval/accuracy"] = pairwise_accuracy(model, ref, evals["pairs"], env.tokenizer.pad_token_id, d,
                                                      batch_size=cfg.eval_batch_size)
@@ -701,8 +698,10 @@ def main(cfg):
     # 0. setup: policy, reference, optional reward model, data
     d = cli.start(cfg)  # flags checked and filled, process group joined, seed set
     check_config(cfg, d)  # flags that do not go together, with what to change
-    weights = parse_weights(cfg.reward_weights, bool(cfg.reward_model), has_teacher=bool(cfg.teacher))
-    train = environment.load_prompts(cfg, rules="rule" in weights or cfg.dataset in tasks.TASKS)
+    fns = environment.load_reward_fns(cfg.reward_fn)  # --reward_fn's functions, imported once (a bad one named here)
+    weights = environment.parse_weights(cfg.reward_weights, bool(cfg.reward_model), bool(cfg.teacher), [f.name for f in fns])
+    rules = "rule" in weights or cfg.dataset in tasks.TASKS
+    train, rows = environment.load_prompts(cfg, rules, fns)
     order = data.DataOrder(len(train), cfg.seed, cfg.prompts_per_step, f"--dataset {cfg.dataset}", "--prompts_per_step")
     job = rundir.Run(cfg, d, model_flags=["model", "reward_model", "teacher"])  # out_dir checked, locked; nothing written
     tokenizer, model = models.load_policy(cfg.model, cfg, d, response_len=cfg.max_new_tokens,
@@ -713,8 +712,9 @@ def main(cfg):
     else:  # the starting policy (with --ref_refresh_every, a resumed run's last refresh: below)
         ref = common.freeze(copy.deepcopy(model), d, cpu_offload=cfg.offload_frozen)
     model = common.shard_model(model, d, activation_checkpointing=cfg.activation_checkpointing)
-    env = environment.make_env(cfg, d, prompts=train, order=order, tokenizer=tokenizer, model=model, weights=weights)
-    evals = environment.grpo_evals(cfg, tokenizer)  # the embedded task's held-out prompts, and held-out pairs
+    env = environment.make_env(cfg, d, prompts=train, order=order, tokenizer=tokenizer, model=model, weights=weights,
+                               rows=rows, fns=fns)
+    evals = environment.grpo_evals(cfg, tokenizer, rules, fns)  # held-out prompts (a task's, --eval_dataset's), pairs
     params = [p for p in model.parameters() if p.requires_grad]
     n_updates = cfg.num_iterations * cfg.num_mini_batches  # optimizer steps per rollout
     optimizer, scheduler = common.make_optimizer(params, cfg.lr, cfg.weight_decay, cfg.warmup_steps,
@@ -786,7 +786,8 @@ def main(cfg):
             adv = adv[:, None] + distill_advantages(teacher_logps, old_logps, loss_mask, cfg.teacher_coef)
             sums["distill/reverse_kl"] = ((old_logps - teacher_logps) * loss_mask).sum() / (rows_local * d.world_size)
         n_rows, lengths = rows_local * d.world_size, roll.r_mask.sum(-1).float()  # sequences in the global batch
-        sums |= adv_metrics | {f"reward/{k}": v.sum() / n_rows for k, v in parts.items()}
+        sums |= adv_metrics | environment.reward_metrics(parts, [k for k in roll.parts if k in (*weights, "rule", "model")],
+                                                         n_rows, d)  # reward/<term>, TRL's rewards/<name>/mean
         sums |= {"completions/mean_length": lengths.sum() / n_rows,
                  "completions/clipped_ratio": (~roll.stopped).float().sum() / n_rows,
                  "prompts/truncated_ratio": roll.prompt_cut.float().sum() / n_rows}  # cut to --max_prompt_len

@@ -140,29 +140,31 @@ def number_format_reward(prompt, completion, answer=None):
     return float(_ENDS_WITH_NUMBER.fullmatch(completion.replace("$", "")) is not None)
 
 # Rule rewards: fn(prompt, completion, answer=None) -> float, `answer` being the row's reference
-# (its `answer` column) for the rules that need one.
+# (its `answer` column, else `solution`, or --answer_column's) for the rules that need one.
 REWARD_FNS = {"sort": sort_reward, "sort_format": format_reward, "digits": digits_reward, "math": math_reward,
               "number_format": number_format_reward, "think_format": think_format_reward}
 NEEDS_SORT_PROMPT = ("sort", "sort_format")
 NEEDS_ANSWER = ("math",)
 
-def check_rule_rows(reward_fns, prompts, source, answers=None):
+def check_rule_rows(reward_fns, prompts, source, answers=None, flag=None):
     """Every row's rule exists and can score its row, checked when the data is loaded: a bad row
     found at step 2 would have cost a run. The sort rules parse the prompt (of a conversation, its
-    last user message); `math` needs an `answer` that is or holds a number."""
+    last user message); `math` needs an answer (the answer column) that is or holds a number. flag:
+    the --reward_fn that gave every row its rule, named instead of the row's `reward_fn`."""
     for i, (fn, prompt) in enumerate(zip(reward_fns, prompts)):
+        who = flag or f"reward_fn {fn!r}"
         if fn not in REWARD_FNS:
             raise ValueError(f"{source} row {i + 1}: reward_fn {fn!r} is not one of {sorted(REWARD_FNS)}")
         if fn in NEEDS_SORT_PROMPT:
             try:
                 parse_prompt(prompt_text(prompt))
             except ValueError as e:
-                raise ValueError(f"{source} row {i + 1}: reward_fn {fn!r} cannot score this prompt ({e})") from None
+                raise ValueError(f"{source} row {i + 1}: {who} cannot score this prompt ({e})") from None
         if fn in NEEDS_ANSWER:
             answer = answers[i] if answers is not None else None
             if reference_number(answer) is None:
                 what = "has no `answer` column" if answers is None else f"has no number in its answer {answer!r}"
-                raise ValueError(f"{source} row {i + 1}: reward_fn {fn!r} {what}")
+                raise ValueError(f"{source} row {i + 1}: {who} {what}")
 
 def sigmoid(x):
     return 1.0 / (1.0 + math.exp(-x))

@@ -96,7 +96,7 @@ def test_an_unused_column_of_mixed_types_is_left_out(tmp_path, capsys):
                                        f"field 'answer' is str, while earlier rows hold int\n")
     with pytest.raises(ValueError, match=rf"^{path} row 2: field 'answer' is str, while earlier rows hold int$"):
         environment.load_prompts(grpo.Config(dataset=path, reward_fn="math"), rules=True)
-    assert environment.load_prompts(grpo.Config(dataset=path), rules=False).column_names == ["prompt", "completion"]
+    assert environment.load_prompts(grpo.Config(dataset=path), rules=False)[0].column_names == ["prompt", "completion"]
     table = pyarrow.table({"prompt": ["p1", "p2"], "completion": ["c1", "c2"], "id": pyarrow.array([2**63 + 5, 1], pyarrow.uint64()),
                            "meta": pyarrow.array([[("k", 1)], [("j", 2)]], pyarrow.map_(pyarrow.string(), pyarrow.int64()))})
     pyarrow.parquet.write_table(table, tmp_path / "d.parquet")

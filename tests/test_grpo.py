@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import common
+import environment
 import grpo
 import tasks
 from grpo import (aggregate, group_advantages, grpo_loss, kl_per_token, loss_normaliser,
@@ -387,16 +388,16 @@ def test_batch_arithmetic_is_checked():
 
 
 def test_parse_weights():
-    assert grpo.parse_weights("", False) == {"rule": 1.0}
-    assert grpo.parse_weights("", True) == {"model": 1.0}
-    assert grpo.parse_weights("rule:1.0,model:0.5", True) == {"rule": 1.0, "model": 0.5}
+    assert environment.parse_weights("", False) == {"rule": 1.0}
+    assert environment.parse_weights("", True) == {"model": 1.0}
+    assert environment.parse_weights("rule:1.0,model:0.5", True) == {"rule": 1.0, "model": 0.5}
     with pytest.raises(ValueError):
-        grpo.parse_weights("rule:1,model:1", False)
+        environment.parse_weights("rule:1,model:1", False)
     with pytest.raises(ValueError):
-        grpo.parse_weights("gold:1", False)
+        environment.parse_weights("gold:1", False)
     for bad in ("rule:nan", "rule:inf", "rule:x", "rule:"):
         with pytest.raises(ValueError, match="finite weights"):
-            grpo.parse_weights(bad, False)
+            environment.parse_weights(bad, False)
 
 
 # -----------------------------------------------------------------------------
@@ -755,7 +756,8 @@ def test_prompt_truncation_is_counted_in_the_banner_and_each_step(tmp_path, caps
 def test_rollouts_stop_at_every_end_of_turn_id_and_rewards_see_the_text_after_the_prompt(tmp_path, monkeypatch):
     """grpo.py passes the generation config's end-of-turn ids to the sampler, counts a rollout
     that ends at one as stopped (no --no_eos_penalty), and decodes completions after their
-    prompts (sampling.decode_responses with prompt_ids)."""
+    prompts (sampling.decode_responses with prompt_ids), in the rollouts and in the evaluation of
+    the file's held-out prompts."""
     from transformers import AutoModelForCausalLM
 
     tok = tasks.char_tokenizer()
@@ -784,16 +786,18 @@ def test_rollouts_stop_at_every_end_of_turn_id_and_rewards_see_the_text_after_th
                           prompts_per_step=2, group_size=2, max_prompt_len=64, max_new_tokens=4, no_eos_penalty=1.0,
                           eval_every=100,
                           n_eval_pairs=4, warmup_steps=0))
-    assert calls["generate"][0] == (tok.eos_token_id, [end_of_turn]) and calls["decode"] == [True]
+    assert calls["generate"][0] == (tok.eos_token_id, [end_of_turn]) and calls["decode"] and all(calls["decode"])
     row = read_metrics(tmp_path / "g")[-1]
     assert row["completions/clipped_ratio"] == 0.0, row  # each ended at the end-of-turn id
 
 
-def test_math_rows_with_reward_fn_flag_are_scored_against_their_answers(tmp_path, monkeypatch):
-    """A local jsonl of questions with an `answer` column and no `reward_fn` column, run with
-    --reward_fn math: every completion is scored against its own row's answer. Completions are
-    fixed here (every other one right), so the logged rule reward must be exactly 0.5."""
-    rows = [{"prompt": f"What is {i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"} for i in range(8)]
+@pytest.mark.parametrize("column, flag", [("answer", ""), ("solution", ""), ("ref", "ref")])
+def test_math_rows_with_reward_fn_flag_are_scored_against_their_answers(tmp_path, monkeypatch, column, flag):
+    """A local jsonl of questions with an `answer` column (or TRL's `solution`, or one --answer_column
+    names) and no `reward_fn` column, run with --reward_fn math: every completion is scored against
+    its own row's answer. Completions are fixed here (every other one right), so the logged rule
+    reward must be exactly 0.5."""
+    rows = [{"prompt": f"What is {i} + 1?", column: f"{i} + 1 = {i + 1}\n#### {i + 1}"} for i in range(8)]
     path = write_jsonl(tmp_path / "math.jsonl", rows)
     by_prompt = {r["prompt"]: i + 1 for i, r in enumerate(rows)}
     seen = []
@@ -804,13 +808,13 @@ def test_math_rows_with_reward_fn_flag_are_scored_against_their_answers(tmp_path
         return [f"so it is {by_prompt[p] + (k % 2)}" for k, p in enumerate(prompts)]  # right, wrong, right, ...
 
     monkeypatch.setattr(grpo.sampling, "decode_responses", fixed_texts)
-    grpo.main(grpo.Config(model="tiny", dataset=path, reward_fn="math", out_dir=str(tmp_path / "g"), steps=2,
-                          prompts_per_step=2, group_size=2, max_new_tokens=4, eval_every=100, n_eval_pairs=4,
+    grpo.main(grpo.Config(model="tiny", dataset=path, reward_fn="math", answer_column=flag, out_dir=str(tmp_path / "g"),
+                          steps=2, prompts_per_step=2, group_size=2, max_new_tokens=4, eval_every=100, n_eval_pairs=4,
                           warmup_steps=0))
     assert len(seen) == 8 and set(seen) <= set(by_prompt)
     assert [r["reward/rule"] for r in read_metrics(tmp_path / "g")] == [0.5, 0.5]  # no step-0 row: nothing to evaluate
     write_jsonl(tmp_path / "q.jsonl", [{"prompt": r["prompt"]} for r in rows])
-    with pytest.raises(ValueError, match=r"q.jsonl row 1: reward_fn 'math' has no `answer` column"):
+    with pytest.raises(ValueError, match=r"q.jsonl: the reward needs an `answer` or `solution` column"):
         grpo.main(grpo.Config(model="tiny", dataset=str(tmp_path / "q.jsonl"), reward_fn="math",
                               out_dir=str(tmp_path / "q")))
 

@@ -132,8 +132,9 @@ def test_grpo_from_folders_two_processes_match_one(tmp_path, user_models, two_ra
     one = run_ok(grpo_everything(tmp_path, user_models))
     out = two_ranks("grpo_folder") / "run"
     two = read_metrics(out)
-    assert [r["step"] for r in one] == [1, 2] and all(r["reward_std"] > 0 for r in one)
+    assert [r["step"] for r in one] == [0, 1, 2] and all(r["reward_std"] > 0 for r in one[1:])  # 0: the held-out row
     assert_same_rows(one, two, ("reward", "reward/rule", "reward/model", "distill/reverse_kl", "loss", "kl",
+                                "eval/reward", "eval/greedy/rewards/model/mean", "eval/rewards/rule/mean",
                                 "grad_norm", "completions/mean_length"))
     assert max_abs_diff(checkpoint_weights(tmp_path / "run"), checkpoint_weights(out)) < 1e-5
     assert AutoModelForCausalLM.from_pretrained(out / "checkpoint").config.attention_dropout == 0.1

@@ -1,0 +1,253 @@
+"""grpo.py's reward functions as TRL users write them (--reward_fn module:function, several with
+--reward_weights, None for "does not apply", async ones), the held-out evaluation of --eval_dataset
+or a local file's hash split, and the answer column (`solution`, --answer_column). The call-site
+tests run the script on a Llama-shaped folder (conftest.py's user_models) with conversational rows,
+and check what the functions received and what was logged against a computation from the calls
+themselves (each function writes what it got and returned to a log)."""
+import json
+import math
+import time
+
+import pytest
+import torch
+
+import data
+import environment
+import grpo
+from helpers import TWO_RANK_RUNS, question, read_metrics, run_here, write_jsonl
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+REWARDS = '''
+import asyncio, json, os
+
+LOG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calls%s.jsonl" % os.environ.get("RANK", "0"))
+
+
+def _log(name, prompts, completions, ids, solution, out):
+    with open(LOG, "a") as f:
+        f.write(json.dumps(dict(fn=name, prompts=prompts, completions=completions, ids=ids, solution=solution,
+                                out=out)) + "\\n")
+    return out
+
+
+def length(prompts, completions, completion_ids, solution, **kwargs):
+    """distinct values: the completion's token count plus its row's solution / 10"""
+    return _log("length", prompts, completions, completion_ids, solution,
+                [len(ids) + int(s) / 10 for ids, s in zip(completion_ids, solution)])
+
+
+def odd_only(prompts, completions, completion_ids, solution, **kwargs):
+    """applies to rows with an odd solution only"""
+    return _log("odd_only", prompts, completions, completion_ids, solution,
+                [float(s) if int(s) % 2 else None for s in solution])
+
+
+async def judge(prompts, completions, **kwargs):
+    await asyncio.sleep(0.01)
+    return [float(len(c[0]["content"])) for c in completions]
+
+
+def boom(prompts, completions, solution, **kwargs):
+    if "9" in solution:
+        raise RuntimeError("cannot score 9")
+    return [0.0] * len(completions)
+'''
+
+
+def reward_argv(folder, models, *extra):
+    """grpo.py on 20 conversational rows with a `solution` column (rows 13 and 19 hash into the
+    held-out 5%), three functions of a user's file: length and odd_only weighted 1 and 0.5, the
+    async judge at 0 (logged only)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "myrewards.py").write_text(REWARDS)
+    rows = [{"prompt": question(i), "solution": str(i + 7)} for i in range(20)]
+    path, fns = write_jsonl(folder / "q.jsonl", rows), folder / "myrewards.py"
+    return ["grpo.py", "--model", models["llama"], "--dataset", path, "--steps", "2", "--prompts_per_step", "4",
+            "--group_size", "4", "--max_prompt_len", "128", "--max_new_tokens", "8", "--temperature", "0.7",
+            "--eval_every", "1", "--warmup_steps", "0", "--lr", "1e-4", "--out_dir", str(folder / "run"),
+            "--reward_fn", f"{fns}:length,{fns}:odd_only,{fns}:judge",
+            "--reward_weights", "length:1,odd_only:0.5,judge:0", *extra]
+
+
+TWO_RANK_RUNS["grpo_reward_fns"] = reward_argv
+
+
+def calls(folder, rank=0):
+    with open(folder / f"calls{rank}.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def nanmean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs)
+
+
+def test_user_reward_functions_get_what_trl_passes_and_their_weighted_sum_is_the_reward(tmp_path, user_models,
+                                                                                        two_ranks):
+    """Each call gets the rows' prompts as written (messages), the completions as TRL passes them
+    after a conversational prompt ([{"role": "assistant", ...}]: a swap of prompts and completions
+    fails here), the completion ids, and the `solution` column aligned with the prompts. The logged
+    rewards/<name>/mean, /std and `reward` are those computed from what the functions returned
+    (None left out; weights 1 and 0.5). The held-out rows (the hash split) are evaluated greedily
+    then sampled at every evaluation: eval/greedy/... and eval/... are the means of those calls.
+    torchrun, 2 ranks: each rank calls the functions on its own rows, and the rewards, each
+    function's mean and the evaluation, sampled included (its draws seeded by --seed alone), are
+    those of 1 process."""
+    from transformers import AutoTokenizer
+
+    proc = run_here(reward_argv(tmp_path, user_models))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows, log = read_metrics(tmp_path / "run"), calls(tmp_path)
+    tok = AutoTokenizer.from_pretrained(user_models["llama"])
+    held = {json.dumps(question(i)) for i in range(20) if data.held_out(question(i))}
+    assert len(held) == 2
+    for c in log:
+        for p, comp, ids, s in zip(c["prompts"], c["completions"], c["ids"], c["solution"]):
+            assert p == question(int(s) - 7)  # the prompt as written, with its own row's solution
+            assert isinstance(comp, list) and comp[0]["role"] == "assistant" and len(comp) == 1
+            assert tok.decode(ids, skip_special_tokens=True).strip() == comp[0]["content"].strip()
+    train = [c for c in log if json.dumps(c["prompts"][0]) not in held]
+    evals = [c for c in log if json.dumps(c["prompts"][0]) in held]
+    assert all(json.dumps(p) not in held for c in train for p in c["prompts"]) and len(train) == 4  # 2 fns x 2 steps
+    def by_fn(cs):  # the calls of one batch, each function's: they run at once, in any order
+        return {c["fn"]: c["out"] for c in cs}
+
+    for step, k in zip(rows[1:], (0, 2)):  # the calls of each step, 2 functions each
+        out = by_fn(train[k:k + 2])
+        length, odd = out["length"], out["odd_only"]
+        assert len(length) == 16 and None in odd and any(odd)  # some rows apply, some do not
+        total = [a + 0.5 * (b or 0) for a, b in zip(length, odd)]
+        assert step["rewards/length/mean"] == pytest.approx(nanmean(length), abs=1e-6)
+        assert step["rewards/odd_only/mean"] == pytest.approx(nanmean(odd), abs=1e-6)
+        odds = [x for x in odd if x is not None]
+        std = math.sqrt(sum((x - nanmean(odds)) ** 2 for x in odds) / (len(odds) - 1))
+        assert step["rewards/odd_only/std"] == pytest.approx(std, abs=1e-5)
+        assert step["reward"] == pytest.approx(sum(total) / 16, abs=1e-5)
+        assert step["rewards/judge/mean"] > 0
+    assert [r["step"] for r in rows] == [0, 1, 2] and len(evals) == 2 * 2 * 3  # 2 fns, greedy + sampled, 3 evals
+    for r, k in zip(rows, range(0, 12, 4)):  # greedy, then sampled
+        greedy, sampled = by_fn(evals[k:k + 2]), by_fn(evals[k + 2:k + 4])
+        assert r["eval/greedy/rewards/length/mean"] == pytest.approx(nanmean(greedy["length"]), abs=1e-6)
+        assert r["eval/rewards/length/mean"] == pytest.approx(nanmean(sampled["length"]), abs=1e-6)
+        assert r["eval/rewards/odd_only/mean"] == pytest.approx(nanmean(sampled["odd_only"]), abs=1e-6)
+        assert r["eval/reward"] == pytest.approx(nanmean([a + 0.5 * (b or 0) for a, b in
+                                                          zip(sampled["length"], sampled["odd_only"])]), abs=1e-6)
+    folder = two_ranks("grpo_reward_fns")
+    two = read_metrics(folder / "run")
+    keys = ["reward", "loss", "rewards/length/mean", "rewards/odd_only/mean", "rewards/judge/mean", "eval/reward",
+            "eval/greedy/reward", "eval/rewards/odd_only/mean"]
+    assert [r["step"] for r in rows] == [r["step"] for r in two]
+    for a, b in zip(rows, two):
+        for k in (k for k in keys if k in a):
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), (a["step"], k)
+    ranks = [{json.dumps(p) for c in calls(folder, r) for p in c["prompts"]} for r in (0, 1)]
+    assert ranks[0] and ranks[1] and ranks[0] != ranks[1]
+
+
+def test_a_function_that_raises_stops_the_run_naming_it_and_the_row(tmp_path, user_models):
+    """boom raises on the row whose solution is 9: the file's row 3 (of 4, all drawn at step 1),
+    found by calling it again row by row."""
+    (tmp_path / "myrewards.py").write_text(REWARDS)
+    path = write_jsonl(tmp_path / "q.jsonl", [{"prompt": question(i), "solution": str(i + 7)} for i in range(4)])
+    proc = run_here(["grpo.py", "--model", user_models["llama"], "--dataset", path, "--steps", "1",
+                     "--prompts_per_step", "4", "--group_size", "2", "--max_new_tokens", "4", "--max_prompt_len", "128",
+                     "--reward_fn", f"{tmp_path / 'myrewards.py'}:boom", "--out_dir", str(tmp_path / "run")])
+    assert proc.returncode != 0
+    assert f"--reward_fn boom raised on {path} row 3: RuntimeError: cannot score 9" in proc.stderr
+
+
+def test_a_bad_reward_fn_or_weight_is_refused_naming_the_flag_before_anything_is_written(tmp_path):
+    (tmp_path / "myrewards.py").write_text(REWARDS)
+    fns = tmp_path / "myrewards.py"
+    for argv, message in (
+            (["--reward_fn", "nosuchmodule:f"], "--reward_fn nosuchmodule:f: cannot import 'nosuchmodule'"),
+            (["--reward_fn", f"{fns}:nope"], f"--reward_fn {fns}:nope: {str(fns)!r} has no function 'nope'"),
+            (["--reward_fn", "math,srot"], "'srot' is neither a rule"),
+            (["--reward_fn", f"{fns}:length,{fns}:odd_only", "--reward_weights", "length:1"],
+             "gives no weight to --reward_fn's odd_only"),
+            (["--reward_fn", f"{fns}:length", "--reward_weights", "length:1,lenght:2"], "expected parts like")):
+        proc = run_here(["grpo.py", "--model", "tiny", *argv, "--out_dir", str(tmp_path / "o")])
+        assert proc.returncode != 0 and message in proc.stderr, (argv, proc.stderr[-2000:])
+        assert not (tmp_path / "o").exists()
+    # a rule's error names the flag that gave every row its rule, not "row 1" of a `reward_fn` column
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "sort 3 1 =", "answer": "x"}])
+    cfg = grpo.Config(dataset=path, reward_fn=f"math,{fns}:length")
+    with pytest.raises(ValueError, match=r"p.jsonl row 1: --reward_fn math has no number in its answer 'x'"):
+        environment.load_prompts(cfg, rules=False, fns=environment.load_reward_fns(cfg.reward_fn))
+
+
+def test_reward_functions_run_together_async_ones_on_one_loop(tmp_path):
+    """Two `async def` functions and a plain one, each 0.4 s (a judge behind an API): one call
+    takes about 0.4 s, not 1.2 s; None comes back as NaN, and a wrong return is named."""
+    (tmp_path / "slow.py").write_text('''
+import asyncio, time
+async def a(prompts, completions, **kw):
+    await asyncio.sleep(0.4)
+    return [1.0, None]
+async def b(prompts, completions, **kw):
+    await asyncio.sleep(0.4)
+    return [2.0, 3]
+def c(prompts, completions, **kw):
+    time.sleep(0.4)
+    return [len(p) for p in prompts]
+def bad(prompts, completions, **kw):
+    return [1.0, "x"]
+''')
+    fns = environment.load_reward_fns(",".join(f"{tmp_path / 'slow.py'}:{n}" for n in "abc"))
+    caller = environment.RewardCaller(fns)
+    start = time.perf_counter()
+    out = caller(["p", "pp"], ["c", "cc"], [[1], [2]], {}, rows=[4, 9], source="d.jsonl")
+    assert time.perf_counter() - start < 0.75
+    assert out["a"][0] == 1.0 and math.isnan(out["a"][1]) and out["b"] == [2.0, 3.0] and out["c"] == [1.0, 2.0]
+    bad = environment.RewardCaller(environment.load_reward_fns(f"{tmp_path / 'slow.py'}:bad,math"))
+    with pytest.raises(ValueError, match=r"--reward_fn bad returned 'x' for d.jsonl row 9"):
+        bad(["p", "pp"], ["c", "cc"], [[1], [2]], {}, rows=[4, 9], source="d.jsonl")
+
+
+def test_none_is_left_out_of_the_sum_and_of_the_group_as_trl_does():
+    """combine: TRL's nansum over functions, NaN where no function scores; group_advantages: an
+    unscored completion is left out of its group's mean and std and gets advantage 0 (hand case:
+    the others 1, 3, 5 have mean 3 and std 2); a full group is as before."""
+    nan = math.nan
+    total = environment.combine({"a": torch.tensor([1.0, nan, 2.0]), "b": torch.tensor([nan, nan, 4.0])},
+                                {"a": 1.0, "b": 0.5})
+    assert total[0] == 1.0 and math.isnan(total[1]) and total[2] == 4.0
+    rewards = torch.tensor([[1.0, nan, 3.0, 5.0], [0.0, 1.0, 2.0, 4.0]])
+    adv, m = grpo.group_advantages(rewards)
+    assert torch.allclose(adv[0], torch.tensor([-2.0, 0.0, 0.0, 2.0]) / (2 + 1e-4))
+    assert torch.equal(adv[1], grpo.group_advantages(rewards[1:])[0][0])
+    assert m["reward"] == pytest.approx((3 + 7 / 4) / 2) and m["frac_reward_zero_std"] == 0
+    rloo, _ = grpo.group_advantages(rewards, scale="none", estimator="rloo")
+    assert torch.allclose(rloo[0], torch.tensor([1 - 4.0, 0, 3 - 3.0, 5 - 2.0]))  # r_i - mean of the others
+
+
+def test_the_answer_column_is_answer_else_solution_else_the_flag(tmp_path):
+    """`math` reads `solution` (TRL's math sets) where there is no `answer`; --answer_column names
+    another; neither is refused naming the file and its columns."""
+    def load(rows, **kw):
+        path = write_jsonl(tmp_path / "m.jsonl", rows)
+        cfg = grpo.Config(dataset=path, reward_fn="math", **kw)
+        ds, _ = environment.load_prompts(cfg, rules=True)
+        return environment.answer_column(ds, cfg, path, needed=True)
+
+    assert load([{"prompt": "q", "solution": "#### 4"}]) == "solution"
+    assert load([{"prompt": "q", "answer": "4", "solution": "x"}]) == "answer"
+    assert load([{"prompt": "q", "ref": "4"}], answer_column="ref") == "ref"
+    with pytest.raises(ValueError, match=r"m.jsonl: the reward needs an `answer` or `solution` column .* it has "
+                                         r"columns \['prompt', 'gold'\]: name the column with --answer_column"):
+        load([{"prompt": "q", "gold": "4"}])
+    with pytest.raises(ValueError, match=r"the reward needs --answer_column ref"):
+        load([{"prompt": "q", "answer": "4"}], answer_column="ref")
+
+
+def test_eval_dataset_is_scored_by_every_reward(tmp_path):
+    """--eval_dataset, a file of its own: its prompts are evaluated (greedy and sampled, with the
+    rule's name) and the training file is not split."""
+    rows = [{"prompt": f"sort {i} {i + 1} 3 =", "reward_fn": "digits"} for i in range(6)]
+    train, test = write_jsonl(tmp_path / "t.jsonl", rows), write_jsonl(tmp_path / "e.jsonl", rows[:3])
+    grpo.main(grpo.Config(model="tiny", dataset=train, eval_dataset=test, out_dir=str(tmp_path / "g"), steps=1,
+                          prompts_per_step=2, group_size=2, max_new_tokens=4, warmup_steps=0, n_eval_pairs=4))
+    first = read_metrics(tmp_path / "g")[0]
+    assert first["step"] == 0 and {"eval/reward", "eval/rewards/rule/mean", "eval/greedy/reward",
+                                   "eval/greedy/rewards/rule/mean"} <= set(first)
