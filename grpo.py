@@ -48,6 +48,7 @@ import torch
 import common
 import data
 import environment
+import reward_fns
 import sampling
 import tasks
 from plumbing import cli, logs, models, rundir
@@ -684,8 +685,7 @@ def evaluate(model, ref, env, evals, cfg, d):
                                                  max_new_tokens=cfg.max_new_tokens, answers=h.get("answer"),
                                                  own_prompts=h["own_prompt"], tool=env.tool,
                                                  max_tool_calls=cfg.max_tool_calls)
-    if evals["prompts"] is not None:  # --eval_dataset, or a local file's held-out share
-        metrics |= environment.evaluate_rewards(model, env, evals["prompts"], cfg, d)
+    metrics |= environment.evaluate_rewards(model, env, evals["prompts"], cfg, d)  # --eval_dataset, a file's 5%
     if evals["pairs"] is not None:
         metrics["eval/accuracy"] = pairwise_accuracy(model, ref, evals["pairs"], env.tokenizer.pad_token_id, d,
                                                      batch_size=cfg.eval_batch_size)
@@ -698,8 +698,8 @@ def main(cfg):
     # 0. setup: policy, reference, optional reward model, data
     d = cli.start(cfg)  # flags checked and filled, process group joined, seed set
     check_config(cfg, d)  # flags that do not go together, with what to change
-    fns = environment.load_reward_fns(cfg.reward_fn)  # --reward_fn's functions, imported once (a bad one named here)
-    weights = environment.parse_weights(cfg.reward_weights, bool(cfg.reward_model), bool(cfg.teacher), [f.name for f in fns])
+    fns = reward_fns.load_reward_fns(cfg.reward_fn)  # --reward_fn's functions, imported once (a bad one named here)
+    weights = reward_fns.parse_weights(cfg.reward_weights, bool(cfg.reward_model), bool(cfg.teacher), [f.name for f in fns])
     rules = "rule" in weights or cfg.dataset in tasks.TASKS
     train, rows = environment.load_prompts(cfg, rules, fns)
     order = data.DataOrder(len(train), cfg.seed, cfg.prompts_per_step, f"--dataset {cfg.dataset}", "--prompts_per_step")
@@ -786,8 +786,7 @@ def main(cfg):
             adv = adv[:, None] + distill_advantages(teacher_logps, old_logps, loss_mask, cfg.teacher_coef)
             sums["distill/reverse_kl"] = ((old_logps - teacher_logps) * loss_mask).sum() / (rows_local * d.world_size)
         n_rows, lengths = rows_local * d.world_size, roll.r_mask.sum(-1).float()  # sequences in the global batch
-        sums |= adv_metrics | environment.reward_metrics(parts, [k for k in roll.parts if k in (*weights, "rule", "model")],
-                                                         n_rows, d)  # reward/<term>, TRL's rewards/<name>/mean
+        sums |= adv_metrics | environment.reward_metrics(parts, weights, n_rows, d)  # TRL's rewards/<name>/mean too
         sums |= {"completions/mean_length": lengths.sum() / n_rows,
                  "completions/clipped_ratio": (~roll.stopped).float().sum() / n_rows,
                  "prompts/truncated_ratio": roll.prompt_cut.float().sum() / n_rows}  # cut to --max_prompt_len

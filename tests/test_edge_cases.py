@@ -19,6 +19,7 @@ import torch
 
 import common
 import environment
+import reward_fns
 import grpo
 from helpers import (ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, chat, checkpoint_weights, read_metrics, run_here,
                      write_jsonl)
@@ -433,11 +434,11 @@ def test_the_last_good_checkpoint_gives_finite_outputs(tmp_path):
 def test_reward_weights_name_each_reward_once_and_train_something(tmp_path):
     """`--reward_weights rule:1,rule:2` trained with weight 2 without a word; `rule:0` without a
     --teacher trained on advantages that are all 0. Both are refused before anything loads."""
-    assert environment.parse_weights("rule:0", False, has_teacher=True) == {"rule": 0.0}  # on-policy distillation alone
-    assert environment.parse_weights("rule:0,model:1", True) == {"rule": 0.0, "model": 1.0}
+    assert reward_fns.parse_weights("rule:0", False, has_teacher=True) == {"rule": 0.0}  # on-policy distillation alone
+    assert reward_fns.parse_weights("rule:0,model:1", True) == {"rule": 0.0, "model": 1.0}
     with pytest.raises(ValueError, match=r"--reward_weights 'rule:0,model:0' gives every reward weight 0 and there is no "
                                          r"--teacher: nothing would be trained"):
-        environment.parse_weights("rule:0,model:0", True)
+        reward_fns.parse_weights("rule:0,model:0", True)
     for spec, message in (("rule:1,rule:2", "--reward_weights 'rule:1,rule:2' names rule twice"),
                           ("rule:0", "--reward_weights 'rule:0' gives every reward weight 0")):
         r = run_here(["grpo.py", "--reward_weights", spec, "--out_dir", str(tmp_path / "o")])

@@ -9,6 +9,7 @@ import torch
 
 import common
 import environment
+import reward_fns
 import grpo
 import tasks
 from grpo import (aggregate, group_advantages, grpo_loss, kl_per_token, loss_normaliser,
@@ -388,16 +389,16 @@ def test_batch_arithmetic_is_checked():
 
 
 def test_parse_weights():
-    assert environment.parse_weights("", False) == {"rule": 1.0}
-    assert environment.parse_weights("", True) == {"model": 1.0}
-    assert environment.parse_weights("rule:1.0,model:0.5", True) == {"rule": 1.0, "model": 0.5}
+    assert reward_fns.parse_weights("", False) == {"rule": 1.0}
+    assert reward_fns.parse_weights("", True) == {"model": 1.0}
+    assert reward_fns.parse_weights("rule:1.0,model:0.5", True) == {"rule": 1.0, "model": 0.5}
     with pytest.raises(ValueError):
-        environment.parse_weights("rule:1,model:1", False)
+        reward_fns.parse_weights("rule:1,model:1", False)
     with pytest.raises(ValueError):
-        environment.parse_weights("gold:1", False)
+        reward_fns.parse_weights("gold:1", False)
     for bad in ("rule:nan", "rule:inf", "rule:x", "rule:"):
         with pytest.raises(ValueError, match="finite weights"):
-            environment.parse_weights(bad, False)
+            reward_fns.parse_weights(bad, False)
 
 
 # -----------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import torch
 import data
 import environment
 import grpo
+import reward_fns
 from helpers import TWO_RANK_RUNS, question, read_metrics, run_here, write_jsonl
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -174,7 +175,7 @@ def test_a_bad_reward_fn_or_weight_is_refused_naming_the_flag_before_anything_is
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "sort 3 1 =", "answer": "x"}])
     cfg = grpo.Config(dataset=path, reward_fn=f"math,{fns}:length")
     with pytest.raises(ValueError, match=r"p.jsonl row 1: --reward_fn math has no number in its answer 'x'"):
-        environment.load_prompts(cfg, rules=False, fns=environment.load_reward_fns(cfg.reward_fn))
+        environment.load_prompts(cfg, rules=False, fns=reward_fns.load_reward_fns(cfg.reward_fn))
 
 
 def test_reward_functions_run_together_async_ones_on_one_loop(tmp_path):
@@ -194,13 +195,13 @@ def c(prompts, completions, **kw):
 def bad(prompts, completions, **kw):
     return [1.0, "x"]
 ''')
-    fns = environment.load_reward_fns(",".join(f"{tmp_path / 'slow.py'}:{n}" for n in "abc"))
-    caller = environment.RewardCaller(fns)
+    fns = reward_fns.load_reward_fns(",".join(f"{tmp_path / 'slow.py'}:{n}" for n in "abc"))
+    caller = reward_fns.RewardCaller(fns)
     start = time.perf_counter()
     out = caller(["p", "pp"], ["c", "cc"], [[1], [2]], {}, rows=[4, 9], source="d.jsonl")
     assert time.perf_counter() - start < 0.75
     assert out["a"][0] == 1.0 and math.isnan(out["a"][1]) and out["b"] == [2.0, 3.0] and out["c"] == [1.0, 2.0]
-    bad = environment.RewardCaller(environment.load_reward_fns(f"{tmp_path / 'slow.py'}:bad,math"))
+    bad = reward_fns.RewardCaller(reward_fns.load_reward_fns(f"{tmp_path / 'slow.py'}:bad,math"))
     with pytest.raises(ValueError, match=r"--reward_fn bad returned 'x' for d.jsonl row 9"):
         bad(["p", "pp"], ["c", "cc"], [[1], [2]], {}, rows=[4, 9], source="d.jsonl")
 
@@ -229,7 +230,7 @@ def test_the_answer_column_is_answer_else_solution_else_the_flag(tmp_path):
         path = write_jsonl(tmp_path / "m.jsonl", rows)
         cfg = grpo.Config(dataset=path, reward_fn="math", **kw)
         ds, _ = environment.load_prompts(cfg, rules=True)
-        return environment.answer_column(ds, cfg, path, needed=True)
+        return reward_fns.answer_column(ds, cfg, path, needed=True)
 
     assert load([{"prompt": "q", "solution": "#### 4"}]) == "solution"
     assert load([{"prompt": "q", "answer": "4", "solution": "x"}]) == "answer"
