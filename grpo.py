@@ -729,7 +729,7 @@ def main(cfg):
     start = job.begin(model, tokenizer, optimizer, scheduler, order,  # restores a resumed run's state
                       show=["loss", "grad_norm", "reward", "reward_std", "frac_reward_zero_std", "kl", "clip_ratio/low",
                             "clip_ratio/high", "completions/mean_length", "eval/exact_match", "eval/gold_reward",
-                            "eval/accuracy", "time/step"])
+                            "eval/accuracy", "eval/reward", "eval/greedy/reward", "time/step"])
     if job.resume_from and cfg.ref_refresh_every:  # a checkpoint is at a refresh (check_config)
         refresh_reference(ref, model)
     if start == 1 and (first := evaluate(model, ref, env, evals, cfg=cfg, d=d)):  # prompts alone: no evaluation

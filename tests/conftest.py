@@ -57,6 +57,22 @@ def smollm2(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def smollm2_small(smollm2, tmp_path_factory):
+    """SmolLM2's config cut to 2 layers of width 64, random weights, with its real tokenizer and chat
+    template: the real model's shapes of every kind, at a test's cost."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(smollm2, num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=16, intermediate_size=128)
+    torch.manual_seed(0)
+    path = str(tmp_path_factory.mktemp("smollm2_small"))
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    AutoTokenizer.from_pretrained(smollm2).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def user_models(tmp_path_factory):
     """{name: folder} of the models users start from, built once a session from configs
     (helpers.build_user_models: Llama- and Qwen2-shaped, a reward model, a teacher, a calculator

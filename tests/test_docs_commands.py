@@ -251,22 +251,49 @@ def the_block(heading_file, first_words):
 
 
 @pytest.mark.parametrize("file, first", [("README.md", "python sft.py --model Qwen"),
-                                         ("docs/distributed.md", "python grpo.py")], ids=["readme-own-data", "distributed"])
-def test_a_docs_block_runs_as_written(tmp_path, user_models, file, first):
+                                         ("README.md", "python sft.py --model smollm2"),
+                                         ("docs/distributed.md", "python grpo.py")],
+                         ids=["readme-own-data", "readme-recipe", "distributed"])
+def test_a_docs_block_runs_as_written(tmp_path, user_models, request, file, first):
     """The README's "your own model and data" block (SFT -> reward model -> DPO -> GRPO with a rule
-    and with the learned reward, each from the SFT run) and docs/distributed.md's block (grpo.py on
+    and with the learned reward, each from the SFT run), its recipe "your data on SmolLM2" (SFT ->
+    DPO -> GRPO with the reward functions of examples/rewards.py, on the examples/ files; SmolLM2's
+    tokenizer, template and architecture at 2 layers) and docs/distributed.md's block (grpo.py on
     one process, on torchrun's single process with --offload_frozen, on 8: here one) each run in
     order, as written but for the substitutions, and each exits 0 without touching a tracked file.
-    docs/distributed.md's block starts from `runs/sft`, the pipeline's SFT stage: a one-step
-    `sft.py --model tiny` stands for it."""
+    The recipe's GRPO run logs its completions: each reward there is what the user's functions
+    give that completion. docs/distributed.md's block starts from `runs/sft`, the pipeline's SFT
+    stage: a one-step `sft.py --model tiny` stands for it."""
+    import shutil
+
     where, cmds = the_block(file, first)
+    models = dict(user_models)
     if file == "docs/distributed.md":
         code, log = run_in(tmp_path, "sft.py", ["--model", "tiny", "--out_dir", "runs/sft", *SCALE["sft.py"]])
         assert code == 0, log[-2000:]
-    results = run_block(where, cmds, tmp_path, user_models)
+    if "smollm2" in first:  # run from the repository's root, as the README says: examples/ beside it
+        models["smollm2"] = request.getfixturevalue("smollm2_small")
+        shutil.copytree(os.path.join(ROOT, "examples"), tmp_path / "examples")
+    results = run_block(where, cmds, tmp_path, models)
     failed = [f"`{c}`: {s}" for c, s in results if s != "ok" and not s.startswith("not run")]
     assert not failed, "\n\n".join(failed)
     assert sum(s == "ok" for _, s in results) >= 3, results
+    if "smollm2" in first:
+        sys.path.insert(0, str(tmp_path / "examples"))
+        try:
+            import rewards as user_rewards
+        finally:
+            sys.path.pop(0)
+        rows = [json.loads(line) for line in open(tmp_path / "runs" / "my-grpo" / "completions.jsonl")]
+        solution = {json.dumps(r["prompt"]): r["solution"] for r in map(json.loads, open(tmp_path / "examples" / "prompts.jsonl"))}
+        logged = json.loads(open(tmp_path / "runs" / "my-grpo" / "metrics.jsonl").readlines()[-1])
+        assert {"rewards/accuracy/mean", "rewards/brevity/mean", "eval/reward"} <= set(logged), logged
+        assert len(rows) == 4, rows  # --log_completions 4, one step
+        for r in rows:  # a conversational prompt's completion reaches the functions as TRL passes it
+            completion = [{"role": "assistant", "content": r["completion"]}]
+            want = {"accuracy": user_rewards.accuracy([completion], [solution[json.dumps(r["prompt"])]])[0],
+                    "brevity": user_rewards.brevity([completion])[0]}
+            assert r["reward"] == pytest.approx(want["accuracy"] + want["brevity"], abs=1e-6), r
 
 
 @pytest.mark.skipif(not os.environ.get("RLHF_DOCS_ALL"), reason="minutes: RLHF_DOCS_ALL=1 runs every docs command")

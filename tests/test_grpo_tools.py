@@ -60,7 +60,7 @@ def tool_run(tmp_path_factory, user_models):
 
     def recording_generate(*args, **kwargs):
         out = gen(*args, **kwargs)
-        if kwargs.get("temperature", 1.0) != 0:  # a rollout, not the greedy evaluation
+        if out[3].shape[0] == cfg.prompts_per_step * cfg.group_size:  # a rollout, not an evaluation's held-out rows
             calls.append(sampling.tool_calls(out[3]))
         return out
 

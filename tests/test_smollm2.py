@@ -25,17 +25,8 @@ def tok(smollm2):
 
 
 @pytest.fixture(scope="module")
-def small(smollm2, tmp_path_factory):
-    """SmolLM2's config cut to 2 layers of width 64, random weights, with its tokenizer."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    config = AutoConfig.from_pretrained(smollm2, num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                                        num_key_value_heads=2, head_dim=16, intermediate_size=128)
-    torch.manual_seed(0)
-    path = str(tmp_path_factory.mktemp("smollm2_small"))
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    AutoTokenizer.from_pretrained(smollm2).save_pretrained(path)
-    return path
+def small(smollm2_small):
+    return smollm2_small
 
 
 def test_the_converted_checkpoint_holds_the_gguf_weights_and_tokenizer(smollm2, tok):
