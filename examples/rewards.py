@@ -17,4 +17,4 @@ def accuracy(completions, solution, **kwargs):
 
 def brevity(completions, **kwargs):
     """A small push towards short answers: 0 up to 20 words, down to -1 at 120 words."""
-    return [-min(max(len(_text(c).split()) - 20, 0) / 100, 1.0) for c in completions]
+    return [max(min((20 - len(_text(c).split())) / 100, 0.0), -1.0) for c in completions]

@@ -162,11 +162,13 @@ def test_grpo_step_lines_completions_and_summary_across_a_resume(tmp_path, user_
     assert [r["step"] for r in before] == [1] * 8 + [2] * 8 + [3] * 8
 
     lines = [m.groups() for m in STEP_LINE.finditer(first.stdout)]
-    metrics = read_metrics(out)  # prompts alone: no step-0 evaluation
-    assert [(int(k), int(n)) for k, n, _, _ in lines] == [(r["step"], 3) for r in metrics] == [(1, 3), (2, 3), (3, 3)]
-    for (k, _, elapsed, eta), row in zip(lines, metrics):
+    metrics = read_metrics(out)  # the held-out 5% of the prompts evaluated at step 0, then 3 steps
+    assert [(int(k), int(n)) for k, n, _, _ in lines] == [(r["step"], 3) for r in metrics] == [(0, 3), (1, 3), (2, 3),
+                                                                                               (3, 3)]
+    assert lines[0][3] is None  # no ETA before a step has run
+    for (k, _, elapsed, eta), row in zip(lines[1:], metrics[1:]):  # the mean step since the step-0 evaluation
         assert abs(seconds(elapsed) - row["time"]) <= 1
-        assert abs(seconds(eta) - row["time"] / int(k) * (3 - int(k))) <= 1.01
+        assert abs(seconds(eta) - (row["time"] - metrics[0]["time"]) / int(k) * (3 - int(k))) <= 1.01
     assert lines[-1][3] == "0s"
 
     resumed = run_here(grpo_argv(tmp_path, user_models, out, "--resume", "--save_every", "2"))

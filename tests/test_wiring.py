@@ -108,12 +108,16 @@ def record_grpo(cfg):
         return orig["rejection_sample"](*args, generator=generator, **kwargs)
 
     def rollout(*args, step, round_=0, **kwargs):
-        last["round"] = (step, round_)
-        return orig["rollout"](*args, step=step, round_=round_, **kwargs)
+        last["round"], last["in_rollout"] = (step, round_), True
+        try:
+            return orig["rollout"](*args, step=step, round_=round_, **kwargs)
+        finally:
+            last["in_rollout"] = False
 
     def rollout_uniforms(*args, **kwargs):
         u = orig["rollout_uniforms"](*args, **kwargs)
-        seen["uniforms"].append((last["round"], u))
+        if last.get("in_rollout"):  # not the held-out evaluation's draws
+            seen["uniforms"].append((last["round"], u))
         return u
 
     with pytest.MonkeyPatch.context() as mp:
