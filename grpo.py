@@ -25,8 +25,8 @@ Deliberate departures:
    (`kl/optimized`): k1's expected gradient is zero, so its value says little.
 3. With one pass over one mini-batch, old log-probs equal the current ones: that forward is
    skipped and rho = exp(logp - logp.detach()) (value 1, gradient kept; trl #2703).
-4. Rewards: a rule named per row (a `reward_fn` column: one data set can mix tasks), a reward
-   model, or a weighted sum of both.
+4. Rewards: a rule named per row (a `reward_fn` column), your functions as TRL calls them, a reward
+   model, or a weighted sum; a None (not applicable) is left out of the sum and its group, as TRL.
 5. Nothing random depends on the rank: the sampler's numbers are drawn for the global rollout and
    indexed by row, rejection sampling draws per prompt, mini-batches are dealt from the global
    rollout and dynamic sampling picks groups in global order: 2 ranks reproduce 1 process.
