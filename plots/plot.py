@@ -133,7 +133,10 @@ PANELS = {
         ("Loss", "DPO loss", [("loss", "train")], None),
     ],
     "grpo": [
-        ("Reward", "mean reward of sampled completions", [("reward", "train samples")], None),
+        ("Reward", "mean reward of sampled completions",
+         [("reward", "train samples"), ("eval/reward", "eval (held-out, sampled)"),
+          ("eval/greedy/reward", "eval (held-out, greedy)")], None),
+        ("Each reward", "mean of the function's rewards (None left out)", "rewards/*/mean", None),
         ("KL to the reference", "KL(pi || pi_ref) per token",
          [("kl", "k3 estimate (monitor)"), ("kl/optimized", "{kl_estimator} (the loss's estimator)")], None),
         ("Clipped tokens", "fraction of tokens clipped",
@@ -151,6 +154,19 @@ PANELS = {
         ("Learning rate", "lr (the step's last update)", [("lr", "lr")], None),
     ],
 }
+
+
+def expand_panels(panels, rows):
+    """The panels with a pattern in place of their keys ("rewards/*/mean": one line per reward
+    function a run logged, TRL's names) given the keys the rows hold, in the order first seen."""
+    out = []
+    for title, ylabel, keys, ceiling in panels:
+        if isinstance(keys, str):
+            head, _, tail = keys.partition("*")
+            found = dict.fromkeys(k for row in rows for k in row if k.startswith(head) and k.endswith(tail))
+            keys = [(k, k[len(head):len(k) - len(tail)]) for k in found]
+        out.append((title, ylabel, keys, ceiling))
+    return out
 
 
 def moving_average(values, n):
@@ -281,8 +297,8 @@ def plot_runs(run_dirs, out_dir, smooth=0, kind=None):
             title = f"{k.upper()}: {', '.join(label for _, label, _, _ in runs)}"
         path = os.path.join(out_dir, figure_name([r[0] for r in runs], [r[1] for r in runs], k))
         try:
-            paths.append(plot_panels([(label, rows, config) for _, label, rows, config in runs], PANELS[k], title,
-                                     path, smooth))
+            paths.append(plot_panels([(label, rows, config) for _, label, rows, config in runs],
+                                     expand_panels(PANELS[k], [row for r in runs for row in r[2]]), title, path, smooth))
         except ValueError as e:
             raise ValueError(f"{', '.join(os.path.join(r[0], 'metrics.jsonl') for r in runs)}: {e}") from None
     return paths

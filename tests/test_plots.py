@@ -380,3 +380,12 @@ def test_no_documented_command_writes_where_git_keeps_files():
         _, args = plot.parse_args(argv)
         out = os.path.normpath(args.out)
         assert not [t for t in tracked if os.path.dirname(t) == out], (where, argv, out)
+
+
+def test_each_reward_function_gets_its_line_under_its_own_name():
+    """GRPO's "Each reward" panel holds one line per `rewards/<name>/mean` a run logged (TRL's
+    names; a name with a slash kept whole), in the order first seen, and nothing else."""
+    rows = [{"step": 1, "reward": 1.0, "rewards/accuracy/mean": 0.5, "rewards/accuracy/std": 0.1},
+            {"step": 2, "rewards/my/len/mean": -0.2, "rewards/accuracy/mean": 0.7, "reward/rule": 1.0}]
+    (panel,) = [p for p in plot.expand_panels(plot.PANELS["grpo"], rows) if p[0] == "Each reward"]
+    assert panel[2] == [("rewards/accuracy/mean", "accuracy"), ("rewards/my/len/mean", "my/len")]
