@@ -32,12 +32,13 @@ MODEL_RULES = [dict(top_p=0.9), dict(top_k=20), dict(min_p=0.3), dict(top_k=100,
 def test_the_rule_on_a_hand_case():
     """Probabilities at T = 1: 0.4, 0.3, 0.15, 0.1, 0.05 (logits their logs, shuffled). top_p 0.8
     keeps 0.4, 0.3 (0.7 < 0.8) and 0.15 (reaches 0.85); top_k 2 keeps the first two; min_p 0.3
-    keeps p >= 0.12: three; min_p 0.3 then top_k 4 then top_p 0.6 (vLLM's order): {0.4, 0.3, 0.15},
-    renormalised 0.47, 0.35, 0.18: 0.47 < 0.6, 0.82 reaches it: two."""
+    keeps p >= 0.12: three; min_p 0.3 then top_k 4 then top_p 0.8 (vLLM's order): {0.4, 0.3, 0.15},
+    renormalised 0.47, 0.35, 0.18: 0.47, then 0.82 reaches 0.8: two (in HF's order, top_k, top_p,
+    min_p, three: 0.4, 0.3, 0.15 of 0.95 reach 0.8 only at 0.89)."""
     p = torch.tensor([0.1, 0.4, 0.05, 0.3, 0.15], dtype=torch.float64)
     logits = p.log().float()[None]
     for kw, kept in [(dict(top_p=0.8), [1, 3, 4]), (dict(top_k=2), [1, 3]), (dict(min_p=0.3), [1, 3, 4]),
-                     (dict(min_p=0.3, top_k=4, top_p=0.6), [1, 3])]:
+                     (dict(min_p=0.3, top_k=4, top_p=0.8), [1, 3])]:
         keep = sampling.kept_tokens(logits, **kw)[0]
         assert keep.nonzero().flatten().tolist() == kept, kw
         lp = torch.log_softmax(sampling.truncate_logits(logits, **kw), -1)[0].double()
