@@ -261,6 +261,15 @@ def sample(model, env, prompts, u, temperature, cfg, d):
     return p_ids, p_mask, r_ids, truncate_mask(r_ids, r_mask, env.truncate_id), r_logps, r_tool
 
 
+def scoring(cfg):
+    """How the trainer scores the rollout's tokens, response_logprobs' knobs: at the sampling
+    temperature and, with --sampling_replay, under the sampler's truncation (sampling.truncation;
+    None without one), for the policy, its old self, the reference and the teacher alike: the KL
+    and the distillation compare the policies as they sample (a policy equal to its reference: KL 0)."""
+    return dict(temperature=cfg.temperature,
+                truncate=sampling.truncation(cfg.top_k, cfg.top_p, cfg.min_p) if cfg.sampling_replay else None)
+
+
 def rollout(model, env, cfg, d, step, round_=0):
     """Phase 1: this rank's share of prompts_per_step new prompts, rs_samples or group_size
     completions each, groups contiguous, drawn with the random numbers of the global rollout
