@@ -278,7 +278,7 @@ def check_sampler(name, folder, device, size):
                            f"max {worst:.1e} ({tokens})", f"<= {BOUNDS['fp32']:g}", worst <= BOUNDS["fp32"]))
         else:
             p99, worst = torch.quantile(gap, 0.99).item(), gap.max().item()
-            out.append(row("a", f"{name}: the same, bf16 autocast", f"p99 {p99:.1e}, max {worst:.1e} ({tokens})",
+            out.append(row("a", f"{name}: the same, replayed, bf16 autocast", f"p99 {p99:.1e}, max {worst:.1e} ({tokens})",
                            f"max <= {BOUNDS['bf16']:g}", worst <= BOUNDS["bf16"]))
         out.append(row("a", f"{name}: {kind}, without the replay (the trainer's full log-probs)",
                        f"mean {unreplayed.mean().item():.1e}, p99 {torch.quantile(unreplayed, 0.99).item():.1e}, "
