@@ -55,18 +55,20 @@ def kept_tokens(logits, top_k=0, top_p=1.0, min_p=0.0):
     return keep
 
 
-def truncate_logits(logits, labels=None, top_k=0, top_p=1.0, min_p=0.0, chunk_rows=4096):
+def truncate_logits(logits, labels=None, top_k=0, top_p=1.0, min_p=0.0):
     """fp32 logits (..., V) at the temperature with the tokens kept_tokens drops at -inf: their
     log_softmax is the behaviour policy's log-prob, log(p / kept mass) on the kept set. The rule is
-    found without a gradient, row chunk by row chunk (a sort of V per row: one (chunk, V) at a
-    time); the gradient flows through the kept logits. labels (...): tokens kept whatever the rule
-    says (the trainer's replay: a sampled token its own logits would drop, where they differ from
-    the sampler's, keeps a finite log-prob, as prime-rl's replay keeps its labels)."""
+    found without a gradient, in chunks of rows (a sort of V per row: 2^26 logits at a time on a
+    GPU, as common.logprobs_from_logits chunks); the gradient flows through the kept logits.
+    labels (...): tokens kept whatever the rule says (the trainer's replay: a sampled token its own
+    logits would drop, where they differ from the sampler's, keeps a finite log-prob, as prime-rl's
+    replay keeps its labels)."""
     logits = logits.float()
     with torch.no_grad():
         flat = logits.detach().reshape(-1, logits.shape[-1])
-        keep = torch.cat([kept_tokens(flat[i:i + chunk_rows], top_k, top_p, min_p)
-                          for i in range(0, flat.shape[0], chunk_rows)]).view(logits.shape)
+        rows = common._chunk_rows(flat, None)
+        keep = torch.cat([kept_tokens(flat[i:i + rows], top_k, top_p, min_p)
+                          for i in range(0, flat.shape[0], rows)]).view(logits.shape)
         if labels is not None:
             keep.scatter_(-1, labels[..., None], True)
     return logits.masked_fill(~keep, float("-inf"))
@@ -90,8 +92,9 @@ def sample_token(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None, u=
     the temperature, truncated to what the rule keeps and renormalised (greedy: log softmax(logits))."""
     if temperature == 0:
         tok = logits.argmax(-1)
-        return (tok, torch.log_softmax(logits.float(), -1).gather(-1, tok[:, None]).squeeze(-1)) if return_logprob \
-            else tok
+        if return_logprob:
+            return tok, torch.log_softmax(logits.float(), -1).gather(-1, tok[:, None]).squeeze(-1)
+        return tok
     logits = logits.float() if temperature == 1.0 else logits.float() / temperature
     if top_k > 0 or top_p < 1.0 or min_p > 0:
         logits = logits.masked_fill(~kept_tokens(logits, top_k, top_p, min_p), float("-inf"))

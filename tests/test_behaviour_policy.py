@@ -178,3 +178,24 @@ def test_through_grpo_the_trainer_computes_the_samplers_log_probs_with_replay(us
                     assert ((sampler - lp) * mask >= -1e-6).all() and ((sampler - lp) * mask).sum() > 0
     assert max(metrics[True]) < 1e-5, metrics
     assert min(metrics[False]) > 0.02, metrics
+
+
+def test_the_tool_loop_records_the_behaviour_log_probs_of_the_policys_own_tokens(user_models):
+    """generate_with_tools at top-p 0.8, T 0.7 on the calculator-calling Llama: its rows call the
+    tool, and on the policy's own tokens (not the tools' results) the recorded log-probs equal the
+    trainer's replayed ones on the whole sequence (results included, as grpo.py scores it)."""
+    import tools
+
+    tok = models.load_tokenizer(user_models["llama_calculator"])
+    model = models.load_model(user_models["llama_calculator"], tok).eval()
+    p_ids, p_mask = prompts_of(tok)
+    kw = dict(temperature=0.7, top_p=0.8)
+    r_ids, r_mask, r_logps, r_tool = sampling.generate_with_tools(
+        model, p_ids, p_mask, 24, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, tokenizer=tok, tool=tools.calculator,
+        uniforms=sampling.rollout_uniforms(4, 24, seed=2), **kw)
+    assert sampling.tool_calls(r_tool).sum() > 0
+    ids, attn, R = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1), r_ids.shape[1]
+    with torch.no_grad():
+        replayed = common.response_logprobs(model, ids, attn, R, 0.7, truncate=sampling.truncation(top_p=0.8))
+    own = r_mask * (1 - r_tool)
+    torch.testing.assert_close(r_logps * own, replayed * own, atol=1e-5, rtol=0)
