@@ -89,6 +89,15 @@ class Config(cli.SharedConfig):
     """sample from the k most likely tokens only (0: all) [>= 0]"""
     top_p: float = 1.0
     """nucleus sampling threshold (1: off) (0, 1]"""
+    min_p: float = 0.0
+    """min-p sampling (arXiv:2407.01082): keep tokens >= min_p x the top one's probability, before --top_k and --top_p
+    as vLLM orders them (0: off) [0, 1)"""
+    sampling_replay: bool = True
+    """under --top_k/--top_p/--min_p the sampler draws from, and records log-probs of, the truncated renormalised
+    distribution; replay: the trainer applies the same rule to its logits (fp32, the sampled token kept), so loss,
+    ratios and KL optimise that truncated policy, the one that sampled. --no-sampling_replay: the full policy, the
+    truncation corrected only by --vllm_importance_sampling_correction (pi_full / pi_truncated; dropped tokens are
+    never sampled) (prime-rl's sampling replay, PR #2601; DeepSeek-V3.2's Keep Sampling Mask, arXiv:2512.02556 3.1)"""
     truncate_token: str = ""
     """a string of one token: generation also stops at it, and tokens after it are masked"""
     compile: bool = False
@@ -592,14 +601,15 @@ def refresh_reference(ref, model):
 
 
 @torch.no_grad()
-def batched_logprobs(model, ids, attn, n_response, temperature, d, rows_per_forward, with_entropy=False):
+def batched_logprobs(model, ids, attn, n_response, temperature, d, rows_per_forward, with_entropy=False, truncate=None):
     """Log-probs of the response block of every row, in chunks (no graph); with_entropy: and the
-    entropy of each position's distribution."""
+    entropy of each position's distribution; truncate: common.response_logprobs' knob."""
     out = []
     for i in range(0, ids.shape[0], rows_per_forward):
         with common.autocast(d):
             out.append(common.response_logprobs(model, ids[i:i + rows_per_forward], attn[i:i + rows_per_forward],
-                                                n_response, temperature=temperature, with_entropy=with_entropy))
+                                                n_response, temperature=temperature, with_entropy=with_entropy,
+                                                truncate=truncate))
     if with_entropy:
         return tuple(torch.cat([o[j] for o in out]).float() for j in (0, 1))
     return torch.cat(out).float()
@@ -763,15 +773,15 @@ def main(cfg):
         # 3. advantages, after the reference (and, for mu > 1 or several mini-batches, the
         #    rollout policy's) log-probs, in the precision of training
         with reference_context(model, ref):
-            ref_logps = batched_logprobs(model if ref is None else ref, ids, attn, R, temperature=cfg.temperature, d=d,
+            ref_logps = batched_logprobs(model if ref is None else ref, ids, attn, R, **environment.scoring(cfg), d=d,
                                          rows_per_forward=micro)  # (rows_local, R)
         old_logps = keep = None  # keep: the tokens that get the policy gradient (--top_entropy_share)
         if cfg.top_entropy_share < 1:
-            old_logps, entropy = batched_logprobs(model, ids, attn, R, temperature=cfg.temperature, d=d,
+            old_logps, entropy = batched_logprobs(model, ids, attn, R, **environment.scoring(cfg), d=d,
                                                   rows_per_forward=micro, with_entropy=True)
             keep = top_entropy_mask(entropy, loss_mask, cfg.top_entropy_share, d, cfg.max_new_tokens)
         elif cfg.num_iterations > 1 or cfg.num_mini_batches > 1 or cfg.kl_in_reward or cfg.teacher:  # else old = pi
-            old_logps = batched_logprobs(model, ids, attn, R, temperature=cfg.temperature, d=d, rows_per_forward=micro)
+            old_logps = batched_logprobs(model, ids, attn, R, **environment.scoring(cfg), d=d, rows_per_forward=micro)
         if cfg.kl_in_reward:  # beta * sum_t KL_t of each sequence, taken from its reward (the loss has none)
             parts["kl_penalty"] = cfg.beta * (kl_per_token(old_logps, ref_logps, old_logps, cfg.kl_estimator)
                                               * own).sum(-1)  # logged as reward/kl_penalty
@@ -781,7 +791,7 @@ def main(cfg):
                                             lengths=loss_mask.sum(-1).view(n_local, cfg.group_size))
         adv = adv.flatten()  # (rows_local,)
         if env.teacher is not None:  # on-policy distillation: each token's advantage, (rows_local, R)
-            teacher_logps = batched_logprobs(env.teacher, ids, attn, R, temperature=cfg.temperature, d=d,
+            teacher_logps = batched_logprobs(env.teacher, ids, attn, R, **environment.scoring(cfg), d=d,
                                              rows_per_forward=micro)
             adv = adv[:, None] + distill_advantages(teacher_logps, old_logps, loss_mask, cfg.teacher_coef)
             sums["distill/reverse_kl"] = ((old_logps - teacher_logps) * loss_mask).sum() / (rows_local * d.world_size)
@@ -805,7 +815,7 @@ def main(cfg):
                 for k in range(cfg.grad_accum):
                     r = mb_rows[k * micro:(k + 1) * micro]
                     with common.autocast(d):
-                        logps, entropy = common.response_logprobs(model, ids[r], attn[r], R, cfg.temperature,
+                        logps, entropy = common.response_logprobs(model, ids[r], attn[r], R, **environment.scoring(cfg),
                                                                   with_entropy=True,
                                                                   entropy_grad=cfg.entropy_coef != 0)  # (micro, R)
                     logps, mask = logps.float(), loss_mask[r].float()

@@ -9,10 +9,14 @@ byte-level BPE trained here, 4,096 tokens, the rest of the vocabulary unused), t
 user loads them: a Qwen2.5-0.5B and a Qwen2.5-1.5B shape (RoPE, GQA, tied head, 151,936 tokens),
 a 4-layer Llama-3-8B shape (untied head, 128,256 tokens), and SmolLM2-135M-Instruct's real
 weights where its package is installed (models.model_folder("smollm2")). Checks:
-(a) the sampler's log-probs (sampling.generate(..., return_logprobs=True)) against the training
-    forward (common.response_logprobs) of the same tokens, temperature 0.7, top-p 0.95, prompts
-    of distinct lengths (left padding): fp32 with TF32 off, max |diff| <= 1e-4; bf16 autocast (as
-    the scripts run on one GPU), p99 and max, max <= 0.05; and the rows scored in contiguous
+(a) the sampler's log-probs (sampling.generate(..., return_logprobs=True): the behaviour policy's,
+    truncated to top-p and renormalised) against the training forward (common.response_logprobs)
+    of the same tokens with the top-p rule replayed (grpo.py's --sampling_replay), temperature 0.7,
+    top-p 0.95, prompts of distinct lengths (left padding): fp32 with TF32 off, max |diff| <= 1e-4;
+    bf16 autocast (as the scripts run on one GPU), p99 and max, max <= 0.05; beside them, without a
+    bound, the gap without the replay (the full policy's log-probs: the truncation's log kept mass
+    on top of the numerics) and the response positions where the rule on the trainer's logits keeps
+    another set than the sampler kept (recorded inside sample_token); and the rows scored in contiguous
     chunks (the old log-probs) against the same rows dealt into mini-batches by
     grpo.minibatch_rows with gradients on (the update): identical, bit for bit.
 (b) grpo.py at lr 0, 2 passes x 2 mini-batches, temperature 0.7, top-p 0.95, under `python` and
@@ -86,6 +90,7 @@ CPU = dict(
     dpo=dict(shape="qwen2 tiny", batch_size=4, max_prompt_len=16, max_response_len=8),
     budget_s=None)
 T, TOP_P = 0.7, 0.95
+REPLAY = sampling.truncation(top_p=TOP_P)  # grpo.py's --sampling_replay at --top_p TOP_P
 BOUNDS = dict(fp32=1e-4, bf16=0.05, kl=1e-5, logp_diff=1e-2, mem_rel=0.10, mem_abs_gib=1.0, compilations=2,
               dpo=1e-3)
 TORCH_LOGS = "recompiles,cudagraphs,dynamo"
@@ -195,16 +200,46 @@ def contiguous_and_dealt(model, ids, attn, R, mini_batches, grad_accum):
     B = ids.shape[0]
     micro = B // mini_batches // grad_accum
     with torch.no_grad():
-        contiguous = torch.cat([common.response_logprobs(model, ids[i:i + micro], attn[i:i + micro], R, T)
-                                for i in range(0, B, micro)]).float()
+        contiguous = torch.cat([common.response_logprobs(model, ids[i:i + micro], attn[i:i + micro], R, T,
+                                                         truncate=REPLAY) for i in range(0, B, micro)]).float()
     dealt = torch.full_like(contiguous, float("nan"))
     deal = torch.Generator().manual_seed(sampling.stream_seed(0, 1, stream=2))
     with torch.enable_grad():
         for mb in grpo.minibatch_rows(B, mini_batches, deal).to(ids.device):
             for k in range(grad_accum):
                 r = mb[k * micro:(k + 1) * micro]
-                dealt[r] = common.response_logprobs(model, ids[r], attn[r], R, T).detach().float()
+                dealt[r] = common.response_logprobs(model, ids[r], attn[r], R, T, truncate=REPLAY).detach().float()
     return contiguous, dealt
+
+
+@contextlib.contextmanager
+def recording_kept_sets(sets):
+    """The sampler's kept set of each token it draws, (B, V) bool, appended to `sets` in order."""
+    kept = sampling.kept_tokens
+
+    def recording(*args, **kwargs):
+        sets.append(kept(*args, **kwargs))
+        return sets[-1]
+
+    sampling.kept_tokens = recording
+    try:
+        yield
+    finally:
+        sampling.kept_tokens = kept
+
+
+@torch.no_grad()
+def kept_sets_differ(model, ids, attn, R, sampled, r_mask):
+    """Response positions where the top-p rule on the trainer's logits (fp32, at the temperature)
+    keeps another set than the sampler kept (`sampled`: its sets, token by token), row by row."""
+    n = 0
+    for b in range(ids.shape[0]):
+        logits = model(input_ids=ids[b:b + 1], attention_mask=attn[b:b + 1],
+                       position_ids=common.position_ids_from_mask(attn[b:b + 1])).logits[0, -R - 1:-1]  # (R, V)
+        trainer = sampling.kept_tokens(logits.float() / T, top_p=TOP_P)
+        sampler = torch.stack([s[b] for s in sampled[:R]])  # (R, V)
+        n += int(((trainer != sampler).any(-1) & r_mask[b].bool()).sum())
+    return n
 
 
 def check_sampler(name, folder, device, size):
@@ -223,24 +258,33 @@ def check_sampler(name, folder, device, size):
     out, same = [], {}
     for kind in ("fp32", "bf16"):
         with precision(kind, device):
-            r_ids, r_mask, r_logps = sampling.generate(model, ids, mask, size["new_tokens"], tok.eos_token_id,
-                                                       tok.pad_token_id, temperature=T, top_p=TOP_P, uniforms=u,
-                                                       return_logprobs=True)  # (B, R) each
+            sampled = []  # the sampler's kept set of every token, (B, V) each
+            with recording_kept_sets(sampled):
+                r_ids, r_mask, r_logps = sampling.generate(model, ids, mask, size["new_tokens"], tok.eos_token_id,
+                                                           tok.pad_token_id, temperature=T, top_p=TOP_P, uniforms=u,
+                                                           return_logprobs=True)  # (B, R) each
             full, attn, R = torch.cat([ids, r_ids], 1), torch.cat([mask, r_mask], 1), r_ids.shape[1]
             with torch.no_grad():
-                trained = common.response_logprobs(model, full, attn, R, T).float()  # (B, R)
+                trained = common.response_logprobs(model, full, attn, R, T, truncate=REPLAY).float()  # (B, R)
+                whole = common.response_logprobs(model, full, attn, R, T).float()  # no replay: the full policy
+            differ = kept_sets_differ(model, full, attn, R, sampled, r_mask)
             contiguous, dealt = contiguous_and_dealt(model, full, attn, R, size["mini_batches"], size["grad_accum"])
-        gap = (trained - r_logps)[r_mask.bool()].abs()
+        gap, unreplayed = ((x - r_logps)[r_mask.bool()].abs() for x in (trained, whole))
         same[kind] = (contiguous - dealt).abs().max().item()  # NaN where a row was never dealt
         tokens = f"{int(r_mask.sum())} tokens"
         if kind == "fp32":
             worst = gap.max().item()
-            out.append(row("a", f"{name}: sampler vs training log-probs, fp32, TF32 off", f"max {worst:.1e} ({tokens})",
-                           f"<= {BOUNDS['fp32']:g}", worst <= BOUNDS["fp32"]))
+            out.append(row("a", f"{name}: sampler vs training log-probs, top-p replayed, fp32, TF32 off",
+                           f"max {worst:.1e} ({tokens})", f"<= {BOUNDS['fp32']:g}", worst <= BOUNDS["fp32"]))
         else:
             p99, worst = torch.quantile(gap, 0.99).item(), gap.max().item()
-            out.append(row("a", f"{name}: the same, bf16 autocast", f"p99 {p99:.1e}, max {worst:.1e} ({tokens})",
+            out.append(row("a", f"{name}: the same, replayed, bf16 autocast", f"p99 {p99:.1e}, max {worst:.1e} ({tokens})",
                            f"max <= {BOUNDS['bf16']:g}", worst <= BOUNDS["bf16"]))
+        out.append(row("a", f"{name}: {kind}, without the replay (the trainer's full log-probs)",
+                       f"mean {unreplayed.mean().item():.1e}, p99 {torch.quantile(unreplayed, 0.99).item():.1e}, "
+                       f"max {unreplayed.max().item():.1e}", "", None))
+        out.append(row("a", f"{name}: {kind}, positions whose kept set differs, trainer vs sampler",
+                       f"{differ} of {int(r_mask.sum())}", "", None))
     out.append(row("a", f"{name}: rows in contiguous chunks vs dealt into {size['mini_batches']} mini-batches x "
                         f"{size['grad_accum']} micro-batches",
                    f"largest difference fp32 {same['fp32']:g}, bf16 {same['bf16']:g}",
