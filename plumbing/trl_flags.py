@@ -73,7 +73,8 @@ TRL_FLAGS = [
 # TRL's flags whose name and meaning are this project's too (listed in the docs' table)
 SAME_NAME = [("seed", ALL), ("weight_decay", ALL), ("warmup_steps", ALL), ("trust_remote_code", ALL),
              ("beta", ("dpo", "grpo")), ("loss_type", ("dpo", "grpo")), ("label_smoothing", ("dpo",)),
-             ("temperature", ("grpo",)), ("top_p", ("grpo",)), ("top_k", ("grpo",)), ("num_iterations", ("grpo",)),
+             ("temperature", ("grpo",)), ("top_p", ("grpo",)), ("top_k", ("grpo",)), ("min_p", ("grpo",)),
+             ("num_iterations", ("grpo",)),
              ("epsilon_high", ("grpo",)), ("scale_rewards", ("grpo",)), ("reward_weights", ("grpo",)),
              ("mask_truncated_completions", ("grpo",)), ("lora_r", ("grpo",)), ("lora_alpha", ("grpo",))]
 
