@@ -201,8 +201,7 @@ class Config(cli.SharedConfig):
     vllm_importance_sampling_clip_max: float | None = 3.0
     """the ratio's upper bound C_max (none: unbounded) (TRL's name and default) [> 0]"""
     vllm_importance_sampling_clip_min: float | None = None
-    """the ratio's lower bound C_min (none: unbounded; TRL's default; IcePop uses 0.5 with C_max 5) (TRL's name)
-    [>= 0]"""
+    """the ratio's lower bound C_min (none: unbounded, TRL's default) (TRL's name) [>= 0]"""
     beta: float = 0.04
     """KL coefficient [>= 0]"""
     kl_estimator: KlEstimator = "k3"
