@@ -186,11 +186,12 @@ class Config(cli.SharedConfig):
     ceil(share x n) highest of all n, over all ranks), get the policy gradient (arXiv:2506.01939 keeps 0.2; 1: every
     token). TRL's top_entropy_quantile differs: floor(1 + q (n - 1)) tokens of each micro-batch by the current
     policy's entropy, which depends on how the batch is split (0, 1]"""
-    vllm_importance_sampling_correction: bool = True
+    vllm_importance_sampling_correction: bool = False
     """weight the policy term by the ratio pi_old / pi_rollout, pi_rollout the sampler's own log-probs, bounded as
-    --vllm_importance_sampling_mode says, to correct for the sampler's numerics differing from the trainer's
-    (TRL's name and default, made for vLLM rollouts; here sampling.py's: in fp32 on the CPU the ratio is 1 up to
-    float noise; their gap is logged as rollout/logp_diff either way)"""
+    --vllm_importance_sampling_mode says, to correct for the sampler's numerics differing from the trainer's (TRL's
+    name; TRL turns it on for vLLM's rollouts. Off here: the sampler is the trainer's own model, in fp32 on the CPU
+    the ratio is 1 up to float noise, which it would only add; turn it on for bf16 on a GPU. Their gap is logged
+    as rollout/logp_diff either way)"""
     vllm_importance_sampling_mode: IsMode = "sequence_mask"
     """token_truncate (TIS: each token's ratio clamped to the bounds, Yao et al. 2025), token_mask (IcePop: a
     token's ratio outside them gets no gradient, arXiv:2510.18855), sequence_truncate / sequence_mask (one ratio

@@ -274,7 +274,8 @@ def test_dppo_maxrl_and_icepop_train_a_llama_and_log_no_gap(tmp_path, user_model
                      "--reward_fn", "digits", "--steps", "2", "--prompts_per_step", "4", "--group_size", "4",
                      "--max_new_tokens", "6", "--max_prompt_len", "64", "--n_eval", "4", "--eval_every", "2",
                      "--loss_type", "dppo_kl", "--epsilon_low", "0.05", "--epsilon_high", "0.05",
-                     "--adv_estimator", "maxrl", "--scale_rewards", "none", "--vllm_importance_sampling_mode",
+                     "--adv_estimator", "maxrl", "--scale_rewards", "none", "--vllm_importance_sampling_correction",
+                     "--vllm_importance_sampling_mode",
                      "token_mask", "--vllm_importance_sampling_clip_min", "0.3333", "--out_dir", str(tmp_path / "run")])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     steps = [r for r in read_metrics(tmp_path / "run") if "loss" in r]

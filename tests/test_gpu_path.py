@@ -47,7 +47,8 @@ def test_grpo_math_runs_on_one_device_without_host_syncs():
     assert loss.device.type == "meta" and all(torch.is_tensor(v) and v.device.type == "meta" for v in m.values())
     # the variants: every policy term and ratio level, the masks and weights, the advantage estimators
     adv = torch.zeros(6, device="meta")
-    cfg = replace(cli.with_defaults(grpo.Config()), off_policy_mask_threshold=0.5, vllm_importance_sampling_clip_min=0.5)
+    cfg = replace(cli.with_defaults(grpo.Config()), off_policy_mask_threshold=0.5, vllm_importance_sampling_correction=True,
+                  vllm_importance_sampling_clip_min=0.5)
     for mode in grpo.IS_MODES:  # the policy term's weights: every mask and correction at once
         w, wm = grpo.policy_weights(replace(cfg, vllm_importance_sampling_mode=mode), lp, lp, lp, adv, mask=mask,
                                     keep=grpo.top_entropy_mask(lp, mask, 0.2, META, width=7), n_tokens=mask.sum())
