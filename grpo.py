@@ -10,10 +10,10 @@ penalty against a reference policy (GRPO Eq. 3 and 4):
 
 Every variant is a flag that changes a few visible lines (--help names its paper, and whose name
 the flag is: TRL's, else verl's); the functions below carry the equations: the policy term
-(`policy_loss`: clipped surrogate, CISPO, SAPO), the ratio per token or sequence (GSPO),
-advantages (GRPO, RLOO, REINFORCE++), KL estimators, aggregation (Dr. GRPO), rejection sampling
+(`policy_loss`: clipped surrogate, CISPO, SAPO, DPPO), the ratio per token or sequence (GSPO),
+advantages (GRPO, RLOO, REINFORCE++, MaxRL), KL estimators, aggregation (Dr. GRPO), rejection sampling
 (RSO), DAPO's dynamic sampling and overlong term, and weights of the policy term (DeepSeek-V3.2's
-off-policy mask, high-entropy tokens, truncated importance sampling); with --teacher, on-policy
+off-policy mask, high-entropy tokens, the sampler-trainer corrections: TIS, IcePop); with --teacher, on-policy
 distillation (`distill_advantages`: a per-token advantage from a teacher's log-probs); with --tools,
 calls to a tool inside the rollout (sampling.py), whose result tokens the loss leaves out.
 
