@@ -26,6 +26,9 @@ VARIANTS = {
         "cispo": ["--loss_type", "cispo", "--epsilon_high", "5"],  # the IS weight capped at 5 (ScaleRL's, TRL's)
         "sapo": ["--loss_type", "sapo"],
         "rloo": ["--adv_estimator", "rloo", "--scale_rewards", "none"],
+        "dppo_tv": ["--loss_type", "dppo_tv", "--epsilon_low", "0.15", "--epsilon_high", "0.15"],  # verl's DPPO recipe
+        "dppo_kl": ["--loss_type", "dppo_kl", "--epsilon_low", "0.05", "--epsilon_high", "0.05"],
+        "maxrl": ["--adv_estimator", "maxrl", "--scale_rewards", "none"],
         "dynamic_sampling": ["--dynamic_sampling"],
     },
     "dpo": {  # beta 0.3 (dpo.py's default) where the scale is a summed log-ratio
