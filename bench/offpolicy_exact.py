@@ -1,0 +1,296 @@
+"""The sampler-trainer gap, measured exactly: each off-policy correction's bias and variance.
+
+A policy small enough to enumerate every response: T tokens from a vocabulary of V (N = V**T
+sequences), an autoregressive softmax with a logits table per prefix (theta, (S, V), S = 1 + V +
+... + V**(T-1) prefixes), a fixed reward per sequence. The sampler draws from mu, the trainer
+computes pi; a known gap is injected between them:
+    noise        mu = softmax(theta + eps * z), z a fixed standard normal table (kernels, precision)
+    temperature  mu = softmax(theta / tau), the trainer at temperature 1 (a mismatched setting)
+    top_p        mu = pi truncated to the top-p set and renormalised at each position (sample_token's rule)
+Each correction is the training code's own policy term (grpo.importance_ratio, grpo.policy_loss:
+one pass, so rho = 1 with its gradient, grpo.py's departure 3) times its weights (grpo.py's
+functions), one loss per sequence summed over its tokens (every sequence has T tokens, so the
+trainer's token mean is this times a constant). Advantage A(y) = R(y) - E_mu[R]: the group mean of
+a large group drawn by the sampler, without the std (a constant factor).
+
+For every correction, by enumeration: the estimator g(y) = -grad of y's loss, its expectation
+E_mu[g] = sum_y mu(y) g(y) and its variance per sample sum_y mu(y) ||g(y) - E_mu[g]||^2, against
+the exact gradient of the objective the correction claims to optimise (autograd of sum_y p(y) R(y)):
+the full policy's, p = pi; for the replayed truncation (the trainer truncates its own pi with the
+sampler's rule), the truncated policy's. Bias = ||E_mu[g] - g_true|| / ||g_true||; variance is
+shown relative to the on-policy estimator's (no gap, no correction) on the same instance. Both are
+averaged over --instances random policies, rewards and noise tables.
+
+    python bench/offpolicy_exact.py                # runs/offpolicy_exact/: table (.md, .json), figure (.png)
+    python bench/offpolicy_exact.py --out plots    # the copies docs/offpolicy.md shows
+"""
+import argparse
+import json
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import grpo  # noqa: E402
+
+CAP = 3.0  # the TIS cap: grpo.py's --vllm_importance_sampling_clip_max default
+OFF_POLICY_THRESHOLD = 0.05  # DeepSeek-V3.2's mask: mean token log(mu / pi) above this, with A < 0
+EPS_LOW, EPS_HIGH = 0.2, 0.28  # grpo.py's clip range (inactive in one pass: rho = 1)
+
+# the gaps: the sampler's setting at each size, the trainer at temperature 1 and no truncation
+GAPS = {
+    "noise": (0.0, 0.05, 0.1, 0.2, 0.4, 0.7, 1.0),  # eps, the std of the logit noise
+    "temperature": (1.0, 1.05, 1.1, 1.2, 1.35, 1.5),  # tau, the sampler's temperature
+    "top_p": (1.0, 0.99, 0.95, 0.9, 0.8, 0.7),  # p, the sampler's nucleus
+}
+GAP_LABELS = {"noise": "logit noise std eps", "temperature": "sampler temperature - 1", "top_p": "1 - top_p"}
+
+
+# -----------------------------------------------------------------------------
+# the enumerated policy
+
+
+def enumerate_sequences(V, T):
+    """Every sequence (N, T), N = V**T, and the row of theta each token is drawn from (N, T): the
+    prefix y_<t, numbered T-level by level (the empty prefix 0, then the V one-token prefixes, ...)."""
+    seqs = torch.cartesian_prod(*[torch.arange(V)] * T).reshape(-1, T)  # (N, T)
+    prefix = torch.zeros_like(seqs)
+    offset, code = 0, torch.zeros(seqs.shape[0], dtype=torch.long)
+    for t in range(T):
+        prefix[:, t] = offset + code
+        offset += V ** t
+        code = code * V + seqs[:, t]
+    return seqs, prefix
+
+
+def truncate(logits, top_p):
+    """The logits (..., V) with the tokens outside the top-p set at -inf: sampling.sample_token's rule
+    (keep the smallest set of most likely tokens whose mass reaches top_p), in float64."""
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
+    probs = sorted_logits.softmax(-1)
+    drop = probs.cumsum(-1) - probs > top_p
+    return logits.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
+
+
+def table_probs(logits_table, temperature=1.0, top_p=1.0):
+    """Next-token probabilities (S, V) of every prefix under a sampler's settings."""
+    return truncate(logits_table / temperature, top_p).softmax(-1)
+
+
+def sequence_probs(probs, seqs, prefix):
+    """p(y) (N,) of every sequence: the product of its tokens' probabilities (no log: exact zeros)."""
+    return probs[prefix, seqs].prod(-1)
+
+
+def instance(V, T, scale, seed):
+    """A random policy: theta (S, V) ~ N(0, scale^2), rewards (N,) ~ N(0, 1), a noise table z (S, V)."""
+    g = torch.Generator().manual_seed(seed)
+    S = sum(V ** t for t in range(T))
+    theta = scale * torch.randn(S, V, generator=g, dtype=torch.float64)
+    rewards = torch.randn(V ** T, generator=g, dtype=torch.float64)
+    noise = torch.randn(S, V, generator=g, dtype=torch.float64)
+    return theta, rewards, noise
+
+
+def behaviour_logits(theta, noise, gap, size):
+    """The sampler's logits table, temperature and top_p for a gap of this size."""
+    if gap == "noise":
+        return theta + size * noise, 1.0, 1.0
+    if gap == "temperature":
+        return theta, size, 1.0
+    if gap == "top_p":
+        return theta, 1.0, size
+    raise ValueError(f"unknown gap {gap!r}, expected one of {tuple(GAPS)}")
+
+
+# -----------------------------------------------------------------------------
+# the corrections: the trainer's policy term times grpo.py's weights
+
+
+def policy_term(logps, A, mask, weights=None):
+    """The loss of each sequence (N,): grpo.py's policy term in one pass (old = logps.detach(), so
+    rho = 1 with its gradient), times the correction's weights, summed over the sequence's tokens."""
+    rho = grpo.importance_ratio(logps, logps.detach(), mask, "token")
+    pg = grpo.policy_loss(rho, logps, A[:, None], "grpo", epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH)
+    return ((pg if weights is None else pg * weights) * mask).sum(-1)
+
+
+def seq_sum(x):
+    return x.sum(-1, keepdim=True)  # (N, 1): a sequence's log-prob, the sum of its tokens'
+
+
+# name: (loss of each sequence from (logps, rollout_logps, A, mask), whether the trainer replays the
+# sampler's truncation on its own logits). logps carry the gradient; rollout_logps are the sampler's.
+CORRECTIONS = {
+    "none": (lambda lp, rl, A, m: policy_term(lp, A, m), False),
+    # the full importance weight pi(y) / mu(y), uncapped: the product of the token ratios
+    "full_is": (lambda lp, rl, A, m: policy_term(lp, A, m, grpo.truncated_is_weights(
+        seq_sum(lp.detach()), seq_sum(rl), math.inf)), False),
+    "token_tis": (lambda lp, rl, A, m: policy_term(lp, A, m, grpo.truncated_is_weights(lp.detach(), rl, CAP)), False),
+    "deepseek_mask": (lambda lp, rl, A, m: policy_term(lp, A, m, grpo.off_policy_mask(
+        lp, rl, A, m, OFF_POLICY_THRESHOLD)), False),
+    "replay": (lambda lp, rl, A, m: policy_term(lp, A, m), True),
+}
+
+
+# -----------------------------------------------------------------------------
+# exact expectation and variance
+
+
+def per_sample_grads(theta, seqs, prefix, loss_fn, rollout_logps, A, top_p=1.0):
+    """g (N, S * V): minus the gradient of each sequence's loss with respect to theta.
+
+    The loss of sequence n depends on theta only through its own token log-probs logps[n] (T,), so
+    g[n] = -sum_t dloss_n/dlogps[n, t] * dlogps[n, t]/dtheta: the first factor from autograd through
+    the training code, the second in closed form for a softmax table, the row of the token's prefix
+    s getting onehot(y_t) - p(. | s) (p the trainer's distribution, truncated when it replays)."""
+    probs = table_probs(theta, 1.0, top_p)  # (S, V): the trainer's
+    logps = probs[prefix, seqs].log().detach().requires_grad_()  # (N, T)
+    mask = torch.ones_like(logps)
+    loss = loss_fn(logps, rollout_logps, A, mask)  # (N,)
+    (dloss,) = torch.autograd.grad(loss.sum(), logps)  # (N, T)
+    S, V = theta.shape
+    at = torch.nn.functional.one_hot(prefix, S).to(theta)  # (N, T, S)
+    score = torch.nn.functional.one_hot(seqs, V).to(theta) - probs[prefix]  # (N, T, V)
+    return -torch.einsum("nt,nts,ntv->nsv", dloss, at, score).reshape(len(seqs), S * V)
+
+
+def true_gradient(theta, seqs, prefix, rewards, top_p=1.0):
+    """The gradient (S * V,) of J = sum_y p(y) R(y) by autograd, p the policy truncated to top_p."""
+    theta = theta.detach().requires_grad_()
+    J = (sequence_probs(table_probs(theta, 1.0, top_p), seqs, prefix) * rewards).sum()
+    return torch.autograd.grad(J, theta)[0].reshape(-1)
+
+
+def exact_moments(mu, g):
+    """E_mu[g] (P,) and the variance per sample, the trace of g's covariance under mu."""
+    mean = mu @ g
+    return mean, mu @ ((g - mean) ** 2).sum(-1)
+
+
+def measure(theta, rewards, noise, gap, size, seqs, prefix, corrections=None):
+    """{correction: (E_mu[g], variance, g_true)} at one gap size, and the gap's mean token KL(mu || pi)."""
+    logits, temperature, top_p = behaviour_logits(theta, noise, gap, size)
+    mu_table = table_probs(logits, temperature, top_p)
+    mu = sequence_probs(mu_table, seqs, prefix)
+    keep = mu > 0  # the sampler never draws the rest: they weigh nothing in any expectation
+    seqs_k, prefix_k, mu_k = seqs[keep], prefix[keep], mu[keep]
+    rollout_logps = mu_table[prefix_k, seqs_k].log()  # (n, T): what the sampler records
+    A = rewards[keep] - mu_k @ rewards[keep]  # R - E_mu[R]
+    out = {}
+    for name, (loss_fn, replay) in (corrections or CORRECTIONS).items():
+        p = top_p if replay else 1.0
+        g = per_sample_grads(theta, seqs_k, prefix_k, loss_fn, rollout_logps, A, top_p=p)
+        mean, var = exact_moments(mu_k, g)
+        out[name] = (mean, var, true_gradient(theta, seqs, prefix, rewards, top_p=p))
+    pi_table = table_probs(theta)
+    kl = (mu_table * (mu_table.clamp(min=1e-300).log() - pi_table.log())).sum(-1)  # (S,) per prefix
+    token_kl = mu @ kl[prefix].sum(-1) / seqs.shape[1]  # E_mu of the per-token KL along the sequence
+    return out, float(token_kl)
+
+
+def bias(mean, g_true):
+    return float((mean - g_true).norm() / g_true.norm())
+
+
+# -----------------------------------------------------------------------------
+# the study
+
+
+def run(V, T, scale, instances, seed, corrections=None):
+    """Per gap and size, per correction: the bias and the variance relative to on-policy's, each
+    averaged over the instances; and the mean token KL(mu || pi) of each gap size."""
+    seqs, prefix = enumerate_sequences(V, T)
+    names = list(corrections or CORRECTIONS)
+    rows = {gap: {"sizes": list(sizes), "kl": [0.0] * len(sizes), **{n: {"bias": [0.0] * len(sizes), "var": [0.0] * len(sizes)}
+                                                                     for n in names}} for gap, sizes in GAPS.items()}
+    for i in range(instances):
+        theta, rewards, noise = instance(V, T, scale, seed + i)
+        on_policy, _ = measure(theta, rewards, noise, "noise", 0.0, seqs, prefix, {"none": CORRECTIONS["none"]})
+        var0 = on_policy["none"][1]
+        for gap, sizes in GAPS.items():
+            for j, size in enumerate(sizes):
+                out, kl = measure(theta, rewards, noise, gap, size, seqs, prefix, corrections)
+                rows[gap]["kl"][j] += kl / instances
+                for n, (mean, var, g_true) in out.items():
+                    rows[gap][n]["bias"][j] += bias(mean, g_true) / instances
+                    rows[gap][n]["var"][j] += float(var / var0) / instances
+    return rows
+
+
+def gap_x(gap, sizes):
+    return [s - 1 if gap == "temperature" else 1 - s if gap == "top_p" else s for s in sizes]
+
+
+def table(rows, names):
+    """A markdown table per gap: a row per correction, 'bias / variance' at each gap size."""
+    lines = []
+    for gap, r in rows.items():
+        xs = gap_x(gap, r["sizes"])
+        lines += [f"**{gap}** ({GAP_LABELS[gap]}; mean token KL(mu || pi) below each size)", "",
+                  "| correction | " + " | ".join(f"{x:g} (KL {k:.2g})" for x, k in zip(xs, r["kl"])) + " |",
+                  "|---|" + "---|" * len(xs)]
+        for n in names:
+            lines.append(f"| {n} | " + " | ".join(f"{b:.3f} / {v:.2f}" for b, v in zip(r[n]["bias"], r[n]["var"])) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def figure(rows, names, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(2, len(rows), figsize=(5.2 * len(rows), 7.2), squeeze=False)
+    styles = ["-", "--", ":", "-."]
+    for c, (gap, r) in enumerate(rows.items()):
+        xs = gap_x(gap, r["sizes"])
+        for k, n in enumerate(names):
+            kw = dict(label=n, marker="o", markersize=3, linestyle=styles[k % len(styles)])
+            axes[0, c].plot(xs, r[n]["bias"], **kw)
+            axes[1, c].plot(xs, r[n]["var"], **kw)
+        axes[0, c].set_title(f"gap: {gap}")
+        axes[0, c].set_ylabel("bias ||E[g] - g_true|| / ||g_true||")
+        axes[1, c].set_ylabel("variance per sample / on-policy's")
+        axes[1, c].set_yscale("log")
+        for ax in axes[:, c]:
+            ax.set_xlabel(GAP_LABELS[gap])
+            ax.grid(alpha=0.3)
+    axes[0, 0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--V", type=int, default=5, help="vocabulary size")
+    p.add_argument("--T", type=int, default=3, help="tokens per sequence (V**T sequences are enumerated)")
+    p.add_argument("--scale", type=float, default=1.5, help="std of the policy's logits")
+    p.add_argument("--instances", type=int, default=16, help="random policies averaged over")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=os.path.join("runs", "offpolicy_exact"),
+                   help="folder for offpolicy_exact.{md,json,png} (plots: the copies docs/offpolicy.md shows)")
+    args = p.parse_args()
+    if args.V < 2 or args.T < 1 or args.V ** args.T > 5000 or args.instances < 1:
+        raise SystemExit(f"--V {args.V} --T {args.T} --instances {args.instances}: need V >= 2, T >= 1, "
+                         "V**T <= 5000 sequences, instances >= 1")
+    torch.set_num_threads(1)
+    rows = run(args.V, args.T, args.scale, args.instances, args.seed)
+    names = list(CORRECTIONS)
+    text = table(rows, names)
+    print(text)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "offpolicy_exact.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(args.out, "offpolicy_exact.json"), "w") as f:
+        json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    figure(rows, names, os.path.join(args.out, "offpolicy_exact.png"))
+    print(f"wrote {args.out}/offpolicy_exact.{{md,json,png}}")
+
+
+if __name__ == "__main__":
+    main()
