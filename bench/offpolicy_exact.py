@@ -201,20 +201,29 @@ def bias(mean, g_true):
 # the study
 
 
-def run(V, T, scale, instances, seed, corrections=None):
+def applies(name, gap, corrections=CORRECTIONS):
+    """Replaying the sampler's truncation is the identity where the sampler truncates nothing."""
+    return gap == "top_p" or not corrections[name][1]
+
+
+def run(V, T, scale, instances, seed, corrections=CORRECTIONS):
     """Per gap and size, per correction: the bias and the variance relative to on-policy's, each
-    averaged over the instances; and the mean token KL(mu || pi) of each gap size."""
+    averaged over the instances; the mean token KL(mu || pi) of each gap size; and the on-policy
+    estimator's variance per sample over ||g_true||^2 (its noise-to-signal for one sequence)."""
     seqs, prefix = enumerate_sequences(V, T)
-    names = list(corrections or CORRECTIONS)
-    rows = {gap: {"sizes": list(sizes), "kl": [0.0] * len(sizes), **{n: {"bias": [0.0] * len(sizes), "var": [0.0] * len(sizes)}
-                                                                     for n in names}} for gap, sizes in GAPS.items()}
+    rows = {gap: {"sizes": list(sizes), "kl": [0.0] * len(sizes),
+                  **{n: {"bias": [0.0] * len(sizes), "var": [0.0] * len(sizes)} for n in corrections if applies(n, gap, corrections)}}
+            for gap, sizes in GAPS.items()}
+    rows["on_policy_noise_to_signal"] = 0.0
     for i in range(instances):
         theta, rewards, noise = instance(V, T, scale, seed + i)
         on_policy, _ = measure(theta, rewards, noise, "noise", 0.0, seqs, prefix, {"none": CORRECTIONS["none"]})
-        var0 = on_policy["none"][1]
+        _, var0, g0 = on_policy["none"]
+        rows["on_policy_noise_to_signal"] += float(var0 / g0.norm() ** 2) / instances
         for gap, sizes in GAPS.items():
+            todo = {n: c for n, c in corrections.items() if applies(n, gap, corrections)}
             for j, size in enumerate(sizes):
-                out, kl = measure(theta, rewards, noise, gap, size, seqs, prefix, corrections)
+                out, kl = measure(theta, rewards, noise, gap, size, seqs, prefix, todo)
                 rows[gap]["kl"][j] += kl / instances
                 for n, (mean, var, g_true) in out.items():
                     rows[gap][n]["bias"][j] += bias(mean, g_true) / instances
@@ -229,12 +238,13 @@ def gap_x(gap, sizes):
 def table(rows, names):
     """A markdown table per gap: a row per correction, 'bias / variance' at each gap size."""
     lines = []
-    for gap, r in rows.items():
+    for gap in GAPS:
+        r = rows[gap]
         xs = gap_x(gap, r["sizes"])
         lines += [f"**{gap}** ({GAP_LABELS[gap]}; mean token KL(mu || pi) below each size)", "",
                   "| correction | " + " | ".join(f"{x:g} (KL {k:.2g})" for x, k in zip(xs, r["kl"])) + " |",
                   "|---|" + "---|" * len(xs)]
-        for n in names:
+        for n in (n for n in names if n in r):
             lines.append(f"| {n} | " + " | ".join(f"{b:.3f} / {v:.2f}" for b, v in zip(r[n]["bias"], r[n]["var"])) + " |")
         lines.append("")
     return "\n".join(lines)
@@ -244,22 +254,28 @@ def figure(rows, names, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(2, len(rows), figsize=(5.2 * len(rows), 7.2), squeeze=False)
+    from matplotlib.ticker import ScalarFormatter
+    fig, axes = plt.subplots(2, len(GAPS), figsize=(5.2 * len(GAPS), 7.6), squeeze=False)
     styles = ["-", "--", ":", "-."]
-    for c, (gap, r) in enumerate(rows.items()):
+    for c, gap in enumerate(GAPS):
+        r = rows[gap]
         xs = gap_x(gap, r["sizes"])
         for k, n in enumerate(names):
-            kw = dict(label=n, marker="o", markersize=3, linestyle=styles[k % len(styles)])
+            if n not in r:
+                continue
+            kw = dict(label=n, marker="o", markersize=3, linestyle=styles[k % len(styles)], color=f"C{k}")
             axes[0, c].plot(xs, r[n]["bias"], **kw)
             axes[1, c].plot(xs, r[n]["var"], **kw)
         axes[0, c].set_title(f"gap: {gap}")
         axes[0, c].set_ylabel("bias ||E[g] - g_true|| / ||g_true||")
         axes[1, c].set_ylabel("variance per sample / on-policy's")
         axes[1, c].set_yscale("log")
+        axes[1, c].yaxis.set_major_formatter(ScalarFormatter())
+        axes[1, c].yaxis.set_minor_formatter(ScalarFormatter())
         for ax in axes[:, c]:
             ax.set_xlabel(GAP_LABELS[gap])
             ax.grid(alpha=0.3)
-    axes[0, 0].legend(fontsize=8)
+    axes[0, -1].legend(fontsize=8)  # the panel with every correction
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -281,7 +297,9 @@ def main():
     torch.set_num_threads(1)
     rows = run(args.V, args.T, args.scale, args.instances, args.seed)
     names = list(CORRECTIONS)
-    text = table(rows, names)
+    text = (f"V = {args.V}, T = {args.T}, logit scale {args.scale}, mean over {args.instances} instances; each cell: bias / "
+            f"variance per sample relative to the on-policy estimator's, whose own variance is "
+            f"{rows['on_policy_noise_to_signal']:.1f} x ||g_true||^2\n\n" + table(rows, names))
     print(text)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "offpolicy_exact.md"), "w") as f:
