@@ -406,11 +406,14 @@ def _accepts(model, arg):
 
 
 def response_logprobs(model, input_ids, attention_mask, n_response, temperature=1.0, with_entropy=False,
-                      entropy_grad=False):
+                      entropy_grad=False, truncate=None):
     """Per-token log-probs of the response block, (B, R), at the sampling temperature, from one
     forward with position ids (GPT-2 does not derive them from the mask); with_entropy: also each
     position's entropy, detached unless entropy_grad. Position t predicts token t+1: only the R
-    positions before the response are computed (`logits_to_keep`), never a (B, P+R, V) tensor."""
+    positions before the response are computed (`logits_to_keep`), never a (B, P+R, V) tensor.
+    truncate: fn(logits, labels) -> logits with the tokens a sampler's rule drops at -inf
+    (sampling.truncation): the log-probs are then the truncated policy's, renormalised on what it
+    keeps; the entropy stays the full distribution's (a -inf logit has no entropy term to add)."""
     kw = dict(input_ids=input_ids, attention_mask=attention_mask,
               position_ids=position_ids_from_mask(attention_mask), use_cache=False)
     T, keep = input_ids.shape[1], slice(-(n_response + 1), -1)
@@ -419,7 +422,8 @@ def response_logprobs(model, input_ids, attention_mask, n_response, temperature=
     logits = model(**kw).logits[:, keep]  # (B, R, V)
     if temperature != 1.0:
         logits = logits / temperature
-    logps = logprobs_from_logits(logits, input_ids[:, -n_response:])  # (B, R)
+    labels = input_ids[:, -n_response:]
+    logps = logprobs_from_logits(logits if truncate is None else truncate(logits, labels), labels)  # (B, R)
     if not with_entropy:
         return logps
     with nullcontext() if entropy_grad else torch.no_grad():

@@ -195,7 +195,8 @@ class Rollout:
     p_mask: torch.Tensor  # (N, P)
     r_ids: torch.Tensor  # (N, R)
     r_mask: torch.Tensor  # (N, R) 1 up to and including the stop token
-    r_logps: torch.Tensor  # (N, R) the sampler's log-probs of its tokens
+    r_logps: torch.Tensor  # (N, R) the sampler's log-probs of its tokens under what it drew from (the behaviour
+    #   policy: truncated by --top_k / --top_p / --min_p and renormalised), what every ratio against the sampler reads
     r_tool: torch.Tensor  # (N, R) 1 on a tool's tokens (--tools): attended to, never trained on
     stopped: torch.Tensor  # (N,) ended with EOS, an end-of-turn id or the truncate token
     prompt_idx: torch.Tensor  # (N,) each row's prompt: its row in the data set
@@ -248,7 +249,7 @@ def sample(model, env, prompts, u, temperature, cfg, d):
     p_ids, _ = sampling.encode_prompts(env.tokenizer, prompts, cfg.max_prompt_len)
     p_ids, p_mask = (t.to(d.device) for t in common.pad(p_ids, env.tokenizer.pad_token_id, side="left"))  # (N, P)
     kw = dict(eos_id=env.stop_ids[0], pad_id=env.tokenizer.pad_token_id, temperature=temperature, top_k=cfg.top_k,
-              top_p=cfg.top_p, stop_ids=env.stop_ids[1:], uniforms=u, compile=cfg.compile)
+              top_p=cfg.top_p, min_p=cfg.min_p, stop_ids=env.stop_ids[1:], uniforms=u, compile=cfg.compile)
     with common.autocast(d):
         if env.tool is None:
             r_ids, r_mask, r_logps = sampling.generate(model, p_ids, p_mask, cfg.max_new_tokens, return_logprobs=True, **kw)
@@ -320,7 +321,7 @@ def score_texts(env, rows, own_prompts, texts, ids, numbers, source, cfg, d):
 
 def evaluate_rewards(model, env, held, cfg, d):
     """Held-out prompts (grpo_evals' `prompts`) answered greedily and sampled as the rollouts sample
-    (--temperature, --top_k, --top_p, with draws seeded by --seed alone: the same at every
+    (--temperature, --top_k, --top_p, --min_p, with draws seeded by --seed alone: the same at every
     evaluation, on any number of ranks), each completion scored as in the rollouts (score_texts).
     The weighted reward and each reward's mean, None left out, under TRL's names with this
     project's eval/ prefix: eval/reward and eval/rewards/<name>/mean sampled (TRL evaluates with

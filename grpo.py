@@ -89,6 +89,17 @@ class Config(cli.SharedConfig):
     """sample from the k most likely tokens only (0: all) [>= 0]"""
     top_p: float = 1.0
     """nucleus sampling threshold (1: off) (0, 1]"""
+    min_p: float = 0.0
+    """min-p sampling (arXiv:2407.01082): keep the tokens at least min_p x as likely as the most likely one, applied
+    before --top_k and --top_p as vLLM orders them (0: off) [0, 1)"""
+    sampling_replay: bool = True
+    """under --top_k / --top_p / --min_p the sampler draws from the truncated, renormalised distribution and records
+    its log-probs (the behaviour policy's); replay: the trainer applies the same rule to its own logits (fp32, the
+    sampled token always kept), so the loss, its ratios and KL are those of the truncated policy, the one that
+    sampled, and rollout/logp_diff is numerics only. --no-sampling_replay: the trainer optimises the full policy, and
+    only --vllm_importance_sampling_correction (pi_full / pi_truncated) corrects for the truncation, never for the
+    dropped tokens, which are never sampled (prime-rl's sampling replay, its PR #2601; DeepSeek-V3.2's Keep Sampling
+    Mask, arXiv:2512.02556 Sec. 3.1; no effect without truncation)"""
     truncate_token: str = ""
     """a string of one token: generation also stops at it, and tokens after it are masked"""
     compile: bool = False
@@ -591,15 +602,25 @@ def refresh_reference(ref, model):
         p_ref.copy_(p)
 
 
+def replayed(cfg):
+    """How the trainer computes a model's log-probs of the sampled tokens: at the sampling temperature,
+    and with --sampling_replay under the sampler's truncation (sampling.truncation, None without one),
+    for the policy, its old self, the reference and the teacher alike: the KL and the distillation
+    compare the policies as they sample, and a policy equal to its reference has KL 0."""
+    return dict(temperature=cfg.temperature,
+                truncate=sampling.truncation(cfg.top_k, cfg.top_p, cfg.min_p) if cfg.sampling_replay else None)
+
+
 @torch.no_grad()
-def batched_logprobs(model, ids, attn, n_response, temperature, d, rows_per_forward, with_entropy=False):
+def batched_logprobs(model, ids, attn, n_response, temperature, d, rows_per_forward, with_entropy=False, truncate=None):
     """Log-probs of the response block of every row, in chunks (no graph); with_entropy: and the
-    entropy of each position's distribution."""
+    entropy of each position's distribution; truncate: common.response_logprobs' knob."""
     out = []
     for i in range(0, ids.shape[0], rows_per_forward):
         with common.autocast(d):
             out.append(common.response_logprobs(model, ids[i:i + rows_per_forward], attn[i:i + rows_per_forward],
-                                                n_response, temperature=temperature, with_entropy=with_entropy))
+                                                n_response, temperature=temperature, with_entropy=with_entropy,
+                                                truncate=truncate))
     if with_entropy:
         return tuple(torch.cat([o[j] for o in out]).float() for j in (0, 1))
     return torch.cat(out).float()
@@ -763,15 +784,15 @@ def main(cfg):
         # 3. advantages, after the reference (and, for mu > 1 or several mini-batches, the
         #    rollout policy's) log-probs, in the precision of training
         with reference_context(model, ref):
-            ref_logps = batched_logprobs(model if ref is None else ref, ids, attn, R, temperature=cfg.temperature, d=d,
+            ref_logps = batched_logprobs(model if ref is None else ref, ids, attn, R, **replayed(cfg), d=d,
                                          rows_per_forward=micro)  # (rows_local, R)
         old_logps = keep = None  # keep: the tokens that get the policy gradient (--top_entropy_share)
         if cfg.top_entropy_share < 1:
-            old_logps, entropy = batched_logprobs(model, ids, attn, R, temperature=cfg.temperature, d=d,
+            old_logps, entropy = batched_logprobs(model, ids, attn, R, **replayed(cfg), d=d,
                                                   rows_per_forward=micro, with_entropy=True)
             keep = top_entropy_mask(entropy, loss_mask, cfg.top_entropy_share, d, cfg.max_new_tokens)
         elif cfg.num_iterations > 1 or cfg.num_mini_batches > 1 or cfg.kl_in_reward or cfg.teacher:  # else old = pi
-            old_logps = batched_logprobs(model, ids, attn, R, temperature=cfg.temperature, d=d, rows_per_forward=micro)
+            old_logps = batched_logprobs(model, ids, attn, R, **replayed(cfg), d=d, rows_per_forward=micro)
         if cfg.kl_in_reward:  # beta * sum_t KL_t of each sequence, taken from its reward (the loss has none)
             parts["kl_penalty"] = cfg.beta * (kl_per_token(old_logps, ref_logps, old_logps, cfg.kl_estimator)
                                               * own).sum(-1)  # logged as reward/kl_penalty
@@ -781,7 +802,7 @@ def main(cfg):
                                             lengths=loss_mask.sum(-1).view(n_local, cfg.group_size))
         adv = adv.flatten()  # (rows_local,)
         if env.teacher is not None:  # on-policy distillation: each token's advantage, (rows_local, R)
-            teacher_logps = batched_logprobs(env.teacher, ids, attn, R, temperature=cfg.temperature, d=d,
+            teacher_logps = batched_logprobs(env.teacher, ids, attn, R, **replayed(cfg), d=d,
                                              rows_per_forward=micro)
             adv = adv[:, None] + distill_advantages(teacher_logps, old_logps, loss_mask, cfg.teacher_coef)
             sums["distill/reverse_kl"] = ((old_logps - teacher_logps) * loss_mask).sum() / (rows_local * d.world_size)
@@ -805,7 +826,7 @@ def main(cfg):
                 for k in range(cfg.grad_accum):
                     r = mb_rows[k * micro:(k + 1) * micro]
                     with common.autocast(d):
-                        logps, entropy = common.response_logprobs(model, ids[r], attn[r], R, cfg.temperature,
+                        logps, entropy = common.response_logprobs(model, ids[r], attn[r], R, **replayed(cfg),
                                                                   with_entropy=True,
                                                                   entropy_grad=cfg.entropy_coef != 0)  # (micro, R)
                     logps, mask = logps.float(), loss_mask[r].float()

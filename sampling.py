@@ -29,22 +29,72 @@ def rollout_uniforms(n_rows, n_tokens, seed):
 NAN_LOGITS = "sample_token: logits with NaN or +inf, or all -inf (a diverged model, or a bad --top_k/--top_p mask)"
 
 
-def sample_token(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None, u=None, bad=None):
+# -----------------------------------------------------------------------------
+# the truncation rule (--min_p, --top_k, --top_p), once: the sampler draws from the distribution it
+# keeps, and the trainer replays it on its own logits (grpo.py --sampling_replay) so that both compute
+# the log-probs of one policy, the behaviour policy that sampled
+
+
+def kept_tokens(logits, top_k=0, top_p=1.0, min_p=0.0):
+    """Which tokens the rule keeps, bool (..., V), from fp32 logits at the temperature, in vLLM's
+    order: min-p on the whole distribution (p >= min_p x the largest p), then the top_k most likely,
+    then the smallest set of the most likely of those whose probability, renormalised, reaches
+    top_p. Ties at the k-th logit are all kept."""
+    keep = torch.ones_like(logits, dtype=torch.bool)
+    if min_p > 0:
+        probs = logits.softmax(-1)
+        keep &= ~(probs < min_p * probs.amax(-1, keepdim=True))
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        keep &= ~(logits < kth)  # not >=: a NaN logit stays, for the caller's check
+    if top_p < 1.0:
+        sorted_logits, idx = torch.sort(logits.masked_fill(~keep, float("-inf")), descending=True, dim=-1)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest set reaching top_p
+        keep &= ~drop.scatter(-1, idx, drop)
+    return keep
+
+
+def truncate_logits(logits, labels=None, top_k=0, top_p=1.0, min_p=0.0, chunk_rows=4096):
+    """fp32 logits (..., V) at the temperature with the tokens kept_tokens drops at -inf: their
+    log_softmax is the behaviour policy's log-prob, log(p / kept mass) on the kept set. The rule is
+    found without a gradient, row chunk by row chunk (a sort of V per row: one (chunk, V) at a
+    time); the gradient flows through the kept logits. labels (...): tokens kept whatever the rule
+    says (the trainer's replay: a sampled token its own logits would drop, where they differ from
+    the sampler's, keeps a finite log-prob, as prime-rl's replay keeps its labels)."""
+    logits = logits.float()
+    with torch.no_grad():
+        flat = logits.detach().reshape(-1, logits.shape[-1])
+        keep = torch.cat([kept_tokens(flat[i:i + chunk_rows], top_k, top_p, min_p)
+                          for i in range(0, flat.shape[0], chunk_rows)]).view(logits.shape)
+        if labels is not None:
+            keep.scatter_(-1, labels[..., None], True)
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def truncation(top_k=0, top_p=1.0, min_p=0.0):
+    """The rule as common.response_logprobs' `truncate` knob, fn(logits, labels) -> logits, or None
+    where it keeps every token (no sort, no copy)."""
+    if top_k <= 0 and top_p >= 1.0 and min_p <= 0:
+        return None
+    return functools.partial(truncate_logits, top_k=top_k, top_p=top_p, min_p=min_p)
+
+
+def sample_token(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None, u=None, bad=None, min_p=0.0,
+                 return_logprob=False):
     """One token per row from (B, V) logits (temperature 0: greedy), by inverting the float64 CDF
     with one uniform number per row (`u`, or from `generator`): torch.multinomial draws one per
     vocabulary entry, slow on CPU (bench/sampler.py). Non-finite logits raise, or with `bad` (a
-    bool tensor on the device) set it, for generate to raise after its loop (no sync per token)."""
+    bool tensor on the device) set it, for generate to raise after its loop (no sync per token).
+    return_logprob: also the token's log-prob under the distribution it was drawn from, (B,): at
+    the temperature, truncated to what the rule keeps and renormalised (greedy: log softmax(logits))."""
     if temperature == 0:
-        return logits.argmax(-1)
+        tok = logits.argmax(-1)
+        return (tok, torch.log_softmax(logits.float(), -1).gather(-1, tok[:, None]).squeeze(-1)) if return_logprob \
+            else tok
     logits = logits.float() if temperature == 1.0 else logits.float() / temperature
-    if top_k > 0:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) > top_p  # keep the smallest set reaching top_p
-        logits = logits.masked_fill(drop.scatter(1, idx, drop), float("-inf"))
+    if top_k > 0 or top_p < 1.0 or min_p > 0:
+        logits = logits.masked_fill(~kept_tokens(logits, top_k, top_p, min_p), float("-inf"))
     cdf = logits.softmax(-1).double().cumsum(-1)  # (B, V)
     total = cdf[:, -1:]  # (B, 1) ~1; NaN if a row had no finite logit
     finite = torch.isfinite(total).all()
@@ -61,7 +111,10 @@ def sample_token(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None, u=
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
     # clamped: a NaN row would give index V, an out-of-range id that the next forward's embedding
     # lookup turns into a CUDA device-side assert (which leaves the context unusable)
-    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
+    tok = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
+    if return_logprob:
+        return tok, torch.log_softmax(logits, -1).gather(-1, tok[:, None]).squeeze(-1)
+    return tok
 
 
 def _next_logits(model, input_ids, attention_mask, position_ids, cache, kw):
@@ -153,12 +206,13 @@ def _fill_cache(cache, prefill, inverse, P):
 
 @torch.no_grad()
 def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, temperature=1.0, top_k=0,
-             top_p=1.0, stop_ids=(), generator=None, compile=False, uniforms=None, return_logprobs=False):
+             top_p=1.0, stop_ids=(), generator=None, compile=False, uniforms=None, return_logprobs=False, min_p=0.0):
     """Sample responses to left-padded prompts (greedy output equals model.generate's; under FSDP
     call it inside `unsharded`). Random numbers: `uniforms` (B, >= max_new_tokens), column t for
     token t, or `generator`. Returns ids (B, R) right-padded with pad_id and a mask (B, R), 1 up to
     and including the first stop id, R <= max_new_tokens; return_logprobs: also each token's
-    log-prob at the temperature from the sampler's own logits (the trainer measures the gap).
+    log-prob under the distribution it was drawn from (the behaviour policy: at the temperature,
+    truncated by top_k / top_p / min_p and renormalised, sample_token), from the sampler's own logits.
     Against model.generate (bench/sampler.py): 1. each distinct prompt is prefilled once, its keys
     and values copied to its G repeats; 2. a static cache written in place, "all stopped?" read
     every 8 tokens on a GPU; 3. compile=True: the decode step compiled (the cache length rounded
@@ -207,11 +261,12 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
     bad = torch.zeros((), dtype=torch.bool, device=device)  # any row with non-finite logits
     for t in range(max_new_tokens):
         u = None if uniforms is None else uniforms[:, t]
-        tok = sample_token(logits, temperature, top_k=top_k, top_p=top_p, generator=generator, u=u,
-                           bad=bad).masked_fill(done, pad_id)
+        tok, logp = sample_token(logits, temperature, top_k=top_k, top_p=top_p, min_p=min_p, generator=generator,
+                                 u=u, bad=bad, return_logprob=True)
+        tok = tok.masked_fill(done, pad_id)
         tokens[:, t] = tok
         if return_logprobs:
-            logps[:, t] = torch.log_softmax(logits.float() / (temperature or 1.0), -1).gather(-1, tok[:, None]).squeeze(-1)
+            logps[:, t] = logp
         response_mask[:, t] = ~done  # the stop token itself counts
         done = done | torch.isin(tok, stops)
         if t == max_new_tokens - 1 or (t % check_every == check_every - 1 and done.all()):
