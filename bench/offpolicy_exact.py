@@ -6,7 +6,7 @@ sequences), an autoregressive softmax with a logits table per prefix (theta, (S,
 computes pi; a known gap is injected between them:
     noise        mu = softmax(theta + eps * z), z a fixed standard normal table (kernels, precision)
     temperature  mu = softmax(theta / tau), the trainer at temperature 1 (a mismatched setting)
-    top_p        mu = pi truncated to the top-p set and renormalised at each position (sample_token's rule)
+    top_p        mu = pi truncated to the top-p set and renormalised at each position (the sampler's rule)
 Each correction is the training code's own policy term (grpo.importance_ratio, grpo.policy_loss:
 one pass, so rho = 1 with its gradient, grpo.py's departure 3) times its weights (grpo.py's
 functions), one loss per sequence summed over its tokens (every sequence has T tokens, so the
@@ -34,6 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo  # noqa: E402
+import sampling  # noqa: E402
 
 CAP = 3.0  # the TIS cap: grpo.py's --vllm_importance_sampling_clip_max default
 OFF_POLICY_THRESHOLD = 0.05  # DeepSeek-V3.2's mask: mean token log(mu / pi) above this, with A < 0
@@ -66,14 +67,13 @@ def enumerate_sequences(V, T):
 
 
 def truncate(logits, top_p):
-    """The logits (..., V) with the tokens outside the top-p set at -inf: sampling.sample_token's rule
-    (keep the smallest set of most likely tokens whose mass reaches top_p), in float64."""
+    """The logits (..., V) with the tokens outside the top-p set at -inf: the sampler's own rule
+    (sampling.truncate_logits, which decides in fp32 as the sampler does and returns fp32 logits;
+    only its decision is taken, so the kept logits stay float64)."""
     if top_p >= 1.0:
         return logits
-    sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
-    probs = sorted_logits.softmax(-1)
-    drop = probs.cumsum(-1) - probs > top_p
-    return logits.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
+    keep = torch.isfinite(sampling.truncate_logits(logits, top_p=top_p))
+    return logits.masked_fill(~keep, float("-inf"))
 
 
 def table_probs(logits_table, temperature=1.0, top_p=1.0):
