@@ -55,11 +55,12 @@ from plumbing import cli, logs, models, rundir
 
 KlEstimator = Literal["k1", "k2", "k3", "ratio_k1", "ratio_k3"]
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "constant"]
-LossType = Literal["grpo", "cispo", "sapo"]
+LossType = Literal["grpo", "cispo", "sapo", "dppo_tv", "dppo_kl"]
 IsLevel = Literal["token", "sequence", "sequence_token"]
-AdvEstimator = Literal["grpo", "rloo", "reinforce_pp"]
-KL_ESTIMATORS, LOSS_AGGS, LOSS_TYPES, IS_LEVELS, ADV_ESTIMATORS = map(
-    get_args, (KlEstimator, LossAgg, LossType, IsLevel, AdvEstimator))
+AdvEstimator = Literal["grpo", "rloo", "reinforce_pp", "maxrl"]
+IsMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "sequence_geometric_mask"]
+KL_ESTIMATORS, LOSS_AGGS, LOSS_TYPES, IS_LEVELS, ADV_ESTIMATORS, IS_MODES = map(
+    get_args, (KlEstimator, LossAgg, LossType, IsLevel, AdvEstimator, IsMode))
 
 
 @dataclass
@@ -155,8 +156,9 @@ class Config(cli.SharedConfig):
     adv_estimator: AdvEstimator = "grpo"
     """advantages (verl's name): grpo (reward - group mean, then --scale_rewards); rloo (reward - mean of the
     group's others, arXiv:2402.14740); reinforce_pp (reward - group mean, then whitened over every response token of
-    the batch, as verl and OpenRLHF do: REINFORCE++-baseline, arXiv:2501.03262). rloo and reinforce_pp take
-    --scale_rewards none"""
+    the batch, as verl and OpenRLHF do: REINFORCE++-baseline, arXiv:2501.03262); maxrl (MaxRL, arXiv:2602.02710:
+    (reward - group mean) / group mean, 0 where the mean is <= 0, as prime-rl and SkyRL (whose name it is) compute
+    it: a truncation of maximum likelihood for rewards in [0, 1]). All but grpo take --scale_rewards none"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """divide centred rewards by the std of their group, of the whole batch, or `none` (Dr. GRPO)"""
     global_norm: bool = False
@@ -169,7 +171,10 @@ class Config(cli.SharedConfig):
     loss_type: LossType = "grpo"
     """the policy term (TRL's values): grpo (PPO's clipped surrogate), cispo (the clipped IS weight, without
     gradient, times every token's REINFORCE term: arXiv:2506.13585), sapo (a soft gate instead of the clip:
-    arXiv:2511.20347); how it is averaged is --loss_agg"""
+    arXiv:2511.20347); or (verl's values) dppo_tv, dppo_kl (DPPO, arXiv:2602.04879: a token whose probability
+    moved past --epsilon_low / --epsilon_high in the advantage's direction, by their difference (TV) or the binary
+    KL, gets no gradient; verl's recipe: 0.15 for TV, 0.05 for KL; prime-rl's default loss); how it is averaged is
+    --loss_agg"""
     importance_sampling_level: IsLevel = "token"
     """rho per token (PPO), per sequence (GSPO, arXiv:2507.18071: exp of the mean token log-ratio, one per sequence;
     GSPO clips at 3e-4 / 4e-4) (TRL's name and values), or sequence_token (GSPO-token: the sequence's value, each
@@ -179,7 +184,7 @@ class Config(cli.SharedConfig):
     advantages cannot weigh without bound (0: off; else > 1 + epsilon_high) (TRL's name) [>= 0]"""
     clip_ratio_c: float = 0.0
     """dual-clip PPO (arXiv:1912.09729): for negative advantages the loss is at most c |A| (0: off; else > 1, verl
-    uses 3) (verl's name) [>= 0]"""
+    uses 3); with --loss_type dppo_*, each token's weight capped at c, as verl's DPPO does (verl's name) [>= 0]"""
     sapo_temperature_pos: float = 1.0
     """sapo's gate temperature for positive advantages (TRL's name) [> 0]"""
     sapo_temperature_neg: float = 1.05
@@ -192,12 +197,23 @@ class Config(cli.SharedConfig):
     ceil(share x n) highest of all n, over all ranks), get the policy gradient (arXiv:2506.01939 keeps 0.2; 1: every
     token). TRL's top_entropy_quantile differs: floor(1 + q (n - 1)) tokens of each micro-batch by the current
     policy's entropy, which depends on how the batch is split (0, 1]"""
-    vllm_importance_sampling_correction: bool = False
-    """truncated importance sampling (TIS): weight each token's policy term by min(pi_old / pi_rollout, cap),
-    pi_rollout the sampler's own log-probs, to correct for its numerics differing from the trainer's (TRL's name,
-    made for vLLM rollouts; here sampling.py's; their gap is logged as rollout/logp_diff either way)"""
-    vllm_importance_sampling_clip_max: float = 3.0
-    """the TIS cap (TRL's name) [> 0]"""
+    vllm_importance_sampling_correction: bool = True
+    """weight the policy term by the ratio pi_old / pi_rollout, pi_rollout the sampler's own log-probs, bounded as
+    --vllm_importance_sampling_mode says, to correct for the sampler's numerics differing from the trainer's
+    (TRL's name and default, made for vLLM rollouts; here sampling.py's: in fp32 on the CPU the ratio is 1 up to
+    float noise; their gap is logged as rollout/logp_diff either way)"""
+    vllm_importance_sampling_mode: IsMode = "sequence_mask"
+    """token_truncate (TIS: each token's ratio clamped to the bounds, Yao et al. 2025), token_mask (IcePop: a
+    token's ratio outside them gets no gradient, arXiv:2510.18855), sequence_truncate / sequence_mask (one ratio
+    per sequence, the product of its tokens', clamped, or the sequence masked outside the bounds: MIS) (TRL's
+    name, values and default), or sequence_geometric_mask (a sequence whose geometric mean ratio leaves the bounds
+    gets no gradient, the others weight 1: verl's rollout_rs=seq_mean_k1, SkyRL's geometric mask; bounds
+    near 1, e.g. 0.99 and 1.01)"""
+    vllm_importance_sampling_clip_max: float | None = 3.0
+    """the ratio's upper bound C_max (none: unbounded) (TRL's name and default) [> 0]"""
+    vllm_importance_sampling_clip_min: float | None = None
+    """the ratio's lower bound C_min (none: unbounded; TRL's default; IcePop uses 0.5 with C_max 5) (TRL's name)
+    [>= 0]"""
     beta: float = 0.04
     """KL coefficient [>= 0]"""
     kl_estimator: KlEstimator = "k3"
@@ -278,8 +294,21 @@ def check_config(cfg, d):
         (cfg.loss_type != "cispo" or cfg.epsilon_high >= 1,
          f"--loss_type cispo caps the IS weight at --epsilon_high itself, as TRL does: {cfg.epsilon_high} would "
          f"scale every token down; pass a cap above 1 (TRL suggests 5, ScaleRL's eps_max)"),
-        (not (cfg.delta or cfg.clip_ratio_c) or cfg.loss_type == "grpo",
-         f"--delta and --clip_ratio_c bound the clipped surrogate: they need --loss_type grpo, not {cfg.loss_type}"),
+        (not cfg.delta or cfg.loss_type == "grpo",
+         f"--delta bounds the clipped surrogate: it needs --loss_type grpo, not {cfg.loss_type}"),
+        (not cfg.clip_ratio_c or cfg.loss_type in ("grpo", "dppo_tv", "dppo_kl"),
+         f"--clip_ratio_c bounds the clipped surrogate or DPPO's weight: it needs --loss_type grpo or dppo_*, not "
+         f"{cfg.loss_type}"),
+        (not cfg.loss_type.startswith("dppo") or cfg.importance_sampling_level == "token",
+         f"DPPO's trust region is per token: --loss_type {cfg.loss_type} needs --importance_sampling_level token"),
+        (None in (cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max)
+         or cfg.vllm_importance_sampling_clip_min < cfg.vllm_importance_sampling_clip_max,
+         f"--vllm_importance_sampling_clip_min {cfg.vllm_importance_sampling_clip_min} must be less than "
+         f"--vllm_importance_sampling_clip_max {cfg.vllm_importance_sampling_clip_max}"),
+        (not cfg.vllm_importance_sampling_mode.endswith("truncate") or not (
+            cfg.vllm_importance_sampling_clip_min is None is cfg.vllm_importance_sampling_clip_max),
+         f"--vllm_importance_sampling_mode {cfg.vllm_importance_sampling_mode} needs "
+         f"--vllm_importance_sampling_clip_min or --vllm_importance_sampling_clip_max"),
         (not cfg.delta or cfg.delta > 1 + cfg.epsilon_high,
          f"--delta {cfg.delta} must exceed 1 + --epsilon_high ({1 + cfg.epsilon_high}) or be 0 (off)"),
         (not cfg.clip_ratio_c or cfg.clip_ratio_c > 1, f"--clip_ratio_c {cfg.clip_ratio_c} must exceed 1 or be 0 (off)"),
@@ -370,6 +399,10 @@ def group_advantages(rewards, scale="group", global_norm=False, d=common.Dist(),
     reinforce_pp: r - mean_group(r), whitened over every response token of the batch (each
     response counted `lengths` (B, G) times: (A - mean) / sqrt(var + 1e-8), as verl and OpenRLHF
     compute REINFORCE++-baseline, arXiv:2501.03262 Sec. 3).
+    maxrl: (r - mean_group(r)) / mean_group(r), 0 for a group whose mean is <= 0 (MaxRL,
+    arXiv:2602.02710, as prime-rl and SkyRL compute it): for rewards in {0, 1} the expected
+    gradient is that of -sum_{k<G} (1 - p)^k / k, p the prompt's pass rate, a truncation of
+    maximum likelihood's log p that weighs hard prompts ~1/p where GRPO's std weighs them ~1/sqrt(p).
     A NaN reward (no reward function scored the completion) is left out of every mean and std, and
     its advantage is 0 (TRL's unscorable completions); a group without one takes the plain path."""
     G = rewards.shape[1]
@@ -385,6 +418,8 @@ def group_advantages(rewards, scale="group", global_norm=False, d=common.Dist(),
     elif estimator == "reinforce_pp":
         t_mean, t_std = _global_mean_std(adv.nan_to_num(0.0), d, weights=(torch.ones_like(r0) if lengths is None else lengths) * scored)
         adv = (adv - t_mean) * torch.rsqrt(t_std * t_std + 1e-8)
+    elif estimator == "maxrl":
+        adv = torch.where(mean > 0, adv / torch.where(mean > 0, mean, 1.0), 0.0)
     elif estimator != "grpo":
         raise ValueError(f"unknown adv_estimator {estimator!r}, expected one of {ADV_ESTIMATORS}")
     if scale == "group":
@@ -478,7 +513,7 @@ def importance_ratio(logps, old_logps, mask, level="token"):
 
 
 def policy_loss(rho, logps, A, loss_type="grpo", epsilon_low=0.2, epsilon_high=0.2, delta=0.0, clip_ratio_c=0.0,
-                sapo_temperatures=(1.0, 1.05)):
+                sapo_temperatures=(1.0, 1.05), old_logps=None):
     """The per-token policy term (B, T) to minimise, from rho (B, T), log-probs (B, T) and A (B, 1).
 
     grpo:  max(-A rho', -A clip(rho, 1 - eps_low, 1 + eps_high))        (PPO, GRPO Eq. 3)
@@ -489,7 +524,10 @@ def policy_loss(rho, logps, A, loss_type="grpo", epsilon_low=0.2, epsilon_high=0
            is eps_high itself, as in TRL (ScaleRL's eps_max); MiniMax-M1 and verl write 1 + eps_high.
     sapo:  -A (4 / tau) sigmoid(tau (rho - 1)), tau by the sign of A    (SAPO)
            a soft gate: gradient A rho at rho = 1, fading smoothly off-policy.
-    All three have the gradient -A grad(rho) at rho = 1 (on-policy): they differ off-policy only."""
+    dppo_tv, dppo_kl: -A rho m, m = dppo_mask (0 or 1, no gradient)       (DPPO)
+           the trust region is a divergence of the token's probability, not its ratio; with
+           clip_ratio_c = c the weight is sg[min(rho, c)] (verl's truncation): -A sg[min(rho, c)] pi / sg[pi].
+    All have the gradient -A grad(rho) at rho = 1 (on-policy): they differ off-policy only."""
     if loss_type == "grpo":
         rho_1 = torch.clamp(rho, max=delta) if delta else rho
         pg = torch.maximum(-A * rho_1, -A * torch.clamp(rho, 1 - epsilon_low, 1 + epsilon_high))
@@ -501,7 +539,26 @@ def policy_loss(rho, logps, A, loss_type="grpo", epsilon_low=0.2, epsilon_high=0
     if loss_type == "sapo":
         tau = torch.where(A > 0, sapo_temperatures[0], sapo_temperatures[1])
         return -A * torch.sigmoid(tau * (rho - 1)) * 4 / tau
+    if loss_type in ("dppo_tv", "dppo_kl"):
+        m = dppo_mask(logps, old_logps, A, loss_type, delta_low=epsilon_low, delta_high=epsilon_high)
+        w = torch.clamp(rho, max=clip_ratio_c).detach() * torch.exp(logps - logps.detach()) if clip_ratio_c else rho
+        return -A * w * m
     raise ValueError(f"unknown loss_type {loss_type!r}, expected one of {LOSS_TYPES}")
+
+
+def dppo_mask(logps, old_logps, A, kind, delta_low, delta_high):
+    """DPPO's binary trust region (arXiv:2602.04879 Eq. 13-14; verl's dppo_tv / dppo_kl, prime-rl's
+    default, SkyRL's dppo), (B, T), no gradient: 0 on the tokens whose probability moved from p_old
+    past delta in the advantage's direction (up for A > 0, down otherwise), else 1; dppo_tv: by p -
+    p_old (the total variation of {token, rest}), dppo_kl: by that binary distribution's KL(p_old || p).
+    Unlike PPO's ratio, a rare token's tenfold rise stays inside it and a likely token's fall does not."""
+    p, p_old, lp = torch.exp(logps.detach()), torch.exp(old_logps), logps.detach()
+    if kind == "dppo_tv":
+        up, down = p - p_old > delta_high, p - p_old < -delta_low
+    else:
+        kl = p_old * (old_logps - lp) + (1 - p_old) * torch.log((1 - p_old + 1e-8) / (1 - p + 1e-8))
+        up, down = (kl > delta_high) & (p > p_old), (kl > delta_low) & (p < p_old)
+    return (~torch.where(A > 0, up, down)).to(logps.dtype)
 
 
 def off_policy_mask(logps, rollout_logps, advantages, mask, threshold):
@@ -524,11 +581,54 @@ def top_entropy_mask(entropy, mask, quantile, d=common.Dist(), width=None):
     return ((entropy >= threshold) & mask.bool()).float()
 
 
-def truncated_is_weights(old_logps, rollout_logps, cap):
-    """min(pi_old / pi_rollout, cap) per token, (B, T), no gradient: truncated importance sampling
-    (Yao et al. 2025). The sampler's numerics differ from the trainer's, so its samples come from
-    pi_rollout, not pi_old: the ratio corrects the expectation, the cap bounds the variance."""
-    return torch.exp(old_logps - rollout_logps).clamp(max=cap).detach()
+def rollout_is_weights(old_logps, rollout_logps, mask, mode="sequence_mask", clip_min=None, clip_max=3.0):
+    """The sampler-trainer correction (TRL 1.16's vllm_importance_sampling_mode): weights of the
+    policy term, no gradient, (B, T) per token or (B, 1) per sequence, and the tokens (B, T) whose
+    ratio left [clip_min, clip_max] (None: unbounded). The sampler's numerics (kernels, precision,
+    batch shape) make pi_rollout, which drew the samples, differ from the trainer's pi_old.
+    token_*:    r_t = pi_old(o_t) / pi_rollout(o_t)
+    sequence_*: r = prod_t r_t (TRL; verl's rollout_is=sequence): unbiased, its variance growing with length
+    *_truncate: clamp(r, clip_min, clip_max)           (TIS, Yao et al. 2025)
+    *_mask:     r inside the bounds, 0 outside          (token_mask: IcePop; sequence_mask: MIS)
+    sequence_geometric_mask: 1 if exp(mean_t log r_t) is inside the bounds, else 0, a rejection, not
+                a weight (verl's rollout_rs=seq_mean_k1, SkyRL's geometric sequence mask)."""
+    log_r = (old_logps - rollout_logps) * mask
+    if mode == "sequence_geometric_mask":
+        log_r = log_r.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    elif mode.startswith("sequence"):
+        log_r = log_r.sum(-1, keepdim=True)
+    elif not mode.startswith("token"):
+        raise ValueError(f"unknown vllm_importance_sampling_mode {mode!r}, expected one of {IS_MODES}")
+    r = torch.exp(log_r).detach()
+    outside = (r < (-math.inf if clip_min is None else clip_min)) | (r > (math.inf if clip_max is None else clip_max))
+    if mode.endswith("truncate"):
+        w = r.clamp(min=clip_min, max=clip_max)
+    else:
+        w = torch.where(outside, 0.0, torch.ones_like(r) if mode == "sequence_geometric_mask" else r)
+    return w, outside.expand_as(mask) & mask.bool()
+
+
+def policy_weights(cfg, logps, old_logps, rollout_logps, advantages, mask, keep, n_tokens):
+    """The policy term's weights for one micro-batch, (B, T) or (B, 1), no gradient: DeepSeek-V3.2's
+    off-policy mask, the high-entropy tokens kept (`keep`, or None), the sampler-trainer correction
+    (--vllm_importance_sampling_mode); and the correction's metrics, shares of the global mini-batch
+    (n_tokens tokens; its sequences from the flags) as TRL logs them: the mean ratio (per token, or
+    per sequence for sequence modes) and the tokens and sequences outside the bounds."""
+    w, metrics = torch.ones_like(mask[:, :1]), {}
+    if cfg.off_policy_mask_threshold:
+        w = w * off_policy_mask(logps, rollout_logps, advantages, mask, cfg.off_policy_mask_threshold)
+    if keep is not None:
+        w = w * keep
+    if cfg.vllm_importance_sampling_correction:
+        is_w, outside = rollout_is_weights(old_logps, rollout_logps, mask, mode=cfg.vllm_importance_sampling_mode,
+                                           clip_min=cfg.vllm_importance_sampling_clip_min,
+                                           clip_max=cfg.vllm_importance_sampling_clip_max)
+        w, n_seqs = w * is_w, cfg.prompts_per_step * cfg.group_size / cfg.num_mini_batches
+        mean = is_w.sum() / n_seqs if is_w.shape[1] == 1 else (is_w * mask).sum() / n_tokens
+        metrics = {"sampling/importance_sampling_ratio/mean": mean,
+                   "sampling/importance_sampling_ratio/outside_tokens": outside.sum() / n_tokens,
+                   "sampling/importance_sampling_ratio/outside_sequences": outside.any(-1).sum() / n_seqs}
+    return w, metrics
 
 
 def overlong_penalty(lengths, max_len, buffer, factor):
@@ -550,7 +650,7 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, normaliser, epsilon
     A = advantages[:, None] if advantages.dim() == 1 else advantages  # (B, 1): one per sequence; (B, T): per token
     rho = importance_ratio(logps, old_logps, mask, level)
     pg = policy_loss(rho, logps, A, loss_type=loss_type, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
-                     clip_ratio_c=clip_ratio_c, sapo_temperatures=sapo_temperatures)
+                     clip_ratio_c=clip_ratio_c, sapo_temperatures=sapo_temperatures, old_logps=old_logps)
     loss = aggregate(pg if pg_weights is None else pg * pg_weights, mask, agg, normaliser)
     kl = kl_per_token(logps, ref_logps, old_logps, kl_estimator)
     if beta != 0:
@@ -563,9 +663,11 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, normaliser, epsilon
     def mean(x):  # a share of the token mean, for metrics
         return (x.detach().float() * mask).sum() / tokens
 
+    low, high = (rho < 1 - epsilon_low, rho > 1 + epsilon_high)  # DPPO: the tokens its trust region masks
+    if loss_type in ("dppo_tv", "dppo_kl"):
+        low = high = dppo_mask(logps, old_logps, A, loss_type, delta_low=epsilon_low, delta_high=epsilon_high) == 0
     metrics = {"loss": loss.detach(), "kl": mean(kl_per_token(logps, ref_logps, old_logps, "k3")), "kl/optimized": mean(kl),
-               "clip_ratio/low": mean((rho < 1 - epsilon_low) & (A < 0)),
-               "clip_ratio/high": mean((rho > 1 + epsilon_high) & (A > 0))}
+               "clip_ratio/low": mean(low & (A < 0)), "clip_ratio/high": mean(high & (A > 0))}
     if clip_ratio_c:
         metrics["clip_ratio/dual"] = mean((rho > clip_ratio_c) & (A < 0))
     if entropy is not None:
@@ -831,15 +933,11 @@ def main(cfg):
                                                                   entropy_grad=cfg.entropy_coef != 0)  # (micro, R)
                     logps, mask = logps.float(), loss_mask[r].float()
                     old = logps.detach() if old_logps is None else old_logps[r]
-                    w = torch.ones_like(mask[:, :1])  # the policy term's weights: masks, truncated IS
-                    if cfg.off_policy_mask_threshold:
-                        w = w * off_policy_mask(logps, roll.r_logps[r], adv[r], mask, cfg.off_policy_mask_threshold)
-                    if keep is not None:
-                        w = w * keep[r]
-                    if cfg.vllm_importance_sampling_correction:
-                        w = w * truncated_is_weights(old, roll.r_logps[r], cfg.vllm_importance_sampling_clip_max)
+                    w, w_metrics = policy_weights(cfg, logps, old, roll.r_logps[r], adv[r], mask=mask,  # masks, IS
+                                                  keep=None if keep is None else keep[r], n_tokens=n_tokens)
                     loss, m = grpo_loss(logps, old, ref_logps[r], adv[r], mask, normaliser=normaliser,
                                         entropy=entropy.float(), n_tokens=n_tokens, pg_weights=w, **loss_knobs)
+                    m |= w_metrics
                     if it == 0:  # the sampler's log-probs against the trainer's, once per token
                         gap = (old - roll.r_logps[r]).abs() * mask
                         m["rollout/logp_diff"] = gap.sum() / n_tokens * cfg.num_iterations  # the weight undone

@@ -2,6 +2,9 @@
 mixing like CUDA does, and refuses host syncs), bf16 logits under autocast, LoRA forwards that
 compute every position's logits, frozen FSDP roots left gathered, the sampler's non-finite
 check, the persistent decode cache, and the one-command GPU check's CPU behaviour."""
+import itertools
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -11,7 +14,7 @@ import sampling
 import tasks
 from bench import gpu_check
 from helpers import free_port, read_metrics
-from plumbing import models, rundir
+from plumbing import cli, models, rundir
 
 META = common.Dist(device=torch.device("meta"))
 
@@ -44,9 +47,12 @@ def test_grpo_math_runs_on_one_device_without_host_syncs():
     assert loss.device.type == "meta" and all(torch.is_tensor(v) and v.device.type == "meta" for v in m.values())
     # the variants: every policy term and ratio level, the masks and weights, the advantage estimators
     adv = torch.zeros(6, device="meta")
-    w = grpo.off_policy_mask(lp, lp, adv, mask, 0.5) * grpo.top_entropy_mask(lp, mask, 0.2, META, width=7) \
-        * grpo.truncated_is_weights(lp, lp, 3.0)
-    for loss_type, level in zip(grpo.LOSS_TYPES, grpo.IS_LEVELS):
+    cfg = replace(cli.with_defaults(grpo.Config()), off_policy_mask_threshold=0.5, vllm_importance_sampling_clip_min=0.5)
+    for mode in grpo.IS_MODES:  # the policy term's weights: every mask and correction at once
+        w, wm = grpo.policy_weights(replace(cfg, vllm_importance_sampling_mode=mode), lp, lp, lp, adv, mask=mask,
+                                    keep=grpo.top_entropy_mask(lp, mask, 0.2, META, width=7), n_tokens=mask.sum())
+        assert w.device.type == "meta" and all(v.device.type == "meta" for v in wm.values())
+    for loss_type, level in itertools.zip_longest(grpo.LOSS_TYPES, grpo.IS_LEVELS, fillvalue="token"):
         loss, m = grpo.grpo_loss(lp, lp, lp, adv, mask, 30.0, loss_type=loss_type, level=level,
                                  clip_ratio_c=3.0 if loss_type == "grpo" else 0.0, pg_weights=w)
         assert loss.device.type == "meta" and all(v.device.type == "meta" for v in m.values())

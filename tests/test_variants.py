@@ -16,8 +16,8 @@ import grpo
 import sampling
 import tasks
 import test_grpo
-from grpo import (grpo_loss, importance_ratio, off_policy_mask, overlong_penalty, policy_loss, top_entropy_mask,
-                  truncated_is_weights)
+from grpo import (grpo_loss, importance_ratio, off_policy_mask, overlong_penalty, policy_loss, rollout_is_weights,
+                  top_entropy_mask)
 from helpers import TWO_RANK_RUNS, checkpoint_weights, max_abs_diff, read_metrics, run_here, write_jsonl
 from plumbing import cli, models
 
@@ -203,7 +203,7 @@ def test_top_entropy_mask_keeps_the_top_share_of_real_tokens_by_enumeration():
 def test_truncated_is_weights_hand_values_and_no_gradient():
     old = torch.tensor([[0.0, -1.0, -2.0]], **f64).requires_grad_()
     rollout = torch.tensor([[-0.5, -1.0, 0.0]], **f64)
-    w = truncated_is_weights(old, rollout, 1.5)
+    w, _ = rollout_is_weights(old, rollout, torch.ones(1, 3, **f64), "token_truncate", clip_max=1.5)
     torch.testing.assert_close(w, torch.tensor([[1.5, 1.0, math.exp(-2.0)]], **f64))  # exp(0.5) = 1.65 capped
     assert not w.requires_grad
 
@@ -246,7 +246,8 @@ TRL_FIELDS = {
     "grpo": {"beta", "num_iterations", "epsilon", "delta", "epsilon_high", "sapo_temperature_neg", "sapo_temperature_pos",
              "importance_sampling_level", "reward_weights", "scale_rewards", "loss_type", "mask_truncated_completions",
              "top_entropy_quantile", "entropy_coef", "vllm_importance_sampling_correction",
-             "vllm_importance_sampling_clip_max", "off_policy_mask_threshold", "temperature", "top_p", "top_k"},
+             "vllm_importance_sampling_clip_max", "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min",
+             "off_policy_mask_threshold", "temperature", "top_p", "top_k"},
     "dpo": {"beta", "loss_type", "label_smoothing", "precompute_ref_log_probs", "simpo_gamma"},
 }
 
@@ -319,9 +320,9 @@ def test_overlong_penalty_is_dapo_eq_13(length, want):
 @pytest.mark.parametrize("flags, message", [
     (dict(adv_estimator="rloo"), "--scale_rewards none"),
     (dict(adv_estimator="reinforce_pp", scale_rewards="none", global_norm=True), "no --global_norm"),
-    (dict(loss_type="cispo", epsilon_high=5.0, delta=6.0), "need --loss_type grpo"),
+    (dict(loss_type="cispo", epsilon_high=5.0, delta=6.0), "needs --loss_type grpo"),
     (dict(loss_type="cispo"), "caps the IS weight at --epsilon_high itself, as TRL does"),
-    (dict(clip_ratio_c=3.0, loss_type="sapo"), "need --loss_type grpo"),
+    (dict(clip_ratio_c=3.0, loss_type="sapo"), "needs --loss_type grpo or dppo_"),
     (dict(delta=1.1), "must exceed 1 + --epsilon_high"),
     (dict(clip_ratio_c=0.5), "must exceed 1"),
     (dict(loss_type="gspo"), "--loss_type 'gspo'"),
