@@ -25,8 +25,8 @@ averaged over --instances random policies, rewards and noise tables.
     python bench/offpolicy_exact.py --out plots    # the copies docs/offpolicy.md shows
 """
 import argparse
+import dataclasses
 import json
-import math
 import os
 import sys
 
@@ -36,15 +36,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo  # noqa: E402
 import sampling  # noqa: E402
 
-CAP = 3.0  # the TIS cap: grpo.py's --vllm_importance_sampling_clip_max default
-OFF_POLICY_THRESHOLD = 0.05  # DeepSeek-V3.2's mask: mean token log(mu / pi) above this, with A < 0
-EPS_LOW, EPS_HIGH = 0.2, 0.28  # grpo.py's clip range (inactive in one pass: rho = 1)
-
 # the gaps: the sampler's setting at each size, the trainer at temperature 1 and no truncation
 GAPS = {
-    "noise": (0.0, 0.05, 0.1, 0.2, 0.4, 0.7, 1.0),  # eps, the std of the logit noise
-    "temperature": (1.0, 1.05, 1.1, 1.2, 1.35, 1.5),  # tau, the sampler's temperature
-    "top_p": (1.0, 0.99, 0.95, 0.9, 0.8, 0.7),  # p, the sampler's nucleus
+    "noise": (0.0, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0),  # eps, the std of the logit noise
+    "temperature": (1.0, 1.003, 1.01, 1.03, 1.1, 1.3, 1.5),  # tau, the sampler's temperature
+    "top_p": (1.0, 0.997, 0.99, 0.97, 0.9, 0.7),  # p, the sampler's nucleus
 }
 GAP_LABELS = {"noise": "logit noise std eps", "temperature": "sampler temperature - 1", "top_p": "1 - top_p"}
 
@@ -108,32 +104,48 @@ def behaviour_logits(theta, noise, gap, size):
 
 
 # -----------------------------------------------------------------------------
-# the corrections: the trainer's policy term times grpo.py's weights
+# the corrections: grpo.py's loss and weights under each correction's flags
 
 
-def policy_term(logps, A, mask, weights=None):
-    """The loss of each sequence (N,): grpo.py's policy term in one pass (old = logps.detach(), so
-    rho = 1 with its gradient), times the correction's weights, summed over the sequence's tokens."""
-    rho = grpo.importance_ratio(logps, logps.detach(), mask, "token")
-    pg = grpo.policy_loss(rho, logps, A[:, None], "grpo", epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH)
-    return ((pg if weights is None else pg * weights) * mask).sum(-1)
+def training_loss(flags, old="trainer"):
+    """fn(logps, rollout_logps, A, mask) -> the summed loss of the sequences: grpo.grpo_loss (no KL
+    term, normaliser 1: each sequence's tokens summed, the rows independent) with the policy term's
+    weights from grpo.policy_weights (the loop's own call), under grpo.py's flags and these.
+    old: the policy of the ratio, the trainer's own in one pass (old = logps.detach(), grpo.py's
+    departure 3), or the sampler's log-probs (prime-rl's DPPO, whose old policy is the sampler's)."""
+    cfg = dataclasses.replace(grpo.Config(), **{"vllm_importance_sampling_correction": False, **flags})
+
+    def loss(logps, rollout_logps, A, mask):
+        old_logps = logps.detach() if old == "trainer" else rollout_logps
+        w, _ = grpo.policy_weights(cfg, logps, old_logps, rollout_logps, A, mask, keep=None, n_tokens=mask.sum())
+        out, _ = grpo.grpo_loss(logps, old_logps, logps.detach(), A, mask, normaliser=1.0, epsilon_low=cfg.epsilon_low,
+                                epsilon_high=cfg.epsilon_high, beta=0.0, agg="token_mean", loss_type=cfg.loss_type,
+                                clip_ratio_c=cfg.clip_ratio_c, pg_weights=w)
+        return out
+    return loss
 
 
-def seq_sum(x):
-    return x.sum(-1, keepdim=True)  # (N, 1): a sequence's log-prob, the sum of its tokens'
+def is_mode(mode, clip_min=None, clip_max=None):
+    return dict(vllm_importance_sampling_correction=True, vllm_importance_sampling_mode=mode,
+                vllm_importance_sampling_clip_min=clip_min, vllm_importance_sampling_clip_max=clip_max)
 
 
-# name: (loss of each sequence from (logps, rollout_logps, A, mask), whether the trainer replays the
-# sampler's truncation on its own logits). logps carry the gradient; rollout_logps are the sampler's.
+_D = grpo.Config()  # grpo.py's defaults
+# name: (its loss, whether the trainer replays the sampler's truncation on its own logits: --sampling_replay)
 CORRECTIONS = {
-    "none": (lambda lp, rl, A, m: policy_term(lp, A, m), False),
-    # the full importance weight pi(y) / mu(y), uncapped: the product of the token ratios
-    "full_is": (lambda lp, rl, A, m: policy_term(lp, A, m, grpo.truncated_is_weights(
-        seq_sum(lp.detach()), seq_sum(rl), math.inf)), False),
-    "token_tis": (lambda lp, rl, A, m: policy_term(lp, A, m, grpo.truncated_is_weights(lp.detach(), rl, CAP)), False),
-    "deepseek_mask": (lambda lp, rl, A, m: policy_term(lp, A, m, grpo.off_policy_mask(
-        lp, rl, A, m, OFF_POLICY_THRESHOLD)), False),
-    "replay": (lambda lp, rl, A, m: policy_term(lp, A, m), True),
+    "none": (training_loss({}), False),
+    # the full importance weight pi(y) / mu(y), unbounded: the product of the token ratios
+    "full_is": (training_loss(is_mode("sequence_mask")), False),
+    "token_tis": (training_loss(is_mode("token_truncate", clip_max=3.0)), False),  # TRL's and verl's cap
+    "token_mask": (training_loss(is_mode("token_mask", 0.5, 5.0)), False),  # IcePop's bounds
+    "sequence_tis": (training_loss(is_mode("sequence_truncate", clip_max=3.0)), False),
+    "sequence_mask": (training_loss(is_mode(_D.vllm_importance_sampling_mode, _D.vllm_importance_sampling_clip_min,
+                                            _D.vllm_importance_sampling_clip_max)), False),  # grpo.py's default, TRL's
+    "geometric_mask": (training_loss(is_mode("sequence_geometric_mask", 0.99, 1.01)), False),  # verl's seq_mean_k1
+    "deepseek_mask": (training_loss({"off_policy_mask_threshold": 0.05}), False),  # DeepSeek-V3.2's, A < 0 only
+    "dppo_tv": (training_loss(dict(loss_type="dppo_tv", epsilon_low=0.15, epsilon_high=0.15), old="sampler"), False),
+    "dppo_kl": (training_loss(dict(loss_type="dppo_kl", epsilon_low=0.05, epsilon_high=0.05), old="sampler"), False),
+    "replay": (training_loss({}), True),
 }
 
 
@@ -151,8 +163,7 @@ def per_sample_grads(theta, seqs, prefix, loss_fn, rollout_logps, A, top_p=1.0):
     probs = table_probs(theta, 1.0, top_p)  # (S, V): the trainer's
     logps = probs[prefix, seqs].log().detach().requires_grad_()  # (N, T)
     mask = torch.ones_like(logps)
-    loss = loss_fn(logps, rollout_logps, A, mask)  # (N,)
-    (dloss,) = torch.autograd.grad(loss.sum(), logps)  # (N, T)
+    (dloss,) = torch.autograd.grad(loss_fn(logps, rollout_logps, A, mask), logps)  # (N, T)
     S, V = theta.shape
     at = torch.nn.functional.one_hot(prefix, S).to(theta)  # (N, T, S)
     score = torch.nn.functional.one_hot(seqs, V).to(theta) - probs[prefix]  # (N, T, V)
@@ -250,34 +261,46 @@ def table(rows, names):
     return "\n".join(lines)
 
 
+FLOOR = 1e-4  # the bias panel's floor: an unbiased correction's 1e-16 round-off is drawn here
+REFERENCE_BATCH = 256  # sequences: the on-policy estimator's own relative error at this batch, for scale
+
+
 def figure(rows, names, path):
+    """Bias (top) and variance (bottom) against each gap's size, log-log, one line per correction."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import ScalarFormatter
-    fig, axes = plt.subplots(2, len(GAPS), figsize=(5.2 * len(GAPS), 7.6), squeeze=False)
+    fig, axes = plt.subplots(2, len(GAPS), figsize=(5.4 * len(GAPS), 8.4), squeeze=False)
     styles = ["-", "--", ":", "-."]
+    MARKERS = "osv^DPX*<>h"
+    noise = (rows["on_policy_noise_to_signal"] / REFERENCE_BATCH) ** 0.5
     for c, gap in enumerate(GAPS):
         r = rows[gap]
-        xs = gap_x(gap, r["sizes"])
+        xs = gap_x(gap, r["sizes"])[1:]  # no gap (every correction exact) is off a log axis
         for k, n in enumerate(names):
             if n not in r:
                 continue
-            kw = dict(label=n, marker="o", markersize=3, linestyle=styles[k % len(styles)], color=f"C{k}")
-            axes[0, c].plot(xs, r[n]["bias"], **kw)
-            axes[1, c].plot(xs, r[n]["var"], **kw)
+            # hollow markers of their own: corrections that coincide (most do at small gaps) stay visible
+            kw = dict(label=n, marker=MARKERS[k % len(MARKERS)], markersize=4 + k % 4, markerfacecolor="none",
+                      linestyle=styles[k % len(styles)], color=f"C{k % 10}")
+            if k >= 10:
+                kw.update(color="black")
+            axes[0, c].plot(xs, [max(b, FLOOR) for b in r[n]["bias"][1:]], **kw)
+            axes[1, c].plot(xs, r[n]["var"][1:], **kw)
+        axes[0, c].axhline(noise, color="grey", linewidth=3, alpha=0.3,
+                           label=f"on-policy noise, {REFERENCE_BATCH} samples")
+        axes[0, c].set_ylim(FLOOR / 2, 2)
         axes[0, c].set_title(f"gap: {gap}")
-        axes[0, c].set_ylabel("bias ||E[g] - g_true|| / ||g_true||")
+        axes[0, c].set_ylabel(f"bias ||E[g] - g_true|| / ||g_true|| (unbiased: at {FLOOR:g})")
         axes[1, c].set_ylabel("variance per sample / on-policy's")
-        axes[1, c].set_yscale("log")
-        axes[1, c].yaxis.set_major_formatter(ScalarFormatter())
-        axes[1, c].yaxis.set_minor_formatter(ScalarFormatter())
         for ax in axes[:, c]:
+            ax.set_xscale("log")
+            ax.set_yscale("log")
             ax.set_xlabel(GAP_LABELS[gap])
-            ax.grid(alpha=0.3)
-    axes[0, -1].legend(fontsize=8)  # the panel with every correction
+            ax.grid(alpha=0.3, which="both")
+    axes[0, -1].legend(fontsize=7, loc="lower right")  # the panel with every correction
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 

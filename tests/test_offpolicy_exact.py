@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-import grpo
 import sampling
 from bench import offpolicy_exact as ox
 
@@ -57,8 +56,9 @@ def test_the_full_importance_weight_is_unbiased_and_no_correction_is_not():
 
 def test_an_inverted_importance_ratio_fails_the_unbiasedness_check():
     """The planted bug: mu / pi in place of pi / mu (arguments swapped) is caught by assert_unbiased."""
-    inverted = (lambda lp, rl, A, m: ox.policy_term(lp, A, m, grpo.truncated_is_weights(
-        ox.seq_sum(rl), ox.seq_sum(lp.detach()), math.inf)), False)
+    full_is = ox.CORRECTIONS["full_is"][0]
+    # the sampler's log-probs handed over as 2 log pi - log mu: the weight exp(log pi - that) is mu / pi
+    inverted = (lambda lp, rl, A, m: full_is(lp, 2 * lp.detach() - rl, A, m), False)
     with pytest.raises(AssertionError):
         assert_unbiased(inverted, seeds=(0,))
 
@@ -101,7 +101,7 @@ def test_per_sample_gradients_are_autograds_through_the_policy():
     with the log-probs computed from theta (a different weight per sequence, so a row mixed up shows)."""
     theta, rewards, noise = ox.instance(V, T, SCALE, 3)
     c = torch.rand(len(SEQS), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    for name in ("token_tis", "replay"):
+    for name in ("token_tis", "sequence_mask", "dppo_tv", "replay"):
         loss_fn, replay = ox.CORRECTIONS[name]
         top_p = 0.8 if replay else 1.0
         rollout = ox.table_probs(theta + 0.5 * noise)[PREFIX, SEQS].log()
@@ -109,7 +109,10 @@ def test_per_sample_gradients_are_autograds_through_the_policy():
         th = theta.clone().requires_grad_()
         lp = torch.log_softmax(ox.truncate(th, top_p), -1)[PREFIX, SEQS]  # -inf where the truncation drops
         keep = torch.isfinite(lp).all(-1)  # replaying a truncation: only the sequences it keeps
-        loss = (c[keep] * loss_fn(lp[keep], rollout[keep], A[keep], torch.ones_like(lp[keep]))).sum()
+        rows = torch.nonzero(keep).flatten().tolist()
+        # one call per sequence: the batch's loss is the sum of its sequences' (rows independent)
+        loss = sum(c[n] * loss_fn(lp[n:n + 1], rollout[n:n + 1], A[n:n + 1], torch.ones(1, T, dtype=lp.dtype))
+                   for n in rows)
         (want,) = torch.autograd.grad(-loss, th)
         g = ox.per_sample_grads(theta, SEQS[keep], PREFIX[keep], loss_fn, rollout[keep], A[keep], top_p=top_p)
         torch.testing.assert_close(c[keep] @ g, want.reshape(-1), rtol=1e-10, atol=1e-12)
