@@ -7,11 +7,11 @@ computes pi; a known gap is injected between them:
     noise        mu = softmax(theta + eps * z), z a fixed standard normal table (kernels, precision)
     temperature  mu = softmax(theta / tau), the trainer at temperature 1 (a mismatched setting)
     top_p        mu = pi truncated to the top-p set and renormalised at each position (the sampler's rule)
-Each correction is the training code's own policy term (grpo.importance_ratio, grpo.policy_loss:
-one pass, so rho = 1 with its gradient, grpo.py's departure 3) times its weights (grpo.py's
-functions), one loss per sequence summed over its tokens (every sequence has T tokens, so the
-trainer's token mean is this times a constant). Advantage A(y) = R(y) - E_mu[R]: the group mean of
-a large group drawn by the sampler, without the std (a constant factor).
+Each correction is a set of grpo.py's flags, and its loss is grpo.py's own (grpo.grpo_loss with the
+weights of grpo.policy_weights, the training loop's two calls) on the enumerated sequences, in one
+pass (old = pi, grpo.py's departure 3), each sequence's tokens summed (every sequence has T tokens,
+so the trainer's token mean is this times a constant). Advantage A(y) = R(y) - E_mu[R]: the group
+mean of a large group drawn by the sampler, without the std (a constant factor).
 
 For every correction, by enumeration: the estimator g(y) = -grad of y's loss, its expectation
 E_mu[g] = sum_y mu(y) g(y) and its variance per sample sum_y mu(y) ||g(y) - E_mu[g]||^2, against
@@ -184,7 +184,8 @@ def exact_moments(mu, g):
 
 
 def measure(theta, rewards, noise, gap, size, seqs, prefix, corrections=None):
-    """{correction: (E_mu[g], variance, g_true)} at one gap size, and the gap's mean token KL(mu || pi)."""
+    """{correction: (E_mu[g], variance, g_true)} at one gap size, and the gap as grpo.py's
+    rollout/logp_diff measures it (E_mu of the mean |log pi - log mu| of a sequence's tokens)."""
     logits, temperature, top_p = behaviour_logits(theta, noise, gap, size)
     mu_table = table_probs(logits, temperature, top_p)
     mu = sequence_probs(mu_table, seqs, prefix)
@@ -199,9 +200,9 @@ def measure(theta, rewards, noise, gap, size, seqs, prefix, corrections=None):
         mean, var = exact_moments(mu_k, g)
         out[name] = (mean, var, true_gradient(theta, seqs, prefix, rewards, top_p=p))
     pi_table = table_probs(theta)
-    kl = (mu_table * (mu_table.clamp(min=1e-300).log() - pi_table.log())).sum(-1)  # (S,) per prefix
-    token_kl = mu @ kl[prefix].sum(-1) / seqs.shape[1]  # E_mu of the per-token KL along the sequence
-    return out, float(token_kl)
+    # grpo.py's rollout/logp_diff without the replay: the mean |log pi - log mu| of the sampled tokens
+    logp_diff = mu_k @ (pi_table[prefix_k, seqs_k].log() - rollout_logps).abs().mean(-1)
+    return out, float(logp_diff)
 
 
 def bias(mean, g_true):
@@ -219,11 +220,12 @@ def applies(name, gap, corrections=CORRECTIONS):
 
 def run(V, T, scale, instances, seed, corrections=CORRECTIONS):
     """Per gap and size, per correction: the bias and the variance relative to on-policy's, each
-    averaged over the instances; the mean token KL(mu || pi) of each gap size; and the on-policy
+    averaged over the instances (and the cosine of E[g] with g_true); the rollout/logp_diff of each gap size; and the on-policy
     estimator's variance per sample over ||g_true||^2 (its noise-to-signal for one sequence)."""
     seqs, prefix = enumerate_sequences(V, T)
-    rows = {gap: {"sizes": list(sizes), "kl": [0.0] * len(sizes),
-                  **{n: {"bias": [0.0] * len(sizes), "var": [0.0] * len(sizes)} for n in corrections if applies(n, gap, corrections)}}
+    rows = {gap: {"sizes": list(sizes), "logp_diff": [0.0] * len(sizes),
+                  **{n: {k: [0.0] * len(sizes) for k in ("bias", "var", "cos")}
+                     for n in corrections if applies(n, gap, corrections)}}
             for gap, sizes in GAPS.items()}
     rows["on_policy_noise_to_signal"] = 0.0
     for i in range(instances):
@@ -234,10 +236,13 @@ def run(V, T, scale, instances, seed, corrections=CORRECTIONS):
         for gap, sizes in GAPS.items():
             todo = {n: c for n, c in corrections.items() if applies(n, gap, corrections)}
             for j, size in enumerate(sizes):
-                out, kl = measure(theta, rewards, noise, gap, size, seqs, prefix, todo)
-                rows[gap]["kl"][j] += kl / instances
+                out, diff = measure(theta, rewards, noise, gap, size, seqs, prefix, todo)
+                rows[gap]["logp_diff"][j] += diff / instances
                 for n, (mean, var, g_true) in out.items():
                     rows[gap][n]["bias"][j] += bias(mean, g_true) / instances
+                    # the direction alone: a mask that drops sequences shrinks E[g] (bias up to 1) and may
+                    # keep its direction, which a larger learning rate would undo
+                    rows[gap][n]["cos"][j] += float(torch.cosine_similarity(mean, g_true, dim=0)) / instances
                     rows[gap][n]["var"][j] += float(var / var0) / instances
     return rows
 
@@ -247,16 +252,17 @@ def gap_x(gap, sizes):
 
 
 def table(rows, names):
-    """A markdown table per gap: a row per correction, 'bias / variance' at each gap size."""
+    """A markdown table per gap: a row per correction, 'bias / variance' at each gap size
+    (a bias of 0: none beyond float64 round-off, 1e-10)."""
     lines = []
     for gap in GAPS:
         r = rows[gap]
         xs = gap_x(gap, r["sizes"])
-        lines += [f"**{gap}** ({GAP_LABELS[gap]}; mean token KL(mu || pi) below each size)", "",
-                  "| correction | " + " | ".join(f"{x:g} (KL {k:.2g})" for x, k in zip(xs, r["kl"])) + " |",
+        lines += [f"**{gap}** ({GAP_LABELS[gap]}; in brackets the gap as grpo.py's rollout/logp_diff would log it)", "",
+                  "| correction | " + " | ".join(f"{x:g} ({k:.2g})" for x, k in zip(xs, r["logp_diff"])) + " |",
                   "|---|" + "---|" * len(xs)]
         for n in (n for n in names if n in r):
-            lines.append(f"| {n} | " + " | ".join(f"{b:.3f} / {v:.2f}" for b, v in zip(r[n]["bias"], r[n]["var"])) + " |")
+            lines.append(f"| {n} | " + " | ".join(f"{b:.3f} / {v:.2f}" if b > 1e-10 else f"0 / {v:.2f}" for b, v in zip(r[n]["bias"], r[n]["var"])) + " |")
         lines.append("")
     return "\n".join(lines)
 

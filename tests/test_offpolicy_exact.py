@@ -67,8 +67,8 @@ def test_an_inverted_importance_ratio_fails_the_unbiasedness_check():
 def test_with_no_gap_every_correction_is_the_on_policy_gradient(gap):
     theta, rewards, noise = ox.instance(V, T, SCALE, 2)
     no_gap = ox.GAPS[gap][0]
-    out, kl = ox.measure(theta, rewards, noise, gap, no_gap, SEQS, PREFIX)
-    assert kl == 0.0
+    out, logp_diff = ox.measure(theta, rewards, noise, gap, no_gap, SEQS, PREFIX)
+    assert logp_diff == 0.0
     mean0, var0, g_true = out["none"]
     assert ox.bias(mean0, g_true) < 1e-12
     A = rewards - ox.sequence_probs(ox.table_probs(theta), SEQS, PREFIX) @ rewards
