@@ -7,6 +7,8 @@ computes pi; a known gap is injected between them:
     noise        mu = softmax(theta + eps * z), z a fixed standard normal table (kernels, precision)
     temperature  mu = softmax(theta / tau), the trainer at temperature 1 (a mismatched setting)
     top_p        mu = pi truncated to the top-p set and renormalised at each position (the sampler's rule)
+    noise_top_p  mu = the noisy softmax truncated to top-p 0.9, the trainer replaying the truncation on
+                 its own logits (grpo.py's default --sampling_replay): the two truncations may differ
 Each correction is a set of grpo.py's flags, and its loss is grpo.py's own (grpo.grpo_loss with the
 weights of grpo.policy_weights, the training loop's two calls) on the enumerated sequences, in one
 pass (old = pi, grpo.py's departure 3), each sequence's tokens summed (every sequence has T tokens,
@@ -16,7 +18,7 @@ mean of a large group drawn by the sampler, without the std (a constant factor).
 For every correction, by enumeration: the estimator g(y) = -grad of y's loss, its expectation
 E_mu[g] = sum_y mu(y) g(y) and its variance per sample sum_y mu(y) ||g(y) - E_mu[g]||^2, against
 the exact gradient of the objective the correction claims to optimise (autograd of sum_y p(y) R(y)):
-the full policy's, p = pi; for the replayed truncation (the trainer truncates its own pi with the
+the full policy's, p = pi; where the trainer replays the truncation (truncates its own pi with the
 sampler's rule), the truncated policy's. Bias = ||E_mu[g] - g_true|| / ||g_true||; variance is
 shown relative to the on-policy estimator's (no gap, no correction) on the same instance. Both are
 averaged over --instances random policies, rewards and noise tables.
@@ -41,8 +43,11 @@ GAPS = {
     "noise": (0.0, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0),  # eps, the std of the logit noise
     "temperature": (1.0, 1.003, 1.01, 1.03, 1.1, 1.3, 1.5),  # tau, the sampler's temperature
     "top_p": (1.0, 0.997, 0.99, 0.97, 0.9, 0.7),  # p, the sampler's nucleus
+    "noise_top_p": (0.0, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0),  # eps, with top_p NOISE_TOP_P replayed by every row
 }
-GAP_LABELS = {"noise": "logit noise std eps", "temperature": "sampler temperature - 1", "top_p": "1 - top_p"}
+NOISE_TOP_P = 0.9
+GAP_LABELS = {"noise": "logit noise std eps", "temperature": "sampler temperature - 1", "top_p": "1 - top_p",
+              "noise_top_p": f"logit noise std eps, top_p {NOISE_TOP_P} replayed"}
 
 
 # -----------------------------------------------------------------------------
@@ -94,8 +99,8 @@ def instance(V, T, scale, seed):
 
 def behaviour_logits(theta, noise, gap, size):
     """The sampler's logits table, temperature and top_p for a gap of this size."""
-    if gap == "noise":
-        return theta + size * noise, 1.0, 1.0
+    if gap in ("noise", "noise_top_p"):
+        return theta + size * noise, 1.0, NOISE_TOP_P if gap == "noise_top_p" else 1.0
     if gap == "temperature":
         return theta, size, 1.0
     if gap == "top_p":
@@ -153,20 +158,33 @@ CORRECTIONS = {
 # exact expectation and variance
 
 
+def trainer_probs(theta, seqs, prefix, top_p=1.0):
+    """The trainer's next-token distribution at every token of every sequence, (N, T, V): its pi,
+    or replaying a top-p truncation, its pi truncated by the sampler's rule on its own logits with
+    the sampled token kept whatever the rule says (sampling.truncate_logits with labels, the
+    trainer's own call: where the sampler's logits differ from the trainer's, the sampler may draw
+    a token the trainer's rule would drop)."""
+    logits = theta[prefix]  # (N, T, V)
+    if top_p < 1.0:
+        keep = torch.isfinite(sampling.truncate_logits(logits, labels=seqs, top_p=top_p))
+        logits = logits.masked_fill(~keep, float("-inf"))
+    return logits.softmax(-1)
+
+
 def per_sample_grads(theta, seqs, prefix, loss_fn, rollout_logps, A, top_p=1.0):
     """g (N, S * V): minus the gradient of each sequence's loss with respect to theta.
 
     The loss of sequence n depends on theta only through its own token log-probs logps[n] (T,), so
     g[n] = -sum_t dloss_n/dlogps[n, t] * dlogps[n, t]/dtheta: the first factor from autograd through
     the training code, the second in closed form for a softmax table, the row of the token's prefix
-    s getting onehot(y_t) - p(. | s) (p the trainer's distribution, truncated when it replays)."""
-    probs = table_probs(theta, 1.0, top_p)  # (S, V): the trainer's
-    logps = probs[prefix, seqs].log().detach().requires_grad_()  # (N, T)
+    s getting onehot(y_t) - p(. | y_<t) (p the trainer's distribution, truncated when it replays)."""
+    probs = trainer_probs(theta, seqs, prefix, top_p)  # (N, T, V)
+    logps = probs.gather(-1, seqs[..., None]).squeeze(-1).log().detach().requires_grad_()  # (N, T)
     mask = torch.ones_like(logps)
     (dloss,) = torch.autograd.grad(loss_fn(logps, rollout_logps, A, mask), logps)  # (N, T)
     S, V = theta.shape
     at = torch.nn.functional.one_hot(prefix, S).to(theta)  # (N, T, S)
-    score = torch.nn.functional.one_hot(seqs, V).to(theta) - probs[prefix]  # (N, T, V)
+    score = torch.nn.functional.one_hot(seqs, V).to(theta) - probs  # (N, T, V)
     return -torch.einsum("nt,nts,ntv->nsv", dloss, at, score).reshape(len(seqs), S * V)
 
 
@@ -195,13 +213,14 @@ def measure(theta, rewards, noise, gap, size, seqs, prefix, corrections=None):
     A = rewards[keep] - mu_k @ rewards[keep]  # R - E_mu[R]
     out = {}
     for name, (loss_fn, replay) in (corrections or CORRECTIONS).items():
-        p = top_p if replay else 1.0
+        p = top_p if replay or gap == "noise_top_p" else 1.0
         g = per_sample_grads(theta, seqs_k, prefix_k, loss_fn, rollout_logps, A, top_p=p)
         mean, var = exact_moments(mu_k, g)
         out[name] = (mean, var, true_gradient(theta, seqs, prefix, rewards, top_p=p))
-    pi_table = table_probs(theta)
-    # grpo.py's rollout/logp_diff without the replay: the mean |log pi - log mu| of the sampled tokens
-    logp_diff = mu_k @ (pi_table[prefix_k, seqs_k].log() - rollout_logps).abs().mean(-1)
+    # grpo.py's rollout/logp_diff, the mean |log pi - log mu| of the sampled tokens, the trainer's pi as
+    # that gap's rows compute it: replaying top-p in noise_top_p, not in top_p (where the replay logs 0)
+    pi = trainer_probs(theta, seqs_k, prefix_k, top_p if gap == "noise_top_p" else 1.0)
+    logp_diff = mu_k @ (pi.gather(-1, seqs_k[..., None]).squeeze(-1).log() - rollout_logps).abs().mean(-1)
     return out, float(logp_diff)
 
 
@@ -214,7 +233,8 @@ def bias(mean, g_true):
 
 
 def applies(name, gap, corrections=CORRECTIONS):
-    """Replaying the sampler's truncation is the identity where the sampler truncates nothing."""
+    """The replay row is the top-p gap's alone: without truncation it is the identity, and with
+    noise_top_p every row replays."""
     return gap == "top_p" or not corrections[name][1]
 
 
@@ -276,7 +296,7 @@ def figure(rows, names, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(2, len(GAPS), figsize=(5.4 * len(GAPS), 8.4), squeeze=False)
+    fig, axes = plt.subplots(2, len(GAPS), figsize=(5.4 * len(GAPS), 9.0), squeeze=False)
     styles = ["-", "--", ":", "-."]
     MARKERS = "osv^DPX*<>h"
     noise = (rows["on_policy_noise_to_signal"] / REFERENCE_BATCH) ** 0.5
@@ -296,7 +316,7 @@ def figure(rows, names, path):
         axes[0, c].axhline(noise, color="grey", linewidth=3, alpha=0.3,
                            label=f"on-policy noise, {REFERENCE_BATCH} samples")
         axes[0, c].set_ylim(FLOOR / 2, 2)
-        axes[0, c].set_title(f"gap: {gap}")
+        axes[0, c].set_title(f"gap: {gap}" + (f" (top_p {NOISE_TOP_P} replayed)" if gap == "noise_top_p" else ""))
         axes[0, c].set_ylabel(f"bias ||E[g] - g_true|| / ||g_true|| (unbiased: at {FLOOR:g})")
         axes[1, c].set_ylabel("variance per sample / on-policy's")
         for ax in axes[:, c]:
@@ -304,8 +324,9 @@ def figure(rows, names, path):
             ax.set_yscale("log")
             ax.set_xlabel(GAP_LABELS[gap])
             ax.grid(alpha=0.3, which="both")
-    axes[0, -1].legend(fontsize=7, loc="lower right")  # the panel with every correction
-    fig.tight_layout()
+    handles, labels = axes[0, list(GAPS).index("top_p")].get_legend_handles_labels()  # the panel with every row
+    fig.legend(handles, labels, loc="lower center", ncol=6, fontsize=9)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -71,15 +71,20 @@ def test_with_no_gap_every_correction_is_the_on_policy_gradient(gap):
     assert logp_diff == 0.0
     mean0, var0, g_true = out["none"]
     assert ox.bias(mean0, g_true) < 1e-12
-    A = rewards - ox.sequence_probs(ox.table_probs(theta), SEQS, PREFIX) @ rewards
-    rollout = ox.table_probs(theta)[PREFIX, SEQS].log()
-    g_none = ox.per_sample_grads(theta, SEQS, PREFIX, ox.CORRECTIONS["none"][0], rollout, A)
+    # with noise_top_p at eps 0 the sampler truncates and the trainer replays: on-policy for the truncated policy
+    logits, temperature, top_p = ox.behaviour_logits(theta, noise, gap, no_gap)
+    mu_table = ox.table_probs(logits, temperature, top_p)
+    keep = ox.sequence_probs(mu_table, SEQS, PREFIX) > 0
+    seqs, prefix = SEQS[keep], PREFIX[keep]
+    rollout = mu_table[prefix, seqs].log()
+    A = rewards[keep] - rollout.sum(-1).exp() @ rewards[keep]
+    g_none = ox.per_sample_grads(theta, seqs, prefix, ox.CORRECTIONS["none"][0], rollout, A, top_p=top_p)
     for name, (loss_fn, replay) in ox.CORRECTIONS.items():
         mean, var, _ = out[name]
         torch.testing.assert_close(mean, g_true, rtol=0, atol=1e-12)
         torch.testing.assert_close(var, var0, rtol=1e-12, atol=0)
         # sample by sample, not only on average
-        torch.testing.assert_close(ox.per_sample_grads(theta, SEQS, PREFIX, loss_fn, rollout, A), g_none,
+        torch.testing.assert_close(ox.per_sample_grads(theta, seqs, prefix, loss_fn, rollout, A, top_p=top_p), g_none,
                                    rtol=0, atol=1e-12)
 
 
@@ -107,15 +112,17 @@ def test_per_sample_gradients_are_autograds_through_the_policy():
         rollout = ox.table_probs(theta + 0.5 * noise)[PREFIX, SEQS].log()
         A = rewards - rewards.mean()
         th = theta.clone().requires_grad_()
-        lp = torch.log_softmax(ox.truncate(th, top_p), -1)[PREFIX, SEQS]  # -inf where the truncation drops
-        keep = torch.isfinite(lp).all(-1)  # replaying a truncation: only the sequences it keeps
-        rows = torch.nonzero(keep).flatten().tolist()
+        # the trainer's log-probs as autograd sees them; replaying, a sequence the trainer's own rule
+        # would drop keeps its sampled tokens (the labels), so every row is finite
+        lp = ox.trainer_probs(th, SEQS, PREFIX, top_p).gather(-1, SEQS[..., None]).squeeze(-1).log()
+        dropped = ~torch.isfinite(torch.log_softmax(ox.truncate(theta, top_p), -1)[PREFIX, SEQS]).all(-1)
+        assert dropped.any() == replay  # the labels' path is exercised
         # one call per sequence: the batch's loss is the sum of its sequences' (rows independent)
         loss = sum(c[n] * loss_fn(lp[n:n + 1], rollout[n:n + 1], A[n:n + 1], torch.ones(1, T, dtype=lp.dtype))
-                   for n in rows)
+                   for n in range(len(SEQS)))
         (want,) = torch.autograd.grad(-loss, th)
-        g = ox.per_sample_grads(theta, SEQS[keep], PREFIX[keep], loss_fn, rollout[keep], A[keep], top_p=top_p)
-        torch.testing.assert_close(c[keep] @ g, want.reshape(-1), rtol=1e-10, atol=1e-12)
+        g = ox.per_sample_grads(theta, SEQS, PREFIX, loss_fn, rollout, A, top_p=top_p)
+        torch.testing.assert_close(c @ g, want.reshape(-1), rtol=1e-10, atol=1e-12)
 
 
 def sampler_draws(logits_table, temperature, top_p, n, seed):
