@@ -100,6 +100,23 @@ def test_replaying_the_truncation_is_unbiased_for_the_truncated_objective():
             b_trunc = biases("top_p", p, seed, reference_top_p=p)
             assert b_trunc["none"] > 1e-3, (seed, p, b_trunc)
 
+    # with the sampler's logits noisy, the replay is exact only where both sides keep the same top-p
+    # sets: where they differ, the sampler draws tokens the trainer's rule drops and never draws some it
+    # keeps, and not even the full weight is unbiased
+    seen = set()
+    for seed in (0, 1):
+        theta, _, noise = ox.instance(V, T, SCALE, seed)
+        for eps in (0.1, 0.3, 1.0):
+            kept_mu = torch.isfinite(ox.truncate(theta + eps * noise, ox.NOISE_TOP_P))  # (S, V)
+            kept_pi = torch.isfinite(ox.truncate(theta, ox.NOISE_TOP_P))
+            drawn = ox.sequence_probs(kept_mu.double(), SEQS, PREFIX) + ox.sequence_probs(kept_pi.double(), SEQS, PREFIX) > 0
+            reached = PREFIX[drawn].unique()  # the prefixes either side can reach
+            same = torch.equal(kept_mu[reached], kept_pi[reached])
+            b = biases("noise_top_p", eps, seed)
+            assert (b["full_is"] < 1e-10) if same else (1e-2 < b["full_is"] < b["none"]), (seed, eps, same, b)
+            seen.add(same)
+    assert seen == {True, False}  # both cases met
+
 
 def test_per_sample_gradients_are_autograds_through_the_policy():
     """The closed-form chain of per_sample_grads against autograd of a weighted sum of the losses
