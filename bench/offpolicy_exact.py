@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo  # noqa: E402
 import sampling  # noqa: E402
 
-# the gaps: the sampler's setting at each size, the trainer at temperature 1 and no truncation
+# the gaps: the sampler's setting at each size; the trainer at temperature 1, truncating only where it replays
 GAPS = {
     "noise": (0.0, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0),  # eps, the std of the logit noise
     "temperature": (1.0, 1.003, 1.01, 1.03, 1.1, 1.3, 1.5),  # tau, the sampler's temperature
@@ -239,9 +239,10 @@ def applies(name, gap, corrections=CORRECTIONS):
 
 
 def run(V, T, scale, instances, seed, corrections=CORRECTIONS):
-    """Per gap and size, per correction: the bias and the variance relative to on-policy's, each
-    averaged over the instances (and the cosine of E[g] with g_true); the rollout/logp_diff of each gap size; and the on-policy
-    estimator's variance per sample over ||g_true||^2 (its noise-to-signal for one sequence)."""
+    """Per gap and size, per correction: the bias and the variance relative to on-policy's (and the
+    cosine of E[g] with g_true), each averaged over the instances; the rollout/logp_diff of each gap
+    size; and the on-policy estimator's variance per sample over ||g_true||^2 (its noise-to-signal
+    for one sequence)."""
     seqs, prefix = enumerate_sequences(V, T)
     rows = {gap: {"sizes": list(sizes), "logp_diff": [0.0] * len(sizes),
                   **{n: {k: [0.0] * len(sizes) for k in ("bias", "var", "cos")}

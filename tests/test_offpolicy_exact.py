@@ -2,7 +2,6 @@
 is unbiased, every correction is the on-policy gradient when there is no gap, replaying the sampler's
 truncation is unbiased for the truncated policy's objective, and the enumeration's expectation is
 what the sampler's own draws (sampling.sample_token) average to."""
-import math
 
 import pytest
 import torch
