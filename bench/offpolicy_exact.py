@@ -145,7 +145,7 @@ CORRECTIONS = {
     "token_mask": (training_loss(is_mode("token_mask", 0.5, 5.0)), False),  # IcePop's bounds
     "sequence_tis": (training_loss(is_mode("sequence_truncate", clip_max=3.0)), False),
     "sequence_mask": (training_loss(is_mode(_D.vllm_importance_sampling_mode, _D.vllm_importance_sampling_clip_min,
-                                            _D.vllm_importance_sampling_clip_max)), False),  # grpo.py's default, TRL's
+                                            _D.vllm_importance_sampling_clip_max)), False),  # the flag's mode and bounds, TRL's default
     "geometric_mask": (training_loss(is_mode("sequence_geometric_mask", 0.99, 1.01)), False),  # verl's seq_mean_k1
     "deepseek_mask": (training_loss({"off_policy_mask_threshold": 0.05}), False),  # DeepSeek-V3.2's, A < 0 only
     "dppo_tv": (training_loss(dict(loss_type="dppo_tv", epsilon_low=0.15, epsilon_high=0.15), old="sampler"), False),
