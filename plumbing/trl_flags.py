@@ -109,6 +109,13 @@ def translate(script, argv, flags, bools):
         if arg == "--":
             return out + argv[i - 1:]
         name, eq, value = arg[2:].partition("=")
+        if arg.startswith("--") and name in bools and not name.startswith("no-") and (
+                eq or (i < len(argv) and argv[i].lower() in TRUE + FALSE)):  # TRL's `--flag false` of a bool here
+            value, i = (value, i) if eq else (argv[i], i + 1)
+            if value.lower() not in TRUE + FALSE:
+                raise ValueError(f"{script}.py: --{name}={value}: give true or false, or --{name} / --no-{name}")
+            out.append(f"--{name}" if value.lower() in TRUE else f"--no-{name}")
+            continue
         if not arg.startswith("--") or arg == "--help" or name in flags:
             out.append(arg)
             continue

@@ -136,3 +136,19 @@ def test_sft_runs_on_trl_s_flag_names(tmp_path, user_models):
         config = json.load(f)
     assert (config["lr"], config["out_dir"], config["model"], config["dataset"]) == (3e-5, out, user_models["qwen2"], rows)
     assert (config["steps"], config["grad_accum"], config["max_prompt_len"], config["wandb"]) == (1, 2, 64, False)
+
+
+def test_a_bool_of_the_same_name_takes_trls_true_or_false():
+    """TRL's parser reads `--vllm_importance_sampling_correction false` (a bool with its value); a
+    bool flag here spelled as TRL spells it takes the value too, either way and with `=`."""
+    for argv, want in ((["--vllm_importance_sampling_correction", "false"], False),
+                       (["--vllm_importance_sampling_correction", "True"], True),
+                       (["--vllm_importance_sampling_correction=1"], True),
+                       (["--mask_truncated_completions=no"], None), (["--vllm_importance_sampling_correction"], True)):
+        cfg = cli.parse_config(grpo.Config, argv)
+        if want is None:
+            assert cfg.mask_truncated_completions is False
+        else:
+            assert cfg.vllm_importance_sampling_correction is want, argv
+    with pytest.raises(SystemExit):
+        cli.parse_config(grpo.Config, ["--vllm_importance_sampling_correction=maybe"])
