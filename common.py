@@ -390,13 +390,14 @@ def packing_works(model, device):
     return bool(gap[0] * 10 <= gap[1])
 
 
-def use_packing(wanted, model, d):
-    """--packing's decision: on where asked and the model's attention keeps packed rows apart
-    (`packing_works`), else off with a line that says why."""
-    if wanted and not packing_works(model, d.device):
-        print0(f"note: --packing off: {type(model).__name__} does not keep packed rows apart (its attention "
-               f"ignores position ids that restart per row); micro-batches stay padded")
-        return False
+def use_packing(wanted, models, d):
+    """--padding_free's decision: on where asked and every one of `models` (None: absent) keeps packed
+    rows apart (`packing_works`), else off with a line that says which model and why."""
+    for model in models if wanted else []:
+        if model is not None and not packing_works(model, d.device):
+            print0(f"note: --padding_free off: {type(model).__name__} does not keep packed rows apart (its attention "
+                   f"ignores position ids that restart per row); micro-batches stay padded")
+            return False
     return wanted
 
 
@@ -501,8 +502,9 @@ def response_logprobs(model, input_ids, attention_mask, n_response, temperature=
     unpack = (lambda x: x) if resp is None else (lambda x: x.new_zeros(resp.shape).masked_scatter(resp, x))
     if not with_entropy:
         return unpack(logps)
+    logps = unpack(logps)  # with its graph, outside the no_grad below
     with nullcontext() if entropy_grad else torch.no_grad():
-        return unpack(logps), unpack(entropy_from_logits(logits))
+        return logps, unpack(entropy_from_logits(logits))
 
 
 @torch.no_grad()

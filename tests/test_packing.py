@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 import common
 import tasks
+from helpers import checkpoint_weights, max_abs_diff, read_metrics, run_here, write_jsonl
 from plumbing import models
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -41,10 +42,12 @@ def test_pack_puts_real_tokens_back_to_back_with_restarting_positions():
     assert index.tolist() == [[0, 1, 2, -1], [-1, 3, 4, 5]]
 
 
-def test_packed_logprobs_losses_and_gradients_equal_the_padded_ones(user_models, smollm2_small):
+@pytest.mark.parametrize("entropy_grad", [True, False])
+def test_packed_logprobs_losses_and_gradients_equal_the_padded_ones(user_models, smollm2_small, entropy_grad):
     """Per model: log-probs and entropies of the real response tokens, a masked token-mean loss and
-    every parameter's gradient, packed against padded (fp32, 1e-5). Planted: position ids that do
-    not restart (one long sequence: rows see each other) fail on every model."""
+    every parameter's gradient (through the entropy or not), packed against padded (fp32, 1e-5).
+    Planted: position ids that do not restart (one long sequence: rows see each other) fail on
+    every model (next test)."""
     for name, model in _models(user_models, smollm2_small):
         assert common.packing_works(model, torch.device("cpu")), name
         ids, attn, resp = _batch(model.config.vocab_size, LENGTHS)
@@ -53,7 +56,7 @@ def test_packed_logprobs_losses_and_gradients_equal_the_padded_ones(user_models,
         for packed in (False, True):
             model.zero_grad()
             logps, ent = common.response_logprobs(model, ids, attn, R, temperature=0.7, with_entropy=True,
-                                                  entropy_grad=True, packed=packed)
+                                                  entropy_grad=entropy_grad, packed=packed)
             loss = ((logps + 0.1 * ent) * resp).sum() / resp.sum()
             loss.backward()
             grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
@@ -99,12 +102,12 @@ class OwnMask(torch.nn.Module):
 
 def test_a_model_that_ignores_restarting_positions_is_detected(user_models, capsys):
     model = AutoModelForCausalLM.from_pretrained(user_models["llama"], dtype=torch.float32)
-    assert common.use_packing(True, model, common.Dist())
+    assert common.use_packing(True, [model, None], common.Dist())
     own = OwnMask(model)
     assert not common.packing_works(own, torch.device("cpu"))
-    assert not common.use_packing(True, own, common.Dist())
-    assert "--packing off" in capsys.readouterr().out
-    assert not common.use_packing(False, model, common.Dist())
+    assert not common.use_packing(True, [model, own], common.Dist())
+    assert "--padding_free off: OwnMask" in capsys.readouterr().out
+    assert not common.use_packing(False, [own], common.Dist())
 
 
 def test_micro_batches_cut_by_tokens():
@@ -141,3 +144,31 @@ def test_micro_batches_as_many_as_the_rank_that_needs_most(monkeypatch):
         attn[i, :n] = 1
     got = common.micro_batches(torch.arange(6), attn, 2, common.Dist(world_size=2), packed=True)  # 20 tokens, then 2
     assert [r.tolist() for r in got] == [[0, 1], [2], [3, 4], [5]]  # (0..5) of 20 tokens halved, then (2..5)
+
+
+@pytest.mark.parametrize("model", ["tiny", "llama"])
+def test_grpo_padding_free_equals_padded(tmp_path, user_models, model):
+    """grpo.py at its defaults (2 passes over 2 mini-batches: the reference, old-policy and update
+    passes), with --grad_accum 2 and --beta 0.05, padding-free against --no-padding_free, on GPT-2
+    and on the Llama-shaped model (RoPE, GQA): the same rewards, loss, KL, grad norm every step
+    and the same final weights (fp32). The token-cut micro-batches change which rows share a
+    forward, not the sums (every normaliser counts the global mini-batch's tokens)."""
+    rows = [{"prompt": r["prompt"], "reward_fn": "digits"} for r in tasks.prompt_rows(16)]
+    data = write_jsonl(tmp_path / "p.jsonl", rows)
+    runs = []
+    for flag in ("--padding_free", "--no-padding_free"):
+        out = tmp_path / flag
+        proc = run_here(["grpo.py", "--model", model if model == "tiny" else user_models[model], "--dataset", data,
+                         "--steps", "2", "--prompts_per_step", "4", "--group_size", "4", "--max_new_tokens", "8",
+                         "--max_prompt_len", "64", "--grad_accum", "2", "--beta", "0.05", "--lr", "1e-4",
+                         "--warmup_steps", "0", "--eval_every", "100", "--out_dir", str(out),
+                         flag])
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "--padding_free off" not in proc.stdout
+        runs.append(out)
+    one, two = ([r for r in read_metrics(out) if "loss" in r] for out in runs)
+    assert len(one) == 2 and all(r["reward_std"] > 0 for r in one)
+    for a, b in zip(one, two, strict=True):
+        for key in ("reward", "loss", "kl", "grad_norm", "completions/mean_length"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
+    assert max_abs_diff(checkpoint_weights(runs[0]), checkpoint_weights(runs[1])) < 1e-5
