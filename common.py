@@ -384,9 +384,10 @@ def packing_works(model, device):
     ids = torch.stack([torch.cat([a, b]), torch.cat([a.flip(0) * 3 % v, b])]).to(device)  # (2, 10)
     restart = torch.cat([torch.arange(6), torch.arange(4)]).expand(2, -1).to(device)
     gap = []  # max |logits of b after a - after a'|, with the restart, then without
-    for pos in (restart, torch.arange(10, device=device).expand(2, -1)):
-        logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[:, 6:].float()
-        gap.append((logits[0] - logits[1]).abs().max())
+    with evaluating(model, gather=True):  # FSDP's parameters resharded after, as after a rollout
+        for pos in (restart, torch.arange(10, device=device).expand(2, -1)):
+            logits = _per_position(model, input_ids=ids, position_ids=pos)[:, 6:].float()  # an LM's or a score head's
+            gap.append((logits[0] - logits[1]).abs().max())
     return bool(gap[0] * 10 <= gap[1])
 
 
@@ -523,31 +524,46 @@ def batched_logprobs(model, ids, attn, n_response, temperature, d, rows_per_forw
     return torch.cat(out).float()
 
 
-def sequence_logprobs(model, batch, d):
+def sequence_logprobs(model, batch, d, packed=False):
     """log pi(y|x) summed over each row's response tokens, (B,), for a batch (ids, attn, resp)."""
     ids, attn, resp = batch
     with autocast(d):
-        logps = response_logprobs(model, ids, attn, resp.shape[1])  # (B, R)
+        logps = response_logprobs(model, ids, attn, resp.shape[1], packed=packed)  # (B, R)
     return (logps.float() * resp).sum(-1)
 
 
-def reward_scores(model, input_ids, attention_mask):
-    """Scalar score of each sequence, (B,), from an AutoModelForSequenceClassification's `score`
-    head (hooked inside its forward, so FSDP gathers it as usual), read at the last real token by
-    the mask (pad == eos does no harm: transformers #35352); the config's gain and bias apply."""
+def _per_position(model, **kw):
+    """The forward's per-position output: a causal LM's logits (B, T, V), a sequence classifier's
+    `score` head (B, T, 1) (hooked inside its forward, so FSDP gathers it as usual; the model's own
+    output is pooled)."""
     head = getattr(model, "score", None)
     if head is None:
-        raise ValueError(f"{type(model).__name__} has no `score` head: not a sequence-classification model")
+        return model(**kw, use_cache=False).logits
     captured = []
     handle = head.register_forward_hook(lambda module, inputs, output: captured.append(output))
     try:
-        model(input_ids=input_ids, attention_mask=attention_mask,
-              position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+        model(**kw, use_cache=False)
     finally:
         handle.remove()
-    per_position = captured[0].squeeze(-1).float()  # (B, T)
+    return captured[0]
+
+
+def reward_scores(model, input_ids, attention_mask, packed=False):
+    """Scalar score of each sequence, (B,), from an AutoModelForSequenceClassification's `score`
+    head, read at the last real token by the mask (pad == eos does no harm: transformers #35352);
+    the config's gain and bias apply. packed: the rows back to back (`pack`), no padding computed."""
+    if getattr(model, "score", None) is None:
+        raise ValueError(f"{type(model).__name__} has no `score` head: not a sequence-classification model")
+    kw = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask))
+    if packed:
+        kw["input_ids"], kw["position_ids"], index = pack(input_ids, attention_mask)
+        kw["attention_mask"] = None
+    per_position = _per_position(model, **kw).squeeze(-1).float()  # (B, T), or (1, N) packed
     last = attention_mask.shape[1] - 1 - attention_mask.flip(1).argmax(1)  # (B,) index of the last 1
-    scores = per_position.gather(1, last[:, None]).squeeze(1)
+    if packed:  # the last real token's place in the packed sequence
+        scores = per_position[0, index.gather(1, last[:, None]).squeeze(1)]
+    else:
+        scores = per_position.gather(1, last[:, None]).squeeze(1)
     return scores * getattr(model.config, "reward_gain", 1.0) + getattr(model.config, "reward_bias", 0.0)
 
 

@@ -172,3 +172,55 @@ def test_grpo_padding_free_equals_padded(tmp_path, user_models, model):
         for key in ("reward", "loss", "kl", "grad_norm", "completions/mean_length"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
     assert max_abs_diff(checkpoint_weights(runs[0]), checkpoint_weights(runs[1])) < 1e-5
+
+
+def test_reward_scores_packed_equal_padded(user_models):
+    """The score at each row's last real token, packed against padded, with the gradient of a
+    loss on the scores (the reward model's head and body), on the Llama-shaped score model."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(user_models["llama_rm"], dtype=torch.float32)
+    assert common.packing_works(model, torch.device("cpu"))
+    ids, attn, _ = _batch(model.config.vocab_size, LENGTHS)
+    out = []
+    for packed in (False, True):
+        model.zero_grad()
+        scores = common.reward_scores(model, ids, attn, packed=packed)
+        (scores * torch.arange(1.0, 6.0)).sum().backward()
+        out.append((scores.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])))
+    torch.testing.assert_close(out[1], out[0], rtol=0, atol=1e-5)
+
+
+def _offline_argv(script, folder, models):
+    """The user-path runs of sft.py (Llama, messages), reward.py (Llama, a new score head) and
+    dpo.py (Qwen2, a live reference), each with --grad_accum 2."""
+    import test_sft
+    import test_user_path
+
+    if script == "sft":
+        return [*test_sft.two_rank_argv(folder, models), "--grad_accum", "2", "--steps", "2", "--eval_every", "100",
+                "--warmup_steps", "0"]
+    if script == "reward":
+        return test_user_path.reward_argv(folder, models)
+    return test_user_path.dpo_argv(folder, models, "--no-precompute_ref", "--grad_accum", "2")
+
+
+@pytest.mark.parametrize("script", ["sft", "reward", "dpo"])
+def test_offline_scripts_padding_free_equal_padded(tmp_path, user_models, script):
+    """sft.py, reward.py and dpo.py (chosen and rejected in one packed forward, the live reference
+    too) padding-free against --no-padding_free: every step's loss and grad norm, and the final
+    weights (fp32)."""
+    runs = []
+    for flag in ("--padding_free", "--no-padding_free"):
+        (tmp_path / flag).mkdir()
+        argv = [*_offline_argv(script, tmp_path / flag, user_models), flag]
+        proc = run_here(argv)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "--padding_free off" not in proc.stdout
+        runs.append(argv[argv.index("--out_dir") + 1])
+    one, two = ([r for r in read_metrics(out) if "loss" in r] for out in runs)
+    assert len(one) >= 2
+    for a, b in zip(one, two, strict=True):
+        for key in ("loss", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (script, a["step"], key)
+    assert max_abs_diff(checkpoint_weights(runs[0]), checkpoint_weights(runs[1])) < 1e-5

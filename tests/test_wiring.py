@@ -371,9 +371,9 @@ def test_dpo_gives_the_loss_each_sides_own_length(tmp_path):
     seen, calls = {}, []
     scores, loss_fn = common.sequence_logprobs, dpo.dpo_loss
 
-    def recording_scores(model, batch, d):
+    def recording_scores(model, batch, d, *args):
         seen["resp"] = batch[2]
-        return scores(model, batch, d)
+        return scores(model, batch, d, *args)
 
     def recording_loss(*args, lengths, **kwargs):
         calls.append((seen["resp"].sum(-1).float().chunk(2), lengths))
