@@ -1,5 +1,5 @@
-"""What sft.py, reward.py, dpo.py and grpo.py share: distributed setup and FSDP2, padding and
-position ids, log-probs and reward scores, the optimizer step (each algorithm's
+"""What sft.py, reward.py, dpo.py and grpo.py share: distributed setup and FSDP2, padding,
+packing and position ids, log-probs and reward scores, the optimizer step (each algorithm's
 math is in its script, the sampler in sampling.py, data in data.py, running a script in plumbing/).
 
 Shapes, named alike in every file: B rows (sequences) of a batch, G completions per prompt (a
@@ -334,6 +334,74 @@ def join_prompt_response(prompts, responses, pad_id):
     return torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1), r_mask
 
 
+def pack(input_ids, attention_mask):
+    """A padded batch's real tokens back to back in one sequence: ids (1, N) and position ids (1, N)
+    that restart at 0 with each row, and index (B, T), each token's place in it (-1: padding).
+    Given position ids and no attention mask, transformers reads each restart as a new sequence
+    and masks attention block-diagonally (masking_utils.find_packed_sequence_indices, for SDPA and
+    eager; flash attention's varlen kernels take the same ids), so no row sees another's tokens and
+    no pad token is computed. Whether a model honours it: `packing_works`."""
+    real = attention_mask.bool()
+    index = torch.where(real, real.flatten().long().cumsum(0).view(real.shape) - 1, -1)  # (B, T)
+    return input_ids[real][None], position_ids_from_mask(attention_mask)[real][None], index
+
+
+def micro_batches(rows, attention_mask, rows_per_forward, d, packed=False):
+    """`rows` (indices into attention_mask's (n, T)) cut into micro-batches of rows_per_forward rows,
+    or, packed, of consecutive rows holding at most rows_per_forward * T real tokens (a padded
+    micro-batch's tokens: no more activation memory), a row longer than that alone. Packed, every
+    rank cuts as many as the rank that needs most (FSDP's forwards are collective), halving its
+    largest: one host sync (and one all-reduce) per call. A list of index tensors, in order."""
+    if not packed:
+        return [rows[i:i + rows_per_forward] for i in range(0, len(rows), rows_per_forward)]
+    budget, lengths = rows_per_forward * attention_mask.shape[1], attention_mask[rows].sum(-1).tolist()
+    cuts, held = [0], 0  # each micro-batch's first row; the tokens of the one being filled
+    for i, n in enumerate(lengths):
+        if held + n > budget and i > cuts[-1]:
+            cuts.append(i)
+            held = 0
+        held += n
+    n = torch.tensor(len(cuts), device=attention_mask.device)
+    if d.world_size > 1:
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    spans = [(a, b) for a, b in zip(cuts, cuts[1:] + [len(rows)])]
+    while len(spans) < int(n):  # halve the micro-batch with most tokens (of those with 2+ rows)
+        a, b = max((s for s in spans if s[1] - s[0] > 1), key=lambda s: sum(lengths[s[0]:s[1]]))
+        i = spans.index((a, b))
+        spans[i:i + 1] = [(a, (a + b) // 2), ((a + b) // 2, b)]
+    return [rows[a:b] for a, b in spans]
+
+
+@torch.no_grad()
+def packing_works(model, device):
+    """Whether the model keeps packed rows apart: a row's logits after a different first row equal,
+    where a sequence without the restart (which must leak) differs by 10x more. False for a model
+    that builds its own mask or drops position ids. Two forwards of 2 x 10 tokens (every rank:
+    collective under FSDP)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    v = base.config.get_text_config().vocab_size
+    a, b = torch.arange(1, 7) % v, torch.arange(20, 24) % v
+    ids = torch.stack([torch.cat([a, b]), torch.cat([a.flip(0) * 3 % v, b])]).to(device)  # (2, 10)
+    restart = torch.cat([torch.arange(6), torch.arange(4)]).expand(2, -1).to(device)
+    gap = []  # max |logits of b after a - after a'|, with the restart, then without
+    with evaluating(model, gather=True):  # FSDP's parameters resharded after, as after a rollout
+        for pos in (restart, torch.arange(10, device=device).expand(2, -1)):
+            logits = _per_position(model, input_ids=ids, position_ids=pos)[:, 6:].float()  # an LM's or a score head's
+            gap.append((logits[0] - logits[1]).abs().max())
+    return bool(gap[0] * 10 <= gap[1])
+
+
+def use_packing(wanted, models, d):
+    """--padding_free's decision: on where asked and every one of `models` (None: absent) keeps packed
+    rows apart (`packing_works`), else off with a line that says which model and why."""
+    for model in models if wanted else []:
+        if model is not None and not packing_works(model, d.device):
+            print0(f"note: --padding_free off: {type(model).__name__} does not keep packed rows apart (its attention "
+                   f"ignores position ids that restart per row); micro-batches stay padded")
+            return False
+    return wanted
+
+
 # -----------------------------------------------------------------------------
 # log-probs and reward scores
 
@@ -406,55 +474,96 @@ def _accepts(model, arg):
 
 
 def response_logprobs(model, input_ids, attention_mask, n_response, temperature=1.0, with_entropy=False,
-                      entropy_grad=False, truncate=None):
+                      entropy_grad=False, truncate=None, packed=False):
     """Per-token log-probs of the response block, (B, R), at the sampling temperature, from one
     forward with position ids (GPT-2 does not derive them from the mask); with_entropy: also each
     position's entropy, detached unless entropy_grad. Position t predicts token t+1: only the R
     positions before the response are computed (`logits_to_keep`), never a (B, P+R, V) tensor.
     truncate: fn(logits, labels) -> logits with the tokens a sampler's rule drops at -inf
     (sampling.truncation): the log-probs are then the truncated policy's, renormalised on what it
-    keeps; the entropy stays the full distribution's (a -inf logit has no entropy term to add)."""
+    keeps; the entropy stays the full distribution's (a -inf logit has no entropy term to add).
+    packed: the rows back to back in one sequence (`pack`), no padding computed; log-probs and
+    entropies 0 at the response block's padding (the padded forward leaves values there that every
+    loss masks out)."""
     kw = dict(input_ids=input_ids, attention_mask=attention_mask,
               position_ids=position_ids_from_mask(attention_mask), use_cache=False)
-    T, keep = input_ids.shape[1], slice(-(n_response + 1), -1)
-    if _accepts(model, "logits_to_keep"):  # those R positions only: a contiguous (B, R, V), no copy in reshapes
-        kw["logits_to_keep"], keep = torch.arange(T - n_response - 1, T - 1, device=input_ids.device), slice(None)
-    logits = model(**kw).logits[:, keep]  # (B, R, V)
+    T, keep, resp = input_ids.shape[1], slice(-(n_response + 1), -1), None
+    if packed:  # the M real response tokens, each predicted from the packed position before it
+        kw["input_ids"], kw["position_ids"], index = pack(input_ids, attention_mask)
+        kw["attention_mask"], resp = None, attention_mask[:, T - n_response:].bool()  # (B, R)
+        keep = index[:, T - n_response - 1:T - 1][resp]  # (M,)
+    if _accepts(model, "logits_to_keep"):  # those positions only: a contiguous (B, R, V), no copy in reshapes
+        kw["logits_to_keep"] = keep if packed else torch.arange(T - n_response - 1, T - 1, device=input_ids.device)
+        keep = slice(None)
+    logits = model(**kw).logits[0, keep] if packed else model(**kw).logits[:, keep]  # (M, V) or (B, R, V)
     if temperature != 1.0:
         logits = logits / temperature
-    labels = input_ids[:, -n_response:]
-    logps = logprobs_from_logits(logits if truncate is None else truncate(logits, labels), labels)  # (B, R)
+    labels = input_ids[:, -n_response:] if resp is None else input_ids[:, -n_response:][resp]
+    logps = logprobs_from_logits(logits if truncate is None else truncate(logits, labels), labels)  # (B, R) or (M,)
+    unpack = (lambda x: x) if resp is None else (lambda x: x.new_zeros(resp.shape).masked_scatter(resp, x))
     if not with_entropy:
-        return logps
+        return unpack(logps)
+    logps = unpack(logps)  # with its graph, outside the no_grad below
     with nullcontext() if entropy_grad else torch.no_grad():
-        return logps, entropy_from_logits(logits)
+        return logps, unpack(entropy_from_logits(logits))
 
 
-def sequence_logprobs(model, batch, d):
+@torch.no_grad()
+def batched_logprobs(model, ids, attn, n_response, temperature, d, rows_per_forward, with_entropy=False, truncate=None,
+                     packed=False):
+    """Log-probs of the response block of every row, (N, R), in micro-batches (`micro_batches`), no
+    graph; with_entropy: and the entropy of each position's distribution; truncate, packed:
+    response_logprobs' knobs."""
+    out = []
+    for r in micro_batches(torch.arange(ids.shape[0], device=ids.device), attn, rows_per_forward, d, packed):
+        with autocast(d):
+            out.append(response_logprobs(model, ids[r], attn[r], n_response, temperature=temperature,
+                                         with_entropy=with_entropy, truncate=truncate, packed=packed))
+    if with_entropy:
+        return tuple(torch.cat([o[j] for o in out]).float() for j in (0, 1))
+    return torch.cat(out).float()
+
+
+def sequence_logprobs(model, batch, d, packed=False):
     """log pi(y|x) summed over each row's response tokens, (B,), for a batch (ids, attn, resp)."""
     ids, attn, resp = batch
     with autocast(d):
-        logps = response_logprobs(model, ids, attn, resp.shape[1])  # (B, R)
+        logps = response_logprobs(model, ids, attn, resp.shape[1], packed=packed)  # (B, R)
     return (logps.float() * resp).sum(-1)
 
 
-def reward_scores(model, input_ids, attention_mask):
-    """Scalar score of each sequence, (B,), from an AutoModelForSequenceClassification's `score`
-    head (hooked inside its forward, so FSDP gathers it as usual), read at the last real token by
-    the mask (pad == eos does no harm: transformers #35352); the config's gain and bias apply."""
+def _per_position(model, **kw):
+    """The forward's per-position output: a causal LM's logits (B, T, V), a sequence classifier's
+    `score` head (B, T, 1) (hooked inside its forward, so FSDP gathers it as usual; the model's own
+    output is pooled)."""
     head = getattr(model, "score", None)
     if head is None:
-        raise ValueError(f"{type(model).__name__} has no `score` head: not a sequence-classification model")
+        return model(**kw, use_cache=False).logits
     captured = []
     handle = head.register_forward_hook(lambda module, inputs, output: captured.append(output))
     try:
-        model(input_ids=input_ids, attention_mask=attention_mask,
-              position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+        model(**kw, use_cache=False)
     finally:
         handle.remove()
-    per_position = captured[0].squeeze(-1).float()  # (B, T)
+    return captured[0]
+
+
+def reward_scores(model, input_ids, attention_mask, packed=False):
+    """Scalar score of each sequence, (B,), from an AutoModelForSequenceClassification's `score`
+    head, read at the last real token by the mask (pad == eos does no harm: transformers #35352);
+    the config's gain and bias apply. packed: the rows back to back (`pack`), no padding computed."""
+    if getattr(model, "score", None) is None:
+        raise ValueError(f"{type(model).__name__} has no `score` head: not a sequence-classification model")
+    kw = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask))
+    if packed:
+        kw["input_ids"], kw["position_ids"], index = pack(input_ids, attention_mask)
+        kw["attention_mask"] = None
+    per_position = _per_position(model, **kw).squeeze(-1).float()  # (B, T), or (1, N) packed
     last = attention_mask.shape[1] - 1 - attention_mask.flip(1).argmax(1)  # (B,) index of the last 1
-    scores = per_position.gather(1, last[:, None]).squeeze(1)
+    if packed:  # the last real token's place in the packed sequence
+        scores = per_position[0, index.gather(1, last[:, None]).squeeze(1)]
+    else:
+        scores = per_position.gather(1, last[:, None]).squeeze(1)
     return scores * getattr(model.config, "reward_gain", 1.0) + getattr(model.config, "reward_bias", 0.0)
 
 

@@ -702,21 +702,6 @@ def refresh_reference(ref, model):
         p_ref.copy_(p)
 
 
-@torch.no_grad()
-def batched_logprobs(model, ids, attn, n_response, temperature, d, rows_per_forward, with_entropy=False, truncate=None):
-    """Log-probs of the response block of every row, in chunks (no graph); with_entropy: and the
-    entropy of each position's distribution; truncate: common.response_logprobs' knob."""
-    out = []
-    for i in range(0, ids.shape[0], rows_per_forward):
-        with common.autocast(d):
-            out.append(common.response_logprobs(model, ids[i:i + rows_per_forward], attn[i:i + rows_per_forward],
-                                                n_response, temperature=temperature, with_entropy=with_entropy,
-                                                truncate=truncate))
-    if with_entropy:
-        return tuple(torch.cat([o[j] for o in out]).float() for j in (0, 1))
-    return torch.cat(out).float()
-
-
 def pairwise_accuracy(model, ref, pairs, pad_id, d, batch_size):
     """Share of held-out pairs (data.encode_pairs) whose implicit reward log(pi/pi_ref), against the
     current reference, ranks chosen above rejected (ties half): does RL on the reward also move the
@@ -834,6 +819,8 @@ def main(cfg):
     n_local, rows_local = cfg.prompts_per_step // d.world_size, cfg.prompts_per_step // d.world_size * cfg.group_size
     micro = rows_local // cfg.num_mini_batches // cfg.grad_accum  # rows per forward on this rank
     common.print0(banner(cfg, d, params, micro, env))
+    packed = common.use_packing(cfg.padding_free, [model, env.teacher], d)  # padding-free where rows stay apart
+    lp = dict(**environment.scoring(cfg), d=d, rows_per_forward=micro, packed=packed)  # the log-prob passes' knobs
     loss_knobs = dict(epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high, beta=0 if cfg.kl_in_reward else cfg.beta,
                       kl_estimator=cfg.kl_estimator, agg=cfg.loss_agg, entropy_coef=cfg.entropy_coef,
                       loss_type=cfg.loss_type, level=cfg.importance_sampling_level, delta=cfg.delta,
@@ -875,15 +862,13 @@ def main(cfg):
         # 3. advantages, after the reference (and, for mu > 1 or several mini-batches, the
         #    rollout policy's) log-probs, in the precision of training
         with reference_context(model, ref):
-            ref_logps = batched_logprobs(model if ref is None else ref, ids, attn, R, **environment.scoring(cfg), d=d,
-                                         rows_per_forward=micro)  # (rows_local, R)
+            ref_logps = common.batched_logprobs(model if ref is None else ref, ids, attn, R, **lp)  # (rows_local, R)
         old_logps = keep = None  # keep: the tokens that get the policy gradient (--top_entropy_share)
         if cfg.top_entropy_share < 1:
-            old_logps, entropy = batched_logprobs(model, ids, attn, R, **environment.scoring(cfg), d=d,
-                                                  rows_per_forward=micro, with_entropy=True)
+            old_logps, entropy = common.batched_logprobs(model, ids, attn, R, **lp, with_entropy=True)
             keep = top_entropy_mask(entropy, loss_mask, cfg.top_entropy_share, d, cfg.max_new_tokens)
         elif cfg.num_iterations > 1 or cfg.num_mini_batches > 1 or cfg.kl_in_reward or cfg.teacher:  # else old = pi
-            old_logps = batched_logprobs(model, ids, attn, R, **environment.scoring(cfg), d=d, rows_per_forward=micro)
+            old_logps = common.batched_logprobs(model, ids, attn, R, **lp)
         if cfg.kl_in_reward:  # beta * sum_t KL_t of each sequence, taken from its reward (the loss has none)
             parts["kl_penalty"] = cfg.beta * (kl_per_token(old_logps, ref_logps, old_logps, cfg.kl_estimator)
                                               * own).sum(-1)  # logged as reward/kl_penalty
@@ -893,8 +878,7 @@ def main(cfg):
                                             lengths=loss_mask.sum(-1).view(n_local, cfg.group_size))
         adv = adv.flatten()  # (rows_local,)
         if env.teacher is not None:  # on-policy distillation: each token's advantage, (rows_local, R)
-            teacher_logps = batched_logprobs(env.teacher, ids, attn, R, **environment.scoring(cfg), d=d,
-                                             rows_per_forward=micro)
+            teacher_logps = common.batched_logprobs(env.teacher, ids, attn, R, **lp)
             adv = adv[:, None] + distill_advantages(teacher_logps, old_logps, loss_mask, cfg.teacher_coef)
             sums["distill/reverse_kl"] = ((old_logps - teacher_logps) * loss_mask).sum() / (rows_local * d.world_size)
         n_rows, lengths = rows_local * d.world_size, roll.r_mask.sum(-1).float()  # sequences in the global batch
@@ -914,11 +898,11 @@ def main(cfg):
             for mb_rows in minibatch_rows(n_rows, cfg.num_mini_batches, deal, common.shard_batch(n_rows, d)).to(d.device):
                 normaliser = loss_normaliser(loss_mask[mb_rows], cfg.loss_agg, cfg.max_new_tokens, d)
                 n_tokens = loss_normaliser(loss_mask[mb_rows], "token_mean", 0, d).clamp(min=1)  # metrics' denominator
-                for k in range(cfg.grad_accum):
-                    r = mb_rows[k * micro:(k + 1) * micro]
+                chunks = common.micro_batches(mb_rows, attn, micro, d, packed)  # grad_accum, or cut by tokens
+                for k, r in enumerate(chunks):
                     with common.autocast(d):
                         logps, entropy = common.response_logprobs(model, ids[r], attn[r], R, **environment.scoring(cfg),
-                                                                  with_entropy=True,
+                                                                  with_entropy=True, packed=packed,
                                                                   entropy_grad=cfg.entropy_coef != 0)  # (micro, R)
                     logps, mask = logps.float(), loss_mask[r].float()
                     old = logps.detach() if old_logps is None else old_logps[r]
@@ -931,7 +915,7 @@ def main(cfg):
                         gap = (old - roll.r_logps[r]).abs() * mask
                         m["rollout/logp_diff"] = gap.sum() / n_tokens * cfg.num_iterations  # the weight undone
                         gap_max = torch.maximum(gap_max, gap.max())
-                    common.backward(model, loss, d, sync=k == cfg.grad_accum - 1)
+                    common.backward(model, loss, d, sync=k == len(chunks) - 1)
                     common.add_metrics(sums, m, weight=1 / n_updates)  # the mean over the step's updates
                 grad_norm, lr = common.optimizer_step(model, optimizer, scheduler, cfg.grad_clip)
                 grad_norms.append(grad_norm)

@@ -302,15 +302,15 @@ def _grpo(model, optimizer, scheduler, frozen, cfg, d, tracker):
         ids, attn, loss_mask = _batch(rows, P, R, d)  # grpo.reward: group_size of each prompt's samples kept
         with tracker.phase("reference and old log-probs", measure=step == 1):
             with grpo.reference_context(model, ref):
-                ref_logps = grpo.batched_logprobs(model if ref is None else ref, ids, attn, R,
-                                                  temperature=cfg.temperature, d=d, rows_per_forward=micro)
-            old_logps = grpo.batched_logprobs(model, ids, attn, R, temperature=cfg.temperature, d=d,
-                                              rows_per_forward=micro)
+                ref_logps = common.batched_logprobs(model if ref is None else ref, ids, attn, R,
+                                                    temperature=cfg.temperature, d=d, rows_per_forward=micro)
+            old_logps = common.batched_logprobs(model, ids, attn, R, temperature=cfg.temperature, d=d,
+                                                rows_per_forward=micro)
         adv = torch.zeros(rows, device=d.device)
         if cfg.teacher:
             with tracker.phase("teacher log-probs", measure=step == 1):
-                teacher_logps = grpo.batched_logprobs(frozen["teacher"], ids, attn, R, temperature=cfg.temperature,
-                                                      d=d, rows_per_forward=micro)
+                teacher_logps = common.batched_logprobs(frozen["teacher"], ids, attn, R, temperature=cfg.temperature,
+                                                        d=d, rows_per_forward=micro)
                 adv = adv[:, None] + grpo.distill_advantages(teacher_logps, old_logps, loss_mask, cfg.teacher_coef)
         for _ in range(cfg.num_mini_batches):
             with tracker.phase("forward and backward", measure=step == 1):

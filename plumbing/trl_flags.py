@@ -67,7 +67,8 @@ TRL_FLAGS = [
     ("use_vllm", ("grpo",), None, "the sampler is built in (sampling.py: KV cache, CUDA graphs); there is no vLLM here"),
     ("assistant_only_loss", ("sft",), None, ONLY_THIS),
     ("completion_only_loss", ("sft",), None, ONLY_THIS),
-    ("packing", ("sft",), None, "no packing here: each row is a sequence of its own, padded"),
+    ("packing", ("sft",), None, "no bin-packing of rows into fixed-length blocks here; --padding_free (on by "
+     "default) already trains with no padding computed, each row attending to itself alone"),
 ]
 
 # TRL's flags whose name and meaning are this project's too (listed in the docs' table)
@@ -76,7 +77,8 @@ SAME_NAME = [("seed", ALL), ("weight_decay", ALL), ("warmup_steps", ALL), ("trus
              ("temperature", ("grpo",)), ("top_p", ("grpo",)), ("top_k", ("grpo",)), ("min_p", ("grpo",)),
              ("num_iterations", ("grpo",)),
              ("epsilon_high", ("grpo",)), ("scale_rewards", ("grpo",)), ("reward_weights", ("grpo",)),
-             ("mask_truncated_completions", ("grpo",)), ("lora_r", ("grpo",)), ("lora_alpha", ("grpo",))]
+             ("mask_truncated_completions", ("grpo",)), ("lora_r", ("grpo",)), ("lora_alpha", ("grpo",)),
+             ("padding_free", ("sft", "dpo"))]
 
 TRUE, FALSE = ("true", "1", "yes"), ("false", "0", "no")  # how TRL's parser (HfArgumentParser) reads a bool's value
 

@@ -314,7 +314,7 @@ def _scaled_reference(freeze):
 
 
 def _shifted_old_logprobs(batched):
-    """grpo.batched_logprobs with the policy's (old) log-probs 0.5 too low, the reference's right."""
+    """common.batched_logprobs with the policy's (old) log-probs 0.5 too low, the reference's right."""
     def wrapped(model, *args, **kwargs):
         out = batched(model, *args, **kwargs)
         return out - 0.5 if any(p.requires_grad for p in model.parameters()) else out
@@ -336,7 +336,7 @@ def _one_row_dealt_twice(deal):
 
 PLANTS = {  # name: (where, what, the checks to run, the rows that must fail, rows that must still pass)
     "kl": (common, "freeze", _scaled_reference, "b", ["KL to the reference"], ["clip_ratio"]),
-    "clipping": (grpo, "batched_logprobs", _shifted_old_logprobs, "b", ["clip_ratio", "logp_diff"],
+    "clipping": (common, "batched_logprobs", _shifted_old_logprobs, "b", ["clip_ratio", "logp_diff"],
                  ["KL to the reference"]),
     "sampler": (sampling, "_next_logits", _decode_ignoring_padding, "a", ["fp32, TF32 off", "bf16 autocast"],
                 ["contiguous chunks"]),

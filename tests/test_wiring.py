@@ -69,7 +69,7 @@ def record_grpo(cfg):
     sampler's uniforms of each (step, round), and each prompt's rejection-sampling draws."""
     seen = {k: [] for k in ("logprobs", "reward", "adv", "minibatches", "deal", "loss", "uniforms", "rs")}
     orig = {name: getattr(mod, name) for mod, name in [
-        (grpo, "batched_logprobs"), (grpo, "reward"), (grpo, "group_advantages"), (grpo, "minibatch_rows"),
+        (common, "batched_logprobs"), (grpo, "reward"), (grpo, "group_advantages"), (grpo, "minibatch_rows"),
         (grpo, "grpo_loss"), (grpo, "rejection_sample"), (common, "response_logprobs"), (environment, "rollout"),
         (sampling, "rollout_uniforms")]}
     last = {}
@@ -121,7 +121,7 @@ def record_grpo(cfg):
         return u
 
     with pytest.MonkeyPatch.context() as mp:
-        for mod, name, fn in [(grpo, "batched_logprobs", batched_logprobs), (grpo, "reward", reward),
+        for mod, name, fn in [(common, "batched_logprobs", batched_logprobs), (grpo, "reward", reward),
                               (grpo, "group_advantages", group_advantages), (grpo, "minibatch_rows", minibatch_rows),
                               (grpo, "grpo_loss", grpo_loss), (grpo, "rejection_sample", rejection_sample),
                               (common, "response_logprobs", response_logprobs), (environment, "rollout", rollout),
@@ -371,9 +371,9 @@ def test_dpo_gives_the_loss_each_sides_own_length(tmp_path):
     seen, calls = {}, []
     scores, loss_fn = common.sequence_logprobs, dpo.dpo_loss
 
-    def recording_scores(model, batch, d):
+    def recording_scores(model, batch, d, *args):
         seen["resp"] = batch[2]
-        return scores(model, batch, d)
+        return scores(model, batch, d, *args)
 
     def recording_loss(*args, lengths, **kwargs):
         calls.append((seen["resp"].sum(-1).float().chunk(2), lengths))

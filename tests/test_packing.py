@@ -1,0 +1,226 @@
+"""Packed training passes (common.pack, response_logprobs(packed=True), micro_batches,
+packing_works): the packed log-probs, entropies, losses and gradients equal the padded ones in
+fp32 on GPT-2 (tiny), the Llama- and Qwen2-shaped user models (RoPE, GQA) and SmolLM2's shapes;
+a model whose attention ignores restarting position ids is detected and stays padded."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import common
+import tasks
+from helpers import checkpoint_weights, max_abs_diff, read_metrics, run_here, write_jsonl
+from plumbing import models
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _batch(vocab, lengths, seed=0):
+    """A prompt-response batch of distinct lengths (prompts 2-9, responses 1-7 tokens), ids in [3, vocab)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, vocab, (p,), generator=g).tolist() for p, _ in lengths]
+    responses = [torch.randint(3, vocab, (r,), generator=g).tolist() for _, r in lengths]
+    return common.join_prompt_response(prompts, responses, pad_id=0)
+
+
+LENGTHS = [(5, 3), (2, 7), (9, 1), (4, 4), (3, 6)]
+
+
+def _models(user_models, smollm2_small):
+    tiny = models.load_model("tiny", tasks.char_tokenizer())
+    with torch.no_grad():  # a random GPT-2 barely uses positions; scale them up so that getting them wrong shows
+        tiny.transformer.wpe.weight.mul_(25)
+    yield "tiny", tiny
+    for name, path in (("llama", user_models["llama"]), ("qwen2", user_models["qwen2"]), ("smollm2", smollm2_small)):
+        torch.manual_seed(0)
+        yield name, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def test_pack_puts_real_tokens_back_to_back_with_restarting_positions():
+    ids, mask, _ = common.join_prompt_response([[5, 6], [7]], [[8], [9, 10]], pad_id=0)  # (2, 4): [5 6 8 0] [0 7 9 10]
+    flat, pos, index = common.pack(ids, mask)
+    assert flat.tolist() == [[5, 6, 8, 7, 9, 10]] and pos.tolist() == [[0, 1, 2, 0, 1, 2]]
+    assert index.tolist() == [[0, 1, 2, -1], [-1, 3, 4, 5]]
+
+
+@pytest.mark.parametrize("entropy_grad", [True, False])
+def test_packed_logprobs_losses_and_gradients_equal_the_padded_ones(user_models, smollm2_small, entropy_grad):
+    """Per model: log-probs and entropies of the real response tokens, a masked token-mean loss and
+    every parameter's gradient (through the entropy or not), packed against padded (fp32, 1e-5).
+    Planted: position ids that do not restart (one long sequence: rows see each other) fail on
+    every model (next test)."""
+    for name, model in _models(user_models, smollm2_small):
+        assert common.packing_works(model, torch.device("cpu")), name
+        ids, attn, resp = _batch(model.config.vocab_size, LENGTHS)
+        R = resp.shape[1]
+        grads, out = [], []
+        for packed in (False, True):
+            model.zero_grad()
+            logps, ent = common.response_logprobs(model, ids, attn, R, temperature=0.7, with_entropy=True,
+                                                  entropy_grad=entropy_grad, packed=packed)
+            loss = ((logps + 0.1 * ent) * resp).sum() / resp.sum()
+            loss.backward()
+            grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+            out.append((logps * resp, ent * resp, loss))
+        for padded, packed in zip(out[0], out[1]):
+            torch.testing.assert_close(packed, padded, rtol=0, atol=1e-5, msg=name)
+        torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=1e-5, msg=name)
+        assert (out[1][0] != 0).sum() == resp.sum()  # every real response token scored, padding 0
+
+
+def test_packed_rows_that_see_each_other_differ(user_models, smollm2_small, monkeypatch):
+    """The planted bug behind the test above: position ids that do not restart per row make one long
+    causal sequence; the packed log-probs then differ from the padded ones on every model."""
+    real_pack = common.pack
+
+    def no_restart(ids, mask):
+        flat, pos, index = real_pack(ids, mask)
+        return flat, torch.arange(flat.shape[1])[None], index
+
+    monkeypatch.setattr(common, "pack", no_restart)
+    for name, model in _models(user_models, smollm2_small):
+        ids, attn, resp = _batch(model.config.vocab_size, LENGTHS)
+        with torch.no_grad():
+            padded = common.response_logprobs(model, ids, attn, resp.shape[1]) * resp
+            packed = common.response_logprobs(model, ids, attn, resp.shape[1], packed=True) * resp
+        assert (packed - padded).abs().max() > 1e-3, name
+
+
+class OwnMask(torch.nn.Module):
+    """A model that builds its own all-ones attention mask (as models outside transformers' masking
+    utilities do): transformers then sees no packed sequences and lets rows attend to each other."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.config = inner, inner.config
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False, logits_to_keep=0):
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=use_cache, logits_to_keep=logits_to_keep)
+
+
+def test_a_model_that_ignores_restarting_positions_is_detected(user_models, capsys):
+    model = AutoModelForCausalLM.from_pretrained(user_models["llama"], dtype=torch.float32)
+    assert common.use_packing(True, [model, None], common.Dist())
+    own = OwnMask(model)
+    assert not common.packing_works(own, torch.device("cpu"))
+    assert not common.use_packing(True, [model, own], common.Dist())
+    assert "--padding_free off: OwnMask" in capsys.readouterr().out
+    assert not common.use_packing(False, [own], common.Dist())
+
+
+def test_micro_batches_cut_by_tokens():
+    """Consecutive rows of at most rows_per_forward * T real tokens (a longer row alone); padded:
+    rows_per_forward rows each."""
+    attn = torch.zeros(6, 10, dtype=torch.long)
+    for i, n in enumerate([10, 3, 4, 9, 2, 2]):
+        attn[i, :n] = 1
+    rows = torch.arange(6)
+    got = common.micro_batches(rows, attn, 1, common.Dist(), packed=True)  # budget 10 tokens
+    assert [r.tolist() for r in got] == [[0], [1, 2], [3], [4, 5]]
+    assert [r.tolist() for r in common.micro_batches(rows, attn, 4, common.Dist())] == [[0, 1, 2, 3], [4, 5]]
+    assert [r.tolist() for r in common.micro_batches(rows.flip(0), attn, 2, common.Dist(), packed=True)] == \
+        [[5, 4, 3, 2, 1], [0]]  # 20 tokens, then 10
+
+
+def test_batched_logprobs_packed_equal_padded(user_models):
+    model = AutoModelForCausalLM.from_pretrained(user_models["qwen2"], dtype=torch.float32)
+    ids, attn, resp = _batch(model.config.vocab_size, LENGTHS * 2, seed=1)
+    want = common.batched_logprobs(model, ids, attn, resp.shape[1], 1.0, common.Dist(), rows_per_forward=3)
+    got = common.batched_logprobs(model, ids, attn, resp.shape[1], 1.0, common.Dist(), rows_per_forward=3, packed=True)
+    torch.testing.assert_close(got * resp, want * resp, rtol=0, atol=1e-5)
+
+
+def test_micro_batches_as_many_as_the_rank_that_needs_most(monkeypatch):
+    """Under FSDP every rank runs as many forwards: a rank whose rows fit in fewer micro-batches than
+    another's halves its fullest until it has as many (here the all-reduce's maximum is 4)."""
+    def all_reduce(n, op):
+        n.fill_(max(int(n), 4))
+
+    monkeypatch.setattr(common.dist, "all_reduce", all_reduce)
+    attn = torch.zeros(6, 10, dtype=torch.long)
+    for i, n in enumerate([2, 3, 4, 9, 2, 2]):
+        attn[i, :n] = 1
+    got = common.micro_batches(torch.arange(6), attn, 2, common.Dist(world_size=2), packed=True)  # 20 tokens, then 2
+    assert [r.tolist() for r in got] == [[0, 1], [2], [3, 4], [5]]  # (0..5) of 20 tokens halved, then (2..5)
+
+
+@pytest.mark.parametrize("model", ["tiny", "llama"])
+def test_grpo_padding_free_equals_padded(tmp_path, user_models, model):
+    """grpo.py at its defaults (2 passes over 2 mini-batches: the reference, old-policy and update
+    passes), with --grad_accum 2 and --beta 0.05, padding-free against --no-padding_free, on GPT-2
+    and on the Llama-shaped model (RoPE, GQA): the same rewards, loss, KL, grad norm every step
+    and the same final weights (fp32). The token-cut micro-batches change which rows share a
+    forward, not the sums (every normaliser counts the global mini-batch's tokens)."""
+    rows = [{"prompt": r["prompt"], "reward_fn": "digits"} for r in tasks.prompt_rows(16)]
+    data = write_jsonl(tmp_path / "p.jsonl", rows)
+    runs = []
+    for flag in ("--padding_free", "--no-padding_free"):
+        out = tmp_path / flag
+        proc = run_here(["grpo.py", "--model", model if model == "tiny" else user_models[model], "--dataset", data,
+                         "--steps", "2", "--prompts_per_step", "4", "--group_size", "4", "--max_new_tokens", "8",
+                         "--max_prompt_len", "64", "--grad_accum", "2", "--beta", "0.05", "--lr", "1e-4",
+                         "--warmup_steps", "0", "--eval_every", "100", "--out_dir", str(out),
+                         flag])
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "--padding_free off" not in proc.stdout
+        runs.append(out)
+    one, two = ([r for r in read_metrics(out) if "loss" in r] for out in runs)
+    assert len(one) == 2 and all(r["reward_std"] > 0 for r in one)
+    for a, b in zip(one, two, strict=True):
+        for key in ("reward", "loss", "kl", "grad_norm", "completions/mean_length"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
+    assert max_abs_diff(checkpoint_weights(runs[0]), checkpoint_weights(runs[1])) < 1e-5
+
+
+def test_reward_scores_packed_equal_padded(user_models):
+    """The score at each row's last real token, packed against padded, with the gradient of a
+    loss on the scores (the reward model's head and body), on the Llama-shaped score model."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(user_models["llama_rm"], dtype=torch.float32)
+    assert common.packing_works(model, torch.device("cpu"))
+    ids, attn, _ = _batch(model.config.vocab_size, LENGTHS)
+    out = []
+    for packed in (False, True):
+        model.zero_grad()
+        scores = common.reward_scores(model, ids, attn, packed=packed)
+        (scores * torch.arange(1.0, 6.0)).sum().backward()
+        out.append((scores.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])))
+    torch.testing.assert_close(out[1], out[0], rtol=0, atol=1e-5)
+
+
+def _offline_argv(script, folder, models):
+    """The user-path runs of sft.py (Llama, messages), reward.py (Llama, a new score head) and
+    dpo.py (Qwen2, a live reference), each with --grad_accum 2."""
+    import test_sft
+    import test_user_path
+
+    if script == "sft":
+        return [*test_sft.two_rank_argv(folder, models), "--grad_accum", "2", "--steps", "2", "--eval_every", "100",
+                "--warmup_steps", "0"]
+    if script == "reward":
+        return test_user_path.reward_argv(folder, models)
+    return test_user_path.dpo_argv(folder, models, "--no-precompute_ref", "--grad_accum", "2")
+
+
+@pytest.mark.parametrize("script", ["sft", "reward", "dpo"])
+def test_offline_scripts_padding_free_equal_padded(tmp_path, user_models, script):
+    """sft.py, reward.py and dpo.py (chosen and rejected in one packed forward, the live reference
+    too) padding-free against --no-padding_free: every step's loss and grad norm, and the final
+    weights (fp32)."""
+    runs = []
+    for flag in ("--padding_free", "--no-padding_free"):
+        (tmp_path / flag).mkdir()
+        argv = [*_offline_argv(script, tmp_path / flag, user_models), flag]
+        proc = run_here(argv)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "--padding_free off" not in proc.stdout
+        runs.append(argv[argv.index("--out_dir") + 1])
+    one, two = ([r for r in read_metrics(out) if "loss" in r] for out in runs)
+    assert len(one) >= 2
+    for a, b in zip(one, two, strict=True):
+        for key in ("loss", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (script, a["step"], key)
+    assert max_abs_diff(checkpoint_weights(runs[0]), checkpoint_weights(runs[1])) < 1e-5
