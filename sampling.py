@@ -230,10 +230,12 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
     stops = torch.tensor([eos_id, *stop_ids], device=device)
     uniforms = None if uniforms is None else uniforms.to(device)
     resumed = kept is not None and kept.cache is not None
+    ends = None  # (B,) the last column each row may write (the tool loop's budgets), or None: all of them
     if resumed:  # 1. a later turn of the tool loop: each row's new tokens into the cache it keeps
-        cache, (B, L) = kept.cache, kept.valid.shape
-        logits, mask, pos, done, uniforms, start = _continue(model, kept, prompt_ids, prompt_mask, pad_id=pad_id,
-                                                             uniforms=uniforms, kw=kw)
+        logits, cache, mask, pos, at, uniforms, start = _continue(model, kept, prompt_ids, prompt_mask, pad_id=pad_id,
+                                                                  uniforms=uniforms, kw=kw)
+        (B, L), done = mask.shape, torch.ones(mask.shape[0], dtype=torch.bool, device=device).index_fill_(0, at, False)
+        ends = torch.zeros(B, dtype=torch.long, device=device).index_copy_(0, at, torch.tensor(kept.budget, device=device) - 1)
         n = min(max_new_tokens, L - start + 1)  # n tokens write n - 1 slots
     else:
         logits, cache, mask, L, static = _prefill(model, prompt_ids, prompt_mask, max_new_tokens, compile=compile, kw=kw)
@@ -259,7 +261,7 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
         if return_logprobs:
             logps[:, t] = logp
         response_mask[:, t] = ~done  # the stop token itself counts
-        done = done | torch.isin(tok, stops)
+        done = done | torch.isin(tok, stops) if ends is None else done | torch.isin(tok, stops) | (ends <= t)
         if t == n - 1 or (t % check_every == check_every - 1 and done.all()):
             break
         if graphs:  # each step's logits are read before the next replay overwrites them
@@ -274,11 +276,13 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
             valid = mask.bool()
             valid[:, start:] = torch.arange(L - start, device=device) < written - 1
             kept.cache, kept.valid = cache, valid
-        kept.first = False
-        if resumed:  # the rows of this call, out of the cache's B
-            rows = torch.tensor(kept.rows, device=device)
-            tokens, response_mask, done = tokens[rows], response_mask[rows], done[rows]
-            logps = logps[rows] if return_logprobs else None
+        if kept.first:
+            kept.first, kept.slot = False, list(range(B))
+        elif resumed:  # the rows of this call, out of the batch's
+            tokens, response_mask, done = tokens[at], response_mask[at], done[at]
+            logps = logps[at] if return_logprobs else None
+            if not kept.whole:
+                kept.slot = {i: k for k, i in enumerate(kept.rows)}
         kept.cut = (~done).tolist() if n < max_new_tokens else []
     R = int(response_mask.any(0).sum())  # the longest response: its columns are the first R
     if return_logprobs:
@@ -321,46 +325,57 @@ def _prefill(model, prompt_ids, prompt_mask, max_new_tokens, compile, kw):
 def _continue(model, kept, ids, mask, pad_id, uniforms, kw):
     """generate's step 1 for a later turn of the tool loop: the rows kept.rows of the kept cache
     continue, given their whole histories (A, H) left-padded; the cache lacks each row's last
-    tokens (the one that ended its turn, and a tool's result). Every row's history is laid out to
-    end at slot E (its longest): the cached tokens before its last W kept (the slots moved in
-    place, one gather per layer: a row's slots held its tokens in order, with masked ones between
-    them), and every row's last W tokens (W: the most any row lacks) through the model at once in
-    slots [E - W, E), those of them already cached computed again rather than leaving a gap.
-    The other rows of the cache (finished) take pad tokens, masked from everything but themselves.
-    Returns the (B, V) logits, the decode's attention mask (B, L), positions (B, 1), done (B,)
-    (the finished rows), uniforms (B, >= n) (0.5 for those rows) and E, the first free slot."""
-    cache, valid = kept.cache, kept.valid  # (B, L) 1 on the slots holding each row's tokens
-    (B, L), device = valid.shape, ids.device
-    rows = torch.tensor(kept.rows, device=device)  # (A,) the rows continuing
+    tokens (the one that ended its turn, and a tool's result). The turn's batch: every row of the
+    cache (kept.whole, compiled: one graph; the finished rows take pad tokens, masked from all but
+    themselves), or the A rows going on alone (their keys and values copied into a new cache, the
+    old one freed layer by layer). Every row's history is laid out to end at slot E (the longest):
+    the cached tokens before its last W kept (the slots moved, one gather per layer: a row's slots
+    held its tokens in order, with masked ones between them), and every row's last W tokens (W:
+    the most any row lacks) through the model at once in slots [E - W, E), those of them already
+    cached computed again rather than leaving a gap. Returns the (B, V) logits, the cache, the
+    decode's attention mask (B, L), positions (B, 1), the continuing rows' rows in the batch (A,),
+    uniforms (B, >= n) (0.5 for the finished rows) and E, the first free slot."""
+    cache, valid = kept.cache, kept.valid  # (C, L) 1 on the slots holding each row's tokens
+    device = ids.device
+    at = torch.tensor([kept.slot[i] for i in kept.rows], device=device)  # (A,) their rows in the cache
     length = mask.sum(1)  # (A,) each row's tokens so far
-    lacking = length - valid[rows].sum(1)  # (A,) >= 1
+    lacking = length - valid[at].sum(1)  # (A,) >= 1
     W, E = torch.stack([lacking.max(), length.max()]).tolist()  # one host sync per turn
-    if E > L:
-        raise RuntimeError(f"generate: a history of {E} tokens does not fit the kept cache's {L} slots")
+    layers = [(layer.keys, layer.values) for layer in cache.layers]  # (C, heads, L, head_dim) each
+    if not kept.whole:
+        valid, taken, at = valid[at], at, torch.arange(len(at), device=device)
+        from transformers import StaticCache
+
+        cache = StaticCache(config=model.config, max_cache_len=valid.shape[1])
+    (B, L) = valid.shape
     # each row's token j goes to slot first + j; the cache's k-th valid slot holds the row's token k
-    first = torch.zeros(B, dtype=torch.long, device=device).index_copy_(0, rows, E - length)  # (B,)
-    n_moved = torch.zeros(B, dtype=torch.long, device=device).index_copy_(0, rows, (length - W).clamp(min=0))
+    first = torch.zeros(B, dtype=torch.long, device=device).index_copy_(0, at, E - length)  # (B,)
+    n_moved = torch.zeros(B, dtype=torch.long, device=device).index_copy_(0, at, (length - W).clamp(min=0))
     j = torch.arange(L, device=device) - first[:, None]  # (B, L) the token each slot will hold
     moved = (j >= 0) & (j < n_moved[:, None])  # (B, L), all within [0, E - W)
     order = torch.argsort((~valid).to(torch.uint8), dim=1, stable=True)  # (B, L) each row's valid slots first, in order
     src = order.gather(1, j.clamp(0, L - 1))[:, None, :E - W, None]  # (B, 1, E - W, 1)
-    for layer in cache.layers:
-        for x in (layer.keys, layer.values):  # (B, heads, L, head_dim)
-            x[:, :, :E - W].copy_(x.gather(2, src.expand(-1, x.shape[1], -1, x.shape[3])))
+    for i, layer in enumerate(cache.layers):
+        k, v = layers[i]
+        if not kept.whole:  # this layer's rows into the new cache, the old one's let go (one layer more at a time)
+            k, v = k.index_select(0, taken), v.index_select(0, taken)
+            layers[i] = kept.cache.layers[i].keys = kept.cache.layers[i].values = None
+            layer.lazy_initialization(k[:, :, :0], v[:, :, :0])
+        for old, new in ((k, layer.keys), (v, layer.values)):
+            new[:, :, :E - W].copy_(old.gather(2, src.expand(-1, old.shape[1], -1, old.shape[3])))
         layer.cumulative_length.fill_(E - W)
-    chunk_ids = torch.full((B, W), pad_id, dtype=ids.dtype, device=device).index_copy_(0, rows, ids[:, -W:])
-    chunk_mask = torch.ones((B, W), dtype=mask.dtype, device=device).index_copy_(0, rows, mask[:, -W:])
+    chunk_ids = torch.full((B, W), pad_id, dtype=ids.dtype, device=device).index_copy_(0, at, ids[:, -W:])
+    chunk_mask = torch.ones((B, W), dtype=mask.dtype, device=device).index_copy_(0, at, mask[:, -W:])
     chunk_pos = torch.zeros((B, W), dtype=torch.long, device=device).index_copy_(
-        0, rows, common.position_ids_from_mask(mask)[:, -W:])
+        0, at, common.position_ids_from_mask(mask)[:, -W:])
     attn = moved.to(mask.dtype)
     attn[:, E - W:E] = chunk_mask
     logits = _next_logits(model, chunk_ids, attn, chunk_pos, cache=cache, kw=kw)  # (B, V)
     attn[:, E:] = 1
-    pos = torch.zeros((B, 1), dtype=torch.long, device=device).index_copy_(0, rows, length[:, None])
-    done = torch.ones(B, dtype=torch.bool, device=device).index_fill_(0, rows, False)
+    pos = torch.zeros((B, 1), dtype=torch.long, device=device).index_copy_(0, at, length[:, None])
     if uniforms is not None:
-        uniforms = torch.full((B, uniforms.shape[1]), 0.5, dtype=uniforms.dtype, device=device).index_copy_(0, rows, uniforms)
-    return logits, attn, pos, done, uniforms, E
+        uniforms = torch.full((B, uniforms.shape[1]), 0.5, dtype=uniforms.dtype, device=device).index_copy_(0, at, uniforms)
+    return logits, cache, attn, pos, at, uniforms, E
 
 
 # -----------------------------------------------------------------------------
@@ -433,14 +448,18 @@ class KeptCache:
     """What generate_with_tools keeps between its turns (generate's `kept`): the static KV cache of
     every row of the rollout, and which of its slots hold each row's tokens, so that a row resumed
     after a call feeds the model only what the cache lacks (its closing tag and the tool's result)
-    rather than its whole history. The rows stay in one batch, of the first turn's shape (one CUDA
-    graph for every turn); those that have finished take pad tokens, masked."""
+    rather than its whole history. Compiled, the rows stay in one batch, of the first turn's shape
+    (one graph for every turn; those that have finished take pad tokens, masked); else each turn's
+    batch is its rows alone (the finished ones cost no compute)."""
 
-    def __init__(self):
+    def __init__(self, whole=False):
         self.first = True  # the next generate call is the rollout's first: it makes the cache
         self.cache = None  # the static cache (None: not made yet, or sliding-window layers: every turn prefills)
         self.valid = None  # (B, L) bool: the slots holding each row's tokens, in order
+        self.whole = whole  # every turn in the first turn's batch (compiled), or the rows still going alone
+        self.slot = []  # each row's row in the cache
         self.rows = []  # the rows (of B) that the next call continues, in the order of its prompts
+        self.budget = []  # and the tokens each may write
         self.cut = []  # per row of the last call: still writing when the cache's slots ran out
 
 
@@ -463,14 +482,14 @@ def generate_with_tools(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, 
     prompts = [prompt_ids[i][prompt_mask[i].bool()].tolist() for i in range(B)]
     if uniforms is not None:  # a turn samples max(budget) tokens for every row and keeps each row's budget
         uniforms = torch.nn.functional.pad(uniforms[:, :max_new_tokens], (0, max_new_tokens), value=0.5)
-    kept = KeptCache()
+    kept = KeptCache(whole=sampler_kw.get("compile", False))  # compiled: one batch, one graph
     while active:
         budget = [max_new_tokens - len(rows[i]) for i in active]
         ids, mask = common.pad([prompts[i] + [t for t, _, _ in rows[i]] for i in active], pad_id, side="left")
         u = None
         if uniforms is not None:  # the columns from each row's next response position on
             u = torch.stack([uniforms[i, len(rows[i]):len(rows[i]) + max(budget)] for i in active])
-        kept.rows = active
+        kept.rows, kept.budget = active, budget
         r_ids, r_mask, r_logps = generate(
             model, ids.to(device), mask.to(device), max(budget), eos_id=eos_id, pad_id=pad_id,
             stop_ids=(*stop_ids, close), uniforms=u, return_logprobs=True, kept=kept, **sampler_kw)

@@ -85,10 +85,11 @@ def test_the_defaults_are_the_scripts_defaults():
 
 def test_the_tool_loop_keeps_its_first_turns_cache_within_the_bound(tmp_path, monkeypatch):
     """sampling.generate_with_tools calls sampling.generate once per turn, and every turn after the
-    first continues in the first turn's static cache (sampling.KeptCache): one cache of B x (P + R)
-    slots for the whole rollout, the plain rollout's. bench/memory.py counts a later turn as every
-    row prefilled again with P + R tokens into P + 2R slots (the loop that prefilled each turn's
-    histories anew), an over-estimate now; the real loop, each cache recorded, stays within it."""
+    first continues from the first turn's static cache (sampling.KeptCache): one cache of B x (P + R)
+    slots made, the plain rollout's; a later turn's rows, eager, copied out of it layer by layer
+    (fewer rows, the same slots). bench/memory.py counts a later turn as every row prefilled again
+    with P + R tokens into P + 2R slots (a loop that prefilled each turn's histories anew), an
+    over-estimate of this; the real loop, each cache recorded, stays within it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import common
