@@ -234,11 +234,13 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
     if resumed:  # 1. a later turn of the tool loop: each row's new tokens into the cache it keeps
         logits, cache, mask, pos, at, uniforms, start = _continue(model, kept, prompt_ids, prompt_mask, pad_id=pad_id,
                                                                   uniforms=uniforms, kw=kw)
-        (B, L), done = mask.shape, torch.ones(mask.shape[0], dtype=torch.bool, device=device).index_fill_(0, at, False)
-        ends = torch.zeros(B, dtype=torch.long, device=device).index_copy_(0, at, torch.tensor(kept.budget, device=device) - 1)
+        (B, L), budget = mask.shape, torch.tensor(kept.budget, device=device)
+        done = torch.ones(B, dtype=torch.bool, device=device).index_fill_(0, at, False)  # the finished rows
+        ends = torch.zeros(B, dtype=torch.long, device=device).index_copy_(0, at, budget - 1)
         n = min(max_new_tokens, L - start + 1)  # n tokens write n - 1 slots
     else:
-        logits, cache, mask, L, static = _prefill(model, prompt_ids, prompt_mask, max_new_tokens, compile=compile, kw=kw)
+        logits, cache, mask, L, static = _prefill(model, prompt_ids, prompt_mask, max_new_tokens, compile=compile,
+                                                  kw=kw)
         B, start, n = prompt_ids.shape[0], prompt_ids.shape[1], max_new_tokens
         pos = prompt_mask.sum(-1, keepdim=True)  # (B, 1) position of the first response token
         done = torch.zeros(B, dtype=torch.bool, device=device)
@@ -374,7 +376,7 @@ def _continue(model, kept, ids, mask, pad_id, uniforms, kw):
     attn[:, E:] = 1
     pos = torch.zeros((B, 1), dtype=torch.long, device=device).index_copy_(0, at, length[:, None])
     if uniforms is not None:
-        uniforms = torch.full((B, uniforms.shape[1]), 0.5, dtype=uniforms.dtype, device=device).index_copy_(0, at, uniforms)
+        uniforms = uniforms.new_full((B, uniforms.shape[1]), 0.5).index_copy_(0, at, uniforms)
     return logits, cache, attn, pos, at, uniforms, E
 
 
