@@ -329,36 +329,35 @@ def _continue(model, kept, ids, mask, pad_id, uniforms, kw):
     continue, given their whole histories (A, H) left-padded; the cache lacks each row's last
     tokens (the one that ended its turn, and a tool's result). The turn's batch: every row of the
     cache (kept.whole, compiled: one graph; the finished rows take pad tokens, masked from all but
-    themselves), or the A rows going on alone (their keys and values copied into a new cache of the
-    slots the turn needs, so none is cut short; the old one freed layer by layer). Every row's history is laid out to end at slot E (the longest):
+    themselves), or the A rows going on alone (their keys and values copied into a new cache of as
+    many slots, the old one freed layer by layer: a turn cut short by its slots ends sooner, and
+    its rows go on beside those its calls resumed, the next turn's batch fuller). Every row's history is laid out to end at slot E (the longest):
     the cached tokens before its last W kept (the slots moved, one gather per layer: a row's slots
     held its tokens in order, with masked ones between them), and every row's last W tokens (W:
     the most any row lacks) through the model at once in slots [E - W, E), those of them already
     cached computed again rather than leaving a gap. Returns the (B, V) logits, the cache, the
     decode's attention mask (B, L), positions (B, 1), the continuing rows' rows in the batch (A,),
     uniforms (B, >= n) (0.5 for the finished rows) and E, the first free slot."""
-    cache, valid = kept.cache, kept.valid  # (C, its slots) 1 on the slots holding each row's tokens
+    cache, valid = kept.cache, kept.valid  # (C, L) 1 on the slots holding each row's tokens
     device = ids.device
     at = torch.tensor([kept.slot[i] for i in kept.rows], device=device)  # (A,) their rows in the cache
     length = mask.sum(1)  # (A,) each row's tokens so far
     lacking = length - valid[at].sum(1)  # (A,) >= 1
     W, E = torch.stack([lacking.max(), length.max()]).tolist()  # one host sync per turn
     layers = [(layer.keys, layer.values) for layer in cache.layers]  # (C, heads, L, head_dim) each
-    L = valid.shape[1]
-    if not kept.whole:  # a new cache of the slots this turn needs: no row cut short
+    if not kept.whole:
         valid, taken, at = valid[at], at, torch.arange(len(at), device=device)
         from transformers import StaticCache
 
-        L = E + max(kept.budget) - 1
-        cache = StaticCache(config=model.config, max_cache_len=L)
-    B = valid.shape[0]
+        cache = StaticCache(config=model.config, max_cache_len=valid.shape[1])
+    (B, L) = valid.shape
     # each row's token j goes to slot first + j; the cache's k-th valid slot holds the row's token k
     first = torch.zeros(B, dtype=torch.long, device=device).index_copy_(0, at, E - length)  # (B,)
     n_moved = torch.zeros(B, dtype=torch.long, device=device).index_copy_(0, at, (length - W).clamp(min=0))
     j = torch.arange(L, device=device) - first[:, None]  # (B, L) the token each slot will hold
     moved = (j >= 0) & (j < n_moved[:, None])  # (B, L), all within [0, E - W)
-    order = torch.argsort((~valid).to(torch.uint8), dim=1, stable=True)  # (B, C's L) each row's valid slots first
-    src = order.gather(1, j.clamp(0, order.shape[1] - 1))[:, None, :E - W, None]  # (B, 1, E - W, 1)
+    order = torch.argsort((~valid).to(torch.uint8), dim=1, stable=True)  # (B, L) each row's valid slots first, in order
+    src = order.gather(1, j.clamp(0, L - 1))[:, None, :E - W, None]  # (B, 1, E - W, 1)
     for i, layer in enumerate(cache.layers):
         k, v = layers[i]
         if not kept.whole:  # this layer's rows into the new cache, the old one's let go (one layer more at a time)
@@ -476,8 +475,8 @@ def generate_with_tools(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, 
     response token t, whichever turn writes it, so a row samples the same on any number of ranks.
     One sampler call per turn on the rows still going, which continue in the cache of the first
     (KeptCache): a turn feeds the model the rows' new tokens, not their histories. A row that the
-    cache's slots cut short (compiled, its slots fixed; rows aligned at one slot: a long history
-    beside a long budget) goes on in the next turn without a call."""
+    cache's slots cut short (rows aligned at one slot: a long history beside a long budget) goes on
+    in the next turn without a call."""
     close = closing_tag_id(tokenizer)
     B, device = prompt_ids.shape[0], prompt_ids.device
     rows = [[] for _ in range(B)]  # per row: (token, is_tool, log-prob)

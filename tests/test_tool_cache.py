@@ -111,7 +111,7 @@ def test_the_kept_cache_gives_the_full_prefills_rollout(name, sampler_kw, whole,
                 assert torch.equal(g, w), what
         calls = sampling.tool_calls(got[3])
         assert len(set(calls.tolist())) > 1 and max(calls) == 3, calls  # rows calling at different turns
-        assert len(turns) >= 4 and (sum(cut for _, cut in turns) > 0) == whole, turns  # one batch: rows cut by its slots
+        assert len(turns) >= 4 and sum(cut for _, cut in turns) > 0, turns  # later turns, rows cut by the slots
         assert widths[0] == ids.shape[1] and chunks, (widths[:1], chunks, turns)
         results = [len(run) for row in got[3].tolist() for run in "".join(map(str, row)).split("0") if run]
         assert max(chunks) <= 1 + max(results), (chunks, max(results))  # a closing tag and a result, no history
