@@ -209,7 +209,8 @@ def _fill_cache(cache, prefill, inverse, P):
 
 @torch.no_grad()
 def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, temperature=1.0, top_k=0,
-             top_p=1.0, stop_ids=(), generator=None, compile=False, uniforms=None, return_logprobs=False, min_p=0.0):
+             top_p=1.0, stop_ids=(), generator=None, compile=False, uniforms=None, return_logprobs=False, min_p=0.0,
+             kept=None):
     """Sample responses to left-padded prompts (greedy output equals model.generate's; under FSDP
     call it inside `unsharded`). Random numbers: `uniforms` (B, >= max_new_tokens), column t for
     token t, or `generator`. Returns ids (B, R) right-padded with pad_id and a mask (B, R), 1 up to
@@ -220,22 +221,93 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
     and values copied to its G repeats; 2. a static cache written in place, "all stopped?" read
     every 8 tokens on a GPU; 3. compile=True: the decode step compiled (the cache length rounded
     up so nearby lengths share a graph), on CUDA replayed as a CUDA graph, under autocast from bf16
-    copies of the weights (_bf16_decoder)."""
+    copies of the weights (_bf16_decoder).
+    kept (a KeptCache, generate_with_tools' turns): the first call keeps its cache there; a later
+    call's rows (the prompts: each row's whole history so far) continue in it from the tokens it
+    lacks (_continue), and may stop short of max_new_tokens where its slots run out (kept.cut)."""
+    device = prompt_ids.device
+    kw = dict(logits_to_keep=1) if common._accepts(model, "logits_to_keep") else {}
+    stops = torch.tensor([eos_id, *stop_ids], device=device)
+    uniforms = None if uniforms is None else uniforms.to(device)
+    resumed = kept is not None and kept.cache is not None
+    ends = None  # (B,) the last column each row may write (the tool loop's budgets), or None: all of them
+    if resumed:  # 1. a later turn of the tool loop: each row's new tokens into the cache it keeps
+        logits, cache, mask, pos, at, uniforms, start = _continue(model, kept, prompt_ids, prompt_mask, pad_id=pad_id,
+                                                                  uniforms=uniforms, kw=kw)
+        (B, L), budget = mask.shape, torch.tensor(kept.budget, device=device)
+        done = torch.ones(B, dtype=torch.bool, device=device).index_fill_(0, at, False)  # the finished rows
+        ends = torch.zeros(B, dtype=torch.long, device=device).index_copy_(0, at, budget - 1)
+        n = min(max_new_tokens, L - start + 1)  # n tokens write n - 1 slots
+    else:
+        logits, cache, mask, L, static = _prefill(model, prompt_ids, prompt_mask, max_new_tokens, compile=compile,
+                                                  kw=kw)
+        B, start, n = prompt_ids.shape[0], prompt_ids.shape[1], max_new_tokens
+        pos = prompt_mask.sum(-1, keepdim=True)  # (B, 1) position of the first response token
+        done = torch.zeros(B, dtype=torch.bool, device=device)
+
+    # 2. decode; slots of the static cache past the current token are hidden by the causal mask
+    step = _step_fn(compile, device)
+    decoder = _bf16_decoder(model) if compile and torch.is_autocast_enabled(device.type) else model
+    graphs = compile and device.type == "cuda"
+    check_every = 8 if device.type == "cuda" else 1
+    tokens = torch.full((B, n), pad_id, dtype=torch.long, device=device)
+    response_mask = torch.zeros((B, n), dtype=torch.long, device=device)
+    logps = torch.zeros((B, n), dtype=torch.float, device=device) if return_logprobs else None
+    bad = torch.zeros((), dtype=torch.bool, device=device)  # any row with non-finite logits
+    for t in range(n):
+        u = None if uniforms is None else uniforms[:, t]
+        tok, logp = sample_token(logits, temperature, top_k=top_k, top_p=top_p, min_p=min_p, generator=generator,
+                                 u=u, bad=bad, return_logprob=True)
+        tok = tok.masked_fill(done, pad_id)
+        tokens[:, t] = tok
+        if return_logprobs:
+            logps[:, t] = logp
+        response_mask[:, t] = ~done  # the stop token itself counts
+        done = done | torch.isin(tok, stops) if ends is None else done | torch.isin(tok, stops) | (ends <= t)
+        if t == n - 1 or (t % check_every == check_every - 1 and done.all()):
+            break
+        if graphs:  # each step's logits are read before the next replay overwrites them
+            torch.compiler.cudagraph_mark_step_begin()
+        logits = step(decoder, tok[:, None], mask, pos + t, cache=cache, kw=kw)
+    if bad:
+        raise RuntimeError(NAN_LOGITS)
+    if kept is not None:  # 3. the tool loop: which slots now hold each row's tokens, for its next turn
+        if resumed or (kept.first and static):
+            # a row's tokens are fed one step after they are drawn: all but its last, which ended the turn
+            written = response_mask.sum(1, keepdim=True)  # (B, 1)
+            valid = mask.bool()
+            valid[:, start:] = torch.arange(L - start, device=device) < written - 1
+            kept.cache, kept.valid = cache, valid
+        if kept.first:
+            kept.first, kept.slot = False, list(range(B))
+        elif resumed:  # the rows of this call, out of the batch's
+            tokens, response_mask, done = tokens[at], response_mask[at], done[at]
+            logps = logps[at] if return_logprobs else None
+            if not kept.whole:
+                kept.slot = {i: k for k, i in enumerate(kept.rows)}
+        kept.cut = (~done).tolist() if n < max_new_tokens else []
+    R = int(response_mask.any(0).sum())  # the longest response: its columns are the first R
+    if return_logprobs:
+        return tokens[:, :R], response_mask[:, :R], logps[:, :R] * response_mask[:, :R]
+    return tokens[:, :R], response_mask[:, :R]
+
+
+def _prefill(model, prompt_ids, prompt_mask, max_new_tokens, compile, kw):
+    """generate's step 1: each distinct prompt prefilled once, each row then given its prompt's keys and
+    values in a static cache of L >= P + max_new_tokens slots. Returns the (B, V) logits of each row's first
+    response token, the cache, the decode's attention mask (B, L), L, and whether the cache is plain static
+    layers (False: sliding-window layers, prefilled into a fresh cache)."""
     (B, P), device = prompt_ids.shape, prompt_ids.device
     L = P + max_new_tokens
     if compile:  # round up to a multiple of L/8 to L/4 (54 -> 56, 300 -> 320)
         q = max(8, 2 ** (L.bit_length() - 3))
         L = -(-L // q) * q
-    kw = dict(logits_to_keep=1) if common._accepts(model, "logits_to_keep") else {}
-    stops = torch.tensor([eos_id, *stop_ids], device=device)
-    uniforms = None if uniforms is None else uniforms.to(device)
-
-    # 1. prefill the distinct prompts, then give each row its prompt's keys and values
     rows, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], 1), dim=0, return_inverse=True)
     dedup = len(rows) < B
     ids, mask = (rows[:, :P], rows[:, P:]) if dedup else (prompt_ids, prompt_mask)
     cache, L = _decode_cache(model, B, L, persistent=compile)  # L: the cache's slots, >= P + max_new_tokens
-    if cache is None:  # sliding-window layers: prefill into a fresh static cache, then reorder it
+    static = cache is not None
+    if not static:  # sliding-window layers: prefill into a fresh static cache, then reorder it
         from transformers import StaticCache
 
         cache = StaticCache(config=model.config, max_cache_len=L)
@@ -249,40 +321,64 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
         del out
     if dedup:
         logits = logits[inverse]  # (B, V)
+    return logits, cache, torch.cat([prompt_mask, prompt_mask.new_ones(B, L - P)], 1), L, static
 
-    # 2. decode; slots of the static cache past the current token are hidden by the causal mask
-    mask = torch.cat([prompt_mask, prompt_mask.new_ones(B, L - P)], 1)  # (B, L)
-    pos = prompt_mask.sum(-1, keepdim=True)  # (B, 1) position of the first response token
-    step = _step_fn(compile, device)
-    decoder = _bf16_decoder(model) if compile and torch.is_autocast_enabled(device.type) else model
-    graphs = compile and device.type == "cuda"
-    check_every = 8 if device.type == "cuda" else 1
-    tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
-    response_mask = torch.zeros((B, max_new_tokens), dtype=torch.long, device=device)
-    logps = torch.zeros((B, max_new_tokens), dtype=torch.float, device=device) if return_logprobs else None
-    done = torch.zeros(B, dtype=torch.bool, device=device)
-    bad = torch.zeros((), dtype=torch.bool, device=device)  # any row with non-finite logits
-    for t in range(max_new_tokens):
-        u = None if uniforms is None else uniforms[:, t]
-        tok, logp = sample_token(logits, temperature, top_k=top_k, top_p=top_p, min_p=min_p, generator=generator,
-                                 u=u, bad=bad, return_logprob=True)
-        tok = tok.masked_fill(done, pad_id)
-        tokens[:, t] = tok
-        if return_logprobs:
-            logps[:, t] = logp
-        response_mask[:, t] = ~done  # the stop token itself counts
-        done = done | torch.isin(tok, stops)
-        if t == max_new_tokens - 1 or (t % check_every == check_every - 1 and done.all()):
-            break
-        if graphs:  # each step's logits are read before the next replay overwrites them
-            torch.compiler.cudagraph_mark_step_begin()
-        logits = step(decoder, tok[:, None], mask, pos + t, cache=cache, kw=kw)
-    if bad:
-        raise RuntimeError(NAN_LOGITS)
-    R = int(response_mask.any(0).sum())  # the longest response: its columns are the first R
-    if return_logprobs:
-        return tokens[:, :R], response_mask[:, :R], logps[:, :R] * response_mask[:, :R]
-    return tokens[:, :R], response_mask[:, :R]
+
+def _continue(model, kept, ids, mask, pad_id, uniforms, kw):
+    """generate's step 1 for a later turn of the tool loop: the rows kept.rows of the kept cache
+    continue, given their whole histories (A, H) left-padded; the cache lacks each row's last
+    tokens (the one that ended its turn, and a tool's result). The turn's batch: every row of the
+    cache (kept.whole, compiled: one graph; the finished rows take pad tokens, masked from all but
+    themselves), or the A rows going on alone (their keys and values copied into a new cache of as
+    many slots, the old one freed layer by layer: a turn cut short by its slots ends sooner, and
+    its rows go on beside those its calls resumed, the next turn's batch fuller). Every row's history is laid out to end at slot E (the longest):
+    the cached tokens before its last W kept (the slots moved, one gather per layer: a row's slots
+    held its tokens in order, with masked ones between them), and every row's last W tokens (W:
+    the most any row lacks) through the model at once in slots [E - W, E), those of them already
+    cached computed again rather than leaving a gap. Returns the (B, V) logits, the cache, the
+    decode's attention mask (B, L), positions (B, 1), the continuing rows' rows in the batch (A,),
+    uniforms (B, >= n) (0.5 for the finished rows) and E, the first free slot."""
+    cache, valid = kept.cache, kept.valid  # (C, L) 1 on the slots holding each row's tokens
+    device = ids.device
+    at = torch.tensor([kept.slot[i] for i in kept.rows], device=device)  # (A,) their rows in the cache
+    length = mask.sum(1)  # (A,) each row's tokens so far
+    lacking = length - valid[at].sum(1)  # (A,) >= 1
+    W, E = torch.stack([lacking.max(), length.max()]).tolist()  # one host sync per turn
+    layers = [(layer.keys, layer.values) for layer in cache.layers]  # (C, heads, L, head_dim) each
+    if not kept.whole:
+        valid, taken, at = valid[at], at, torch.arange(len(at), device=device)
+        from transformers import StaticCache
+
+        cache = StaticCache(config=model.config, max_cache_len=valid.shape[1])
+    (B, L) = valid.shape
+    # each row's token j goes to slot first + j; the cache's k-th valid slot holds the row's token k
+    first = torch.zeros(B, dtype=torch.long, device=device).index_copy_(0, at, E - length)  # (B,)
+    n_moved = torch.zeros(B, dtype=torch.long, device=device).index_copy_(0, at, (length - W).clamp(min=0))
+    j = torch.arange(L, device=device) - first[:, None]  # (B, L) the token each slot will hold
+    moved = (j >= 0) & (j < n_moved[:, None])  # (B, L), all within [0, E - W)
+    order = torch.argsort((~valid).to(torch.uint8), dim=1, stable=True)  # (B, L) each row's valid slots first, in order
+    src = order.gather(1, j.clamp(0, L - 1))[:, None, :E - W, None]  # (B, 1, E - W, 1)
+    for i, layer in enumerate(cache.layers):
+        k, v = layers[i]
+        if not kept.whole:  # this layer's rows into the new cache, the old one's let go (one layer more at a time)
+            k, v = k.index_select(0, taken), v.index_select(0, taken)
+            layers[i] = kept.cache.layers[i].keys = kept.cache.layers[i].values = None
+            layer.lazy_initialization(k[:, :, :0], v[:, :, :0])
+        for old, new in ((k, layer.keys), (v, layer.values)):
+            new[:, :, :E - W].copy_(old.gather(2, src.expand(-1, old.shape[1], -1, old.shape[3])))
+        layer.cumulative_length.fill_(E - W)
+    chunk_ids = torch.full((B, W), pad_id, dtype=ids.dtype, device=device).index_copy_(0, at, ids[:, -W:])
+    chunk_mask = torch.ones((B, W), dtype=mask.dtype, device=device).index_copy_(0, at, mask[:, -W:])
+    chunk_pos = torch.zeros((B, W), dtype=torch.long, device=device).index_copy_(
+        0, at, common.position_ids_from_mask(mask)[:, -W:])
+    attn = moved.to(mask.dtype)
+    attn[:, E - W:E] = chunk_mask
+    logits = _next_logits(model, chunk_ids, attn, chunk_pos, cache=cache, kw=kw)  # (B, V)
+    attn[:, E:] = 1
+    pos = torch.zeros((B, 1), dtype=torch.long, device=device).index_copy_(0, at, length[:, None])
+    if uniforms is not None:
+        uniforms = uniforms.new_full((B, uniforms.shape[1]), 0.5).index_copy_(0, at, uniforms)
+    return logits, cache, attn, pos, at, uniforms, E
 
 
 # -----------------------------------------------------------------------------
@@ -351,13 +447,36 @@ def result_tokens(tokenizer, written_ids, tool, room=None):
     return results_tokens(tokenizer, [written_ids], tool, [room])[0]
 
 
+class KeptCache:
+    """What generate_with_tools keeps between its turns (generate's `kept`): the static KV cache of
+    every row of the rollout, and which of its slots hold each row's tokens, so that a row resumed
+    after a call feeds the model only what the cache lacks (its closing tag and the tool's result)
+    rather than its whole history. Compiled, the rows stay in one batch, of the first turn's shape
+    (one graph for every turn; those that have finished take pad tokens, masked); else each turn's
+    batch is its rows alone (the finished ones cost no compute)."""
+
+    def __init__(self, whole=False):
+        self.first = True  # the next generate call is the rollout's first: it makes the cache
+        self.cache = None  # the static cache (None: not made yet, or sliding-window layers: every turn prefills)
+        self.valid = None  # (B, L) bool: the slots holding each row's tokens, in order
+        self.whole = whole  # every turn in the first turn's batch (compiled), or the rows still going alone
+        self.slot = []  # each row's row in the cache
+        self.rows = []  # the rows (of B) that the next call continues, in the order of its prompts
+        self.budget = []  # and the tokens each may write
+        self.cut = []  # per row of the last call: still writing when the cache's slots ran out
+
+
 @torch.no_grad()
 def generate_with_tools(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tokenizer, tool,
                         stop_ids=(), max_calls=2, uniforms=None, **sampler_kw):
     """generate with tool calls: returns ids (B, R), mask (B, R) of every response token
     (the model's and the tools'), the model's log-probs (B, R) (0 on tool tokens) and tool_mask (B, R)
     (1 on tool tokens; a call's count: tool_calls(tool_mask)). uniforms (B, >= max_new_tokens): column t for
-    response token t, whichever turn writes it, so a row samples the same on any number of ranks."""
+    response token t, whichever turn writes it, so a row samples the same on any number of ranks.
+    One sampler call per turn on the rows still going, which continue in the cache of the first
+    (KeptCache): a turn feeds the model the rows' new tokens, not their histories. A row that the
+    cache's slots cut short (rows aligned at one slot: a long history beside a long budget) goes on
+    in the next turn without a call."""
     close = closing_tag_id(tokenizer)
     B, device = prompt_ids.shape[0], prompt_ids.device
     rows = [[] for _ in range(B)]  # per row: (token, is_tool, log-prob)
@@ -366,17 +485,20 @@ def generate_with_tools(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, 
     prompts = [prompt_ids[i][prompt_mask[i].bool()].tolist() for i in range(B)]
     if uniforms is not None:  # a turn samples max(budget) tokens for every row and keeps each row's budget
         uniforms = torch.nn.functional.pad(uniforms[:, :max_new_tokens], (0, max_new_tokens), value=0.5)
+    kept = KeptCache(sampler_kw.get("compile", False))  # compiled: one batch, one graph
     while active:
         budget = [max_new_tokens - len(rows[i]) for i in active]
         ids, mask = common.pad([prompts[i] + [t for t, _, _ in rows[i]] for i in active], pad_id, side="left")
         u = None
         if uniforms is not None:  # the columns from each row's next response position on
             u = torch.stack([uniforms[i, len(rows[i]):len(rows[i]) + max(budget)] for i in active])
+        kept.rows, kept.budget = active, budget
         r_ids, r_mask, r_logps = generate(
             model, ids.to(device), mask.to(device), max(budget), eos_id=eos_id, pad_id=pad_id,
-            stop_ids=(*stop_ids, close), uniforms=u, return_logprobs=True, **sampler_kw)
+            stop_ids=(*stop_ids, close), uniforms=u, return_logprobs=True, kept=kept, **sampler_kw)
         r_ids, r_mask, r_logps = r_ids.tolist(), r_mask.tolist(), r_logps.tolist()  # once per turn
-        calling = []  # the rows whose turn ended in a call they may make, and the tokens they have left
+        calling, going = [], []  # the rows whose turn ended in a call they may make (and the tokens they have
+        # left), and those cut short by the cache
         for k, i in enumerate(active):
             n = min(sum(r_mask[k]), budget[k])
             rows[i] += [(t, False, lp) for t, lp in zip(r_ids[k][:n], r_logps[k][:n])]
@@ -384,10 +506,12 @@ def generate_with_tools(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, 
             if n and r_ids[k][n - 1] == close and calls[i] < max_calls and room > 0:
                 calls[i] += 1
                 calling.append((i, room))
+            elif kept.cut and kept.cut[k] and room > 0:
+                going.append(i)
         written = [[t for t, is_tool, _ in rows[i] if not is_tool] for i, _ in calling]
         for (i, _), result in zip(calling, results_tokens(tokenizer, written, tool, [room for _, room in calling])):
             rows[i] += [(t, True, 0.0) for t in result]
-        active = [i for i, _ in calling if len(rows[i]) < max_new_tokens]
+        active = sorted([i for i, _ in calling if len(rows[i]) < max_new_tokens] + going)
     R = max(len(r) for r in rows)
     pad = [[(pad_id, False, 0.0, 0)] * (R - len(r)) for r in rows]  # (token, is_tool, log-prob, in the response)
     full = [[(t, is_tool, lp, 1) for t, is_tool, lp in r] + p for r, p in zip(rows, pad)]

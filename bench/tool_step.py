@@ -5,11 +5,13 @@ The same policy (tasks.calculator_gpt2: a GPT-2 of the character tokenizer whose
 digits, '+' and the call tags, so that most answers call the calculator, some twice) runs
 grpo.py for a few steps with `--tools calculator` and without (then the tags it writes are
 plain tokens and nothing runs). The sides alternate, each in a fresh subprocess, --repeats
-times; the first step of a run is warm-up and left out. Tokens/s counts response tokens, the
-model's and (with the tool) the results', per second: the tool's tokens are not sampled, but a
-step attends to them and carries them through every forward. What the tool loop costs: a
-sampler call per turn (prefill of the grown prompts, no KV cache kept across turns) and the
-host work of decoding a call and encoding its result. A call runs in a worker process
+times in ABBA order; the first step of a run is warm-up and left out. Tokens/s counts response
+tokens, the model's and (with the tool) the results', per second: the tool's tokens are not
+sampled, but a step attends to them and carries them through every forward. The ratios: of the
+sums over every repeat, and per repeat (its median and range). What the tool loop costs: a
+sampler call per turn (its rows continue in the first turn's KV cache, sampling.KeptCache: a
+turn feeds the model each row's closing tag and result, and decodes until its rows stop, the
+finished ones riding along masked) and the host work of decoding a call and encoding its result. A call runs in a worker process
 (tools.py): its cost alone, per call of the calculator, is measured too, against a thread of a
 pool in the trainer's own process (how a tool ran before, and what a hanging tool could hang).
 
@@ -42,7 +44,7 @@ def one_run(folder, policy, prompts, tools, args):
     out = os.path.join(folder, "run-tools" if tools else "run-plain")
     cmd = [sys.executable, os.path.join(ROOT, "grpo.py"), "--model", policy, "--dataset", prompts, "--steps",
            str(args.steps), "--prompts_per_step", str(args.prompts), "--group_size", str(args.G), "--max_new_tokens",
-           str(args.new_tokens), "--n_eval", "8", "--eval_every", "1000", "--out_dir", out, "--save_every", "0", "--overwrite"]
+           str(args.new_tokens), "--max_prompt_len", str(args.prompt_len), "--n_eval", "8", "--eval_every", "1000", "--out_dir", out, "--save_every", "0", "--overwrite"]
     cmd += ["--tools", "calculator"] if tools else []
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
@@ -84,6 +86,8 @@ def main():
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--G", type=int, default=8)
     p.add_argument("--new_tokens", type=int, default=48)
+    p.add_argument("--prompt_len", type=int, default=64, help="--max_prompt_len (the prompts are shorter; with "
+                   "--new_tokens within the model's 128 positions)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default=None, help="the results file (default: runs/bench/tool-step-<device>.json)")
@@ -95,10 +99,13 @@ def main():
         with open(prompts, "w") as f:
             f.writelines(json.dumps({"prompt": r["prompt"], "reward_fn": "digits"}) + "\n"
                          for r in tasks.prompt_rows(args.prompts * (args.steps + 1)))
-        steps = {True: [], False: []}
-        for _ in range(args.repeats):
-            for tools in (True, False):
-                steps[tools] += one_run(folder, policy, prompts, tools, args)
+        steps, per_repeat = {True: [], False: []}, []
+        for r in range(args.repeats):
+            runs = {tools: one_run(folder, policy, prompts, tools, args) for tools in ((True, False), (False, True))[r % 2]}
+            for tools, rows in runs.items():
+                steps[tools] += rows
+            rate = {tools: sum(x[0] for x in rows) / sum(x[2] for x in rows) for tools, rows in runs.items()}
+            per_repeat.append(rate[True] / rate[False])  # rollout tokens/s, with / without
     sides = {}
     for tools, rows in steps.items():
         tokens, step_s, roll_s, calls = zip(*rows)
@@ -111,7 +118,8 @@ def main():
     result = {"device": util.device_name(util.default_device()), "torch": torch.__version__, "args": vars(args), "sides": sides,
               "per_call_s": calls,
               "ratio_tokens_per_s": w["tokens_per_s"] / wo["tokens_per_s"],
-              "ratio_rollout_tokens_per_s": w["rollout_tokens_per_s"] / wo["rollout_tokens_per_s"]}
+              "ratio_rollout_tokens_per_s": w["rollout_tokens_per_s"] / wo["rollout_tokens_per_s"],
+              "ratio_rollout_per_repeat": per_repeat}
     out = args.out or os.path.join(ROOT, "runs", "bench", f"tool-step-{'cuda' if torch.cuda.is_available() else 'cpu'}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
@@ -121,6 +129,7 @@ def main():
               f"per answer, {s['step_s_median']:.2f} s/step, {s['tokens_per_s']:.0f} tokens/s (rollout "
               f"{s['rollout_tokens_per_s']:.0f})")
     print(f"with / without: {result['ratio_tokens_per_s']:.2f}x tokens/s, rollout {result['ratio_rollout_tokens_per_s']:.2f}x "
+          f"(per repeat: median {statistics.median(per_repeat):.2f}x, {min(per_repeat):.2f}-{max(per_repeat):.2f}) "
           f"({result['device']}); {out}")
     print("per calculator call: " + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in calls.items()))
 

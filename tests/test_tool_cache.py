@@ -1,0 +1,117 @@
+"""sampling.generate_with_tools keeps its KV cache across turns: against a reference loop that
+prefills every active row's whole history again at each turn (sampling.generate on the grown
+prompts, as a tool loop without a kept cache does), the same token ids, masks and tool masks and
+log-probs within 1e-6 in fp32, on the GPT-2 and the Llama (RoPE, GQA) calculator callers, with
+rows calling at different turns, some three times, and rows cut short by the cache's slots; and
+after the first turn the model is fed only what each row lacks (its closing tag and the result)."""
+import pytest
+import torch
+
+import common
+import sampling
+import tasks
+import tools
+from plumbing import models
+
+
+GENERATE = sampling.generate  # the sampler itself, whatever a test records
+
+
+def reference_loop(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tokenizer, tool, stop_ids=(),
+                   max_calls=2, uniforms=None, **sampler_kw):
+    """The tool loop with no cache kept: each turn, sampling.generate on every active row's prompt
+    and response so far, left-padded (a fresh prefill), max(budget) tokens with the uniforms of
+    each row's next response positions; the same outputs as generate_with_tools."""
+    close = sampling.closing_tag_id(tokenizer)
+    B = prompt_ids.shape[0]
+    rows, calls, active = [[] for _ in range(B)], [0] * B, list(range(B))
+    prompts = [prompt_ids[i][prompt_mask[i].bool()].tolist() for i in range(B)]
+    uniforms = torch.nn.functional.pad(uniforms[:, :max_new_tokens], (0, max_new_tokens), value=0.5)
+    while active:
+        budget = [max_new_tokens - len(rows[i]) for i in active]
+        ids, mask = common.pad([prompts[i] + [t for t, _, _ in rows[i]] for i in active], pad_id, side="left")
+        u = torch.stack([uniforms[i, len(rows[i]):len(rows[i]) + max(budget)] for i in active])
+        r_ids, r_mask, r_logps = (x.tolist() for x in GENERATE(
+            model, ids, mask, max(budget), eos_id=eos_id, pad_id=pad_id, stop_ids=(*stop_ids, close), uniforms=u,
+            return_logprobs=True, **sampler_kw))
+        calling = []
+        for k, i in enumerate(active):
+            n = min(sum(r_mask[k]), budget[k])
+            rows[i] += [(t, 0, lp) for t, lp in zip(r_ids[k][:n], r_logps[k][:n])]
+            if n and r_ids[k][n - 1] == close and calls[i] < max_calls and len(rows[i]) < max_new_tokens:
+                calls[i] += 1
+                calling.append(i)
+        for i in calling:
+            room = max_new_tokens - len(rows[i])
+            written = [t for t, is_tool, _ in rows[i] if not is_tool]
+            rows[i] += [(t, 1, 0.0) for t in sampling.results_tokens(tokenizer, [written], tool, [room])[0]]
+        active = [i for i in calling if len(rows[i]) < max_new_tokens]
+    R = max(map(len, rows))
+    ids = torch.tensor([[t for t, _, _ in r] + [pad_id] * (R - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (R - len(r)) for r in rows])
+    logps = torch.tensor([[lp for _, _, lp in r] + [0.0] * (R - len(r)) for r in rows])
+    tool_mask = torch.tensor([[is_tool for _, is_tool, _ in r] + [0] * (R - len(r)) for r in rows])
+    return ids, mask, logps, tool_mask
+
+
+@pytest.fixture(scope="module")
+def short_tool(tmp_path_factory):
+    """A tool whose results are a few tokens (the length of the call's text), so that rows resume
+    after their calls with room to call again: written as a module for its worker processes."""
+    folder = tmp_path_factory.mktemp("short_tool")
+    (folder / "short_tool.py").write_text("def length(text):\n    return str(len(text))\n")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(folder))
+        yield tools.load_tool("short_tool:length")
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["rows going on", "one batch"])
+@pytest.mark.parametrize("name,sampler_kw", [("gpt2", dict(temperature=1.0)),
+                                             ("llama", dict(temperature=0.7, top_p=0.9))])
+def test_the_kept_cache_gives_the_full_prefills_rollout(name, sampler_kw, whole, user_models, short_tool, tmp_path,
+                                                        monkeypatch):
+    """12 prompts of distinct lengths, 40 tokens, up to 3 calls, two seeds; the model's forwards
+    and the loop's turns recorded. Both batches of a later turn: the rows going on alone (eager)
+    and every row of the first turn, the finished ones masked (compiled decoding's one graph;
+    forced here without compiling). Planted bugs fail it: the turn's stop token left valid in the
+    cache (fed twice), the gather taking each row's slots one off, the chunk's positions from 0."""
+    kept_cache = sampling.KeptCache
+    monkeypatch.setattr(sampling, "KeptCache", lambda whole_if_compiled: kept_cache(whole=whole))
+    folder = tasks.calculator_gpt2(tmp_path / "gpt2") if name == "gpt2" else user_models["llama_calculator"]
+    tok = models.load_tokenizer(folder)
+    model = models.load_model(folder, tok).eval()
+    texts = [r["prompt"] for r in tasks.prompt_rows(12)]
+    if tok.chat_template:
+        texts = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
+                 for t in texts]
+    ids, mask = common.pad(sampling.encode_prompts(tok, texts, 128)[0], tok.pad_token_id, side="left")
+    widths, turns = [], []
+    model.register_forward_pre_hook(lambda m, args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
+                                    with_kwargs=True)
+
+    def recording(*args, kept=None, **kwargs):
+        out = GENERATE(*args, kept=kept, **kwargs)
+        turns.append((len(kept.rows), sum(kept.cut)))
+        return out
+
+    monkeypatch.setattr(sampling, "generate", recording)
+    kw = dict(eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, tokenizer=tok, tool=short_tool, max_calls=3,
+              **sampler_kw)
+    for seed in (0, 1):
+        u = sampling.rollout_uniforms(12, 40, seed=seed)
+        widths.clear(), turns.clear()
+        got = sampling.generate_with_tools(model, ids, mask, 40, uniforms=u, **kw)
+        chunks = [w for w in widths[1:] if w > 1]  # every forward of more than one token after the prefill
+        want = reference_loop(model, ids, mask, 40, uniforms=u, **kw)
+        for g, w, what in zip(got, want, ("ids", "mask", "log-probs", "tool mask")):
+            assert g.shape == w.shape, (what, g.shape, w.shape)
+            if what == "log-probs":
+                torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-6)  # fp32: float noise of another batch shape
+            else:
+                assert torch.equal(g, w), what
+        calls = sampling.tool_calls(got[3])
+        assert len(set(calls.tolist())) > 1 and max(calls) == 3, calls  # rows calling at different turns
+        assert len(turns) >= 4 and sum(cut for _, cut in turns) > 0, turns  # later turns, rows cut by the slots
+        assert widths[0] == ids.shape[1] and chunks, (widths[:1], chunks, turns)
+        results = [len(run) for row in got[3].tolist() for run in "".join(map(str, row)).split("0") if run]
+        assert max(chunks) <= 1 + max(results), (chunks, max(results))  # a closing tag and a result, no history
