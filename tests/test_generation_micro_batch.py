@@ -5,6 +5,8 @@ draws per global row), so the chunked rollout is the one-call rollout: the same 
 masks and stops, and the sampler's log-probs up to the float noise of a matmul over fewer rows
 (the CPU's GEMM takes another kernel below 4 rows). Run through the script on the Llama-shaped
 folder, plain and calling the calculator, and on 2 ranks (chunked) against 1 process (not)."""
+import json
+
 import pytest
 import torch
 from helpers import TWO_RANK_RUNS, read_metrics
@@ -118,7 +120,10 @@ def test_two_chunked_ranks_match_one_process_in_one_call(tool_runs, two_ranks):
     """2 ranks under FSDP2, each sampling its 8 rows in chunks of 2 and 3 (the weights gathered once
     for all chunks: no collective between them), against 1 process sampling its 16 in one call."""
     (m1, _, _), _ = tool_runs
-    two = read_metrics(two_ranks("grpo_tools_chunked") / "run")
+    out = two_ranks("grpo_tools_chunked") / "run"
+    with open(out / "run_config.json") as f:
+        assert json.load(f)["generation_micro_batch_size"] == N
+    two = read_metrics(out)
     assert_same_run(m1, two, keys=("reward", "reward_std", "completions/mean_length", "loss", "grad_norm",
                                    "tools/call_frequency"))
 
