@@ -241,23 +241,43 @@ class Rollout:
                                              if x.dtype == torch.bool else common.all_gather(x, d))
 
 
+def chunks(n, size):
+    """Slices of range(n) of at most `size` rows each (0: one of all n), as even as possible (24 rows
+    at 10: 8, 8, 8), so that a compiled decode step meets as few batch shapes as possible."""
+    k = -(-n // size) if size else 1
+    bounds = [n * i // k for i in range(k + 1)]
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
 def sample(model, env, prompts, u, temperature, cfg, d):
     """Completions of rendered prompts, drawn with the uniforms u (N, max_new_tokens) at the
     temperature (0: greedy), with --tools' calls where there is a tool: the prompt block
     left-padded, the response right-padded and cut after a truncate token, the sampler's
-    log-probs, 1 on the tools' tokens. Inside common.evaluating."""
+    log-probs, 1 on the tools' tokens. Inside common.evaluating. The sampler runs on chunks of at
+    most --generation_micro_batch_size rows, so a KV cache holds that many rows, not N; each chunk
+    takes its own rows' uniforms and the prompt block of all N, so its rows draw what they draw in
+    one call (the same tokens; log-probs up to the float noise of a matmul over fewer rows). Under
+    FSDP the weights stay gathered for every chunk (common.unsharded): a chunk runs no collective."""
     p_ids, _ = sampling.encode_prompts(env.tokenizer, prompts, cfg.max_prompt_len)
     p_ids, p_mask = (t.to(d.device) for t in common.pad(p_ids, env.tokenizer.pad_token_id, side="left"))  # (N, P)
-    kw = dict(eos_id=env.stop_ids[0], pad_id=env.tokenizer.pad_token_id, temperature=temperature, top_k=cfg.top_k,
-              top_p=cfg.top_p, min_p=cfg.min_p, stop_ids=env.stop_ids[1:], uniforms=u, compile=cfg.compile)
+    pad_id = env.tokenizer.pad_token_id
+    kw = dict(eos_id=env.stop_ids[0], pad_id=pad_id, temperature=temperature, top_k=cfg.top_k,
+              top_p=cfg.top_p, min_p=cfg.min_p, stop_ids=env.stop_ids[1:], compile=cfg.compile)
+    outs = []  # each chunk's (ids, mask, log-probs, tool mask), (n, R_chunk) each
     with common.autocast(d):
-        if env.tool is None:
-            r_ids, r_mask, r_logps = sampling.generate(model, p_ids, p_mask, cfg.max_new_tokens, return_logprobs=True, **kw)
-            r_tool = torch.zeros_like(r_mask)  # (N, R) each
-        else:  # the policy's calls run between its turns; r_tool: 1 on the tools' tokens (sampling.generate_with_tools)
-            r_ids, r_mask, r_logps, r_tool = sampling.generate_with_tools(
-                model, p_ids, p_mask, cfg.max_new_tokens, tokenizer=env.tokenizer, tool=env.tool,
-                max_calls=cfg.max_tool_calls, **kw)
+        for rows in chunks(len(prompts), cfg.generation_micro_batch_size):
+            if env.tool is None:
+                out = sampling.generate(model, p_ids[rows], p_mask[rows], cfg.max_new_tokens, uniforms=u[rows],
+                                        return_logprobs=True, **kw)
+                outs.append((*out, torch.zeros_like(out[1])))
+            else:  # the policy's calls run between its turns; r_tool: 1 on the tools' tokens (sampling.generate_with_tools)
+                outs.append(sampling.generate_with_tools(model, p_ids[rows], p_mask[rows], cfg.max_new_tokens,
+                                                         tokenizer=env.tokenizer, tool=env.tool, uniforms=u[rows],
+                                                         max_calls=cfg.max_tool_calls, **kw))
+    R = max(out[0].shape[1] for out in outs)  # the longest response of any chunk
+    right = lambda x, value: torch.nn.functional.pad(x, (0, R - x.shape[1]), value=value)  # noqa: E731
+    r_ids, r_mask, r_logps, r_tool = (torch.cat([right(out[k], pad_id if k == 0 else 0) for out in outs])
+                                      for k in range(4))  # (N, R) each
     return p_ids, p_mask, r_ids, truncate_mask(r_ids, r_mask, env.truncate_id), r_logps, r_tool
 
 

@@ -103,6 +103,8 @@ class Config(cli.SharedConfig):
     """a string of one token: generation also stops at it, and tokens after it are masked"""
     compile: bool = False
     """torch.compile the rollout's decode step (10-60 s once per batch shape; pays over a run's many rollouts)"""
+    generation_micro_batch_size: int = 0
+    """rows each rank samples at once: its KV cache's rows (0: all; TRL's generation_batch_size is the rollout) [>= 0]"""
     tools: str = ""
     """a tool the policy may call mid-answer (sampling.generate_with_tools): `calculator`, or your `module:function` (text -> text)"""
     max_tool_calls: int = 2
@@ -780,8 +782,8 @@ def evaluate(model, ref, env, evals, cfg, d):
         rule = tasks.REWARD_FNS[h["reward_fn"][0]]
         metrics |= sampling.evaluate_generations(model, env.tokenizer, h["prompt"], rule, d, max_prompt_len=cfg.max_prompt_len,
                                                  max_new_tokens=cfg.max_new_tokens, answers=h.get("answer"),
-                                                 own_prompts=h["own_prompt"], tool=env.tool,
-                                                 max_tool_calls=cfg.max_tool_calls)
+                                                 own_prompts=h["own_prompt"], tool=env.tool, max_tool_calls=cfg.max_tool_calls,
+                                                 batch_size=cfg.generation_micro_batch_size or 256)
     metrics |= environment.evaluate_rewards(model, env, evals["prompts"], cfg, d)  # --eval_dataset, a file's 5%
     if evals["pairs"] is not None:
         metrics["eval/accuracy"] = pairwise_accuracy(model, ref, evals["pairs"], env.tokenizer.pad_token_id, d,

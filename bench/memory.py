@@ -34,11 +34,13 @@ On a GPU (bytes per GPU; N parameters, W ranks under torchrun, bf16 compute), pe
   forward's end with autocast's copies;
 - the optimizer step: the gradients, 4N/W;
 - GRPO's rollout: the whole policy gathered (FSDP2) or autocast's copies, the static KV cache (bf16;
-  a RoPE model's keys stay fp32 under autocast) of every sampled row (--rs_samples a prompt, else
-  --group_size) and, while it is filled, the prefill's, whose forward's transients come first
-  (6 I + c h bytes per token). The largest call of the sampler: the first (each distinct prompt
-  prefilled once, P + R slots), or with --tools a later turn of the tool loop (sampling.generate_with_tools), bounded by
-  every row prefilled again with P + R tokens into P + 2R slots (one row R tokens past its prompt,
+  a RoPE model's keys stay fp32 under autocast) of the rows of one call of the sampler (every
+  sampled row, --rs_samples a prompt, else --group_size; with --generation_micro_batch_size N the
+  largest of environment.sample's chunks of at most N) and, while it is filled, the prefill's,
+  whose forward's transients come first (6 I + c h bytes per token). The largest call of the
+  sampler: the first (each distinct prompt of the chunk prefilled once, P + R slots), or with
+  --tools a later turn of the tool loop (sampling.generate_with_tools), bounded by every row of the
+  chunk prefilled again with P + R tokens into P + 2R slots (one row R tokens past its prompt,
   another none);
 - GRPO's reward model over every sampled row, without a graph (its largest transients: 6 I + c h
   bytes per token, c fitted to the tracker), and the reference's, old policy's and teacher's
@@ -90,10 +92,12 @@ def n_params(s):
 
 
 def parts(s, script, world=1, launcher="torchrun", device="gpu", seqs=4, prompt_len=512, response_len=512,
-          rollout_rows=64, ac=False, offload_frozen=False, lora=False, precompute_ref=True, reward_model=True):
+          rollout_rows=64, ac=False, offload_frozen=False, lora=False, precompute_ref=True, reward_model=True,
+          generation_rows=0):
     """Bytes per device of each phase's parts, {phase: {part: bytes}}. seqs: sequences of one
     micro-batch (DPO and the reward model: pairs, two sequences each); rollout_rows: GRPO's
-    completions per rank in one rollout."""
+    completions per rank in one rollout; generation_rows: the rows of one call of its sampler (0:
+    all rollout_rows)."""
     N, n_block, n_root = n_params(s)
     fsdp = launcher == "torchrun"
     W = world if fsdp else 1
@@ -135,8 +139,9 @@ def parts(s, script, world=1, launcher="torchrun", device="gpu", seqs=4, prompt_
         roll = {k: v for k, v in parts.items() if k not in ("gradients", "activations", "logits")}
         if fsdp:
             roll["gathered (FSDP)"] = e * N  # the whole policy, gathered for the rollout (common.unsharded)
-        roll["KV cache"] = rollout_rows * S * s["L"] * 2 * kv * e
-        roll["logits"] = 4 * rollout_rows * s["V"]
+        rows = generation_rows or rollout_rows  # one call of the sampler (environment.sample's chunks)
+        roll["KV cache"] = rows * S * s["L"] * 2 * kv * e
+        roll["logits"] = 4 * rows * s["V"]
         phases["rollout"] = roll
     return phases
 
@@ -152,11 +157,13 @@ def lora_params(s, r=16):
 
 def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, response_len=512, rollout_rows=64,
               prompts=8, grad_accum=1, ac=False, offload_frozen=False, lora=False, lora_r=16, precompute_ref=True,
-              reward_model=True, teacher=False, compile=False, tools=False):
+              reward_model=True, teacher=False, compile=False, tools=False, generation_rows=0):
     """Bytes per GPU of each phase's parts, {phase: {part: bytes}}, bf16 compute (FSDP2's
     MixedPrecisionPolicy under torchrun, autocast under `python`). seqs: sequences of one
     micro-batch (DPO and the reward model: both sequences of each pair); rollout_rows: GRPO's
-    completions sampled per rank (--rs_samples of each of its `prompts`, else group_size)."""
+    completions sampled per rank (--rs_samples of each of its `prompts`, else group_size);
+    generation_rows: the rows of one call of its sampler (0: all rollout_rows), a chunk of
+    consecutive rows whose groups are contiguous."""
     N, n_block, n_root = n_params(s)
     fsdp = launcher == "torchrun"
     W = world if fsdp else 1
@@ -191,9 +198,14 @@ def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, r
     # the largest call of sampling.generate: the first, whose distinct prompts are prefilled once into a
     # cache of P + R slots; with --tools (sampling.generate_with_tools) a later one, at most every row's prompt and response
     # so far (the prompt block P + R) prefilled, into P + 2R slots (one row R tokens past its prompt, one 0)
+    # --generation_micro_batch_size: one chunk of `rows` rows at a time, its distinct prompts at most those
+    # of `rows` consecutive rows (a group's rows are consecutive, and a chunk may cut one at either end)
+    rows = min(generation_rows or rollout_rows, rollout_rows)
+    group = rollout_rows // max(prompts, 1)
+    chunk_prompts = min(prompts, -(-(rows - 1) // max(group, 1)) + 1)
     slots = cache_slots(S + (R if tools else 0), compile)
-    prefill_rows, prefill_len = (rollout_rows, S) if tools else (prompts, prompt_len)
-    cache = rollout_rows * slots * L * kv_bytes
+    prefill_rows, prefill_len = (rows, S) if tools else (chunk_prompts, prompt_len)
+    cache = rows * slots * L * kv_bytes
     kept = {}
     if script == "grpo" and lora and ac:  # transformers makes the embeddings' output a leaf that requires grad;
         # grpo.py's last loss (and log-probs) keep their graph's nodes, and so it and its gradient, to the next update
@@ -250,7 +262,7 @@ def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, r
     c = (17 if s["gated"] else 31) if not fsdp else (6 if s["gated"] else 21)
     transients = prefill_rows * prefill_len * (6 * I + c * h)
     roll["prefill forward"] = transients if compile else max(0, transients - cache)
-    roll["logits"] = 4 * rollout_rows * V
+    roll["logits"] = 4 * rows * V
     phases["rollout"] = roll
     if reward_model:  # no graph, over every sampled row (environment.learned_rewards); the same transients
         rm = dict(state_kept)
@@ -265,6 +277,12 @@ def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, r
     if teacher:  # frozen: under autocast each op casts a weight anew, none cached
         phases["teacher log-probs"] = dict(state_kept, **(weights if fsdp else {}), logits=ref["logits"])
     return phases
+
+
+def chunk_rows(n, size):
+    """The rows of the largest of environment.chunks(n, size): n rows cut into ceil(n / size)
+    chunks as even as possible (0: one of all n)."""
+    return -(-n // -(-n // size)) if size else n
 
 
 def cache_slots(L, compile=False):
@@ -310,7 +328,7 @@ def script_config(script, **flags):
 
 
 SCRIPT_ONLY = {"prompts_per_step", "group_size", "num_mini_batches", "reward_model", "lora", "precompute_ref",
-               "batch_size", "compile", "teacher", "rs_samples", "tools"}  # other scripts' flags: ignored
+               "batch_size", "compile", "teacher", "rs_samples", "tools", "generation_micro_batch_size"}  # other scripts' flags: ignored
 
 
 def parse_flags(argv):
@@ -338,9 +356,12 @@ def estimate(s, script, world=1, launcher="torchrun", device="gpu", ac=False, of
         rows = prompts * cfg.group_size
         seqs, R = rows // cfg.num_mini_batches // cfg.grad_accum, cfg.max_new_tokens
         rollout_rows = prompts * (cfg.rs_samples or cfg.group_size)
+        generation_rows = chunk_rows(rollout_rows, cfg.generation_micro_batch_size)
     else:
-        prompts, rollout_rows, seqs, R = 0, 0, cfg.batch_size // W // cfg.grad_accum, cfg.max_response_len
-    knobs = dict(seqs=seqs, prompt_len=cfg.max_prompt_len, response_len=R, rollout_rows=rollout_rows, ac=ac,
+        prompts, rollout_rows, generation_rows = 0, 0, 0
+        seqs, R = cfg.batch_size // W // cfg.grad_accum, cfg.max_response_len
+    knobs = dict(seqs=seqs, prompt_len=cfg.max_prompt_len, response_len=R, rollout_rows=rollout_rows,
+                 generation_rows=generation_rows, ac=ac,
                  offload_frozen=offload_frozen, lora=getattr(cfg, "lora", False),
                  precompute_ref=getattr(cfg, "precompute_ref", True), reward_model=bool(getattr(cfg, "reward_model", "")))
     if device == "cpu":  # the CPU model counts pairs; the GPU model sequences (both of each pair)
@@ -466,12 +487,14 @@ CHECKS = [  # (launcher, world, flags, scripts) the model is checked at against 
         ("python", 1, {}), ("torchrun", 8, {}),
         ("python", 1, dict(LONG, reward_model="rm")), ("torchrun", 8, dict(LONG, reward_model="rm")),
         ("python", 1, dict(LONG, ac=True, grad_accum=2)), ("torchrun", 8, dict(LONG, ac=True, grad_accum=2))]],
-    # grpo.py's own: a teacher (the policy's shape), rejection sampling's rows, LoRA, --compile, tool calls
+    # grpo.py's own: a teacher (the policy's shape), rejection sampling's rows, LoRA, --compile, tool calls, the
+    # sampler's chunks
     *[(launcher, world, dict(LONG, **flags), ("grpo",)) for launcher, world, flags in [
         ("python", 1, dict(teacher="teacher")), ("torchrun", 8, dict(teacher="teacher")),
         ("python", 1, dict(rs_samples=16, reward_model="rm")), ("torchrun", 8, dict(rs_samples=16, reward_model="rm")),
         ("python", 1, dict(lora=True)), ("python", 1, dict(lora=True, ac=True)), ("python", 1, dict(compile=True)),
-        ("python", 1, dict(tools="calculator")), ("torchrun", 8, dict(tools="calculator"))]],
+        ("python", 1, dict(tools="calculator")), ("torchrun", 8, dict(tools="calculator")),
+        ("python", 1, dict(tools="calculator", generation_micro_batch_size=32))]],
 ]
 
 

@@ -256,7 +256,7 @@ def _dpo(model, optimizer, scheduler, frozen, cfg, d, tracker):
 def _turn(model, rows, n_prompts, prompt_len, slots, cfg, d):
     """One call of sampling.generate, as far as its memory goes: a static cache of `rows` rows and
     `slots` slots (sampling._decode_cache: with --compile the persistent one), the prefill of
-    n_prompts distinct prompts of prompt_len tokens copied into it (each to rows / n_prompts rows),
+    n_prompts distinct prompts of prompt_len tokens copied into it (each to about rows / n_prompts rows),
     and one decode step into the full cache (from the bf16 copies under autocast with --compile)."""
     import sampling
 
@@ -264,7 +264,7 @@ def _turn(model, rows, n_prompts, prompt_len, slots, cfg, d):
     prompts, mask, _ = _batch(n_prompts, prompt_len, 0, d)
     out = model(input_ids=prompts, attention_mask=mask, position_ids=common.position_ids_from_mask(mask),
                 use_cache=True, logits_to_keep=1)
-    inverse = None if n_prompts == rows else torch.arange(rows, device=d.device) // (rows // n_prompts)
+    inverse = None if n_prompts == rows else torch.arange(rows, device=d.device) * n_prompts // rows
     sampling._fill_cache(cache, out.cache, inverse, prompt_len)
     logits = out.logits[:, -1] if inverse is None else out.logits[:, -1][inverse]  # (rows, V)
     del out
@@ -277,9 +277,11 @@ def _turn(model, rows, n_prompts, prompt_len, slots, cfg, d):
 
 def _grpo(model, optimizer, scheduler, frozen, cfg, d, tracker):
     """The rollout (prefill of the distinct prompts, one decode step; with --tools also a later turn:
-    every row's prompt and response so far prefilled again, into a new cache), the reward model's
+    every row's prompt and response so far prefilled again, into a new cache; with
+    --generation_micro_batch_size the largest of environment.sample's chunks), the reward model's
     forward over the rank's rollout (--rs_samples rows a prompt), the reference's, the old policy's
     and the teacher's log-probs, the update."""
+    import environment
     import grpo
 
     n_local = cfg.prompts_per_step // d.world_size
@@ -287,14 +289,19 @@ def _grpo(model, optimizer, scheduler, frozen, cfg, d, tracker):
     sampled = n_local * (cfg.rs_samples or cfg.group_size)  # and in the rollout (rejection sampling keeps rows)
     micro = rows // cfg.num_mini_batches // cfg.grad_accum
     P, R = cfg.max_prompt_len, cfg.max_new_tokens
+    # the sampler's largest call: the chunk of the most rows, and of the most distinct prompts (groups contiguous)
+    group = cfg.rs_samples or cfg.group_size
+    chunks = environment.chunks(sampled, cfg.generation_micro_batch_size)
+    chunk = max(c.stop - c.start for c in chunks)
+    chunk_prompts = max((c.stop - 1) // group - c.start // group + 1 for c in chunks)
     ref = frozen.get("reference")  # None with --lora: the policy with its adapters off
     for step in range(2):
         with tracker.phase("rollout", measure=step == 1):
             with common.evaluating(model, gather=True), common.autocast(d), torch.no_grad():
-                _turn(model, sampled, n_local, P, memory.cache_slots(P + R, cfg.compile), cfg, d)
+                _turn(model, chunk, chunk_prompts, P, memory.cache_slots(P + R, cfg.compile), cfg, d)
                 if cfg.tools:  # the tool loop: at most every row active, the longest history R tokens past its
                     # prompt (the prompt block P + R), the shortest 0 (R tokens to go): P + 2R slots
-                    _turn(model, sampled, sampled, P + R, memory.cache_slots(P + 2 * R, cfg.compile), cfg, d)
+                    _turn(model, chunk, chunk, P + R, memory.cache_slots(P + 2 * R, cfg.compile), cfg, d)
         ids, attn, _ = _batch(sampled, P, R, d)
         if cfg.reward_model:
             with tracker.phase("reward model", measure=step == 1), common.autocast(d), torch.no_grad():

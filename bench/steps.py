@@ -18,10 +18,20 @@ compute dtype (`matmul_peak`: bf16 on a GPU, as the scripts autocast there; fp32
 GRPO also reports rollout tokens/s: completion tokens generated per second of its rollout
 phase (sampling.generate, KV-cached).
 
+`--lengths` (bench/lengths.py): `fixed` rows of --prompt_len + --response_len tokens (no
+padding), or each row its own lengths from a distribution, `arith` (SmolLM2's arithmetic chat
+task) or `tldr` (TL;DR's long-tailed shape); the scripts then pad each micro-batch to its
+longest row, and tokens/s counts real tokens only (a step's expected tokens: rows x the mean
+row; GRPO: the prompts' mean + the completions' measured mean). GRPO's completions are the
+policy's own: a random-weight policy seldom stops, so they run to the largest response length
+of the distribution (--max_new_tokens), and only its prompts follow the distribution.
+
     python bench/steps.py                                         # tiny and GPT-2 small, CPU
     python bench/steps.py --activation_checkpointing              # the same with recomputation
     python bench/steps.py --models tiny,gpt2-small-random --tag bf16          # GPU: bf16 autocast and peak
     python bench/steps.py --models gpt2-large-random --algos dpo --batch_size 16 --tag large-dpo  # GPU MFU
+    python bench/steps.py --models gpt2-small-random --lengths tldr --tag tldr   # GPU, TL;DR's lengths
+    python bench/steps.py --models tiny --algos sft,dpo --lengths arith --steps 3 --tag arith-small  # CPU
 
 Results: bench/results/steps[-ac][-TAG]-{cpu,cuda}.json and a .png beside it.
 """
@@ -41,6 +51,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
 import tasks  # noqa: E402
+from bench import lengths as length_dists  # noqa: E402
 from bench import util  # noqa: E402
 from plumbing import models  # noqa: E402
 
@@ -59,15 +70,16 @@ def exact_alphabet(tokenizer):
     raise SystemExit(f"{type(tokenizer).__name__}: no alphabet tokenizes to one token per character")
 
 
-def make_data(path, n, prompt_len, response_len, seed=0, alphabet="abcdefghij 0123456789"):
-    """Rows of every column the scripts read, with exact character (= token, see exact_alphabet) lengths."""
+def make_data(path, n, prompt_len, response_len, seed=0, alphabet="abcdefghij 0123456789", lengths=None):
+    """Rows of every column the scripts read, with exact character (= token, see exact_alphabet)
+    lengths: prompt_len and response_len (EOS included), or each row's own of `lengths`, a list of
+    n (prompt, response) pairs (bench/lengths.py)."""
     rng = random.Random(seed)
     text = lambda k: "".join(rng.choice(alphabet) for _ in range(k))  # noqa: E731
     with open(path, "w") as f:
-        for _ in range(n):
-            f.write(json.dumps({"prompt": text(prompt_len), "completion": text(response_len - 1),
-                                "chosen": text(response_len - 1), "rejected": text(response_len - 1),
-                                "reward_fn": "digits"}) + "\n")
+        for P, R in lengths or [(prompt_len, response_len)] * n:
+            f.write(json.dumps({"prompt": text(P), "completion": text(R - 1), "chosen": text(R - 1),
+                                "rejected": text(R - 1), "reward_fn": "digits"}) + "\n")
     return path
 
 
@@ -89,8 +101,9 @@ def script_args(algo, args, data, out_dir):
     return [f"{algo}.py", *argv, *args.extra.split()]
 
 
-def step_work(algo, args, cfg, vocab):
-    """Training tokens of one step (the figure of tokens/s) and its model FLOPs (for MFU).
+def step_work(algo, args, cfg, vocab, lengths=None):
+    """Training tokens of one step (the figure of tokens/s) and its model FLOPs (for MFU); with
+    `lengths` (each row's (prompt, response)) their expected values over a step's rows.
 
     Per token of a sequence of S tokens: 6 x body parameters (all but the embeddings) + 12 x
     n_layer x n_embd x S for attention, forward + backward (PaLM, arXiv:2204.02311 App. B); the
@@ -101,21 +114,25 @@ def step_work(algo, args, cfg, vocab):
     """
     L, dm = cfg["n_layer"], cfg["n_embd"]
     body = cfg.get("body") or 12 * L * dm * dm  # attention and MLP weights of the blocks (GPT-2: 12 d^2 a layer)
-    P, R = args.prompt_len, args.response_len
-    S = P + R
+    rows = lengths or [(args.prompt_len, args.response_len)]
+    mean = lambda f: statistics.mean(f(p, r) for p, r in rows)  # noqa: E731  the expected value over rows
+    S = mean(lambda p, r: p + r)
 
-    def seq_flops(head_positions):  # forward + backward of one sequence
-        return S * (6 * body + 12 * L * dm * S) + 6 * dm * vocab * head_positions
+    def seq_flops(head):  # forward + backward of one sequence, head: the LM head's positions (0 or the response)
+        return mean(lambda p, r: (p + r) * (6 * body + 12 * L * dm * (p + r)) + 6 * dm * vocab * r * head)
 
     if algo == "sft":
-        return args.batch_size * S, args.batch_size * seq_flops(R)
+        return args.batch_size * S, args.batch_size * seq_flops(1)
     if algo == "reward":
         return 2 * args.batch_size * S, 2 * args.batch_size * seq_flops(0)
     if algo == "dpo":  # chosen and rejected; reference log-probs precomputed once before training
-        return 2 * args.batch_size * S, 2 * args.batch_size * seq_flops(R)
+        return 2 * args.batch_size * S, 2 * args.batch_size * seq_flops(1)
+    P, R = mean(lambda p, r: p), args.response_len  # grpo: the prompts' mean; a policy that never stops fills R
+    S = P + R
     n = args.batch_size * args.group_size  # grpo: mu = 1, one mini-batch: no old log-probs
     rollout = args.batch_size * P * (2 * body + 4 * L * dm * P) + n * R * (2 * body + 4 * L * dm * S + 2 * dm * vocab)
-    return n * S, n * seq_flops(R) * 4 / 3 + rollout  # training + the reference's forward (a third)
+    train = n * (S * (6 * body + 12 * L * dm * S) + 6 * dm * vocab * R)
+    return n * S, train * 4 / 3 + rollout  # training + the reference's forward (a third)
 
 
 def matmul_peak(device, dtype):
@@ -192,6 +209,9 @@ def main():
     p.add_argument("--group_size", type=int, default=4)
     p.add_argument("--prompt_len", type=int, default=64)
     p.add_argument("--response_len", type=int, default=32)
+    p.add_argument("--lengths", default="fixed", choices=length_dists.KINDS,
+                   help="each row's prompt and response lengths (bench/lengths.py): fixed (--prompt_len + "
+                        "--response_len), arith (SmolLM2's arithmetic chat task) or tldr (TL;DR's long-tailed shape)")
     p.add_argument("--activation_checkpointing", action="store_true")
     p.add_argument("--extra", default="", help="more flags for every script, e.g. '--offload_frozen'")
     p.add_argument("--tag", default="", help="suffix of the results file name")
@@ -199,6 +219,11 @@ def main():
                    help="dtype of the matmul peak; auto: the scripts' compute dtype (bf16 autocast on a GPU "
                         "that supports it, else fp32)")
     args = p.parse_args()
+    lengths = length_dists.row_lengths(args.lengths, 512, args.prompt_len, args.response_len)
+    if args.lengths != "fixed":  # the scripts' limits: the longest prompt and response, so no row is cut
+        args.prompt_len, args.response_len = max(p for p, _ in lengths), max(r for _, r in lengths)
+    dist = length_dists.summary(lengths, args.batch_size)
+    print(f"lengths {args.lengths}: {json.dumps(dist)}", flush=True)
     device = util.default_device()
     cuda = device.type == "cuda"
     if args.dtype == "auto":
@@ -223,7 +248,7 @@ def main():
             cfg = {"n_layer": config.num_hidden_layers, "n_embd": config.hidden_size,
                    "body": sum(x.numel() for block in common.transformer_blocks(built) for x in block.parameters())}
             rows_file = make_data(os.path.join(tmp, f"rows-{model}.jsonl"), 512, args.prompt_len, args.response_len,
-                             alphabet=exact_alphabet(tok))
+                                  alphabet=exact_alphabet(tok), lengths=lengths)
             for algo in args.algos.split(","):
                 out_dir = os.path.join(tmp, f"{algo}-{model}")
                 argv = script_args(algo, args, rows_file, out_dir)
@@ -234,7 +259,12 @@ def main():
                 rows = [r for r in all_rows if r["step"] >= 2]  # step 1 is warm-up; step 0, if any, is eval
                 step_s = statistics.median(r["time/step"] for r in rows)
                 peak_gpu, mem_phases = gpu_memory(all_rows)
-                train_tok, flops = step_work(algo, args, cfg, config.vocab_size)
+                train_tok, flops = step_work(algo, args, cfg, config.vocab_size,
+                                             lengths=None if args.lengths == "fixed" else lengths)
+                if algo == "grpo" and args.lengths != "fixed":  # the prompts' mean + the completions' measured mean
+                    train_tok = args.batch_size * args.group_size * (
+                        statistics.mean(p for p, _ in lengths)
+                        + statistics.median(r["completions/mean_length"] for r in rows))
                 case = {"algo": algo, "model": model, "params": n_params, "step_seconds": step_s,
                         "train_tokens_per_step": train_tok, "tokens_per_s": train_tok / step_s,
                         "model_flops_per_step": flops,
@@ -254,11 +284,15 @@ def main():
                 print(f"{algo:6s} {model:18s} {step_s:8.3f} s/step {case['tokens_per_s']:10.0f} tok/s "
                       f"MFU {100 * case['mfu']:5.1f}%  {mem}"
                       + (f"  rollout {case['rollout_tokens_per_s']:.0f} tok/s" if algo == "grpo" else ""), flush=True)
-    name = "steps" + ("-ac" if args.activation_checkpointing else "") + (f"-{args.tag}" if args.tag else "")
-    path = util.write_results(name, {"config": vars(args), "matmul_peak_flops": peak, "matmul_peak_dtype": args.dtype,
-                                     "matmul_peak_n": peak_n, "cases": cases}, device)
+    name = "steps" + ("-ac" if args.activation_checkpointing else "") + (
+        f"-{args.lengths}" if args.lengths != "fixed" else "") + (f"-{args.tag}" if args.tag else "")
+    path = util.write_results(name, {"config": vars(args), "lengths": dist, "matmul_peak_flops": peak,
+                                     "matmul_peak_dtype": args.dtype, "matmul_peak_n": peak_n, "cases": cases}, device)
+    shape = (f"lengths {args.prompt_len}+{args.response_len}" if args.lengths == "fixed" else
+             f"{args.lengths} lengths (mean {dist['prompt_mean']:.0f}+{dist['response_mean']:.0f}, up to "
+             f"{args.prompt_len}+{args.response_len})")
     plot(cases, path.replace(".json", ".png"), f"{util.device_name(device)}; batch {args.batch_size}, "
-         f"lengths {args.prompt_len}+{args.response_len}{', act. ckpt' if args.activation_checkpointing else ''}")
+         f"{shape}{', act. ckpt' if args.activation_checkpointing else ''}")
     print(f"wrote {path} and its .png")
 
 

@@ -36,6 +36,14 @@ Cases (TRL is run matched to us, and also with its own default gradient_checkpoi
     python bench/trl_compare.py --models tiny --steps 3 --batch_size 8 --group_size 4 --prompt_len 32 --response_len 16
     python bench/trl_compare.py                                      # tiny and GPT-2 small, CPU, fp32
     python bench/trl_compare.py --models gpt2-small-random --batch_size 16 --tag small   # GPU, bf16
+    python bench/trl_compare.py --models gpt2-small-random --batch_size 16 --lengths tldr --tag small  # GPU
+
+`--lengths` (bench/lengths.py): `fixed` rows of --prompt_len + --response_len tokens, or each row
+its own lengths from `arith` (SmolLM2's arithmetic chat task) or `tldr` (TL;DR's long-tailed
+shape), the limits on both sides set to the longest prompt and response (no row is cut). DPO's
+tokens/s then counts each step's expected real tokens (rows x the mean pair), the same figure on
+both sides; GRPO's, the prompts' mean + each side's measured completions, as with fixed lengths
+(a random-weight policy seldom stops, so its completions run to the longest response length).
 
 TRL is optional (`pip install trl==1.16.0 torch==2.13.0`); without it this prints
 "trl is not installed; skipped" and exits 0.
@@ -55,6 +63,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
 import data  # noqa: E402
+from bench import lengths as length_dists  # noqa: E402
 from bench import util  # noqa: E402
 from bench.steps import exact_alphabet, gpu_memory, make_data, run_case  # noqa: E402
 from plumbing import models  # noqa: E402
@@ -356,7 +365,7 @@ def run_variant(algo, name, side, settings, a, model_dir, rows_file, tmp, dtype,
     if len(times) != steps:
         raise RuntimeError(f"{tag}: {len(times)} step times for {steps} steps (see {log})")
     step_s = statistics.median(times[1:])
-    B, G, P, R = a.batch_size, a.group_size, a.prompt_len, a.response_len
+    B, G, P, R = a.batch_size, a.group_size, a.prompt_mean, a.response_mean  # the means of the rows (fixed: theirs)
     if algo == "grpo":  # rows x (prompt + the completion tokens this side actually produced), timed steps only
         if side == "ours":
             mean_len = statistics.mean(res["mean_length"][1:])
@@ -459,6 +468,9 @@ def main():
     p.add_argument("--prompt_len", type=int, default=64)
     p.add_argument("--response_len", type=int, default=32,
                    help="GRPO max new tokens / DPO response tokens (EOS included)")
+    p.add_argument("--lengths", default="fixed", choices=length_dists.KINDS,
+                   help="each row's prompt and response lengths (bench/lengths.py): fixed (--prompt_len + "
+                        "--response_len), arith (SmolLM2's arithmetic chat task) or tldr (TL;DR's long-tailed shape)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--tag", default="", help="suffix of the results file name (bench/results/trl[-TAG]-cpu.json)")
     p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of every child (default: torch's)")
@@ -500,6 +512,15 @@ def main():
         os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(a.threads)
         torch.set_num_threads(a.threads)
     os.environ["TQDM_DISABLE"] = "1"
+    dist = {}  # per algorithm: each row's lengths; the limits both sides get are the longest of any
+    for algo in a.algos.split(","):
+        n_rows = 512 if algo == "grpo" else a.batch_size * (a.steps + 1)  # see below
+        dist[algo] = length_dists.row_lengths(a.lengths, n_rows, a.prompt_len, a.response_len)
+    if a.lengths != "fixed":
+        a.prompt_len = max(p for rows in dist.values() for p, _ in rows)
+        a.response_len = max(r for rows in dist.values() for _, r in rows)
+    print(f"lengths {a.lengths}: " + ", ".join(f"{algo} {json.dumps(length_dists.summary(rows, a.batch_size))}"
+                                              for algo, rows in dist.items()), flush=True)
     print(f"trl {trl.__version__}, torch {torch.__version__}, {util.device_name(device)}, {dtype}; "
           f"B={a.batch_size} G={a.group_size} P={a.prompt_len} R={a.response_len}, {a.steps} timed steps + 1 warm-up",
           flush=True)
@@ -517,7 +538,9 @@ def main():
                 # DPO: ours precomputes the reference over the whole file, so it holds just the rows trained on
                 n_rows = 512 if algo == "grpo" else a.batch_size * (a.steps + 1)
                 rows_file = make_data(os.path.join(tmp, f"{algo}-rows.jsonl"), n_rows, a.prompt_len, a.response_len,
-                                 alphabet=exact_alphabet(models.load_tokenizer(model_dir)))
+                                      alphabet=exact_alphabet(models.load_tokenizer(model_dir)), lengths=dist[algo])
+                a.prompt_mean = statistics.mean(p for p, _ in dist[algo])
+                a.response_mean = statistics.mean(r for _, r in dist[algo])
                 runs = {name: [] for name in VARIANTS[algo]}
                 for rep in range(a.repeats):
                     # ours and TRL alternate, and the order flips every repeat (ABBA): a slow spell of the
@@ -545,14 +568,17 @@ def main():
                                    "tokens_per_s_ratio_repeats": per, "peak_memory_ratio": statistics.median(mem),
                                    "peak_memory_ratio_repeats": mem})
     print_table(groups, ratios, cuda)
-    config = {k: v for k, v in vars(a).items() if k not in ("child", "spec", "result")}
+    config = {k: v for k, v in vars(a).items() if k not in ("child", "spec", "result", "prompt_mean", "response_mean")}
     config |= {"grpo_beta": GRPO_BETA, "dpo_beta": DPO_BETA}
     payload = {"trl": trl.__version__, "dtype": dtype, "config": config,
+               "lengths": {algo: length_dists.summary(rows, a.batch_size) for algo, rows in dist.items()},
                "targets": TARGETS, "imports_peak_rss_bytes": baselines,
                "cases": [c for g in groups.values() for c in g.values()], "all_runs": all_runs, "ratios": ratios}
-    path = util.write_results("trl" + (f"-{a.tag}" if a.tag else ""), payload, device)
+    path = util.write_results("trl" + (f"-{a.lengths}" if a.lengths != "fixed" else "") + (f"-{a.tag}" if a.tag else ""),
+                              payload, device)
     plot(groups, path.replace(".json", ".png"),
-         f"B={a.batch_size} G={a.group_size} P={a.prompt_len} R={a.response_len}, {dtype}, {util.device_name(device)}",
+         f"B={a.batch_size} G={a.group_size} P={a.prompt_len} R={a.response_len} ({a.lengths} lengths), {dtype}, "
+         f"{util.device_name(device)}",
          cuda)
     print(f"\nwrote {path} and {path.replace('.json', '.png')}")
 

@@ -65,6 +65,10 @@ TRL_FLAGS = [
      "precision is chosen here: bf16 autocast (FSDP's mixed precision under torchrun) on a GPU that has bf16, fp32 "
      "weights and optimizer; --save_dtype sets the exported weights' dtype"),
     ("use_vllm", ("grpo",), None, "the sampler is built in (sampling.py: KV cache, CUDA graphs); there is no vLLM here"),
+    ("generation_batch_size", ("grpo",), "prompts_per_step",
+     "TRL's generation_batch_size is a rollout's completions over all GPUs (per-device x GPUs x steps_per_generation): "
+     "here --prompts_per_step x --group_size, one rollout a step; the completions each GPU samples at once (its KV "
+     "cache's rows) are --generation_micro_batch_size"),
     ("assistant_only_loss", ("sft",), None, ONLY_THIS),
     ("completion_only_loss", ("sft",), None, ONLY_THIS),
     ("packing", ("sft",), None, "no bin-packing of rows into fixed-length blocks here; --padding_free (on by "
