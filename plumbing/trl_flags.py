@@ -71,8 +71,8 @@ TRL_FLAGS = [
      "cache's rows) are --generation_micro_batch_size"),
     ("assistant_only_loss", ("sft",), None, ONLY_THIS),
     ("completion_only_loss", ("sft",), None, ONLY_THIS),
-    ("packing", ("sft",), None, "no bin-packing of rows into fixed-length blocks here; --padding_free (on by "
-     "default) already trains with no padding computed, each row attending to itself alone"),
+    ("packing", ("sft",), None, "no bin-packing of rows into fixed-length blocks here; --padding_free trains with "
+     "no padding computed, each row attending to itself alone"),
 ]
 
 # TRL's flags whose name and meaning are this project's too (listed in the docs' table)
