@@ -380,9 +380,9 @@ def packing_works(model, device):
     collective under FSDP)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     v = base.config.get_text_config().vocab_size
-    a, b = torch.arange(1, 7) % v, torch.arange(20, 24) % v
-    ids = torch.stack([torch.cat([a, b]), torch.cat([a.flip(0) * 3 % v, b])]).to(device)  # (2, 10)
-    restart = torch.cat([torch.arange(6), torch.arange(4)]).expand(2, -1).to(device)
+    a, b = torch.arange(1, 7, device=device) % v, torch.arange(20, 24, device=device) % v
+    ids = torch.stack([torch.cat([a, b]), torch.cat([a.flip(0) * 3 % v, b])])  # (2, 10)
+    restart = torch.cat([torch.arange(6, device=device), torch.arange(4, device=device)]).expand(2, -1)
     gap = []  # max |logits of b after a - after a'|, with the restart, then without
     with evaluating(model, gather=True):  # FSDP's parameters resharded after, as after a rollout
         for pos in (restart, torch.arange(10, device=device).expand(2, -1)):

@@ -57,9 +57,10 @@ def run_script(args, nproc=1, timeout=300, env=SUBPROCESS_ENV):
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
-def run_here(args):
+def run_here(args, cwd=ROOT):
     """`python SCRIPT ARGS` run in this process, as run_script returns it: the script's
-    `cli.script(main, Config)` under sys.argv = [SCRIPT, *ARGS], from ROOT, on one torch thread,
+    `cli.script(main, Config)` under sys.argv = [SCRIPT, *ARGS], from `cwd` (the working directory
+    its relative paths land in; ROOT), on one torch thread,
     with its stdout and stderr captured; returncode 0, a SystemExit's code, or 1 with the
     traceback on stderr. It saves the 6-8 s a new interpreter spends importing torch and
     transformers. What only a process of its own shows (a kill, a signal, torchrun's ranks, an
@@ -76,9 +77,9 @@ def run_here(args):
     script, *rest = args
     module = importlib.import_module(os.path.splitext(os.path.basename(script))[0])
     out, err, code = io.StringIO(), io.StringIO(), 0
-    argv, cwd, threads = sys.argv, os.getcwd(), torch.get_num_threads()
+    argv, old_cwd, threads = sys.argv, os.getcwd(), torch.get_num_threads()
     sys.argv = [script, *rest]
-    os.chdir(ROOT)
+    os.chdir(cwd)
     torch.set_num_threads(1)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -95,7 +96,7 @@ def run_here(args):
                 rundir.release()  # the process group and the out_dir lock of the run
     finally:
         sys.argv = argv
-        os.chdir(cwd)
+        os.chdir(old_cwd)
         torch.set_num_threads(threads)
     return subprocess.CompletedProcess([sys.executable, *args], code, out.getvalue(), err.getvalue())
 

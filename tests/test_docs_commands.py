@@ -28,8 +28,8 @@ import sys
 
 import pytest
 
-from helpers import ROOT, question, write_jsonl
-from plumbing import cli, rundir
+from helpers import ROOT, question, run_here, write_jsonl
+from plumbing import cli
 
 SCRIPTS = ("sft.py", "reward.py", "dpo.py", "grpo.py")
 
@@ -195,32 +195,9 @@ def tracked_mtimes():
 
 def run_in(folder, script, argv):
     """`python SCRIPT ARGV` in this process with `folder` as the working directory (where the
-    command's relative paths, runs/..., land), as helpers.run_here runs it from the repository."""
-    import contextlib
-    import importlib
-    import io
-    import traceback
-
-    module = importlib.import_module(script.removesuffix(".py"))
-    out, err, code, old = io.StringIO(), io.StringIO(), 0, (sys.argv, os.getcwd())
-    sys.argv = [script, *argv]
-    os.chdir(folder)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                cli.script(module.main, module.Config)
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else 1
-                print(e.code, file=sys.stderr)
-            except Exception:
-                traceback.print_exc()
-                code = 1
-            finally:
-                rundir.release()
-    finally:
-        sys.argv, _ = old
-        os.chdir(old[1])
-    return code, out.getvalue() + err.getvalue()
+    command's relative paths, runs/..., land): (exit code, stdout and stderr)."""
+    proc = run_here([script, *argv], cwd=folder)
+    return proc.returncode, proc.stdout + proc.stderr
 
 
 def run_block(where, cmds, folder, models):
