@@ -372,34 +372,23 @@ def micro_batches(rows, attention_mask, rows_per_forward, d, packed=False):
     return [rows[a:b] for a, b in spans]
 
 
-@torch.no_grad()
-def packing_works(model, device):
-    """Whether the model keeps packed rows apart: a row's logits after a different first row equal,
-    where a sequence without the restart (which must leak) differs by 10x more. False for a model
-    that builds its own mask or drops position ids. Two forwards of 2 x 10 tokens (every rank:
-    collective under FSDP)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    v = base.config.get_text_config().vocab_size
-    a, b = torch.arange(1, 7, device=device) % v, torch.arange(20, 24, device=device) % v
-    ids = torch.stack([torch.cat([a, b]), torch.cat([a.flip(0) * 3 % v, b])])  # (2, 10)
-    restart = torch.cat([torch.arange(6, device=device), torch.arange(4, device=device)]).expand(2, -1)
-    gap = []  # max |logits of b after a - after a'|, with the restart, then without
-    with evaluating(model, gather=True):  # FSDP's parameters resharded after, as after a rollout
-        for pos in (restart, torch.arange(10, device=device).expand(2, -1)):
-            logits = _per_position(model, input_ids=ids, position_ids=pos)[:, 6:].float()  # an LM's or a score head's
-            gap.append((logits[0] - logits[1]).abs().max())
-    return bool(gap[0] * 10 <= gap[1])
-
-
-def use_packing(wanted, models, d):
-    """--padding_free's decision: on where asked and every one of `models` (None: absent) keeps packed
-    rows apart (`packing_works`), else off with a line that says which model and why."""
-    for model in models if wanted else []:
-        if model is not None and not packing_works(model, d.device):
-            print0(f"note: --padding_free off: {type(model).__name__} does not keep packed rows apart (its attention "
-                   f"ignores position ids that restart per row); micro-batches stay padded")
-            return False
-    return wanted
+def packing_pays(model, attention_mask, rows_per_forward, d=None):
+    """Whether packing these rows (micro-batches of at most rows_per_forward x T tokens) computes less
+    than padding them. Flash attention's varlen kernels attend within each row: always. SDPA and
+    eager mask a packed micro-batch's N x N query-key pairs but still compute them (padded: B x T x T);
+    per layer a token's projections and MLP cost ~24 h^2 FLOPs and a pair 4 h, so with w = 1 / (6 h)
+    packing pays where N (1 + w min(N, rows_per_forward T)) < n T (1 + w T): for h = 1536, T = 1536
+    and 4 rows a micro-batch, where more than 23% of the tokens are padding. d: summed over ranks, so
+    that all cut their micro-batches alike. One host sync."""
+    if "flash" in str(getattr(model.config, "_attn_implementation", "")):
+        return True
+    n, T = attention_mask.shape
+    w = 1 / (6 * model.config.get_text_config().hidden_size)
+    N = attention_mask.sum(dtype=torch.float64)
+    cost = torch.stack([N * (1 + w * N.clamp(max=rows_per_forward * T)), N.new_tensor(n * T * (1 + w * T))])
+    if d is not None and d.world_size > 1:
+        dist.all_reduce(cost)
+    return bool(cost[0] < cost[1])
 
 
 # -----------------------------------------------------------------------------
@@ -514,7 +503,7 @@ def batched_logprobs(model, ids, attn, n_response, temperature, d, rows_per_forw
     """Log-probs of the response block of every row, (N, R), in micro-batches (`micro_batches`), no
     graph; with_entropy: and the entropy of each position's distribution; truncate, packed:
     response_logprobs' knobs."""
-    out = []
+    out, packed = [], packed and packing_pays(model, attn, rows_per_forward, d)
     for r in micro_batches(torch.arange(ids.shape[0], device=ids.device), attn, rows_per_forward, d, packed):
         with autocast(d):
             out.append(response_logprobs(model, ids[r], attn[r], n_response, temperature=temperature,
@@ -525,14 +514,15 @@ def batched_logprobs(model, ids, attn, n_response, temperature, d, rows_per_forw
 
 
 def sequence_logprobs(model, batch, d, packed=False):
-    """log pi(y|x) summed over each row's response tokens, (B,), for a batch (ids, attn, resp)."""
+    """log pi(y|x) summed over each row's response tokens, (B,), for a batch (ids, attn, resp), one
+    forward; packed: where it computes less (`packing_pays`)."""
     ids, attn, resp = batch
     with autocast(d):
-        logps = response_logprobs(model, ids, attn, resp.shape[1], packed=packed)  # (B, R)
+        logps = response_logprobs(model, ids, attn, resp.shape[1], packed=packed and packing_pays(model, attn, len(ids)))
     return (logps.float() * resp).sum(-1)
 
 
-def _per_position(model, **kw):
+def per_position(model, **kw):
     """The forward's per-position output: a causal LM's logits (B, T, V), a sequence classifier's
     `score` head (B, T, 1) (hooked inside its forward, so FSDP gathers it as usual; the model's own
     output is pooled)."""
@@ -558,12 +548,12 @@ def reward_scores(model, input_ids, attention_mask, packed=False):
     if packed:
         kw["input_ids"], kw["position_ids"], index = pack(input_ids, attention_mask)
         kw["attention_mask"] = None
-    per_position = _per_position(model, **kw).squeeze(-1).float()  # (B, T), or (1, N) packed
+    values = per_position(model, **kw).squeeze(-1).float()  # (B, T), or (1, N) packed
     last = attention_mask.shape[1] - 1 - attention_mask.flip(1).argmax(1)  # (B,) index of the last 1
     if packed:  # the last real token's place in the packed sequence
-        scores = per_position[0, index.gather(1, last[:, None]).squeeze(1)]
+        scores = values[0, index.gather(1, last[:, None]).squeeze(1)]
     else:
-        scores = per_position.gather(1, last[:, None]).squeeze(1)
+        scores = values.gather(1, last[:, None]).squeeze(1)
     return scores * getattr(model.config, "reward_gain", 1.0) + getattr(model.config, "reward_bias", 0.0)
 
 

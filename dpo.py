@@ -269,7 +269,7 @@ def main(cfg):
             common.print0(f"reference log-probs of {len(train)} train pairs in {time.time() - t_ref:.1f}s")
     common.set_seed(cfg.seed)
     _, model = models.load_policy(cfg.model, cfg, d, response_len=cfg.max_response_len)
-    packed = common.use_packing(cfg.padding_free, [model, ref], d)  # padding-free where rows stay apart
+    packed = models.use_packing(cfg.padding_free, [model, ref], d)  # padding-free where rows stay apart
     optimizer, scheduler = common.make_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps,
                                                  cfg.steps)
     common.print0(f"dpo: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {len(train)} train pairs, "

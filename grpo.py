@@ -821,7 +821,7 @@ def main(cfg):
     n_local, rows_local = cfg.prompts_per_step // d.world_size, cfg.prompts_per_step // d.world_size * cfg.group_size
     micro = rows_local // cfg.num_mini_batches // cfg.grad_accum  # rows per forward on this rank
     common.print0(banner(cfg, d, params, micro, env))
-    packed = common.use_packing(cfg.padding_free, [model, env.teacher], d)  # padding-free where rows stay apart
+    packed = models.use_packing(cfg.padding_free, [model, env.teacher], d)  # padding-free where rows stay apart
     lp = dict(**environment.scoring(cfg), d=d, rows_per_forward=micro, packed=packed)  # the log-prob passes' knobs
     loss_knobs = dict(epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high, beta=0 if cfg.kl_in_reward else cfg.beta,
                       kl_estimator=cfg.kl_estimator, agg=cfg.loss_agg, entropy_coef=cfg.entropy_coef,
@@ -900,11 +900,12 @@ def main(cfg):
             for mb_rows in minibatch_rows(n_rows, cfg.num_mini_batches, deal, common.shard_batch(n_rows, d)).to(d.device):
                 normaliser = loss_normaliser(loss_mask[mb_rows], cfg.loss_agg, cfg.max_new_tokens, d)
                 n_tokens = loss_normaliser(loss_mask[mb_rows], "token_mean", 0, d).clamp(min=1)  # metrics' denominator
-                chunks = common.micro_batches(mb_rows, attn, micro, d, packed)  # grad_accum, or cut by tokens
+                pack = packed and common.packing_pays(model, attn[mb_rows], micro, d)  # where it computes less
+                chunks = common.micro_batches(mb_rows, attn, micro, d, pack)  # grad_accum, or cut by tokens
                 for k, r in enumerate(chunks):
                     with common.autocast(d):
                         logps, entropy = common.response_logprobs(model, ids[r], attn[r], R, **environment.scoring(cfg),
-                                                                  with_entropy=True, packed=packed,
+                                                                  with_entropy=True, packed=pack,
                                                                   entropy_grad=cfg.entropy_coef != 0)  # (micro, R)
                     logps, mask = logps.float(), loss_mask[r].float()
                     old = logps.detach() if old_logps is None else old_logps[r]

@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
+from plumbing import models  # noqa: E402
 from bench import util  # noqa: E402
 
 
@@ -80,7 +81,7 @@ def main():
         model = model.to(device).train()
         ids, attn, resp = (t.to(device) for t in batch(model.config.vocab_size, lengths(args.rows_total, args.seed)))
         real, total = int(attn.sum()), attn.numel()
-        assert common.packing_works(model, device)
+        assert models.packing_works(model, device)
         times = {False: [], True: []}
         update_pass(model, ids, attn, resp, args.rows, True, device)  # warm-up, both layouts
         update_pass(model, ids, attn, resp, args.rows, False, device)
