@@ -208,6 +208,8 @@ def test_grpo_padding_free_equals_padded(tmp_path, user_models, model, monkeypat
     data = write_jsonl(tmp_path / "p.jsonl", rows)
     runs, packs, real_pack = [], [], common.pack
     monkeypatch.setattr(common, "pack", lambda *a: packs.append(packs.pop() + 1) or real_pack(*a))
+    asked = []  # every pass packed, as under flash attention; what each pass asks packing_pays about
+    monkeypatch.setattr(common, "packing_pays", lambda m, attn, r, d=None: asked.append((len(attn), r, d)) or True)
     for flag in ("--padding_free", "--no-padding_free"):
         packs.append(0)
         out = tmp_path / flag
@@ -218,8 +220,11 @@ def test_grpo_padding_free_equals_padded(tmp_path, user_models, model, monkeypat
                          flag])
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "--padding_free off" not in proc.stdout
-        assert (packs.pop() > 0) == (flag == "--padding_free")  # packed where it pays (at these lengths it does)
+        assert (packs.pop() > 0) == (flag == "--padding_free")
         runs.append(out)
+    # the reference and old-policy passes ask about all 16 rows, the update about each mini-batch's 8, cut at
+    # grad_accum 2's 4 rows a forward, every rank summing
+    assert {(n, r, type(d)) for n, r, d in asked} == {(16, 4, common.Dist), (8, 4, common.Dist)}
     one, two = ([r for r in read_metrics(out) if "loss" in r] for out in runs)
     assert len(one) == 2 and all(r["reward_std"] > 0 for r in one)
     for a, b in zip(one, two, strict=True):
@@ -266,6 +271,8 @@ def test_offline_scripts_padding_free_equal_padded(tmp_path, user_models, script
     weights (fp32)."""
     runs, packs, real_pack = [], [], common.pack
     monkeypatch.setattr(common, "pack", lambda *a: packs.append(packs.pop() + 1) or real_pack(*a))
+    asked = []  # every pass packed, as under flash attention; what each pass asks packing_pays about
+    monkeypatch.setattr(common, "packing_pays", lambda m, attn, r, d=None: asked.append((len(attn), r, d)) or True)
     for flag in ("--padding_free", "--no-padding_free"):
         packs.append(0)
         (tmp_path / flag).mkdir()
@@ -273,8 +280,9 @@ def test_offline_scripts_padding_free_equal_padded(tmp_path, user_models, script
         proc = run_here(argv)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "--padding_free off" not in proc.stdout
-        assert (packs.pop() > 0) == (flag == "--padding_free")  # packed where it pays (at these lengths it does)
+        assert (packs.pop() > 0) == (flag == "--padding_free")
         runs.append(argv[argv.index("--out_dir") + 1])
+    assert asked and all(n == r and d is None for n, r, d in asked)  # a micro-batch, its rows (DPO, RM: 2 per pair)
     one, two = ([r for r in read_metrics(out) if "loss" in r] for out in runs)
     assert len(one) >= 2
     for a, b in zip(one, two, strict=True):
