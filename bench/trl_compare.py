@@ -48,7 +48,8 @@ both sides; GRPO's, the prompts' mean + each side's measured completions, as wit
 Padding-free (`-pf` variants): ours with --padding_free (each micro-batch's rows packed into one
 sequence, position ids restarting per row), beside ours with --no-padding_free; every run of ours
 passes one of the two. TRL 1.16 has none to match: GRPOTrainer has no padding-free or packing
-option (AsyncGRPOTrainer's packer is experimental and needs a vLLM server), and DPOConfig takes
+option (experimental AsyncGRPOTrainer packs, but needs a vLLM server and flash-attention kernels
+from the Hub), and DPOConfig takes
 padding_free=True but DPOTrainer warns and pads anyway ("temporarily unavailable after a
 refactor"); `trl-live-pf` asks for it, and its checks print padding_free_in_effect. `--variants`
 runs a subset, e.g. `--variants ours,ours-pf,trl`.
