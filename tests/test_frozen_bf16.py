@@ -160,54 +160,86 @@ def test_the_rollout_and_the_reference_equal_the_per_forward_cast(family, llama,
     assert fp32[0].shape != once[0].shape or (fp32[2] - once[2]).abs().max() > 1e-4
 
 
-def grpo_config(family, llama, tmp_path, out):
+def grpo_config(llama, tmp_path, out):
     """Two steps of grpo.py --lora with every pass the base cast once touches: the rollout, the
-    reference and old-policy passes (2 mini-batches), the update, greedy evaluation (the task's
-    held-out prompts; the Llama's --eval_dataset, sampled as the rollouts are)."""
-    common_args = dict(lora=True, lora_r=4, steps=2, max_new_tokens=8, num_iterations=1, num_mini_batches=2,
-                       lr=1e-2, entropy_coef=0.01, warmup_steps=0, eval_every=1, out_dir=str(tmp_path / out))
-    if family == "tiny":
-        return grpo.Config(model="tiny", prompts_per_step=4, group_size=4, n_eval=8, n_eval_pairs=8, **common_args)
+    reference and old-policy passes (2 mini-batches), the update, and evaluation before the first
+    step and after the last (--eval_dataset greedy and sampled as the rollouts are; held-out
+    prompts greedy, as an embedded task's: with_held_out)."""
     rows = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"What is {i} + 7?", "reward_fn": "digits"}
                                                     for i in range(8)])
     return grpo.Config(model=llama, dataset=rows, eval_dataset=rows, n_eval=4, prompts_per_step=2, group_size=4,
-                       max_prompt_len=48, **common_args)
+                       max_prompt_len=48, lora=True, lora_r=4, steps=2, max_new_tokens=8, num_iterations=1,
+                       num_mini_batches=2, lr=1e-2, entropy_coef=0.01, warmup_steps=0, eval_every=100,
+                       out_dir=str(tmp_path / out))
 
 
-@pytest.mark.parametrize("family", ["llama", "tiny"])
-def test_grpo_lora_steps_are_the_per_forward_casts_to_the_bit(family, llama, tmp_path, monkeypatch, bf16_on_cpu):
+def with_held_out(grpo_evals):
+    """environment.grpo_evals, its --eval_dataset prompts also as held-out prompts (an embedded
+    task's: greedy answers scored by their rule, sampling.evaluate_generations)."""
+    def evals(*args, **kwargs):
+        out = grpo_evals(*args, **kwargs)
+        rows = out["prompts"]["rows"]
+        out["held_out"] = {"prompt": rows["prompt"], "reward_fn": rows["reward_fn"], "own_prompt": out["prompts"]["own"]}
+        return out
+    return evals
+
+
+def test_grpo_lora_steps_are_the_per_forward_casts_to_the_bit(llama, tmp_path, monkeypatch, bf16_on_cpu):
     """grpo.py --lora under bf16 autocast, two steps, cast once and cast per forward: the same
     rollouts (ids, log-probs), reference and old log-probs, metrics (loss, grad_norm, KL, the
     sampler-trainer gap, evaluation) and trained weights, bit for bit; and the cast-once run did
-    cast (its blocks found bf16 weights). Without bf16 autocast (the CPU's default) no block casts."""
+    cast (its blocks found bf16 weights), around every rollout, log-prob pass and greedy evaluation
+    and around no backward (the update casts as autocast does). Without bf16 autocast (the CPU's default) no
+    block casts."""
     real = environment.frozen_in_bf16
 
     def run(out, blocks, cast_once=True):
-        rollouts, passes = [], []
-        rollout, batched = environment.rollout, common.batched_logprobs
+        """grpo.main, recording each block's bf16 parameters, each rollout and log-prob pass (and
+        whether a block was open around it), and whether one was open at each backward."""
+        rollouts, passes, open_at, backward_open, greedy_open = [], [], [0], [], []
+        rollout, batched, backward = environment.rollout, common.batched_logprobs, common.backward
+        greedy = sampling.evaluate_generations
 
         @contextlib.contextmanager
         def recording(model, d, enabled=True):
             with real(model, d, enabled=enabled) if cast_once else contextlib.nullcontext():
                 blocks.append(sum(p.dtype == torch.bfloat16 for p in model.parameters()))
-                yield
+                open_at[0] += 1
+                try:
+                    yield
+                finally:
+                    open_at[0] -= 1
 
         def record_rollout(*args, **kwargs):
+            n = len(blocks)
             roll = rollout(*args, **kwargs)
-            rollouts.append((roll.r_ids.clone(), roll.r_mask.clone(), roll.r_logps.clone()))
+            rollouts.append((roll.r_ids.clone(), roll.r_mask.clone(), roll.r_logps.clone(), len(blocks) > n))
             return roll
 
         def record_pass(*args, **kwargs):
             out = batched(*args, **kwargs)
-            passes.append(out.clone() if torch.is_tensor(out) else tuple(t.clone() for t in out))
+            passes.append((*(out if isinstance(out, tuple) else (out,)), open_at[0] > 0))
             return out
+
+        def record_backward(*args, **kwargs):
+            backward_open.append(open_at[0] > 0)
+            return backward(*args, **kwargs)
+
+        def record_greedy(*args, **kwargs):
+            greedy_open.append(open_at[0] > 0)
+            return greedy(*args, **kwargs)
 
         with monkeypatch.context() as m:
             m.setattr(environment, "frozen_in_bf16", recording)
             m.setattr(environment, "rollout", record_rollout)
             m.setattr(common, "batched_logprobs", record_pass)
-            cfg = grpo_config(family, llama, tmp_path, out)
+            m.setattr(common, "backward", record_backward)
+            m.setattr(sampling, "evaluate_generations", record_greedy)
+            m.setattr(environment, "grpo_evals", with_held_out(environment.grpo_evals))
+            cfg = grpo_config(llama, tmp_path, out)
             grpo.main(cfg)
+        assert all(r[-1] for r in rollouts + passes) and greedy_open and all(greedy_open)
+        assert backward_open and not any(backward_open)
         rows = [{k: v for k, v in r.items() if k != "time" and not k.startswith(("time/", "mem/"))}  # the clock's
                 for r in read_metrics(cfg.out_dir)]
         return rollouts, passes, rows, checkpoint_weights(cfg.out_dir)
@@ -218,9 +250,10 @@ def test_grpo_lora_steps_are_the_per_forward_casts_to_the_bit(family, llama, tmp
     assert once_blocks and min(once_blocks) > 0 and not any(per_forward_blocks)
     assert len(once[0]) == 2 and len(once[1]) >= 4  # two rollouts; the reference and old passes of each step
     for a, b in zip(once[0] + once[1], per_forward[0] + per_forward[1], strict=True):
-        for x, y in zip(*((a, b) if isinstance(a, tuple) else ((a,), (b,)))):
+        for x, y in zip(a[:-1], b[:-1], strict=True):
             torch.testing.assert_close(x, y, rtol=0, atol=0)
     assert once[2] == per_forward[2] and any("loss" in r for r in once[2])
+    assert all("eval/exact_match" in r and "eval/reward" in r for r in once[2] if r["step"] in (0, 2))
     assert all(math.isfinite(r["loss"]) for r in once[2] if "loss" in r)
     assert once[3].keys() == per_forward[3].keys()
     assert all(torch.equal(once[3][k], per_forward[3][k]) for k in once[3])
