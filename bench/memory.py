@@ -33,7 +33,9 @@ On a GPU (bytes per GPU; N parameters, W ranks under torchrun, bf16 compute), pe
   input, then the largest of the logits with their gradient, one block recomputed, and the
   forward's end with autocast's copies;
 - the optimizer step: the gradients, 4N/W;
-- GRPO's rollout: the whole policy gathered (FSDP2) or autocast's copies, the static KV cache (bf16;
+- GRPO's rollout: the whole policy gathered (FSDP2) or autocast's copies (--lora: a bf16 copy of the
+  frozen base's linear weights, made once for the rollout by environment.frozen_in_bf16, 2 bytes per
+  weight; none with --compile, whose decoder copies serve), the static KV cache (bf16;
   a RoPE model's keys stay fp32 under autocast) of the rows of one call of the sampler (every
   sampled row, --rs_samples a prompt, else --group_size; with --generation_micro_batch_size N the
   largest of environment.sample's chunks of at most N) and, while it is filled, the prefill's,
@@ -44,7 +46,8 @@ On a GPU (bytes per GPU; N parameters, W ranks under torchrun, bf16 compute), pe
   another none);
 - GRPO's reward model over every sampled row, without a graph (its largest transients: 6 I + c h
   bytes per token, c fitted to the tracker), and the reference's, old policy's and teacher's
-  log-probs, one micro-batch of logits at a time.
+  log-probs, one micro-batch of logits at a time (--lora: beside its base's bf16 copy, made once
+  for the reference and old passes).
 Checked against bench/memory_trace.py (`--check`; tests/test_memory_model.py fails past 10%). Not
 counted: CUDA's context and the allocator's fragmentation (`fits` adds 1 GiB and 10%), the data,
 checkpoint writing (bench/load_memory.py). On the CPU (`--device cpu`, fp32, the math attention
