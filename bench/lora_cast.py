@@ -10,11 +10,11 @@ here common.bf16_supported is patched to say yes, so that common.autocast(d) is 
 autocast and the rollout takes a bf16 GPU's path (as tests/test_frozen_bf16.py does); CPU bf16
 matmuls are not a GPU's, so only a GPU's ratio stands for a GPU (docs/gpu.md).
 
-    python bench/lora_cast.py --threads 1                          # SmolLM2-135M's shape, 8 x G 4 rows
-    python bench/lora_cast.py --model gpt2-small-random --threads 1
-    python bench/lora_cast.py --prompts 16 --G 8 --new_tokens 128  # a GPU
+    python bench/lora_cast.py --threads 1 --layers 4 --prompts 2 --G 4 --new_tokens 16 --tag smollm2-4L
+    python bench/lora_cast.py --model gpt2-small-random --threads 1 --layers 4 --prompts 2 --G 4 --new_tokens 16 --tag gpt2-small-4L
+    python bench/lora_cast.py --prompts 16 --G 8 --new_tokens 128  # a GPU: SmolLM2-135M's shape, all 30 layers
 
-Results: bench/results/lora_cast-{cpu,cuda}.json.
+Results: bench/results/lora_cast[-TAG]-{cpu,cuda}.json.
 """
 import argparse
 import os
@@ -54,6 +54,7 @@ def main():
     ap.add_argument("--new_tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3, help="ABBA rounds")
     ap.add_argument("--threads", type=int, default=0, help="torch threads on a CPU (0: torch's default)")
+    ap.add_argument("--tag", default="", help="results file bench/results/lora_cast[-TAG]-<device>.json")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -103,7 +104,7 @@ def main():
           f"{statistics.median(tps[True]):.0f} [{min(tps[True]):.0f}, {max(tps[True]):.0f}]; once/per forward "
           f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}, {max(ratios):.2f}]; ids and log-probs identical",
           flush=True)
-    print(util.write_results("lora_cast", results, device))
+    print(util.write_results("lora_cast" + (f"-{args.tag}" if args.tag else ""), results, device))
 
 
 if __name__ == "__main__":
