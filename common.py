@@ -265,7 +265,7 @@ def fill_from_rank0(model, full, d):
 def autocast(d, enabled=True):
     """bf16 autocast for a single GPU without FSDP (FSDP's MixedPrecisionPolicy casts itself)."""
     if enabled and not d.torchrun and bf16_supported(d.device):
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+        return torch.autocast(d.device.type, dtype=torch.bfloat16)
     return nullcontext()
 
 

@@ -780,10 +780,11 @@ def evaluate(model, ref, env, evals, cfg, d):
     if evals["held_out"] is not None:  # every row of a task has its rule
         h = evals["held_out"]
         rule = tasks.REWARD_FNS[h["reward_fn"][0]]
-        metrics |= sampling.evaluate_generations(model, env.tokenizer, h["prompt"], rule, d, max_prompt_len=cfg.max_prompt_len,
-                                                 max_new_tokens=cfg.max_new_tokens, answers=h.get("answer"),
-                                                 own_prompts=h["own_prompt"], tool=env.tool, max_tool_calls=cfg.max_tool_calls,
-                                                 batch_size=cfg.generation_micro_batch_size or 256)
+        with environment.frozen_in_bf16(model, d):  # greedy decoding: LoRA's base cast once, not per token
+            metrics |= sampling.evaluate_generations(
+                model, env.tokenizer, h["prompt"], rule, d, max_prompt_len=cfg.max_prompt_len,
+                max_new_tokens=cfg.max_new_tokens, answers=h.get("answer"), own_prompts=h["own_prompt"], tool=env.tool,
+                max_tool_calls=cfg.max_tool_calls, batch_size=cfg.generation_micro_batch_size or 256)
     metrics |= environment.evaluate_rewards(model, env, evals["prompts"], cfg, d)  # --eval_dataset, a file's 5%
     if evals["pairs"] is not None:
         metrics["eval/accuracy"] = pairwise_accuracy(model, ref, evals["pairs"], env.tokenizer.pad_token_id, d,
@@ -862,15 +863,16 @@ def main(cfg):
 
         # ---------------------------------------------------------------------
         # 3. advantages, after the reference (and, for mu > 1 or several mini-batches, the
-        #    rollout policy's) log-probs, in the precision of training
-        with reference_context(model, ref):
-            ref_logps = common.batched_logprobs(model if ref is None else ref, ids, attn, R, **lp)  # (rows_local, R)
+        #    rollout policy's) log-probs, in the precision of training (LoRA's base cast once for both)
         old_logps = keep = None  # keep: the tokens that get the policy gradient (--top_entropy_share)
-        if cfg.top_entropy_share < 1:
-            old_logps, entropy = common.batched_logprobs(model, ids, attn, R, **lp, with_entropy=True)
-            keep = top_entropy_mask(entropy, loss_mask, cfg.top_entropy_share, d, cfg.max_new_tokens)
-        elif cfg.num_iterations > 1 or cfg.num_mini_batches > 1 or cfg.kl_in_reward or cfg.teacher:  # else old = pi
-            old_logps = common.batched_logprobs(model, ids, attn, R, **lp)
+        with environment.frozen_in_bf16(model, d):
+            with reference_context(model, ref):
+                ref_logps = common.batched_logprobs(model if ref is None else ref, ids, attn, R, **lp)  # (rows_local, R)
+            if cfg.top_entropy_share < 1:
+                old_logps, entropy = common.batched_logprobs(model, ids, attn, R, **lp, with_entropy=True)
+                keep = top_entropy_mask(entropy, loss_mask, cfg.top_entropy_share, d, cfg.max_new_tokens)
+            elif cfg.num_iterations > 1 or cfg.num_mini_batches > 1 or cfg.kl_in_reward or cfg.teacher:  # else old = pi
+                old_logps = common.batched_logprobs(model, ids, attn, R, **lp)
         if cfg.kl_in_reward:  # beta * sum_t KL_t of each sequence, taken from its reward (the loss has none)
             parts["kl_penalty"] = cfg.beta * (kl_per_token(old_logps, ref_logps, old_logps, cfg.kl_estimator)
                                               * own).sum(-1)  # logged as reward/kl_penalty

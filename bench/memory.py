@@ -33,7 +33,9 @@ On a GPU (bytes per GPU; N parameters, W ranks under torchrun, bf16 compute), pe
   input, then the largest of the logits with their gradient, one block recomputed, and the
   forward's end with autocast's copies;
 - the optimizer step: the gradients, 4N/W;
-- GRPO's rollout: the whole policy gathered (FSDP2) or autocast's copies, the static KV cache (bf16;
+- GRPO's rollout: the whole policy gathered (FSDP2) or autocast's copies (--lora: a bf16 copy of the
+  frozen base's linear weights, made once for the rollout by environment.frozen_in_bf16, 2 bytes per
+  weight; none with --compile, whose decoder copies serve), the static KV cache (bf16;
   a RoPE model's keys stay fp32 under autocast) of the rows of one call of the sampler (every
   sampled row, --rs_samples a prompt, else --group_size; with --generation_micro_batch_size N the
   largest of environment.sample's chunks of at most N) and, while it is filled, the prefill's,
@@ -44,7 +46,8 @@ On a GPU (bytes per GPU; N parameters, W ranks under torchrun, bf16 compute), pe
   another none);
 - GRPO's reward model over every sampled row, without a graph (its largest transients: 6 I + c h
   bytes per token, c fitted to the tracker), and the reference's, old policy's and teacher's
-  log-probs, one micro-batch of logits at a time.
+  log-probs, one micro-batch of logits at a time (--lora: beside its base's bf16 copy, made once
+  for the reference and old passes).
 Checked against bench/memory_trace.py (`--check`; tests/test_memory_model.py fails past 10%). Not
 counted: CUDA's context and the allocator's fragmentation (`fits` adds 1 GiB and 10%), the data,
 checkpoint writing (bench/load_memory.py). On the CPU (`--device cpu`, fp32, the math attention
@@ -189,7 +192,9 @@ def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, r
     # block's linears use (FP32Head computes in fp32 from the fp32 weight: no copy). A frozen weight
     # (LoRA's base) is cast anew by each op instead, and kept only where the backward needs it
     weights = {"gathered (FSDP)": 2 * (n_root + 2 * n_block)} if fsdp else {"autocast copies": 2 * L * n_block}
-    no_grad_weights = {} if lora else weights  # the rollout's and the log-prob passes'
+    # the rollout's and the log-prob passes': LoRA's frozen base swapped for a bf16 copy made once for the block
+    # (environment.frozen_in_bf16; the rollout's not with --compile, which decodes from the decoder copies)
+    no_grad_weights = {"bf16 base (cast once)": 2 * L * linear} if lora else weights
     # GRPO --compile: one static KV cache per model kept between rollouts (sampling._decode_cache) and,
     # under autocast, bf16 copies of the linear weights kept for the compiled decode (sampling._bf16_decoder)
     # bf16 keys and values; under autocast a RoPE model's keys stay fp32 (its fp32 residual stream makes
@@ -252,7 +257,8 @@ def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, r
         return phases
 
     # GRPO: the rollout, the reward model over the rank's rollout, the reference's, old and teacher's log-probs
-    roll = dict(state, **({"gathered (FSDP)": 2 * N} if fsdp else no_grad_weights), **kept)  # common.unsharded
+    rollout_weights = {} if lora and compile else no_grad_weights
+    roll = dict(state, **({"gathered (FSDP)": 2 * N} if fsdp else rollout_weights), **kept)  # common.unsharded
     roll["KV cache"] = roll.pop("compiled KV cache", cache)
     # the prefill's own cache of each prompt while the static cache is filled; its forward's largest moment
     # (one layer's MLP and a few hidden states for every token, the constant c fitted to bench/memory_trace.py:

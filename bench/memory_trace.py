@@ -1,7 +1,8 @@
 """Peak memory per GPU of each script's step, measured without a GPU: the scripts' own functions
 (common.shard_model, response_logprobs, the losses, backward, optimizer_step; grpo.py's reference,
-teacher and update passes, add_lora; the sampler's prefill, cache and bf16 decoder) run on fake
-tensors (torch's FakeTensorMode: shapes and dtypes, no storage) under a fake process group of W
+teacher and update passes, add_lora and its base cast once (environment.frozen_in_bf16); the
+sampler's prefill, cache and bf16 decoder) run on fake tensors (torch's FakeTensorMode: shapes
+and dtypes, no storage) under a fake process group of W
 ranks, FSDP2 included, and torch's MemTracker (FSDPMemTracker under torchrun) adds up the live
 bytes per phase. bench/memory.py's model is checked against it (tests/test_memory_model.py).
 
@@ -297,7 +298,8 @@ def _grpo(model, optimizer, scheduler, frozen, cfg, d, tracker):
     ref = frozen.get("reference")  # None with --lora: the policy with its adapters off
     for step in range(2):
         with tracker.phase("rollout", measure=step == 1):
-            with common.evaluating(model, gather=True), common.autocast(d), torch.no_grad():
+            with common.evaluating(model, gather=True), common.autocast(d), torch.no_grad(), \
+                    environment.frozen_in_bf16(model, d, enabled=not cfg.compile):  # environment.sample's
                 _turn(model, chunk, chunk_prompts, P, memory.cache_slots(P + R, cfg.compile), cfg, d)
                 if cfg.tools:  # the tool loop: at most every row active, the longest history R tokens past its
                     # prompt (the prompt block P + R), the shortest 0 (R tokens to go): P + 2R slots
@@ -307,7 +309,7 @@ def _grpo(model, optimizer, scheduler, frozen, cfg, d, tracker):
             with tracker.phase("reward model", measure=step == 1), common.autocast(d), torch.no_grad():
                 common.reward_scores(frozen["reward model"], ids[:, :-1], attn[:, :-1])  # environment.learned_rewards
         ids, attn, loss_mask = _batch(rows, P, R, d)  # grpo.reward: group_size of each prompt's samples kept
-        with tracker.phase("reference and old log-probs", measure=step == 1):
+        with tracker.phase("reference and old log-probs", measure=step == 1), environment.frozen_in_bf16(model, d):
             with grpo.reference_context(model, ref):
                 ref_logps = common.batched_logprobs(model if ref is None else ref, ids, attn, R,
                                                     temperature=cfg.temperature, d=d, rows_per_forward=micro)
