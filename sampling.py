@@ -133,6 +133,7 @@ def _next_logits_unfused(model, *args, **kwargs):
         return _next_logits(model, *args, **kwargs)
 
 
+GPU_CHECK_EVERY = 8  # decode steps between host reads ("all stopped?", the calls) on a GPU: a read drains its queue
 _compiled = {}  # torch.compile of the step, made once; dynamo keeps a graph per model and shape
 
 
@@ -234,7 +235,7 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
     step = _step_fn(compile, device)
     decoder = _bf16_decoder(model) if compile and torch.is_autocast_enabled(device.type) else model
     graphs = compile and device.type == "cuda"
-    check_every = 8 if device.type == "cuda" else 1
+    check_every = GPU_CHECK_EVERY if device.type == "cuda" else 1
     tokens = torch.full((B, n), pad_id, dtype=torch.long, device=device)
     response_mask = torch.zeros((B, n), dtype=torch.long, device=device)
     logps = torch.zeros((B, n), dtype=torch.float, device=device) if return_logprobs else None
@@ -355,6 +356,12 @@ def result_tokens(tokenizer, written_ids, tool, room=None):
     return results_tokens(tokenizer, [written_ids], tool, [room])[0]
 
 
+def tool_steps(max_new_tokens, max_calls, check_every):
+    """generate_with_tools' decode steps at most, its cache's slots past the prompt: a row writes
+    max_new_tokens tokens at most, and waits fewer than check_every steps for each call's result."""
+    return max_new_tokens + max_calls * (check_every - 1)
+
+
 @torch.no_grad()
 def generate_with_tools(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tokenizer, tool,
                         stop_ids=(), max_calls=2, uniforms=None, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
@@ -377,8 +384,8 @@ def generate_with_tools(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, 
     kw = dict(logits_to_keep=1) if common._accepts(model, "logits_to_keep") else {}
     stops = torch.tensor([eos_id, *stop_ids], device=device)
     uniforms = None if uniforms is None else uniforms.to(device)
-    check_every = check_every or (8 if device.type == "cuda" else 1)
-    n_steps = R + max_calls * (check_every - 1)  # a row writes R tokens at most and waits < check_every per call
+    check_every = check_every or (GPU_CHECK_EVERY if device.type == "cuda" else 1)
+    n_steps = tool_steps(R, max_calls, check_every)
     # 1. prefill
     logits, cache, mask = _prefill(model, prompt_ids, prompt_mask, n_steps, compile=compile, kw=kw)
 
