@@ -37,7 +37,8 @@ On a GPU (bytes per GPU; N parameters, W ranks under torchrun, bf16 compute), pe
   a RoPE model's keys stay fp32 under autocast) of the rows of one call of the sampler (every
   sampled row, --rs_samples a prompt, else --group_size; with --generation_micro_batch_size N the
   largest of environment.sample's chunks of at most N) and, while it is filled, the prefill's,
-  whose forward's transients come first (6 I + c h bytes per token). The sampler's one call per
+  whose forward's transients come first (6 I + c h bytes per token), and one layer's prompt keys
+  and values gathered for every row (or, later, the decode's logits). The sampler's one call per
   chunk prefills each distinct prompt once into a cache of P + R slots; with --tools
   (sampling.generate_with_tools: one loop, a call's result fed to its row token by token) that
   cache, continued, of P + R + 7 x --max_tool_calls slots: a calling row waits for the host, which
@@ -262,7 +263,10 @@ def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, r
     c = (17 if s["gated"] else 31) if not fsdp else (6 if s["gated"] else 21)
     transients = chunk_prompts * prompt_len * (6 * I + c * h)
     roll["prefill forward"] = transients if compile else max(0, transients - cache)
-    roll["logits"] = 4 * rows * V
+    # then, filling the static cache (sampling._fill_cache: k[inverse]), one layer's prompt keys and values
+    # gathered for every row at a time beside the whole cache and the prefill's, or the decode's fp32 logits
+    fill = rows * prompt_len * kv_bytes if chunk_prompts < rows else 0
+    roll["cache fill or logits"] = max(fill, 4 * rows * V)
     phases["rollout"] = roll
     if reward_model:  # no graph, over every sampled row (environment.learned_rewards); the same transients
         rm = dict(state_kept)
