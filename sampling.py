@@ -415,7 +415,7 @@ def generate_with_tools(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, 
         ids.scatter_(1, at, tok[:, None])
         logps.scatter_(1, at, logp.masked_fill(forcing, 0.0)[:, None])
         tool_mask.scatter_(1, at, forcing.long()[:, None])
-        mask[:, P + t] = ~waiting  # a waiting row's slot is empty; a finished row's pad token, as generate's, seen by itself
+        mask[:, P + t] = ~waiting  # a waiting row's slot empty; a finished row's pad seen (by itself), as generate's
         fed_pos = pos + n.clamp(max=R - 1)  # (B,) the fed token's position (a finished row's: within range)
         sampled = going & ~forcing
         closed = sampled & (tok == close)

@@ -1,6 +1,6 @@
 """sampling.generate_with_tools: the token layout of a rollout with tool calls on a hand case (written tokens,
-the tool's result tokens, resumed tokens; masks, log-probs, the exact tokens each turn continues
-from, the random numbers' columns), and a policy that never calls the tool giving exactly
+the tool's result tokens, resumed tokens; masks, log-probs, the exact tokens the model is fed; the random
+numbers' columns: tests/test_tool_cache.py), and a policy that never calls the tool giving exactly
 sampling.generate's rollout."""
 import json
 
@@ -118,8 +118,8 @@ def test_a_row_gets_max_calls_results_each_of_its_own_last_call(monkeypatch):
     call = lambda e: enc(f"{tools.CALL_OPEN}{e}{tools.CALL_CLOSE}")  # noqa: E731
     result = lambda v: enc(f"{tools.RESULT_OPEN}{v}{tools.RESULT_CLOSE}")  # noqa: E731
     answer = enc("so 11") + [tok.eos_token_id]
-    model, _ = scripted_policy(monkeypatch, [call("12*3") + call("5*7") + call("11*13") + enc("more") + [tok.eos_token_id],
-                                            call("2+9") + answer], tok)
+    writes = [call("12*3") + call("5*7") + call("11*13") + enc("more") + [tok.eos_token_id], call("2+9") + answer]
+    model, _ = scripted_policy(monkeypatch, writes, tok)
     ids, mask = common.pad([enc("a ="), enc("b =")], tok.pad_token_id, side="left")
     r_ids, r_mask, r_logps, tool_mask = sampling.generate_with_tools(
         model, ids, mask, 60, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, tokenizer=tok, tool=tools.calculator,
