@@ -79,7 +79,7 @@ def main():
     prompts = torch.randint(3, model.config.vocab_size, (args.prompts, args.prompt_len), generator=g)
     ids = prompts.repeat_interleave(args.G, 0).to(device)  # each prompt G times in a row, as grpo.py lays them out
     mask = torch.ones_like(ids)
-    uniforms = torch.rand(rows, args.new_tokens, generator=g, dtype=torch.float64)
+    uniforms = torch.rand(rows, args.new_tokens, generator=g, dtype=torch.float64).to(device)  # drawn on the CPU: the same on any device
     _, want = rollout(model, ids, mask, args.new_tokens, uniforms, d, cast_once=False)  # warm-up, both
     _, got = rollout(model, ids, mask, args.new_tokens, uniforms, d, cast_once=True)
     for a, b in zip(want, got):
