@@ -172,7 +172,7 @@ def held_out(prompt):
 
 def hold_out(ds, name, split):
     """The rows of split "train" or "test" of a local file that has no splits of its own."""
-    test = [held_out(p) for p in ds["prompt" if "prompt" in ds.column_names else "text"]]
+    test = [held_out(p) for p in ds["prompt" if "prompt" in ds.column_names else "text"][:]]
     rows = [i for i, t in enumerate(test) if t == (split == "test")]
     if not rows:
         raise ValueError(f"{name}: none of its {len(ds)} rows falls in the {split} share of the hash split "
@@ -227,10 +227,11 @@ def load_data(name, split, columns, kind=None, n=None, seed=0, holdout=False, op
     if missing:
         raise ValueError(f"{name} ({split}): missing column(s) {missing}; has {ds.column_names}")
     for c in columns:
-        check_field(ds[c], c, name)
-        if c == "text" and is_conversation(ds[0][c]):
+        values = ds[c][:]  # the whole column, a list: iterating a datasets Column formats each row, 100x slower
+        check_field(values, c, name)
+        if c == "text" and is_conversation(values[0]):
             raise ValueError(f"{name}: column 'text' holds conversations; name it `messages`, TRL's column for them")
-        empty = [i + 1 for i, v in enumerate(ds[c]) if v == ""]
+        empty = [i + 1 for i, v in enumerate(values) if v == ""]
         if empty:  # legitimate (an empty completion trains the model to stop at once), and worth a look
             common.print0(f"note: {name}: {len(empty)} of {len(ds)} rows have an empty {c!r} (row"
                           f"{'s' if len(empty) > 1 else ''} {', '.join(map(str, empty[:5]))}"
@@ -308,9 +309,10 @@ def split_messages(ds, source, every_turn=False):
     completion and every turn before it the prompt."""
     import datasets
 
-    check_field(ds["messages"], "messages", source)
+    conversations = ds["messages"][:]
+    check_field(conversations, "messages", source)
     prompts, completions = [], []
-    for i, msgs in enumerate(ds["messages"]):
+    for i, msgs in enumerate(conversations):
         if msgs[-1]["role"] != "assistant" or len(msgs) < 2:
             raise ValueError(f"{source} row {i + 1}: `messages` must end with an assistant message after at least "
                              f"one other (it ends with {msgs[-1]['role']!r}, {len(msgs)} message(s))")
@@ -320,7 +322,7 @@ def split_messages(ds, source, every_turn=False):
                              f"before it to answer: begin the conversation with a system or user message")
         prompts.append(msgs[:k])
         completions.append(msgs[k:])
-    other = {c: ds[c] for c in ds.column_names if c != "messages"}
+    other = {c: ds[c][:] for c in ds.column_names if c != "messages"}
     return datasets.Dataset.from_dict({"prompt": prompts, "completion": completions, **other})
 
 
@@ -374,18 +376,19 @@ def render_chat(ds, tokenizer, source):
     columns = chat_columns(ds, tokenizer, source)
     if not columns:
         return ds, False
-    prompts = [apply_template(tokenizer, source, i, p, add_generation_prompt=True) for i, p in enumerate(ds["prompt"])]
+    given = ds["prompt"][:]
+    prompts = [apply_template(tokenizer, source, i, p, add_generation_prompt=True) for i, p in enumerate(given)]
     out = {"prompt": prompts}
     for c in columns[1:]:
         texts = []
-        for i, (p, p_text, msgs) in enumerate(zip(ds["prompt"], prompts, ds[c])):
+        for i, (p, p_text, msgs) in enumerate(zip(given, prompts, ds[c][:])):
             full = apply_template(tokenizer, source, i, list(p) + list(msgs))
             if not full.startswith(p_text):
                 raise ValueError(f"{source} row {i + 1}: the chat template renders the prompt differently once the "
                                  f"{c} follows it, so the {c} cannot be cut off as the text after the prompt")
             texts.append(full[len(p_text):])
         out[c] = texts
-    other = {c: ds[c] for c in ds.column_names if c not in out}
+    other = {c: ds[c][:] for c in ds.column_names if c not in out}
     return datasets.Dataset.from_dict({**out, **other}), True
 
 
@@ -401,9 +404,9 @@ def assistant_turns(ds, tokenizer, source):
     turns) is refused, naming the row and the turn, since its turns have no place in the text
     the model is trained on."""
     if not chat_columns(ds, tokenizer, source):
-        return list(ds["prompt"]), [[(c, True)] for c in ds["completion"]], False
+        return ds["prompt"][:], [[(c, True)] for c in ds["completion"][:]], False
     prompts, pieces = [], []
-    for i, (prompt, completion) in enumerate(zip(ds["prompt"], ds["completion"])):
+    for i, (prompt, completion) in enumerate(zip(ds["prompt"][:], ds["completion"][:])):
         msgs = list(prompt) + list(completion)
         full = apply_template(tokenizer, source, i, msgs)
         pos, row = None, []
@@ -459,11 +462,11 @@ def load_pairs(name, split, n=None, seed=0, holdout=False):
     ds = load_data(name, split, ["chosen", "rejected"], kind="preference", n=n, seed=seed,
                    optional=("prompt", "margin"))
     if "prompt" in ds.column_names:
-        check_field(ds["prompt"], "prompt", name)
+        check_field(ds["prompt"][:], "prompt", name)
     else:  # the implicit prompt: HH dialogues split at the last "Assistant:", or shared first turns
         split = shared_turns if is_conversation(ds[0]["chosen"]) else split_hh
         triples = []
-        for i, (c, r) in enumerate(zip(ds["chosen"], ds["rejected"])):
+        for i, (c, r) in enumerate(zip(ds["chosen"][:], ds["rejected"][:])):
             try:
                 triples.append(split(c, r))
             except ValueError as e:
@@ -471,10 +474,10 @@ def load_pairs(name, split, n=None, seed=0, holdout=False):
         import datasets
 
         prompt, chosen, rejected = map(list, zip(*triples))
-        other = {c: ds[c] for c in ds.column_names if c not in ("chosen", "rejected")}
+        other = {c: ds[c][:] for c in ds.column_names if c not in ("chosen", "rejected")}
         ds = datasets.Dataset.from_dict({"prompt": prompt, "chosen": chosen, "rejected": rejected, **other})
     if "margin" in ds.column_names:  # reward.py's per-pair margin: a number in every row
-        bad = next((i for i, m in enumerate(ds["margin"]) if isinstance(m, bool) or not isinstance(m, (int, float))), None)
+        bad = next((i for i, m in enumerate(ds["margin"][:]) if isinstance(m, bool) or not isinstance(m, (int, float))), None)
         if bad is not None:
             raise ValueError(f"{name} row {bad + 1}: field 'margin' is {ds[bad]['margin']!r}, not a number")
     if holdout and os.path.isfile(name):
@@ -507,9 +510,9 @@ def encode_pairs(ds, tokenizer, max_prompt_len, max_response_len, what, eos=True
     """Token ids (prompts, chosen, rejected) of a pairs Dataset of text (render_chat): prompts
     cut from the left, responses (+ EOS for plain text) from the right; the cuts are counted and
     printed, never silent."""
-    prompts, cut = sampling.encode_prompts(tokenizer, ds["prompt"], max_prompt_len, what)
-    chosen, c_cut = sampling.encode_responses(tokenizer, ds["chosen"], max_response_len, eos)
-    rejected, r_cut = sampling.encode_responses(tokenizer, ds["rejected"], max_response_len, eos)
+    prompts, cut = sampling.encode_prompts(tokenizer, ds["prompt"][:], max_prompt_len, what)
+    chosen, c_cut = sampling.encode_responses(tokenizer, ds["chosen"][:], max_response_len, eos)
+    rejected, r_cut = sampling.encode_responses(tokenizer, ds["rejected"][:], max_response_len, eos)
     p_cut = sum(cut)
     if p_cut or c_cut or r_cut:
         common.print0(f"{what}: truncated {p_cut} prompts (left), {c_cut} chosen and {r_cut} rejected responses "

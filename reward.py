@@ -178,7 +178,7 @@ def evaluate(model, tokenizer, pairs, gold_pairs, cfg, d):
 def normalize(model, tokenizer, train, cfg, d):
     """After training: the gain and bias from the policy's own samples on train prompts, set in the
     model's config (what the checkpoint saves), and their figures for the log."""
-    prompts = list(dict.fromkeys(train["prompt"]))[:cfg.n_normalize]
+    prompts = list(dict.fromkeys(train["prompt"][:]))[:cfg.n_normalize]
     gain, bias, mean, std = normalization(model, tokenizer, cfg, prompts, d)
     model.config.reward_gain, model.config.reward_bias = gain, bias
     common.print0(f"normalize: raw reward of {len(prompts)} samples from {cfg.normalize_policy or cfg.model}: "
@@ -201,7 +201,7 @@ def main(cfg):
     model.config.reward_gain, model.config.reward_bias = 1.0, 0.0  # training sees raw scores
     packed = models.use_packing(cfg.padding_free, [model], d)  # padding-free where rows stay apart
     train, test, train_pairs, test_pairs = data.encode_preferences(train, test, tokenizer, cfg)
-    margins = torch.tensor(train["margin"], dtype=torch.float32) if "margin" in train.column_names else None
+    margins = torch.tensor(train["margin"][:], dtype=torch.float32) if "margin" in train.column_names else None
     gold_pairs = test if (cfg.eval_dataset or cfg.dataset) in tasks.TASKS else None  # the embedded task's noise
     optimizer, scheduler = common.make_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps,
                                                  cfg.steps)

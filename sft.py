@@ -125,7 +125,7 @@ def encode_sft(ds, tokenizer, cfg, source):
     each ending with its template's end-of-turn tokens (data.assistant_turns), the turns between
     them context; a `text` row on every token (encode_text)."""
     if "text" in ds.column_names:
-        return encode_text(ds["text"], tokenizer, cfg, source)
+        return encode_text(ds["text"][:], tokenizer, cfg, source)
     prompt_texts, pieces, chat = data.assistant_turns(ds, tokenizer, source)
     prompts, cut = sampling.encode_prompts(tokenizer, prompt_texts, cfg.max_prompt_len, source)
     ids = iter(tokenizer([t for row in pieces for t, _ in row], add_special_tokens=False)["input_ids"])
