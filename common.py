@@ -491,6 +491,9 @@ def response_logprobs(model, input_ids, attention_mask, n_response, temperature=
     if packed:  # the M real response tokens, each predicted from the packed position before it
         kw["input_ids"], kw["position_ids"], index = pack(input_ids, attention_mask)
         kw["attention_mask"], resp = None, attention_mask[:, T - n_response:].bool()  # (B, R)
+        if _accepts(model, "kwargs"):  # the rows' bounds, for attention within each (plumbing.models._packed_sdpa)
+            cu = torch.nn.functional.pad(attention_mask.sum(-1).cumsum(0), (1, 0)).int()  # (B + 1,)
+            kw["cu_seq_lens_q"] = kw["cu_seq_lens_k"] = cu
         keep = index[:, T - n_response - 1:T - 1][resp]  # (M,)
     if _accepts(model, "logits_to_keep"):  # those positions only: a contiguous (B, R, V), no copy in reshapes
         kw["logits_to_keep"] = keep if packed else torch.arange(T - n_response - 1, T - 1, device=input_ids.device)
