@@ -49,6 +49,7 @@ import common
 import data
 import tasks
 import sampling
+import shared_prompt
 from plumbing import cli, logs, models, rundir
 
 LossType = Literal["sigmoid", "sigmoid_norm", "ipo", "hinge", "robust", "apo_zero", "simpo"]
@@ -292,11 +293,11 @@ def main(cfg):
         for k in range(cfg.grad_accum):
             mb = rows[k * micro:(k + 1) * micro]
             batch = data.pair_batch(train_pairs, mb, tokenizer.pad_token_id, d.device)  # 2 x micro rows
-            pi_c, pi_r = common.sequence_logprobs(model, batch, d, packed).chunk(2)  # (micro,), (micro,)
+            pi_c, pi_r = shared_prompt.sequence_logprobs(model, batch, d, packed).chunk(2)  # (micro,), (micro,)
             if ref is None:  # precomputed (or simpo's zeros)
                 ref_c, ref_r = ref_train[mb].unbind(1)
             else:  # frozen (common.freeze): no parameter needs a gradient, no graph is kept
-                ref_c, ref_r = common.sequence_logprobs(ref, batch, d, packed).chunk(2)
+                ref_c, ref_r = shared_prompt.sequence_logprobs(ref, batch, d, packed).chunk(2)
             loss, m = dpo_loss(pi_c, pi_r, ref_c, ref_r, n_pairs=cfg.batch_size, lengths=train_len[mb].unbind(1),
                                **knobs)
             common.backward(model, loss, d, sync=k == cfg.grad_accum - 1)

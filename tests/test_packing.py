@@ -85,6 +85,36 @@ def test_packed_rows_that_see_each_other_differ(user_models, smollm2_small, monk
         assert (packed - padded).abs().max() > 1e-3, name
 
 
+def test_packed_attention_keeps_to_each_row(user_models, smollm2_small, monkeypatch):
+    """models.packed_attention (each packed row's own causal attention, runs of rows of one length as
+    one batch, where SDPA would attend over the whole pack under a block-diagonal mask): log-probs and
+    gradients equal the padded ones on every model, and the rows' bounds were read. Planted: bounds
+    moved by one token (a row's last token given to the next row) make them differ."""
+    lengths = [(5, 3), (5, 3), (2, 7), (9, 1), (4, 4), (4, 4), (4, 4), (3, 6)]  # runs of 8, then 9, 10, 8 x 3, 9
+    for name, model in _models(user_models, smollm2_small):
+        models.packed_attention(model)
+        assert model.config._attn_implementation == "sdpa_packed", name
+        ids, attn, resp = _batch(model.config.vocab_size, lengths)
+        out = []
+        for packed in (False, True):
+            model.zero_grad()
+            logps = common.response_logprobs(model, ids, attn, resp.shape[1], packed=packed) * resp
+            logps.sum().backward()
+            out.append((logps.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])))
+        torch.testing.assert_close(out[1], out[0], rtol=0, atol=1e-5, msg=name)
+        assert models._BOUNDS[1] == [0, *attn.sum(-1).cumsum(0).tolist()], name
+    real_pad = torch.nn.functional.pad
+
+    def moved(x, pad, *args, **kwargs):  # common's bounds (B + 1,): every inner bound one token early
+        out = real_pad(x, pad, *args, **kwargs)
+        return torch.cat([out[:1], out[1:-1] - 1, out[-1:]]) if pad == (1, 0) else out
+
+    monkeypatch.setattr(torch.nn.functional, "pad", moved)
+    with torch.no_grad():
+        wrong = common.response_logprobs(model, ids, attn, resp.shape[1], packed=True) * resp
+    assert (wrong - out[0][0]).abs().max() > 1e-3
+
+
 class OwnMask(torch.nn.Module):
     """A model that builds its own all-ones attention mask (as models outside transformers' masking
     utilities do): transformers then sees no packed sequences and lets rows attend to each other."""
