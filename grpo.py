@@ -868,10 +868,10 @@ def main(cfg):
             ref_logps = shared_prompt.batched_logprobs(model if ref is None else ref, ids, attn, R, **lp)  # (rows_local, R)
         old_logps = keep = None  # keep: the tokens that get the policy gradient (--top_entropy_share)
         if cfg.top_entropy_share < 1:
-            old_logps, entropy = shared_prompt.batched_logprobs(model, ids, attn, R, **lp, with_entropy=True)
+            old_logps, entropy = common.batched_logprobs(model, ids, attn, R, **lp, with_entropy=True)
             keep = top_entropy_mask(entropy, loss_mask, cfg.top_entropy_share, d, cfg.max_new_tokens)
         elif cfg.num_iterations > 1 or cfg.num_mini_batches > 1 or cfg.kl_in_reward or cfg.teacher:  # else old = pi
-            old_logps = shared_prompt.batched_logprobs(model, ids, attn, R, **lp)
+            old_logps = common.batched_logprobs(model, ids, attn, R, **lp)
         if cfg.kl_in_reward:  # beta * sum_t KL_t of each sequence, taken from its reward (the loss has none)
             parts["kl_penalty"] = cfg.beta * (kl_per_token(old_logps, ref_logps, old_logps, cfg.kl_estimator)
                                               * own).sum(-1)  # logged as reward/kl_penalty
@@ -881,7 +881,7 @@ def main(cfg):
                                             lengths=loss_mask.sum(-1).view(n_local, cfg.group_size))
         adv = adv.flatten()  # (rows_local,)
         if env.teacher is not None:  # on-policy distillation: each token's advantage, (rows_local, R)
-            teacher_logps = shared_prompt.batched_logprobs(env.teacher, ids, attn, R, **lp)
+            teacher_logps = common.batched_logprobs(env.teacher, ids, attn, R, **lp)
             adv = adv[:, None] + distill_advantages(teacher_logps, old_logps, loss_mask, cfg.teacher_coef)
             sums["distill/reverse_kl"] = ((old_logps - teacher_logps) * loss_mask).sum() / (rows_local * d.world_size)
         n_rows, lengths = rows_local * d.world_size, roll.r_mask.sum(-1).float()  # sequences in the global batch
