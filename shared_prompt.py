@@ -33,7 +33,7 @@ def response_logprobs(model, input_ids, attention_mask, n_response, temperature=
                                         with_entropy=with_entropy, entropy_grad=entropy_grad, truncate=truncate,
                                         packed=packed)
 
-    if d.world_size > 1 or P == 0 or getattr(model, "is_gradient_checkpointing", False):
+    if d.world_size > 1 or P == 0 or getattr(model, "is_activation_checkpointing", False):
         return whole()
     p_rows, inverse = torch.unique(torch.cat([input_ids[:, :P], attention_mask[:, :P]], 1), dim=0, return_inverse=True)
     if len(p_rows) == len(input_ids):
