@@ -265,7 +265,7 @@ def fill_from_rank0(model, full, d):
 def autocast(d, enabled=True):
     """bf16 autocast for a single GPU without FSDP (FSDP's MixedPrecisionPolicy casts itself)."""
     if enabled and not d.torchrun and bf16_supported(d.device):
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+        return torch.autocast(d.device.type, dtype=torch.bfloat16)
     return nullcontext()
 
 
@@ -334,16 +334,21 @@ def join_prompt_response(prompts, responses, pad_id):
     return torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1), r_mask
 
 
-def pack(input_ids, attention_mask):
-    """A padded batch's real tokens back to back in one sequence: ids (1, N) and position ids (1, N)
-    that restart at 0 with each row, and index (B, T), each token's place in it (-1: padding).
-    Given position ids and no attention mask, transformers reads each restart as a new sequence
-    and masks attention block-diagonally (masking_utils.find_packed_sequence_indices, for SDPA and
-    eager; flash attention's varlen kernels take the same ids), so no row sees another's tokens and
-    no pad token is computed. Whether a model honours it: `packing_works`."""
-    real = attention_mask.bool()
+def pack(model, kw):
+    """A padded batch's real tokens back to back in one sequence: kw's input_ids and position_ids (B, T)
+    become (1, N), position ids restarting at 0 with each row, and its attention mask None; returns
+    index (B, T), each token's place in the pack (-1: padding). Given position ids and no mask,
+    transformers reads each restart as a new sequence and masks attention block-diagonally
+    (masking_utils.find_packed_sequence_indices, for SDPA and eager; flash attention's varlen kernels
+    take the same ids), so no row sees another's tokens and no pad token is computed; under
+    plumbing.models' sdpa_packed the rows' bounds (cu_seq_lens_q) make each row attend on its own.
+    Whether a model honours it: `packing_works`."""
+    real = kw.pop("attention_mask").bool()
     index = torch.where(real, real.flatten().long().cumsum(0).view(real.shape) - 1, -1)  # (B, T)
-    return input_ids[real][None], position_ids_from_mask(attention_mask)[real][None], index
+    kw.update(input_ids=kw["input_ids"][real][None], position_ids=kw["position_ids"][real][None], attention_mask=None)
+    if getattr(model.config, "_attn_implementation", None) == "sdpa_packed":
+        kw["cu_seq_lens_q"] = kw["cu_seq_lens_k"] = torch.nn.functional.pad(real.sum(-1).cumsum(0), (1, 0)).int()
+    return index
 
 
 def micro_batches(rows, attention_mask, rows_per_forward, d, packed=False):
@@ -372,34 +377,24 @@ def micro_batches(rows, attention_mask, rows_per_forward, d, packed=False):
     return [rows[a:b] for a, b in spans]
 
 
-@torch.no_grad()
-def packing_works(model, device):
-    """Whether the model keeps packed rows apart: a row's logits after a different first row equal,
-    where a sequence without the restart (which must leak) differs by 10x more. False for a model
-    that builds its own mask or drops position ids. Two forwards of 2 x 10 tokens (every rank:
-    collective under FSDP)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    v = base.config.get_text_config().vocab_size
-    a, b = torch.arange(1, 7, device=device) % v, torch.arange(20, 24, device=device) % v
-    ids = torch.stack([torch.cat([a, b]), torch.cat([a.flip(0) * 3 % v, b])])  # (2, 10)
-    restart = torch.cat([torch.arange(6, device=device), torch.arange(4, device=device)]).expand(2, -1)
-    gap = []  # max |logits of b after a - after a'|, with the restart, then without
-    with evaluating(model, gather=True):  # FSDP's parameters resharded after, as after a rollout
-        for pos in (restart, torch.arange(10, device=device).expand(2, -1)):
-            logits = _per_position(model, input_ids=ids, position_ids=pos)[:, 6:].float()  # an LM's or a score head's
-            gap.append((logits[0] - logits[1]).abs().max())
-    return bool(gap[0] * 10 <= gap[1])
-
-
-def use_packing(wanted, models, d):
-    """--padding_free's decision: on where asked and every one of `models` (None: absent) keeps packed
-    rows apart (`packing_works`), else off with a line that says which model and why."""
-    for model in models if wanted else []:
-        if model is not None and not packing_works(model, d.device):
-            print0(f"note: --padding_free off: {type(model).__name__} does not keep packed rows apart (its attention "
-                   f"ignores position ids that restart per row); micro-batches stay padded")
-            return False
-    return wanted
+def packing_pays(model, attention_mask, rows_per_forward, d=None):
+    """Whether packing these rows (micro-batches of at most rows_per_forward x T tokens) computes less
+    than padding them. Flash attention's varlen kernels attend within each row: always. SDPA and
+    eager mask a packed micro-batch's N x N query-key pairs but still compute them (padded: B x T x T);
+    per layer a token's projections and MLP cost ~24 h^2 FLOPs and a pair 4 h, so with w = 1 / (6 h)
+    packing pays where N (1 + w min(N, rows_per_forward T)) < n T (1 + w T): for h = 1536, T = 1536
+    and 4 rows a micro-batch, where more than 23% of the tokens are padding. d: summed over ranks, so
+    that all cut their micro-batches alike. One host sync."""
+    if "flash" in str(getattr(model.config, "_attn_implementation", "")) or \
+            getattr(model.config, "_attn_implementation", None) == "sdpa_packed":
+        return True
+    n, T = attention_mask.shape
+    w = 1 / (6 * model.config.get_text_config().hidden_size)
+    N = attention_mask.sum(dtype=torch.float64)
+    cost = torch.stack([N * (1 + w * N.clamp(max=rows_per_forward * T)), N.new_tensor(n * T * (1 + w * T))])
+    if d is not None and d.world_size > 1:
+        dist.all_reduce(cost)
+    return bool(cost[0] < cost[1])
 
 
 # -----------------------------------------------------------------------------
@@ -489,11 +484,7 @@ def response_logprobs(model, input_ids, attention_mask, n_response, temperature=
               position_ids=position_ids_from_mask(attention_mask), use_cache=False)
     T, keep, resp = input_ids.shape[1], slice(-(n_response + 1), -1), None
     if packed:  # the M real response tokens, each predicted from the packed position before it
-        kw["input_ids"], kw["position_ids"], index = pack(input_ids, attention_mask)
-        kw["attention_mask"], resp = None, attention_mask[:, T - n_response:].bool()  # (B, R)
-        if _accepts(model, "kwargs"):  # the rows' bounds, for attention within each (plumbing.models._packed_sdpa)
-            cu = torch.nn.functional.pad(attention_mask.sum(-1).cumsum(0), (1, 0)).int()  # (B + 1,)
-            kw["cu_seq_lens_q"] = kw["cu_seq_lens_k"] = cu
+        index, resp = pack(model, kw), attention_mask[:, T - n_response:].bool()  # (B, T), (B, R)
         keep = index[:, T - n_response - 1:T - 1][resp]  # (M,)
     if _accepts(model, "logits_to_keep"):  # those positions only: a contiguous (B, R, V), no copy in reshapes
         kw["logits_to_keep"] = keep if packed else torch.arange(T - n_response - 1, T - 1, device=input_ids.device)
@@ -517,7 +508,7 @@ def batched_logprobs(model, ids, attn, n_response, temperature, d, rows_per_forw
     """Log-probs of the response block of every row, (N, R), in micro-batches (`micro_batches`), no
     graph; with_entropy: and the entropy of each position's distribution; truncate, packed:
     response_logprobs' knobs."""
-    out = []
+    out, packed = [], packed and packing_pays(model, attn, rows_per_forward, d)
     for r in micro_batches(torch.arange(ids.shape[0], device=ids.device), attn, rows_per_forward, d, packed):
         with autocast(d):
             out.append(response_logprobs(model, ids[r], attn[r], n_response, temperature=temperature,
@@ -528,14 +519,15 @@ def batched_logprobs(model, ids, attn, n_response, temperature, d, rows_per_forw
 
 
 def sequence_logprobs(model, batch, d, packed=False):
-    """log pi(y|x) summed over each row's response tokens, (B,), for a batch (ids, attn, resp)."""
+    """log pi(y|x) summed over each row's response tokens, (B,), for a batch (ids, attn, resp), one
+    forward; packed: where it computes less (`packing_pays`)."""
     ids, attn, resp = batch
     with autocast(d):
-        logps = response_logprobs(model, ids, attn, resp.shape[1], packed=packed)  # (B, R)
+        logps = response_logprobs(model, ids, attn, resp.shape[1], packed=packed and packing_pays(model, attn, len(ids)))
     return (logps.float() * resp).sum(-1)
 
 
-def _per_position(model, **kw):
+def per_position(model, **kw):
     """The forward's per-position output: a causal LM's logits (B, T, V), a sequence classifier's
     `score` head (B, T, 1) (hooked inside its forward, so FSDP gathers it as usual; the model's own
     output is pooled)."""
@@ -559,14 +551,13 @@ def reward_scores(model, input_ids, attention_mask, packed=False):
         raise ValueError(f"{type(model).__name__} has no `score` head: not a sequence-classification model")
     kw = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask))
     if packed:
-        kw["input_ids"], kw["position_ids"], index = pack(input_ids, attention_mask)
-        kw["attention_mask"] = None
-    per_position = _per_position(model, **kw).squeeze(-1).float()  # (B, T), or (1, N) packed
+        index = pack(model, kw)
+    values = per_position(model, **kw).squeeze(-1).float()  # (B, T), or (1, N) packed
     last = attention_mask.shape[1] - 1 - attention_mask.flip(1).argmax(1)  # (B,) index of the last 1
     if packed:  # the last real token's place in the packed sequence
-        scores = per_position[0, index.gather(1, last[:, None]).squeeze(1)]
+        scores = values[0, index.gather(1, last[:, None]).squeeze(1)]
     else:
-        scores = per_position.gather(1, last[:, None]).squeeze(1)
+        scores = values.gather(1, last[:, None]).squeeze(1)
     return scores * getattr(model.config, "reward_gain", 1.0) + getattr(model.config, "reward_bias", 0.0)
 
 

@@ -3,6 +3,7 @@ prompts, rendered with the chat template and each with its rule, their order, th
 reward model, on-policy distillation's teacher and the tool a policy may call. Each step: the
 rollout (rollout: prompts -> completions, drawn by the sampler with the random numbers of the
 global batch) and what scores its completions (score: each row's rule, the reward model)."""
+import contextlib
 import dataclasses
 import math
 import os
@@ -249,6 +250,34 @@ def chunks(n, size):
     return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
+@contextlib.contextmanager
+def frozen_in_bf16(model, d, enabled=True):
+    """For a block of no-grad forwards under bf16 autocast (a rollout, the reference and old-policy
+    passes): the frozen weights and biases of the model's linear layers (LoRA's base; GPT-2's Conv1D
+    too) swapped for bf16 copies made once, and the fp32 masters put back on leaving. autocast keeps
+    its casts only of leaf tensors that require grad, so a frozen weight is cast again by every
+    forward, every decoded token included: 6 bytes of traffic per weight before the matmul reads 2.
+    Exact: autocast rounds the fp32 master to the same bf16 tensor, and casts a bf16 one to itself.
+    The adapters (trainable), the fp32 head (common.FP32Head, not an nn.Linear) and norms are left
+    alone. No-op where common.autocast(d) is no bf16 autocast (the CPU, FSDP2's own casts) or not
+    enabled; nested, the inner block finds bf16 weights and copies nothing. Costs a bf16 copy of
+    the frozen linear weights while the block runs (bench/memory.py)."""
+    cast = common.autocast(d)
+    swapped = []  # (module, name, its fp32 master)
+    if enabled and isinstance(cast, torch.autocast) and cast.fast_dtype == torch.bfloat16:
+        for m in model.modules():
+            if type(m) is torch.nn.Linear or type(m).__name__ == "Conv1D":
+                for name, p in list(m.named_parameters(recurse=False)):
+                    if not p.requires_grad and p.dtype == torch.float32:
+                        swapped.append((m, name, p))
+                        setattr(m, name, torch.nn.Parameter(p.detach().to(torch.bfloat16), requires_grad=False))
+    try:
+        yield
+    finally:
+        for m, name, p in swapped:
+            setattr(m, name, p)
+
+
 def sample(model, env, prompts, u, temperature, cfg, d):
     """Completions of rendered prompts, drawn with the uniforms u (N, max_new_tokens) at the
     temperature (0: greedy), with --tools' calls where there is a tool: the prompt block
@@ -264,7 +293,8 @@ def sample(model, env, prompts, u, temperature, cfg, d):
     kw = dict(eos_id=env.stop_ids[0], pad_id=pad_id, temperature=temperature, top_k=cfg.top_k,
               top_p=cfg.top_p, min_p=cfg.min_p, stop_ids=env.stop_ids[1:], compile=cfg.compile)
     outs = []  # each chunk's (ids, mask, log-probs, tool mask), (n, R_chunk) each
-    with common.autocast(d):
+    # LoRA's frozen base cast to bf16 once for the whole rollout; --compile decodes from sampling._bf16_decoder's copies
+    with common.autocast(d), frozen_in_bf16(model, d, enabled=not cfg.compile):
         for rows in chunks(len(prompts), cfg.generation_micro_batch_size):
             if env.tool is None:
                 out = sampling.generate(model, p_ids[rows], p_mask[rows], cfg.max_new_tokens, uniforms=u[rows],

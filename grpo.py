@@ -243,6 +243,10 @@ class Config(cli.SharedConfig):
     """optimizer steps per pass (the rollout split into this many mini-batches) [>= 1]"""
     grad_accum: int = 1
     """micro-batches per mini-batch on each rank [>= 1]"""
+    shared_prompt: bool = True
+    """a group's rows compute their prompt once, its keys and values serving each row, in the reference pass and
+    the update, where that computes fewer FLOPs than padded (or --padding_free) micro-batches: the same log-probs to
+    float rounding, never more rows a forward than a padded micro-batch; one process (under torchrun: off)"""
     warmup_steps: int = 5
     """linear warmup (optimizer steps) before the cosine decay [>= 0]"""
     offload_frozen: bool = False
@@ -781,10 +785,11 @@ def evaluate(model, ref, env, evals, cfg, d):
     if evals["held_out"] is not None:  # every row of a task has its rule
         h = evals["held_out"]
         rule = tasks.REWARD_FNS[h["reward_fn"][0]]
-        metrics |= sampling.evaluate_generations(model, env.tokenizer, h["prompt"], rule, d, max_prompt_len=cfg.max_prompt_len,
-                                                 max_new_tokens=cfg.max_new_tokens, answers=h.get("answer"),
-                                                 own_prompts=h["own_prompt"], tool=env.tool, max_tool_calls=cfg.max_tool_calls,
-                                                 batch_size=cfg.generation_micro_batch_size or 256)
+        with environment.frozen_in_bf16(model, d):  # greedy decoding: LoRA's base cast once, not per token
+            metrics |= sampling.evaluate_generations(
+                model, env.tokenizer, h["prompt"], rule, d, max_prompt_len=cfg.max_prompt_len,
+                max_new_tokens=cfg.max_new_tokens, answers=h.get("answer"), own_prompts=h["own_prompt"], tool=env.tool,
+                max_tool_calls=cfg.max_tool_calls, batch_size=cfg.generation_micro_batch_size or 256)
     metrics |= environment.evaluate_rewards(model, env, evals["prompts"], cfg, d)  # --eval_dataset, a file's 5%
     if evals["pairs"] is not None:
         metrics["eval/accuracy"] = pairwise_accuracy(model, ref, evals["pairs"], env.tokenizer.pad_token_id, d,
@@ -822,7 +827,7 @@ def main(cfg):
     n_local, rows_local = cfg.prompts_per_step // d.world_size, cfg.prompts_per_step // d.world_size * cfg.group_size
     micro = rows_local // cfg.num_mini_batches // cfg.grad_accum  # rows per forward on this rank
     common.print0(banner(cfg, d, params, micro, env))
-    packed = common.use_packing(cfg.padding_free, [model, env.teacher], d)  # padding-free where rows stay apart
+    packed = models.use_packing(cfg.padding_free, [model, env.teacher], d)  # padding-free where rows stay apart
     lp = dict(**environment.scoring(cfg), d=d, rows_per_forward=micro, packed=packed)  # the log-prob passes' knobs
     loss_knobs = dict(epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high, beta=0 if cfg.kl_in_reward else cfg.beta,
                       kl_estimator=cfg.kl_estimator, agg=cfg.loss_agg, entropy_coef=cfg.entropy_coef,
@@ -863,15 +868,17 @@ def main(cfg):
 
         # ---------------------------------------------------------------------
         # 3. advantages, after the reference (and, for mu > 1 or several mini-batches, the
-        #    rollout policy's) log-probs, in the precision of training
-        with reference_context(model, ref):
-            ref_logps = shared_prompt.batched_logprobs(model if ref is None else ref, ids, attn, R, **lp)  # (rows_local, R)
+        #    rollout policy's) log-probs, in the precision of training (LoRA's base cast once for both)
         old_logps = keep = None  # keep: the tokens that get the policy gradient (--top_entropy_share)
-        if cfg.top_entropy_share < 1:
-            old_logps, entropy = common.batched_logprobs(model, ids, attn, R, **lp, with_entropy=True)
-            keep = top_entropy_mask(entropy, loss_mask, cfg.top_entropy_share, d, cfg.max_new_tokens)
-        elif cfg.num_iterations > 1 or cfg.num_mini_batches > 1 or cfg.kl_in_reward or cfg.teacher:  # else old = pi
-            old_logps = common.batched_logprobs(model, ids, attn, R, **lp)
+        with environment.frozen_in_bf16(model, d):
+            with reference_context(model, ref):
+                ref_logps = shared_prompt.batched_logprobs(model if ref is None else ref, ids, attn, R, **lp,
+                                                           enabled=cfg.shared_prompt)  # (rows_local, R)
+            if cfg.top_entropy_share < 1:
+                old_logps, entropy = common.batched_logprobs(model, ids, attn, R, **lp, with_entropy=True)
+                keep = top_entropy_mask(entropy, loss_mask, cfg.top_entropy_share, d, cfg.max_new_tokens)
+            elif cfg.num_iterations > 1 or cfg.num_mini_batches > 1 or cfg.kl_in_reward or cfg.teacher:  # else old = pi
+                old_logps = common.batched_logprobs(model, ids, attn, R, **lp)
         if cfg.kl_in_reward:  # beta * sum_t KL_t of each sequence, taken from its reward (the loss has none)
             parts["kl_penalty"] = cfg.beta * (kl_per_token(old_logps, ref_logps, old_logps, cfg.kl_estimator)
                                               * own).sum(-1)  # logged as reward/kl_penalty
@@ -901,11 +908,13 @@ def main(cfg):
             for mb_rows in minibatch_rows(n_rows, cfg.num_mini_batches, deal, common.shard_batch(n_rows, d)).to(d.device):
                 normaliser = loss_normaliser(loss_mask[mb_rows], cfg.loss_agg, cfg.max_new_tokens, d)
                 n_tokens = loss_normaliser(loss_mask[mb_rows], "token_mean", 0, d).clamp(min=1)  # metrics' denominator
-                chunks = common.micro_batches(mb_rows, attn, micro, d, packed)  # grad_accum, or cut by tokens
+                pack = packed and common.packing_pays(model, attn[mb_rows], micro, d)  # where it computes less
+                chunks, share = shared_prompt.micro_batches(mb_rows, ids, attn, R, micro, d, pack, model=model,
+                                                            enabled=cfg.shared_prompt)  # grad_accum, or cut by tokens
                 for k, r in enumerate(chunks):
                     with common.autocast(d):
                         logps, entropy = shared_prompt.response_logprobs(model, ids[r], attn[r], R, **environment.scoring(cfg),
-                                                                         with_entropy=True, packed=packed, d=d,
+                                                                         with_entropy=True, packed=pack, shared=share,
                                                                          entropy_grad=cfg.entropy_coef != 0)  # (micro, R)
                     logps, mask = logps.float(), loss_mask[r].float()
                     old = logps.detach() if old_logps is None else old_logps[r]

@@ -199,7 +199,7 @@ def main(cfg):
     tokenizer, model = models.load_policy(cfg.model, cfg, d, response_len=cfg.max_response_len,
                                           kind="new_reward")
     model.config.reward_gain, model.config.reward_bias = 1.0, 0.0  # training sees raw scores
-    packed = common.use_packing(cfg.padding_free, [model], d)  # padding-free where rows stay apart
+    packed = models.use_packing(cfg.padding_free, [model], d)  # padding-free where rows stay apart
     train, test, train_pairs, test_pairs = data.encode_preferences(train, test, tokenizer, cfg)
     margins = torch.tensor(train["margin"], dtype=torch.float32) if "margin" in train.column_names else None
     gold_pairs = test if (cfg.eval_dataset or cfg.dataset) in tasks.TASKS else None  # the embedded task's noise
@@ -223,8 +223,9 @@ def main(cfg):
         for k in range(cfg.grad_accum):
             mb = rows[k * micro:(k + 1) * micro]
             ids, attn, _ = data.pair_batch(train_pairs, mb, tokenizer.pad_token_id, d.device)  # (2 micro, P+R)
+            pack = packed and common.packing_pays(model, attn, 2 * micro)  # padding-free where it computes less
             with common.autocast(d):
-                r_chosen, r_rejected = common.reward_scores(model, ids, attn, packed).chunk(2)  # (micro,), (micro,)
+                r_chosen, r_rejected = common.reward_scores(model, ids, attn, pack).chunk(2)  # (micro,), (micro,)
             margin = margins[mb].to(d.device) if margins is not None else None
             loss, m = bt_loss(r_chosen, r_rejected, cfg.batch_size, margin=margin, center_coef=cfg.center_coef)
             common.backward(model, loss, d, sync=k == cfg.grad_accum - 1)

@@ -133,6 +133,7 @@ def _next_logits_unfused(model, *args, **kwargs):
         return _next_logits(model, *args, **kwargs)
 
 
+GPU_CHECK_EVERY = 8  # decode steps between host reads ("all stopped?", the calls) on a GPU: a read drains its queue
 _compiled = {}  # torch.compile of the step, made once; dynamo keeps a graph per model and shape
 
 
@@ -209,8 +210,7 @@ def _fill_cache(cache, prefill, inverse, P):
 
 @torch.no_grad()
 def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, temperature=1.0, top_k=0,
-             top_p=1.0, stop_ids=(), generator=None, compile=False, uniforms=None, return_logprobs=False, min_p=0.0,
-             kept=None):
+             top_p=1.0, stop_ids=(), generator=None, compile=False, uniforms=None, return_logprobs=False, min_p=0.0):
     """Sample responses to left-padded prompts (greedy output equals model.generate's; under FSDP
     call it inside `unsharded`). Random numbers: `uniforms` (B, >= max_new_tokens), column t for
     token t, or `generator`. Returns ids (B, R) right-padded with pad_id and a mask (B, R), 1 up to
@@ -221,38 +221,25 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
     and values copied to its G repeats; 2. a static cache written in place, "all stopped?" read
     every 8 tokens on a GPU; 3. compile=True: the decode step compiled (the cache length rounded
     up so nearby lengths share a graph), on CUDA replayed as a CUDA graph, under autocast from bf16
-    copies of the weights (_bf16_decoder).
-    kept (a KeptCache, generate_with_tools' turns): the first call keeps its cache there; a later
-    call's rows (the prompts: each row's whole history so far) continue in it from the tokens it
-    lacks (_continue), and may stop short of max_new_tokens where its slots run out (kept.cut)."""
+    copies of the weights (_bf16_decoder)."""
     device = prompt_ids.device
     kw = dict(logits_to_keep=1) if common._accepts(model, "logits_to_keep") else {}
     stops = torch.tensor([eos_id, *stop_ids], device=device)
     uniforms = None if uniforms is None else uniforms.to(device)
-    resumed = kept is not None and kept.cache is not None
-    ends = None  # (B,) the last column each row may write (the tool loop's budgets), or None: all of them
-    if resumed:  # 1. a later turn of the tool loop: each row's new tokens into the cache it keeps
-        logits, cache, mask, pos, at, uniforms, start = _continue(model, kept, prompt_ids, prompt_mask, pad_id=pad_id,
-                                                                  uniforms=uniforms, kw=kw)
-        (B, L), budget = mask.shape, torch.tensor(kept.budget, device=device)
-        done = torch.ones(B, dtype=torch.bool, device=device).index_fill_(0, at, False)  # the finished rows
-        ends = torch.zeros(B, dtype=torch.long, device=device).index_copy_(0, at, budget - 1)
-        n = min(max_new_tokens, L - start + 1)  # n tokens write n - 1 slots
-    else:
-        logits, cache, mask, L, static = _prefill(model, prompt_ids, prompt_mask, max_new_tokens, compile=compile,
-                                                  kw=kw)
-        B, start, n = prompt_ids.shape[0], prompt_ids.shape[1], max_new_tokens
-        pos = prompt_mask.sum(-1, keepdim=True)  # (B, 1) position of the first response token
-        done = torch.zeros(B, dtype=torch.bool, device=device)
+    # 1. prefill
+    logits, cache, mask = _prefill(model, prompt_ids, prompt_mask, max_new_tokens, compile=compile, kw=kw)
+    B, n = prompt_ids.shape[0], max_new_tokens
+    pos = prompt_mask.sum(-1, keepdim=True)  # (B, 1) position of the first response token
 
     # 2. decode; slots of the static cache past the current token are hidden by the causal mask
     step = _step_fn(compile, device)
     decoder = _bf16_decoder(model) if compile and torch.is_autocast_enabled(device.type) else model
     graphs = compile and device.type == "cuda"
-    check_every = 8 if device.type == "cuda" else 1
+    check_every = GPU_CHECK_EVERY if device.type == "cuda" else 1
     tokens = torch.full((B, n), pad_id, dtype=torch.long, device=device)
     response_mask = torch.zeros((B, n), dtype=torch.long, device=device)
     logps = torch.zeros((B, n), dtype=torch.float, device=device) if return_logprobs else None
+    done = torch.zeros(B, dtype=torch.bool, device=device)
     bad = torch.zeros((), dtype=torch.bool, device=device)  # any row with non-finite logits
     for t in range(n):
         u = None if uniforms is None else uniforms[:, t]
@@ -263,7 +250,7 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
         if return_logprobs:
             logps[:, t] = logp
         response_mask[:, t] = ~done  # the stop token itself counts
-        done = done | torch.isin(tok, stops) if ends is None else done | torch.isin(tok, stops) | (ends <= t)
+        done = done | torch.isin(tok, stops)
         if t == n - 1 or (t % check_every == check_every - 1 and done.all()):
             break
         if graphs:  # each step's logits are read before the next replay overwrites them
@@ -271,21 +258,6 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
         logits = step(decoder, tok[:, None], mask, pos + t, cache=cache, kw=kw)
     if bad:
         raise RuntimeError(NAN_LOGITS)
-    if kept is not None:  # 3. the tool loop: which slots now hold each row's tokens, for its next turn
-        if resumed or (kept.first and static):
-            # a row's tokens are fed one step after they are drawn: all but its last, which ended the turn
-            written = response_mask.sum(1, keepdim=True)  # (B, 1)
-            valid = mask.bool()
-            valid[:, start:] = torch.arange(L - start, device=device) < written - 1
-            kept.cache, kept.valid = cache, valid
-        if kept.first:
-            kept.first, kept.slot = False, list(range(B))
-        elif resumed:  # the rows of this call, out of the batch's
-            tokens, response_mask, done = tokens[at], response_mask[at], done[at]
-            logps = logps[at] if return_logprobs else None
-            if not kept.whole:
-                kept.slot = {i: k for k, i in enumerate(kept.rows)}
-        kept.cut = (~done).tolist() if n < max_new_tokens else []
     R = int(response_mask.any(0).sum())  # the longest response: its columns are the first R
     if return_logprobs:
         return tokens[:, :R], response_mask[:, :R], logps[:, :R] * response_mask[:, :R]
@@ -295,8 +267,7 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
 def _prefill(model, prompt_ids, prompt_mask, max_new_tokens, compile, kw):
     """generate's step 1: each distinct prompt prefilled once, each row then given its prompt's keys and
     values in a static cache of L >= P + max_new_tokens slots. Returns the (B, V) logits of each row's first
-    response token, the cache, the decode's attention mask (B, L), L, and whether the cache is plain static
-    layers (False: sliding-window layers, prefilled into a fresh cache)."""
+    response token, the cache and the decode's attention mask (B, L)."""
     (B, P), device = prompt_ids.shape, prompt_ids.device
     L = P + max_new_tokens
     if compile:  # round up to a multiple of L/8 to L/4 (54 -> 56, 300 -> 320)
@@ -306,8 +277,7 @@ def _prefill(model, prompt_ids, prompt_mask, max_new_tokens, compile, kw):
     dedup = len(rows) < B
     ids, mask = (rows[:, :P], rows[:, P:]) if dedup else (prompt_ids, prompt_mask)
     cache, L = _decode_cache(model, B, L, persistent=compile)  # L: the cache's slots, >= P + max_new_tokens
-    static = cache is not None
-    if not static:  # sliding-window layers: prefill into a fresh static cache, then reorder it
+    if cache is None:  # sliding-window layers: prefill into a fresh static cache, then reorder it
         from transformers import StaticCache
 
         cache = StaticCache(config=model.config, max_cache_len=L)
@@ -321,68 +291,7 @@ def _prefill(model, prompt_ids, prompt_mask, max_new_tokens, compile, kw):
         del out
     if dedup:
         logits = logits[inverse]  # (B, V)
-    return logits, cache, torch.cat([prompt_mask, prompt_mask.new_ones(B, L - P)], 1), L, static
-
-
-def _continue(model, kept, ids, mask, pad_id, uniforms, kw):
-    """generate's step 1 for a later turn of the tool loop: the rows kept.rows of the kept cache
-    continue, given their whole histories (A, H) left-padded; the cache lacks each row's last
-    tokens (the one that ended its turn, and a tool's result). The turn's batch: every row of the
-    cache (kept.whole, compiled: one graph; the finished rows take pad tokens, masked from all but
-    themselves), or the A rows going on alone (their keys and values copied into a new cache of as
-    many slots, the old one freed layer by layer: a turn cut short by its slots ends sooner, and
-    its rows go on beside those its calls resumed, the next turn's batch fuller). Every row's history is laid out to end at slot E (the longest):
-    the cached tokens before its last W kept (the slots moved, one gather per layer: a row's slots
-    held its tokens in order, with masked ones between them), and every row's last W tokens (W:
-    the most any row lacks) through the model at once in slots [E - W, E), those of them already
-    cached computed again rather than leaving a gap. Returns the (B, V) logits, the cache, the
-    decode's attention mask (B, L), positions (B, 1), the continuing rows' rows in the batch (A,),
-    uniforms (B, >= n) (0.5 for the finished rows) and E, the first free slot."""
-    cache, valid = kept.cache, kept.valid  # (C, L) 1 on the slots holding each row's tokens
-    device = ids.device
-    at = torch.tensor([kept.slot[i] for i in kept.rows], device=device)  # (A,) their rows in the cache
-    length = mask.sum(1)  # (A,) each row's tokens so far
-    lacking = length - valid[at].sum(1)  # (A,) >= 1
-    W, E = torch.stack([lacking.max(), length.max()]).tolist()  # one host sync per turn
-    layers = [(layer.keys, layer.values) for layer in cache.layers]  # (C, heads, L, head_dim) each
-    if not kept.whole:
-        valid, taken, at = valid[at], at, torch.arange(len(at), device=device)
-        from transformers import StaticCache
-
-        cache = StaticCache(config=model.config, max_cache_len=valid.shape[1])
-    (B, L) = valid.shape
-    # each row's token j goes to slot first + j; the cache's k-th valid slot holds the row's token k
-    first = torch.zeros(B, dtype=torch.long, device=device).index_copy_(0, at, E - length)  # (B,)
-    n_moved = torch.zeros(B, dtype=torch.long, device=device).index_copy_(0, at, (length - W).clamp(min=0))
-    j = torch.arange(L, device=device) - first[:, None]  # (B, L) the token each slot will hold
-    moved = (j >= 0) & (j < n_moved[:, None])  # (B, L), all within [0, E - W)
-    order = torch.argsort((~valid).to(torch.uint8), dim=1, stable=True)  # (B, L) each row's valid slots first, in order
-    src = order.gather(1, j.clamp(0, L - 1))[:, None, :E - W, None]  # (B, 1, E - W, 1)
-    for i, layer in enumerate(cache.layers):
-        k, v = layers[i]
-        if not kept.whole:  # this layer's rows into the new cache, the old one's let go (one layer more at a time)
-            k, v = k.index_select(0, taken), v.index_select(0, taken)
-            layers[i] = kept.cache.layers[i].keys = kept.cache.layers[i].values = None
-            layer.lazy_initialization(k[:, :, :0], v[:, :, :0])
-        for old, new in ((k, layer.keys), (v, layer.values)):
-            new[:, :, :E - W].copy_(old.gather(2, src.expand(-1, old.shape[1], -1, old.shape[3])))
-        layer.cumulative_length.fill_(E - W)
-    chunk_ids = torch.full((B, W), pad_id, dtype=ids.dtype, device=device).index_copy_(0, at, ids[:, -W:])
-    chunk_mask = torch.ones((B, W), dtype=mask.dtype, device=device).index_copy_(0, at, mask[:, -W:])
-    chunk_pos = torch.zeros((B, W), dtype=torch.long, device=device).index_copy_(
-        0, at, common.position_ids_from_mask(mask)[:, -W:])
-    attn = moved.to(mask.dtype)
-    attn[:, E - W:E] = chunk_mask
-    logits = _next_logits(model, chunk_ids, attn, chunk_pos, cache=cache, kw=kw)  # (B, V)
-    attn[:, E:] = 1
-    pos = torch.zeros((B, 1), dtype=torch.long, device=device).index_copy_(0, at, length[:, None])
-    if uniforms is not None:
-        uniforms = uniforms.new_full((B, uniforms.shape[1]), 0.5).index_copy_(0, at, uniforms)
-    return logits, cache, attn, pos, at, uniforms, E
-
-
-# -----------------------------------------------------------------------------
-# GRPO's rollouts: the sampled rows of a step, on this rank
+    return logits, cache, torch.cat([prompt_mask, prompt_mask.new_ones(B, L - P)], 1)
 
 
 # -----------------------------------------------------------------------------
@@ -447,76 +356,97 @@ def result_tokens(tokenizer, written_ids, tool, room=None):
     return results_tokens(tokenizer, [written_ids], tool, [room])[0]
 
 
-class KeptCache:
-    """What generate_with_tools keeps between its turns (generate's `kept`): the static KV cache of
-    every row of the rollout, and which of its slots hold each row's tokens, so that a row resumed
-    after a call feeds the model only what the cache lacks (its closing tag and the tool's result)
-    rather than its whole history. Compiled, the rows stay in one batch, of the first turn's shape
-    (one graph for every turn; those that have finished take pad tokens, masked); else each turn's
-    batch is its rows alone (the finished ones cost no compute)."""
-
-    def __init__(self, whole=False):
-        self.first = True  # the next generate call is the rollout's first: it makes the cache
-        self.cache = None  # the static cache (None: not made yet, or sliding-window layers: every turn prefills)
-        self.valid = None  # (B, L) bool: the slots holding each row's tokens, in order
-        self.whole = whole  # every turn in the first turn's batch (compiled), or the rows still going alone
-        self.slot = []  # each row's row in the cache
-        self.rows = []  # the rows (of B) that the next call continues, in the order of its prompts
-        self.budget = []  # and the tokens each may write
-        self.cut = []  # per row of the last call: still writing when the cache's slots ran out
+def tool_steps(max_new_tokens, max_calls, check_every):
+    """generate_with_tools' decode steps at most, its cache's slots past the prompt: a row writes
+    max_new_tokens tokens at most, and waits fewer than check_every steps for each call's result."""
+    return max_new_tokens + max_calls * (check_every - 1)
 
 
 @torch.no_grad()
 def generate_with_tools(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tokenizer, tool,
-                        stop_ids=(), max_calls=2, uniforms=None, **sampler_kw):
-    """generate with tool calls: returns ids (B, R), mask (B, R) of every response token
-    (the model's and the tools'), the model's log-probs (B, R) (0 on tool tokens) and tool_mask (B, R)
-    (1 on tool tokens; a call's count: tool_calls(tool_mask)). uniforms (B, >= max_new_tokens): column t for
-    response token t, whichever turn writes it, so a row samples the same on any number of ranks.
-    One sampler call per turn on the rows still going, which continue in the cache of the first
-    (KeptCache): a turn feeds the model the rows' new tokens, not their histories. A row that the
-    cache's slots cut short (rows aligned at one slot: a long history beside a long budget) goes on
-    in the next turn without a call."""
+                        stop_ids=(), max_calls=2, uniforms=None, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
+                        generator=None, compile=False, check_every=None):
+    """generate with tool calls: returns ids (B, R), mask (B, R) of every response token (the
+    model's and the tools'), the model's log-probs (B, R) (0 on tool tokens) and tool_mask (B, R) (1
+    on tool tokens; a call's count: tool_calls(tool_mask)). uniforms (B, >= max_new_tokens): column
+    n for response token n, whichever step writes it, so a row samples the same on any number of
+    ranks. One decode loop for every row, as nanochat's engine feeds a tool's output (its
+    forced_tokens): a row that closes a call is fed its result's tokens, one a step, while the
+    other rows sample theirs, so the loop runs as many steps as the longest row has tokens (a turn
+    per call would run each turn's longest row in turn: 65 decode steps against 47 on
+    bench/tool_step.py's rollout) and no token is fed twice. The calls closed since the last check
+    run on the host at the check (every step on CPU, every 8 on a GPU, as generate reads "all
+    stopped?"): a calling row waits idle until then, its slots masked, its positions and random
+    numbers its own tokens' (so the waiting changes nothing), and the cache has a slot per step:
+    P + max_new_tokens + max_calls x 7 on a GPU. check_every: that period (None: 8 on a GPU, else 1)."""
     close = closing_tag_id(tokenizer)
-    B, device = prompt_ids.shape[0], prompt_ids.device
-    rows = [[] for _ in range(B)]  # per row: (token, is_tool, log-prob)
-    calls = [0] * B
-    active = list(range(B))
-    prompts = [prompt_ids[i][prompt_mask[i].bool()].tolist() for i in range(B)]
-    if uniforms is not None:  # a turn samples max(budget) tokens for every row and keeps each row's budget
-        uniforms = torch.nn.functional.pad(uniforms[:, :max_new_tokens], (0, max_new_tokens), value=0.5)
-    kept = KeptCache(sampler_kw.get("compile", False))  # compiled: one batch, one graph
-    while active:
-        budget = [max_new_tokens - len(rows[i]) for i in active]
-        ids, mask = common.pad([prompts[i] + [t for t, _, _ in rows[i]] for i in active], pad_id, side="left")
-        u = None
-        if uniforms is not None:  # the columns from each row's next response position on
-            u = torch.stack([uniforms[i, len(rows[i]):len(rows[i]) + max(budget)] for i in active])
-        kept.rows, kept.budget = active, budget
-        r_ids, r_mask, r_logps = generate(
-            model, ids.to(device), mask.to(device), max(budget), eos_id=eos_id, pad_id=pad_id,
-            stop_ids=(*stop_ids, close), uniforms=u, return_logprobs=True, kept=kept, **sampler_kw)
-        r_ids, r_mask, r_logps = r_ids.tolist(), r_mask.tolist(), r_logps.tolist()  # once per turn
-        calling, going = [], []  # the rows whose turn ended in a call they may make (and the tokens they have
-        # left), and those cut short by the cache
-        for k, i in enumerate(active):
-            n = min(sum(r_mask[k]), budget[k])
-            rows[i] += [(t, False, lp) for t, lp in zip(r_ids[k][:n], r_logps[k][:n])]
-            room = max_new_tokens - len(rows[i])
-            if n and r_ids[k][n - 1] == close and calls[i] < max_calls and room > 0:
-                calls[i] += 1
-                calling.append((i, room))
-            elif kept.cut and kept.cut[k] and room > 0:
-                going.append(i)
-        written = [[t for t, is_tool, _ in rows[i] if not is_tool] for i, _ in calling]
-        for (i, _), result in zip(calling, results_tokens(tokenizer, written, tool, [room for _, room in calling])):
-            rows[i] += [(t, True, 0.0) for t in result]
-        active = sorted([i for i, _ in calling if len(rows[i]) < max_new_tokens] + going)
-    R = max(len(r) for r in rows)
-    pad = [[(pad_id, False, 0.0, 0)] * (R - len(r)) for r in rows]  # (token, is_tool, log-prob, in the response)
-    full = [[(t, is_tool, lp, 1) for t, is_tool, lp in r] + p for r, p in zip(rows, pad)]
-    column = lambda j, dtype: torch.tensor([[x[j] for x in r] for r in full], dtype=dtype, device=device)  # noqa: E731
-    return column(0, torch.long), column(3, torch.long), column(2, torch.float), column(1, torch.long)
+    (B, P), device, R = prompt_ids.shape, prompt_ids.device, max_new_tokens
+    kw = dict(logits_to_keep=1) if common._accepts(model, "logits_to_keep") else {}
+    stops = torch.tensor([eos_id, *stop_ids], device=device)
+    uniforms = None if uniforms is None else uniforms.to(device)
+    check_every = check_every or (GPU_CHECK_EVERY if device.type == "cuda" else 1)
+    n_steps = tool_steps(R, max_calls, check_every)
+    # 1. prefill
+    logits, cache, mask = _prefill(model, prompt_ids, prompt_mask, n_steps, compile=compile, kw=kw)
+
+    # 2. decode: each step a token per row, sampled, or its result's next token where it is in one
+    step = _step_fn(compile, device)
+    decoder = _bf16_decoder(model) if compile and torch.is_autocast_enabled(device.type) else model
+    graphs = compile and device.type == "cuda"
+    pos = prompt_mask.sum(-1)  # (B,) position of the first response token
+    ids = torch.full((B, R + 1), pad_id, dtype=torch.long, device=device)  # column R: the idle rows' writes
+    logps = torch.zeros((B, R + 1), dtype=torch.float, device=device)
+    tool_mask = torch.zeros((B, R + 1), dtype=torch.long, device=device)
+    n = torch.zeros(B, dtype=torch.long, device=device)  # (B,) each row's response tokens so far
+    calls = torch.zeros(B, dtype=torch.long, device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    waiting = torch.zeros(B, dtype=torch.bool, device=device)  # a call closed, its result not yet in `forced`
+    forced = torch.full((B, R), pad_id, dtype=torch.long, device=device)  # each row's last result, fed from f_at
+    f_at, f_len = torch.zeros(B, dtype=torch.long, device=device), torch.zeros(B, dtype=torch.long, device=device)
+    bad = torch.zeros((), dtype=torch.bool, device=device)  # any row with non-finite logits
+    for t in range(n_steps):
+        u = None if uniforms is None else uniforms.gather(1, n.clamp(max=R - 1)[:, None]).squeeze(1)
+        tok, logp = sample_token(logits, temperature, top_k=top_k, top_p=top_p, min_p=min_p, generator=generator,
+                                 u=u, bad=bad, return_logprob=True)
+        forcing = f_at < f_len  # (B,) in a result: its next token is taken, not sampled
+        tok = torch.where(forcing, forced.gather(1, f_at.clamp(max=R - 1)[:, None]).squeeze(1), tok)
+        going = ~(done | waiting)  # the rows that write a token this step
+        at = torch.where(going, n, R)[:, None]  # (B, 1)
+        ids.scatter_(1, at, tok[:, None])
+        logps.scatter_(1, at, logp.masked_fill(forcing, 0.0)[:, None])
+        tool_mask.scatter_(1, at, forcing.long()[:, None])
+        mask[:, P + t] = ~waiting  # a waiting row's slot empty; a finished row's pad seen (by itself), as generate's
+        fed_pos = pos + n.clamp(max=R - 1)  # (B,) the fed token's position (a finished row's: within range)
+        sampled = going & ~forcing
+        closed = sampled & (tok == close)
+        n = n + going
+        f_at = f_at + (going & forcing)
+        call = closed & (calls < max_calls) & (n < R)  # a call it may make, with room for its result
+        calls = calls + call
+        waiting = waiting | call
+        done = done | (sampled & torch.isin(tok, stops)) | (closed & ~call) | (n >= R)
+        finished = calling = False
+        if t % check_every == check_every - 1:
+            finished, calling = torch.stack([done.all(), waiting.any()]).tolist()  # one host sync
+        if finished or t == n_steps - 1:
+            break
+        if graphs:  # each step's logits are read before the next replay overwrites them
+            torch.compiler.cudagraph_mark_step_begin()
+        logits = step(decoder, tok.masked_fill(~going, pad_id)[:, None], mask, fed_pos[:, None], cache=cache, kw=kw)
+        if calling:  # 3. the calls: run on the host, their results queued for the rows to feed
+            rows = waiting.nonzero().squeeze(1)
+            have, is_tool, lengths = ids[rows].tolist(), tool_mask[rows].tolist(), n[rows].tolist()
+            written = [[x for x, m in zip(r[:k], tl[:k]) if not m] for r, tl, k in zip(have, is_tool, lengths)]
+            results = results_tokens(tokenizer, written, tool, [R - k for k in lengths])
+            r_ids, r_mask = common.pad(results, pad_id)  # (A, F), F <= R
+            forced[rows, :r_ids.shape[1]] = r_ids.to(device)
+            f_at, f_len = f_at.index_fill(0, rows, 0), f_len.index_copy(0, rows, r_mask.sum(1).to(device))
+            waiting = waiting.index_fill(0, rows, False)
+    if bad:
+        raise RuntimeError(NAN_LOGITS)
+    width = int(n.max())  # the longest response
+    own = (torch.arange(width, device=device) < n[:, None]).long()  # (B, width)
+    return ids[:, :width], own, logps[:, :width], tool_mask[:, :width]
 
 
 def tool_calls(tool_mask):

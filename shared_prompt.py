@@ -9,7 +9,18 @@ prompt tokens, the response's the prompt's keys and values and their own; only f
 another order (fp32: ~1e-6 on random weights). With a gradient, the cache's keys and values carry it
 back to the prompt's positions through the same index, summed over the rows that share it, as the
 padded forward's sum over their copies (tests/test_shared_prompt.py).
+
+Memory: a shared forward holds at most a padded micro-batch's rows (micro_batches cuts by rows even
+where --padding_free would cut by tokens), so each of its terms is at most the padded one's: U x P +
+B x R tokens' activations, B x R logits (never concatenated: the first position's log-probs and the
+rest's are computed apart), and B x (P + R) cached keys and values, which the padded forward keeps for
+its backward too. Without a gradient (the reference pass) the cache of every layer lives to the
+forward's end: B x (P + R) x layers, at most the rollout's cache of all its rows (bench/memory.py).
+Not bitwise the padded path's (float order): a pass whose log-probs are compared token by token with
+another model's (grpo.py's old policy against its teacher) keeps to common's, so that both take one
+path whatever each model's activation checkpointing (tests/test_grpo.py).
 """
+import itertools
 from contextlib import nullcontext
 
 import torch
@@ -18,14 +29,61 @@ from transformers.cache_utils import DynamicLayer
 import common
 
 
+def _flops(tokens, keys, w):
+    """packing_pays' per-layer count in units of a token's projections and MLP (24 h^2): each of
+    `tokens` tokens attending over `keys` keys adds w = 1 / (6 h) a key."""
+    return tokens * (1 + w * keys)
+
+
+def _possible(model, n_prompt, d):
+    """Whether the shared forward can run: one process (every FSDP rank must run as many forwards, and
+    whether a rank's rows share prompts is its own), a prompt block, no activation checkpointing
+    (transformers turns the cache off under it)."""
+    return d.world_size == 1 and n_prompt > 0 and not getattr(model, "is_activation_checkpointing", False)
+
+
+def micro_batches(rows, ids, attn, n_response, rows_per_forward, d, packed=False, model=None, enabled=True):
+    """(micro-batches, shared): common.micro_batches' cut (packed: by tokens), or, where computing each
+    distinct prompt once computes fewer FLOPs, micro-batches of rows_per_forward rows (never more rows
+    than a padded micro-batch, whatever packing would fit: its memory) with shared = True, for
+    response_logprobs(shared=True). A micro-batch of rows of distinct prompts counts as its padded or
+    packed forward, which it then takes. A few host syncs (the rows' lengths and prompts) a pass."""
+    P, R = ids.shape[1] - n_response, n_response
+    cut = common.micro_batches(rows, attn, rows_per_forward, d, packed)
+    if not enabled or model is None or not _possible(model, P, d):
+        return cut, False
+    T, w = ids.shape[1], 1 / (6 * model.config.get_text_config().hidden_size)
+    _, prompt = torch.unique(torch.cat([ids[rows, :P], attn[rows, :P]], 1), dim=0, return_inverse=True)
+    lengths, prompt = attn[rows].sum(-1).tolist(), prompt.tolist()  # per row of `rows`, in order
+    per_row = "flash" in str(model.config._attn_implementation) or model.config._attn_implementation == "sdpa_packed"
+
+    def alone(a, b):  # common.response_logprobs' FLOPs for rows[a:b]: padded, or packed (N x N pairs under SDPA)
+        if not packed:
+            return _flops((b - a) * T, T, w)
+        n = lengths[a:b]
+        return sum(_flops(x, x, w) for x in n) if per_row else _flops(sum(n), sum(n), w)
+
+    def shared(a, b):
+        U = len(set(prompt[a:b]))
+        return alone(a, b) if U == b - a else _flops(U * P, P, w) + _flops((b - a) * R, T, w)
+
+    def spans(chunks):  # each micro-batch's (first, end) in `rows`: they cut it in order
+        ends = list(itertools.accumulate(len(c) for c in chunks))
+        return zip([0] + ends[:-1], ends)
+
+    by_rows = common.micro_batches(rows, attn, rows_per_forward, d)
+    if sum(shared(a, b) for a, b in spans(by_rows)) < sum(alone(a, b) for a, b in spans(cut)):
+        return by_rows, True
+    return cut, False
+
+
 def response_logprobs(model, input_ids, attention_mask, n_response, temperature=1.0, with_entropy=False,
-                      entropy_grad=False, truncate=None, packed=False, d=common.Dist()):
+                      entropy_grad=False, truncate=None, packed=False, shared=True):
     """common.response_logprobs' (B, R) log-probs (and entropies: detached unless entropy_grad), the
-    prompts (the first T - n_response columns, left-padded) computed once each. common.response_logprobs
-    itself (packed or not) where no two rows share a prompt, under torchrun (every rank must run as
-    many forwards: FSDP's are collective, and whether a rank's rows share prompts is its own), under
-    activation checkpointing (transformers turns the cache off) and for caches that are not plain
-    (sliding-window layers)."""
+    prompts (the first T - n_response columns, left-padded) computed once each where shared (the rows
+    cut by micro_batches for it: at most a padded micro-batch's). common.response_logprobs itself
+    (packed or not) where not shared, where no two rows share a prompt, under torchrun, under
+    activation checkpointing and for caches that are not plain (sliding-window layers)."""
     P, R = input_ids.shape[1] - n_response, n_response
 
     def whole():
@@ -33,7 +91,7 @@ def response_logprobs(model, input_ids, attention_mask, n_response, temperature=
                                         with_entropy=with_entropy, entropy_grad=entropy_grad, truncate=truncate,
                                         packed=packed)
 
-    if d.world_size > 1 or P == 0 or getattr(model, "is_activation_checkpointing", False):
+    if not shared or not _possible(model, P, common.Dist()):
         return whole()
     p_rows, inverse = torch.unique(torch.cat([input_ids[:, :P], attention_mask[:, :P]], 1), dim=0, return_inverse=True)
     if len(p_rows) == len(input_ids):
@@ -45,45 +103,51 @@ def response_logprobs(model, input_ids, attention_mask, n_response, temperature=
                 **keep)
     if not all(type(layer) is DynamicLayer for layer in out.cache.layers):
         return whole()
-    logits = out.logits[:, -1:][inverse]  # (B, 1, V)
+    logits = [out.logits[:, -1:][inverse]]  # (B, 1, V)
     # 2. every row's response after its prompt's keys and values: positions P .. P + R - 2 predict tokens 2 .. R
     if R > 1:
         for layer in out.cache.layers:  # (U, h, P, D) -> (B, h, P, D)
             layer.keys, layer.values = layer.keys[inverse], layer.values[inverse]
         pos = common.position_ids_from_mask(attention_mask)[:, P:-1]  # (B, R - 1)
-        rest = model(input_ids=input_ids[:, P:-1], attention_mask=attention_mask[:, :-1], position_ids=pos,
-                     cache=out.cache, use_cache=True).logits  # (B, R - 1, V)
-        logits = torch.cat([logits, rest], 1)  # (B, R, V)
+        logits.append(model(input_ids=input_ids[:, P:-1], attention_mask=attention_mask[:, :-1], position_ids=pos,
+                            cache=out.cache, use_cache=True).logits)  # (B, R - 1, V)
     del out
-    if temperature != 1.0:
-        logits = logits / temperature
-    labels = input_ids[:, P:]
-    logps = common.logprobs_from_logits(logits if truncate is None else truncate(logits, labels), labels)
+    # each part's log-probs and entropies apart, then joined: (B, R) each, no (B, R, V) copy of the logits
+    labels = input_ids[:, P:].split([1, R - 1], 1)[:len(logits)]
+    logits = [x / temperature for x in logits] if temperature != 1.0 else logits
+    logps = torch.cat([common.logprobs_from_logits(x if truncate is None else truncate(x, y), y)
+                       for x, y in zip(logits, labels)], 1)  # (B, R)
     if not with_entropy:
         return logps
     with nullcontext() if entropy_grad else torch.no_grad():
-        return logps, common.entropy_from_logits(logits)
+        return logps, torch.cat([common.entropy_from_logits(x) for x in logits], 1)
 
 
 @torch.no_grad()
 def batched_logprobs(model, ids, attn, n_response, temperature, d, rows_per_forward, with_entropy=False, truncate=None,
-                     packed=False):
-    """common.batched_logprobs, each micro-batch through response_logprobs above: (N, R) log-probs
-    (and entropies), no graph."""
-    out = []
-    for r in common.micro_batches(torch.arange(ids.shape[0], device=ids.device), attn, rows_per_forward, d, packed):
+                     packed=False, enabled=True):
+    """common.batched_logprobs, each micro-batch through response_logprobs above (micro_batches above
+    decides where prompts are shared): (N, R) log-probs (and entropies), no graph."""
+    out, packed = [], packed and common.packing_pays(model, attn, rows_per_forward, d)
+    chunks, shared = micro_batches(torch.arange(ids.shape[0], device=ids.device), ids, attn, n_response,
+                                   rows_per_forward, d, packed, model=model, enabled=enabled)
+    for r in chunks:
         with common.autocast(d):
             out.append(response_logprobs(model, ids[r], attn[r], n_response, temperature=temperature,
-                                         with_entropy=with_entropy, truncate=truncate, packed=packed, d=d))
+                                         with_entropy=with_entropy, truncate=truncate, packed=packed, shared=shared))
     if with_entropy:
         return tuple(torch.cat([o[j] for o in out]).float() for j in (0, 1))
     return torch.cat(out).float()
 
 
-def sequence_logprobs(model, batch, d, packed=False):
-    """common.sequence_logprobs through response_logprobs above: log pi(y|x) summed over each row's
-    response tokens, (B,), for a batch (ids, attn, resp)."""
+def sequence_logprobs(model, batch, d, packed=False, enabled=True):
+    """common.sequence_logprobs (one forward of the batch, DPO's chosen and rejected rows) through
+    response_logprobs above where micro_batches above finds sharing computes less: log pi(y|x) summed
+    over each row's response tokens, (B,), for a batch (ids, attn, resp)."""
     ids, attn, resp = batch
+    packed = packed and common.packing_pays(model, attn, len(ids))
+    _, shared = micro_batches(torch.arange(len(ids), device=ids.device), ids, attn, resp.shape[1], len(ids), d, packed,
+                              model=model, enabled=enabled)
     with common.autocast(d):
-        logps = response_logprobs(model, ids, attn, resp.shape[1], packed=packed, d=d)  # (B, R)
+        logps = response_logprobs(model, ids, attn, resp.shape[1], packed=packed, shared=shared)  # (B, R)
     return (logps.float() * resp).sum(-1)

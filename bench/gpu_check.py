@@ -21,14 +21,16 @@ weights where its package is installed (models.model_folder("smollm2")). Checks:
     grpo.minibatch_rows with gradients on (the update): identical, bit for bit.
 (b) grpo.py at lr 0, 2 passes x 2 mini-batches, temperature 0.7, top-p 0.95, under `python` and
     `torchrun --nproc_per_node 1`, with and without --activation_checkpointing and
-    --offload_frozen: the policy is its reference and its own old policy, so KL <= 1e-5, no token
+    --offload_frozen, and with --lora (its reference: the adapters off; its frozen base cast to bf16
+    once per rollout): the policy is its reference and its own old policy, so KL <= 1e-5, no token
     clipped (clip_ratio/low = clip_ratio/high = 0) and rollout/logp_diff <= 1e-2, read from
     metrics.jsonl; rewards must differ within some group (else no advantage could be clipped).
 (c) each run's logged peak (mem/peak_gib) against bench/memory.py's estimate of the same flags
-    and shape (its config.json), within 10% + 1 GiB; --compile and --teacher runs included.
+    and shape (its config.json), within 10% + 1 GiB; --compile, --teacher and --lora runs included.
 (d) --compile under TORCH_LOGS=recompiles,cudagraphs,dynamo: at most 2 compilations, CUDA graphs
     recorded in steps 1-2 and never after step 2, none skipped; ms per decoded token (the
-    rollout's time over its tokens, prefill included) eager, compiled and under torchrun x1.
+    rollout's time over its tokens, prefill included) eager, compiled, under torchrun x1 and with
+    --lora (bench/lora_cast.py measures its rollout with the base cast once against per forward).
 (e) dpo.py at lr 0, with --precompute_ref and with a live reference: loss within 1e-3 of ln 2,
     rewards/margins within 1e-3 of 0.
 The table (check, value, bound, pass/FAIL) goes to stdout and to
@@ -75,7 +77,8 @@ GPU = dict(  # what the check runs on a GPU: shapes in bench/memory.py's format,
         ("qwen2.5-0.5b", "torchrun", ["--activation_checkpointing", "--offload_frozen"]),
         ("llama-3-8b, 4 layers", "python", []), ("llama-3-8b, 4 layers", "torchrun", []),
         ("llama-3-8b, 4 layers", "python", ["--teacher", "SELF"]),  # SELF: the policy's folder; 7 GiB in fp32
-        ("qwen2.5-0.5b", "python", ["--compile"])],  # 3 steps: a CUDA graph re-recorded in step 3 shows
+        ("qwen2.5-0.5b", "python", ["--compile"]),  # 3 steps: a CUDA graph re-recorded in step 3 shows
+        ("qwen2.5-0.5b", "python", ["--lora"])],  # the frozen base cast once per rollout (environment.frozen_in_bf16)
     dpo=dict(shape="qwen2.5-0.5b", batch_size=8, max_prompt_len=128, max_response_len=128),
     budget_s=600)
 CPU = dict(
@@ -461,7 +464,7 @@ def run_grpo(shape, launcher, extra, folders, paths, plan, work, cpu, only):
         flags = dict(plan["grpo"], num_mini_batches=2, grad_accum=1)
         flags |= {"activation_checkpointing": "--activation_checkpointing" in extra,
                   "offload_frozen": "--offload_frozen" in extra, **({"compile": True} if compiled else {}),
-                  **({"teacher": folder} if "--teacher" in extra else {})}
+                  **({"teacher": folder} if "--teacher" in extra else {}), **({"lora": True} if "--lora" in extra else {})}
         out.append(memory_row(name, rows, os.path.join(folder, "config.json"), "grpo", launcher, flags))
     if "d" in only:
         if compiled:

@@ -33,18 +33,22 @@ On a GPU (bytes per GPU; N parameters, W ranks under torchrun, bf16 compute), pe
   input, then the largest of the logits with their gradient, one block recomputed, and the
   forward's end with autocast's copies;
 - the optimizer step: the gradients, 4N/W;
-- GRPO's rollout: the whole policy gathered (FSDP2) or autocast's copies, the static KV cache (bf16;
+- GRPO's rollout: the whole policy gathered (FSDP2) or autocast's copies (--lora: a bf16 copy of the
+  frozen base's linear weights, made once for the rollout by environment.frozen_in_bf16, 2 bytes per
+  weight; none with --compile, whose decoder copies serve), the static KV cache (bf16;
   a RoPE model's keys stay fp32 under autocast) of the rows of one call of the sampler (every
   sampled row, --rs_samples a prompt, else --group_size; with --generation_micro_batch_size N the
   largest of environment.sample's chunks of at most N) and, while it is filled, the prefill's,
-  whose forward's transients come first (6 I + c h bytes per token). The largest call of the
-  sampler: the first (each distinct prompt of the chunk prefilled once, P + R slots), or with
-  --tools a later turn of the tool loop (sampling.generate_with_tools), bounded by every row of the
-  chunk prefilled again with P + R tokens into P + 2R slots (one row R tokens past its prompt,
-  another none);
+  whose forward's transients come first (6 I + c h bytes per token), and one layer's prompt keys
+  and values gathered for every row (or, later, the decode's logits). The sampler's one call per
+  chunk prefills each distinct prompt once into a cache of P + R slots; with --tools
+  (sampling.generate_with_tools: one loop, a call's result fed to its row token by token) that
+  cache, continued, of P + R + 7 x --max_tool_calls slots: a calling row waits for the host, which
+  reads the calls every 8 steps on a GPU, up to 7 steps a call;
 - GRPO's reward model over every sampled row, without a graph (its largest transients: 6 I + c h
   bytes per token, c fitted to the tracker), and the reference's, old policy's and teacher's
-  log-probs, one micro-batch of logits at a time.
+  log-probs, one micro-batch of logits at a time (--lora: beside its base's bf16 copy, made once
+  for the reference and old passes).
 Checked against bench/memory_trace.py (`--check`; tests/test_memory_model.py fails past 10%). Not
 counted: CUDA's context and the allocator's fragmentation (`fits` adds 1 GiB and 10%), the data,
 checkpoint writing (bench/load_memory.py). On the CPU (`--device cpu`, fp32, the math attention
@@ -157,13 +161,14 @@ def lora_params(s, r=16):
 
 def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, response_len=512, rollout_rows=64,
               prompts=8, grad_accum=1, ac=False, offload_frozen=False, lora=False, lora_r=16, precompute_ref=True,
-              reward_model=True, teacher=False, compile=False, tools=False, generation_rows=0):
+              reward_model=True, teacher=False, compile=False, tools=0, generation_rows=0):
     """Bytes per GPU of each phase's parts, {phase: {part: bytes}}, bf16 compute (FSDP2's
     MixedPrecisionPolicy under torchrun, autocast under `python`). seqs: sequences of one
     micro-batch (DPO and the reward model: both sequences of each pair); rollout_rows: GRPO's
     completions sampled per rank (--rs_samples of each of its `prompts`, else group_size);
     generation_rows: the rows of one call of its sampler (0: all rollout_rows), a chunk of
-    consecutive rows whose groups are contiguous."""
+    consecutive rows whose groups are contiguous; tools: the calls a row may make (--max_tool_calls
+    with --tools; 0: no tool)."""
     N, n_block, n_root = n_params(s)
     fsdp = launcher == "torchrun"
     W = world if fsdp else 1
@@ -189,22 +194,23 @@ def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, r
     # block's linears use (FP32Head computes in fp32 from the fp32 weight: no copy). A frozen weight
     # (LoRA's base) is cast anew by each op instead, and kept only where the backward needs it
     weights = {"gathered (FSDP)": 2 * (n_root + 2 * n_block)} if fsdp else {"autocast copies": 2 * L * n_block}
-    no_grad_weights = {} if lora else weights  # the rollout's and the log-prob passes'
+    # the rollout's and the log-prob passes': LoRA's frozen base swapped for a bf16 copy made once for the block
+    # (environment.frozen_in_bf16; the rollout's not with --compile, which decodes from the decoder copies)
+    no_grad_weights = {"bf16 base (cast once)": 2 * L * linear} if lora else weights
     # GRPO --compile: one static KV cache per model kept between rollouts (sampling._decode_cache) and,
     # under autocast, bf16 copies of the linear weights kept for the compiled decode (sampling._bf16_decoder)
     # bf16 keys and values; under autocast a RoPE model's keys stay fp32 (its fp32 residual stream makes
     # cos and sin fp32, and q * cos with them)
     kv_bytes = kv * (6 if not fsdp and not s["pos"] else 4)
-    # the largest call of sampling.generate: the first, whose distinct prompts are prefilled once into a
-    # cache of P + R slots; with --tools (sampling.generate_with_tools) a later one, at most every row's prompt and response
-    # so far (the prompt block P + R) prefilled, into P + 2R slots (one row R tokens past its prompt, one 0)
+    # the sampler's call: the distinct prompts prefilled once into a cache of P + R slots; with --tools
+    # (sampling.generate_with_tools) the same cache, continued to the end, with 7 slots more per call a row may
+    # make (max_tool_calls): the steps a calling row waits for the host to read its call, every 8 on a GPU
     # --generation_micro_batch_size: one chunk of `rows` rows at a time, its distinct prompts at most those
     # of `rows` consecutive rows (a group's rows are consecutive, and a chunk may cut one at either end)
     rows = min(generation_rows or rollout_rows, rollout_rows)
     group = rollout_rows // max(prompts, 1)
     chunk_prompts = min(prompts, -(-(rows - 1) // max(group, 1)) + 1)
-    slots = cache_slots(S + (R if tools else 0), compile)
-    prefill_rows, prefill_len = (rows, S) if tools else (chunk_prompts, prompt_len)
+    slots = cache_slots(S + 7 * tools, compile)
     cache = rows * slots * L * kv_bytes
     kept = {}
     if script == "grpo" and lora and ac:  # transformers makes the embeddings' output a leaf that requires grad;
@@ -252,17 +258,21 @@ def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, r
         return phases
 
     # GRPO: the rollout, the reward model over the rank's rollout, the reference's, old and teacher's log-probs
-    roll = dict(state, **({"gathered (FSDP)": 2 * N} if fsdp else no_grad_weights), **kept)  # common.unsharded
+    rollout_weights = {} if lora and compile else no_grad_weights
+    roll = dict(state, **({"gathered (FSDP)": 2 * N} if fsdp else rollout_weights), **kept)  # common.unsharded
     roll["KV cache"] = roll.pop("compiled KV cache", cache)
     # the prefill's own cache of each prompt while the static cache is filled; its forward's largest moment
     # (one layer's MLP and a few hidden states for every token, the constant c fitted to bench/memory_trace.py:
     # GPT-2's Python GELU and autocast's fp32 residual stream keep more) comes before the static cache is
     # made, unless --compile kept it
-    roll["prefill cache"] = prefill_rows * prefill_len * L * kv_bytes
+    roll["prefill cache"] = chunk_prompts * prompt_len * L * kv_bytes
     c = (17 if s["gated"] else 31) if not fsdp else (6 if s["gated"] else 21)
-    transients = prefill_rows * prefill_len * (6 * I + c * h)
+    transients = chunk_prompts * prompt_len * (6 * I + c * h)
     roll["prefill forward"] = transients if compile else max(0, transients - cache)
-    roll["logits"] = 4 * rows * V
+    # then, filling the static cache (sampling._fill_cache: k[inverse]), one layer's prompt keys and values
+    # gathered for every row at a time beside the whole cache and the prefill's, or the decode's fp32 logits
+    fill = rows * prompt_len * kv_bytes if chunk_prompts < rows else 0
+    roll["cache fill or logits"] = max(fill, 4 * rows * V)
     phases["rollout"] = roll
     if reward_model:  # no graph, over every sampled row (environment.learned_rewards); the same transients
         rm = dict(state_kept)
@@ -369,7 +379,8 @@ def estimate(s, script, world=1, launcher="torchrun", device="gpu", ac=False, of
     knobs["seqs"] *= 2 if script in ("dpo", "reward") else 1
     return gpu_parts(s, script, world, launcher, grad_accum=cfg.grad_accum, prompts=prompts,
                      lora_r=getattr(cfg, "lora_r", 16), teacher=bool(getattr(cfg, "teacher", "")),
-                     compile=getattr(cfg, "compile", False), tools=bool(getattr(cfg, "tools", "")), **knobs)
+                     compile=getattr(cfg, "compile", False), tools=cfg.max_tool_calls if getattr(cfg, "tools", "") else 0,
+                     **knobs)
 
 
 def total(phases, device):

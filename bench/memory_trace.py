@@ -1,7 +1,8 @@
 """Peak memory per GPU of each script's step, measured without a GPU: the scripts' own functions
 (common.shard_model, response_logprobs, the losses, backward, optimizer_step; grpo.py's reference,
-teacher and update passes, add_lora; the sampler's prefill, cache and bf16 decoder) run on fake
-tensors (torch's FakeTensorMode: shapes and dtypes, no storage) under a fake process group of W
+teacher and update passes, add_lora and its base cast once (environment.frozen_in_bf16); the
+sampler's prefill, cache and bf16 decoder) run on fake tensors (torch's FakeTensorMode: shapes
+and dtypes, no storage) under a fake process group of W
 ranks, FSDP2 included, and torch's MemTracker (FSDPMemTracker under torchrun) adds up the live
 bytes per phase. bench/memory.py's model is checked against it (tests/test_memory_model.py).
 
@@ -14,9 +15,9 @@ A GPU's choices on fake CPU tensors: bf16 compute (FSDP2's MixedPrecisionPolicy,
 probabilities). Not counted: CUDA's context and the allocator's fragmentation (memory.fits adds
 them). A call of the sampler is its prefill and one decode step into the full static cache: the
 cache is allocated whole before the first token, so later tokens add only a step's logits. GRPO's
-rollout is the first call; with --tools also the largest later turn of the tool loop (sampling.generate_with_tools)
-(which needs a tokenizer and the rows' tokens, so it is not run itself): every row's prompt and
-response so far prefilled again into a new cache, as generate_with_tools calls sampling.generate.
+rollout is one call; with --tools (sampling.generate_with_tools: one loop, a call's result fed to
+its row token by token) its cache has sampling.tool_steps' slots past the prompt, the waits for the
+host a GPU's check period allows.
 With --compile the persistent cache and the bf16 decoder copies are sampling's own, kept by it
 between steps; the decode step runs uncompiled (the memory is its inputs').
 """
@@ -276,13 +277,13 @@ def _turn(model, rows, n_prompts, prompt_len, slots, cfg, d):
 
 
 def _grpo(model, optimizer, scheduler, frozen, cfg, d, tracker):
-    """The rollout (prefill of the distinct prompts, one decode step; with --tools also a later turn:
-    every row's prompt and response so far prefilled again, into a new cache; with
-    --generation_micro_batch_size the largest of environment.sample's chunks), the reward model's
+    """The rollout (prefill of the distinct prompts, one decode step; with --tools into the tool
+    loop's cache; with --generation_micro_batch_size the largest of environment.sample's chunks), the reward model's
     forward over the rank's rollout (--rs_samples rows a prompt), the reference's, the old policy's
     and the teacher's log-probs, the update."""
     import environment
     import grpo
+    import sampling
 
     n_local = cfg.prompts_per_step // d.world_size
     rows = n_local * cfg.group_size  # this rank's completions in the update
@@ -297,17 +298,16 @@ def _grpo(model, optimizer, scheduler, frozen, cfg, d, tracker):
     ref = frozen.get("reference")  # None with --lora: the policy with its adapters off
     for step in range(2):
         with tracker.phase("rollout", measure=step == 1):
-            with common.evaluating(model, gather=True), common.autocast(d), torch.no_grad():
-                _turn(model, chunk, chunk_prompts, P, memory.cache_slots(P + R, cfg.compile), cfg, d)
-                if cfg.tools:  # the tool loop: at most every row active, the longest history R tokens past its
-                    # prompt (the prompt block P + R), the shortest 0 (R tokens to go): P + 2R slots
-                    _turn(model, chunk, chunk, P + R, memory.cache_slots(P + 2 * R, cfg.compile), cfg, d)
+            with common.evaluating(model, gather=True), common.autocast(d), torch.no_grad(), \
+                    environment.frozen_in_bf16(model, d, enabled=not cfg.compile):  # environment.sample's
+                steps = sampling.tool_steps(R, cfg.max_tool_calls, sampling.GPU_CHECK_EVERY) if cfg.tools else R
+                _turn(model, chunk, chunk_prompts, P, memory.cache_slots(P + steps, cfg.compile), cfg, d)
         ids, attn, _ = _batch(sampled, P, R, d)
         if cfg.reward_model:
             with tracker.phase("reward model", measure=step == 1), common.autocast(d), torch.no_grad():
                 common.reward_scores(frozen["reward model"], ids[:, :-1], attn[:, :-1])  # environment.learned_rewards
         ids, attn, loss_mask = _batch(rows, P, R, d)  # grpo.reward: group_size of each prompt's samples kept
-        with tracker.phase("reference and old log-probs", measure=step == 1):
+        with tracker.phase("reference and old log-probs", measure=step == 1), environment.frozen_in_bf16(model, d):
             with grpo.reference_context(model, ref):
                 ref_logps = common.batched_logprobs(model if ref is None else ref, ids, attn, R,
                                                     temperature=cfg.temperature, d=d, rows_per_forward=micro)

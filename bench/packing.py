@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
+from plumbing import models  # noqa: E402
 from bench import util  # noqa: E402
 
 
@@ -80,7 +81,7 @@ def main():
         model = model.to(device).train()
         ids, attn, resp = (t.to(device) for t in batch(model.config.vocab_size, lengths(args.rows_total, args.seed)))
         real, total = int(attn.sum()), attn.numel()
-        assert common.packing_works(model, device)
+        assert models.packing_works(model, device)
         times = {False: [], True: []}
         update_pass(model, ids, attn, resp, args.rows, True, device)  # warm-up, both layouts
         update_pass(model, ids, attn, resp, args.rows, False, device)
@@ -90,7 +91,8 @@ def main():
                 times[packed].append(update_pass(model, ids, attn, resp, args.rows, packed, device))
         tps = {k: [real / t for t in v] for k, v in times.items()}
         ratios = [a / b for a, b in zip(times[False], times[True])]  # pairwise, same round
-        row = {"padding_share": 1 - real / total, "real_tokens": real, "padded_tokens": total,
+        pays = common.packing_pays(model, attn, args.rows)  # what the scripts decide here
+        row = {"padding_share": 1 - real / total, "real_tokens": real, "padded_tokens": total, "packing_pays": pays,
                "tokens_per_s": {("packed" if k else "padded"): {"median": statistics.median(v), "min": min(v),
                                                                 "max": max(v)} for k, v in tps.items()},
                "ratio_packed_over_padded": {"median": statistics.median(ratios), "min": min(ratios),
@@ -99,7 +101,8 @@ def main():
         print(f"{shape} ({args.layers} layers): padding {row['padding_share']:.0%} of {total} tokens; tokens/s padded "
               f"{statistics.median(tps[False]):.0f} [{min(tps[False]):.0f}, {max(tps[False]):.0f}], packed "
               f"{statistics.median(tps[True]):.0f} [{min(tps[True]):.0f}, {max(tps[True]):.0f}]; packed/padded "
-              f"{row['ratio_packed_over_padded']['median']:.2f}x [{min(ratios):.2f}, {max(ratios):.2f}]", flush=True)
+              f"{row['ratio_packed_over_padded']['median']:.2f}x [{min(ratios):.2f}, {max(ratios):.2f}]; the scripts "
+              f"would {'pack' if pays else 'pad'}", flush=True)
     print(util.write_results("packing", results, device))
 
 

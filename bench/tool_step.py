@@ -8,10 +8,9 @@ plain tokens and nothing runs). The sides alternate, each in a fresh subprocess,
 times in ABBA order; the first step of a run is warm-up and left out. Tokens/s counts response
 tokens, the model's and (with the tool) the results', per second: the tool's tokens are not
 sampled, but a step attends to them and carries them through every forward. The ratios: of the
-sums over every repeat, and per repeat (its median and range). What the tool loop costs: a
-sampler call per turn (its rows continue in the first turn's KV cache, sampling.KeptCache: a
-turn feeds the model each row's closing tag and result, and decodes until its rows stop, the
-finished ones riding along masked) and the host work of decoding a call and encoding its result. A call runs in a worker process
+sums over every repeat, and per repeat (its median and range). What the tool loop costs: the
+host work of decoding a call and encoding its result, and a call's result fed to its row one token
+a decode step (sampling.generate_with_tools: one loop for every row, no turns). A call runs in a worker process
 (tools.py): its cost alone, per call of the calculator, is measured too, against a thread of a
 pool in the trainer's own process (how a tool ran before, and what a hanging tool could hang).
 

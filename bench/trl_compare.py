@@ -45,6 +45,15 @@ tokens/s then counts each step's expected real tokens (rows x the mean pair), th
 both sides; GRPO's, the prompts' mean + each side's measured completions, as with fixed lengths
 (a random-weight policy seldom stops, so its completions run to the longest response length).
 
+Padding-free (`-pf` variants): ours with --padding_free (each micro-batch's rows packed into one
+sequence, position ids restarting per row), beside ours with --no-padding_free; every run of ours
+passes one of the two. TRL 1.16 has none to match: GRPOTrainer has no padding-free or packing
+option (experimental AsyncGRPOTrainer packs, but needs a vLLM server and flash-attention kernels
+from the Hub), and DPOConfig takes
+padding_free=True but DPOTrainer warns and pads anyway ("temporarily unavailable after a
+refactor"); `trl-live-pf` asks for it, and its checks print padding_free_in_effect. `--variants`
+runs a subset, e.g. `--variants ours,ours-pf,trl`.
+
 TRL is optional (`pip install trl==1.16.0 torch==2.13.0`); without it this prints
 "trl is not installed; skipped" and exits 0.
 """
@@ -70,24 +79,58 @@ from plumbing import models  # noqa: E402
 
 GRPO_BETA, DPO_BETA = 0.04, 0.1
 TARGETS = {"grpo": 1.5, "dpo": 1.3}  # ours / TRL tokens/s wanted, like for like, at equal or lower memory
-VARIANTS = {  # name -> (side, settings) of every case run, in this order
-    "grpo": {"ours": ("ours", {}),
-             "ours-compile": ("ours", {"compile": True}),
-             "trl": ("trl", {"gc": False}),
+VARIANTS = {  # name -> (side, settings) of every case run, in this order; -pf: padding-free (packed) forwards
+    "grpo": {"ours": ("ours", {"padding_free": False}),
+             "ours-pf": ("ours", {"padding_free": True}),
+             "ours-compile": ("ours", {"compile": True, "padding_free": False}),
+             "trl": ("trl", {"gc": False}),  # GRPOTrainer 1.16 has no padding-free forward: no trl-pf
              "trl-gc": ("trl", {"gc": True})},
-    "dpo": {"ours-live": ("ours", {"precompute": False}),
-            "ours-pre": ("ours", {"precompute": True}),
-            "trl-live": ("trl", {"gc": False, "precompute": False}),
-            "trl-live-gc": ("trl", {"gc": True, "precompute": False}),
-            "trl-pre": ("trl", {"gc": False, "precompute": True})},
+    "dpo": {"ours-live": ("ours", {"precompute": False, "padding_free": False}),
+            "ours-live-pf": ("ours", {"precompute": False, "padding_free": True}),
+            "ours-pre": ("ours", {"precompute": True, "padding_free": False}),
+            "ours-pre-pf": ("ours", {"precompute": True, "padding_free": True}),
+            "trl-live": ("trl", {"gc": False, "precompute": False, "padding_free": False}),
+            # DPOConfig 1.16 takes padding_free=True but DPOTrainer warns and pads: its checks say so
+            "trl-live-pf": ("trl", {"gc": False, "precompute": False, "padding_free": True}),
+            "trl-live-gc": ("trl", {"gc": True, "precompute": False, "padding_free": False}),
+            "trl-pre": ("trl", {"gc": False, "precompute": True, "padding_free": False})},
 }
-# (ours, theirs, what, like for like): the ratios printed; the targets apply to the like-for-like ones
+# (first, second, what, like for like): the tokens/s and memory ratios first / second printed. The second is
+# TRL, or our padded run where the pair is ours packed vs padded. The targets apply to the like-for-like ones.
 PAIRS = {"grpo": [("ours", "trl", "like for like", True),
+                  ("ours-pf", "trl", "ours padding-free vs TRL (padded: GRPOTrainer has no padding-free)", False),
+                  ("ours-pf", "ours", "ours padding-free vs ours padded", False),
                   ("ours-compile", "trl", "ours with the rollout's decode step compiled (--compile)", False),
                   ("ours", "trl-gc", "TRL default gradient checkpointing", False)],
          "dpo": [("ours-live", "trl-live", "like for like, live reference", True),
+                 ("ours-live-pf", "trl-live-pf", "padding-free asked of both (TRL 1.16 pads anyway), live reference",
+                  False),
+                 ("ours-live-pf", "ours-live", "ours padding-free vs ours padded, live reference", False),
                  ("ours-pre", "trl-pre", "like for like, precomputed reference", True),
+                 ("ours-pre-pf", "trl-pre", "ours padding-free vs TRL padded, precomputed reference", False),
+                 ("ours-pre-pf", "ours-pre", "ours padding-free vs ours padded, precomputed reference", False),
                  ("ours-live", "trl-live-gc", "TRL default gradient checkpointing, live reference", False)]}
+
+
+def pick_variants(algo, names=None):
+    """The variants of `algo` run (--variants, comma-separated; None: all) and the pairs among them."""
+    known = list(VARIANTS[algo])
+    chosen = known if names is None else [n for n in known if n in names]
+    unknown = sorted(set(names or ()) - {n for v in VARIANTS.values() for n in v})
+    if unknown:
+        raise ValueError(f"--variants: unknown {', '.join(unknown)}; known: "
+                         + "; ".join(f"{a}: {', '.join(v)}" for a, v in VARIANTS.items()))
+    if not chosen:
+        raise ValueError(f"--variants: none of {algo}'s ({', '.join(known)})")
+    return chosen, [pair for pair in PAIRS[algo] if pair[0] in chosen and pair[1] in chosen]
+
+
+def pair_ratios(runs, first, second, cuda):
+    """Tokens/s and peak-memory ratios first / second, one per repeat (runs side by side), their medians."""
+    per = [o["tokens_per_s"] / t["tokens_per_s"] for o, t in zip(runs[first], runs[second], strict=True)]
+    mem = [mem_of(o, cuda) / mem_of(t, cuda) for o, t in zip(runs[first], runs[second], strict=True)]
+    return {"tokens_per_s_ratio": statistics.median(per), "tokens_per_s_ratio_repeats": per,
+            "peak_memory_ratio": statistics.median(mem), "peak_memory_ratio_repeats": mem}
 
 
 # -----------------------------------------------------------------------------
@@ -259,7 +302,7 @@ def child_trl_dpo(spec):
     P, R = spec["prompt_len"], spec["response_len"]
     args = DPOConfig(**_trl_common_args(spec), per_device_train_batch_size=spec["batch_size"], beta=DPO_BETA,
                      loss_type=["sigmoid"], label_smoothing=0.0, max_length=P + R, truncation_mode="keep_start",
-                     padding_free=False, precompute_ref_log_probs=spec["precompute"],
+                     padding_free=spec["padding_free"], precompute_ref_log_probs=spec["precompute"],
                      precompute_ref_batch_size=64,  # ours: --eval_batch_size 64 (its default)
                      use_weighting=False, ld_alpha=None, sync_ref_model=False, activation_offloading=False)
     timer = _timer_callback()
@@ -271,6 +314,7 @@ def child_trl_dpo(spec):
     checks = _model_checks(trainer, timer) | {
         "per_device_train_batch_size": args.per_device_train_batch_size, "beta": trainer.beta,
         "loss_type": trainer.loss_types, "max_length": args.max_length, "padding_free": args.padding_free,
+        "padding_free_in_effect": trainer.padding_free,  # 1.16: False whatever was asked (it warns and pads)
         "precompute_ref_log_probs": args.precompute_ref_log_probs,
         "ref_model_in_training": type(trainer.ref_model).__name__, "token_lengths": lengths}
     return {"step_s": timer.step_s, "interval_s": timer.interval_s, "precompute_s": precompute_s.get("train"),
@@ -296,7 +340,9 @@ def child_imports(side):
 
 
 def ours_argv(algo, settings, a, model_dir, rows_file, out_dir, steps):
-    """Our script's command line for the same work as TRL's config above."""
+    """Our script's command line for the same work as TRL's config above. TRL evaluates nothing; ours
+    evaluates one held-out row before step 1 (the least it takes), outside the timed steps, so that
+    its generation adds little to the wall time and its logits nothing to the peak memory."""
     argv = ["--model", model_dir, "--dataset", rows_file, "--out_dir", out_dir, "--overwrite", "--steps", str(steps),
             "--max_prompt_len", str(a.prompt_len), "--lr", str(a.lr), "--warmup_steps", "0", "--grad_clip", "1.0",
             "--weight_decay", "0", "--grad_accum", "1", "--eval_every", "1000000"]
@@ -305,13 +351,14 @@ def ours_argv(algo, settings, a, model_dir, rows_file, out_dir, steps):
                  "--max_new_tokens", str(a.response_len), "--num_iterations", "1", "--num_mini_batches", "1",
                  "--beta", str(GRPO_BETA), "--temperature", "1.0", "--top_k", "0", "--top_p", "1.0",
                  "--epsilon_low", "0.2", "--epsilon_high", "0.28", "--loss_agg", "token_mean", "--kl_estimator", "k3",
-                 "--scale_rewards", "group", "--n_eval", "8", "--n_eval_pairs", "8"]
+                 "--scale_rewards", "group", "--n_eval", "1", "--n_eval_pairs", "1"]
         argv += ["--compile"] if settings.get("compile") else []
     else:
         argv += ["--batch_size", str(a.batch_size), "--max_response_len", str(a.response_len), "--beta", str(DPO_BETA),
                  "--eval_dataset", rows_file,  # train on every row, as TRL does (no hash split)
-                 "--loss_type", "sigmoid", "--label_smoothing", "0", "--eval_batch_size", "64", "--n_eval", "8",
-                 "--n_eval_prompts", "8", "--precompute_ref" if settings["precompute"] else "--no-precompute_ref"]
+                 "--loss_type", "sigmoid", "--label_smoothing", "0", "--eval_batch_size", "64", "--n_eval", "1",
+                 "--n_eval_prompts", "1", "--precompute_ref" if settings["precompute"] else "--no-precompute_ref"]
+    argv += ["--padding_free" if settings["padding_free"] else "--no-padding_free"]  # explicit: its default will change
     return [f"{algo}.py", *argv]
 
 
@@ -333,10 +380,13 @@ def read_ours(out_dir, log_path):
         cfg = json.load(f)
     keys = ("steps", "prompts_per_step", "group_size", "num_iterations", "num_mini_batches", "grad_accum", "batch_size",
             "max_prompt_len", "max_new_tokens", "max_response_len", "beta", "temperature", "loss_agg", "loss_type",
-            "precompute_ref", "activation_checkpointing", "lr", "warmup_steps", "weight_decay", "grad_clip")
+            "precompute_ref", "activation_checkpointing", "padding_free", "lr", "warmup_steps", "weight_decay",
+            "grad_clip")
     header = re.search(r"^(grpo|dpo): .*$", log, re.M)  # the script's own account of its batch arithmetic
     res["checks"] = {"logged_steps": len(rows), "config": {k: cfg[k] for k in keys if k in cfg},
                      "header": header.group(0) if header else None,
+                     # --padding_free asked and not turned off by the model check (common.use_packing's note)
+                     "packed": bool(cfg.get("padding_free")) and "note: --padding_free off" not in log,
                      "torch_threads_env": os.environ.get("OMP_NUM_THREADS")}
     return res
 
@@ -352,7 +402,8 @@ def run_variant(algo, name, side, settings, a, model_dir, rows_file, tmp, dtype,
     else:
         spec = {"model": model_dir, "data": rows_file, "tmp": out_dir, "steps": steps, "lr": a.lr, "dtype": dtype,
                 "batch_size": a.batch_size, "group_size": a.group_size, "prompt_len": a.prompt_len,
-                "response_len": a.response_len, "gc": settings["gc"], "precompute": settings.get("precompute", False)}
+                "response_len": a.response_len, "gc": settings["gc"], "precompute": settings.get("precompute", False),
+                "padding_free": settings.get("padding_free", False)}
         spec_path, res_path = out_dir + ".spec.json", out_dir + ".result.json"
         with open(spec_path, "w") as f:
             json.dump(spec, f)
@@ -397,10 +448,10 @@ def mem_of(case, cuda):
     return case["peak_gpu_bytes"] if cuda else case["peak_rss_bytes"]
 
 
-def order_of(algo):
-    """The variants of an algorithm with each like-for-like pair (ours, TRL) next to each other."""
-    names = [n for ours, theirs, _, _ in PAIRS[algo] for n in (ours, theirs)]
-    return list(dict.fromkeys(names + list(VARIANTS[algo])))
+def order_of(names, pairs):
+    """The variants `names` in run order, the two of each pair next to each other where they can be."""
+    paired = [n for first, second, _, _ in pairs for n in (first, second)]
+    return list(dict.fromkeys(paired + list(names)))
 
 
 def median_run(runs):
@@ -480,10 +531,18 @@ def main():
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
                    help="auto: fp32 on CPU, bf16 (autocast, fp32 weights) on a GPU that supports it: the "
                         "precision ours runs in, and the only one accepted")
+    p.add_argument("--variants", default=None, type=lambda s: s.split(","),
+                   help="comma-separated variants to run (default: all; see VARIANTS), e.g. "
+                        "ours,ours-pf,trl,ours-live,ours-live-pf,trl-live; pairs whose two variants both run are reported")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
+    try:
+        for algo in a.algos.split(","):
+            pick_variants(algo, a.variants)
+    except (ValueError, KeyError) as e:
+        p.error(str(e) if isinstance(e, ValueError) else f"--algos: unknown {e}; one of {', '.join(VARIANTS)}")
 
     if a.child:  # a TRL case (or an import baseline) in this fresh process
         spec = json.load(open(a.spec)) if a.spec else {}
@@ -541,11 +600,12 @@ def main():
                                       alphabet=exact_alphabet(models.load_tokenizer(model_dir)), lengths=dist[algo])
                 a.prompt_mean = statistics.mean(p for p, _ in dist[algo])
                 a.response_mean = statistics.mean(r for _, r in dist[algo])
-                runs = {name: [] for name in VARIANTS[algo]}
+                names, pairs = pick_variants(algo, a.variants)
+                runs = {name: [] for name in names}
                 for rep in range(a.repeats):
                     # ours and TRL alternate, and the order flips every repeat (ABBA): a slow spell of the
                     # machine, or a drift, then weighs on both sides of every ratio alike
-                    for name in (order_of(algo) if rep % 2 == 0 else order_of(algo)[::-1]):
+                    for name in (order_of(names, pairs) if rep % 2 == 0 else order_of(names, pairs)[::-1]):
                         side, settings = VARIANTS[algo][name]
                         case = run_variant(algo, name, side, settings, a, model_dir, rows_file, tmp, dtype, rep)
                         case |= {"model": model, "params": n_params, "repeat": rep}
@@ -560,13 +620,9 @@ def main():
                             who = "TRL" if side == "trl" else "ours"
                             print(f"     {who} ran: {json.dumps(case['checks'])}", flush=True)
                 groups[(model, algo)] = {name: median_run(r) for name, r in runs.items()}
-                for ours, theirs, what, like in PAIRS[algo]:  # one ratio per repeat, from runs side by side
-                    per = [o["tokens_per_s"] / t["tokens_per_s"] for o, t in zip(runs[ours], runs[theirs])]
-                    mem = [mem_of(o, cuda) / mem_of(t, cuda) for o, t in zip(runs[ours], runs[theirs])]
-                    ratios.append({"model": model, "algo": algo, "ours": ours, "trl": theirs, "what": what,
-                                   "like_for_like": like, "tokens_per_s_ratio": statistics.median(per),
-                                   "tokens_per_s_ratio_repeats": per, "peak_memory_ratio": statistics.median(mem),
-                                   "peak_memory_ratio_repeats": mem})
+                for first, second, what, like in pairs:  # one ratio per repeat, from runs side by side
+                    ratios.append({"model": model, "algo": algo, "ours": first, "trl": second, "what": what,
+                                   "like_for_like": like} | pair_ratios(runs, first, second, cuda))
     print_table(groups, ratios, cuda)
     config = {k: v for k, v in vars(a).items() if k not in ("child", "spec", "result", "prompt_mean", "response_mean")}
     config |= {"grpo_beta": GRPO_BETA, "dpo_beta": DPO_BETA}

@@ -38,11 +38,11 @@ class SharedConfig:
     """clip the global gradient norm to this (0: no clipping) [>= 0]"""
     activation_checkpointing: bool = False
     """recompute activations in the backward pass (less memory, ~30% more compute)"""
-    padding_free: bool = False
+    padding_free: bool = True
     """each micro-batch's rows back to back in one sequence, position ids restarting per row, cut at a padded
-    micro-batch's tokens: no compute on padding, the same log-probs to float rounding (TRL's padding_free); off,
-    with a line, for a model whose attention lets packed rows see each other. Off by default until the results
-    tables are made again with it (packed float sums differ from padded ones in the last digits)"""
+    micro-batch's tokens: no compute on padding, the same log-probs to float rounding (TRL's padding_free), in each
+    pass where that computes fewer FLOPs (always under flash attention; SDPA and eager compute a packed micro-batch's
+    N x N attention); off, with a line, for a model whose attention lets packed rows see each other"""
     hsdp: int = 0
     """under torchrun: shard each model within groups of this many ranks (the GPUs of a node) and replicate across
     the groups, so parameter all-gathers stay on intra-node links (0: shard over all ranks) [>= 0]"""

@@ -401,3 +401,34 @@ def load_policy(name, cfg, d, response_len, response_flag="--max_response_len", 
     if shard:
         model = common.shard_model(model, d, activation_checkpointing=cfg.activation_checkpointing)
     return tokenizer, model
+
+
+@torch.no_grad()
+def packing_works(model, device):
+    """Whether the model keeps packed rows apart: a row's logits after a different first row equal,
+    where a sequence without the restart (which must leak) differs by 10x more. False for a model
+    that builds its own mask or drops position ids. Two forwards of 2 x 10 tokens (every rank:
+    collective under FSDP)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    v = base.config.get_text_config().vocab_size
+    a, b = torch.arange(1, 7, device=device) % v, torch.arange(20, 24, device=device) % v
+    ids = torch.stack([torch.cat([a, b]), torch.cat([a.flip(0) * 3 % v, b])])  # (2, 10)
+    restart = torch.cat([torch.arange(6, device=device), torch.arange(4, device=device)]).expand(2, -1)
+    gap = []  # max |logits of b after a - after a'|, with the restart, then without
+    with common.evaluating(model, gather=True):  # FSDP's parameters resharded after, as after a rollout
+        for pos in (restart, torch.arange(10, device=device).expand(2, -1)):
+            logits = common.per_position(model, input_ids=ids, position_ids=pos)[:, 6:].float()  # an LM's or a score head
+            gap.append((logits[0] - logits[1]).abs().max())
+    return bool(gap[0] * 10 <= gap[1])
+
+
+def use_packing(wanted, models, d):
+    """--padding_free's decision: on where asked and every one of `models` (None: absent) keeps packed
+    rows apart (`packing_works`), else off with a line that says which model and why. Each pass then
+    packs where it computes less (common.packing_pays)."""
+    for model in models if wanted else []:
+        if model is not None and not packing_works(model, d.device):
+            common.print0(f"note: --padding_free off: {type(model).__name__} does not keep packed rows apart (its "
+                          f"attention ignores position ids that restart per row); micro-batches stay padded")
+            return False
+    return wanted

@@ -2,6 +2,8 @@
 packing_works): the packed log-probs, entropies, losses and gradients equal the padded ones in
 fp32 on GPT-2 (tiny), the Llama- and Qwen2-shaped user models (RoPE, GQA) and SmolLM2's shapes;
 a model whose attention ignores restarting position ids is detected and stays padded."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -37,7 +39,10 @@ def _models(user_models, smollm2_small):
 
 def test_pack_puts_real_tokens_back_to_back_with_restarting_positions():
     ids, mask, _ = common.join_prompt_response([[5, 6], [7]], [[8], [9, 10]], pad_id=0)  # (2, 4): [5 6 8 0] [0 7 9 10]
-    flat, pos, index = common.pack(ids, mask)
+    kw = dict(input_ids=ids, attention_mask=mask, position_ids=common.position_ids_from_mask(mask))
+    index = common.pack(models.load_model("tiny", tasks.char_tokenizer()), kw)
+    flat, pos = kw["input_ids"], kw["position_ids"]
+    assert kw["attention_mask"] is None and kw["cu_seq_lens_q"].tolist() == [0, 3, 6]  # the rows' bounds (sdpa_packed)
     assert flat.tolist() == [[5, 6, 8, 7, 9, 10]] and pos.tolist() == [[0, 1, 2, 0, 1, 2]]
     assert index.tolist() == [[0, 1, 2, -1], [-1, 3, 4, 5]]
 
@@ -49,7 +54,7 @@ def test_packed_logprobs_losses_and_gradients_equal_the_padded_ones(user_models,
     Planted: position ids that do not restart (one long sequence: rows see each other) fail on
     every model (next test)."""
     for name, model in _models(user_models, smollm2_small):
-        assert common.packing_works(model, torch.device("cpu")), name
+        assert models.packing_works(model, torch.device("cpu")), name
         ids, attn, resp = _batch(model.config.vocab_size, LENGTHS)
         R = resp.shape[1]
         grads, out = [], []
@@ -72,9 +77,10 @@ def test_packed_rows_that_see_each_other_differ(user_models, smollm2_small, monk
     causal sequence; the packed log-probs then differ from the padded ones on every model."""
     real_pack = common.pack
 
-    def no_restart(ids, mask):
-        flat, pos, index = real_pack(ids, mask)
-        return flat, torch.arange(flat.shape[1])[None], index
+    def no_restart(model, kw):
+        index = real_pack(model, kw)
+        kw["position_ids"] = torch.arange(kw["input_ids"].shape[1])[None]
+        return index
 
     monkeypatch.setattr(common, "pack", no_restart)
     for name, model in _models(user_models, smollm2_small):
@@ -132,12 +138,12 @@ class OwnMask(torch.nn.Module):
 
 def test_a_model_that_ignores_restarting_positions_is_detected(user_models, capsys):
     model = AutoModelForCausalLM.from_pretrained(user_models["llama"], dtype=torch.float32)
-    assert common.use_packing(True, [model, None], common.Dist())
+    assert models.use_packing(True, [model, None], common.Dist())
     own = OwnMask(model)
-    assert not common.packing_works(own, torch.device("cpu"))
-    assert not common.use_packing(True, [model, own], common.Dist())
+    assert not models.packing_works(own, torch.device("cpu"))
+    assert not models.use_packing(True, [model, own], common.Dist())
     assert "--padding_free off: OwnMask" in capsys.readouterr().out
-    assert not common.use_packing(False, [own], common.Dist())
+    assert not models.use_packing(False, [own], common.Dist())
 
 
 def test_micro_batches_cut_by_tokens():
@@ -176,8 +182,57 @@ def test_micro_batches_as_many_as_the_rank_that_needs_most(monkeypatch):
     assert [r.tolist() for r in got] == [[0, 1], [2], [3, 4], [5]]  # (0..5) of 20 tokens halved, then (2..5)
 
 
+def _config(hidden, attn="sdpa"):
+    """A model as packing_pays sees it: its width and attention kernel."""
+    config = SimpleNamespace(hidden_size=hidden, _attn_implementation=attn)
+    config.get_text_config = lambda: config
+    return SimpleNamespace(config=config)
+
+
+def _mask(lengths, T):
+    return (torch.arange(T)[None] < torch.tensor(lengths)[:, None]).long()
+
+
+def _flops(model, attn, rows_per_forward):
+    """An independent count of each layout's matmul FLOPs per layer: 24 h^2 a token (projections and
+    MLP) and 4 h a query-key pair; padded micro-batches of rows_per_forward rows compute T x T pairs
+    a row, packed ones (as micro_batches cuts them) n x n for their n tokens."""
+    h, T = model.config.hidden_size, attn.shape[1]
+    padded = sum(24 * h * h * len(r) * T + 4 * h * len(r) * T * T
+                 for r in common.micro_batches(torch.arange(len(attn)), attn, rows_per_forward, common.Dist()))
+    packed = sum(24 * h * h * int(attn[r].sum()) + 4 * h * int(attn[r].sum()) ** 2
+                 for r in common.micro_batches(torch.arange(len(attn)), attn, rows_per_forward, common.Dist(), True))
+    return packed, padded
+
+
+def test_packing_pays_where_it_computes_fewer_flops(monkeypatch):
+    """SDPA and eager compute a packed micro-batch's whole N x N pairs: packing is chosen exactly
+    where an independent FLOP count of both layouts says it computes less (no padding at T = 1536
+    and h = 1536: padded; the docstring's 23% threshold on either side), always under flash
+    attention's varlen kernels, and on the sum over ranks (a rank with full rows packs when the other
+    rank's padding outweighs it; without the all-reduce it would not)."""
+    wide = _config(1536)
+    for lengths, T, r in [([1536] * 4, 1536, 4), ([1210] * 4, 1536, 4), ([1150] * 4, 1536, 4),
+                          ([1536, 200, 100, 50], 1536, 4), ([30, 12, 7, 64, 3, 60], 64, 2), ([64] * 6, 64, 2)]:
+        attn = _mask(lengths, T)
+        packed, padded = _flops(wide, attn, r)
+        if abs(packed - padded) > 0.01 * padded:  # the estimate bounds a cut's pairs; exact away from a tie
+            assert common.packing_pays(wide, attn, r) == (packed < padded), (lengths, T, r)
+    assert not common.packing_pays(wide, _mask([1210] * 4, 1536), 4)  # 21% padding: padded
+    assert common.packing_pays(wide, _mask([1150] * 4, 1536), 4)  # 25%: packed
+    assert common.packing_pays(_config(1536, "flash_attention_2"), _mask([1536] * 4, 1536), 4)
+    full, sparse = _mask([1536] * 4, 1536), _mask([100] * 4, 1536)
+    other = torch.stack([s.sum(dtype=torch.float64) for s in (sparse, full)])  # the other rank's raw sums
+    def all_reduce(cost):  # the other rank's costs, computed as the function computes its own
+        w, N = 1 / (6 * 1536), other[0]
+        cost += torch.stack([N * (1 + w * N.clamp(max=4 * 1536)), N.new_tensor(4 * 1536 * (1 + w * 1536))])
+    monkeypatch.setattr(common.dist, "all_reduce", all_reduce)
+    assert not common.packing_pays(wide, full, 4)
+    assert common.packing_pays(wide, full, 4, common.Dist(world_size=2))
+
+
 @pytest.mark.parametrize("model", ["tiny", "llama"])
-def test_grpo_padding_free_equals_padded(tmp_path, user_models, model):
+def test_grpo_padding_free_equals_padded(tmp_path, user_models, model, monkeypatch):
     """grpo.py at its defaults (2 passes over 2 mini-batches: the reference, old-policy and update
     passes), with --grad_accum 2 and --beta 0.05, padding-free against --no-padding_free, on GPT-2
     and on the Llama-shaped model (RoPE, GQA): the same rewards, loss, KL, grad norm every step
@@ -185,8 +240,12 @@ def test_grpo_padding_free_equals_padded(tmp_path, user_models, model):
     forward, not the sums (every normaliser counts the global mini-batch's tokens)."""
     rows = [{"prompt": r["prompt"], "reward_fn": "digits"} for r in tasks.prompt_rows(16)]
     data = write_jsonl(tmp_path / "p.jsonl", rows)
-    runs = []
+    runs, packs, real_pack = [], [], common.pack
+    monkeypatch.setattr(common, "pack", lambda *a: packs.append(packs.pop() + 1) or real_pack(*a))
+    asked = []  # every pass packed, as under flash attention; what each pass asks packing_pays about
+    monkeypatch.setattr(common, "packing_pays", lambda m, attn, r, d=None: asked.append((len(attn), r, d)) or True)
     for flag in ("--padding_free", "--no-padding_free"):
+        packs.append(0)
         out = tmp_path / flag
         proc = run_here(["grpo.py", "--model", model if model == "tiny" else user_models[model], "--dataset", data,
                          "--steps", "2", "--prompts_per_step", "4", "--group_size", "4", "--max_new_tokens", "8",
@@ -195,7 +254,11 @@ def test_grpo_padding_free_equals_padded(tmp_path, user_models, model):
                          flag])
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "--padding_free off" not in proc.stdout
+        assert (packs.pop() > 0) == (flag == "--padding_free")
         runs.append(out)
+    # the reference and old-policy passes ask about all 16 rows, the update about each mini-batch's 8, cut at
+    # grad_accum 2's 4 rows a forward, every rank summing
+    assert {(n, r, type(d)) for n, r, d in asked} == {(16, 4, common.Dist), (8, 4, common.Dist)}
     one, two = ([r for r in read_metrics(out) if "loss" in r] for out in runs)
     assert len(one) == 2 and all(r["reward_std"] > 0 for r in one)
     for a, b in zip(one, two, strict=True):
@@ -210,7 +273,7 @@ def test_reward_scores_packed_equal_padded(user_models):
     from transformers import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_pretrained(user_models["llama_rm"], dtype=torch.float32)
-    assert common.packing_works(model, torch.device("cpu"))
+    assert models.packing_works(model, torch.device("cpu"))
     ids, attn, _ = _batch(model.config.vocab_size, LENGTHS)
     out = []
     for packed in (False, True):
@@ -236,18 +299,24 @@ def _offline_argv(script, folder, models):
 
 
 @pytest.mark.parametrize("script", ["sft", "reward", "dpo"])
-def test_offline_scripts_padding_free_equal_padded(tmp_path, user_models, script):
+def test_offline_scripts_padding_free_equal_padded(tmp_path, user_models, script, monkeypatch):
     """sft.py, reward.py and dpo.py (chosen and rejected in one packed forward, the live reference
     too) padding-free against --no-padding_free: every step's loss and grad norm, and the final
     weights (fp32)."""
-    runs = []
+    runs, packs, real_pack = [], [], common.pack
+    monkeypatch.setattr(common, "pack", lambda *a: packs.append(packs.pop() + 1) or real_pack(*a))
+    asked = []  # every pass packed, as under flash attention; what each pass asks packing_pays about
+    monkeypatch.setattr(common, "packing_pays", lambda m, attn, r, d=None: asked.append((len(attn), r, d)) or True)
     for flag in ("--padding_free", "--no-padding_free"):
+        packs.append(0)
         (tmp_path / flag).mkdir()
         argv = [*_offline_argv(script, tmp_path / flag, user_models), flag]
         proc = run_here(argv)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "--padding_free off" not in proc.stdout
+        assert (packs.pop() > 0) == (flag == "--padding_free")
         runs.append(argv[argv.index("--out_dir") + 1])
+    assert asked and all(n == r and d is None for n, r, d in asked)  # a micro-batch, its rows (DPO, RM: 2 per pair)
     one, two = ([r for r in read_metrics(out) if "loss" in r] for out in runs)
     assert len(one) >= 2
     for a, b in zip(one, two, strict=True):

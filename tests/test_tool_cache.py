@@ -1,9 +1,11 @@
-"""sampling.generate_with_tools keeps its KV cache across turns: against a reference loop that
-prefills every active row's whole history again at each turn (sampling.generate on the grown
-prompts, as a tool loop without a kept cache does), the same token ids, masks and tool masks and
-log-probs within 1e-6 in fp32, on the GPT-2 and the Llama (RoPE, GQA) calculator callers, with
-rows calling at different turns, some three times, and rows cut short by the cache's slots; and
-after the first turn the model is fed only what each row lacks (its closing tag and the result)."""
+"""sampling.generate_with_tools runs one decode loop for every row, a row's tool result fed to it
+token by token while the others sample: against a reference loop that prefills every active row's
+whole history again at each turn (sampling.generate on the grown prompts, as a tool loop without a
+kept cache does), the same token ids, masks and tool masks and log-probs within 1e-6 in fp32, on
+the GPT-2 and the Llama (RoPE, GQA) calculator callers, with rows calling at different steps, some
+three times, and calls answered at once (CPU) or after up to 7 idle steps (a GPU's check period);
+after the prefill the model is fed one token per row a step, and the loop runs no more steps than
+the longest row has tokens (plus the waits)."""
 import pytest
 import torch
 
@@ -65,18 +67,15 @@ def short_tool(tmp_path_factory):
         yield tools.load_tool("short_tool:length")
 
 
-@pytest.mark.parametrize("whole", [False, True], ids=["rows going on", "one batch"])
+@pytest.mark.parametrize("check_every", [1, 8], ids=["calls answered at once", "calls waiting for the check"])
 @pytest.mark.parametrize("name,sampler_kw", [("gpt2", dict(temperature=1.0)),
                                              ("llama", dict(temperature=0.7, top_p=0.9))])
-def test_the_kept_cache_gives_the_full_prefills_rollout(name, sampler_kw, whole, user_models, short_tool, tmp_path,
-                                                        monkeypatch):
+def test_one_loop_gives_the_full_prefills_rollout(name, sampler_kw, check_every, user_models, short_tool, tmp_path):
     """12 prompts of distinct lengths, 40 tokens, up to 3 calls, two seeds; the model's forwards
-    and the loop's turns recorded. Both batches of a later turn: the rows going on alone (eager)
-    and every row of the first turn, the finished ones masked (compiled decoding's one graph;
-    forced here without compiling). Planted bugs fail it: the turn's stop token left valid in the
-    cache (fed twice), the gather taking each row's slots one off, the chunk's positions from 0."""
-    kept_cache = sampling.KeptCache
-    monkeypatch.setattr(sampling, "KeptCache", lambda whole_if_compiled: kept_cache(whole=whole))
+    recorded. check_every 8 (a GPU's): a calling row idles until the next check, its slots masked
+    and its positions and random numbers its own tokens'. Planted bugs fail it: a waiting row's
+    slots left unmasked, the fed token's position one off, the uniforms' column the step's rather
+    than the row's, a result's last token fed twice."""
     folder = tasks.calculator_gpt2(tmp_path / "gpt2") if name == "gpt2" else user_models["llama_calculator"]
     tok = models.load_tokenizer(folder)
     model = models.load_model(folder, tok).eval()
@@ -85,23 +84,16 @@ def test_the_kept_cache_gives_the_full_prefills_rollout(name, sampler_kw, whole,
         texts = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
                  for t in texts]
     ids, mask = common.pad(sampling.encode_prompts(tok, texts, 128)[0], tok.pad_token_id, side="left")
-    widths, turns = [], []
-    model.register_forward_pre_hook(lambda m, args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
+    widths = []
+    model.register_forward_pre_hook(lambda m, args, kwargs: widths.append(kwargs["input_ids"].shape),
                                     with_kwargs=True)
-
-    def recording(*args, kept=None, **kwargs):
-        out = GENERATE(*args, kept=kept, **kwargs)
-        turns.append((len(kept.rows), sum(kept.cut)))
-        return out
-
-    monkeypatch.setattr(sampling, "generate", recording)
     kw = dict(eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, tokenizer=tok, tool=short_tool, max_calls=3,
               **sampler_kw)
     for seed in (0, 1):
         u = sampling.rollout_uniforms(12, 40, seed=seed)
-        widths.clear(), turns.clear()
-        got = sampling.generate_with_tools(model, ids, mask, 40, uniforms=u, **kw)
-        chunks = [w for w in widths[1:] if w > 1]  # every forward of more than one token after the prefill
+        widths.clear()
+        got = sampling.generate_with_tools(model, ids, mask, 40, uniforms=u, check_every=check_every, **kw)
+        steps = list(widths)
         want = reference_loop(model, ids, mask, 40, uniforms=u, **kw)
         for g, w, what in zip(got, want, ("ids", "mask", "log-probs", "tool mask")):
             assert g.shape == w.shape, (what, g.shape, w.shape)
@@ -110,8 +102,9 @@ def test_the_kept_cache_gives_the_full_prefills_rollout(name, sampler_kw, whole,
             else:
                 assert torch.equal(g, w), what
         calls = sampling.tool_calls(got[3])
-        assert len(set(calls.tolist())) > 1 and max(calls) == 3, calls  # rows calling at different turns
-        assert len(turns) >= 4 and sum(cut for _, cut in turns) > 0, turns  # later turns, rows cut by the slots
-        assert widths[0] == ids.shape[1] and chunks, (widths[:1], chunks, turns)
-        results = [len(run) for row in got[3].tolist() for run in "".join(map(str, row)).split("0") if run]
-        assert max(chunks) <= 1 + max(results), (chunks, max(results))  # a closing tag and a result, no history
+        assert len(set(calls.tolist())) > 1 and max(calls) == 3, calls  # rows calling at different steps
+        # the prefill, then one token per row a step: no history fed again; as many steps as the longest row has
+        # tokens (its last is not fed), and the waits: calls answered at once wait none
+        assert steps[0] == ids.shape and all(s == (12, 1) for s in steps[1:]), steps
+        longest, waits = int(got[1].sum(1).max()), (check_every - 1) * int(calls.max())
+        assert longest - 1 <= len(steps) - 1 <= longest - 1 + waits, (len(steps), longest)

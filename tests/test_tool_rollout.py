@@ -1,6 +1,6 @@
 """sampling.generate_with_tools: the token layout of a rollout with tool calls on a hand case (written tokens,
-the tool's result tokens, resumed tokens; masks, log-probs, the exact tokens each turn continues
-from, the random numbers' columns), and a policy that never calls the tool giving exactly
+the tool's result tokens, resumed tokens; masks, log-probs, the exact tokens the model is fed; the random
+numbers' columns: tests/test_tool_cache.py), and a policy that never calls the tool giving exactly
 sampling.generate's rollout."""
 import json
 
@@ -21,64 +21,70 @@ def tool_tokenizer():
     return tok
 
 
-def scripted_sampler(monkeypatch, turns, pad_id):
-    """sampling.generate replaced by a script: turns[t] is the list of what each row still active
-    at turn t writes (token lists, in row order); the number of turns run is len(seen)."""
-    seen = []
+def scripted_policy(monkeypatch, writes, tok):
+    """The model replaced by a script (sampling._prefill and sampling._step_fn, so the loop runs as
+    it is): row b writes writes[b], its own tokens, whatever the tool's results put between them,
+    then EOS; one-hot logits (0 on the token, -2 elsewhere: a log-prob below 0), to sample greedily.
+    A row's own tokens are what it was fed after its prompt less the result tag spans. Returns the
+    model to pass (a stand-in) and each row's tokens as fed, prompt first: what the model saw."""
+    opener, closer = tok.convert_tokens_to_ids([tools.RESULT_OPEN, tools.RESULT_CLOSE])
+    fed, at = [], []  # per row: its tokens as fed; at: [prompt width P, steps run]
 
-    def scripted(model, ids, mask, n, eos_id, pad_id, stop_ids=(), uniforms=None, return_logprobs=False, **kw):
-        assert len(seen) < len(turns), f"turn {len(seen) + 1} was asked for; the script has {len(turns)}"
-        outs = turns[len(seen)]
-        assert len(outs) == ids.shape[0], (len(outs), ids.shape)
-        seen.append([ids[k][mask[k].bool()].tolist() for k in range(ids.shape[0])])
-        r_ids, r_mask = common.pad([o[:n] for o in outs], pad_id)
-        return r_ids, r_mask, -0.01 * r_mask.float()
+    def logits():
+        out = torch.full((len(fed), len(tok)), -2.0)
+        for b, row in enumerate(fed):
+            own, inside = [], False
+            for x in row[len(prompts[b]):]:
+                inside = (inside or x == opener) and x != closer
+                if not inside and x != closer:
+                    own.append(x)
+            out[b, writes[b][len(own)] if len(own) < len(writes[b]) else tok.eos_token_id] = 0.0
+        return out
 
-    monkeypatch.setattr(sampling, "generate", scripted)
-    return seen
+    def prefill(model, prompt_ids, prompt_mask, max_new_tokens, compile, kw):
+        prompts[:] = [r[m.bool()].tolist() for r, m in zip(prompt_ids, prompt_mask)]
+        fed[:] = [list(r) for r in prompts]
+        at[:] = [prompt_ids.shape[1], 0]
+        return logits(), None, torch.cat([prompt_mask, prompt_mask.new_ones(len(fed), max_new_tokens)], 1)
+
+    def step(model, tok_, mask, pos, cache, kw):
+        slot = at[0] + at[1]
+        at[1] += 1
+        for b in range(len(fed)):
+            if mask[b, slot]:  # a row's token, not an idle slot
+                fed[b].append(int(tok_[b, 0]))
+        return logits()
+
+    prompts = []
+    monkeypatch.setattr(sampling, "_prefill", prefill)
+    monkeypatch.setattr(sampling, "_step_fn", lambda compile, device: step)
+    return torch.nn.Identity(), fed
 
 
 def test_a_call_is_answered_in_tokens_masked_out_and_the_row_resumes_from_its_exact_tokens(monkeypatch):
-    """Two rows; the sampler is scripted. Turn 1: row 0 writes a calculator call, row 1 answers
-    and stops. Turn 2: row 0 alone continues from prompt + its call + the result tokens, and
-    answers. Every id is checked against an independent layout built here."""
+    """Two rows; the policy is scripted. Row 0 writes a calculator call, is fed the result, and
+    answers; row 1 answers at once and stops. Row 0 goes on from prompt + its call + the result
+    tokens, its exact tokens (never re-tokenised). Every id is checked against an independent
+    layout built here."""
     tok = tool_tokenizer()
     enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
     eos, pad = tok.eos_token_id, tok.pad_token_id
     call, answer0, answer1 = enc("<tool_call>12*3</tool_call>"), enc("so 36") + [eos], enc("9") + [eos]
     result = enc("<tool_result>36</tool_result>")
     prompts = [enc("a ="), enc("b c =")]
-    script = [{0: call, 1: answer1}, {0: answer0}]
-    seen = []
-
-    def scripted(model, ids, mask, n, eos_id, pad_id, stop_ids=(), uniforms=None, return_logprobs=False, **kw):
-        turn = script[len(seen)]
-        rows = [ids[k][mask[k].bool()].tolist() for k in range(ids.shape[0])]
-        seen.append((rows, uniforms.clone(), n))
-        which = [0, 1] if len(seen) == 1 else [0]
-        outs = [turn[i] for i in which]
-        r_ids, r_mask = common.pad(outs, pad_id)
-        logps = torch.arange(1, r_ids.numel() + 1, dtype=torch.float).view(r_ids.shape) / -100 * r_mask
-        return r_ids, r_mask, logps
-
-    monkeypatch.setattr(sampling, "generate", scripted)
+    model, fed = scripted_policy(monkeypatch, [call + answer0, answer1], tok)
     ids, mask = common.pad(prompts, pad, side="left")
-    u = torch.rand(2, 40, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     r_ids, r_mask, r_logps, tool_mask = sampling.generate_with_tools(
-        None, ids, mask, 40, eos_id=eos, pad_id=pad, tokenizer=tok, tool=tools.calculator, uniforms=u)
+        model, ids, mask, 40, eos_id=eos, pad_id=pad, tokenizer=tok, tool=tools.calculator, temperature=0.0)
     row0 = call + result + answer0
     assert r_ids[0, :len(row0)].tolist() == row0 and r_mask[0].tolist() == [1] * len(row0) + [0] * (r_ids.shape[1] - len(row0))
     assert r_ids[1, :len(answer1)].tolist() == answer1 and r_mask[1].sum() == len(answer1)
     want_tool = [0] * len(call) + [1] * len(result) + [0] * len(answer0)
     assert tool_mask[0, :len(row0)].tolist() == want_tool and tool_mask[1].sum() == 0
-    assert (r_logps[0][tool_mask[0].bool()] == 0).all() and (r_logps[0, :len(call)] < 0).all()
+    assert (r_logps[0][tool_mask[0].bool()] == 0).all() and (r_logps[0][r_mask[0].bool() & ~tool_mask[0].bool()] < 0).all()
     assert sampling.tool_calls(tool_mask).tolist() == [1, 0]
-    # turn 2 continues row 0 from its exact tokens (never re-tokenised), with the uniforms of its
-    # next response positions
-    (rows1, u1, n1), (rows2, u2, n2) = seen
-    assert rows1 == prompts and rows2 == [prompts[0] + call + result]
-    assert torch.equal(u2[0], u[0, len(call) + len(result):len(call) + len(result) + n2])
-    assert n2 == 40 - len(call) - len(result)
+    # what the model was fed: row 0 its prompt, call, result and answer but the last token (which ends it)
+    assert fed[0] == prompts[0] + row0[:-1], tok.decode(fed[0])
 
 
 def test_a_policy_that_never_calls_the_tool_gives_exactly_the_samplers_rollout():
@@ -105,23 +111,23 @@ def test_a_row_gets_max_calls_results_each_of_its_own_last_call(monkeypatch):
     """A scripted policy whose row 0 makes 3 calls of distinct values (12*3, 5*7, 11*13) and row 1
     one (2+9), max_calls 2: row 0 gets exactly 2 results, 36 and then 35 (the second call's own
     text: what follows the row's last opening tag), and ends at its third call, unanswered; row 1
-    gets 11 and answers. Planted bugs: `calls[i] <= max_calls` (a third result, a fourth turn)
-    and the text after the row's first opening tag (the second result an error text): each fails."""
+    gets 11 and answers. Planted bugs: `calls < max_calls + 1` (a third result) and the text after
+    the row's first opening tag (the second result an error text): each fails."""
     tok = tool_tokenizer()
     enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
     call = lambda e: enc(f"{tools.CALL_OPEN}{e}{tools.CALL_CLOSE}")  # noqa: E731
     result = lambda v: enc(f"{tools.RESULT_OPEN}{v}{tools.RESULT_CLOSE}")  # noqa: E731
     answer = enc("so 11") + [tok.eos_token_id]
-    seen = scripted_sampler(monkeypatch, [[call("12*3"), call("2+9")], [call("5*7"), answer], [call("11*13")],
-                                          [enc("more") + [tok.eos_token_id]]], tok.pad_token_id)
+    writes = [call("12*3") + call("5*7") + call("11*13") + enc("more") + [tok.eos_token_id], call("2+9") + answer]
+    model, _ = scripted_policy(monkeypatch, writes, tok)
     ids, mask = common.pad([enc("a ="), enc("b =")], tok.pad_token_id, side="left")
     r_ids, r_mask, r_logps, tool_mask = sampling.generate_with_tools(
-        None, ids, mask, 60, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, tokenizer=tok, tool=tools.calculator,
-        max_calls=2)
+        model, ids, mask, 60, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, tokenizer=tok, tool=tools.calculator,
+        max_calls=2, temperature=0.0)
     rows = [call("12*3") + result(36) + call("5*7") + result(35) + call("11*13"), call("2+9") + result(11) + answer]
     for k, row in enumerate(rows):
         assert r_ids[k, :len(row)].tolist() == row and r_mask[k].sum() == len(row), tok.decode(r_ids[k])
-    assert sampling.tool_calls(tool_mask).tolist() == [2, 1] and len(seen) == 3
+    assert sampling.tool_calls(tool_mask).tolist() == [2, 1]
     results = [tok.decode(r_ids[0][tool_mask[0].bool()])]
     assert results == [f"{tools.RESULT_OPEN}36{tools.RESULT_CLOSE}{tools.RESULT_OPEN}35{tools.RESULT_CLOSE}"]
 

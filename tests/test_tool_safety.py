@@ -115,7 +115,7 @@ def test_ten_megabytes_from_a_tool_are_cut_to_the_rows_room_before_the_tokenizer
     text cut independently, short enough to tokenize whole)."""
     import common
     import sampling
-    from test_tool_rollout import scripted_sampler, tool_tokenizer
+    from test_tool_rollout import scripted_policy, tool_tokenizer
 
     tok = tool_tokenizer()
     enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
@@ -123,13 +123,13 @@ def test_ten_megabytes_from_a_tool_are_cut_to_the_rows_room_before_the_tokenizer
     room = 60 - len(call)
     want = enc(tools.RESULT_OPEN + "0123456789" * 100)[:room]
     bound = len(tools.RESULT_OPEN + tools.RESULT_CLOSE) + room * max(map(len, tok.get_vocab()))
-    scripted_sampler(monkeypatch, [[call]], tok.pad_token_id)
+    model, _ = scripted_policy(monkeypatch, [call], tok)
     seen, encode = [], tok.encode
     monkeypatch.setattr(tok, "encode", lambda text, **kw: seen.append(len(text)) or encode(text, **kw))
     ids, mask = common.pad([enc("a =")], tok.pad_token_id, side="left")
     r_ids, r_mask, _, tool_mask = sampling.generate_with_tools(
-        None, ids, mask, 60, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, tokenizer=tok,
-        tool=tools.load_tool("misbehaving_tools:misbehaves"))
+        model, ids, mask, 60, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, tokenizer=tok,
+        tool=tools.load_tool("misbehaving_tools:misbehaves"), temperature=0.0)
     assert r_ids[0].tolist() == call + want and tool_mask[0].tolist() == [0] * len(call) + [1] * room
     assert seen and max(seen) <= bound < 1000, seen
 
