@@ -297,11 +297,11 @@ def main(cfg):
         for k in range(cfg.grad_accum):
             mb = rows[k * micro:(k + 1) * micro]
             batch = data.pair_batch(train_pairs, mb, tokenizer.pad_token_id, d.device)  # 2 x micro rows
-            pi_c, pi_r = shared_prompt.sequence_logprobs(model, batch, d, packed, cfg.shared_prompt).chunk(2)  # (micro,) x 2
+            pi_c, pi_r = shared_prompt.sequence_logprobs(model, batch, d, packed, enabled=cfg.shared_prompt).chunk(2)  # (micro,) x 2
             if ref is None:  # precomputed (or simpo's zeros)
                 ref_c, ref_r = ref_train[mb].unbind(1)
             else:  # frozen (common.freeze): no parameter needs a gradient, no graph is kept
-                ref_c, ref_r = shared_prompt.sequence_logprobs(ref, batch, d, packed, cfg.shared_prompt).chunk(2)
+                ref_c, ref_r = shared_prompt.sequence_logprobs(ref, batch, d, packed, enabled=cfg.shared_prompt).chunk(2)
             loss, m = dpo_loss(pi_c, pi_r, ref_c, ref_r, n_pairs=cfg.batch_size, lengths=train_len[mb].unbind(1),
                                **knobs)
             common.backward(model, loss, d, sync=k == cfg.grad_accum - 1)

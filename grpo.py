@@ -909,7 +909,7 @@ def main(cfg):
                 normaliser = loss_normaliser(loss_mask[mb_rows], cfg.loss_agg, cfg.max_new_tokens, d)
                 n_tokens = loss_normaliser(loss_mask[mb_rows], "token_mean", 0, d).clamp(min=1)  # metrics' denominator
                 pack = packed and common.packing_pays(model, attn[mb_rows], micro, d)  # where it computes less
-                chunks, share = shared_prompt.micro_batches(mb_rows, ids, attn, R, micro, d, pack, model=model,
+                chunks, share = shared_prompt.micro_batches(mb_rows, ids, attn, R, micro, d=d, packed=pack, model=model,
                                                             enabled=cfg.shared_prompt)  # grad_accum, or cut by tokens
                 for k, r in enumerate(chunks):
                     with common.autocast(d):

@@ -42,6 +42,12 @@ def _possible(model, n_prompt, d):
     return d.world_size == 1 and n_prompt > 0 and not getattr(model, "is_activation_checkpointing", False)
 
 
+def prompts(ids, attn, n_prompt):
+    """The distinct prompts (the first n_prompt columns, ids then mask), (U, 2 n_prompt), and each
+    row's among them, (B,): rows with one prompt share it."""
+    return torch.unique(torch.cat([ids[:, :n_prompt], attn[:, :n_prompt]], 1), dim=0, return_inverse=True)
+
+
 def micro_batches(rows, ids, attn, n_response, rows_per_forward, d, packed=False, model=None, enabled=True):
     """(micro-batches, shared): common.micro_batches' cut (packed: by tokens), or, where computing each
     distinct prompt once computes fewer FLOPs, micro-batches of rows_per_forward rows (never more rows
@@ -53,8 +59,7 @@ def micro_batches(rows, ids, attn, n_response, rows_per_forward, d, packed=False
     if not enabled or model is None or not _possible(model, P, d):
         return cut, False
     T, w = ids.shape[1], 1 / (6 * model.config.get_text_config().hidden_size)
-    _, prompt = torch.unique(torch.cat([ids[rows, :P], attn[rows, :P]], 1), dim=0, return_inverse=True)
-    lengths, prompt = attn[rows].sum(-1).tolist(), prompt.tolist()  # per row of `rows`, in order
+    lengths, prompt = attn[rows].sum(-1).tolist(), prompts(ids[rows], attn[rows], P)[1].tolist()  # per row of `rows`
     per_row = "flash" in str(model.config._attn_implementation) or model.config._attn_implementation == "sdpa_packed"
 
     def alone(a, b):  # common.response_logprobs' FLOPs for rows[a:b]: padded, or packed (N x N pairs under SDPA)
@@ -93,7 +98,7 @@ def response_logprobs(model, input_ids, attention_mask, n_response, temperature=
 
     if not shared or not _possible(model, P, common.Dist()):
         return whole()
-    p_rows, inverse = torch.unique(torch.cat([input_ids[:, :P], attention_mask[:, :P]], 1), dim=0, return_inverse=True)
+    p_rows, inverse = prompts(input_ids, attention_mask, P)
     if len(p_rows) == len(input_ids):
         return whole()
     # 1. each distinct prompt once: its last position's logits (the first response token's) and its cache
@@ -130,7 +135,7 @@ def batched_logprobs(model, ids, attn, n_response, temperature, d, rows_per_forw
     decides where prompts are shared): (N, R) log-probs (and entropies), no graph."""
     out, packed = [], packed and common.packing_pays(model, attn, rows_per_forward, d)
     chunks, shared = micro_batches(torch.arange(ids.shape[0], device=ids.device), ids, attn, n_response,
-                                   rows_per_forward, d, packed, model=model, enabled=enabled)
+                                   rows_per_forward, d=d, packed=packed, model=model, enabled=enabled)
     for r in chunks:
         with common.autocast(d):
             out.append(response_logprobs(model, ids[r], attn[r], n_response, temperature=temperature,
@@ -146,8 +151,8 @@ def sequence_logprobs(model, batch, d, packed=False, enabled=True):
     over each row's response tokens, (B,), for a batch (ids, attn, resp)."""
     ids, attn, resp = batch
     packed = packed and common.packing_pays(model, attn, len(ids))
-    _, shared = micro_batches(torch.arange(len(ids), device=ids.device), ids, attn, resp.shape[1], len(ids), d, packed,
-                              model=model, enabled=enabled)
+    _, shared = micro_batches(torch.arange(len(ids), device=ids.device), ids, attn, resp.shape[1], len(ids), d=d,
+                              packed=packed, model=model, enabled=enabled)
     with common.autocast(d):
         logps = response_logprobs(model, ids, attn, resp.shape[1], packed=packed, shared=shared)  # (B, R)
     return (logps.float() * resp).sum(-1)

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 import common
 import tasks
-from helpers import checkpoint_weights, max_abs_diff, read_metrics, run_here, write_jsonl
+from helpers import checkpoint_weights, max_abs_diff, read_metrics, run_here, run_script, write_jsonl
 from plumbing import models
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -295,7 +295,9 @@ def _offline_argv(script, folder, models):
                 "--warmup_steps", "0"]
     if script == "reward":
         return test_user_path.reward_argv(folder, models)
-    return test_user_path.dpo_argv(folder, models, "--no-precompute_ref", "--grad_accum", "2")
+    # packing alone: chosen and rejected share their prompt, computed once where that computes less (shared_prompt,
+    # tests/test_shared_prompt.py), which these pairs' prompts would choose
+    return test_user_path.dpo_argv(folder, models, "--no-precompute_ref", "--grad_accum", "2", "--no-shared_prompt")
 
 
 @pytest.mark.parametrize("script", ["sft", "reward", "dpo"])
@@ -323,3 +325,56 @@ def test_offline_scripts_padding_free_equal_padded(tmp_path, user_models, script
         for key in ("loss", "grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (script, a["step"], key)
     assert max_abs_diff(checkpoint_weights(runs[0]), checkpoint_weights(runs[1])) < 1e-5
+
+
+SAVE = """
+import sys, torch
+from plumbing import models
+import common, tasks
+from transformers import AutoTokenizer
+folder, out = sys.argv[1:]
+model = models.load_model(folder, AutoTokenizer.from_pretrained(folder))  # sdpa_packed registered and set
+assert model.config._attn_implementation == "sdpa_packed"
+ids = torch.arange(3, 19).view(2, 8)
+with torch.no_grad():
+    packed = common.response_logprobs(model, ids, torch.ones_like(ids), 4, packed=True)  # through _packed_sdpa
+    logits = model(input_ids=ids).logits
+if out != folder:  # else: a script's own export, as it wrote it
+    model.save_pretrained(out)
+torch.save(dict(logits=logits, packed=packed), out + "/want.pt")
+"""
+LOAD = """
+import sys, torch
+from transformers import AttentionInterface, AutoModelForCausalLM
+assert "sdpa_packed" not in AttentionInterface._global_mapping and "common" not in sys.modules
+for folder in sys.argv[1:]:
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.arange(3, 19).view(2, 8)
+    with torch.no_grad():
+        got = model(input_ids=ids).logits
+    torch.testing.assert_close(got, torch.load(folder + "/want.pt")["logits"], rtol=0, atol=1e-5)
+    print(folder, model.config._attn_implementation)
+"""
+
+
+def test_a_checkpoint_saved_under_sdpa_packed_loads_without_it(tmp_path, user_models):
+    """models.load_model sets sdpa_packed, registered in its own process only. A checkpoint saved by a
+    script (save_pretrained after a packed forward through _packed_sdpa, on the Llama-shaped model;
+    and sft.py's final export on GPT-2) loads in a fresh process that imports nothing of this project
+    with plain AutoModelForCausalLM.from_pretrained, as SDPA, with the same logits (fp32, 1e-5): no file
+    of the checkpoint names sdpa_packed (a config naming it would not load there)."""
+    llama = tmp_path / "llama"
+    proc = run_script(["-c", SAVE, user_models["llama"], str(llama)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sft = tmp_path / "sft"
+    proc = run_script(["sft.py", "--model", "tiny", "--steps", "1", "--batch_size", "2", "--eval_every", "100",
+                       "--out_dir", str(sft)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_script(["-c", SAVE.replace("AutoTokenizer.from_pretrained(folder)", "tasks.char_tokenizer()"),
+                       str(sft / "checkpoint"), str(sft / "checkpoint")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for folder in (llama, sft / "checkpoint"):
+        assert not [f for f in folder.iterdir() if f.suffix == ".json" and "sdpa_packed" in f.read_text()], folder
+    proc = run_script(["-c", LOAD, str(llama), str(sft / "checkpoint")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == [str(llama), "sdpa", str(sft / "checkpoint"), "sdpa"]
