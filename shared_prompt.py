@@ -86,9 +86,9 @@ def response_logprobs(model, input_ids, attention_mask, n_response, temperature=
                       entropy_grad=False, truncate=None, packed=False, shared=True):
     """common.response_logprobs' (B, R) log-probs (and entropies: detached unless entropy_grad), the
     prompts (the first T - n_response columns, left-padded) computed once each where shared (the rows
-    cut by micro_batches for it: at most a padded micro-batch's). common.response_logprobs itself
-    (packed or not) where not shared, where no two rows share a prompt, under torchrun, under
-    activation checkpointing and for caches that are not plain (sliding-window layers)."""
+    cut by micro_batches for it: at most a padded micro-batch's; it says shared only in one process).
+    common.response_logprobs itself (packed or not) where not shared, where no two rows share a
+    prompt, under activation checkpointing and for caches that are not plain (sliding-window layers)."""
     P, R = input_ids.shape[1] - n_response, n_response
 
     def whole():

@@ -349,11 +349,14 @@ def _grpo(model, optimizer, scheduler, frozen, cfg, d, tracker):
                 adv = adv[:, None] + grpo.distill_advantages(teacher_logps, old_logps, loss_mask, cfg.teacher_coef)
         for _ in range(cfg.num_mini_batches):
             with tracker.phase("forward and backward", measure=step == 1):
+                with _shared(lambda i: i // dealt):  # grpo.py's choice (one process, no activation checkpointing)
+                    _, share = shared_prompt.micro_batches(torch.arange(rows), ids, attn, R, micro, d=d, model=model,
+                                                           enabled=cfg.shared_prompt)
                 for k in range(cfg.grad_accum):
                     r = slice(k * micro, (k + 1) * micro)
                     with common.autocast(d), _shared(lambda i: i // dealt):
                         logps, entropy = shared_prompt.response_logprobs(model, ids[r], attn[r], R, cfg.temperature,
-                                                                         with_entropy=True, shared=cfg.shared_prompt)
+                                                                         with_entropy=True, shared=share)
                     loss, _ = grpo.grpo_loss(logps.float(), old_logps[r], ref_logps[r], adv[r], loss_mask[r],
                                              normaliser=loss_mask.sum(), entropy=entropy.float(), beta=cfg.beta)
                     common.backward(model, loss, d)
