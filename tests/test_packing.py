@@ -196,11 +196,14 @@ def _mask(lengths, T):
 def _flops(model, attn, rows_per_forward):
     """An independent count of each layout's matmul FLOPs per layer: 24 h^2 a token (projections and
     MLP) and 4 h a query-key pair; padded micro-batches of rows_per_forward rows compute T x T pairs
-    a row, packed ones (as micro_batches cuts them) n x n for their n tokens."""
+    a row, packed ones (as micro_batches cuts them) n x n for their n tokens, or under sdpa_packed
+    (each row's attention on its own) each row's L x L."""
     h, T = model.config.hidden_size, attn.shape[1]
     padded = sum(24 * h * h * len(r) * T + 4 * h * len(r) * T * T
                  for r in common.micro_batches(torch.arange(len(attn)), attn, rows_per_forward, common.Dist()))
-    packed = sum(24 * h * h * int(attn[r].sum()) + 4 * h * int(attn[r].sum()) ** 2
+    rowwise = model.config._attn_implementation == "sdpa_packed"
+    packed = sum(24 * h * h * int(attn[r].sum()) + 4 * h * (int((attn[r].sum(-1) ** 2).sum()) if rowwise
+                                                           else int(attn[r].sum()) ** 2)
                  for r in common.micro_batches(torch.arange(len(attn)), attn, rows_per_forward, common.Dist(), True))
     return packed, padded
 
@@ -210,14 +213,17 @@ def test_packing_pays_where_it_computes_fewer_flops(monkeypatch):
     where an independent FLOP count of both layouts says it computes less (no padding at T = 1536
     and h = 1536: padded; the docstring's 23% threshold on either side), always under flash
     attention's varlen kernels, and on the sum over ranks (a rank with full rows packs when the other
-    rank's padding outweighs it; without the all-reduce it would not)."""
-    wide = _config(1536)
+    rank's padding outweighs it; without the all-reduce it would not). Under sdpa_packed (each packed
+    row attends on its own: plumbing.models._packed_sdpa) packing never computes more, and always packs."""
+    wide, rowwise = _config(1536), _config(1536, "sdpa_packed")
     for lengths, T, r in [([1536] * 4, 1536, 4), ([1210] * 4, 1536, 4), ([1150] * 4, 1536, 4),
                           ([1536, 200, 100, 50], 1536, 4), ([30, 12, 7, 64, 3, 60], 64, 2), ([64] * 6, 64, 2)]:
         attn = _mask(lengths, T)
         packed, padded = _flops(wide, attn, r)
         if abs(packed - padded) > 0.01 * padded:  # the estimate bounds a cut's pairs; exact away from a tie
             assert common.packing_pays(wide, attn, r) == (packed < padded), (lengths, T, r)
+        packed, padded = _flops(rowwise, attn, r)
+        assert packed <= padded and common.packing_pays(rowwise, attn, r), (lengths, T, r)
     assert not common.packing_pays(wide, _mask([1210] * 4, 1536), 4)  # 21% padding: padded
     assert common.packing_pays(wide, _mask([1150] * 4, 1536), 4)  # 25%: packed
     assert common.packing_pays(_config(1536, "flash_attention_2"), _mask([1536] * 4, 1536), 4)
@@ -269,19 +275,26 @@ def test_grpo_padding_free_equals_padded(tmp_path, user_models, model, monkeypat
 
 def test_reward_scores_packed_equal_padded(user_models):
     """The score at each row's last real token, packed against padded, with the gradient of a
-    loss on the scores (the reward model's head and body), on the Llama-shaped score model."""
+    loss on the scores (the reward model's head and body), on the Llama-shaped score model, under
+    SDPA and under sdpa_packed (models.load_model's: each row attends on its own, its bounds read)."""
     from transformers import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_pretrained(user_models["llama_rm"], dtype=torch.float32)
     assert models.packing_works(model, torch.device("cpu"))
     ids, attn, _ = _batch(model.config.vocab_size, LENGTHS)
-    out = []
-    for packed in (False, True):
-        model.zero_grad()
-        scores = common.reward_scores(model, ids, attn, packed=packed)
-        (scores * torch.arange(1.0, 6.0)).sum().backward()
-        out.append((scores.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])))
-    torch.testing.assert_close(out[1], out[0], rtol=0, atol=1e-5)
+    for attention in ("sdpa", "sdpa_packed"):
+        if attention == "sdpa_packed":
+            models.packed_attention(model)
+            models._BOUNDS[:] = None, None
+        assert model.config._attn_implementation == attention
+        out = []
+        for packed in (False, True):
+            model.zero_grad()
+            scores = common.reward_scores(model, ids, attn, packed=packed)
+            (scores * torch.arange(1.0, 6.0)).sum().backward()
+            out.append((scores.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])))
+        torch.testing.assert_close(out[1], out[0], rtol=0, atol=1e-5, msg=attention)
+    assert models._BOUNDS[1] == [0, *attn.sum(-1).cumsum(0).tolist()]
 
 
 def _offline_argv(script, folder, models):

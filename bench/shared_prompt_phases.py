@@ -2,8 +2,8 @@
 prompt computed once (shared_prompt) against the padded forward (common) or the packed one, the
 variants alternated in one process (give them A B B A), and the rollout (GRPO) and optimizer step once.
 
-    python bench/shared_prompt.py grpo 2 8 padded,shared,shared,padded   # 2 prompts x G=8, 128 + 32 tokens
-    python bench/shared_prompt.py dpo 8 2 padded,shared,shared,padded    # 8 pairs: chosen and rejected
+    python bench/shared_prompt_phases.py grpo 2 8 padded,shared,shared,padded   # 2 prompts x G=8, 128 + 32 tokens
+    python bench/shared_prompt_phases.py dpo 8 2 padded,shared,shared,padded    # 8 pairs: chosen and rejected
 """
 import copy
 import json
