@@ -15,7 +15,8 @@ where --padding_free would cut by tokens), so each of its terms is at most the p
 B x R tokens' activations, B x R logits (never concatenated: the first position's log-probs and the
 rest's are computed apart), and B x (P + R) cached keys and values, which the padded forward keeps for
 its backward too. Without a gradient (the reference pass) the cache of every layer lives to the
-forward's end: B x (P + R) x layers, at most the rollout's cache of all its rows (bench/memory.py).
+forward's end: B x (P + R) x layers, at most the rollout's cache of all its rows (unless
+--generation_micro_batch_size cuts the rollout finer than the micro-batch; bench/memory.py counts it).
 Not bitwise the padded path's (float order): a pass whose log-probs are compared token by token with
 another model's (grpo.py's old policy against its teacher) keeps to common's, so that both take one
 path whatever each model's activation checkpointing (tests/test_grpo.py).
@@ -83,7 +84,7 @@ def micro_batches(rows, ids, attn, n_response, rows_per_forward, d, packed=False
 
 
 def response_logprobs(model, input_ids, attention_mask, n_response, temperature=1.0, with_entropy=False,
-                      entropy_grad=False, truncate=None, packed=False, shared=True):
+                      entropy_grad=False, truncate=None, packed=False, shared=False):
     """common.response_logprobs' (B, R) log-probs (and entropies: detached unless entropy_grad), the
     prompts (the first T - n_response columns, left-padded) computed once each where shared (the rows
     cut by micro_batches for it: at most a padded micro-batch's; it says shared only in one process).

@@ -42,7 +42,7 @@ def ref_pass(v):
     return common.batched_logprobs(ref, ids, attn, R, 1.0, d, rows_per_forward=NP * G, packed=v == "packed")
 def update(v):
     if v == "shared":
-        lp, ent = shared_prompt.response_logprobs(model, ids, attn, R, with_entropy=True)
+        lp, ent = shared_prompt.response_logprobs(model, ids, attn, R, with_entropy=True, shared=True)
     else:
         lp, ent = common.response_logprobs(model, ids, attn, R, with_entropy=True, packed=v == "packed")
     ((lp * r_mask).sum() / r_mask.sum()).backward()

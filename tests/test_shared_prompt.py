@@ -3,6 +3,8 @@ entropies and gradients against common.response_logprobs' padded forward (the in
 computation: every row's prompt computed again), on GPT-2 (absolute positions), Llama, Qwen2 and
 SmolLM2's shape (RoPE, grouped-query attention), with left-padded prompts of several lengths and
 right-padded responses; the planted bug: rows given another prompt's keys and values."""
+import functools
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -44,7 +46,7 @@ def test_shared_prompt_logprobs_and_gradients_equal_the_padded_ones(user_models,
     for name, model in _models(user_models, smollm2_small):
         ids, attn, resp = _groups(model.config.vocab_size)
         out = []
-        for fn in (common.response_logprobs, shared_prompt.response_logprobs):
+        for fn in (common.response_logprobs, functools.partial(shared_prompt.response_logprobs, shared=True)):
             model.zero_grad()
             logps, ent = fn(model, ids, attn, resp.shape[1], temperature=0.7, with_entropy=True,
                             entropy_grad=entropy_grad)
@@ -76,7 +78,7 @@ def test_rows_of_distinct_prompts_take_the_padded_forward(user_models):
     model = AutoModelForCausalLM.from_pretrained(user_models["llama"], dtype=torch.float32).eval()
     ids, attn, resp = _groups(model.config.vocab_size, group=1)
     with torch.no_grad():
-        assert torch.equal(shared_prompt.response_logprobs(model, ids, attn, resp.shape[1]),
+        assert torch.equal(shared_prompt.response_logprobs(model, ids, attn, resp.shape[1], shared=True),
                            common.response_logprobs(model, ids, attn, resp.shape[1]))
 
 
@@ -93,7 +95,7 @@ def test_rows_given_another_prompts_keys_differ(user_models, monkeypatch):
             return rows, (inverse + 1) % len(rows)
 
         monkeypatch.setattr(shared_prompt.torch, "unique", shifted)
-        got = shared_prompt.response_logprobs(model, ids, attn, resp.shape[1]) * resp
+        got = shared_prompt.response_logprobs(model, ids, attn, resp.shape[1], shared=True) * resp
     assert (got - want).abs().max() > 1e-3
 
 
