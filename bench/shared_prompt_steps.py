@@ -7,8 +7,9 @@ medians and ranges; both runs' losses must agree (the same step, the same rows).
 
     python bench/shared_prompt_steps.py --algo grpo --model smollm2 --batch_size 2 --group_size 8 \
         --prompt_len 64 --response_len 16 --repeats 2 --threads 1
-    python bench/shared_prompt_steps.py --algo dpo --model smollm2 --batch_size 4 --prompt_len 64 \
+    python bench/shared_prompt_steps.py --algo dpo --model smollm2 --batch_size 8 --prompt_len 64 \
         --response_len 32 --repeats 2 --threads 1
+    python bench/shared_prompt_steps.py --algo dpo --model smollm2 --batch_size 4 --lengths tldr --tag tldr
 
 Results: bench/results/shared-prompt-steps-ALGO[-TAG]-cpu.json.
 """
@@ -22,6 +23,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import lengths as length_dists  # noqa: E402
 from bench import steps, util  # noqa: E402
 from plumbing import models  # noqa: E402
 
@@ -36,6 +38,7 @@ def main():
     p.add_argument("--group_size", type=int, default=8)
     p.add_argument("--prompt_len", type=int, default=64)
     p.add_argument("--response_len", type=int, default=16)
+    p.add_argument("--lengths", default="fixed", choices=length_dists.KINDS, help="bench/lengths.py's rows")
     p.add_argument("--repeats", type=int, default=2, help="A B B A blocks")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run")
     p.add_argument("--tag", default="")
@@ -44,8 +47,11 @@ def main():
     tokenizer = models.load_tokenizer(models.model_folder(args.model) if args.model == "smollm2" else args.model)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     tmp = tempfile.mkdtemp()
+    lengths = length_dists.row_lengths(args.lengths, 64, args.prompt_len, args.response_len)
+    if args.lengths != "fixed":  # the scripts' limits: the longest prompt and response, so no row is cut
+        args.prompt_len, args.response_len = max(p for p, _ in lengths), max(r for _, r in lengths)
     data = steps.make_data(os.path.join(tmp, "rows.jsonl"), 64, args.prompt_len, args.response_len,
-                           alphabet=steps.exact_alphabet(tokenizer))
+                           alphabet=steps.exact_alphabet(tokenizer), lengths=lengths)
     runs = {"shared": [], "not": []}
     order = ["shared", "not", "not", "shared"] * args.repeats
     for i, variant in enumerate(order):
