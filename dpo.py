@@ -50,7 +50,7 @@ import data
 import tasks
 import sampling
 import shared_prompt
-from plumbing import cli, logs, models, rundir
+from plumbing import cli, conflicts, logs, models, rundir
 
 LossType = Literal["sigmoid", "sigmoid_norm", "ipo", "hinge", "robust", "apo_zero", "simpo"]
 
@@ -211,14 +211,6 @@ def all_pair_logps(model, pairs, pad_id, d, batch_size):
 # -----------------------------------------------------------------------------
 
 
-def check_config(cfg):
-    """Flags that do not go together (each flag's own range and choices: cli.check_ranges)."""
-    if cfg.label_smoothing and cfg.loss_type not in ("sigmoid", "sigmoid_norm", "robust"):
-        raise ValueError("--label_smoothing applies to --loss_type sigmoid, sigmoid_norm and robust only")
-    if cfg.ref_model and cfg.loss_type == "simpo":
-        raise ValueError("--loss_type simpo uses no reference model: drop --ref_model")
-
-
 def evaluate(model, tokenizer, held_out, gold_prompts, cfg, d):
     """The implicit reward's pairwise accuracy and mean margin on the held-out pairs (held_out: the
     pairs encoded, their reference log-probs (N, 2) and response lengths (N, 2)); on the embedded
@@ -244,7 +236,7 @@ def main(cfg):
     # 0. setup and checks that fail fast
     d = cli.start(cfg)  # flags checked, process group joined, seed set
     micro = cli.micro_batch(cfg.batch_size, cfg.grad_accum, d)
-    check_config(cfg)
+    conflicts.dpo(cfg)
     train, test = data.load_preferences(cfg)
     order = data.DataOrder(len(train), cfg.seed, batch=cfg.batch_size, source=f"--dataset {cfg.dataset}")
     job = rundir.Run(cfg, d, model_flags=["model", "ref_model"])  # out_dir checked and locked; nothing written yet

@@ -2,7 +2,9 @@
 prompts, rendered with the chat template and each with its rule, their order, the stop ids, a
 reward model, on-policy distillation's teacher and the tool a policy may call. Each step: the
 rollout (rollout: prompts -> completions, drawn by the sampler with the random numbers of the
-global batch) and what scores its completions (score: each row's rule, the reward model)."""
+global batch) and what scores its completions (score: each row's rule, the reward model). Beside
+them the reference policy (LoRA's adapters switched off, or a frozen copy refreshed under FSDP2)
+and the held-out evaluation (greedy answers, the implicit reward's pairwise accuracy)."""
 import contextlib
 import dataclasses
 import math
@@ -408,4 +410,65 @@ def evaluate_rewards(model, env, held, cfg, d):
         parts = {k: r[:, i] for i, k in enumerate(names)}
         metrics[f"eval/{mode}reward"] = combine(parts, env.weights).nanmean().item()
         metrics |= {f"eval/{mode}rewards/{k}/mean": v.nanmean().item() for k, v in parts.items()}
+    return metrics
+
+
+# -----------------------------------------------------------------------------
+# the reference policy and the held-out evaluation
+
+
+def reference_context(model, ref):
+    """Run the reference: the frozen copy, or the LoRA model with its adapters disabled."""
+    return model.disable_adapter() if ref is None else contextlib.nullcontext()
+
+
+@torch.no_grad()
+def refresh_reference(ref, model):
+    """Copy the policy's weights into the reference. Under FSDP2 both are sharded
+    alike; the root module stays gathered after a no-grad forward, so reshard both first."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in (*ref.modules(), *model.modules()):
+        if isinstance(m, FSDPModule):
+            m.reshard()
+    for p_ref, p in zip(ref.parameters(), model.parameters()):
+        p_ref.copy_(p)
+
+
+def pairwise_accuracy(model, ref, pairs, pad_id, d, batch_size):
+    """Share of held-out pairs (data.encode_pairs) whose implicit reward log(pi/pi_ref), against the
+    current reference, ranks chosen above rejected (ties half): does RL on the reward also move the
+    policy towards what people preferred?"""
+    def margins(rows):  # (b, 2): log pi - log pi_ref of chosen and of rejected
+        batch = data.pair_batch(pairs, rows, pad_id, d.device)
+        pi = common.sequence_logprobs(model, batch, d)
+        with reference_context(model, ref):
+            pi_ref = common.sequence_logprobs(model if ref is None else ref, batch, d)
+        return torch.stack((pi - pi_ref).chunk(2), 1)
+
+    with common.evaluating(model):
+        m = common.map_rows(margins, len(pairs[0]), d, batch_size, logits_per_row=data.pair_logits(pairs, model))
+    return common.ranking_accuracy(m[:, 0], m[:, 1]).item()
+
+
+def evaluate(model, ref, env, evals, cfg, d):
+    """Greedy answers to the embedded task's held-out prompts, scored by its rule (exact-match and
+    gold reward; with --tools, the tool's calls run as in the rollouts), and the held-out pairs'
+    accuracy of the implicit reward beta log(pi / pi_ref); on the embedded task also against the
+    best accuracy its label noise allows."""
+    metrics = {}
+    if evals["held_out"] is not None:  # every row of a task has its rule
+        h = evals["held_out"]
+        rule = tasks.REWARD_FNS[h["reward_fn"][0]]
+        with frozen_in_bf16(model, d):  # greedy decoding: LoRA's base cast once, not per token
+            metrics |= sampling.evaluate_generations(
+                model, env.tokenizer, h["prompt"], rule, d, max_prompt_len=cfg.max_prompt_len,
+                max_new_tokens=cfg.max_new_tokens, answers=h.get("answer"), own_prompts=h["own_prompt"], tool=env.tool,
+                max_tool_calls=cfg.max_tool_calls, batch_size=cfg.generation_micro_batch_size or 256)
+    metrics |= evaluate_rewards(model, env, evals["prompts"], cfg, d)  # --eval_dataset, a file's 5%
+    if evals["pairs"] is not None:
+        metrics["eval/accuracy"] = pairwise_accuracy(model, ref, evals["pairs"], env.tokenizer.pad_token_id, d,
+                                                     batch_size=cfg.eval_batch_size)
+    if evals["gold_pairs"] is not None:
+        metrics |= tasks.against_bayes(metrics["eval/accuracy"], evals["gold_pairs"])
     return metrics

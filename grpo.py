@@ -37,7 +37,6 @@ Run:
     torchrun --nproc_per_node 8 grpo.py --model runs/sft-gpt2 --dataset trl-lib/tldr \\
         --reward_model runs/rm-gpt2 --max_prompt_len 384 --max_new_tokens 56 --lr 1e-6
 """
-import contextlib
 import copy
 import math
 from dataclasses import dataclass
@@ -52,7 +51,7 @@ import reward_fns
 import sampling
 import shared_prompt
 import tasks
-from plumbing import cli, logs, models, rundir
+from plumbing import cli, conflicts, logs, models, rundir
 
 KlEstimator = Literal["k1", "k2", "k3", "ratio_k1", "ratio_k3"]
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "constant"]
@@ -280,60 +279,6 @@ class Config(cli.SharedConfig):
     """where metrics.jsonl and the checkpoint/ folder go"""
     seed: int = 0
     """seed for data order and sampling (the same rollouts on any number of ranks) [0, 4294967295]"""
-
-
-def check_config(cfg, d):
-    """The batch arithmetic and the flags that do not go together, with messages that say what to
-    change (each flag's own range and choices: cli.check_ranges)."""
-    n_local = cfg.prompts_per_step // max(d.world_size, 1)
-    checks = [
-        (cfg.prompts_per_step % d.world_size == 0,
-         f"--prompts_per_step {cfg.prompts_per_step} must be divisible by world size {d.world_size} (groups stay on one rank)"),
-        ((n_local * cfg.group_size) % (cfg.num_mini_batches * cfg.grad_accum) == 0,
-         f"each rank's {n_local} prompts x --group_size {cfg.group_size} completions must split into "
-         f"--num_mini_batches {cfg.num_mini_batches} x --grad_accum {cfg.grad_accum} equal micro-batches"),
-        (cfg.rs_samples == 0 or cfg.rs_samples >= cfg.group_size,
-         f"--rs_samples {cfg.rs_samples} must be at least --group_size {cfg.group_size} (it keeps group_size of them)"),
-        (cfg.adv_estimator == "grpo" or (cfg.scale_rewards == "none" and not cfg.global_norm),
-         f"--adv_estimator {cfg.adv_estimator} sets its own scale: pass --scale_rewards none and no --global_norm"),
-        (cfg.loss_type != "cispo" or cfg.epsilon_high >= 1,
-         f"--loss_type cispo caps the IS weight at --epsilon_high itself, as TRL does: {cfg.epsilon_high} would "
-         f"scale every token down; pass a cap above 1 (TRL suggests 5, ScaleRL's eps_max)"),
-        (not cfg.delta or cfg.loss_type == "grpo",
-         f"--delta bounds the clipped surrogate: it needs --loss_type grpo, not {cfg.loss_type}"),
-        (not cfg.clip_ratio_c or cfg.loss_type in ("grpo", "dppo_tv", "dppo_kl"),
-         f"--clip_ratio_c bounds the clipped surrogate or DPPO's weight: it needs --loss_type grpo or dppo_*, not "
-         f"{cfg.loss_type}"),
-        (not cfg.loss_type.startswith("dppo") or cfg.importance_sampling_level == "token",
-         f"DPPO's trust region is per token: --loss_type {cfg.loss_type} needs --importance_sampling_level token"),
-        (None in (cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max)
-         or cfg.vllm_importance_sampling_clip_min < cfg.vllm_importance_sampling_clip_max,
-         f"--vllm_importance_sampling_clip_min {cfg.vllm_importance_sampling_clip_min} must be less than "
-         f"--vllm_importance_sampling_clip_max {cfg.vllm_importance_sampling_clip_max}"),
-        (not cfg.vllm_importance_sampling_mode.endswith("truncate") or not (
-            cfg.vllm_importance_sampling_clip_min is None is cfg.vllm_importance_sampling_clip_max),
-         f"--vllm_importance_sampling_mode {cfg.vllm_importance_sampling_mode} needs "
-         f"--vllm_importance_sampling_clip_min or --vllm_importance_sampling_clip_max"),
-        (not cfg.delta or cfg.delta > 1 + cfg.epsilon_high,
-         f"--delta {cfg.delta} must exceed 1 + --epsilon_high ({1 + cfg.epsilon_high}) or be 0 (off)"),
-        (not cfg.clip_ratio_c or cfg.clip_ratio_c > 1, f"--clip_ratio_c {cfg.clip_ratio_c} must exceed 1 or be 0 (off)"),
-        (cfg.overlong_buffer_len <= cfg.max_new_tokens,
-         f"--overlong_buffer_len {cfg.overlong_buffer_len} must be at most --max_new_tokens {cfg.max_new_tokens}"),
-        (not (cfg.lora and (cfg.ref_refresh_every or d.torchrun or cfg.save_every or cfg.resume)),
-         "--lora runs under `python` (sharded adapters are not merged), without --ref_refresh_every (its reference is "
-         "the adapters switched off), --save_every or --resume (its checkpoint holds merged weights)"),
-        (not (cfg.compile and d.torchrun), "--compile runs under `python`: under torchrun FSDP2's hooks split the decode "
-         "step into a graph per layer, and CUDA graphs would be re-recorded every rollout (the gathered weights move)"),
-        (not (cfg.teacher and cfg.off_policy_mask_threshold),
-         "--off_policy_mask_threshold masks sequences by the sign of their advantage; with --teacher each token has "
-         "its own: use one or the other"),
-        (not (cfg.save_every and cfg.ref_refresh_every and cfg.save_every % cfg.ref_refresh_every),
-         f"--save_every {cfg.save_every} must be a multiple of --ref_refresh_every {cfg.ref_refresh_every} "
-         f"(a resumed run rebuilds its reference from the checkpoint)"),
-    ]
-    for ok, msg in checks:
-        if not ok:
-            raise ValueError(msg)
 
 
 def banner(cfg, d, params, micro, env):
@@ -681,51 +626,6 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, normaliser, epsilon
 
 
 # -----------------------------------------------------------------------------
-# models: the reference, LoRA, log-probs of a rollout, rewards, evaluation
-
-
-def add_lora(model, r, alpha):
-    """Wrap every linear layer (not the LM head) with LoRA adapters (peft, an optional extra)."""
-    from peft import LoraConfig, get_peft_model
-
-    return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules="all-linear"))
-
-
-def reference_context(model, ref):
-    """Run the reference: the frozen copy, or the LoRA model with its adapters disabled."""
-    return model.disable_adapter() if ref is None else contextlib.nullcontext()
-
-
-@torch.no_grad()
-def refresh_reference(ref, model):
-    """Copy the policy's weights into the reference. Under FSDP2 both are sharded
-    alike; the root module stays gathered after a no-grad forward, so reshard both first."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for m in (*ref.modules(), *model.modules()):
-        if isinstance(m, FSDPModule):
-            m.reshard()
-    for p_ref, p in zip(ref.parameters(), model.parameters()):
-        p_ref.copy_(p)
-
-
-def pairwise_accuracy(model, ref, pairs, pad_id, d, batch_size):
-    """Share of held-out pairs (data.encode_pairs) whose implicit reward log(pi/pi_ref), against the
-    current reference, ranks chosen above rejected (ties half): does RL on the reward also move the
-    policy towards what people preferred?"""
-    def margins(rows):  # (b, 2): log pi - log pi_ref of chosen and of rejected
-        batch = data.pair_batch(pairs, rows, pad_id, d.device)
-        pi = common.sequence_logprobs(model, batch, d)
-        with reference_context(model, ref):
-            pi_ref = common.sequence_logprobs(model if ref is None else ref, batch, d)
-        return torch.stack((pi - pi_ref).chunk(2), 1)
-
-    with common.evaluating(model):
-        m = common.map_rows(margins, len(pairs[0]), d, batch_size, logits_per_row=data.pair_logits(pairs, model))
-    return common.ranking_accuracy(m[:, 0], m[:, 1]).item()
-
-
-# -----------------------------------------------------------------------------
 # the rollout's rewards (phase 2; environment.rollout samples it, phase 1)
 
 
@@ -768,7 +668,7 @@ def minibatch_rows(n_rows, n_minibatches, generator, local=slice(None)):
     """The rows of each mini-batch, (K, n_rows / K): each K consecutive rows of the global rollout
     are dealt one to each of the K mini-batches in a random order (the generator: the same on
     every rank). A rank's share (`local`, its slice; indices within it) is whole blocks of K rows
-    (check_config): every mini-batch holds the same rows on any number of ranks, as many on each."""
+    (conflicts.grpo): every mini-batch holds the same rows on any number of ranks, as many on each."""
     K = n_minibatches
     deal = torch.rand(n_rows // K, K, generator=generator).argsort(1)  # (n/K, K): the row of each block for mb j
     rows = (torch.arange(n_rows // K)[:, None] * K + deal).T  # (K, n/K) global rows of each mini-batch
@@ -776,33 +676,10 @@ def minibatch_rows(n_rows, n_minibatches, generator, local=slice(None)):
     return rows[:, start // K:stop // K] - start
 
 
-def evaluate(model, ref, env, evals, cfg, d):
-    """Greedy answers to the embedded task's held-out prompts, scored by its rule (exact-match and
-    gold reward; with --tools, the tool's calls run as in the rollouts), and the held-out pairs'
-    accuracy of the implicit reward beta log(pi / pi_ref); on the embedded task also against the
-    best accuracy its label noise allows."""
-    metrics = {}
-    if evals["held_out"] is not None:  # every row of a task has its rule
-        h = evals["held_out"]
-        rule = tasks.REWARD_FNS[h["reward_fn"][0]]
-        with environment.frozen_in_bf16(model, d):  # greedy decoding: LoRA's base cast once, not per token
-            metrics |= sampling.evaluate_generations(
-                model, env.tokenizer, h["prompt"], rule, d, max_prompt_len=cfg.max_prompt_len,
-                max_new_tokens=cfg.max_new_tokens, answers=h.get("answer"), own_prompts=h["own_prompt"], tool=env.tool,
-                max_tool_calls=cfg.max_tool_calls, batch_size=cfg.generation_micro_batch_size or 256)
-    metrics |= environment.evaluate_rewards(model, env, evals["prompts"], cfg, d)  # --eval_dataset, a file's 5%
-    if evals["pairs"] is not None:
-        metrics["eval/accuracy"] = pairwise_accuracy(model, ref, evals["pairs"], env.tokenizer.pad_token_id, d,
-                                                     batch_size=cfg.eval_batch_size)
-    if evals["gold_pairs"] is not None:
-        metrics |= tasks.against_bayes(metrics["eval/accuracy"], evals["gold_pairs"])
-    return metrics
-
-
 def main(cfg):
     # 0. setup: policy, reference, optional reward model, data
     d = cli.start(cfg)  # flags checked and filled, process group joined, seed set
-    check_config(cfg, d)  # flags that do not go together, with what to change
+    conflicts.grpo(cfg, d)  # flags that do not go together, with what to change
     fns = reward_fns.load_reward_fns(cfg.reward_fn)  # --reward_fn's functions, imported once (a bad one named here)
     weights = reward_fns.parse_weights(cfg.reward_weights, bool(cfg.reward_model), bool(cfg.teacher), [f.name for f in fns])
     rules = "rule" in weights or cfg.dataset in tasks.TASKS
@@ -813,7 +690,7 @@ def main(cfg):
                                           response_flag="--max_new_tokens", shard=False)
     ref = None  # with --lora: the policy with its adapters disabled
     if cfg.lora:
-        model = add_lora(model, cfg.lora_r, cfg.lora_alpha)
+        model = models.add_lora(model, cfg.lora_r, cfg.lora_alpha)
     else:  # the starting policy (with --ref_refresh_every, a resumed run's last refresh: below)
         ref = common.freeze(copy.deepcopy(model), d, cpu_offload=cfg.offload_frozen)
     model = common.shard_model(model, d, activation_checkpointing=cfg.activation_checkpointing)
@@ -837,9 +714,9 @@ def main(cfg):
                       show=["loss", "grad_norm", "reward", "reward_std", "frac_reward_zero_std", "kl", "clip_ratio/low",
                             "clip_ratio/high", "completions/mean_length", "eval/exact_match", "eval/gold_reward",
                             "eval/accuracy", "eval/reward", "eval/greedy/reward", "time/step"])
-    if job.resume_from and cfg.ref_refresh_every:  # a checkpoint is at a refresh (check_config)
-        refresh_reference(ref, model)
-    if start == 1 and (first := evaluate(model, ref, env, evals, cfg=cfg, d=d)):  # prompts alone: no evaluation
+    if job.resume_from and cfg.ref_refresh_every:  # a checkpoint is at a refresh (conflicts.grpo)
+        environment.refresh_reference(ref, model)
+    if start == 1 and (first := environment.evaluate(model, ref, env, evals, cfg=cfg, d=d)):  # prompts alone: none
         job.log(0, first)
     clock = logs.Clock(d, job.logger)  # each phase's seconds and peak GPU memory (time/*, mem/*); the heartbeat's phase
     for step in range(start, cfg.steps + 1):
@@ -871,7 +748,7 @@ def main(cfg):
         #    rollout policy's) log-probs, in the precision of training (LoRA's base cast once for both)
         old_logps = keep = None  # keep: the tokens that get the policy gradient (--top_entropy_share)
         with environment.frozen_in_bf16(model, d):
-            with reference_context(model, ref):
+            with environment.reference_context(model, ref):
                 ref_logps = shared_prompt.batched_logprobs(model if ref is None else ref, ids, attn, R, **lp,
                                                            enabled=cfg.shared_prompt)  # (rows_local, R)
             if cfg.top_entropy_share < 1:
@@ -932,7 +809,7 @@ def main(cfg):
                 grad_norm, lr = common.optimizer_step(model, optimizer, scheduler, cfg.grad_clip)
                 grad_norms.append(grad_norm)
         if cfg.ref_refresh_every and step % cfg.ref_refresh_every == 0:
-            refresh_reference(ref, model)
+            environment.refresh_reference(ref, model)
         clock.split("update")  # reference and old log-probs, advantages and the optimizer steps
 
         # =====================================================================
@@ -943,7 +820,7 @@ def main(cfg):
         metrics |= {"lr": lr} | clock.lap()  # time/step: training only, evaluation is not part of a step
         job.check(step, metrics, ["loss", "kl", "grad_norm"])  # a NaN stops the run, naming the last good checkpoint
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            metrics |= evaluate(model, ref, env, evals, cfg=cfg, d=d)
+            metrics |= environment.evaluate(model, ref, env, evals, cfg=cfg, d=d)
         job.logger.completions(step, roll, env, rewards=rewards, parts=parts, n=cfg.log_completions)  # before a save
         job.log(step, metrics)  # and a checkpoint every --save_every steps
     # LoRA: the adapters folded into the weights, so that the checkpoint loads with AutoModelForCausalLM

@@ -3,7 +3,7 @@ autocast does with weights that need no gradient) against once per rollout (envi
 tokens/s of sampling.generate side by side in one process, ABBA order (per forward, once, once, per
 forward), the cast's own time counted in. Both must sample the same ids and log-probs (checked).
 
-A LoRA model (grpo.add_lora, r 16, its B matrices random so the adapters count) on a random model
+A LoRA model (models.add_lora, r 16, its B matrices random so the adapters count) on a random model
 of a shape from bench/util.py; G samples of each of `prompts` random prompts, `new_tokens` tokens
 each (EOS id -1: no early stop, both do the same work). On a CPU the scripts use no autocast:
 here common.bf16_supported is patched to say yes, so that common.autocast(d) is the CPU's bf16
@@ -27,9 +27,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
 import environment  # noqa: E402
-import grpo  # noqa: E402
 import sampling  # noqa: E402
 from bench import util  # noqa: E402
+from plumbing import models  # noqa: E402
 
 
 def rollout(model, ids, mask, new_tokens, uniforms, d, cast_once):
@@ -69,7 +69,7 @@ def main():
         key = "n_layer" if "gpt2" in shape else "num_hidden_layers"
         util.SHAPES[shape] = {**util.SHAPES[shape], key: args.layers}
     _, model = util.random_model(shape)
-    model = grpo.add_lora(model, r=16, alpha=32.0).to(device)
+    model = models.add_lora(model, r=16, alpha=32.0).to(device)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:

@@ -158,7 +158,7 @@ def parts(s, script, world=1, launcher="torchrun", device="gpu", seqs=4, prompt_
 
 
 def lora_params(s, r=16):
-    """LoRA's adapter parameters (grpo.add_lora: every linear of every block, r x (in + out) each)."""
+    """LoRA's adapter parameters (models.add_lora: every linear of every block, r x (in + out) each)."""
     kv = s["kv_heads"] * s["h"] // s["heads"]
     h, I = s["h"], s["I"]
     # q, k, v, o, gate, up, down; GPT-2: c_attn, c_proj, c_fc, c_proj

@@ -198,12 +198,12 @@ def trace(shape, script, world=1, launcher="torchrun", ac=False, breakdown=False
         model = _build(shape, "new_reward" if script == "reward" else "causal")
         frozen = {}  # grpo.py's and dpo.py's frozen models, by role
         if script == "grpo" and cfg.lora:  # grpo.py: the reference is the policy with its adapters off
-            import grpo
+            from plumbing import models
 
             # peft moves each adapter to its base layer's device and dtype with Module.to, which swaps fake
             # tensors and cannot here; the adapters are made there (the fake CPU, fp32) already
             with mock.patch.object(torch.nn.Module, "to", lambda self, *args, **kwargs: self):
-                model = grpo.add_lora(model, cfg.lora_r, cfg.lora_alpha)
+                model = models.add_lora(model, cfg.lora_r, cfg.lora_alpha)
         elif script == "grpo" or script == "dpo" and not cfg.precompute_ref:
             frozen["reference"] = common.freeze(_build(shape), d)  # a copy of the policy
         model = common.shard_model(model, d, activation_checkpointing=ac)
@@ -335,7 +335,7 @@ def _grpo(model, optimizer, scheduler, frozen, cfg, d, tracker):
                 common.reward_scores(frozen["reward model"], ids[:, :-1], attn[:, :-1])  # environment.learned_rewards
         ids, attn, loss_mask = _batch(rows, P, R, d)  # grpo.reward: group_size of each prompt's samples kept
         with tracker.phase("reference and old log-probs", measure=step == 1), environment.frozen_in_bf16(model, d):
-            with grpo.reference_context(model, ref), _shared(lambda i: i // cfg.group_size):
+            with environment.reference_context(model, ref), _shared(lambda i: i // cfg.group_size):
                 ref_logps = shared_prompt.batched_logprobs(model if ref is None else ref, ids, attn, R,
                                                            temperature=cfg.temperature, d=d, rows_per_forward=micro,
                                                            enabled=cfg.shared_prompt)

@@ -432,3 +432,10 @@ def use_packing(wanted, models, d):
                           f"attention ignores position ids that restart per row); micro-batches stay padded")
             return False
     return wanted
+
+
+def add_lora(model, r, alpha):
+    """Wrap every linear layer (not the LM head) with LoRA adapters (peft, an optional extra)."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules="all-linear"))

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import common
 import data
 import dpo
+import environment
 import sampling
 import sft
 import tasks
@@ -855,8 +856,6 @@ def test_every_evaluation_forward_keeps_its_logits_under_the_budget(tiny, monkey
     common.EVAL_LOGITS (1 GiB: 2 rows at R = 1024, V = 128k; 256 rows were 62 GiB). Here the
     budget is 2 rows of the longest response: every forward has at most 2 sequences, and the
     values equal those of whole batches."""
-    import grpo
-
     model, tok = tiny
     prompts = [tok(f"sort {i} {i % 3} =")["input_ids"] for i in range(7)]
     longest, shorter = tok(" 1 2 3 4 5 6|")["input_ids"], tok(" 1 2|")["input_ids"]
@@ -872,12 +871,12 @@ def test_every_evaluation_forward_keeps_its_logits_under_the_budget(tiny, monkey
 
     whole = (sft.eval_loss(model, encoded, tok.pad_token_id, d, 256),
              dpo.all_pair_logps(model, pairs, tok.pad_token_id, d, 64),
-             grpo.pairwise_accuracy(model, model, pairs, tok.pad_token_id, d, batch_size=128))
+             environment.pairwise_accuracy(model, model, pairs, tok.pad_token_id, d, batch_size=128))
     monkeypatch.setattr(common, "response_logprobs", counted)
     monkeypatch.setattr(common, "EVAL_LOGITS", 2 * len(longest) * model.config.vocab_size)
     cut = (sft.eval_loss(model, encoded, tok.pad_token_id, d, 256),
            dpo.all_pair_logps(model, pairs, tok.pad_token_id, d, 64),
-           grpo.pairwise_accuracy(model, model, pairs, tok.pad_token_id, d, batch_size=128))
+           environment.pairwise_accuracy(model, model, pairs, tok.pad_token_id, d, batch_size=128))
     assert rows_seen and max(rows_seen) <= 2, rows_seen
     assert cut[0] == pytest.approx(whole[0], rel=1e-6) and cut[2] == whole[2]
     torch.testing.assert_close(cut[1], whole[1], rtol=1e-5, atol=1e-5)

@@ -14,7 +14,7 @@ import common
 import grpo
 from grpo import dppo_mask, grpo_loss, group_advantages, policy_loss, rollout_is_weights
 from helpers import read_metrics, run_here, write_jsonl
-from plumbing import cli
+from plumbing import cli, conflicts
 
 f64 = dict(dtype=torch.float64)
 
@@ -243,7 +243,7 @@ def test_correction_and_loss_flags_that_cannot_go_together_are_refused(flags, me
     with pytest.raises(ValueError, match=message):
         cfg = replace(cli.with_defaults(grpo.Config()), **flags)
         cli.check_ranges(cfg)
-        grpo.check_config(cfg, common.Dist())
+        conflicts.grpo(cfg, common.Dist())
 
 
 def test_policy_weights_combine_the_masks_and_log_what_the_correction_touched():

@@ -180,10 +180,11 @@ def data_files(folder):
 
 
 def as_run_here(command, models, files):
-    """(script, argv) of a training command as this test runs it: the hub names substituted, the
-    scale flags appended."""
+    """(script, argv) of a training command as this test runs it: the hub names (and `smollm2`, where the
+    test gives a folder for it) substituted, the scale flags appended."""
     script, argv = training(command)
-    swap = {**{k: models[v] for k, v in HUB_MODELS.items()}, **{k: v for k, v in files.items() if "/" in k}}
+    swap = {**{k: models[v] for k, v in HUB_MODELS.items() | {("smollm2", "smollm2")} if v in models},
+            **{k: v for k, v in files.items() if "/" in k}}
     return script, [swap.get(a, a) for a in argv] + SCALE[script]
 
 

@@ -52,7 +52,7 @@ def lora_model(name):
     """`name` (a folder, or `tiny`: the embedded task's GPT-2, whose linears are Conv1D) as grpo.py
     loads it (models.load_model: the fp32 head), with LoRA adapters that change its output."""
     torch.manual_seed(0)
-    model = grpo.add_lora(models.load_model(name, models.load_tokenizer(name)), r=4, alpha=8.0)
+    model = models.add_lora(models.load_model(name, models.load_tokenizer(name)), r=4, alpha=8.0)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:
@@ -117,7 +117,7 @@ def test_the_copies_are_made_on_their_weights_device(monkeypatch):
     import transformers
 
     with torch.device("meta"):
-        model = grpo.add_lora(transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+        model = models.add_lora(transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
             vocab_size=64, **LLAMA)), r=4, alpha=8.0)
     meta = common.Dist(device=torch.device("meta"))
     # meta has no autocast of its own: the CPU's stands in for it, as bench/memory_trace.py does for a GPU's
@@ -148,7 +148,7 @@ def test_the_rollout_and_the_reference_equal_the_per_forward_cast(family, llama,
                 (environment.frozen_in_bf16(model, CPU) if cast_once else contextlib.nullcontext()):
             ids, mask, logps = sampling.generate(model, p_ids, p_mask, 12, eos_id=0, pad_id=0, uniforms=u,
                                                  return_logprobs=True)
-            with grpo.reference_context(model, None):
+            with environment.reference_context(model, None):
                 ref = common.batched_logprobs(model, torch.cat([p_ids, ids], 1), torch.cat([p_mask, mask], 1),
                                               ids.shape[1], temperature=1.0, d=CPU, rows_per_forward=4)
         return ids, mask, logps, ref

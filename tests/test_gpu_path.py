@@ -128,7 +128,7 @@ def test_lora_forward_computes_only_the_kept_logits(tiny):
     LM head sees the R positions before the response, not all P+R (a (B, P+R, V) tensor per forward)."""
     pytest.importorskip("peft")
     _, tok = tiny
-    model = grpo.add_lora(models.load_model("tiny", tok), 4, 8.0)
+    model = models.add_lora(models.load_model("tiny", tok), 4, 8.0)
     assert common._accepts(model, "logits_to_keep")
     seen = []
     head = model.get_output_embeddings()

@@ -16,7 +16,7 @@ from grpo import (aggregate, group_advantages, grpo_loss, kl_per_token, loss_nor
                   rejection_sample)
 from environment import truncate_mask
 from helpers import TWO_RANK_RUNS, checkpoint_weights, max_abs_diff, read_metrics, run_here, write_jsonl
-from plumbing import cli, models
+from plumbing import cli, conflicts, models
 
 
 # -----------------------------------------------------------------------------
@@ -383,14 +383,14 @@ def test_rejection_sampler_limits_and_topbottom():
 
 def test_batch_arithmetic_is_checked():
     base = vars(cli.with_defaults(grpo.Config(prompts_per_step=4, group_size=4)))  # its lengths filled
-    grpo.check_config(grpo.Config(**base), common.Dist())
+    conflicts.grpo(grpo.Config(**base), common.Dist())
     for bad, match in [(dict(num_mini_batches=3), "equal micro-batches"), (dict(rs_samples=2), "rs_samples")]:
         with pytest.raises(ValueError, match=match):
-            grpo.check_config(grpo.Config(**(base | bad)), common.Dist())
+            conflicts.grpo(grpo.Config(**(base | bad)), common.Dist())
     with pytest.raises(ValueError, match="--kl_estimator 'k4' is not one of k1, k2, k3, ratio_k1, ratio_k3"):
         cli.check_ranges(grpo.Config(kl_estimator="k4"))
     with pytest.raises(ValueError, match="divisible by world size"):
-        grpo.check_config(grpo.Config(**(base | dict(prompts_per_step=3))), common.Dist(world_size=2))
+        conflicts.grpo(grpo.Config(**(base | dict(prompts_per_step=3))), common.Dist(world_size=2))
 
 
 def test_parse_weights():
@@ -415,7 +415,7 @@ def test_lora_reference_is_the_base_model():
     torch.manual_seed(0)
     tok = models.load_tokenizer("tiny")
     base = models.load_model("tiny", tok, dtype=torch.float32)
-    model = grpo.add_lora(copy.deepcopy(base), r=4, alpha=8)
+    model = models.add_lora(copy.deepcopy(base), r=4, alpha=8)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -424,7 +424,7 @@ def test_lora_reference_is_the_base_model():
     with torch.no_grad():
         want = base(input_ids=ids).logits
         adapted = model(input_ids=ids).logits
-        with grpo.reference_context(model, None):
+        with environment.reference_context(model, None):
             disabled = model(input_ids=ids).logits
         merged = model.merge_and_unload()(input_ids=ids).logits
     assert (adapted - want).abs().max() > 1e-2

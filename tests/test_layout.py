@@ -13,7 +13,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = {"grpo.py": 960, "sft.py": 400, "reward.py": 400, "dpo.py": 400}  # the most lines each script may have
+SCRIPTS = {"grpo.py": 850, "sft.py": 400, "reward.py": 400, "dpo.py": 400}  # the most lines each script may have
 MODULE_LINES = 650  # any other module: past this it is several jobs
 MAIN = {"grpo.py": 150, "sft.py": 80, "reward.py": 80, "dpo.py": 80}
 PLUMBING = "plumbing"

@@ -19,7 +19,7 @@ import test_grpo
 from grpo import (grpo_loss, importance_ratio, off_policy_mask, overlong_penalty, policy_loss, rollout_is_weights,
                   top_entropy_mask)
 from helpers import TWO_RANK_RUNS, checkpoint_weights, max_abs_diff, read_metrics, run_here, write_jsonl
-from plumbing import cli, models
+from plumbing import cli, conflicts, models
 
 f64 = dict(dtype=torch.float64)
 
@@ -337,16 +337,16 @@ def test_flags_that_cannot_go_together_are_refused(flags, message):
     with pytest.raises(ValueError, match=message.replace("+", r"\+").replace("(", r"\(")):
         cfg = replace(cli.with_defaults(grpo.Config()), **flags)
         cli.check_ranges(cfg)  # each flag's range and choices
-        grpo.check_config(cfg, common.Dist())  # the flags that do not go together
+        conflicts.grpo(cfg, common.Dist())  # the flags that do not go together
 
 
 @pytest.mark.parametrize("flag", ["lora", "compile"])
 def test_lora_and_compile_are_refused_under_torchrun(flag):
     """--compile under FSDP2 would split the decode step into a graph per layer and re-record
     its CUDA graphs every rollout; LoRA's adapters are not merged when sharded."""
-    grpo.check_config(replace(cli.with_defaults(grpo.Config()), **{flag: True}), common.Dist())
+    conflicts.grpo(replace(cli.with_defaults(grpo.Config()), **{flag: True}), common.Dist())
     with pytest.raises(ValueError, match=f"--{flag} runs under `python`"):
-        grpo.check_config(replace(cli.with_defaults(grpo.Config()), **{flag: True}), common.Dist(torchrun=True))
+        conflicts.grpo(replace(cli.with_defaults(grpo.Config()), **{flag: True}), common.Dist(torchrun=True))
 
 
 def run_grpo(tmp_path, *extra):
