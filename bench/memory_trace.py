@@ -1,6 +1,7 @@
 """Peak memory per GPU of each script's step, measured without a GPU: the scripts' own functions
 (common.shard_model, response_logprobs, the losses, backward, optimizer_step; grpo.py's reference,
-teacher and update passes, add_lora and its base cast once (environment.frozen_in_bf16); the
+teacher and update passes and dpo.py's forwards, sharing prompts as the scripts do (shared_prompt; `_shared`
+sets what fake tensors cannot say: the rows' prompts and the cut), add_lora and its base cast once (environment.frozen_in_bf16); the
 sampler's prefill, cache and bf16 decoder) run on fake tensors (torch's FakeTensorMode: shapes
 and dtypes, no storage) under a fake process group of W
 ranks, FSDP2 included, and torch's MemTracker (FSDPMemTracker under torchrun) adds up the live
