@@ -334,16 +334,21 @@ def join_prompt_response(prompts, responses, pad_id):
     return torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1), r_mask
 
 
-def pack(input_ids, attention_mask):
-    """A padded batch's real tokens back to back in one sequence: ids (1, N) and position ids (1, N)
-    that restart at 0 with each row, and index (B, T), each token's place in it (-1: padding).
-    Given position ids and no attention mask, transformers reads each restart as a new sequence
-    and masks attention block-diagonally (masking_utils.find_packed_sequence_indices, for SDPA and
-    eager; flash attention's varlen kernels take the same ids), so no row sees another's tokens and
-    no pad token is computed. Whether a model honours it: `packing_works`."""
-    real = attention_mask.bool()
+def pack(model, kw):
+    """A padded batch's real tokens back to back in one sequence: kw's input_ids and position_ids (B, T)
+    become (1, N), position ids restarting at 0 with each row, and its attention mask None; returns
+    index (B, T), each token's place in the pack (-1: padding). Given position ids and no mask,
+    transformers reads each restart as a new sequence and masks attention block-diagonally
+    (masking_utils.find_packed_sequence_indices, for SDPA and eager; flash attention's varlen kernels
+    take the same ids), so no row sees another's tokens and no pad token is computed; under
+    plumbing.models' sdpa_packed the rows' bounds (cu_seq_lens_q) make each row attend on its own.
+    Whether a model honours it: `packing_works`."""
+    real = kw.pop("attention_mask").bool()
     index = torch.where(real, real.flatten().long().cumsum(0).view(real.shape) - 1, -1)  # (B, T)
-    return input_ids[real][None], position_ids_from_mask(attention_mask)[real][None], index
+    kw.update(input_ids=kw["input_ids"][real][None], position_ids=kw["position_ids"][real][None], attention_mask=None)
+    if getattr(model.config, "_attn_implementation", None) == "sdpa_packed":
+        kw["cu_seq_lens_q"] = kw["cu_seq_lens_k"] = torch.nn.functional.pad(real.sum(-1).cumsum(0), (1, 0)).int()
+    return index
 
 
 def micro_batches(rows, attention_mask, rows_per_forward, d, packed=False):
@@ -380,7 +385,8 @@ def packing_pays(model, attention_mask, rows_per_forward, d=None):
     packing pays where N (1 + w min(N, rows_per_forward T)) < n T (1 + w T): for h = 1536, T = 1536
     and 4 rows a micro-batch, where more than 23% of the tokens are padding. d: summed over ranks, so
     that all cut their micro-batches alike. One host sync."""
-    if "flash" in str(getattr(model.config, "_attn_implementation", "")):
+    if "flash" in str(getattr(model.config, "_attn_implementation", "")) or \
+            getattr(model.config, "_attn_implementation", None) == "sdpa_packed":
         return True
     n, T = attention_mask.shape
     w = 1 / (6 * model.config.get_text_config().hidden_size)
@@ -478,8 +484,7 @@ def response_logprobs(model, input_ids, attention_mask, n_response, temperature=
               position_ids=position_ids_from_mask(attention_mask), use_cache=False)
     T, keep, resp = input_ids.shape[1], slice(-(n_response + 1), -1), None
     if packed:  # the M real response tokens, each predicted from the packed position before it
-        kw["input_ids"], kw["position_ids"], index = pack(input_ids, attention_mask)
-        kw["attention_mask"], resp = None, attention_mask[:, T - n_response:].bool()  # (B, R)
+        index, resp = pack(model, kw), attention_mask[:, T - n_response:].bool()  # (B, T), (B, R)
         keep = index[:, T - n_response - 1:T - 1][resp]  # (M,)
     if _accepts(model, "logits_to_keep"):  # those positions only: a contiguous (B, R, V), no copy in reshapes
         kw["logits_to_keep"] = keep if packed else torch.arange(T - n_response - 1, T - 1, device=input_ids.device)
@@ -546,8 +551,7 @@ def reward_scores(model, input_ids, attention_mask, packed=False):
         raise ValueError(f"{type(model).__name__} has no `score` head: not a sequence-classification model")
     kw = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask))
     if packed:
-        kw["input_ids"], kw["position_ids"], index = pack(input_ids, attention_mask)
-        kw["attention_mask"] = None
+        index = pack(model, kw)
     values = per_position(model, **kw).squeeze(-1).float()  # (B, T), or (1, N) packed
     last = attention_mask.shape[1] - 1 - attention_mask.flip(1).argmax(1)  # (B,) index of the last 1
     if packed:  # the last real token's place in the packed sequence

@@ -49,6 +49,7 @@ import common
 import data
 import tasks
 import sampling
+import shared_prompt
 from plumbing import cli, conflicts, logs, models, rundir
 
 LossType = Literal["sigmoid", "sigmoid_norm", "ipo", "hinge", "robust", "apo_zero", "simpo"]
@@ -102,6 +103,10 @@ class Config(cli.SharedConfig):
     """pairs per optimizer step, over all ranks and micro-batches [>= 1]"""
     grad_accum: int = 1
     """micro-batches per optimizer step on each rank [>= 1]"""
+    shared_prompt: bool = True
+    """chosen and rejected compute their prompt once, its keys and values serving both, in the policy's and the live
+    reference's forwards, where that computes fewer FLOPs than the padded (or --padding_free) forward: the same
+    log-probs to float rounding, the same rows; one process (under torchrun: off)"""
     warmup_steps: int = 20
     """linear warmup steps before the cosine decay [>= 0]"""
     offload_frozen: bool = False
@@ -284,11 +289,11 @@ def main(cfg):
         for k in range(cfg.grad_accum):
             mb = rows[k * micro:(k + 1) * micro]
             batch = data.pair_batch(train_pairs, mb, tokenizer.pad_token_id, d.device)  # 2 x micro rows
-            pi_c, pi_r = common.sequence_logprobs(model, batch, d, packed).chunk(2)  # (micro,), (micro,)
+            pi_c, pi_r = shared_prompt.sequence_logprobs(model, batch, d, packed, enabled=cfg.shared_prompt).chunk(2)  # (micro,) x 2
             if ref is None:  # precomputed (or simpo's zeros)
                 ref_c, ref_r = ref_train[mb].unbind(1)
             else:  # frozen (common.freeze): no parameter needs a gradient, no graph is kept
-                ref_c, ref_r = common.sequence_logprobs(ref, batch, d, packed).chunk(2)
+                ref_c, ref_r = shared_prompt.sequence_logprobs(ref, batch, d, packed, enabled=cfg.shared_prompt).chunk(2)
             loss, m = dpo_loss(pi_c, pi_r, ref_c, ref_r, n_pairs=cfg.batch_size, lengths=train_len[mb].unbind(1),
                                **knobs)
             common.backward(model, loss, d, sync=k == cfg.grad_accum - 1)

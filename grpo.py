@@ -49,6 +49,7 @@ import data
 import environment
 import reward_fns
 import sampling
+import shared_prompt
 import tasks
 from plumbing import cli, conflicts, logs, models, rundir
 
@@ -241,6 +242,10 @@ class Config(cli.SharedConfig):
     """optimizer steps per pass (the rollout split into this many mini-batches) [>= 1]"""
     grad_accum: int = 1
     """micro-batches per mini-batch on each rank [>= 1]"""
+    shared_prompt: bool = True
+    """a group's rows compute their prompt once, its keys and values serving each row, in the reference pass and
+    the update, where that computes fewer FLOPs than padded (or --padding_free) micro-batches: the same log-probs to
+    float rounding, never more rows a forward than a padded micro-batch; one process (under torchrun: off)"""
     warmup_steps: int = 5
     """linear warmup (optimizer steps) before the cosine decay [>= 0]"""
     offload_frozen: bool = False
@@ -744,7 +749,8 @@ def main(cfg):
         old_logps = keep = None  # keep: the tokens that get the policy gradient (--top_entropy_share)
         with environment.frozen_in_bf16(model, d):
             with environment.reference_context(model, ref):
-                ref_logps = common.batched_logprobs(model if ref is None else ref, ids, attn, R, **lp)  # (rows_local, R)
+                ref_logps = shared_prompt.batched_logprobs(model if ref is None else ref, ids, attn, R, **lp,
+                                                           enabled=cfg.shared_prompt)  # (rows_local, R)
             if cfg.top_entropy_share < 1:
                 old_logps, entropy = common.batched_logprobs(model, ids, attn, R, **lp, with_entropy=True)
                 keep = top_entropy_mask(entropy, loss_mask, cfg.top_entropy_share, d, cfg.max_new_tokens)
@@ -780,12 +786,13 @@ def main(cfg):
                 normaliser = loss_normaliser(loss_mask[mb_rows], cfg.loss_agg, cfg.max_new_tokens, d)
                 n_tokens = loss_normaliser(loss_mask[mb_rows], "token_mean", 0, d).clamp(min=1)  # metrics' denominator
                 pack = packed and common.packing_pays(model, attn[mb_rows], micro, d)  # where it computes less
-                chunks = common.micro_batches(mb_rows, attn, micro, d, pack)  # grad_accum, or cut by tokens
+                chunks, share = shared_prompt.micro_batches(mb_rows, ids, attn, R, micro, d=d, packed=pack, model=model,
+                                                            enabled=cfg.shared_prompt)  # grad_accum, or cut by tokens
                 for k, r in enumerate(chunks):
                     with common.autocast(d):
-                        logps, entropy = common.response_logprobs(model, ids[r], attn[r], R, **environment.scoring(cfg),
-                                                                  with_entropy=True, packed=pack,
-                                                                  entropy_grad=cfg.entropy_coef != 0)  # (micro, R)
+                        logps, entropy = shared_prompt.response_logprobs(model, ids[r], attn[r], R, **environment.scoring(cfg),
+                                                                         with_entropy=True, packed=pack, shared=share,
+                                                                         entropy_grad=cfg.entropy_coef != 0)  # (micro, R)
                     logps, mask = logps.float(), loss_mask[r].float()
                     old = logps.detach() if old_logps is None else old_logps[r]
                     w, w_metrics = policy_weights(cfg, logps, old, roll.r_logps[r], adv[r], mask=mask,  # masks, IS

@@ -29,7 +29,9 @@ On a GPU (bytes per GPU; N parameters, W ranks under torchrun, bf16 compute), pe
   attention's log-sum-exp and the padding mask as a bf16 bias), and the fp32 logits of the R
   response positions with their gradient (and log_softmax's output where
   common.logprobs_from_logits takes that path; GRPO: at the forward's end, the entropy's three
-  chunks of 2^26 logits instead of the gradient). With --activation_checkpointing: each block's
+  chunks of 2^26 logits instead of the gradient). One process without --activation_checkpointing
+  (shared_prompt, grpo.py's update and dpo.py): each distinct prompt's tokens once, then every row's
+  response after its prompt's keys and values, gathered to each row. With --activation_checkpointing: each block's
   input, then the largest of the logits with their gradient, one block recomputed, and the
   forward's end with autocast's copies;
 - the optimizer step: the gradients, 4N/W;
@@ -48,7 +50,8 @@ On a GPU (bytes per GPU; N parameters, W ranks under torchrun, bf16 compute), pe
 - GRPO's reward model over every sampled row, without a graph (its largest transients: 6 I + c h
   bytes per token, c fitted to the tracker), and the reference's, old policy's and teacher's
   log-probs, one micro-batch of logits at a time (--lora: beside its base's bf16 copy, made once
-  for the reference and old passes).
+  for the reference and old passes; the reference's shared prompts: beside every layer's cache of
+  the micro-batch's rows while its logits are made).
 Checked against bench/memory_trace.py (`--check`; tests/test_memory_model.py fails past 10%). Not
 counted: CUDA's context and the allocator's fragmentation (`fits` adds 1 GiB and 10%), the data,
 checkpoint writing (bench/load_memory.py). On the CPU (`--device cpu`, fp32, the math attention
@@ -62,6 +65,10 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 2**30
+# shared_prompt's forward keeps this many h bytes a distinct prompt's position and layer more than the padded
+# model's terms say, fitted to bench/memory_trace.py (not derived term by term): on GPT-2's and Qwen2.5's shapes at 8
+# layers, DPO's phase within -8% of the trace and GRPO's within +4% with it, -14% and -6% without
+SHARED_PROMPT_EXTRA = 40
 
 SHAPES = {  # layers, hidden, heads, kv heads, MLP width, vocabulary, tied embeddings, gated MLP, learned positions
     "gpt2": dict(L=12, h=768, heads=12, kv_heads=12, I=3072, V=50257, tied=True, gated=False, pos=1024),
@@ -161,14 +168,15 @@ def lora_params(s, r=16):
 
 def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, response_len=512, rollout_rows=64,
               prompts=8, grad_accum=1, ac=False, offload_frozen=False, lora=False, lora_r=16, precompute_ref=True,
-              reward_model=True, teacher=False, compile=False, tools=0, generation_rows=0):
+              reward_model=True, teacher=False, compile=False, tools=0, generation_rows=0, shared=(0, 0)):
     """Bytes per GPU of each phase's parts, {phase: {part: bytes}}, bf16 compute (FSDP2's
     MixedPrecisionPolicy under torchrun, autocast under `python`). seqs: sequences of one
     micro-batch (DPO and the reward model: both sequences of each pair); rollout_rows: GRPO's
     completions sampled per rank (--rs_samples of each of its `prompts`, else group_size);
     generation_rows: the rows of one call of its sampler (0: all rollout_rows), a chunk of
     consecutive rows whose groups are contiguous; tools: the calls a row may make (--max_tool_calls
-    with --tools; 0: no tool)."""
+    with --tools; 0: no tool); shared: the distinct prompts of a micro-batch of the update (DPO: of its
+    forward) and of one of GRPO's reference pass where shared_prompt computes each once (0: it does not)."""
     N, n_block, n_root = n_params(s)
     fsdp = launcher == "torchrun"
     W = world if fsdp else 1
@@ -242,8 +250,16 @@ def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, r
         logits_end += 3 * 4 * min(seqs * R, max(1, 2**26 // V)) * V
     # FSDP2: the root's gradients (the head's) are made first in the backward and wait for its end, unsharded
     head = {"head gradient (FSDP)": 2 * V * h} if fsdp and script != "reward" else {}
-    if not ac:
+    if not ac and shared[0]:  # shared_prompt: each distinct prompt's P tokens, then every row's R after its keys
+        # and values, gathered to every row (each row's P cached positions, repeated to every head under the
+        # response's mask: repeat_kv, 4 h bytes a position) and, per distinct prompt, SHARED_PROMPT_EXTRA h bytes
+        # a position and layer more than a padded token's
+        U, per_token = shared[0], per_token_layer - 2 * S  # the mask's bf16 bias: a query's keys
+        fb["activations"] = L * (U * prompt_len * (per_token + 2 * prompt_len + SHARED_PROMPT_EXTRA * h)
+                                 + seqs * R * per_token_layer + seqs * prompt_len * 4 * h)
+    elif not ac:
         fb["activations"] = tokens * L * per_token_layer
+    if not ac:
         start, end = dict(head, logits=logits), {"logits": logits_end}
     else:  # each block's input (bf16 under FSDP, fp32 under autocast), then the largest of: the logits and
         # their gradient (the backward's start), one block recomputed, autocast's copies (the forward's end)
@@ -283,6 +299,8 @@ def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, r
     rows = seqs  # one micro-batch of logits at a time, + log_softmax's
     ref = dict(state_kept, **no_grad_weights)  # the reference's, then the policy's (autocast caches the policy's only)
     ref["logits"] = 4 * rows * R * V + (4 * rows * R * V if rows * R * V <= 2**28 else 2 * 4 * 2**26)
+    if shared[1]:  # shared_prompt: the logits made while every layer's cache of the micro-batch's rows is alive
+        ref["logits"] = max(ref["logits"], 4 * rows * R * V + rows * S * L * kv_bytes)
     phases["reference and old log-probs"] = ref
     if teacher:  # frozen: under autocast each op casts a weight anew, none cached
         phases["teacher log-probs"] = dict(state_kept, **(weights if fsdp else {}), logits=ref["logits"])
@@ -377,6 +395,13 @@ def estimate(s, script, world=1, launcher="torchrun", device="gpu", ac=False, of
     if device == "cpu":  # the CPU model counts pairs; the GPU model sequences (both of each pair)
         return parts(s, script, world, launcher, device, **knobs)
     knobs["seqs"] *= 2 if script in ("dpo", "reward") else 1
+    # shared_prompt (one process, no activation checkpointing): the distinct prompts of a forward. GRPO's update: a
+    # group's G rows dealt G / K to each of K mini-batches (grpo.minibatch_rows), consecutive there; its reference
+    # pass: G consecutive rows; DPO: a pair's two rows. Full-length rows: wherever rows share one, sharing computes less
+    if W == 1 and not ac and getattr(cfg, "shared_prompt", False) and script in ("grpo", "dpo"):
+        dealt = max(1, cfg.group_size // cfg.num_mini_batches) if script == "grpo" else 2
+        U = [-(-seqs // dealt), -(-seqs // cfg.group_size) if script == "grpo" else 0]
+        knobs["shared"] = tuple(u if u < seqs * (1 + (script == "dpo")) else 0 for u in U)
     return gpu_parts(s, script, world, launcher, grad_accum=cfg.grad_accum, prompts=prompts,
                      lora_r=getattr(cfg, "lora_r", 16), teacher=bool(getattr(cfg, "teacher", "")),
                      compile=getattr(cfg, "compile", False), tools=cfg.max_tool_calls if getattr(cfg, "tools", "") else 0,

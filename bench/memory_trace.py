@@ -1,6 +1,7 @@
 """Peak memory per GPU of each script's step, measured without a GPU: the scripts' own functions
 (common.shard_model, response_logprobs, the losses, backward, optimizer_step; grpo.py's reference,
-teacher and update passes, add_lora and its base cast once (environment.frozen_in_bf16); the
+teacher and update passes and dpo.py's forwards, sharing prompts as the scripts do (shared_prompt; `_shared`
+sets what fake tensors cannot say: the rows' prompts and the cut), add_lora and its base cast once (environment.frozen_in_bf16); the
 sampler's prefill, cache and bf16 decoder) run on fake tensors (torch's FakeTensorMode: shapes
 and dtypes, no storage) under a fake process group of W
 ranks, FSDP2 included, and torch's MemTracker (FSDPMemTracker under torchrun) adds up the live
@@ -35,6 +36,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
 
 import common  # noqa: E402
 import memory  # noqa: E402
+import shared_prompt  # noqa: E402
 
 GIB = 2**30
 
@@ -59,6 +61,27 @@ def _as_on_a_gpu(d):
         if not d.torchrun:
             stack.enter_context(mock.patch.object(common, "shard_model", no_move))
         stack.enter_context(torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION))
+        yield
+
+
+@contextlib.contextmanager
+def _shared(prompt_of):
+    """shared_prompt's choices on fake tensors, whose values (and so torch.unique's and the micro-batch
+    cut's) are unknown: the rows' prompts as the script's batch has them (prompt_of(i) for the i-th row
+    of a forward; full-length rows, where sharing computes less), and micro-batches of rows, the
+    shared path's, wherever it can run."""
+    def prompts(ids, attn, n_prompt):
+        of = [prompt_of(i) for i in range(len(ids))]
+        distinct = sorted(set(of))
+        first = [of.index(u) for u in distinct]
+        inverse = torch.tensor([distinct.index(u) for u in of], device=ids.device)
+        return torch.cat([ids[first, :n_prompt], attn[first, :n_prompt]], 1), inverse
+
+    def micro_batches(rows, ids, attn, n_response, rows_per_forward, d, packed=False, model=None, enabled=True):
+        return common.micro_batches(rows, attn, rows_per_forward, d), enabled and shared_prompt._possible(model, 1, d)
+
+    with mock.patch.object(shared_prompt, "prompts", prompts), \
+            mock.patch.object(shared_prompt, "micro_batches", micro_batches):
         yield
 
 
@@ -244,11 +267,13 @@ def _dpo(model, optimizer, scheduler, frozen, cfg, d, tracker):
     def micro_loss():
         batch = _batch(2 * (cfg.batch_size // d.world_size // cfg.grad_accum), cfg.max_prompt_len,
                        cfg.max_response_len, d)
-        pi_c, pi_r = common.sequence_logprobs(model, batch, d).chunk(2)
-        ref_c, ref_r = torch.zeros_like(pi_c), torch.zeros_like(pi_r)  # precomputed (or SimPO's none)
-        if frozen:  # a live reference
-            with torch.no_grad():
-                ref_c, ref_r = common.sequence_logprobs(frozen["reference"], batch, d).chunk(2)
+        with _shared(lambda i: i % (len(batch[0]) // 2)):  # chosen i and rejected i: prompt i
+            pi_c, pi_r = shared_prompt.sequence_logprobs(model, batch, d, enabled=cfg.shared_prompt).chunk(2)
+            ref_c, ref_r = torch.zeros_like(pi_c), torch.zeros_like(pi_r)  # precomputed (or SimPO's none)
+            if frozen:  # a live reference
+                with torch.no_grad():
+                    ref_c, ref_r = shared_prompt.sequence_logprobs(frozen["reference"], batch, d,
+                                                                    enabled=cfg.shared_prompt).chunk(2)
         return dpo.dpo_loss(pi_c, pi_r, ref_c, ref_r, beta=cfg.beta, n_pairs=cfg.batch_size)[0]
 
     _steps(model, optimizer, scheduler, cfg, d, tracker, micro_loss)
@@ -296,6 +321,9 @@ def _grpo(model, optimizer, scheduler, frozen, cfg, d, tracker):
     chunk = max(c.stop - c.start for c in chunks)
     chunk_prompts = max((c.stop - 1) // group - c.start // group + 1 for c in chunks)
     ref = frozen.get("reference")  # None with --lora: the policy with its adapters off
+    # grpo.minibatch_rows deals each K consecutive rows one to each of K mini-batches: a group's G rows, G / K to
+    # each (consecutive there, as here: row i of a micro-batch has prompt i // (G / K))
+    dealt = max(1, cfg.group_size // cfg.num_mini_batches)
     for step in range(2):
         with tracker.phase("rollout", measure=step == 1):
             with common.evaluating(model, gather=True), common.autocast(d), torch.no_grad(), \
@@ -308,9 +336,10 @@ def _grpo(model, optimizer, scheduler, frozen, cfg, d, tracker):
                 common.reward_scores(frozen["reward model"], ids[:, :-1], attn[:, :-1])  # environment.learned_rewards
         ids, attn, loss_mask = _batch(rows, P, R, d)  # grpo.reward: group_size of each prompt's samples kept
         with tracker.phase("reference and old log-probs", measure=step == 1), environment.frozen_in_bf16(model, d):
-            with environment.reference_context(model, ref):
-                ref_logps = common.batched_logprobs(model if ref is None else ref, ids, attn, R,
-                                                    temperature=cfg.temperature, d=d, rows_per_forward=micro)
+            with environment.reference_context(model, ref), _shared(lambda i: i // cfg.group_size):
+                ref_logps = shared_prompt.batched_logprobs(model if ref is None else ref, ids, attn, R,
+                                                           temperature=cfg.temperature, d=d, rows_per_forward=micro,
+                                                           enabled=cfg.shared_prompt)
             old_logps = common.batched_logprobs(model, ids, attn, R, temperature=cfg.temperature, d=d,
                                                 rows_per_forward=micro)
         adv = torch.zeros(rows, device=d.device)
@@ -321,11 +350,14 @@ def _grpo(model, optimizer, scheduler, frozen, cfg, d, tracker):
                 adv = adv[:, None] + grpo.distill_advantages(teacher_logps, old_logps, loss_mask, cfg.teacher_coef)
         for _ in range(cfg.num_mini_batches):
             with tracker.phase("forward and backward", measure=step == 1):
+                with _shared(lambda i: i // dealt):  # grpo.py's choice (one process, no activation checkpointing)
+                    _, share = shared_prompt.micro_batches(torch.arange(rows), ids, attn, R, micro, d=d, model=model,
+                                                           enabled=cfg.shared_prompt)
                 for k in range(cfg.grad_accum):
                     r = slice(k * micro, (k + 1) * micro)
-                    with common.autocast(d):
-                        logps, entropy = common.response_logprobs(model, ids[r], attn[r], R, cfg.temperature,
-                                                                  with_entropy=True)
+                    with common.autocast(d), _shared(lambda i: i // dealt):
+                        logps, entropy = shared_prompt.response_logprobs(model, ids[r], attn[r], R, cfg.temperature,
+                                                                         with_entropy=True, shared=share)
                     loss, _ = grpo.grpo_loss(logps.float(), old_logps[r], ref_logps[r], adv[r], loss_mask[r],
                                              normaliser=loss_mask.sum(), entropy=entropy.float(), beta=cfg.beta)
                     common.backward(model, loss, d)

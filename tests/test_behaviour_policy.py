@@ -14,6 +14,7 @@ import common
 import environment
 import grpo
 import sampling
+import shared_prompt
 from helpers import read_metrics
 from test_grpo import write_digits_prompts
 from plumbing import models
@@ -151,11 +152,15 @@ def test_through_grpo_the_trainer_computes_the_samplers_log_probs_with_replay(us
             seen["rollouts"].append(orig_rollout(*args, **kwargs))
             return seen["rollouts"][-1]
 
-        def response_logprobs(model, ids, attn, *args, **kwargs):
-            out = orig_logprobs(model, ids, attn, *args, **kwargs)
-            if torch.is_grad_enabled():  # the update's forward, not the reference's or the evaluation's
-                seen["trainer"].append((ids, out[0].detach()))
-            return out
+        def recorded(fn):
+            def response_logprobs(model, ids, attn, *args, **kwargs):
+                out = fn(model, ids, attn, *args, **kwargs)
+                if torch.is_grad_enabled():  # the update's forward, not the reference's or the evaluation's
+                    seen["trainer"].append((ids, out[0].detach()))
+                return out
+            return response_logprobs
+
+        response_logprobs, shared_logprobs = recorded(orig_logprobs), recorded(shared_prompt.response_logprobs)
 
         cfg = grpo.Config(model=user_models["llama"], dataset=prompts, out_dir=str(tmp_path / f"g{replay}"),
                           sampling_replay=replay, temperature=0.7, top_p=0.9, steps=2, prompts_per_step=2,
@@ -164,6 +169,7 @@ def test_through_grpo_the_trainer_computes_the_samplers_log_probs_with_replay(us
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(environment, "rollout", rollout)
             mp.setattr(common, "response_logprobs", response_logprobs)
+            mp.setattr(shared_prompt, "response_logprobs", shared_logprobs)  # the update's, where rows share prompts
             grpo.main(cfg)
         metrics[replay] = [m["rollout/logp_diff"] for m in read_metrics(cfg.out_dir)]
         roll = seen["rollouts"][0]

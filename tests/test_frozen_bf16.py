@@ -16,6 +16,7 @@ import common
 import environment
 import grpo
 import sampling
+import shared_prompt
 from helpers import checkpoint_weights, family_tokenizer, read_metrics, write_jsonl
 from plumbing import models
 
@@ -198,6 +199,7 @@ def test_grpo_lora_steps_are_the_per_forward_casts_to_the_bit(llama, tmp_path, m
         whether a block was open around it), and whether one was open at each backward."""
         rollouts, passes, open_at, backward_open, greedy_open = [], [], [0], [], []
         rollout, batched, backward = environment.rollout, common.batched_logprobs, common.backward
+        shared_batched = shared_prompt.batched_logprobs
         greedy = sampling.evaluate_generations
 
         @contextlib.contextmanager
@@ -216,10 +218,12 @@ def test_grpo_lora_steps_are_the_per_forward_casts_to_the_bit(llama, tmp_path, m
             rollouts.append((roll.r_ids.clone(), roll.r_mask.clone(), roll.r_logps.clone(), len(blocks) > n))
             return roll
 
-        def record_pass(*args, **kwargs):
-            out = batched(*args, **kwargs)
-            passes.append((*(out if isinstance(out, tuple) else (out,)), open_at[0] > 0))
-            return out
+        def recorder(batched):  # common's passes (old policy) and shared_prompt's (the reference)
+            def record_pass(*args, **kwargs):
+                out = batched(*args, **kwargs)
+                passes.append((*(out if isinstance(out, tuple) else (out,)), open_at[0] > 0))
+                return out
+            return record_pass
 
         def record_backward(*args, **kwargs):
             backward_open.append(open_at[0] > 0)
@@ -232,7 +236,8 @@ def test_grpo_lora_steps_are_the_per_forward_casts_to_the_bit(llama, tmp_path, m
         with monkeypatch.context() as m:
             m.setattr(environment, "frozen_in_bf16", recording)
             m.setattr(environment, "rollout", record_rollout)
-            m.setattr(common, "batched_logprobs", record_pass)
+            m.setattr(common, "batched_logprobs", recorder(batched))
+            m.setattr(shared_prompt, "batched_logprobs", recorder(shared_batched))
             m.setattr(common, "backward", record_backward)
             m.setattr(sampling, "evaluate_generations", record_greedy)
             m.setattr(environment, "grpo_evals", with_held_out(environment.grpo_evals))

@@ -93,10 +93,14 @@ def test_distillation_expected_gradient_is_the_reverse_kl_gradient(seed):
     assert (grad - forward).abs().max() > 1e-3 and grad.abs().max() > 1e-3
 
 
-def test_distillation_from_a_teacher_equal_to_the_student_leaves_the_policy_unchanged(tmp_path):
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_distillation_from_a_teacher_equal_to_the_student_leaves_the_policy_unchanged(tmp_path, checkpointing):
     """--teacher the policy itself, the task reward weighted 0 and no KL term: every token's
     advantage is log pi - log pi = 0 (the teacher's log-probs are the policy's, computed the same
-    way), so no gradient, and the checkpoint equals the start; the reverse KL logged is 0."""
+    way), so no gradient, and the checkpoint equals the start; the reverse KL logged is 0, with and
+    without --activation_checkpointing (under which the policy cannot share prompts: transformers
+    turns its cache off; the frozen teacher could). Planted: both passes on shared_prompt's path
+    make it -6e-8 and -1.2e-7 here: they stay on common.batched_logprobs."""
     from transformers import AutoModelForCausalLM
 
     tok = tasks.char_tokenizer()
@@ -107,7 +111,8 @@ def test_distillation_from_a_teacher_equal_to_the_student_leaves_the_policy_unch
     data = write_digits_prompts(tmp_path / "prompts.jsonl", 8)
     grpo.main(grpo.Config(model=str(tmp_path / "m"), teacher=str(tmp_path / "m"), reward_weights="rule:0", beta=0.0,
                           dataset=data, out_dir=str(tmp_path / "g"), steps=2, prompts_per_step=4, group_size=2,
-                          max_prompt_len=64, max_new_tokens=6, lr=1e-2, warmup_steps=0, eval_every=100, n_eval_pairs=4))
+                          max_prompt_len=64, max_new_tokens=6, lr=1e-2, warmup_steps=0, eval_every=100, n_eval_pairs=4,
+                          activation_checkpointing=checkpointing))
     rows = [r for r in read_metrics(tmp_path / "g") if r["step"] > 0]
     assert [r["distill/reverse_kl"] for r in rows] == [0.0, 0.0]
     assert max_abs_diff(checkpoint_weights(tmp_path / "g"), checkpoint_weights(tmp_path, "m")) == 0.0

@@ -10,6 +10,7 @@ from test_grpo import assert_same_run, grpo_argv, write_digits_prompts
 import common
 import grpo
 import sampling
+import shared_prompt
 import tools
 from plumbing import models
 
@@ -48,11 +49,13 @@ def tool_run(tmp_path_factory, user_models):
     tmp = tmp_path_factory.mktemp("tools")
     cfg = grpo.cli.parse_config(grpo.Config, grpo_argv(tmp / "run", *tool_flags(tmp, user_models))[1:])
     seen, calls = {}, []
-    logprobs, loss_fn, gen = common.response_logprobs, grpo.grpo_loss, sampling.generate_with_tools
+    loss_fn, gen = grpo.grpo_loss, sampling.generate_with_tools
 
-    def recording_logprobs(model, ids, attn, *args, **kwargs):
-        seen["ids"], seen["attn"] = ids, attn
-        return logprobs(model, ids, attn, *args, **kwargs)
+    def recording(logprobs):  # common's forward, and shared_prompt's where a micro-batch's rows share prompts
+        def recording_logprobs(model, ids, attn, *args, **kwargs):
+            seen["ids"], seen["attn"] = ids, attn
+            return logprobs(model, ids, attn, *args, **kwargs)
+        return recording_logprobs
 
     def recording_loss(logps, old_logps, ref_logps, advantages, mask, *args, **kwargs):
         seen.setdefault("loss", []).append((seen["ids"], seen["attn"], mask.clone()))
@@ -65,7 +68,8 @@ def tool_run(tmp_path_factory, user_models):
         return out
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(common, "response_logprobs", recording_logprobs)
+        mp.setattr(common, "response_logprobs", recording(common.response_logprobs))
+        mp.setattr(shared_prompt, "response_logprobs", recording(shared_prompt.response_logprobs))
         mp.setattr(grpo, "grpo_loss", recording_loss)
         mp.setattr(sampling, "generate_with_tools", recording_generate)
         grpo.main(cfg)

@@ -132,7 +132,7 @@ def test_a_grpo_step_reads_no_plumbing_but_the_run_log_and_clock():
     loop = next(n for n in ast.walk(main) if isinstance(n, ast.For))
     named = {n.value.id for n in ast.walk(loop) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)}
     modules = named & (set(project_files()) | {"cli", "rundir", "checkpoints", "models", "logs"})
-    assert modules <= {"common", "environment", "sampling", "tasks"}, modules
+    assert modules <= {"common", "environment", "sampling", "shared_prompt", "tasks"}, modules
 
 
 @pytest.mark.parametrize("name", MAIN)

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 import common
 import tasks
-from helpers import checkpoint_weights, max_abs_diff, read_metrics, run_here, write_jsonl
+from helpers import checkpoint_weights, max_abs_diff, read_metrics, run_here, run_script, write_jsonl
 from plumbing import models
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -39,7 +39,10 @@ def _models(user_models, smollm2_small):
 
 def test_pack_puts_real_tokens_back_to_back_with_restarting_positions():
     ids, mask, _ = common.join_prompt_response([[5, 6], [7]], [[8], [9, 10]], pad_id=0)  # (2, 4): [5 6 8 0] [0 7 9 10]
-    flat, pos, index = common.pack(ids, mask)
+    kw = dict(input_ids=ids, attention_mask=mask, position_ids=common.position_ids_from_mask(mask))
+    index = common.pack(models.load_model("tiny", tasks.char_tokenizer()), kw)
+    flat, pos = kw["input_ids"], kw["position_ids"]
+    assert kw["attention_mask"] is None and kw["cu_seq_lens_q"].tolist() == [0, 3, 6]  # the rows' bounds (sdpa_packed)
     assert flat.tolist() == [[5, 6, 8, 7, 9, 10]] and pos.tolist() == [[0, 1, 2, 0, 1, 2]]
     assert index.tolist() == [[0, 1, 2, -1], [-1, 3, 4, 5]]
 
@@ -74,9 +77,10 @@ def test_packed_rows_that_see_each_other_differ(user_models, smollm2_small, monk
     causal sequence; the packed log-probs then differ from the padded ones on every model."""
     real_pack = common.pack
 
-    def no_restart(ids, mask):
-        flat, pos, index = real_pack(ids, mask)
-        return flat, torch.arange(flat.shape[1])[None], index
+    def no_restart(model, kw):
+        index = real_pack(model, kw)
+        kw["position_ids"] = torch.arange(kw["input_ids"].shape[1])[None]
+        return index
 
     monkeypatch.setattr(common, "pack", no_restart)
     for name, model in _models(user_models, smollm2_small):
@@ -85,6 +89,36 @@ def test_packed_rows_that_see_each_other_differ(user_models, smollm2_small, monk
             padded = common.response_logprobs(model, ids, attn, resp.shape[1]) * resp
             packed = common.response_logprobs(model, ids, attn, resp.shape[1], packed=True) * resp
         assert (packed - padded).abs().max() > 1e-3, name
+
+
+def test_packed_attention_keeps_to_each_row(user_models, smollm2_small, monkeypatch):
+    """models.packed_attention (each packed row's own causal attention, runs of rows of one length as
+    one batch, where SDPA would attend over the whole pack under a block-diagonal mask): log-probs and
+    gradients equal the padded ones on every model, and the rows' bounds were read. Planted: bounds
+    moved by one token (a row's last token given to the next row) make them differ."""
+    lengths = [(5, 3), (5, 3), (2, 7), (9, 1), (4, 4), (4, 4), (4, 4), (3, 6)]  # runs of 8, then 9, 10, 8 x 3, 9
+    for name, model in _models(user_models, smollm2_small):
+        models.packed_attention(model)
+        assert model.config._attn_implementation == "sdpa_packed", name
+        ids, attn, resp = _batch(model.config.vocab_size, lengths)
+        out = []
+        for packed in (False, True):
+            model.zero_grad()
+            logps = common.response_logprobs(model, ids, attn, resp.shape[1], packed=packed) * resp
+            logps.sum().backward()
+            out.append((logps.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])))
+        torch.testing.assert_close(out[1], out[0], rtol=0, atol=1e-5, msg=name)
+        assert models._BOUNDS[1] == [0, *attn.sum(-1).cumsum(0).tolist()], name
+    real_pad = torch.nn.functional.pad
+
+    def moved(x, pad, *args, **kwargs):  # common's bounds (B + 1,): every inner bound one token early
+        out = real_pad(x, pad, *args, **kwargs)
+        return torch.cat([out[:1], out[1:-1] - 1, out[-1:]]) if pad == (1, 0) else out
+
+    monkeypatch.setattr(torch.nn.functional, "pad", moved)
+    with torch.no_grad():
+        wrong = common.response_logprobs(model, ids, attn, resp.shape[1], packed=True) * resp
+    assert (wrong - out[0][0]).abs().max() > 1e-3
 
 
 class OwnMask(torch.nn.Module):
@@ -162,11 +196,14 @@ def _mask(lengths, T):
 def _flops(model, attn, rows_per_forward):
     """An independent count of each layout's matmul FLOPs per layer: 24 h^2 a token (projections and
     MLP) and 4 h a query-key pair; padded micro-batches of rows_per_forward rows compute T x T pairs
-    a row, packed ones (as micro_batches cuts them) n x n for their n tokens."""
+    a row, packed ones (as micro_batches cuts them) n x n for their n tokens, or under sdpa_packed
+    (each row's attention on its own) each row's L x L."""
     h, T = model.config.hidden_size, attn.shape[1]
     padded = sum(24 * h * h * len(r) * T + 4 * h * len(r) * T * T
                  for r in common.micro_batches(torch.arange(len(attn)), attn, rows_per_forward, common.Dist()))
-    packed = sum(24 * h * h * int(attn[r].sum()) + 4 * h * int(attn[r].sum()) ** 2
+    rowwise = model.config._attn_implementation == "sdpa_packed"
+    packed = sum(24 * h * h * int(attn[r].sum()) + 4 * h * (int((attn[r].sum(-1) ** 2).sum()) if rowwise
+                                                           else int(attn[r].sum()) ** 2)
                  for r in common.micro_batches(torch.arange(len(attn)), attn, rows_per_forward, common.Dist(), True))
     return packed, padded
 
@@ -176,14 +213,17 @@ def test_packing_pays_where_it_computes_fewer_flops(monkeypatch):
     where an independent FLOP count of both layouts says it computes less (no padding at T = 1536
     and h = 1536: padded; the docstring's 23% threshold on either side), always under flash
     attention's varlen kernels, and on the sum over ranks (a rank with full rows packs when the other
-    rank's padding outweighs it; without the all-reduce it would not)."""
-    wide = _config(1536)
+    rank's padding outweighs it; without the all-reduce it would not). Under sdpa_packed (each packed
+    row attends on its own: plumbing.models._packed_sdpa) packing never computes more, and always packs."""
+    wide, rowwise = _config(1536), _config(1536, "sdpa_packed")
     for lengths, T, r in [([1536] * 4, 1536, 4), ([1210] * 4, 1536, 4), ([1150] * 4, 1536, 4),
                           ([1536, 200, 100, 50], 1536, 4), ([30, 12, 7, 64, 3, 60], 64, 2), ([64] * 6, 64, 2)]:
         attn = _mask(lengths, T)
         packed, padded = _flops(wide, attn, r)
         if abs(packed - padded) > 0.01 * padded:  # the estimate bounds a cut's pairs; exact away from a tie
             assert common.packing_pays(wide, attn, r) == (packed < padded), (lengths, T, r)
+        packed, padded = _flops(rowwise, attn, r)
+        assert packed <= padded and common.packing_pays(rowwise, attn, r), (lengths, T, r)
     assert not common.packing_pays(wide, _mask([1210] * 4, 1536), 4)  # 21% padding: padded
     assert common.packing_pays(wide, _mask([1150] * 4, 1536), 4)  # 25%: packed
     assert common.packing_pays(_config(1536, "flash_attention_2"), _mask([1536] * 4, 1536), 4)
@@ -235,19 +275,26 @@ def test_grpo_padding_free_equals_padded(tmp_path, user_models, model, monkeypat
 
 def test_reward_scores_packed_equal_padded(user_models):
     """The score at each row's last real token, packed against padded, with the gradient of a
-    loss on the scores (the reward model's head and body), on the Llama-shaped score model."""
+    loss on the scores (the reward model's head and body), on the Llama-shaped score model, under
+    SDPA and under sdpa_packed (models.load_model's: each row attends on its own, its bounds read)."""
     from transformers import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_pretrained(user_models["llama_rm"], dtype=torch.float32)
     assert models.packing_works(model, torch.device("cpu"))
     ids, attn, _ = _batch(model.config.vocab_size, LENGTHS)
-    out = []
-    for packed in (False, True):
-        model.zero_grad()
-        scores = common.reward_scores(model, ids, attn, packed=packed)
-        (scores * torch.arange(1.0, 6.0)).sum().backward()
-        out.append((scores.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])))
-    torch.testing.assert_close(out[1], out[0], rtol=0, atol=1e-5)
+    for attention in ("sdpa", "sdpa_packed"):
+        if attention == "sdpa_packed":
+            models.packed_attention(model)
+            models._BOUNDS[:] = None, None
+        assert model.config._attn_implementation == attention
+        out = []
+        for packed in (False, True):
+            model.zero_grad()
+            scores = common.reward_scores(model, ids, attn, packed=packed)
+            (scores * torch.arange(1.0, 6.0)).sum().backward()
+            out.append((scores.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])))
+        torch.testing.assert_close(out[1], out[0], rtol=0, atol=1e-5, msg=attention)
+    assert models._BOUNDS[1] == [0, *attn.sum(-1).cumsum(0).tolist()]
 
 
 def _offline_argv(script, folder, models):
@@ -261,7 +308,9 @@ def _offline_argv(script, folder, models):
                 "--warmup_steps", "0"]
     if script == "reward":
         return test_user_path.reward_argv(folder, models)
-    return test_user_path.dpo_argv(folder, models, "--no-precompute_ref", "--grad_accum", "2")
+    # packing alone: chosen and rejected share their prompt, computed once where that computes less (shared_prompt,
+    # tests/test_shared_prompt.py), which these pairs' prompts would choose
+    return test_user_path.dpo_argv(folder, models, "--no-precompute_ref", "--grad_accum", "2", "--no-shared_prompt")
 
 
 @pytest.mark.parametrize("script", ["sft", "reward", "dpo"])
@@ -289,3 +338,56 @@ def test_offline_scripts_padding_free_equal_padded(tmp_path, user_models, script
         for key in ("loss", "grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (script, a["step"], key)
     assert max_abs_diff(checkpoint_weights(runs[0]), checkpoint_weights(runs[1])) < 1e-5
+
+
+SAVE = """
+import sys, torch
+from plumbing import models
+import common, tasks
+from transformers import AutoTokenizer
+folder, out = sys.argv[1:]
+model = models.load_model(folder, AutoTokenizer.from_pretrained(folder))  # sdpa_packed registered and set
+assert model.config._attn_implementation == "sdpa_packed"
+ids = torch.arange(3, 19).view(2, 8)
+with torch.no_grad():
+    packed = common.response_logprobs(model, ids, torch.ones_like(ids), 4, packed=True)  # through _packed_sdpa
+    logits = model(input_ids=ids).logits
+if out != folder:  # else: a script's own export, as it wrote it
+    model.save_pretrained(out)
+torch.save(dict(logits=logits, packed=packed), out + "/want.pt")
+"""
+LOAD = """
+import sys, torch
+from transformers import AttentionInterface, AutoModelForCausalLM
+assert "sdpa_packed" not in AttentionInterface._global_mapping and "common" not in sys.modules
+for folder in sys.argv[1:]:
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.arange(3, 19).view(2, 8)
+    with torch.no_grad():
+        got = model(input_ids=ids).logits
+    torch.testing.assert_close(got, torch.load(folder + "/want.pt")["logits"], rtol=0, atol=1e-5)
+    print(folder, model.config._attn_implementation)
+"""
+
+
+def test_a_checkpoint_saved_under_sdpa_packed_loads_without_it(tmp_path, user_models):
+    """models.load_model sets sdpa_packed, registered in its own process only. A checkpoint saved by a
+    script (save_pretrained after a packed forward through _packed_sdpa, on the Llama-shaped model;
+    and sft.py's final export on GPT-2) loads in a fresh process that imports nothing of this project
+    with plain AutoModelForCausalLM.from_pretrained, as SDPA, with the same logits (fp32, 1e-5): no file
+    of the checkpoint names sdpa_packed (a config naming it would not load there)."""
+    llama = tmp_path / "llama"
+    proc = run_script(["-c", SAVE, user_models["llama"], str(llama)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sft = tmp_path / "sft"
+    proc = run_script(["sft.py", "--model", "tiny", "--steps", "1", "--batch_size", "2", "--eval_every", "100",
+                       "--out_dir", str(sft)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_script(["-c", SAVE.replace("AutoTokenizer.from_pretrained(folder)", "tasks.char_tokenizer()"),
+                       str(sft / "checkpoint"), str(sft / "checkpoint")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for folder in (llama, sft / "checkpoint"):
+        assert not [f for f in folder.iterdir() if f.suffix == ".json" and "sdpa_packed" in f.read_text()], folder
+    proc = run_script(["-c", LOAD, str(llama), str(sft / "checkpoint")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == [str(llama), "sdpa", str(sft / "checkpoint"), "sdpa"]

@@ -15,6 +15,7 @@ import environment
 import grpo
 import sampling
 import sft
+import shared_prompt
 import tasks
 from helpers import read_metrics, run_here, write_jsonl
 from test_grpo import write_digits_prompts
@@ -72,12 +73,21 @@ def record_grpo(cfg):
         (common, "batched_logprobs"), (grpo, "reward"), (grpo, "group_advantages"), (grpo, "minibatch_rows"),
         (grpo, "grpo_loss"), (grpo, "rejection_sample"), (common, "response_logprobs"), (environment, "rollout"),
         (sampling, "rollout_uniforms")]}
-    last = {}
+    shared = {name: getattr(shared_prompt, name) for name in ("batched_logprobs", "response_logprobs")}  # the
+    last = {}  # reference pass's and the update's (rows that share a prompt compute it once), recorded alike
 
-    def batched_logprobs(model, ids, attn, *args, **kwargs):
-        out = orig["batched_logprobs"](model, ids, attn, *args, **kwargs)
-        seen["logprobs"].append((ids, attn, out))
-        return out
+    def recorded_batched(fn):
+        def batched_logprobs(model, ids, attn, *args, **kwargs):
+            out = fn(model, ids, attn, *args, **kwargs)
+            seen["logprobs"].append((ids, attn, out))
+            return out
+        return batched_logprobs
+
+    def recorded_forward(fn):
+        def response_logprobs(model, ids, attn, *args, **kwargs):
+            last["ids"], last["attn"] = ids, attn
+            return fn(model, ids, attn, *args, **kwargs)
+        return response_logprobs
 
     def reward(*args, **kwargs):
         roll = orig["reward"](*args, **kwargs)
@@ -94,10 +104,6 @@ def record_grpo(cfg):
         rows = orig["minibatch_rows"](n_rows, n_minibatches, generator, *args, **kwargs)
         seen["minibatches"].append(rows)
         return rows
-
-    def response_logprobs(model, ids, attn, *args, **kwargs):
-        last["ids"], last["attn"] = ids, attn
-        return orig["response_logprobs"](model, ids, attn, *args, **kwargs)
 
     def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *args, **kwargs):
         seen["loss"].append(dict(ids=last["ids"], attn=last["attn"], adv=advantages.clone(), mask=mask.clone(), **kwargs))
@@ -121,11 +127,14 @@ def record_grpo(cfg):
         return u
 
     with pytest.MonkeyPatch.context() as mp:
-        for mod, name, fn in [(common, "batched_logprobs", batched_logprobs), (grpo, "reward", reward),
+        for mod, name, fn in [(common, "batched_logprobs", recorded_batched(orig["batched_logprobs"])),
+                              (shared_prompt, "batched_logprobs", recorded_batched(shared["batched_logprobs"])),
+                              (grpo, "reward", reward),
                               (grpo, "group_advantages", group_advantages), (grpo, "minibatch_rows", minibatch_rows),
                               (grpo, "grpo_loss", grpo_loss), (grpo, "rejection_sample", rejection_sample),
-                              (common, "response_logprobs", response_logprobs), (environment, "rollout", rollout),
-                              (sampling, "rollout_uniforms", rollout_uniforms)]:
+                              (common, "response_logprobs", recorded_forward(orig["response_logprobs"])),
+                              (shared_prompt, "response_logprobs", recorded_forward(shared["response_logprobs"])),
+                              (environment, "rollout", rollout), (sampling, "rollout_uniforms", rollout_uniforms)]:
             mp.setattr(mod, name, fn)
         grpo.main(cfg)
     return seen
@@ -369,18 +378,18 @@ def test_dpo_gives_the_loss_each_sides_own_length(tmp_path):
     cfg = dpo.Config(model="tiny", dataset=write_jsonl(tmp_path / "pairs.jsonl", pairs), loss_type="sigmoid_norm",
                      steps=1, batch_size=4, grad_accum=2, n_eval=2, warmup_steps=0, out_dir=str(tmp_path / "run"))
     seen, calls = {}, []
-    scores, loss_fn = common.sequence_logprobs, dpo.dpo_loss
+    scores, loss_fn = shared_prompt.sequence_logprobs, dpo.dpo_loss  # the training forwards'
 
-    def recording_scores(model, batch, d, *args):
+    def recording_scores(model, batch, d, *args, **kwargs):
         seen["resp"] = batch[2]
-        return scores(model, batch, d, *args)
+        return scores(model, batch, d, *args, **kwargs)
 
     def recording_loss(*args, lengths, **kwargs):
         calls.append((seen["resp"].sum(-1).float().chunk(2), lengths))
         return loss_fn(*args, lengths=lengths, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(common, "sequence_logprobs", recording_scores)
+        mp.setattr(shared_prompt, "sequence_logprobs", recording_scores)
         mp.setattr(dpo, "dpo_loss", recording_loss)
         dpo.main(cfg)
     assert len(calls) == 2

@@ -1,0 +1,194 @@
+"""shared_prompt: each distinct prompt computed once for the rows that share it. Its log-probs,
+entropies and gradients against common.response_logprobs' padded forward (the independent
+computation: every row's prompt computed again), on GPT-2 (absolute positions), Llama, Qwen2 and
+SmolLM2's shape (RoPE, grouped-query attention), with left-padded prompts of several lengths and
+right-padded responses; the planted bug: rows given another prompt's keys and values."""
+import functools
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import common
+import shared_prompt
+import tasks
+from helpers import checkpoint_weights, max_abs_diff, read_metrics, run_here, write_jsonl
+from plumbing import models
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _groups(vocab, prompt_lens=(5, 2, 9), group=3, seed=0):
+    """Groups of `group` rows after one prompt each (prompts of prompt_lens tokens, left-padded),
+    responses of 1-4 tokens (right-padded): ids, attention mask (B, P+R), response mask (B, R)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts, responses = [], []
+    for i, n in enumerate(prompt_lens):
+        p = torch.randint(3, vocab, (n,), generator=g).tolist()
+        for k in range(group):
+            prompts.append(p)
+            responses.append(torch.randint(3, vocab, (1 + (i + k) % 4,), generator=g).tolist())
+    return common.join_prompt_response(prompts, responses, pad_id=0)
+
+
+def _models(user_models, smollm2_small):
+    yield "tiny", models.load_model("tiny", tasks.char_tokenizer())
+    for name, path in (("llama", user_models["llama"]), ("qwen2", user_models["qwen2"]), ("smollm2", smollm2_small)):
+        torch.manual_seed(0)
+        yield name, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("entropy_grad", [True, False])
+def test_shared_prompt_logprobs_and_gradients_equal_the_padded_ones(user_models, smollm2_small, entropy_grad):
+    """Log-probs and entropies of the real response tokens at temperature 0.7, a masked token-mean
+    loss through both, and every parameter's gradient: shared prompts against the padded forward
+    (fp32, 1e-5)."""
+    for name, model in _models(user_models, smollm2_small):
+        ids, attn, resp = _groups(model.config.vocab_size)
+        out = []
+        for fn in (common.response_logprobs, functools.partial(shared_prompt.response_logprobs, shared=True)):
+            model.zero_grad()
+            logps, ent = fn(model, ids, attn, resp.shape[1], temperature=0.7, with_entropy=True,
+                            entropy_grad=entropy_grad)
+            loss = ((logps + 0.1 * ent) * resp).sum() / resp.sum()
+            loss.backward()
+            grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+            out.append((logps.detach() * resp, ent.detach() * resp, loss.detach(), grads))
+        for padded, shared in zip(*out):
+            torch.testing.assert_close(shared, padded, rtol=0, atol=1e-5, msg=name)
+
+
+def test_batched_and_sequence_logprobs_equal_common_ones(user_models):
+    """The no-gradient passes (micro-batches of 4 rows: groups cut across them) and DPO's summed
+    log-probs (chosen and rejected after one prompt) against common's."""
+    model = AutoModelForCausalLM.from_pretrained(user_models["qwen2"], dtype=torch.float32).eval()
+    ids, attn, resp = _groups(model.config.vocab_size, prompt_lens=(4, 7, 3, 6), group=3, seed=1)
+    d = common.Dist()
+    want = common.batched_logprobs(model, ids, attn, resp.shape[1], 1.0, d, rows_per_forward=4)
+    got = shared_prompt.batched_logprobs(model, ids, attn, resp.shape[1], 1.0, d, rows_per_forward=4)
+    torch.testing.assert_close(got * resp, want * resp, rtol=0, atol=1e-5)
+    batch = _groups(model.config.vocab_size, prompt_lens=(4, 7, 3), group=2, seed=2)
+    with torch.no_grad():
+        torch.testing.assert_close(shared_prompt.sequence_logprobs(model, batch, d),
+                                   common.sequence_logprobs(model, batch, d), rtol=0, atol=1e-5)
+
+
+def test_rows_of_distinct_prompts_take_the_padded_forward(user_models):
+    """No two rows share a prompt: common.response_logprobs itself, the same floats."""
+    model = AutoModelForCausalLM.from_pretrained(user_models["llama"], dtype=torch.float32).eval()
+    ids, attn, resp = _groups(model.config.vocab_size, group=1)
+    with torch.no_grad():
+        assert torch.equal(shared_prompt.response_logprobs(model, ids, attn, resp.shape[1], shared=True),
+                           common.response_logprobs(model, ids, attn, resp.shape[1]))
+
+
+def test_rows_given_another_prompts_keys_differ(user_models, monkeypatch):
+    """The planted bug: each row continues from the next distinct prompt's keys and values."""
+    model = AutoModelForCausalLM.from_pretrained(user_models["llama"], dtype=torch.float32).eval()
+    ids, attn, resp = _groups(model.config.vocab_size)
+    with torch.no_grad():
+        want = common.response_logprobs(model, ids, attn, resp.shape[1]) * resp
+        real_unique = torch.unique
+
+        def shifted(x, **kw):
+            rows, inverse = real_unique(x, **kw)
+            return rows, (inverse + 1) % len(rows)
+
+        monkeypatch.setattr(shared_prompt.torch, "unique", shifted)
+        got = shared_prompt.response_logprobs(model, ids, attn, resp.shape[1], shared=True) * resp
+    assert (got - want).abs().max() > 1e-3
+
+
+def _long_tail(vocab, group=4, n_prompts=4, seed=3):
+    """Groups of `group` rows after prompts of 24 and 30 tokens, responses of 1 to 6 tokens (most
+    short): packing would cut micro-batches of more rows than a padded one holds."""
+    g = torch.Generator().manual_seed(seed)
+    prompts, responses = [], []
+    for i in range(n_prompts):
+        p = torch.randint(3, vocab, (24 + 6 * (i % 2),), generator=g).tolist()
+        for k in range(group):
+            prompts.append(p)
+            responses.append(torch.randint(3, vocab, (6 if k == 0 else 1 + k % 3,), generator=g).tolist())
+    return common.join_prompt_response(prompts, responses, pad_id=0)
+
+
+def _independent_flops(model, ids, attn, R, chunks, shared, packed):
+    """FLOPs per layer of the forwards each micro-batch takes, in packing_pays' units (a token's
+    projections and MLP; a query-key pair 1 / (6 h) of one), counted from the rows themselves:
+    shared, each distinct prompt's P tokens over P keys and each row's R over P + R; packed under
+    sdpa_packed, each row's own tokens over themselves; padded, every row's T over T."""
+    P, T, w = ids.shape[1] - R, ids.shape[1], 1 / (6 * model.config.hidden_size)
+    total = 0.0
+    for r in chunks:
+        U = len({tuple(x) for x in torch.cat([ids[r, :P], attn[r, :P]], 1).tolist()})
+        if shared and U < len(r):
+            total += U * P * (1 + w * P) + len(r) * R * (1 + w * T)
+        elif packed:
+            total += sum(n * (1 + w * n) for n in attn[r].sum(-1).tolist())
+        else:
+            total += len(r) * T * (1 + w * T)
+    return total
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_micro_batches_share_prompts_within_a_padded_micro_batch_where_that_computes_less(packed):
+    """(a) The memory budget: shared micro-batches hold at most rows_per_forward rows, the padded
+    micro-batch's, even where packing cuts micro-batches of more rows by tokens (the planted bug:
+    the shared forward run on packing's cut, more rows padded than the budget). The choice: the
+    cut of fewer FLOPs by an independent count of both (sharing over packing here; with prompts
+    shorter than responses, packing's); every row once, in order; torchrun and activation
+    checkpointing: common's cut, not shared."""
+    model = models.load_model("tiny", tasks.char_tokenizer())  # sdpa_packed: packed rows attend within themselves
+    ids, attn, resp = _long_tail(model.config.vocab_size)
+    R, rows, d = resp.shape[1], torch.arange(len(ids)), common.Dist()
+    chunks, shared = shared_prompt.micro_batches(rows, ids, attn, R, 4, d=d, packed=packed, model=model)
+    assert torch.equal(torch.cat(chunks), rows)
+    assert shared and all(len(r) <= 4 for r in chunks)
+    cut = common.micro_batches(rows, attn, 4, d, packed)
+    assert not packed or max(len(r) for r in cut) > 4  # packing's cut holds more rows than the budget here
+    assert _independent_flops(model, ids, attn, R, chunks, True, packed) < \
+        _independent_flops(model, ids, attn, R, cut, False, packed)
+    # long responses after a one-token prompt: packing computes less than sharing
+    short = _groups(model.config.vocab_size, prompt_lens=(1, 1), group=2)
+    got = shared_prompt.micro_batches(torch.arange(4), *short[:2], short[2].shape[1], 2, d=d, packed=True, model=model)
+    assert got[1] is False
+    assert shared_prompt.micro_batches(rows, ids, attn, R, 4, d=common.Dist(world_size=2), model=model)[1] is False
+    assert shared_prompt.micro_batches(rows, ids, attn, R, 4, d=d, model=model, enabled=False)[1] is False
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})  # shard_model's
+    assert shared_prompt.micro_batches(rows, ids, attn, R, 4, d=d, model=model)[1] is False
+
+
+@pytest.mark.parametrize("script", ["grpo", "dpo"])
+def test_scripts_sharing_prompts_equal_not_sharing(tmp_path, user_models, script, monkeypatch):
+    """grpo.py (the reference pass and the update; 2 passes over 2 mini-batches, --grad_accum 2,
+    --beta 0.05) on the Llama-shaped model, and dpo.py (the policy and a live reference) on the
+    Qwen2-shaped one: --shared_prompt against --no-shared_prompt, every step's loss, KL and grad norm
+    and the final weights (fp32, 1e-5); the shared runs did compute prompts once."""
+    import test_user_path
+
+    shared = []
+    real = shared_prompt.prompts
+    monkeypatch.setattr(shared_prompt, "prompts", lambda *a: shared.append(1) or real(*a))
+    runs = []
+    for flag in ("--shared_prompt", "--no-shared_prompt"):
+        folder = tmp_path / flag
+        folder.mkdir()
+        if script == "grpo":
+            rows = [{"prompt": r["prompt"], "reward_fn": "digits"} for r in tasks.prompt_rows(16)]
+            argv = ["grpo.py", "--model", user_models["llama"], "--dataset", write_jsonl(folder / "p.jsonl", rows),
+                    "--steps", "2", "--prompts_per_step", "4", "--group_size", "4", "--max_new_tokens", "8",
+                    "--max_prompt_len", "64", "--grad_accum", "2", "--beta", "0.05", "--lr", "1e-4",
+                    "--warmup_steps", "0", "--eval_every", "100", "--out_dir", str(folder / "run")]
+        else:
+            argv = test_user_path.dpo_argv(folder, user_models, "--no-precompute_ref", "--grad_accum", "2")
+        n = len(shared)
+        proc = run_here([*argv, flag])
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert (len(shared) > n) == (flag == "--shared_prompt")
+        runs.append(folder / "run")
+    one, two = ([r for r in read_metrics(out) if "loss" in r] for out in runs)
+    assert len(one) >= 2
+    for a, b in zip(one, two, strict=True):
+        for key in ("loss", "grad_norm") + (("kl",) if script == "grpo" else ()):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (script, a["step"], key)
+    assert max_abs_diff(checkpoint_weights(runs[0]), checkpoint_weights(runs[1])) < 1e-5
