@@ -54,6 +54,10 @@ padding_free=True but DPOTrainer warns and pads anyway ("temporarily unavailable
 refactor"); `trl-live-pf` asks for it, and its checks print padding_free_in_effect. `--variants`
 runs a subset, e.g. `--variants ours,ours-pf,trl`.
 
+Shared prompts (`-noshare` variants): ours by default computes each distinct prompt of a GRPO group
+or a DPO pair once and gives its keys and values to every row (shared_prompt.py); `ours-noshare`
+and `ours-live-noshare` pass --no-shared_prompt, every row computing its prompt as TRL's does.
+
 TRL is optional (`pip install trl==1.16.0 torch==2.13.0`); without it this prints
 "trl is not installed; skipped" and exits 0.
 """
@@ -79,16 +83,19 @@ from plumbing import models  # noqa: E402
 
 GRPO_BETA, DPO_BETA = 0.04, 0.1
 TARGETS = {"grpo": 1.5, "dpo": 1.3}  # ours / TRL tokens/s wanted, like for like, at equal or lower memory
-VARIANTS = {  # name -> (side, settings) of every case run, in this order; -pf: padding-free (packed) forwards
-    "grpo": {"ours": ("ours", {"padding_free": False}),
-             "ours-pf": ("ours", {"padding_free": True}),
-             "ours-compile": ("ours", {"compile": True, "padding_free": False}),
+VARIANTS = {  # name -> (side, settings) of every case run, in this order; -pf: padding-free (packed) forwards,
+    # -noshare: every row's prompt computed (--no-shared_prompt; ours shares a group's or a pair's prompt by default)
+    "grpo": {"ours": ("ours", {"padding_free": False, "shared_prompt": True}),
+             "ours-noshare": ("ours", {"padding_free": False, "shared_prompt": False}),
+             "ours-pf": ("ours", {"padding_free": True, "shared_prompt": True}),
+             "ours-compile": ("ours", {"compile": True, "padding_free": False, "shared_prompt": True}),
              "trl": ("trl", {"gc": False}),  # GRPOTrainer 1.16 has no padding-free forward: no trl-pf
              "trl-gc": ("trl", {"gc": True})},
-    "dpo": {"ours-live": ("ours", {"precompute": False, "padding_free": False}),
-            "ours-live-pf": ("ours", {"precompute": False, "padding_free": True}),
-            "ours-pre": ("ours", {"precompute": True, "padding_free": False}),
-            "ours-pre-pf": ("ours", {"precompute": True, "padding_free": True}),
+    "dpo": {"ours-live": ("ours", {"precompute": False, "padding_free": False, "shared_prompt": True}),
+            "ours-live-noshare": ("ours", {"precompute": False, "padding_free": False, "shared_prompt": False}),
+            "ours-live-pf": ("ours", {"precompute": False, "padding_free": True, "shared_prompt": True}),
+            "ours-pre": ("ours", {"precompute": True, "padding_free": False, "shared_prompt": True}),
+            "ours-pre-pf": ("ours", {"precompute": True, "padding_free": True, "shared_prompt": True}),
             "trl-live": ("trl", {"gc": False, "precompute": False, "padding_free": False}),
             # DPOConfig 1.16 takes padding_free=True but DPOTrainer warns and pads: its checks say so
             "trl-live-pf": ("trl", {"gc": False, "precompute": False, "padding_free": True}),
@@ -98,11 +105,17 @@ VARIANTS = {  # name -> (side, settings) of every case run, in this order; -pf: 
 # (first, second, what, like for like): the tokens/s and memory ratios first / second printed. The second is
 # TRL, or our padded run where the pair is ours packed vs padded. The targets apply to the like-for-like ones.
 PAIRS = {"grpo": [("ours", "trl", "like for like", True),
+                  ("ours-noshare", "trl", "ours computing every row's prompt (--no-shared_prompt) vs TRL", False),
+                  ("ours", "ours-noshare", "ours sharing each group's prompt vs computing every row's", False),
                   ("ours-pf", "trl", "ours padding-free vs TRL (padded: GRPOTrainer has no padding-free)", False),
                   ("ours-pf", "ours", "ours padding-free vs ours padded", False),
                   ("ours-compile", "trl", "ours with the rollout's decode step compiled (--compile)", False),
                   ("ours", "trl-gc", "TRL default gradient checkpointing", False)],
          "dpo": [("ours-live", "trl-live", "like for like, live reference", True),
+                 ("ours-live-noshare", "trl-live", "ours computing each row's prompt (--no-shared_prompt) vs TRL, live "
+                  "reference", False),
+                 ("ours-live", "ours-live-noshare", "ours sharing each pair's prompt vs computing each row's, live "
+                  "reference", False),
                  ("ours-live-pf", "trl-live-pf", "padding-free asked of both (TRL 1.16 pads anyway), live reference",
                   False),
                  ("ours-live-pf", "ours-live", "ours padding-free vs ours padded, live reference", False),
@@ -358,7 +371,8 @@ def ours_argv(algo, settings, a, model_dir, rows_file, out_dir, steps):
                  "--eval_dataset", rows_file,  # train on every row, as TRL does (no hash split)
                  "--loss_type", "sigmoid", "--label_smoothing", "0", "--eval_batch_size", "64", "--n_eval", "1",
                  "--n_eval_prompts", "1", "--precompute_ref" if settings["precompute"] else "--no-precompute_ref"]
-    argv += ["--padding_free" if settings["padding_free"] else "--no-padding_free"]  # explicit: its default will change
+    argv += ["--padding_free" if settings["padding_free"] else "--no-padding_free",  # explicit, whatever the defaults
+             "--shared_prompt" if settings["shared_prompt"] else "--no-shared_prompt"]
     return [f"{algo}.py", *argv]
 
 

@@ -43,6 +43,10 @@ class SharedConfig:
     micro-batch's tokens: no compute on padding, the same log-probs to float rounding (TRL's padding_free), in each
     pass where that computes fewer FLOPs (always under flash attention; SDPA and eager compute a packed micro-batch's
     N x N attention); off, with a line, for a model whose attention lets packed rows see each other"""
+    packed_attention: bool = False
+    """with --padding_free under SDPA: each packed row attends over its own tokens (one SDPA call per run of rows of
+    one length, plumbing.models.packed_attention), not over the whole pack under a block-diagonal mask, so every pass
+    with padding packs; on a small model the calls cost more than they save (the embedded GPT-2's DPO: 2.3x slower)"""
     hsdp: int = 0
     """under torchrun: shard each model within groups of this many ranks (the GPUs of a node) and replicate across
     the groups, so parameter all-gathers stay on intra-node links (0: shard over all ranks) [>= 0]"""

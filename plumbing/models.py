@@ -382,7 +382,7 @@ def load_model(name, tokenizer, kind="causal", dtype=torch.float32, trust_remote
         model.config.pad_token_id = tokenizer.pad_token_id
     elif type(model.get_output_embeddings()) is torch.nn.Linear:
         model.get_output_embeddings().__class__ = common.FP32Head  # same weights; checkpoints are unchanged
-    return packed_attention(no_dropout(model)).eval()
+    return no_dropout(model).eval()
 
 
 def load_frozen(name, tokenizer, d, kind="causal", trust_remote_code=False, cpu_offload=False):
@@ -393,10 +393,13 @@ def load_frozen(name, tokenizer, d, kind="causal", trust_remote_code=False, cpu_
 
 def load_policy(name, cfg, d, response_len, response_flag="--max_response_len", kind="causal", shard=True):
     """The tokenizer and the model a script trains, from --model or the checkpoint it resumes:
-    loaded (load_tokenizer, load_model), its context checked against prompt + response, and
-    sharded (FSDP2 under torchrun) unless shard=False (grpo.py copies its reference first)."""
+    loaded (load_tokenizer, load_model; with --packed_attention, packed_attention), its context
+    checked against prompt + response, and sharded (FSDP2 under torchrun) unless shard=False
+    (grpo.py copies its reference first)."""
     tokenizer = load_tokenizer(name, cfg.trust_remote_code, cfg.chat_template)
     model = load_model(name, tokenizer, kind=kind, trust_remote_code=cfg.trust_remote_code, d=d)
+    if cfg.padding_free and cfg.packed_attention:
+        model = packed_attention(model)
     check_context(model, cfg.max_prompt_len, response_len, response_flag)
     if shard:
         model = common.shard_model(model, d, activation_checkpointing=cfg.activation_checkpointing)

@@ -1,6 +1,7 @@
 """bench/trl_compare.py's bookkeeping, without TRL: each ratio is the median of the repeats' own
 ratios (runs side by side), not a ratio of medians; a packed-vs-padded pair differs in
---padding_free alone and our script parses the flag the bench passes as the setting it names;
+--padding_free alone, a shared-vs-not pair in --shared_prompt alone, and our script parses the
+flags the bench passes as the settings they name;
 --variants runs a subset with the pairs among it and refuses a name it does not know."""
 import pytest
 
@@ -24,17 +25,21 @@ def test_a_ratio_is_the_median_of_the_repeats_ratios():
 
 
 @pytest.mark.parametrize("algo", ["grpo", "dpo"])
-def test_packed_vs_padded_pairs_differ_in_padding_free_alone(algo):
+def test_pairs_of_ours_differ_in_one_setting(algo):
+    """ours packed vs padded differ in padding_free alone, sharing vs not in shared_prompt alone; the
+    first of each pair has it on."""
     pairs = [(f, s) for f, s, _, _ in tc.PAIRS[algo] if tc.VARIANTS[algo][s][0] == "ours"]
-    assert pairs  # every algorithm has ours packed vs ours padded
+    differ = set()
     for first, second in pairs:
         (_, a), (_, b) = tc.VARIANTS[algo][first], tc.VARIANTS[algo][second]
-        assert a["padding_free"] and not b["padding_free"]
-        assert {k: v for k, v in a.items() if k != "padding_free"} == {k: v for k, v in b.items() if k != "padding_free"}
+        (key,) = [k for k in a if a[k] != b[k]]
+        assert a[key] is True and b[key] is False, (first, second)
+        differ.add(key)
+    assert differ == {"padding_free", "shared_prompt"}  # every algorithm has both pairs
 
 
 @pytest.mark.parametrize("algo, script", [("grpo", grpo), ("dpo", dpo)])
-def test_our_script_parses_the_padding_free_the_variant_names(algo, script, tmp_path):
+def test_our_script_parses_the_settings_the_variant_names(algo, script, tmp_path):
     a = type("A", (), dict(prompt_len=40, response_len=8, lr=1e-4, batch_size=2, group_size=2))
     for name, (side, settings) in tc.VARIANTS[algo].items():
         if side != "ours":
@@ -42,7 +47,8 @@ def test_our_script_parses_the_padding_free_the_variant_names(algo, script, tmp_
         argv = tc.ours_argv(algo, settings, a, "m", "rows.jsonl", str(tmp_path), 3)
         assert argv[0] == f"{algo}.py"
         cfg = cli.parse_config(script.Config, argv[1:])
-        assert cfg.padding_free is settings["padding_free"], name  # explicit either way: the default will change
+        assert cfg.padding_free is settings["padding_free"], name  # explicit either way
+        assert cfg.shared_prompt is settings["shared_prompt"], name
 
 
 def test_variants_picks_a_subset_with_the_pairs_among_it():

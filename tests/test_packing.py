@@ -40,7 +40,10 @@ def _models(user_models, smollm2_small):
 def test_pack_puts_real_tokens_back_to_back_with_restarting_positions():
     ids, mask, _ = common.join_prompt_response([[5, 6], [7]], [[8], [9, 10]], pad_id=0)  # (2, 4): [5 6 8 0] [0 7 9 10]
     kw = dict(input_ids=ids, attention_mask=mask, position_ids=common.position_ids_from_mask(mask))
-    index = common.pack(models.load_model("tiny", tasks.char_tokenizer()), kw)
+    model = models.load_model("tiny", tasks.char_tokenizer())
+    index = common.pack(model, dict(kw))
+    assert index.tolist() == [[0, 1, 2, -1], [-1, 3, 4, 5]]
+    index = common.pack(models.packed_attention(model), kw)
     flat, pos = kw["input_ids"], kw["position_ids"]
     assert kw["attention_mask"] is None and kw["cu_seq_lens_q"].tolist() == [0, 3, 6]  # the rows' bounds (sdpa_packed)
     assert flat.tolist() == [[5, 6, 8, 7, 9, 10]] and pos.tolist() == [[0, 1, 2, 0, 1, 2]]
@@ -276,7 +279,7 @@ def test_grpo_padding_free_equals_padded(tmp_path, user_models, model, monkeypat
 def test_reward_scores_packed_equal_padded(user_models):
     """The score at each row's last real token, packed against padded, with the gradient of a
     loss on the scores (the reward model's head and body), on the Llama-shaped score model, under
-    SDPA and under sdpa_packed (models.load_model's: each row attends on its own, its bounds read)."""
+    SDPA and under sdpa_packed (--packed_attention: each row attends on its own, its bounds read)."""
     from transformers import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_pretrained(user_models["llama_rm"], dtype=torch.float32)
@@ -346,7 +349,7 @@ from plumbing import models
 import common, tasks
 from transformers import AutoTokenizer
 folder, out = sys.argv[1:]
-model = models.load_model(folder, AutoTokenizer.from_pretrained(folder))  # sdpa_packed registered and set
+model = models.packed_attention(models.load_model(folder, AutoTokenizer.from_pretrained(folder)))  # registered, set
 assert model.config._attn_implementation == "sdpa_packed"
 ids = torch.arange(3, 19).view(2, 8)
 with torch.no_grad():
@@ -371,7 +374,7 @@ for folder in sys.argv[1:]:
 
 
 def test_a_checkpoint_saved_under_sdpa_packed_loads_without_it(tmp_path, user_models):
-    """models.load_model sets sdpa_packed, registered in its own process only. A checkpoint saved by a
+    """--packed_attention sets sdpa_packed, registered in its own process only. A checkpoint saved by a
     script (save_pretrained after a packed forward through _packed_sdpa, on the Llama-shaped model;
     and sft.py's final export on GPT-2) loads in a fresh process that imports nothing of this project
     with plain AutoModelForCausalLM.from_pretrained, as SDPA, with the same logits (fp32, 1e-5): no file
@@ -381,7 +384,7 @@ def test_a_checkpoint_saved_under_sdpa_packed_loads_without_it(tmp_path, user_mo
     assert proc.returncode == 0, proc.stderr[-3000:]
     sft = tmp_path / "sft"
     proc = run_script(["sft.py", "--model", "tiny", "--steps", "1", "--batch_size", "2", "--eval_every", "100",
-                       "--out_dir", str(sft)])
+                       "--packed_attention", "--out_dir", str(sft)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc = run_script(["-c", SAVE.replace("AutoTokenizer.from_pretrained(folder)", "tasks.char_tokenizer()"),
                        str(sft / "checkpoint"), str(sft / "checkpoint")])

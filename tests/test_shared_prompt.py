@@ -138,7 +138,7 @@ def test_micro_batches_share_prompts_within_a_padded_micro_batch_where_that_comp
     cut of fewer FLOPs by an independent count of both (sharing over packing here; with prompts
     shorter than responses, packing's); every row once, in order; torchrun and activation
     checkpointing: common's cut, not shared."""
-    model = models.load_model("tiny", tasks.char_tokenizer())  # sdpa_packed: packed rows attend within themselves
+    model = models.packed_attention(models.load_model("tiny", tasks.char_tokenizer()))  # packed rows: their own
     ids, attn, resp = _long_tail(model.config.vocab_size)
     R, rows, d = resp.shape[1], torch.arange(len(ids)), common.Dist()
     chunks, shared = shared_prompt.micro_batches(rows, ids, attn, R, 4, d=d, packed=packed, model=model)
