@@ -268,7 +268,7 @@ def _prefill(model, prompt_ids, prompt_mask, max_new_tokens, compile, kw):
     """generate's step 1: each distinct prompt prefilled once, each row then given its prompt's keys and
     values in a static cache of L >= P + max_new_tokens slots. Returns the (B, V) logits of each row's first
     response token, the cache and the decode's attention mask (B, L)."""
-    (B, P), device = prompt_ids.shape, prompt_ids.device
+    B, P = prompt_ids.shape
     L = P + max_new_tokens
     if compile:  # round up to a multiple of L/8 to L/4 (54 -> 56, 300 -> 320)
         q = max(8, 2 ** (L.bit_length() - 3))

@@ -75,7 +75,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
-import data  # noqa: E402
 from bench import lengths as length_dists  # noqa: E402
 from bench import util  # noqa: E402
 from bench.steps import exact_alphabet, gpu_memory, make_data, run_case  # noqa: E402

@@ -130,7 +130,7 @@ class Logger:
         first = self.step - self.n_steps + 1
         each = f" ({duration((self.now() - self.t_steps) / self.n_steps)} per step)" if self.n_steps else ""
         lines = [f"done: steps {first}-{self.step} of {self.steps}, {duration(wall)} wall time{each}",
-                 f"final: " + " | ".join(f"{k} {_fmt(self.last[k])}" for k in keys),
+                 "final: " + " | ".join(f"{k} {_fmt(self.last[k])}" for k in keys),
                  f"checkpoint:  {checkpoint}",
                  f"metrics:     {os.path.join(self.out_dir, 'metrics.jsonl')}"]
         if self.completions_file is not None:

@@ -17,12 +17,12 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""
 import pytest  # noqa: E402
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session", autouse=True)
 def one_torch_thread():
-    """torch on one thread for a module's tests, restored afterwards; a module opts in with
-    `pytestmark = pytest.mark.usefixtures("one_torch_thread")`. Models this small gain nothing
-    from a second thread, and on a shared 2-core machine OpenMP threads wait on each other
-    (2-3x slower, 100x while other jobs ran)."""
+    """torch on one thread in this process, for every test (helpers.SUBPROCESS_ENV does the same
+    for the processes they launch). Models this small gain nothing from a second thread, and on
+    a shared 2-core machine OpenMP threads wait on each other (2-3x slower, 100x while other jobs
+    ran)."""
     import torch  # here, not at the top: CUDA is hidden before torch is first imported
 
     n = torch.get_num_threads()

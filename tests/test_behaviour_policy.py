@@ -19,8 +19,6 @@ from helpers import read_metrics
 from test_grpo import write_digits_prompts
 from plumbing import models
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 RULES = [dict(top_p=0.9), dict(top_k=20), dict(min_p=0.05), dict(top_k=30, top_p=0.8, min_p=0.02)]
 MODEL_RULES = [dict(top_p=0.9), dict(top_k=20), dict(min_p=0.3), dict(top_k=100, top_p=0.8, min_p=0.1)]  # the user
 # models' random weights spread their probability: min-p 0.05 would keep every one of their ~300 tokens

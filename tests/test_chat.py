@@ -15,8 +15,6 @@ import sft
 from helpers import chat, family_tokenizer, question, read_metrics, write_jsonl
 from plumbing import cli, models
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 from helpers import SUBPROCESS_ENV_NO_TOKENIZER_THREADS, checkpoint_weights, max_abs_diff, read_metrics, run_script
 from helpers import chat_rows, run_many, write_jsonl
 from test_robustness import FAST, run_fast
-from plumbing import cli
+from plumbing import checkpoints, cli
 
 
 def run_worker(name, *args, nproc=2, timeout=180):
@@ -46,39 +46,44 @@ def folder_args(tmp_path, models):
     return ["--model", models["llama"], "--dataset", rows, "--eval_dataset", "sort", "--max_prompt_len", "128"]
 
 
-@pytest.mark.parametrize("before, afters", [(2, (2, 1)), (1, (2,))], ids=["2to2and1", "1to2"])
-def test_resume_on_another_world_size_ends_with_the_same_weights(tmp_path, user_models, before, afters):
-    """The sharded training state (torch.distributed.checkpoint) written by `before` processes,
-    killed right after the step-2 checkpoint, resumed (from a copy each) on each of `afters`:
-    the same losses at steps 3 and 4 and the same final weights as an uninterrupted run: to 1e-6
-    on the same world size; across, to 1e-5 against 1 process (1 == 2 processes to 1e-5 is
+def test_resume_on_another_world_size_ends_with_the_same_weights(tmp_path, user_models):
+    """The sharded training state (torch.distributed.checkpoint) written by 2 processes and by 1,
+    stopped right after the step-2 checkpoint, resumed from a copy each: 2 -> 2, 2 -> 1 and
+    1 -> 2. The same losses at steps 3 and 4 and the same final weights as an uninterrupted run:
+    to 1e-6 on the same world size; across, to 1e-5 against 1 process (1 == 2 processes to 1e-5 is
     tests/test_sft.py's). Weights alone would not show lost Adam moments: steps 3 and 4 would
-    still move, by other amounts."""
+    still move, by other amounts. Three of the runs share one torchrun (helpers.run_many)."""
     import shutil
 
     args = ["--steps", "4", "--save_every", "2", *folder_args(tmp_path, user_models)]
-    killed = run_fast("sft.py", args + ["--out_dir", str(tmp_path / "killed")], nproc=before, crash="after_save:1")
-    assert killed.returncode != 0 and read_metrics(tmp_path / "killed")[-1]["step"] == 2, killed.stderr[-2000:]
-    for after in afters:
-        tol, n_full = (1e-6, after) if before == after else (1e-5, 1)
-        full, run = tmp_path / f"full{n_full}", tmp_path / f"on{after}"
-        shutil.copytree(tmp_path / "killed", run)
-        resume = ["sft.py", *FAST["sft.py"], *args, "--out_dir", str(run), "--resume"]
-        if n_full > 1:  # the uninterrupted run and the resumed one in one torchrun (helpers.run_many)
-            resumed, codes = run_many([["full", "sft.py", *FAST["sft.py"], *args, "--out_dir", str(full)],
-                                       ["resumed", *resume]], tmp_path / "codes.json", nproc=n_full)
-            assert codes == {"full": 0, "resumed": 0}, resumed.stdout[-2000:] + resumed.stderr[-3000:]
-        else:
-            if not full.exists():
-                assert run_fast("sft.py", args + ["--out_dir", str(full)], nproc=n_full).returncode == 0
-            resumed = run_fast("sft.py", args + ["--out_dir", str(run), "--resume"], nproc=after)
-            assert resumed.returncode == 0, resumed.stderr[-3000:]
-        assert (f"written by {before} rank(s), resumed on {after}" in resumed.stdout) == (before != after)
-        want, got = read_metrics(full), read_metrics(run)
-        assert [r["step"] for r in got] == [r["step"] for r in want]
+    killed = run_fast("sft.py", args + ["--out_dir", str(tmp_path / "killed2")], nproc=2, crash="after_save:1")
+    assert killed.returncode != 0 and read_metrics(tmp_path / "killed2")[-1]["step"] == 2, killed.stderr[-2000:]
+    save = checkpoints.save_checkpoint  # on 1 process: a Ctrl-C right after the first save, in this process
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(checkpoints, "save_checkpoint",
+                  lambda *a, **kw: save(*a, **kw) and (_ for _ in ()).throw(KeyboardInterrupt))
+        killed = run_fast("sft.py", args + ["--out_dir", str(tmp_path / "killed1")])
+    assert killed.returncode == 130 and read_metrics(tmp_path / "killed1")[-1]["step"] == 2, killed.stderr[-2000:]
+    cases = {"2to2": ("killed2", "full2", 1e-6), "1to2": ("killed1", "full1", 1e-5), "2to1": ("killed2", "full1", 1e-5)}
+    for run, (source, _, _) in cases.items():
+        shutil.copytree(tmp_path / source, tmp_path / run)
+    runs = [["full2", "sft.py", *FAST["sft.py"], *args, "--out_dir", str(tmp_path / "full2")]]
+    runs += [[run, "sft.py", *FAST["sft.py"], *args, "--out_dir", str(tmp_path / run), "--resume"]
+             for run in ("2to2", "1to2")]
+    on2, codes = run_many(runs, tmp_path / "codes.json", nproc=2)
+    assert codes == {"full2": 0, "2to2": 0, "1to2": 0}, on2.stdout[-2000:] + on2.stderr[-3000:]
+    assert run_fast("sft.py", args + ["--out_dir", str(tmp_path / "full1")]).returncode == 0
+    on1 = run_fast("sft.py", args + ["--out_dir", str(tmp_path / "2to1"), "--resume"])
+    assert on1.returncode == 0, on1.stderr[-3000:]
+    assert "written by 1 rank(s), resumed on 2" in on2.stdout and "resumed on 2" not in on2.stdout.replace(
+        "written by 1 rank(s), resumed on 2", "")  # 2 -> 2 says nothing
+    assert "written by 2 rank(s), resumed on 1" in on1.stdout
+    for run, (_, full, tol) in cases.items():
+        want, got = read_metrics(tmp_path / full), read_metrics(tmp_path / run)
+        assert [r["step"] for r in got] == [r["step"] for r in want], run
         for a, b in zip(want[-2:], got[-2:]):
-            assert b["loss"] == pytest.approx(a["loss"], rel=tol), (after, a, b)
-        assert max_abs_diff(checkpoint_weights(full), checkpoint_weights(run)) < tol, after
+            assert b["loss"] == pytest.approx(a["loss"], rel=tol), (run, a, b)
+        assert max_abs_diff(checkpoint_weights(tmp_path / full), checkpoint_weights(tmp_path / run)) < tol, run
 
 
 def test_only_rank_0_reads_the_weights_and_every_rank_gets_them(tmp_path):

@@ -13,7 +13,6 @@ import dpo
 from helpers import read_metrics, run_here, write_jsonl
 from plumbing import cli, models
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
 D = common.Dist()
 
 

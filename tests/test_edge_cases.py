@@ -18,9 +18,8 @@ import pytest
 import torch
 
 import common
-import environment
-import reward_fns
 import grpo
+import reward_fns
 from helpers import (ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, chat, checkpoint_weights, read_metrics, run_here,
                      write_jsonl)
 from test_robustness import FAST, _files, run_fast
@@ -293,7 +292,6 @@ def test_rule_rewards_read_the_rows_own_conversation(tmp_path, monkeypatch):
     load (a list where the rule expected text). Rules now get the row's own prompt, as TRL passes
     it: the sort rule reads the user's message, the math rule the row's answer (a JSON number
     here). Completions are fixed, every other one right, so the rule reward is exactly 0.5."""
-    import grpo
     import tasks
 
     template = tmp_path / "chat.jinja"

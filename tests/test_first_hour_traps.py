@@ -11,8 +11,6 @@ from helpers import chat_rows, read_metrics, run_here, write_jsonl
 from plumbing import cli
 from test_edge_cases import run_cli
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 
 @pytest.mark.parametrize("script, argv, total", [
     ("sft.py", ["--steps", "3", "--warmup_steps", "3"], "--steps 3 optimizer steps"),

@@ -20,8 +20,7 @@ import shared_prompt
 from helpers import checkpoint_weights, family_tokenizer, read_metrics, write_jsonl
 from plumbing import models
 
-pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
-              pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft is not installed")]
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft is not installed")
 
 CPU = common.Dist()
 LLAMA = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

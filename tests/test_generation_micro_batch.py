@@ -18,8 +18,6 @@ import environment
 import grpo
 import sampling
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 N = 3  # rows per chunk: 16 rows a rollout (8 a rank) in chunks of 2 and 3 that cut groups of 4 in two
 
 

@@ -276,7 +276,7 @@ def test_gpu_check_refuses_without_a_gpu():
 
 
 @pytest.fixture
-def cpu_check(tmp_path, one_torch_thread):
+def cpu_check(tmp_path):
     """bench/gpu_check.py --cpu in this process (the scripts' runs too): (exit status, the table it wrote)."""
     def check(*args):
         code = gpu_check.main(["--cpu", "--results", str(tmp_path), "--keep", str(tmp_path / "work"), *args])

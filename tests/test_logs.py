@@ -11,8 +11,6 @@ from helpers import chat_rows, read_metrics, run_here, write_jsonl
 from plumbing import logs, rundir
 import tasks
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 STEP_LINE = re.compile(r"^step (\d+)/(\d+) \| elapsed (\S+)(?: \| ETA (\S+))? \|", re.M)
 
 

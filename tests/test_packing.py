@@ -6,14 +6,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common
 import tasks
 from helpers import checkpoint_weights, max_abs_diff, read_metrics, run_here, run_script, write_jsonl
 from plumbing import models
-
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _batch(vocab, lengths, seed=0):
@@ -343,22 +341,21 @@ def test_offline_scripts_padding_free_equal_padded(tmp_path, user_models, script
     assert max_abs_diff(checkpoint_weights(runs[0]), checkpoint_weights(runs[1])) < 1e-5
 
 
-SAVE = """
-import sys, torch
-from plumbing import models
-import common, tasks
-from transformers import AutoTokenizer
-folder, out = sys.argv[1:]
-model = models.packed_attention(models.load_model(folder, AutoTokenizer.from_pretrained(folder)))  # registered, set
-assert model.config._attn_implementation == "sdpa_packed"
-ids = torch.arange(3, 19).view(2, 8)
-with torch.no_grad():
-    packed = common.response_logprobs(model, ids, torch.ones_like(ids), 4, packed=True)  # through _packed_sdpa
-    logits = model(input_ids=ids).logits
-if out != folder:  # else: a script's own export, as it wrote it
-    model.save_pretrained(out)
-torch.save(dict(logits=logits, packed=packed), out + "/want.pt")
-"""
+def save_under_packed_attention(folder, tokenizer, out):
+    """A model of folder put under sdpa_packed, one packed forward through _packed_sdpa, then saved
+    into out (unless out is folder: a script's own export, as it wrote it) with its fp32 logits of
+    a fixed batch beside it (want.pt)."""
+    model = models.packed_attention(models.load_model(str(folder), tokenizer))  # registered, set
+    assert model.config._attn_implementation == "sdpa_packed"
+    ids = torch.arange(3, 19).view(2, 8)
+    with torch.no_grad():
+        common.response_logprobs(model, ids, torch.ones_like(ids), 4, packed=True)
+        logits = model(input_ids=ids).logits
+    if str(out) != str(folder):
+        model.save_pretrained(out)
+    torch.save(dict(logits=logits), f"{out}/want.pt")
+
+
 LOAD = """
 import sys, torch
 from transformers import AttentionInterface, AutoModelForCausalLM
@@ -378,17 +375,15 @@ def test_a_checkpoint_saved_under_sdpa_packed_loads_without_it(tmp_path, user_mo
     script (save_pretrained after a packed forward through _packed_sdpa, on the Llama-shaped model;
     and sft.py's final export on GPT-2) loads in a fresh process that imports nothing of this project
     with plain AutoModelForCausalLM.from_pretrained, as SDPA, with the same logits (fp32, 1e-5): no file
-    of the checkpoint names sdpa_packed (a config naming it would not load there)."""
+    of the checkpoint names sdpa_packed (a config naming it would not load there). The saves run in
+    this process; only the load needs an interpreter of its own."""
     llama = tmp_path / "llama"
-    proc = run_script(["-c", SAVE, user_models["llama"], str(llama)])
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    save_under_packed_attention(user_models["llama"], AutoTokenizer.from_pretrained(user_models["llama"]), llama)
     sft = tmp_path / "sft"
-    proc = run_script(["sft.py", "--model", "tiny", "--steps", "1", "--batch_size", "2", "--eval_every", "100",
-                       "--packed_attention", "--out_dir", str(sft)])
+    proc = run_here(["sft.py", "--model", "tiny", "--steps", "1", "--batch_size", "2", "--eval_every", "100",
+                     "--packed_attention", "--out_dir", str(sft)])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = run_script(["-c", SAVE.replace("AutoTokenizer.from_pretrained(folder)", "tasks.char_tokenizer()"),
-                       str(sft / "checkpoint"), str(sft / "checkpoint")])
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    save_under_packed_attention(sft / "checkpoint", tasks.char_tokenizer(), sft / "checkpoint")
     for folder in (llama, sft / "checkpoint"):
         assert not [f for f in folder.iterdir() if f.suffix == ".json" and "sdpa_packed" in f.read_text()], folder
     proc = run_script(["-c", LOAD, str(llama), str(sft / "checkpoint")])

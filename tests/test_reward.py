@@ -12,7 +12,6 @@ import reward
 from helpers import read_metrics, run_here
 from plumbing import cli, models
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
 D = common.Dist()
 
 

@@ -17,8 +17,6 @@ import grpo
 import reward_fns
 from helpers import TWO_RANK_RUNS, question, read_metrics, run_here, write_jsonl
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 REWARDS = '''
 import asyncio, json, os
 

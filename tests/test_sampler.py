@@ -18,7 +18,6 @@ import sampling
 from helpers import ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, run_script
 from plumbing import models, rundir
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
 V, PAD, EOS = 16, 0, 1
 
 

@@ -15,8 +15,6 @@ import tasks
 from helpers import checkpoint_weights, max_abs_diff, read_metrics, run_here, write_jsonl
 from plumbing import models
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 
 def _groups(vocab, prompt_lens=(5, 2, 9), group=3, seed=0):
     """Groups of `group` rows after one prompt each (prompts of prompt_lens tokens, left-padded),

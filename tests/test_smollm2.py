@@ -16,8 +16,6 @@ from helpers import chat
 from plumbing import models
 from studies import smollm2 as smollm2_study
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 
 @pytest.fixture(scope="module")
 def tok(smollm2):

@@ -17,8 +17,6 @@ import torch
 from helpers import TWO_RANK_RUNS, chat_rows, checkpoint_weights, max_abs_diff, read_metrics, run_here, write_jsonl
 from plumbing import checkpoints, cli, models
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 
 def run_ok(argv):
     """A script in this process (helpers.run_here); its out_dir's metrics rows."""

@@ -22,8 +22,6 @@ from test_grpo import write_digits_prompts
 from test_grpo_tools import tool_spans
 from plumbing import checkpoints, models
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 
 def leaning_gpt2(folder, lean, seed=None):
     """tasks.calculator_gpt2 with the output layer's first column (its input held at 1) set to
