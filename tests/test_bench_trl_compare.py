@@ -54,7 +54,8 @@ def test_our_script_parses_the_settings_the_variant_names(algo, script, tmp_path
 def test_variants_picks_a_subset_with_the_pairs_among_it():
     names, pairs = tc.pick_variants("dpo", ["ours-live", "ours-live-pf", "trl-live", "ours"])  # "ours": GRPO's
     assert names == ["ours-live", "ours-live-pf", "trl-live"]
-    assert [(f, s) for f, s, _, _ in pairs] == [("ours-live", "trl-live"), ("ours-live-pf", "ours-live")]
+    assert [(f, s) for f, s, _, _ in pairs] == [("ours-live", "trl-live"), ("ours-live-pf", "trl-live"),
+                                             ("ours-live-pf", "ours-live")]
     order = tc.order_of(names, pairs)
     assert sorted(order) == sorted(names) and order.index("trl-live") == order.index("ours-live") + 1
     assert tc.pick_variants("grpo")[0] == list(tc.VARIANTS["grpo"])  # none named: all
