@@ -351,8 +351,8 @@ def _grpo(model, optimizer, scheduler, frozen, cfg, d, tracker):
         for _ in range(cfg.num_mini_batches):
             with tracker.phase("forward and backward", measure=step == 1):
                 with _shared(lambda i: i // dealt):  # grpo.py's choice (one process, no activation checkpointing)
-                    _, share = shared_prompt.micro_batches(torch.arange(rows, device=ids.device), ids, attn, R, micro, d=d, model=model,
-                                                           enabled=cfg.shared_prompt)
+                    _, share = shared_prompt.micro_batches(torch.arange(rows, device=ids.device), ids, attn, R, micro,
+                                                           d=d, model=model, enabled=cfg.shared_prompt)
                 for k in range(cfg.grad_accum):
                     r = slice(k * micro, (k + 1) * micro)
                     with common.autocast(d), _shared(lambda i: i // dealt):

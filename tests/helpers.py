@@ -7,11 +7,14 @@ does for `import test_dpo`). Not conftest.py: pytest loads that file itself, und
 name `conftest` that every conftest.py outside a package shares, and under
 --import-mode=importlib it is not importable at all.
 """
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 """the repository root: every script a test runs is run from here"""
@@ -99,6 +102,23 @@ def run_here(args, cwd=ROOT):
         os.chdir(old_cwd)
         torch.set_num_threads(threads)
     return subprocess.CompletedProcess([sys.executable, *args], code, out.getvalue(), err.getvalue())
+
+
+@contextlib.contextmanager
+def ctrl_c_after_first_save():
+    """A Ctrl-C (KeyboardInterrupt) right after a run in this process writes its first checkpoint:
+    the run ends with 130 and the checkpoint is what a resume starts from."""
+    from plumbing import checkpoints
+
+    save = checkpoints.save_checkpoint
+
+    def saving(*args, **kwargs):
+        save(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(checkpoints, "save_checkpoint", saving)
+        yield
 
 
 def run_many(runs, results, nproc=2, timeout=600):

@@ -6,9 +6,9 @@ import time
 import pytest
 
 from helpers import SUBPROCESS_ENV_NO_TOKENIZER_THREADS, checkpoint_weights, max_abs_diff, read_metrics, run_script
-from helpers import chat_rows, run_many, write_jsonl
+from helpers import chat_rows, ctrl_c_after_first_save, run_many, write_jsonl
 from test_robustness import FAST, run_fast
-from plumbing import checkpoints, cli
+from plumbing import cli
 
 
 def run_worker(name, *args, nproc=2, timeout=180):
@@ -58,10 +58,7 @@ def test_resume_on_another_world_size_ends_with_the_same_weights(tmp_path, user_
     args = ["--steps", "4", "--save_every", "2", *folder_args(tmp_path, user_models)]
     killed = run_fast("sft.py", args + ["--out_dir", str(tmp_path / "killed2")], nproc=2, crash="after_save:1")
     assert killed.returncode != 0 and read_metrics(tmp_path / "killed2")[-1]["step"] == 2, killed.stderr[-2000:]
-    save = checkpoints.save_checkpoint  # on 1 process: a Ctrl-C right after the first save, in this process
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(checkpoints, "save_checkpoint",
-                  lambda *a, **kw: save(*a, **kw) and (_ for _ in ()).throw(KeyboardInterrupt))
+    with ctrl_c_after_first_save():  # on 1 process: stopped in this process
         killed = run_fast("sft.py", args + ["--out_dir", str(tmp_path / "killed1")])
     assert killed.returncode == 130 and read_metrics(tmp_path / "killed1")[-1]["step"] == 2, killed.stderr[-2000:]
     cases = {"2to2": ("killed2", "full2", 1e-6), "1to2": ("killed1", "full1", 1e-5), "2to1": ("killed2", "full1", 1e-5)}

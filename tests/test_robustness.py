@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM
 
 import sft
 
-from helpers import (ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, checkpoint_weights, free_port, max_abs_diff,
-                     read_metrics, run_here, run_script, write_jsonl)
+from helpers import (ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, checkpoint_weights, ctrl_c_after_first_save,
+                     free_port, max_abs_diff, read_metrics, run_here, run_script, write_jsonl)
 from plumbing import checkpoints, rundir
 
 # a few fast steps of each script on the tiny model (no warmup: many runs are of 1 or 2 steps, which a
@@ -55,9 +55,7 @@ def test_resume_ends_with_the_same_weights(tmp_path, script, extra):
     full = run_fast(script, args + ["--out_dir", str(tmp_path / "full")])
     assert full.returncode == 0, full.stderr
     if extra:  # a Ctrl-C right after the first save, in this process: what is resumed is the same
-        save = checkpoints.save_checkpoint
-        with pytest.MonkeyPatch.context() as m:
-            m.setattr(checkpoints, "save_checkpoint", lambda *a, **kw: save(*a, **kw) and (_ for _ in ()).throw(KeyboardInterrupt))
+        with ctrl_c_after_first_save():
             killed = run_fast(script, args + ["--out_dir", str(tmp_path / "resumed")])
         assert killed.returncode == 130, killed.stderr
     else:  # killed (tests/crash.py: os._exit(9) after the first save)

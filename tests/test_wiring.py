@@ -17,10 +17,10 @@ import sampling
 import sft
 import shared_prompt
 import tasks
-from helpers import read_metrics, run_here, write_jsonl
+from helpers import ctrl_c_after_first_save, read_metrics, run_here, write_jsonl
 from test_grpo import write_digits_prompts
 from test_grpo_tools import tool_spans
-from plumbing import checkpoints, models
+from plumbing import models
 
 
 def leaning_gpt2(folder, lean, seed=None):
@@ -319,7 +319,7 @@ def sft_resumed_run(tmp_path_factory):
     argv = ["sft.py", "--dataset", rows, "--eval_dataset", rows, "--n_eval", "2", "--batch_size", "4", "--grad_accum", "2",
             "--steps", "3", "--save_every", "2", "--lr", "1e-3", "--warmup_steps", "0", "--out_dir", str(tmp / "run")]
     drawn, losses = [], []
-    next_rows, loss_fn, save = data.DataOrder.next, sft.sft_loss, checkpoints.save_checkpoint
+    next_rows, loss_fn = data.DataOrder.next, sft.sft_loss
 
     def recording_next(self, k):
         drawn.append(next_rows(self, k))
@@ -332,8 +332,7 @@ def sft_resumed_run(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(data.DataOrder, "next", recording_next)
         mp.setattr(sft, "sft_loss", recording_loss)
-        with pytest.MonkeyPatch.context() as kill:  # a Ctrl-C right after the first save
-            kill.setattr(checkpoints, "save_checkpoint", lambda *a, **kw: save(*a, **kw) and (_ for _ in ()).throw(KeyboardInterrupt))
+        with ctrl_c_after_first_save():
             killed = run_here(argv)
         assert killed.returncode == 130, killed.stderr
         resumed = run_here(argv + ["--resume"])
