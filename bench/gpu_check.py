@@ -528,6 +528,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cpu", action="store_true", help="the CPU subset on tiny shapes (tests/test_gpu_path.py runs it)")
     p.add_argument("--only", default="a,b,c,d,e", help="the checks to run, comma-separated letters (default: all)")
+    p.add_argument("--runs", default=None,
+                   help="(b)-(d): which of the plan's grpo.py runs, comma-separated indices from 0 (default: all)")
     p.add_argument("--launchers", default=None,
                    help="python,torchrun (default on a GPU); on the CPU python alone unless given")
     p.add_argument("--results", default=os.path.join(ROOT, "bench", "results"), help="folder of the results table")
@@ -577,8 +579,9 @@ def main(argv=None):
             rows += check_sampler(name, folder, device, plan["sampler"])
         print(f"(a) done at {time.time() - t0:.0f} s", flush=True)
     if only & set("bcd"):
-        for shape, launcher, extra in plan["grpo_runs"]:
-            if launcher in launchers:
+        picked = None if args.runs is None else {int(i) for i in args.runs.split(",")}
+        for i, (shape, launcher, extra) in enumerate(plan["grpo_runs"]):
+            if launcher in launchers and (picked is None or i in picked):
                 rows += run_grpo(shape, launcher, extra, folders, paths, plan, work, args.cpu, only)
         print(f"(b) to (d) done at {time.time() - t0:.0f} s", flush=True)
     if "e" in only or "c" in only:

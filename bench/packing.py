@@ -10,8 +10,12 @@ same numerator for both layouts: the ratio is the inverse ratio of the seconds).
 
     python bench/packing.py                                  # GPT-2 small and SmolLM2 shapes, 2 layers, CPU
     python bench/packing.py --models smollm2-random --layers 30 --rows_total 64     # a GPU: full depth
+    python bench/packing.py --models smollm2-random --layers 30 --rows_total 64 --lengths arith   # real lengths
 
-Results: bench/results/packing-{cpu,cuda}.json.
+`--lengths arith|tldr` takes the rows from bench/lengths.py instead (SmolLM2's arithmetic chat task,
+TL;DR's shape at full size).
+
+Results: bench/results/packing[-TAG]-{cpu,cuda}.json.
 """
 import argparse
 import math
@@ -26,6 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
 from plumbing import models  # noqa: E402
+from bench import lengths as length_dists  # noqa: E402
 from bench import util  # noqa: E402
 
 
@@ -70,6 +75,12 @@ def main():
     ap.add_argument("--rows", type=int, default=8, help="rows per padded micro-batch")
     ap.add_argument("--repeats", type=int, default=3, help="ABBA rounds (each: padded, packed, packed, padded)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lengths", default="scaled", choices=("scaled", "arith", "tldr"),
+                    help="scaled: TL;DR's shape scaled down for a CPU (lengths() here); arith, tldr: bench/lengths.py")
+    ap.add_argument("--tag", default="", help="suffix of the results file name")
+    ap.add_argument("--packed_attention", action="store_true",
+                    help="packed rows attend as runs of one length (plumbing.models.packed_attention), as the "
+                         "scripts' --packed_attention")
     args = ap.parse_args()
     device = util.default_device()
     results = {"args": vars(args), "models": {}}
@@ -79,7 +90,11 @@ def main():
         tok, model = util.random_model(shape)
         util.SHAPES[shape] = saved
         model = model.to(device).train()
-        ids, attn, resp = (t.to(device) for t in batch(model.config.vocab_size, lengths(args.rows_total, args.seed)))
+        if args.packed_attention:
+            model = models.packed_attention(model)
+        rows = (lengths(args.rows_total, args.seed) if args.lengths == "scaled"
+                else length_dists.row_lengths(args.lengths, args.rows_total, seed=args.seed))
+        ids, attn, resp = (t.to(device) for t in batch(model.config.vocab_size, rows))
         real, total = int(attn.sum()), attn.numel()
         assert models.packing_works(model, device)
         times = {False: [], True: []}
@@ -97,13 +112,13 @@ def main():
                                                                 "max": max(v)} for k, v in tps.items()},
                "ratio_packed_over_padded": {"median": statistics.median(ratios), "min": min(ratios),
                                             "max": max(ratios)}}
-        results["models"][f"{shape}-{args.layers}L"] = row
+        results["models"][f"{shape}-{args.layers}L-{args.lengths}{'-sdpa_packed' if args.packed_attention else ''}"] = row
         print(f"{shape} ({args.layers} layers): padding {row['padding_share']:.0%} of {total} tokens; tokens/s padded "
               f"{statistics.median(tps[False]):.0f} [{min(tps[False]):.0f}, {max(tps[False]):.0f}], packed "
               f"{statistics.median(tps[True]):.0f} [{min(tps[True]):.0f}, {max(tps[True]):.0f}]; packed/padded "
               f"{row['ratio_packed_over_padded']['median']:.2f}x [{min(ratios):.2f}, {max(ratios):.2f}]; the scripts "
               f"would {'pack' if pays else 'pad'}", flush=True)
-    print(util.write_results("packing", results, device))
+    print(util.write_results("packing" + (f"-{args.tag}" if args.tag else ""), results, device))
 
 
 if __name__ == "__main__":
