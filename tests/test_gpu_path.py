@@ -289,6 +289,15 @@ def rows_of(table, *words):
     return [line for line in table.splitlines() if line.startswith("| (") and all(w in line for w in words)]
 
 
+def test_gpu_check_runs_picks_grpo_runs_by_index(cpu_check):
+    """--runs 1 runs the plan's second grpo.py run (activation checkpointing) and no other: a GPU
+    lease of minutes picks some of the nine."""
+    code, table = cpu_check("--only", "b", "--runs", "1")
+    assert code == 0, table
+    runs = {line.split("|")[2].split(":")[0].strip() for line in rows_of(table, "(b)")}
+    assert runs == {"grpo.py qwen2 tiny, python --activation_checkpointing"}, table
+
+
 def test_gpu_check_cpu_subset_passes(cpu_check):
     """The GPU check's own code on tiny Qwen2- and Llama-shaped folders: (a) the sampler against
     the training forward and the mini-batch deal, (b) grpo.py at lr 0 with and without activation
