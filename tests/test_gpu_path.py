@@ -335,6 +335,16 @@ def _decode_ignoring_padding(next_logits):
     return lambda model, ids, mask, pos, cache, kw: next_logits(model, ids, torch.ones_like(mask), pos, cache, kw)
 
 
+def _bf16_decode_ignoring_padding(next_logits):
+    """The sampler's decode step attending to the padding under autocast only, as a kernel that only
+    bf16 inputs reach (SDPA picks another backend for them on a GPU) ignoring the mask would: right
+    in fp32, wrong in bf16, where the absolute bound could not tell it from bf16's rounding."""
+    def step(model, ids, mask, pos, cache, kw):
+        bf16 = torch.is_autocast_enabled(ids.device.type)
+        return next_logits(model, ids, torch.ones_like(mask) if bf16 else mask, pos, cache, kw)
+    return step
+
+
 def _one_row_dealt_twice(deal):
     def wrapped(*args, **kwargs):
         rows = deal(*args, **kwargs).clone()
@@ -347,8 +357,10 @@ PLANTS = {  # name: (where, what, the checks to run, the rows that must fail, ro
     "kl": (common, "freeze", _scaled_reference, "b", ["KL to the reference"], ["clip_ratio"]),
     "clipping": (common, "batched_logprobs", _shifted_old_logprobs, "b", ["clip_ratio", "logp_diff"],
                  ["KL to the reference"]),
-    "sampler": (sampling, "_next_logits", _decode_ignoring_padding, "a", ["fp32, TF32 off", "bf16 autocast"],
+    "sampler": (sampling, "_next_logits", _decode_ignoring_padding, "a", ["fp32, TF32 off", "each side's error"],
                 ["contiguous chunks"]),
+    "bf16 sampler": (sampling, "_next_logits", _bf16_decode_ignoring_padding, "a", ["each side's error"],
+                     ["fp32, TF32 off", "contiguous chunks"]),
     "deal": (grpo, "minibatch_rows", _one_row_dealt_twice, "a", ["contiguous chunks"], ["fp32, TF32 off"]),
     "dpo": (models, "load_frozen", _scaled_reference, "e", ["loss - ln 2", "rewards/margins"], []),
 }
@@ -358,8 +370,9 @@ PLANTS = {  # name: (where, what, the checks to run, the rows that must fail, ro
 def test_gpu_check_fails_on_a_planted_bug(cpu_check, monkeypatch, plant):
     """Each check fails, and the command exits 1, on the bug it is there for: a KL (a reference
     that is not the policy), clipping (old log-probs off by 0.5), a sampler that attends to
-    padding, a deal that drops a row, a DPO reference that is not the policy; the checks the
-    plant does not touch still pass."""
+    padding, a sampler that does so under autocast only (its fp32 rows still pass), a deal
+    that drops a row, a DPO reference that is not the policy; the checks the plant does not touch
+    still pass."""
     module, name, plant_fn, only, failing, passing = PLANTS[plant]
     monkeypatch.setattr(module, name, plant_fn(getattr(module, name)))
     code, table = cpu_check("--only", only)
