@@ -560,6 +560,9 @@ def main(argv=None):
         raise SystemExit("gpu_check: no CUDA GPU is visible (torch.cuda.is_available() is False). Run it on a machine "
                          "with a GPU, or pass --cpu for the CPU subset on tiny shapes.")
     plan = CPU if args.cpu else GPU
+    picked = None if args.runs is None else {int(i) for i in args.runs.split(",")}
+    if picked is not None and not picked <= set(range(len(plan["grpo_runs"]))):
+        p.error(f"--runs {args.runs}: the plan's grpo.py runs are 0 to {len(plan['grpo_runs']) - 1}")
     launchers = (args.launchers or ("python" if args.cpu else "python,torchrun")).split(",")
     device = torch.device("cpu" if args.cpu else "cuda")
     device_name = "CPU" if args.cpu else torch.cuda.get_device_name(device)
@@ -594,7 +597,6 @@ def main(argv=None):
             rows += check_sampler(name, folder, device, plan["sampler"])
         print(f"(a) done at {time.time() - t0:.0f} s", flush=True)
     if only & set("bcd"):
-        picked = None if args.runs is None else {int(i) for i in args.runs.split(",")}
         for i, (shape, launcher, extra) in enumerate(plan["grpo_runs"]):
             if launcher in launchers and (picked is None or i in picked):
                 rows += run_grpo(shape, launcher, extra, folders, paths, plan, work, args.cpu, only)

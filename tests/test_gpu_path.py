@@ -296,6 +296,8 @@ def test_gpu_check_runs_picks_grpo_runs_by_index(cpu_check):
     assert code == 0, table
     runs = {line.split("|")[2].split(":")[0].strip() for line in rows_of(table, "(b)")}
     assert runs == {"grpo.py qwen2 tiny, python --activation_checkpointing"}, table
+    with pytest.raises(SystemExit):  # an index past the plan, refused before anything is built
+        gpu_check.main(["--cpu", "--runs", "9"])
 
 
 def test_gpu_check_cpu_subset_passes(cpu_check):
