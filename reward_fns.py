@@ -5,15 +5,13 @@ column the rules read as each row's reference (environment.score calls them)."""
 import asyncio
 import concurrent.futures
 import dataclasses
-import importlib
-import importlib.util
 import inspect
 import math
 import numbers
-import os
 import threading
 
 import tasks
+from plumbing import user_code
 
 
 def answer_column(ds, cfg, source, needed):
@@ -36,16 +34,11 @@ class RewardFn:
 
 
 def _import(module, flag):
-    """A module by name (on the Python path, or a `name.py` in the working directory), or a .py file."""
-    path = module if module.endswith(".py") else f"{module}.py"
+    """plumbing.user_code.import_module, any failure at import (a missing file or dependency, an error
+    in the module) a ValueError naming the flag."""
     try:
-        if module.endswith(".py") or (os.path.isfile(path) and importlib.util.find_spec(module) is None):
-            spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
-            mod = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(mod)
-            return mod
-        return importlib.import_module(module)
-    except Exception as e:  # any failure at import (a missing file or dependency, an error in the module)
+        return user_code.import_module(module)
+    except Exception as e:
         raise ValueError(f"{flag}: cannot import {module!r}: {type(e).__name__}: {e}") from None
 
 
@@ -59,7 +52,7 @@ def load_reward_fns(spec):
         return []
     fns = []
     for e in entries:
-        module, _, name = e.rpartition(":")
+        module, name = user_code.split(e)
         if e in tasks.REWARD_FNS:
             fns.append(RewardFn(e, tasks.REWARD_FNS[e], builtin=True))
             continue

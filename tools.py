@@ -1,5 +1,6 @@
 """Tools a policy may call in the middle of a rollout (grpo.py --tools): the built-in calculator and
-a user's own Python function named `module:function`. A tool takes the text the model wrote between
+a user's own Python function named `module:function` (a module on the Python path or a .py file:
+`my_tools.py:search`). A tool takes the text the model wrote between
 the call tags and returns text.
 
 A tool runs in worker processes of its own (`load_tool`), never in the trainer: whatever it does
@@ -11,7 +12,6 @@ its workers with it.
     python -c "import tools; print(tools.calculator('12 * (3 + 4)'))"    # 84
 """
 import ast
-import importlib
 import json
 import math
 import multiprocessing.connection
@@ -25,6 +25,8 @@ import threading
 import time
 import traceback
 import weakref
+
+from plumbing import user_code
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"  # the tag pair of a model without a tool-call format
 RESULT_OPEN, RESULT_CLOSE = "<tool_result>", "</tool_result>"
@@ -111,9 +113,9 @@ def _import(spec):
     worker count if it sets them; or the reason it cannot be used."""
     if spec == "calculator":
         return calculator, {}
-    module, _, name = spec.partition(":")
+    module, name = user_code.split(spec)
     try:
-        fn = getattr(importlib.import_module(module), name, None)
+        fn = getattr(user_code.import_module(module), name, None)
     except BaseException as e:  # SyntaxError, a missing dependency, SystemExit: anything the module's code does
         raise ValueError(f"importing module {module!r} failed: {_failure(e, where=True)}") from None
     if fn is None:
@@ -173,8 +175,8 @@ class _Worker:
     """A worker process for one tool: a Python interpreter running this file, in a session of its
     own (a terminal's Ctrl-C goes to the trainer's process group only; the trainer then ends it),
     started with fork+exec by subprocess (safe in a process with threads, unlike multiprocessing's
-    fork), importing only this module and the tool's (multiprocessing's spawn would import the
-    trainer's script, torch and all). Its stdin is a pipe the trainer never writes: EOF on it tells
+    fork), importing only this module, plumbing/user_code.py and the tool's (multiprocessing's spawn
+    would import the trainer's script, torch and all). Its stdin is a pipe the trainer never writes: EOF on it tells
     the worker that the trainer is gone."""
 
     def __init__(self, spec):
@@ -272,7 +274,7 @@ def load_tool(spec, timeout_s=None, workers=None):
     module that fails at import (any exception, a missing dependency), a missing or non-callable
     name, is a ValueError naming the --tools flag when the run starts. timeout_s (seconds per call)
     and workers: the function's `timeout_s` and `workers` attributes, else TIMEOUT_S and WORKERS."""
-    if spec != "calculator" and not all(spec.partition(":")[::2]):
+    if spec != "calculator" and not all(user_code.split(spec)):
         raise ValueError(f"--tools {spec!r}: expected `calculator` or `module:function`")
     tool = Tool(spec)
     failure = tool.start().ready()

@@ -89,6 +89,18 @@ def test_a_users_tool_loads_by_module_and_name_and_bad_names_are_refused_naming_
             tools.load_tool(spec)
 
 
+def test_a_users_tool_loads_from_a_file_path_as_a_reward_function_does(tmp_path, monkeypatch):
+    """`--tools path/to/my_tools.py:shout` loads the file in the tool's worker (as --reward_fn takes
+    `examples/rewards.py:accuracy`), and so does `my_tools:shout` with my_tools.py in the working
+    directory and no such module on the path; the function's own answer comes back."""
+    (tmp_path / "my_tools.py").write_text("def shout(text):\n    return text.upper() + '!'\n")
+    assert tools.call_tool(tools.load_tool(f"{tmp_path / 'my_tools.py'}:shout"), "abc") == "ABC!"
+    monkeypatch.chdir(tmp_path)
+    assert tools.call_tool(tools.load_tool("my_tools:shout"), "x y") == "X Y!"
+    with pytest.raises(ValueError, match="--tools 'nowhere.py:shout': .*importing module 'nowhere.py' failed"):
+        tools.load_tool("nowhere.py:shout")
+
+
 def test_a_json_call_in_qwens_format_gives_the_tool_its_one_argument():
     """Qwen2.5's template asks for {"name": ..., "arguments": {...}} inside the call tags: the tool
     gets the one argument's value; plain text, other JSON and several arguments pass as written."""
