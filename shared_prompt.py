@@ -36,11 +36,16 @@ def _flops(tokens, keys, w):
     return tokens * (1 + w * keys)
 
 
+def _shareable(model, n_prompt):
+    """Whether a forward can share prompts: a prompt block, no activation checkpointing (transformers
+    turns the cache off under it)."""
+    return n_prompt > 0 and not getattr(model, "is_activation_checkpointing", False)
+
+
 def _possible(model, n_prompt, d):
-    """Whether the shared forward can run: one process (every FSDP rank must run as many forwards, and
-    whether a rank's rows share prompts is its own), a prompt block, no activation checkpointing
-    (transformers turns the cache off under it)."""
-    return d.world_size == 1 and n_prompt > 0 and not getattr(model, "is_activation_checkpointing", False)
+    """_shareable, in one process: every FSDP rank must run as many forwards, and whether a rank's rows
+    share prompts is its own."""
+    return d.world_size == 1 and _shareable(model, n_prompt)
 
 
 def prompts(ids, attn, n_prompt):
@@ -97,7 +102,7 @@ def response_logprobs(model, input_ids, attention_mask, n_response, temperature=
                                         with_entropy=with_entropy, entropy_grad=entropy_grad, truncate=truncate,
                                         packed=packed)
 
-    if not shared or not _possible(model, P, common.Dist()):
+    if not shared or not _shareable(model, P):
         return whole()
     p_rows, inverse = prompts(input_ids, attention_mask, P)
     if len(p_rows) == len(input_ids):
