@@ -8,6 +8,8 @@
   the end of turn included. Recorded once in bench/results/lengths-arith.json (`python
   bench/lengths.py --record arith`, which needs `--model smollm2`'s package); rows draw (prompt,
   response) pairs from it with the seed.
+- tldr-small: TL;DR's shape scaled down for a CPU (bench/packing.py's default): prompts log-uniform in
+  [25, 125] tokens, responses 3 to 15, most short.
 - tldr: TL;DR's shape, built from the seed alone: prompts log-normal about a median of 220
   tokens cut to [100, 500], responses log-normal about 24 cut to [10, 60]. Long-tailed: most
   rows short, a few long, so a micro-batch padded to its longest row is mostly padding.
@@ -28,7 +30,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARITH = os.path.join(ROOT, "bench", "results", "lengths-arith.json")
-KINDS = ("fixed", "arith", "tldr")
+KINDS = ("fixed", "arith", "tldr", "tldr-small")
 
 
 def _lognormal(rng, median, sigma, low, high):
@@ -42,6 +44,9 @@ def row_lengths(kind, n, prompt_len=64, response_len=32, seed=0):
         return [(prompt_len, response_len)] * n
     if kind == "tldr":
         return [(_lognormal(rng, 220, 0.45, 100, 500), _lognormal(rng, 24, 0.5, 10, 60)) for _ in range(n)]
+    if kind == "tldr-small":  # prompts log-uniform in [25, 125], responses 3 + an exponential of mean 3, cut at 15
+        return [(int(math.exp(rng.uniform(math.log(25), math.log(125)))), min(15, 3 + int(rng.expovariate(1 / 3))))
+                for _ in range(n)]
     if kind == "arith":
         with open(ARITH) as f:
             pairs = [tuple(p) for p in json.load(f)["pairs"]]

@@ -2,25 +2,23 @@
 (common.response_logprobs forward and backward, micro-batches as grpo.py cuts them) on rows of a
 seeded long-tailed length distribution, both layouts side by side in one process, ABBA order.
 
-The rows follow TL;DR's shape scaled down for a CPU (prompts ~25-125 tokens, log-uniform; responses
-3-15, long-tailed), padded as a rollout is: prompts left-padded to the longest prompt, responses
-right-padded to the longest response; padded micro-batches hold --rows rows, packed ones that
-many rows' worth of padded tokens (common.micro_batches). Tokens/s counts real tokens only (the
+The rows (by default bench/lengths.py's tldr-small: TL;DR's shape scaled down for a CPU, prompts
+~25-125 tokens, log-uniform; responses 3-15, long-tailed), padded as a rollout is: prompts
+left-padded to the longest prompt, responses right-padded to the longest response; padded
+micro-batches hold --rows rows, packed ones that many rows' worth of padded tokens (common.micro_batches). Tokens/s counts real tokens only (the
 same numerator for both layouts: the ratio is the inverse ratio of the seconds).
 
     python bench/packing.py                                  # GPT-2 small and SmolLM2 shapes, 2 layers, CPU
     python bench/packing.py --models smollm2-random --layers 30 --rows_total 64     # a GPU: full depth
     python bench/packing.py --models smollm2-random --layers 30 --rows_total 64 --lengths arith   # real lengths
 
-`--lengths arith|tldr` takes the rows from bench/lengths.py instead (SmolLM2's arithmetic chat task,
-TL;DR's shape at full size).
+`--lengths arith|tldr` takes other rows of bench/lengths.py (SmolLM2's arithmetic chat task, TL;DR's
+shape at full size).
 
 Results: bench/results/packing[-TAG]-{cpu,cuda}.json.
 """
 import argparse
-import math
 import os
-import random
 import statistics
 import sys
 import time
@@ -32,18 +30,6 @@ import common  # noqa: E402
 from plumbing import models  # noqa: E402
 from bench import lengths as length_dists  # noqa: E402
 from bench import util  # noqa: E402
-
-
-def lengths(n, seed, prompt=(25, 125), response=(3, 15)):
-    """n (prompt, response) token counts: prompts log-uniform in `prompt`, responses long-tailed
-    (most short, a few at the maximum), from `seed`."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        p = int(math.exp(rng.uniform(math.log(prompt[0]), math.log(prompt[1]))))
-        r = min(response[1], response[0] + int(rng.expovariate(1 / 3)))
-        out.append((p, r))
-    return out
 
 
 def batch(vocab, rows, seed=0):
@@ -75,8 +61,8 @@ def main():
     ap.add_argument("--rows", type=int, default=8, help="rows per padded micro-batch")
     ap.add_argument("--repeats", type=int, default=3, help="ABBA rounds (each: padded, packed, packed, padded)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--lengths", default="scaled", choices=("scaled", "arith", "tldr"),
-                    help="scaled: TL;DR's shape scaled down for a CPU (lengths() here); arith, tldr: bench/lengths.py")
+    ap.add_argument("--lengths", default="tldr-small", choices=[k for k in length_dists.KINDS if k != "fixed"],
+                    help="each row's lengths (bench/lengths.py): tldr-small, TL;DR's shape scaled down for a CPU")
     ap.add_argument("--tag", default="", help="suffix of the results file name")
     ap.add_argument("--packed_attention", action="store_true",
                     help="packed rows attend as runs of one length (plumbing.models.packed_attention), as the "
@@ -92,8 +78,7 @@ def main():
         model = model.to(device).train()
         if args.packed_attention:
             model = models.packed_attention(model)
-        rows = (lengths(args.rows_total, args.seed) if args.lengths == "scaled"
-                else length_dists.row_lengths(args.lengths, args.rows_total, seed=args.seed))
+        rows = length_dists.row_lengths(args.lengths, args.rows_total, seed=args.seed)
         ids, attn, resp = (t.to(device) for t in batch(model.config.vocab_size, rows))
         real, total = int(attn.sum()), attn.numel()
         assert models.packing_works(model, device)
