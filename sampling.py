@@ -3,6 +3,7 @@ model.generate() does, minus its per-step overhead), shared by grpo.py, reward.p
 normalisation and every script's evaluation. Its speed against model.generate:
 bench/sampler.py; its correctness: tests/test_sampler.py.
 """
+import contextlib
 import copy
 import functools
 import hashlib
@@ -126,11 +127,34 @@ def _next_logits(model, input_ids, attention_mask, position_ids, cache, kw):
                  cache=cache, use_cache=True, **kw).logits[:, -1]
 
 
-def _next_logits_unfused(model, *args, **kwargs):
-    """_next_logits with attention as matmul -> softmax -> matmul (SDPA's math backend), which
+def _next_token(model, input_ids, attention_mask, position_ids, cache, kw, u, draw):
+    """The decode step: _next_logits, then a token per row drawn from them (sample_token with the
+    knobs `draw`, from the uniforms u, None when greedy). Returns the tokens (B,), their log-probs
+    (B,) and a flag: some row's logits were non-finite. Compiled, the draw's dozen small ops fuse
+    into the forward's graph instead of each paying a dispatch (bench/sampler.py)."""
+    logits = _next_logits(model, input_ids, attention_mask, position_ids, cache, kw)
+    nonfinite = torch.zeros((), dtype=torch.bool, device=logits.device)
+    tok, logp = sample_token(logits, u=u, bad=nonfinite, return_logprob=True, **draw)
+    return tok, logp, nonfinite
+
+
+def _next_token_unfused(*args, **kwargs):
+    """_next_token with attention as matmul -> softmax -> matmul (SDPA's math backend), which
     inductor fuses on CPU: faster than the CPU flash kernel (bench/results/sampler-*.json)."""
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
-        return _next_logits(model, *args, **kwargs)
+        return _next_token(*args, **kwargs)
+
+
+def _draws(uniforms, generator, temperature, B, device):
+    """fn(columns) -> the uniforms of a decode step's draw: uniforms' column of each row (columns:
+    an int, or (B,) per row), or B drawn from `generator` as sample_token would draw them; None
+    when greedy (no draw)."""
+    if temperature == 0:
+        return lambda columns: None
+    if uniforms is None:
+        return lambda columns: torch.rand((B, 1), dtype=torch.float64, device=device, generator=generator)
+    return lambda columns: (uniforms[:, columns] if isinstance(columns, int) else
+                            uniforms.gather(1, columns[:, None]).squeeze(1))
 
 
 GPU_CHECK_EVERY = 8  # decode steps between host reads ("all stopped?", the calls) on a GPU: a read drains its queue
@@ -138,15 +162,26 @@ _compiled = {}  # torch.compile of the step, made once; dynamo keeps a graph per
 
 
 def _step_fn(compile, device):
-    """The decode step: eager, or compiled; on CUDA also a CUDA graph ("reduce-overhead"), one replay
-    for the hundreds of kernel launches of a token, reading the static cache in place."""
+    """The decode step (_next_token): eager, or compiled; on CUDA also a CUDA graph ("reduce-overhead"),
+    one replay for the hundreds of kernel launches of a token, reading the static cache in place."""
     if not compile:
-        return _next_logits
-    fn = _next_logits_unfused if device.type == "cpu" else _next_logits
-    if fn not in _compiled:
-        mode = "reduce-overhead" if device.type == "cuda" else None
-        _compiled[fn] = torch.compile(fn, dynamic=False, mode=mode)
+        return _next_token
+    fn = _next_token_unfused if device.type == "cpu" else _next_token
+    if fn not in _compiled:  # on CPU the graph's wrapper in C++ (cpp_wrapper): its Python costs ~6% of a step
+        mode, options = ("reduce-overhead", None) if device.type == "cuda" else (None, {"cpp_wrapper": True})
+        _compiled[fn] = torch.compile(fn, dynamic=False, mode=mode, options=options)
     return _compiled[fn]
+
+
+def _guarded(t, compile):
+    """Around decode step t of a rollout: dynamo's guards checked at the first step only. They
+    check that a compiled graph fits its inputs (the model, the cache, shapes and dtypes), which
+    stay the same through a rollout, and cost ~1 ms a step on CPU, ~10% of the tiny model's
+    (bench/sampler.py). Step 0 checks them (and compiles if none fits); the next steps run the graph
+    it chose (set_stance's skip_guard_eval_unsafe); the next rollout checks them again."""
+    if compile and t > 0:
+        return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+    return contextlib.nullcontext()
 
 
 _DECODE_CACHES = weakref.WeakKeyDictionary()  # model -> ((rows, slots), StaticCache), for compiled decoding
@@ -200,7 +235,8 @@ def _fill_cache(cache, prefill, inverse, P):
     """Copy the prefill's keys and values (U distinct prompts, P tokens) into slots [0, P) of the
     static cache, row i taking prompt inverse[i]; in place, so the cache keeps its addresses."""
     for dst, src in zip(cache.layers, prefill.layers):
-        k, v = (src.keys, src.values) if inverse is None else (src.keys[inverse], src.values[inverse])
+        k, v = (src.keys, src.values) if inverse is None else (src.keys.index_select(0, inverse),
+                                                               src.values.index_select(0, inverse))
         if not dst.is_initialized or dst.keys.dtype != k.dtype:
             dst.lazy_initialization(k[:, :, :0], v[:, :, :0])
         dst.keys[:, :, :P].copy_(k)
@@ -219,9 +255,10 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
     truncated by top_k / top_p / min_p and renormalised, sample_token), from the sampler's own logits.
     Against model.generate (bench/sampler.py): 1. each distinct prompt is prefilled once, its keys
     and values copied to its G repeats; 2. a static cache written in place, "all stopped?" read
-    every 8 tokens on a GPU; 3. compile=True: the decode step compiled (the cache length rounded
-    up so nearby lengths share a graph), on CUDA replayed as a CUDA graph, under autocast from bf16
-    copies of the weights (_bf16_decoder)."""
+    every 8 tokens on a GPU; 3. compile=True: the decode step compiled with its draw (the cache
+    length rounded up so nearby lengths share a graph), its guards checked once a rollout
+    (_guarded), on CUDA replayed as a CUDA graph, under autocast from bf16 copies of the weights
+    (_bf16_decoder)."""
     device = prompt_ids.device
     kw = dict(logits_to_keep=1) if common._accepts(model, "logits_to_keep") else {}
     stops = torch.tensor([eos_id, *stop_ids], device=device)
@@ -241,10 +278,10 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
     logps = torch.zeros((B, n), dtype=torch.float, device=device) if return_logprobs else None
     done = torch.zeros(B, dtype=torch.bool, device=device)
     bad = torch.zeros((), dtype=torch.bool, device=device)  # any row with non-finite logits
+    draw = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    u = _draws(uniforms, generator, temperature, B, device)
+    tok, logp = sample_token(logits, u=u(0), bad=bad, return_logprob=True, **draw)
     for t in range(n):
-        u = None if uniforms is None else uniforms[:, t]
-        tok, logp = sample_token(logits, temperature, top_k=top_k, top_p=top_p, min_p=min_p, generator=generator,
-                                 u=u, bad=bad, return_logprob=True)
         tok = tok.masked_fill(done, pad_id)
         tokens[:, t] = tok
         if return_logprobs:
@@ -253,9 +290,11 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
         done = done | torch.isin(tok, stops)
         if t == n - 1 or (t % check_every == check_every - 1 and done.all()):
             break
-        if graphs:  # each step's logits are read before the next replay overwrites them
+        if graphs:  # each step's outputs are read before the next replay overwrites them
             torch.compiler.cudagraph_mark_step_begin()
-        logits = step(decoder, tok[:, None], mask, pos + t, cache=cache, kw=kw)
+        with _guarded(t, compile):
+            tok, logp, nonfinite = step(decoder, tok[:, None], mask, pos + t, cache, kw, u(t + 1), draw)
+        bad |= nonfinite
     if bad:
         raise RuntimeError(NAN_LOGITS)
     R = int(response_mask.any(0).sum())  # the longest response: its columns are the first R
@@ -290,7 +329,7 @@ def _prefill(model, prompt_ids, prompt_mask, max_new_tokens, compile, kw):
         _fill_cache(cache, out.cache, inverse if dedup else None, P)
         del out
     if dedup:
-        logits = logits[inverse]  # (B, V)
+        logits = logits.index_select(0, inverse)  # (B, V)
     return logits, cache, torch.cat([prompt_mask, prompt_mask.new_ones(B, L - P)], 1)
 
 
@@ -404,10 +443,10 @@ def generate_with_tools(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, 
     forced = torch.full((B, R), pad_id, dtype=torch.long, device=device)  # each row's last result, fed from f_at
     f_at, f_len = torch.zeros(B, dtype=torch.long, device=device), torch.zeros(B, dtype=torch.long, device=device)
     bad = torch.zeros((), dtype=torch.bool, device=device)  # any row with non-finite logits
+    draw = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    u = _draws(uniforms, generator, temperature, B, device)
+    tok, logp = sample_token(logits, u=u(n), bad=bad, return_logprob=True, **draw)  # a row's draw: its token's column
     for t in range(n_steps):
-        u = None if uniforms is None else uniforms.gather(1, n.clamp(max=R - 1)[:, None]).squeeze(1)
-        tok, logp = sample_token(logits, temperature, top_k=top_k, top_p=top_p, min_p=min_p, generator=generator,
-                                 u=u, bad=bad, return_logprob=True)
         forcing = f_at < f_len  # (B,) in a result: its next token is taken, not sampled
         tok = torch.where(forcing, forced.gather(1, f_at.clamp(max=R - 1)[:, None]).squeeze(1), tok)
         going = ~(done | waiting)  # the rows that write a token this step
@@ -430,9 +469,12 @@ def generate_with_tools(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, 
             finished, calling = torch.stack([done.all(), waiting.any()]).tolist()  # one host sync
         if finished or t == n_steps - 1:
             break
-        if graphs:  # each step's logits are read before the next replay overwrites them
+        if graphs:  # each step's outputs are read before the next replay overwrites them
             torch.compiler.cudagraph_mark_step_begin()
-        logits = step(decoder, tok.masked_fill(~going, pad_id)[:, None], mask, fed_pos[:, None], cache=cache, kw=kw)
+        with _guarded(t, compile):
+            tok, logp, nonfinite = step(decoder, tok.masked_fill(~going, pad_id)[:, None], mask, fed_pos[:, None],
+                                        cache, kw, u(n.clamp(max=R - 1)), draw)
+        bad |= nonfinite
         if calling:  # 3. the calls: run on the host, their results queued for the rows to feed
             rows = waiting.nonzero().squeeze(1)
             have, is_tool, lengths = ids[rows].tolist(), tool_mask[rows].tolist(), n[rows].tolist()

@@ -225,7 +225,7 @@ def test_persistent_decode_cache_is_reused_in_place_and_leaks_nothing(tiny, monk
     place by later rollouts (CUDA graphs read it at fixed addresses). Two rollouts of different
     prompts through it sample exactly what a fresh cache gives (nothing leaks from the first)."""
     model, tok = tiny
-    monkeypatch.setattr(sampling, "_step_fn", lambda compile, device: sampling._next_logits)  # eager, same cache path
+    monkeypatch.setattr(sampling, "_step_fn", lambda compile, device: sampling._next_token)  # eager, same cache path
     batches = [["sort 3 1 =", "sort 9 9 2 7 ="], ["sort 5 =", "sort 8 1 1 ="]]
     ptrs = []
     for texts in batches:
@@ -249,7 +249,7 @@ def test_one_decode_cache_per_model_sized_for_the_longest_rollout(tiny, monkeypa
     import weakref
 
     model, tok = tiny
-    monkeypatch.setattr(sampling, "_step_fn", lambda compile, device: sampling._next_logits)  # eager, same cache path
+    monkeypatch.setattr(sampling, "_step_fn", lambda compile, device: sampling._next_token)  # eager, same cache path
     ids, mask = common.pad([tok(t)["input_ids"] for t in ["sort 3 1 =", "sort 9 9 2 7 ="] for _ in range(2)],
                            tok.pad_token_id, side="left")
     u = sampling.rollout_uniforms(4, 20, seed=1)
@@ -393,13 +393,13 @@ def test_gpu_check_reads_compilations_and_cuda_graph_recordings_from_torch_logs(
         return "\n".join(lines) + "\n"
 
     trace = "I1125 14:03:09.495000 7499 torch/_dynamo/symbolic_convert.py:5335] [{}] Step 1: torchdynamo start " \
-            "tracing _next_logits /repo/sampling.py:78"
+            "tracing _next_token /repo/sampling.py:78"
     record = "V1125 14:03:09.6 7499 torch/_inductor/cudagraph_trees.py:2403] [0/0] [__cudagraphs] {}"
     step = "step {}/3 | elapsed 9s | ETA 4s | reward 0.1 | kl 0 | clip_ratio/low 0 | clip_ratio/high 0"
     good = log(trace.format("0/0"), trace.format("0/0_1"), record.format("Running warmup function=0, mode=INFERENCE"),
                record.format("Recording function=0, mode=INFERENCE, cuda_graph_id=0, inputs: [...]"),
                step.format(1), step.format(2), step.format(3))
-    assert gpu_check.compile_report(good) == (1, ["_next_logits"], 1, 0, 0)
+    assert gpu_check.compile_report(good) == (1, ["_next_token"], 1, 0, 0)
     assert all(r["ok"] for r in gpu_check.compile_rows("run", good))
     again = good + log(record.format("Recording function 0 of graph recording id 3"))  # torch 2.11's wording
     rerecorded = good + log(record.format("Re-recording function=0, mode=INFERENCE, reason=static input moved"))

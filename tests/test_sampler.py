@@ -190,6 +190,38 @@ def test_compiled_step_matches_eager():
     assert torch.equal(compiled, eager) and torch.equal(compiled_mask, eager_mask)
 
 
+def test_compiled_sampling_matches_eager():
+    """The compiled decode step draws inside its graph (inductor's softmax, float64 cumsum and
+    search, sampling._next_token): from the same uniforms it samples the eager step's tokens, at a
+    temperature and under top-p, with the same log-probs."""
+    model = _gpt2(n_layer=1)
+    ids, mask = common.pad(PROMPTS, PAD, side="left")
+    u = sampling.rollout_uniforms(len(PROMPTS), 12, seed=3)
+    kw = dict(temperature=0.7, top_p=0.9, uniforms=u, return_logprobs=True)
+    eager = sampling.generate(model, ids, mask, 12, EOS, PAD, **kw)
+    compiled = sampling.generate(model, ids, mask, 12, EOS, PAD, compile=True, **kw)
+    assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
+    assert len(set(eager[0].flatten().tolist())) > 5  # sampled, not one token throughout
+    torch.testing.assert_close(compiled[2], eager[2], rtol=0, atol=1e-5)
+
+
+def test_guards_are_checked_at_each_rollouts_first_step(monkeypatch):
+    """Compiled decoding checks dynamo's guards at a rollout's first step only (sampling._guarded).
+    Rollouts of other rows, of another length, and of the first shape again, one after another,
+    each get their own graph and sample what the eager step does (a guard skipped at a first step
+    would run the last rollout's graph: a shape error or other tokens). Dynamo's eager backend:
+    the guards are dynamo's whatever compiles the graph, and it traces in seconds."""
+    model = _gpt2(n_layer=1)
+    fn = sampling._next_token_unfused
+    monkeypatch.setattr(sampling, "_compiled", {fn: torch.compile(fn, backend="eager", dynamic=False)})
+    for rows, new_tokens in [(5, 8), (3, 8), (5, 20), (5, 8)]:
+        ids, mask = common.pad(PROMPTS[:rows], PAD, side="left")
+        want = sampling.generate(model, ids, mask, new_tokens, EOS, PAD, generator=torch.Generator().manual_seed(rows))
+        got = sampling.generate(model, ids, mask, new_tokens, EOS, PAD, generator=torch.Generator().manual_seed(rows),
+                                compile=True)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (rows, new_tokens)
+
+
 def _fsdp_worker():
     """Run by torchrun (see below): each rank samples its own prompts with the FSDP2-sharded
     model inside common.unsharded, stopping at a different step from the other rank."""
@@ -398,7 +430,7 @@ def test_compiled_decoding_under_autocast_reads_bf16_weights_cast_once_per_rollo
     mask, pos = torch.ones_like(ids), torch.arange(ids.shape[1]).expand_as(ids)
     seen = []
     monkeypatch.setattr(sampling, "_step_fn", lambda compile, device: lambda m, *a, **k: (
-        seen.append(m), sampling._next_logits(m, *a, **k))[1])
+        seen.append(m), sampling._next_token(m, *a, **k))[1])
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         sampling.generate(model, ids, mask, 4, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, temperature=0,
                           compile=True)

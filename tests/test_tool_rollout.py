@@ -22,7 +22,7 @@ def tool_tokenizer():
 
 
 def scripted_policy(monkeypatch, writes, tok):
-    """The model replaced by a script (sampling._prefill and sampling._step_fn, so the loop runs as
+    """The model replaced by a script (sampling._prefill and sampling._next_logits, so the loop runs as
     it is): row b writes writes[b], its own tokens, whatever the tool's results put between them,
     then EOS; one-hot logits (0 on the token, -2 elsewhere: a log-prob below 0), to sample greedily.
     A row's own tokens are what it was fed after its prompt less the result tag spans. Returns the
@@ -57,7 +57,7 @@ def scripted_policy(monkeypatch, writes, tok):
 
     prompts = []
     monkeypatch.setattr(sampling, "_prefill", prefill)
-    monkeypatch.setattr(sampling, "_step_fn", lambda compile, device: step)
+    monkeypatch.setattr(sampling, "_next_logits", step)
     return torch.nn.Identity(), fed
 
 
