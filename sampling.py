@@ -132,7 +132,7 @@ def _next_token(model, input_ids, attention_mask, position_ids, cache, kw, u, dr
     knobs `draw`, from the uniforms u, None when greedy). Returns the tokens (B,), their log-probs
     (B,) and a flag: some row's logits were non-finite. Compiled, the draw's dozen small ops fuse
     into the forward's graph instead of each paying a dispatch (bench/sampler.py)."""
-    logits = _next_logits(model, input_ids, attention_mask, position_ids, cache, kw)
+    logits = _next_logits(model, input_ids, attention_mask, position_ids, cache=cache, kw=kw)
     nonfinite = torch.zeros((), dtype=torch.bool, device=logits.device)
     tok, logp = sample_token(logits, u=u, bad=nonfinite, return_logprob=True, **draw)
     return tok, logp, nonfinite
@@ -293,7 +293,7 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
         if graphs:  # each step's outputs are read before the next replay overwrites them
             torch.compiler.cudagraph_mark_step_begin()
         with _guarded(t, compile):
-            tok, logp, nonfinite = step(decoder, tok[:, None], mask, pos + t, cache, kw, u(t + 1), draw)
+            tok, logp, nonfinite = step(decoder, tok[:, None], mask, pos + t, cache=cache, kw=kw, u=u(t + 1), draw=draw)
         bad |= nonfinite
     if bad:
         raise RuntimeError(NAN_LOGITS)
@@ -473,7 +473,7 @@ def generate_with_tools(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, 
             torch.compiler.cudagraph_mark_step_begin()
         with _guarded(t, compile):
             tok, logp, nonfinite = step(decoder, tok.masked_fill(~going, pad_id)[:, None], mask, fed_pos[:, None],
-                                        cache, kw, u(n.clamp(max=R - 1)), draw)
+                                        cache=cache, kw=kw, u=u(n.clamp(max=R - 1)), draw=draw)
         bad |= nonfinite
         if calling:  # 3. the calls: run on the host, their results queued for the rows to feed
             rows = waiting.nonzero().squeeze(1)
