@@ -127,12 +127,13 @@ def _next_logits(model, input_ids, attention_mask, position_ids, cache, kw):
                  cache=cache, use_cache=True, **kw).logits[:, -1]
 
 
-def _next_token(model, input_ids, attention_mask, position_ids, cache, kw, u, draw):
-    """The decode step: _next_logits, then a token per row drawn from them (sample_token with the
-    knobs `draw`, from the uniforms u, None when greedy). Returns the tokens (B,), their log-probs
-    (B,) and a flag: some row's logits were non-finite. Compiled, the draw's dozen small ops fuse
-    into the forward's graph instead of each paying a dispatch (bench/sampler.py)."""
-    logits = _next_logits(model, input_ids, attention_mask, position_ids, cache=cache, kw=kw)
+def _next_token(model, input_ids, attention_mask, position_ids, cache, kw, u, draw, forward=None):
+    """The decode step: the forward (_next_logits, or `forward`), then a token per row drawn from
+    its logits (sample_token with the knobs `draw`, from the uniforms u, None when greedy). Returns
+    the tokens (B,), their log-probs (B,) and a flag: some row's logits were non-finite. Compiled
+    on CPU, the draw's dozen small ops fuse into the forward's graph instead of each paying a
+    dispatch (bench/sampler.py)."""
+    logits = (forward or _next_logits)(model, input_ids, attention_mask, position_ids, cache=cache, kw=kw)
     nonfinite = torch.zeros((), dtype=torch.bool, device=logits.device)
     tok, logp = sample_token(logits, u=u, bad=nonfinite, return_logprob=True, **draw)
     return tok, logp, nonfinite
@@ -162,15 +163,21 @@ _compiled = {}  # torch.compile of the step, made once; dynamo keeps a graph per
 
 
 def _step_fn(compile, device):
-    """The decode step (_next_token): eager, or compiled; on CUDA also a CUDA graph ("reduce-overhead"),
-    one replay for the hundreds of kernel launches of a token, reading the static cache in place."""
+    """The decode step (_next_token): eager, or compiled. On CPU the whole step, its graph's wrapper
+    in C++ (cpp_wrapper: its Python cost ~6% of a step). On CUDA the forward alone, as a CUDA graph
+    ("reduce-overhead": one replay for the hundreds of kernel launches of a token, reading the
+    static cache in place); the draw stays outside, since a graph's buffers stay in its memory pool
+    through the update, and the draw's float64 CDF is twice the logits."""
     if not compile:
         return _next_token
-    fn = _next_token_unfused if device.type == "cpu" else _next_token
-    if fn not in _compiled:  # on CPU the graph's wrapper in C++ (cpp_wrapper): its Python costs ~6% of a step
-        mode, options = ("reduce-overhead", None) if device.type == "cuda" else (None, {"cpp_wrapper": True})
-        _compiled[fn] = torch.compile(fn, dynamic=False, mode=mode, options=options)
-    return _compiled[fn]
+    if device.type == "cuda":
+        if _next_logits not in _compiled:
+            _compiled[_next_logits] = torch.compile(_next_logits, dynamic=False, mode="reduce-overhead")
+        return functools.partial(_next_token, forward=_compiled[_next_logits])
+    if _next_token_unfused not in _compiled:
+        _compiled[_next_token_unfused] = torch.compile(_next_token_unfused, dynamic=False,
+                                                       options={"cpp_wrapper": True})
+    return _compiled[_next_token_unfused]
 
 
 def _guarded(t, compile):
@@ -255,8 +262,8 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
     truncated by top_k / top_p / min_p and renormalised, sample_token), from the sampler's own logits.
     Against model.generate (bench/sampler.py): 1. each distinct prompt is prefilled once, its keys
     and values copied to its G repeats; 2. a static cache written in place, "all stopped?" read
-    every 8 tokens on a GPU; 3. compile=True: the decode step compiled with its draw (the cache
-    length rounded up so nearby lengths share a graph), its guards checked once a rollout
+    every 8 tokens on a GPU; 3. compile=True: the decode step compiled (on CPU with its draw; the
+    cache length rounded up so nearby lengths share a graph), its guards checked once a rollout
     (_guarded), on CUDA replayed as a CUDA graph, under autocast from bf16 copies of the weights
     (_bf16_decoder)."""
     device = prompt_ids.device
@@ -290,7 +297,7 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
         done = done | torch.isin(tok, stops)
         if t == n - 1 or (t % check_every == check_every - 1 and done.all()):
             break
-        if graphs:  # each step's outputs are read before the next replay overwrites them
+        if graphs:  # each step's logits are read before the next replay overwrites them
             torch.compiler.cudagraph_mark_step_begin()
         with _guarded(t, compile):
             tok, logp, nonfinite = step(decoder, tok[:, None], mask, pos + t, cache=cache, kw=kw, u=u(t + 1), draw=draw)
@@ -469,7 +476,7 @@ def generate_with_tools(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, 
             finished, calling = torch.stack([done.all(), waiting.any()]).tolist()  # one host sync
         if finished or t == n_steps - 1:
             break
-        if graphs:  # each step's outputs are read before the next replay overwrites them
+        if graphs:  # each step's logits are read before the next replay overwrites them
             torch.compiler.cudagraph_mark_step_begin()
         with _guarded(t, compile):
             tok, logp, nonfinite = step(decoder, tok.masked_fill(~going, pad_id)[:, None], mask, fed_pos[:, None],
