@@ -283,26 +283,22 @@ def check_sampler(name, folder, device, size):
             p99, worst = torch.quantile(gap, 0.99).item(), gap.max().item()
             out.append(row("a", f"{name}: the same, replayed, bf16 autocast", f"p99 {p99:.1e}, max {worst:.1e} ({tokens})",
                            "", None))  # bf16's rounding, which grows with the model: bounded below, relatively
+            # the bf16 sampler's own error: its tokens scored in fp32 (outside autocast) are the truth that both
+            # the sampler's and the trainer's bf16 log-probs round; a sampler that loses precision the trainer
+            # keeps (bf16 logits, a bf16 cache upcast late) errs more than the trainer does, where an absolute
+            # bound only grows with the model (docs/gpu.md: 2.8e-2 at 0.5B, 7.9e-2 with 8B's blocks)
+            with precision("fp32", device), torch.no_grad():
+                exact = common.response_logprobs(model, full, attn, R, T, truncate=REPLAY).float()
+            s_err, t_err = ((x - exact)[r_mask.bool()].abs() for x in (r_logps, trained))
+            s_mean, t_mean, k = s_err.mean().item(), t_err.mean().item(), BOUNDS["bf16_rel"]
+            out.append(row("a", f"{name}: bf16, each side's error against its tokens scored in fp32, sampler vs trainer",
+                           f"mean {s_mean:.1e} vs {t_mean:.1e}; max {s_err.max().item():.1e} vs {t_err.max().item():.1e}",
+                           f"mean <= {k:g} x the trainer's + {BOUNDS['fp32']:g}", s_mean <= k * t_mean + BOUNDS["fp32"]))
         out.append(row("a", f"{name}: {kind}, without the replay (the trainer's full log-probs)",
                        f"mean {unreplayed.mean().item():.1e}, p99 {torch.quantile(unreplayed, 0.99).item():.1e}, "
                        f"max {unreplayed.max().item():.1e}", "", None))
         out.append(row("a", f"{name}: {kind}, positions whose kept set differs, trainer vs sampler",
                        f"{differ} of {int(r_mask.sum())}", "", None))
-        if kind == "bf16":
-            kept = full, attn, R, r_logps, trained, r_mask.bool()
-    # the bf16 sampler's own error: its tokens scored in fp32 (outside autocast) are the truth that both
-    # the sampler's and the trainer's bf16 log-probs round; a sampler that loses precision the trainer
-    # keeps (bf16 logits, a bf16 cache upcast late) errs more than the trainer does, where an absolute
-    # bound only grows with the model (docs/gpu.md: 2.8e-2 at 0.5B, 7.9e-2 with 8B's blocks)
-    full, attn, R, r_logps, trained, m = kept
-    with precision("fp32", device), torch.no_grad():
-        exact = common.response_logprobs(model, full, attn, R, T, truncate=REPLAY).float()
-    s_err, t_err = ((x - exact)[m].abs() for x in (r_logps, trained))
-    s_mean, t_mean = s_err.mean().item(), t_err.mean().item()
-    k = BOUNDS["bf16_rel"]
-    out.append(row("a", f"{name}: bf16, each side's error against its tokens scored in fp32, sampler vs trainer",
-                   f"mean {s_mean:.1e} vs {t_mean:.1e}; max {s_err.max().item():.1e} vs {t_err.max().item():.1e}",
-                   f"mean <= {k:g} x the trainer's + {BOUNDS['fp32']:g}", s_mean <= k * t_mean + BOUNDS["fp32"]))
     out.append(row("a", f"{name}: rows in contiguous chunks vs dealt into {size['mini_batches']} mini-batches x "
                         f"{size['grad_accum']} micro-batches",
                    f"largest difference fp32 {same['fp32']:g}, bf16 {same['bf16']:g}",

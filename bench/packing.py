@@ -5,8 +5,9 @@ seeded long-tailed length distribution, both layouts side by side in one process
 The rows (by default bench/lengths.py's tldr-small: TL;DR's shape scaled down for a CPU, prompts
 ~25-125 tokens, log-uniform; responses 3-15, long-tailed), padded as a rollout is: prompts
 left-padded to the longest prompt, responses right-padded to the longest response; padded
-micro-batches hold --rows rows, packed ones that many rows' worth of padded tokens (common.micro_batches). Tokens/s counts real tokens only (the
-same numerator for both layouts: the ratio is the inverse ratio of the seconds).
+micro-batches hold --rows rows, packed ones that many rows' worth of padded tokens
+(common.micro_batches). Tokens/s counts real tokens only (the same numerator for both layouts:
+the ratio is the inverse ratio of the seconds).
 
     python bench/packing.py                                  # GPT-2 small and SmolLM2 shapes, 2 layers, CPU
     python bench/packing.py --models smollm2-random --layers 30 --rows_total 64     # a GPU: full depth
