@@ -143,7 +143,7 @@ def make_env(cfg, d, prompts, order, tokenizer, model, weights, rows=None, fns=(
     tool = None
     if cfg.tools:
         tool = tools.load_tool(cfg.tools)
-        sampling.closing_tag_id(tokenizer, flag=f"--tools {cfg.tools}")
+        tools.closing_tag_id(tokenizer, flag=f"--tools {cfg.tools}")
     rm = rm_tokenizer = None
     if cfg.reward_model:
         rm_tokenizer = models.load_tokenizer(cfg.reward_model, cfg.trust_remote_code)

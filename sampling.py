@@ -12,6 +12,7 @@ import weakref
 import torch
 
 import common
+import shared_prompt
 import tools
 
 
@@ -261,17 +262,21 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
     log-prob under the distribution it was drawn from (the behaviour policy: at the temperature,
     truncated by top_k / top_p / min_p and renormalised, sample_token), from the sampler's own logits.
     Against model.generate (bench/sampler.py): 1. each distinct prompt is prefilled once, its keys
-    and values copied to its G repeats; 2. a static cache written in place, "all stopped?" read
-    every 8 tokens on a GPU; 3. compile=True: the decode step compiled (on CPU with its draw; the
-    cache length rounded up so nearby lengths share a graph), its guards checked once a rollout
-    (_guarded), on CUDA replayed as a CUDA graph, under autocast from bf16 copies of the weights
-    (_bf16_decoder)."""
+    and values copied to its G repeats (compiled on CPU, where the rows come in runs of a prompt as
+    GRPO's groups do: kept once, read by shared_prompt.attention); 2. a static cache written in
+    place, "all stopped?" read every 8 tokens on a GPU; 3. compile=True: the decode step compiled
+    (on CPU with its draw; the cache length rounded up so nearby lengths share a graph), its guards
+    checked once a rollout (_guarded), on CUDA replayed as a CUDA graph, under autocast from bf16
+    copies of the weights (_bf16_decoder)."""
     device = prompt_ids.device
     kw = dict(logits_to_keep=1) if common._accepts(model, "logits_to_keep") else {}
     stops = torch.tensor([eos_id, *stop_ids], device=device)
     uniforms = None if uniforms is None else uniforms.to(device)
     # 1. prefill
-    logits, cache, mask = _prefill(model, prompt_ids, prompt_mask, max_new_tokens, compile=compile, kw=kw)
+    logits, cache, mask, prompts = _prefill(model, prompt_ids, prompt_mask, max_new_tokens, compile=compile, kw=kw,
+                                            share=compile and device.type == "cpu")
+    if prompts is not None:
+        kw = {**kw, "prompts": prompts}
     B, n = prompt_ids.shape[0], max_new_tokens
     pos = prompt_mask.sum(-1, keepdim=True)  # (B, 1) position of the first response token
 
@@ -299,7 +304,7 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
             break
         if graphs:  # each step's logits are read before the next replay overwrites them
             torch.compiler.cudagraph_mark_step_begin()
-        with _guarded(t, compile):
+        with _guarded(t, compile), shared_prompt.decoding(decoder, prompts is not None):
             tok, logp, nonfinite = step(decoder, tok[:, None], mask, pos + t, cache=cache, kw=kw, u=u(t + 1), draw=draw)
         bad |= nonfinite
     if bad:
@@ -310,15 +315,24 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
     return tokens[:, :R], response_mask[:, :R]
 
 
-def _prefill(model, prompt_ids, prompt_mask, max_new_tokens, compile, kw):
-    """generate's step 1: each distinct prompt prefilled once, each row then given its prompt's keys and
-    values in a static cache of L >= P + max_new_tokens slots. Returns the (B, V) logits of each row's first
-    response token, the cache and the decode's attention mask (B, L)."""
+def _rounded(n):
+    """n rounded up to a multiple of n/8 to n/4 (54 -> 56, 300 -> 320): nearby lengths share a compiled graph."""
+    q = max(8, 2 ** (n.bit_length() - 3))
+    return -(-n // q) * q
+
+
+def _prefill(model, prompt_ids, prompt_mask, max_new_tokens, compile, kw, share=False):
+    """generate's step 1: each distinct prompt prefilled once. Returns the (B, V) logits of each row's
+    first response token, a static cache, the decode's attention mask and shared_prompt.PromptKV or
+    None. Either each row gets a copy of its prompt's keys and values in a cache of L >= P +
+    max_new_tokens slots (mask (B, L)), or, with `share` where the rows come in runs of equal prompts
+    (shared_prompt.runs), each prompt's keys and values stay stored once (PromptKV, read by
+    shared_prompt.attention) and the cache holds the responses' slots only (mask None)."""
     B, P = prompt_ids.shape
-    L = P + max_new_tokens
-    if compile:  # round up to a multiple of L/8 to L/4 (54 -> 56, 300 -> 320)
-        q = max(8, 2 ** (L.bit_length() - 3))
-        L = -(-L // q) * q
+    G = shared_prompt.runs(model, prompt_ids, prompt_mask) if share else 0
+    if G:
+        return _prefill_shared(model, prompt_ids[::G], prompt_mask[::G], G, max_new_tokens, compile=compile, kw=kw)
+    L = _rounded(P + max_new_tokens) if compile else P + max_new_tokens
     rows, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], 1), dim=0, return_inverse=True)
     dedup = len(rows) < B
     ids, mask = (rows[:, :P], rows[:, P:]) if dedup else (prompt_ids, prompt_mask)
@@ -337,7 +351,27 @@ def _prefill(model, prompt_ids, prompt_mask, max_new_tokens, compile, kw):
         del out
     if dedup:
         logits = logits.index_select(0, inverse)  # (B, V)
-    return logits, cache, torch.cat([prompt_mask, prompt_mask.new_ones(B, L - P)], 1)
+    return logits, cache, torch.cat([prompt_mask, prompt_mask.new_ones(B, L - P)], 1), None
+
+
+def _prefill_shared(model, ids, mask, G, max_new_tokens, compile, kw):
+    """_prefill of U distinct prompts, each for G consecutive rows, kept once each (PromptKV),
+    left-padded to a rounded length under compile so that nearby prompt lengths share a graph; the
+    static cache: B = U x G rows of max_new_tokens response slots (rounded under compile), from slot 0."""
+    (U, P), B = ids.shape, ids.shape[0] * G
+    if compile:
+        pad = _rounded(P) - P
+        ids, mask = torch.nn.functional.pad(ids, (pad, 0)), torch.nn.functional.pad(mask, (pad, 0))
+    out = model(input_ids=ids, attention_mask=mask, position_ids=common.position_ids_from_mask(mask), use_cache=True, **kw)
+    S = _rounded(max_new_tokens) if compile else max_new_tokens
+    cache, S = _decode_cache(model, B, S, persistent=compile)
+    for dst, src in zip(cache.layers, out.cache.layers):
+        if not dst.is_initialized or dst.keys.dtype != src.keys.dtype:
+            dst.lazy_initialization(src.keys[:1, :, :0].expand(B, -1, -1, -1), src.values[:1, :, :0].expand(B, -1, -1, -1))
+        dst.cumulative_length.fill_(0)
+    prompts = shared_prompt.PromptKV([layer.keys for layer in out.cache.layers],
+                                     [layer.values for layer in out.cache.layers], mask.bool(), cache)
+    return out.logits[:, -1].repeat_interleave(G, 0), cache, None, prompts
 
 
 # -----------------------------------------------------------------------------
@@ -350,56 +384,6 @@ def _prefill(model, prompt_ids, prompt_mask, max_new_tokens, compile, kw):
 # importance ratio of the policy's is taken on them. Under FSDP, inside `common.evaluating(model,
 # gather=True)` like generate: no collective runs while decoding, so ranks whose rows call the tool
 # a different number of times never wait for each other.
-
-
-def closing_tag_id(tokenizer, flag="--tools"):
-    """The id of tools.CALL_CLOSE, which must be one token (Qwen2.5's tokenizer has it; for others
-    add the tag pairs as tokens, tokenizer.add_tokens, and resize the embeddings) so that the
-    sampler can stop at it like at an end-of-turn id."""
-    ids = tokenizer.encode(tools.CALL_CLOSE, add_special_tokens=False)
-    if len(ids) != 1:
-        raise ValueError(f"{flag}: {tools.CALL_CLOSE!r} is {len(ids)} tokens for this tokenizer: add the tags "
-                         f"({tools.CALL_OPEN}, {tools.CALL_CLOSE}, {tools.RESULT_OPEN}, {tools.RESULT_CLOSE}) as tokens")
-    return ids[0]
-
-
-@functools.lru_cache(maxsize=16)
-def longest_token(tokenizer, vocab_size):
-    """The most characters one token of the tokenizer stands for (its longest vocabulary entry: a
-    byte-level entry has one character per byte, so at least as many as it decodes to); cached
-    per tokenizer and vocabulary size, since a 150k vocabulary takes tens of ms to list."""
-    return max(map(len, tokenizer.get_vocab()))
-
-
-def call_text(tokenizer, written_ids):
-    """The text of a row's last call: what the row wrote after its last opening tag, closing tag
-    left out."""
-    text = tokenizer.decode(written_ids)
-    return text.rsplit(tools.CALL_OPEN, 1)[-1].replace(tools.CALL_CLOSE, "").strip()
-
-
-def results_tokens(tokenizer, written, tool, rooms):
-    """The tokens of the result tag pair of each row's last call (written: each row's own tokens),
-    at most rooms[k] of them: the tool runs on call_text of every row at once (tools.call_tools;
-    an error text if it fails or overruns), its text cut, before it is tokenized, to the
-    characters rooms[k] tokens can hold (longest_token each), so a tool that returns 10 MB costs
-    no more than one that returns what fits."""
-    if not written:
-        return []
-    width = longest_token(tokenizer, len(tokenizer))
-    texts = [call_text(tokenizer, ids) for ids in written]
-    replies = tools.call_tools(tool, texts, max_chars=max(rooms) * width)
-    return [tokenizer.encode(tools.RESULT_OPEN + reply[:room * width] + tools.RESULT_CLOSE,
-                             add_special_tokens=False)[:room] for reply, room in zip(replies, rooms)]
-
-
-def result_tokens(tokenizer, written_ids, tool, room=None):
-    """The tokens of the result tag pair for one row's last call: results_tokens for one row,
-    room: the tokens the row has left (None: no limit)."""
-    if room is None:
-        return tokenizer.encode(tools.RESULT_OPEN + tools.call_tool(tool, call_text(tokenizer, written_ids))
-                                + tools.RESULT_CLOSE, add_special_tokens=False)
-    return results_tokens(tokenizer, [written_ids], tool, [room])[0]
 
 
 def tool_steps(max_new_tokens, max_calls, check_every):
@@ -425,7 +409,7 @@ def generate_with_tools(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, 
     stopped?"): a calling row waits idle until then, its slots masked, its positions and random
     numbers its own tokens' (so the waiting changes nothing), and the cache has a slot per step:
     P + max_new_tokens + max_calls x 7 on a GPU. check_every: that period (None: 8 on a GPU, else 1)."""
-    close = closing_tag_id(tokenizer)
+    close = tools.closing_tag_id(tokenizer)
     (B, P), device, R = prompt_ids.shape, prompt_ids.device, max_new_tokens
     kw = dict(logits_to_keep=1) if common._accepts(model, "logits_to_keep") else {}
     stops = torch.tensor([eos_id, *stop_ids], device=device)
@@ -433,7 +417,7 @@ def generate_with_tools(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, 
     check_every = check_every or (GPU_CHECK_EVERY if device.type == "cuda" else 1)
     n_steps = tool_steps(R, max_calls, check_every)
     # 1. prefill
-    logits, cache, mask = _prefill(model, prompt_ids, prompt_mask, n_steps, compile=compile, kw=kw)
+    logits, cache, mask, _ = _prefill(model, prompt_ids, prompt_mask, n_steps, compile=compile, kw=kw)
 
     # 2. decode: each step a token per row, sampled, or its result's next token where it is in one
     step = _step_fn(compile, device)
@@ -486,7 +470,7 @@ def generate_with_tools(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, 
             rows = waiting.nonzero().squeeze(1)
             have, is_tool, lengths = ids[rows].tolist(), tool_mask[rows].tolist(), n[rows].tolist()
             written = [[x for x, m in zip(r[:k], tl[:k]) if not m] for r, tl, k in zip(have, is_tool, lengths)]
-            results = results_tokens(tokenizer, written, tool, [R - k for k in lengths])
+            results = tools.results_tokens(tokenizer, written, tool, [R - k for k in lengths])
             r_ids, r_mask = common.pad(results, pad_id)  # (A, F), F <= R
             forced[rows, :r_ids.shape[1]] = r_ids.to(device)
             f_at, f_len = f_at.index_fill(0, rows, 0), f_len.index_copy(0, rows, r_mask.sum(1).to(device))

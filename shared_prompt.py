@@ -2,7 +2,9 @@
 each distinct prompt computed once: its keys and values serve every row that shares it, as the
 rollout's prefill does (sampling._prefill). A forward of B rows of P + R tokens from U prompts then
 computes U x P + B x R tokens instead of B x (P + R): for 4 prompts x G = 8 of 128 + 32 tokens,
-1,536 instead of 5,120; for 8 DPO pairs, 1,536 instead of 2,560.
+1,536 instead of 5,120; for 8 DPO pairs, 1,536 instead of 2,560. Decoding (sampling.generate,
+compiled on CPU) keeps a rollout's prompts once the same way: `attention` reads each prompt's keys
+and values once for its G samples instead of from a copy in each row's cache.
 
 The same products as common.response_logprobs' padded forward: the prompt's positions see the same
 prompt tokens, the response's the prompt's keys and values and their own; only float sums run in
@@ -21,11 +23,12 @@ Not bitwise the padded path's (float order): a pass whose log-probs are compared
 another model's (grpo.py's old policy against its teacher) keeps to common's, so that both take one
 path whatever each model's activation checkpointing (tests/test_grpo.py).
 """
+import contextlib
 import itertools
-from contextlib import nullcontext
 
 import torch
-from transformers.cache_utils import DynamicLayer
+import transformers
+from transformers.cache_utils import DynamicLayer, StaticLayer
 
 import common
 
@@ -130,7 +133,7 @@ def response_logprobs(model, input_ids, attention_mask, n_response, temperature=
                        for x, y in zip(logits, labels)], 1)  # (B, R)
     if not with_entropy:
         return logps
-    with nullcontext() if entropy_grad else torch.no_grad():
+    with contextlib.nullcontext() if entropy_grad else torch.no_grad():
         return logps, torch.cat([common.entropy_from_logits(x) for x in logits], 1)
 
 
@@ -162,3 +165,73 @@ def sequence_logprobs(model, batch, d, packed=False, enabled=True):
     with common.autocast(d):
         logps = response_logprobs(model, ids, attn, resp.shape[1], packed=packed, shared=shared)  # (B, R)
     return (logps.float() * resp).sum(-1)
+
+
+# -----------------------------------------------------------------------------
+# decoding: a rollout's G samples of a prompt attend to its keys and values kept once (sampling.generate)
+
+
+def runs(model, prompt_ids, prompt_mask):
+    """G where decoding can keep each prompt's keys and values once, else 0: the rows come in runs of
+    G >= 2 equal prompts (GRPO's layout), every layer is full attention in a static cache, and the
+    attention is SDPA or eager without softcapping (what `attention` computes)."""
+    B, rows = prompt_ids.shape[0], torch.cat([prompt_ids, prompt_mask], 1)
+    G = int((rows == rows[:1]).all(-1).cumprod(0).sum())  # the first prompt's run
+    if G < 2 or B % G or not bool((rows.view(B // G, G, -1) == rows[::G, None]).all()):
+        return 0
+    config = model.config.get_text_config()
+    if model.config._attn_implementation not in ("sdpa", "eager") or getattr(config, "attn_logit_softcapping", None):
+        return 0
+    layers = transformers.StaticCache(config=model.config, max_cache_len=1).layers
+    return G if all(type(layer) is StaticLayer for layer in layers) else 0
+
+
+class PromptKV:
+    """The keys and values of U prompts, each kept once for its G consecutive rows: keys[i], values[i]
+    (U, H_kv, P, D) of layer i, mask (U, P) their real tokens; `responses`, the static cache of the
+    B = U x G rows' response tokens."""
+
+    def __init__(self, keys, values, mask, responses):
+        self.keys, self.values, self.mask, self.responses = keys, values, mask, responses
+
+
+def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, prompts=None, **kwargs):
+    """Decode attention (a query token a row) over each prompt's keys and values kept once for its G
+    rows, then each row's own response slots (cascade attention, FlashInfer's name for it): the
+    softmax of attention over B whole rows, without reading each prompt's keys G times (a decode
+    step's attention is bound by reading the cache on CPU: bench/sampler.py). transformers calls it
+    as an attention function, `prompts` (PromptKV) passed through the model's keyword arguments.
+    query (B, H, 1, D); key, value (B, H_kv, S, D): the responses' static cache, whose slots past
+    the tokens written are masked here."""
+    if dropout or kwargs.get("softcap") or kwargs.get("sliding_window") or "s_aux" in kwargs:
+        raise ValueError("shared_prompt.attention: no dropout, softcapping, sliding window or attention sinks")
+    pk, pv = prompts.keys[module.layer_idx], prompts.values[module.layer_idx]
+    (U, Hkv, P, D), (B, H, S) = pk.shape, (query.shape[0], query.shape[1], key.shape[2])
+    G, r = B // U, H // Hkv  # rows a prompt, query heads a key/value head (GQA)
+    q = query.view(U, G, Hkv, r, D).transpose(1, 2).reshape(U, Hkv, G * r, D)  # a prompt's rows: one matmul
+    s_prompt = (q @ pk.transpose(-1, -2)).view(U, Hkv, G, r, P).transpose(1, 2).reshape(B, H, 1, P)
+    s_response = (query.view(B, Hkv, r, D) @ key.transpose(-1, -2)).view(B, H, 1, S)
+    n = prompts.responses.layers[module.layer_idx].cumulative_length  # response tokens written, this one too
+    real = torch.cat([prompts.mask[:, None].expand(U, G, P).reshape(B, P),
+                      (torch.arange(S, device=n.device) < n).expand(B, S)], -1)  # (B, P + S)
+    p = (torch.cat([s_prompt, s_response], -1) * scaling).masked_fill(~real[:, None, None], float("-inf")).softmax(-1)
+    p_prompt = p[..., :P].reshape(U, G, Hkv, r, P).transpose(1, 2).reshape(U, Hkv, G * r, P)
+    out = ((p_prompt @ pv).view(U, Hkv, G, r, D).transpose(1, 2).reshape(B, H, 1, D)
+           + (p[..., P:].view(B, Hkv, r, S) @ value).view(B, H, 1, D))
+    return out.transpose(1, 2), None  # (B, 1, H, D), as transformers' attention functions return it
+
+
+transformers.AttentionInterface.register("shared_prompt", attention)
+
+
+@contextlib.contextmanager
+def decoding(model, shared=True):
+    """The model's attention switched to `attention` (shared=False: left as it is)."""
+    config = model.config
+    before = config._attn_implementation
+    if shared:
+        config._attn_implementation = "shared_prompt"
+    try:
+        yield
+    finally:
+        config._attn_implementation = before

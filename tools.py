@@ -12,6 +12,7 @@ its workers with it.
     python -c "import tools; print(tools.calculator('12 * (3 + 4)'))"    # 84
 """
 import ast
+import functools
 import json
 import math
 import multiprocessing.connection
@@ -378,3 +379,57 @@ def call_tool(tool, text, timeout_s=None):
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
     _serve(int(sys.argv[2]))
+
+
+# -----------------------------------------------------------------------------
+# a call and its result as tokens (sampling.generate_with_tools)
+
+
+def closing_tag_id(tokenizer, flag="--tools"):
+    """The id of CALL_CLOSE, which must be one token (Qwen2.5's tokenizer has it; for others
+    add the tag pairs as tokens, tokenizer.add_tokens, and resize the embeddings) so that the
+    sampler can stop at it like at an end-of-turn id."""
+    ids = tokenizer.encode(CALL_CLOSE, add_special_tokens=False)
+    if len(ids) != 1:
+        raise ValueError(f"{flag}: {CALL_CLOSE!r} is {len(ids)} tokens for this tokenizer: add the tags "
+                         f"({CALL_OPEN}, {CALL_CLOSE}, {RESULT_OPEN}, {RESULT_CLOSE}) as tokens")
+    return ids[0]
+
+
+@functools.lru_cache(maxsize=16)
+def longest_token(tokenizer, vocab_size):
+    """The most characters one token of the tokenizer stands for (its longest vocabulary entry: a
+    byte-level entry has one character per byte, so at least as many as it decodes to); cached
+    per tokenizer and vocabulary size, since a 150k vocabulary takes tens of ms to list."""
+    return max(map(len, tokenizer.get_vocab()))
+
+
+def call_text(tokenizer, written_ids):
+    """The text of a row's last call: what the row wrote after its last opening tag, closing tag
+    left out."""
+    text = tokenizer.decode(written_ids)
+    return text.rsplit(CALL_OPEN, 1)[-1].replace(CALL_CLOSE, "").strip()
+
+
+def results_tokens(tokenizer, written, tool, rooms):
+    """The tokens of the result tag pair of each row's last call (written: each row's own tokens),
+    at most rooms[k] of them: the tool runs on call_text of every row at once (call_tools;
+    an error text if it fails or overruns), its text cut, before it is tokenized, to the
+    characters rooms[k] tokens can hold (longest_token each), so a tool that returns 10 MB costs
+    no more than one that returns what fits."""
+    if not written:
+        return []
+    width = longest_token(tokenizer, len(tokenizer))
+    texts = [call_text(tokenizer, ids) for ids in written]
+    replies = call_tools(tool, texts, max_chars=max(rooms) * width)
+    return [tokenizer.encode(RESULT_OPEN + reply[:room * width] + RESULT_CLOSE,
+                             add_special_tokens=False)[:room] for reply, room in zip(replies, rooms)]
+
+
+def result_tokens(tokenizer, written_ids, tool, room=None):
+    """The tokens of the result tag pair for one row's last call: results_tokens for one row,
+    room: the tokens the row has left (None: no limit)."""
+    if room is None:
+        return tokenizer.encode(RESULT_OPEN + call_tool(tool, call_text(tokenizer, written_ids))
+                                + RESULT_CLOSE, add_special_tokens=False)
+    return results_tokens(tokenizer, [written_ids], tool, [room])[0]

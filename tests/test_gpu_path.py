@@ -241,17 +241,20 @@ def test_persistent_decode_cache_is_reused_in_place_and_leaks_nothing(tiny, monk
     assert ptrs[0] == ptrs[1]
 
 
-def test_one_decode_cache_per_model_sized_for_the_longest_rollout(tiny, monkeypatch):
+@pytest.mark.parametrize("layout, slots", [("aabb", (24, 8)), ("abab", (40, 24))])
+def test_one_decode_cache_per_model_sized_for_the_longest_rollout(tiny, monkeypatch, layout, slots):
     """Compiled decoding keeps one static cache per model, not one per length (four at 8B held
     22-37 GiB through the update): a shorter rollout of the same rows decodes in the longer one's
-    cache, sampling exactly what a fresh cache gives; other rows replace it, the old one freed."""
+    cache, sampling exactly what a fresh cache gives; other rows replace it, the old one freed.
+    "aabb": each prompt's rows in a run, its keys kept once: the cache holds the response slots,
+    20 rounded up to 24; "abab": every row a copy of its prompt, P + 20 slots rounded up to 40."""
     import gc
     import weakref
 
     model, tok = tiny
     monkeypatch.setattr(sampling, "_step_fn", lambda compile, device: sampling._next_token)  # eager, same cache path
-    ids, mask = common.pad([tok(t)["input_ids"] for t in ["sort 3 1 =", "sort 9 9 2 7 ="] for _ in range(2)],
-                           tok.pad_token_id, side="left")
+    texts = {"aabb": ["sort 3 1 ="] * 2 + ["sort 9 9 2 7 ="] * 2, "abab": ["sort 3 1 =", "sort 9 9 2 7 ="] * 2}[layout]
+    ids, mask = common.pad([tok(t)["input_ids"] for t in texts], tok.pad_token_id, side="left")
     u = sampling.rollout_uniforms(4, 20, seed=1)
     seen, first = [], None
     for rows, new_tokens in ((4, 20), (4, 6), (2, 6)):
@@ -266,8 +269,8 @@ def test_one_decode_cache_per_model_sized_for_the_longest_rollout(tiny, monkeypa
         seen.append((shape, cache is first()))
         del cache
         gc.collect()
-    assert seen[0] == seen[1] == ((4, 40), True)  # P + 20 rounded up to 40 slots; the 6-token rollout used them
-    assert seen[2] == ((2, 24), False) and first() is None  # other rows: replaced, the old one freed
+    assert seen[0] == seen[1] == ((4, slots[0]), True)  # the 6-token rollout used the 20-token one's slots
+    assert seen[2] == ((2, slots[1]), False) and first() is None  # other rows: replaced, the old one freed
 
 
 def test_gpu_check_refuses_without_a_gpu():

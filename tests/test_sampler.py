@@ -15,6 +15,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForC
 
 import common
 import sampling
+import shared_prompt
 from helpers import ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, run_script
 from plumbing import models, rundir
 
@@ -201,16 +202,42 @@ def test_compiled_step_matches_eager(monkeypatch, branch):
 def test_compiled_sampling_matches_eager():
     """The compiled decode step draws inside its graph (inductor's softmax, float64 cumsum and
     search, sampling._next_token): from the same uniforms it samples the eager step's tokens, at a
-    temperature and under top-p, with the same log-probs."""
+    temperature and under top-p, with the same log-probs. The prompts come G = 3 times each, as
+    GRPO lays them out: compiled on CPU, each prompt's keys and values are kept once
+    (shared_prompt.attention) and the static cache holds the 16 response slots alone."""
     model = _gpt2(n_layer=1)
-    ids, mask = common.pad(PROMPTS, PAD, side="left")
-    u = sampling.rollout_uniforms(len(PROMPTS), 12, seed=3)
+    ids, mask = common.pad([p for p in PROMPTS for _ in range(3)], PAD, side="left")
+    u = sampling.rollout_uniforms(len(ids), 12, seed=3)
     kw = dict(temperature=0.7, top_p=0.9, uniforms=u, return_logprobs=True)
     eager = sampling.generate(model, ids, mask, 12, EOS, PAD, **kw)
     compiled = sampling.generate(model, ids, mask, 12, EOS, PAD, compile=True, **kw)
     assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
     assert len(set(eager[0].flatten().tolist())) > 5  # sampled, not one token throughout
     torch.testing.assert_close(compiled[2], eager[2], rtol=0, atol=1e-5)
+    assert sampling._DECODE_CACHES[model][0] == (len(ids), 16)  # (rows, slots): responses only
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "smollm2_small"])
+def test_shared_prompts_sample_what_whole_rows_do_on_user_architectures(name, user_models, request, monkeypatch):
+    """Compiled decoding with each prompt's keys and values kept once (RoPE, grouped-query heads, a
+    BPE tokenizer's chat prompts of four lengths, each for G = 3 rows) samples the eager sampler's
+    tokens (a copy of the prompt in every row's cache) from the same uniforms, with its log-probs.
+    Dynamo's eager backend: the traced step is the one inductor compiles, in seconds."""
+    folder = request.getfixturevalue(name) if name == "smollm2_small" else user_models[name]
+    tok = models.load_tokenizer(folder)
+    model = models.load_model(folder, tok).eval()
+    fn = sampling._next_token_unfused
+    monkeypatch.setattr(sampling, "_compiled", {fn: torch.compile(fn, backend="eager", dynamic=False)})
+    texts = [tok.apply_chat_template([{"role": "user", "content": "sort " + " ".join("97531"[:k])}], tokenize=False,
+                                     add_generation_prompt=True) for k in range(1, 5) for _ in range(3)]
+    ids, mask = common.pad(sampling.encode_prompts(tok, texts, 128)[0], tok.pad_token_id, side="left")
+    assert shared_prompt.runs(model, ids, mask) == 3
+    kw = dict(temperature=0.7, uniforms=sampling.rollout_uniforms(len(ids), 10, seed=1), return_logprobs=True)
+    eager = sampling.generate(model, ids, mask, 10, tok.eos_token_id, tok.pad_token_id, **kw)
+    shared = sampling.generate(model, ids, mask, 10, tok.eos_token_id, tok.pad_token_id, compile=True, **kw)
+    assert torch.equal(shared[0], eager[0]) and torch.equal(shared[1], eager[1])
+    assert len(set(eager[0].flatten().tolist())) > 5
+    torch.testing.assert_close(shared[2], eager[2], rtol=0, atol=1e-5)
 
 
 def test_guards_are_checked_at_each_rollouts_first_step(monkeypatch):

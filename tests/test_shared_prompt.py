@@ -4,6 +4,7 @@ computation: every row's prompt computed again), on GPT-2 (absolute positions), 
 SmolLM2's shape (RoPE, grouped-query attention), with left-padded prompts of several lengths and
 right-padded responses; the planted bug: rows given another prompt's keys and values."""
 import functools
+import types
 
 import pytest
 import torch
@@ -190,3 +191,27 @@ def test_scripts_sharing_prompts_equal_not_sharing(tmp_path, user_models, script
         for key in ("loss", "grad_norm") + (("kl",) if script == "grpo" else ()):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (script, a["step"], key)
     assert max_abs_diff(checkpoint_weights(runs[0]), checkpoint_weights(runs[1])) < 1e-5
+
+
+@pytest.mark.parametrize("G, heads, kv_heads", [(3, 4, 2), (2, 2, 2), (1, 4, 1)])
+def test_shared_prompt_attention_is_attention_over_whole_rows(G, heads, kv_heads):
+    """shared_prompt.attention (each prompt's keys and values once for its G rows, then each row's
+    response slots) against SDPA over whole rows: each row's prompt keys and values copied in front
+    of its response slots, one mask. Distinct values throughout: grouped queries (4 heads on 2 or 1
+    key/value heads, as Llama's GQA), a left-padded prompt, response slots past the written ones."""
+    U, P, S, D, written = 2, 5, 6, 8, 4
+    B = U * G
+    g = torch.Generator().manual_seed(0)
+    query = torch.randn(B, heads, 1, D, generator=g)
+    pk, pv = (torch.randn(U, kv_heads, P, D, generator=g) for _ in range(2))
+    rk, rv = (torch.randn(B, kv_heads, S, D, generator=g) for _ in range(2))
+    pmask = torch.tensor([[False, False, True, True, True], [True] * P])
+    layer = types.SimpleNamespace(cumulative_length=torch.tensor(written))
+    prompts = shared_prompt.PromptKV([pk], [pv], pmask, types.SimpleNamespace(layers=[layer]))
+    got, _ = shared_prompt.attention(types.SimpleNamespace(layer_idx=0), query, rk, rv, None, scaling=0.3,
+                                     prompts=prompts)
+    row = torch.arange(U).repeat_interleave(G)  # each row's prompt
+    k, v = (torch.cat([p[row], r], 2).repeat_interleave(heads // kv_heads, 1) for p, r in ((pk, rk), (pv, rv)))
+    real = torch.cat([pmask[row], (torch.arange(S) < written).expand(B, S)], 1)
+    want = torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=real[:, None, None], scale=0.3)
+    torch.testing.assert_close(got, want.transpose(1, 2), rtol=0, atol=1e-6)

@@ -167,7 +167,7 @@ def test_the_tool_tags_become_tokens_of_their_own_in_the_real_tokenizer_and_temp
     assert len(pieces) > 1
     smollm2_study.add_tool_tags(tok, model)
     emb = model.get_input_embeddings().weight.detach()
-    close = sampling.closing_tag_id(tok)
+    close = tools.closing_tag_id(tok)
     assert close == tok.convert_tokens_to_ids(tools.CALL_CLOSE) and emb.shape[0] == len(tok) == before.shape[0] + 4
     assert torch.equal(emb[:before.shape[0]], before)
     assert torch.allclose(emb[tok.convert_tokens_to_ids(tools.RESULT_CLOSE)], before[pieces].mean(0))
@@ -176,4 +176,4 @@ def test_the_tool_tags_become_tokens_of_their_own_in_the_real_tokenizer_and_temp
     ids = tok.encode(text, add_special_tokens=False)
     assert ids.count(close) == 1 and ids.count(tok.convert_tokens_to_ids(tools.CALL_OPEN)) == 1
     written = tok.encode("<tool_call>12 * 34</tool_call>", add_special_tokens=False)
-    assert tok.decode(sampling.result_tokens(tok, written, tools.calculator)) == "<tool_result>408</tool_result>"
+    assert tok.decode(tools.result_tokens(tok, written, tools.calculator)) == "<tool_result>408</tool_result>"

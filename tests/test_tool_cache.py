@@ -24,7 +24,7 @@ def reference_loop(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_i
     """The tool loop with no cache kept: each turn, sampling.generate on every active row's prompt
     and response so far, left-padded (a fresh prefill), max(budget) tokens with the uniforms of
     each row's next response positions; the same outputs as generate_with_tools."""
-    close = sampling.closing_tag_id(tokenizer)
+    close = tools.closing_tag_id(tokenizer)
     B = prompt_ids.shape[0]
     rows, calls, active = [[] for _ in range(B)], [0] * B, list(range(B))
     prompts = [prompt_ids[i][prompt_mask[i].bool()].tolist() for i in range(B)]
@@ -46,7 +46,7 @@ def reference_loop(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_i
         for i in calling:
             room = max_new_tokens - len(rows[i])
             written = [t for t, is_tool, _ in rows[i] if not is_tool]
-            rows[i] += [(t, 1, 0.0) for t in sampling.results_tokens(tokenizer, [written], tool, [room])[0]]
+            rows[i] += [(t, 1, 0.0) for t in tools.results_tokens(tokenizer, [written], tool, [room])[0]]
         active = [i for i in calling if len(rows[i]) < max_new_tokens]
     R = max(map(len, rows))
     ids = torch.tensor([[t for t, _, _ in r] + [pad_id] * (R - len(r)) for r in rows])

@@ -45,7 +45,7 @@ def scripted_policy(monkeypatch, writes, tok):
         prompts[:] = [r[m.bool()].tolist() for r, m in zip(prompt_ids, prompt_mask)]
         fed[:] = [list(r) for r in prompts]
         at[:] = [prompt_ids.shape[1], 0]
-        return logits(), None, torch.cat([prompt_mask, prompt_mask.new_ones(len(fed), max_new_tokens)], 1)
+        return logits(), None, torch.cat([prompt_mask, prompt_mask.new_ones(len(fed), max_new_tokens)], 1), None
 
     def step(model, tok_, mask, pos, cache, kw):
         slot = at[0] + at[1]
@@ -94,7 +94,7 @@ def test_a_policy_that_never_calls_the_tool_gives_exactly_the_samplers_rollout()
     tok = tool_tokenizer()
     torch.manual_seed(0)
     model = GPT2LMHeadModel(tasks.char_gpt2_config(tok, n_layer=1, n_embd=32, n_head=2)).eval()
-    close = sampling.closing_tag_id(tok)
+    close = tools.closing_tag_id(tok)
     model.lm_head.register_forward_hook(lambda m, a, out: out.index_fill(-1, torch.tensor([close]), float("-inf")))
     prompts = [tok.encode(p) for p in ("sort 3 1 =", "sort 9 =", "x")]
     ids, mask = common.pad(prompts, tok.pad_token_id, side="left")
@@ -191,4 +191,4 @@ def test_grpo_rollouts_answer_two_calls_of_three_with_each_calls_own_value(tmp_p
 
 def test_a_closing_tag_of_several_tokens_is_refused():
     with pytest.raises(ValueError, match="add the tags"):
-        sampling.closing_tag_id(tasks.char_tokenizer())
+        tools.closing_tag_id(tasks.char_tokenizer())
