@@ -25,6 +25,7 @@ head (common.FP32Head: fp32 logits from the bf16 weights).
     python bench/sampler.py --model runs/sft --compile    # a trained checkpoint, plus the compiled step
     python bench/sampler.py --threads 1                   # steadier on a busy machine
     python bench/sampler.py --model gpt2-small-random --prompts 16 --G 8 --new_tokens 64 --compile --tag gpt2-small
+    python bench/sampler.py --compile --prompt_copies 4 --tag long-prompts   # prompts of ~88 tokens
 """
 import argparse
 import os
@@ -42,9 +43,11 @@ import tasks  # noqa: E402
 from bench import util  # noqa: E402
 
 
-def prompts_batch(tokenizer, n_prompts, G, device):
-    """n_prompts test prompts, each repeated G times in a row (as grpo.py lays them out)."""
-    texts = [row["prompt"] for row in tasks.prompt_rows(n_prompts, split="test") for _ in range(G)]
+def prompts_batch(tokenizer, n_prompts, G, device, copies=1):
+    """n_prompts test prompts, each repeated G times in a row (as grpo.py lays them out); copies:
+    each prompt that many test prompts joined (longer prompts, ~22 tokens a copy)."""
+    rows = [row["prompt"] for row in tasks.prompt_rows(n_prompts * copies, split="test")]
+    texts = [" ".join(rows[i * copies:(i + 1) * copies]) for i in range(n_prompts) for _ in range(G)]
     ids, mask = common.pad([tokenizer(t)["input_ids"] for t in texts], tokenizer.pad_token_id, side="left")
     return ids.to(device), mask.to(device)
 
@@ -112,6 +115,8 @@ def main():
     p.add_argument("--prompts", "--n_prompts", dest="prompts", type=int, default=8, help="distinct prompts")
     p.add_argument("--G", type=int, default=8, help="samples per prompt")
     p.add_argument("--new_tokens", type=int, default=32)
+    p.add_argument("--prompt_copies", type=int, default=1,
+                   help="each prompt this many test prompts joined: longer prompts (tiny: P + new_tokens <= 128)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--compile", action="store_true", help="also time generate(compile=True); compile time apart")
     p.add_argument("--repeat", type=int, default=9)
@@ -135,7 +140,7 @@ def main():
     if type(model.get_output_embeddings()) is torch.nn.Linear:  # the scripts' head: fp32 logits (models.load_model)
         model.get_output_embeddings().__class__ = common.FP32Head
     model = model.to(device=device, dtype=dtype).eval()
-    ids, mask = prompts_batch(tok, args.prompts, args.G, device)
+    ids, mask = prompts_batch(tok, args.prompts, args.G, device, copies=args.prompt_copies)
     B, N, pad, eos = ids.shape[0], args.new_tokens, tok.pad_token_id, tok.eos_token_id
     print(f"{args.model}: {args.prompts} prompts x G={args.G} = {B} rows, prompt block {ids.shape[1]} tokens, "
           f"{N} new tokens, temperature {args.temperature}, {args.dtype} weights, {util.device_name(device)}",
