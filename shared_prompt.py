@@ -174,13 +174,18 @@ def sequence_logprobs(model, batch, d, packed=False, enabled=True):
 def runs(model, prompt_ids, prompt_mask):
     """G where decoding can keep each prompt's keys and values once, else 0: the rows come in runs of
     G >= 2 equal prompts (GRPO's layout), every layer is full attention in a static cache, and the
-    attention is SDPA or eager without softcapping (what `attention` computes)."""
+    attention is SDPA or eager without softcapping (what `attention` computes), in transformers' own
+    modules of a text model, which look their attention function up by the config's name (`decoding`
+    switches it; a module of remote code, or one reading a sub-config's name, would not see it)."""
     B, rows = prompt_ids.shape[0], torch.cat([prompt_ids, prompt_mask], 1)
     G = int((rows == rows[:1]).all(-1).cumprod(0).sum())  # the first prompt's run
     if G < 2 or B % G or not bool((rows.view(B // G, G, -1) == rows[::G, None]).all()):
         return 0
     config = model.config.get_text_config()
-    if model.config._attn_implementation not in ("sdpa", "eager") or getattr(config, "attn_logit_softcapping", None):
+    if (config is not model.config or config._attn_implementation not in ("sdpa", "eager")
+            or getattr(config, "attn_logit_softcapping", None)
+            or not all(type(m).__module__.startswith("transformers.models.") for m in model.modules()
+                       if hasattr(m, "layer_idx"))):
         return 0
     layers = transformers.StaticCache(config=model.config, max_cache_len=1).layers
     return G if all(type(layer) is StaticLayer for layer in layers) else 0

@@ -240,6 +240,22 @@ def test_shared_prompts_sample_what_whole_rows_do_on_user_architectures(name, us
     torch.testing.assert_close(shared[2], eager[2], rtol=0, atol=1e-5)
 
 
+def test_prompts_are_kept_once_only_for_runs_of_a_prompt_and_transformers_own_attention():
+    """shared_prompt.runs: G for rows in runs of G equal prompts; 0 (each row a copy) for prompts
+    not in equal runs (a prompt in two runs is kept twice), and for attention modules that are not
+    transformers' own (remote code may not look its attention function up by the config's name: it
+    would attend without the prompt)."""
+    model = _gpt2(n_layer=1)
+    a, b = [5, 6, 7], [8, 9]
+    for rows, G in (([a, a, b, b], 2), ([a, a, a], 3), ([a, b, a, b], 0), ([a, a, b], 0), ([a, a, b, b, b, b], 2)):
+        ids, mask = common.pad(rows, PAD, side="left")
+        assert shared_prompt.runs(model, ids, mask) == G, rows
+    ids, mask = common.pad([a, a], PAD, side="left")
+    attention = model.transformer.h[0].attn
+    attention.__class__ = type("RemoteAttention", (type(attention),), {})  # defined here, not in transformers
+    assert shared_prompt.runs(model, ids, mask) == 0
+
+
 def test_guards_are_checked_at_each_rollouts_first_step(monkeypatch):
     """Compiled decoding checks dynamo's guards at a rollout's first step only (sampling._guarded).
     Rollouts of other rows, of another length, and of the first shape again, one after another,
