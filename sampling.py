@@ -417,7 +417,12 @@ def generate_with_tools(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, 
     check_every = check_every or (GPU_CHECK_EVERY if device.type == "cuda" else 1)
     n_steps = tool_steps(R, max_calls, check_every)
     # 1. prefill
-    logits, cache, mask, _ = _prefill(model, prompt_ids, prompt_mask, n_steps, compile=compile, kw=kw)
+    logits, cache, mask, prompts = _prefill(model, prompt_ids, prompt_mask, n_steps, compile=compile, kw=kw,
+                                            share=compile and device.type == "cpu")
+    first = P  # the first response slot of `mask`: after the prompt, or 0 where the prompts are kept apart
+    if prompts is not None:  # shared_prompt.attention reads the responses' slots from this mask, set in place
+        kw, first = {**kw, "prompts": prompts}, 0
+        mask = prompts.response_mask = torch.zeros(B, cache.layers[0].max_cache_len, dtype=torch.long, device=device)
 
     # 2. decode: each step a token per row, sampled, or its result's next token where it is in one
     step = _step_fn(compile, device)
@@ -445,7 +450,7 @@ def generate_with_tools(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, 
         ids.scatter_(1, at, tok[:, None])
         logps.scatter_(1, at, logp.masked_fill(forcing, 0.0)[:, None])
         tool_mask.scatter_(1, at, forcing.long()[:, None])
-        mask[:, P + t] = ~waiting  # a waiting row's slot empty; a finished row's pad seen (by itself), as generate's
+        mask[:, first + t] = ~waiting  # a waiting row's slot empty; a finished row's pad seen (by itself), as generate's
         fed_pos = pos + n.clamp(max=R - 1)  # (B,) the fed token's position (a finished row's: within range)
         sampled = going & ~forcing
         closed = sampled & (tok == close)
@@ -462,8 +467,9 @@ def generate_with_tools(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, 
             break
         if graphs:  # each step's logits are read before the next replay overwrites them
             torch.compiler.cudagraph_mark_step_begin()
-        with _guarded(t, compile):
-            tok, logp, nonfinite = step(decoder, tok.masked_fill(~going, pad_id)[:, None], mask, fed_pos[:, None],
+        with _guarded(t, compile), shared_prompt.decoding(decoder, prompts is not None):
+            tok, logp, nonfinite = step(decoder, tok.masked_fill(~going, pad_id)[:, None],
+                                        None if prompts is not None else mask, fed_pos[:, None],
                                         cache=cache, kw=kw, u=u(n.clamp(max=R - 1)), draw=draw)
         bad |= nonfinite
         if calling:  # 3. the calls: run on the host, their results queued for the rows to feed

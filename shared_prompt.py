@@ -2,9 +2,9 @@
 each distinct prompt computed once: its keys and values serve every row that shares it, as the
 rollout's prefill does (sampling._prefill). A forward of B rows of P + R tokens from U prompts then
 computes U x P + B x R tokens instead of B x (P + R): for 4 prompts x G = 8 of 128 + 32 tokens,
-1,536 instead of 5,120; for 8 DPO pairs, 1,536 instead of 2,560. Decoding (sampling.generate,
-compiled on CPU) keeps a rollout's prompts once the same way: `attention` reads each prompt's keys
-and values once for its G samples instead of from a copy in each row's cache.
+1,536 instead of 5,120; for 8 DPO pairs, 1,536 instead of 2,560. Decoding (sampling's generate and
+tool loop, compiled on CPU) keeps a rollout's prompts once the same way: `attention` reads each
+prompt's keys and values once for its G samples instead of from a copy in each row's cache.
 
 The same products as common.response_logprobs' padded forward: the prompt's positions see the same
 prompt tokens, the response's the prompt's keys and values and their own; only float sums run in
@@ -194,10 +194,12 @@ def runs(model, prompt_ids, prompt_mask):
 class PromptKV:
     """The keys and values of U prompts, each kept once for its G consecutive rows: keys[i], values[i]
     (U, H_kv, P, D) of layer i, mask (U, P) their real tokens; `responses`, the static cache of the
-    B = U x G rows' response tokens."""
+    B = U x G rows' response tokens, whose slots up to the last written are all seen unless
+    `response_mask` (B, slots) says which (the tool loop's: a row waiting for a result skips a slot)."""
 
     def __init__(self, keys, values, mask, responses):
         self.keys, self.values, self.mask, self.responses = keys, values, mask, responses
+        self.response_mask = None
 
 
 def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, prompts=None, **kwargs):
@@ -217,8 +219,10 @@ def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, p
     s_prompt = (q @ pk.transpose(-1, -2)).view(U, Hkv, G, r, P).transpose(1, 2).reshape(B, H, 1, P)
     s_response = (query.view(B, Hkv, r, D) @ key.transpose(-1, -2)).view(B, H, 1, S)
     n = prompts.responses.layers[module.layer_idx].cumulative_length  # response tokens written, this one too
-    real = torch.cat([prompts.mask[:, None].expand(U, G, P).reshape(B, P),
-                      (torch.arange(S, device=n.device) < n).expand(B, S)], -1)  # (B, P + S)
+    seen = torch.arange(S, device=n.device) < n
+    if prompts.response_mask is not None:
+        seen = seen & prompts.response_mask.bool()
+    real = torch.cat([prompts.mask[:, None].expand(U, G, P).reshape(B, P), seen.expand(B, S)], -1)  # (B, P + S)
     p = (torch.cat([s_prompt, s_response], -1) * scaling).masked_fill(~real[:, None, None], float("-inf")).softmax(-1)
     p_prompt = p[..., :P].reshape(U, G, Hkv, r, P).transpose(1, 2).reshape(U, Hkv, G * r, P)
     out = ((p_prompt @ pv).view(U, Hkv, G, r, D).transpose(1, 2).reshape(B, H, 1, D)

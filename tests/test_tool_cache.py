@@ -11,6 +11,7 @@ import torch
 
 import common
 import sampling
+import shared_prompt
 import tasks
 import tools
 from plumbing import models
@@ -108,3 +109,35 @@ def test_one_loop_gives_the_full_prefills_rollout(name, sampler_kw, check_every,
         assert steps[0] == ids.shape and all(s == (12, 1) for s in steps[1:]), steps
         longest, waits = int(got[1].sum(1).max()), (check_every - 1) * int(calls.max())
         assert longest - 1 <= len(steps) - 1 <= longest - 1 + waits, (len(steps), longest)
+
+
+@pytest.mark.parametrize("check_every", [1, 8], ids=["calls answered at once", "calls waiting for the check"])
+def test_the_compiled_loop_keeping_each_prompt_once_gives_the_full_prefills_rollout(check_every, user_models,
+                                                                                     short_tool, monkeypatch):
+    """Compiled on CPU with 4 prompts x G = 3 in runs, the loop keeps each prompt's keys and values
+    once (shared_prompt.attention, a waiting row's response slots left out by the loop's mask): the
+    reference loop's ids, masks, log-probs and tool masks, two seeds. Dynamo's eager backend: the
+    traced step that inductor compiles."""
+    tok = models.load_tokenizer(user_models["llama_calculator"])
+    model = models.load_model(user_models["llama_calculator"], tok).eval()
+    fn = sampling._next_token_unfused
+    monkeypatch.setattr(sampling, "_compiled", {fn: torch.compile(fn, backend="eager", dynamic=False)})
+    texts = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
+                                     add_generation_prompt=True) for r in tasks.prompt_rows(4) for _ in range(3)]
+    ids, mask = common.pad(sampling.encode_prompts(tok, texts, 128)[0], tok.pad_token_id, side="left")
+    assert shared_prompt.runs(model, ids, mask) == 3
+    kw = dict(eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, tokenizer=tok, tool=short_tool, max_calls=3,
+              temperature=1.0)
+    for seed in (0, 1):
+        u = sampling.rollout_uniforms(12, 40, seed=seed)
+        got = sampling.generate_with_tools(model, ids, mask, 40, uniforms=u, check_every=check_every, compile=True,
+                                           **kw)
+        want = reference_loop(model, ids, mask, 40, uniforms=u, **kw)
+        for g, w, what in zip(got, want, ("ids", "mask", "log-probs", "tool mask")):
+            assert g.shape == w.shape, (what, g.shape, w.shape)
+            if what == "log-probs":
+                torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+            else:
+                assert torch.equal(g, w), what
+        calls = sampling.tool_calls(got[3])
+        assert len(set(calls.tolist())) > 1, calls  # rows calling at different steps, so some wait
