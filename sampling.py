@@ -181,13 +181,17 @@ def _step_fn(compile, device):
     return _compiled[_next_token_unfused]
 
 
-def _guarded(t, compile):
+def _guarded(t, compile, device):
     """Around decode step t of a rollout: dynamo's guards checked at the first step only. They
     check that a compiled graph fits its inputs (the model, the cache, shapes and dtypes), which
     stay the same through a rollout, and cost ~1 ms a step on CPU, ~10% of the tiny model's
     (bench/sampler.py). Step 0 checks them (and compiles if none fits); the next steps run the graph
-    it chose (set_stance's skip_guard_eval_unsafe); the next rollout checks them again."""
-    if compile and t > 0:
+    it chose (set_stance's skip_guard_eval_unsafe); the next rollout checks them again. Once the
+    step has dynamo's recompile_limit graphs (shapes), a new shape's step 0 runs eagerly, leaving
+    no graph to skip to (dynamo would raise): the guards stay on."""
+    code = (_next_logits if device.type == "cuda" else _next_token_unfused).__code__
+    if (compile and t > 0 and len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
+            < torch._dynamo.config.recompile_limit):
         return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
     return contextlib.nullcontext()
 
@@ -304,7 +308,7 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
             break
         if graphs:  # each step's logits are read before the next replay overwrites them
             torch.compiler.cudagraph_mark_step_begin()
-        with _guarded(t, compile), shared_prompt.decoding(decoder, prompts is not None):
+        with _guarded(t, compile, device), shared_prompt.decoding(decoder, prompts is not None):
             tok, logp, nonfinite = step(decoder, tok[:, None], mask, pos + t, cache=cache, kw=kw, u=u(t + 1), draw=draw)
         bad |= nonfinite
     if bad:
@@ -467,7 +471,7 @@ def generate_with_tools(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, 
             break
         if graphs:  # each step's logits are read before the next replay overwrites them
             torch.compiler.cudagraph_mark_step_begin()
-        with _guarded(t, compile), shared_prompt.decoding(decoder, prompts is not None):
+        with _guarded(t, compile, device), shared_prompt.decoding(decoder, prompts is not None):
             tok, logp, nonfinite = step(decoder, tok.masked_fill(~going, pad_id)[:, None],
                                         None if prompts is not None else mask, fed_pos[:, None],
                                         cache=cache, kw=kw, u=u(n.clamp(max=R - 1)), draw=draw)

@@ -236,10 +236,11 @@ transformers.AttentionInterface.register("shared_prompt", attention)
 @contextlib.contextmanager
 def decoding(model, shared=True):
     """The model's attention switched to `attention` (shared=False: left as it is)."""
+    if not shared:
+        yield
+        return
     config = model.config
-    before = config._attn_implementation
-    if shared:
-        config._attn_implementation = "shared_prompt"
+    before, config._attn_implementation = config._attn_implementation, "shared_prompt"
     try:
         yield
     finally:

@@ -273,6 +273,24 @@ def test_guards_are_checked_at_each_rollouts_first_step(monkeypatch):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (rows, new_tokens)
 
 
+def test_past_dynamos_recompile_limit_a_new_shape_decodes_eagerly(monkeypatch):
+    """Once the compiled step holds dynamo's recompile_limit graphs, a rollout of a new shape runs its
+    first step eagerly (dynamo's fallback) and keeps the guards on for the rest (sampling._guarded):
+    it samples what the eager sampler does instead of raising at its second step."""
+    model = _gpt2(n_layer=1)
+    fn = sampling._next_token_unfused
+    torch._dynamo.reset()
+    monkeypatch.setattr(sampling, "_compiled", {fn: torch.compile(fn, backend="eager", dynamic=False)})
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for rows in (5, 4, 3):  # the third shape is past the limit
+            ids, mask = common.pad(PROMPTS[:rows], PAD, side="left")
+            want = sampling.generate(model, ids, mask, 8, EOS, PAD, generator=torch.Generator().manual_seed(rows))
+            got = sampling.generate(model, ids, mask, 8, EOS, PAD, generator=torch.Generator().manual_seed(rows),
+                                    compile=True)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), rows
+    torch._dynamo.reset()
+
+
 def _fsdp_worker():
     """Run by torchrun (see below): each rank samples its own prompts with the FSDP2-sharded
     model inside common.unsharded, stopping at a different step from the other rank."""
