@@ -362,7 +362,7 @@ def _prefill_shared(model, ids, mask, G, max_new_tokens, compile, kw):
     """_prefill of U distinct prompts, each for G consecutive rows, kept once each (PromptKV),
     left-padded to a rounded length under compile so that nearby prompt lengths share a graph; the
     static cache: B = U x G rows of max_new_tokens response slots (rounded under compile), from slot 0."""
-    (U, P), B = ids.shape, ids.shape[0] * G
+    P, B = ids.shape[1], ids.shape[0] * G
     if compile:
         pad = _rounded(P) - P
         ids, mask = torch.nn.functional.pad(ids, (pad, 0)), torch.nn.functional.pad(mask, (pad, 0))
