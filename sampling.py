@@ -204,7 +204,9 @@ def _decode_cache(model, B, L, persistent):
     prefilled into a fresh cache). persistent (compiled decoding): one per model, reused in place
     (the captured graph reads it at fixed addresses) while its rows match and its slots suffice;
     a rollout that needs others replaces it. One, not one per length: several kept through the
-    update would hold 22-37 GiB at 8B."""
+    update would hold 22-37 GiB at 8B. A replaced cache takes the CUDA graphs recorded on it along
+    (reset_cudagraph_trees): left in place, cudagraph trees find its addresses moved and re-record
+    at every decode step, not once (63 times in a 64-token rollout on an H200, docs/gpu.md)."""
     from transformers import StaticCache
     from transformers.cache_utils import StaticLayer
 
@@ -213,7 +215,11 @@ def _decode_cache(model, B, L, persistent):
         if rows == B and slots >= L:
             _DECODE_CACHES[model] = ((rows, slots), cache)
             return cache, slots
-        del cache
+        if cache is not None:
+            from torch._inductor.cudagraph_trees import reset_cudagraph_trees  # 4 s to import: compiled runs only
+
+            del cache
+            reset_cudagraph_trees()  # no CUDA graph on a CPU: nothing to reset
     cache = StaticCache(config=model.config, max_cache_len=L)
     if not all(type(layer) is StaticLayer for layer in cache.layers):
         return None, L

@@ -245,14 +245,17 @@ def test_persistent_decode_cache_is_reused_in_place_and_leaks_nothing(tiny, monk
 def test_one_decode_cache_per_model_sized_for_the_longest_rollout(tiny, monkeypatch, layout, slots):
     """Compiled decoding keeps one static cache per model, not one per length (four at 8B held
     22-37 GiB through the update): a shorter rollout of the same rows decodes in the longer one's
-    cache, sampling exactly what a fresh cache gives; other rows replace it, the old one freed.
-    "aabb": each prompt's rows in a run, its keys kept once: the cache holds the response slots,
+    cache, sampling exactly what a fresh cache gives; other rows replace it, the old one freed and
+    the CUDA graphs recorded on it reset (else cudagraph trees re-record at every step). "aabb": each prompt's rows in a run, its keys kept once: the cache holds the response slots,
     20 rounded up to 24; "abab": every row a copy of its prompt, P + 20 slots rounded up to 40."""
     import gc
     import weakref
 
     model, tok = tiny
     monkeypatch.setattr(sampling, "_step_fn", lambda compile, device: sampling._next_token)  # eager, same cache path
+    resets = []
+    monkeypatch.setattr("torch._inductor.cudagraph_trees.reset_cudagraph_trees", lambda: resets.append(1))
+    sampling._DECODE_CACHES.pop(model, None)  # an earlier test's
     texts = {"aabb": ["sort 3 1 ="] * 2 + ["sort 9 9 2 7 ="] * 2, "abab": ["sort 3 1 =", "sort 9 9 2 7 ="] * 2}[layout]
     ids, mask = common.pad([tok(t)["input_ids"] for t in texts], tok.pad_token_id, side="left")
     u = sampling.rollout_uniforms(4, 20, seed=1)
@@ -266,11 +269,11 @@ def test_one_decode_cache_per_model_sized_for_the_longest_rollout(tiny, monkeypa
             assert torch.equal(a, b)
         shape, cache = sampling._DECODE_CACHES[model]
         first = first or weakref.ref(cache)
-        seen.append((shape, cache is first()))
+        seen.append((shape, cache is first(), len(resets)))
         del cache
         gc.collect()
-    assert seen[0] == seen[1] == ((4, slots[0]), True)  # the 6-token rollout used the 20-token one's slots
-    assert seen[2] == ((2, slots[1]), False) and first() is None  # other rows: replaced, the old one freed
+    assert seen[0] == seen[1] == ((4, slots[0]), True, 0)  # the 6-token rollout used the 20-token one's slots
+    assert seen[2] == ((2, slots[1]), False, 1) and first() is None  # other rows: replaced, the old one freed
 
 
 def test_gpu_check_refuses_without_a_gpu():
@@ -391,7 +394,8 @@ def test_gpu_check_fails_on_a_planted_bug(cpu_check, monkeypatch, plant):
 def test_gpu_check_reads_compilations_and_cuda_graph_recordings_from_torch_logs():
     """(d)'s reader on hand-written output in TORCH_LOGS's format (torch 2.11 and 2.13 word the
     recording differently): compile ids [frame/compile] counted once each (a restart [0/0_1] is
-    not a compilation), the recordings split at the `step 2` line."""
+    not a compilation), the recordings split at the `step 2` line (one after it: the evaluation's
+    rows), re-recordings (a static input moved: the H200's first (d) run had 254) apart."""
     def log(*lines):
         return "\n".join(lines) + "\n"
 
@@ -402,9 +406,14 @@ def test_gpu_check_reads_compilations_and_cuda_graph_recordings_from_torch_logs(
     good = log(trace.format("0/0"), trace.format("0/0_1"), record.format("Running warmup function=0, mode=INFERENCE"),
                record.format("Recording function=0, mode=INFERENCE, cuda_graph_id=0, inputs: [...]"),
                step.format(1), step.format(2), step.format(3))
-    assert gpu_check.compile_report(good) == (1, ["_next_token"], 1, 0, 0)
+    assert gpu_check.compile_report(good) == (1, ["_next_token"], 1, 0, 0, 0)
     assert all(r["ok"] for r in gpu_check.compile_rows("run", good))
-    again = good + log(record.format("Recording function 0 of graph recording id 3"))  # torch 2.11's wording
+    tree = record.format("Recording cudagraph tree for graph without symints")
+    evaluated = good.replace(step.format(3), log(tree, record.format("Recording function 0 of graph recording id 3"),
+                                                 step.format(3)))  # torch 2.11's wording
+    assert gpu_check.compile_report(evaluated)[2:] == (1, 1, 0, 0)
+    assert all(r["ok"] for r in gpu_check.compile_rows("run", evaluated))
+    again = evaluated + log(record.format("Recording function=0, mode=INFERENCE, cuda_graph_id=4"))
     rerecorded = good + log(record.format("Re-recording function=0, mode=INFERENCE, reason=static input moved"))
     recompiled = log(trace.format("0/0"), trace.format("0/1"), trace.format("0/2")) + good
     skipped = good.replace("Running warmup", "skipping cudagraphs due to mutated inputs. Running warmup")
@@ -412,6 +421,7 @@ def test_gpu_check_reads_compilations_and_cuda_graph_recordings_from_torch_logs(
     for bad, ok in ((again, [True, False]), (rerecorded, [True, False]), (recompiled, [False, True]),
                     (skipped, [True, False]), (unfinished, [True, False])):
         assert [r["ok"] for r in gpu_check.compile_rows("run", bad)] == ok, bad
+    assert gpu_check.compile_report(rerecorded)[2:] == (1, 0, 1, 0)
     assert gpu_check.compile_report(recompiled)[0] == 3 and gpu_check.compile_report(unfinished)[3] is None
 
 
