@@ -246,8 +246,9 @@ def test_one_decode_cache_per_model_sized_for_the_longest_rollout(tiny, monkeypa
     """Compiled decoding keeps one static cache per model, not one per length (four at 8B held
     22-37 GiB through the update): a shorter rollout of the same rows decodes in the longer one's
     cache, sampling exactly what a fresh cache gives; other rows replace it, the old one freed and
-    the CUDA graphs recorded on it reset (else cudagraph trees re-record at every step). "aabb": each prompt's rows in a run, its keys kept once: the cache holds the response slots,
-    20 rounded up to 24; "abab": every row a copy of its prompt, P + 20 slots rounded up to 40."""
+    the CUDA graphs recorded on it reset (else cudagraph trees re-record at every step). "aabb":
+    each prompt's rows in a run, its keys kept once: the cache holds the response slots, 20
+    rounded up to 24; "abab": every row a copy of its prompt, P + 20 slots rounded up to 40."""
     import gc
     import weakref
 
