@@ -283,8 +283,7 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
     stops = torch.tensor([eos_id, *stop_ids], device=device)
     uniforms = None if uniforms is None else uniforms.to(device)
     # 1. prefill
-    logits, cache, mask, prompts = _prefill(model, prompt_ids, prompt_mask, max_new_tokens, compile=compile, kw=kw,
-                                            share=compile and device.type == "cpu")
+    logits, cache, mask, prompts = _prefill(model, prompt_ids, prompt_mask, max_new_tokens, compile=compile, kw=kw)
     if prompts is not None:
         kw = {**kw, "prompts": prompts}
     B, n = prompt_ids.shape[0], max_new_tokens
@@ -331,14 +330,16 @@ def _rounded(n):
     return -(-n // q) * q
 
 
-def _prefill(model, prompt_ids, prompt_mask, max_new_tokens, compile, kw, share=False):
+def _prefill(model, prompt_ids, prompt_mask, max_new_tokens, compile, kw):
     """generate's step 1: each distinct prompt prefilled once. Returns the (B, V) logits of each row's
     first response token, a static cache, the decode's attention mask and shared_prompt.PromptKV or
     None. Either each row gets a copy of its prompt's keys and values in a cache of L >= P +
-    max_new_tokens slots (mask (B, L)), or, with `share` where the rows come in runs of equal prompts
-    (shared_prompt.runs), each prompt's keys and values stay stored once (PromptKV, read by
-    shared_prompt.attention) and the cache holds the responses' slots only (mask None)."""
+    max_new_tokens slots (mask (B, L)), or, compiled on CPU where the rows come in runs of equal
+    prompts (shared_prompt.runs), each prompt's keys and values stay stored once (PromptKV, read by
+    shared_prompt.attention) and the cache holds the responses' slots only (mask None). Not on CUDA:
+    under its graphs that paid on one of three shapes (docs/gpu.md)."""
     B, P = prompt_ids.shape
+    share = compile and prompt_ids.device.type == "cpu"
     G = shared_prompt.runs(model, prompt_ids, prompt_mask) if share else 0
     if G:
         return _prefill_shared(model, prompt_ids[::G], prompt_mask[::G], G, max_new_tokens, compile=compile, kw=kw)
@@ -427,8 +428,7 @@ def generate_with_tools(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, 
     check_every = check_every or (GPU_CHECK_EVERY if device.type == "cuda" else 1)
     n_steps = tool_steps(R, max_calls, check_every)
     # 1. prefill
-    logits, cache, mask, prompts = _prefill(model, prompt_ids, prompt_mask, n_steps, compile=compile, kw=kw,
-                                            share=compile and device.type == "cpu")
+    logits, cache, mask, prompts = _prefill(model, prompt_ids, prompt_mask, n_steps, compile=compile, kw=kw)
     first = P  # the first response slot of `mask`: after the prompt, or 0 where the prompts are kept apart
     if prompts is not None:  # shared_prompt.attention reads the responses' slots from this mask, set in place
         kw, first = {**kw, "prompts": prompts}, 0

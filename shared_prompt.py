@@ -219,9 +219,8 @@ def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, p
     s_prompt = (q @ pk.transpose(-1, -2)).view(U, Hkv, G, r, P).transpose(1, 2).reshape(B, H, 1, P)
     s_response = (query.view(B, Hkv, r, D) @ key.transpose(-1, -2)).view(B, H, 1, S)
     n = prompts.responses.layers[module.layer_idx].cumulative_length  # response tokens written, this one too
-    seen = torch.arange(S, device=n.device) < n
-    if prompts.response_mask is not None:
-        seen = seen & prompts.response_mask.bool()
+    seen = (torch.arange(S, device=n.device) < n if prompts.response_mask is None  # the slots written so far
+            else prompts.response_mask.bool())  # the tool loop's, set slot by slot (a waiting row's left empty)
     real = torch.cat([prompts.mask[:, None].expand(U, G, P).reshape(B, P), seen.expand(B, S)], -1)  # (B, P + S)
     p = (torch.cat([s_prompt, s_response], -1) * scaling).masked_fill(~real[:, None, None], float("-inf")).softmax(-1)
     p_prompt = p[..., :P].reshape(U, G, Hkv, r, P).transpose(1, 2).reshape(U, Hkv, G * r, P)

@@ -41,7 +41,7 @@ def scripted_policy(monkeypatch, writes, tok):
             out[b, writes[b][len(own)] if len(own) < len(writes[b]) else tok.eos_token_id] = 0.0
         return out
 
-    def prefill(model, prompt_ids, prompt_mask, max_new_tokens, compile, kw, share=False):
+    def prefill(model, prompt_ids, prompt_mask, max_new_tokens, compile, kw):
         prompts[:] = [r[m.bool()].tolist() for r, m in zip(prompt_ids, prompt_mask)]
         fed[:] = [list(r) for r in prompts]
         at[:] = [prompt_ids.shape[1], 0]
