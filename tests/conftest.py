@@ -8,13 +8,15 @@ subprocess environments the tests build from os.environ inherit it. Timings and 
 are bench/'s job (bench/steps.py).
 
 Fixtures shared by several test files are below; constants and plain helpers are in
-tests/helpers.py (`from helpers import ...`: conftest.py is loaded by pytest, not imported).
+tests/helpers.py (`from helpers import ...`: conftest.py is loaded by pytest, not imported). The
+suite runs in two pytest processes, one a core: tests/two_processes.py, whose hooks are imported here.
 """
 import os
 
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import pytest  # noqa: E402
+from two_processes import pytest_collection_modifyitems, pytest_sessionfinish, pytest_unconfigure  # noqa: E402,F401
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,0 +1,131 @@
+"""The suite split over two pytest processes, one for each core of the 2-core machines it runs on.
+
+Every test, and every process a test launches, runs torch on one thread (conftest.one_torch_thread,
+helpers.SUBPROCESS_ENV: models this small gain nothing from a second), and a launched script spends
+its first 6-8 s importing torch and transformers on one core. So one pytest process keeps a 2-core
+machine about 55-65% busy (its user + system time over wall time: 1.03 cores through
+tests/test_robustness.py, 1.3 through test_distributed.py and test_memory_model.py).
+
+When pytest collects tests from more than one file, this hands some of the files to a second pytest
+process, started right after collection with the same arguments, runs the others itself, waits for
+the second, prints its report after its own, and exits with a failure if either failed. The split
+is by file and the same on every run: which tests share a process, and in which order they run,
+never depends on timing. Files that use a costly session fixture (SHARED) stay in one process, so it
+is built once; then each file (or group of files) goes to the process with fewer expected seconds
+(SECONDS). RLHF_TEST_PROCESSES=1 runs everything in one process, as does a machine of one core.
+"""
+import atexit
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+FILES_ENV = "RLHF_TEST_FILES"  # set in the second process: a file listing the test files it runs
+SHARED = ("two_ranks", "smollm2")  # one torchrun of every 2-rank run; the GGUF conversion (~40 s)
+MIN_SECONDS = 60  # a second process costs one more collection (~12 s): not below this much work
+# Seconds each file takes on one core of the 2-core AMD EPYC (`--durations=0`, summed by file), to
+# balance the two processes; a file not listed counts 1 s.
+SECONDS = {
+    "test_robustness.py": 196, "test_memory_model.py": 153, "test_distributed.py": 143, "test_packing.py": 73,
+    "test_generation_micro_batch.py": 64, "test_families.py": 57, "test_docs_commands.py": 54,
+    "test_sampler.py": 44, "test_edge_cases.py": 41, "test_plots.py": 40, "test_gpu_path.py": 39,
+    "test_grpo.py": 18, "test_smollm2.py": 16, "test_common.py": 16, "test_tool_safety.py": 13,
+    "test_reward.py": 11, "test_variants.py": 10, "test_user_path.py": 9, "test_cpu_only.py": 8, "test_sft.py": 6,
+    "test_dpo.py": 5, "test_frozen_bf16.py": 5, "test_shared_prompt.py": 4,
+}
+
+
+def split(items, seconds=SECONDS):
+    """(files of this process, files of the second) for the collected items: files that use one of
+    the SHARED fixtures grouped (a group shares each such fixture its files use), then the groups,
+    heaviest first, each to the process with fewer expected seconds so far."""
+    groups = []  # [(shared fixtures used, [files])], in the order of collection
+    for item in items:
+        file, used = item.nodeid.split("::")[0], {f for f in SHARED if f in item.fixturenames}
+        mine = [g for g in groups if file in g[1] or g[0] & used]
+        merged = (set(used).union(*(g[0] for g in mine)), [f for g in mine for f in g[1]])
+        if file not in merged[1]:
+            merged[1].append(file)
+        groups = [g for g in groups if g not in mine] + [merged]
+    weight = {id(g): sum(seconds.get(os.path.basename(f), 1) for f in g[1]) for g in groups}
+    load, parts = [0, 0], ([], [])
+    for g in sorted(groups, key=lambda g: -weight[id(g)]):
+        k = 0 if load[0] <= load[1] else 1
+        load[k] += weight[id(g)]
+        parts[k].extend(g[1])
+    return parts, load
+
+
+def _keep(config, items, files):
+    """Deselect the items outside `files`, as -k does."""
+    kept = [i for i in items if i.nodeid.split("::")[0] in files]
+    dropped = [i for i in items if i.nodeid.split("::")[0] not in files]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+    items[:] = kept
+
+
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected
+def pytest_collection_modifyitems(session, config, items):
+    if os.environ.get(FILES_ENV):  # the second process: its share
+        _keep(config, items, set(open(os.environ[FILES_ENV]).read().split("\n")))
+        return
+    if (os.environ.get("RLHF_TEST_PROCESSES") == "1" or (os.cpu_count() or 1) < 2 or config.option.collectonly
+            or config.getoption("usepdb", False)):
+        return
+    (mine, theirs), load = split(items)
+    if not theirs or min(load) < MIN_SECONDS:
+        return
+    listing = tempfile.NamedTemporaryFile("w", suffix=".txt", prefix="second-process-", delete=False)
+    listing.write("\n".join(theirs))
+    listing.close()
+    args = list(config.invocation_params.args)
+    if config.option.basetemp:  # the two processes' tmp_path folders apart
+        args += ["--basetemp", f"{config.option.basetemp}-second"]
+    out = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", *args], cwd=config.invocation_params.dir,
+                            env={**os.environ, FILES_ENV: listing.name}, stdout=out, stderr=subprocess.STDOUT,
+                            text=True)
+    atexit.register(lambda: proc.poll() is None and proc.kill())
+    config.stash[_SECOND] = (proc, out, listing.name, len(theirs))
+    n = sum(i.nodeid.split("::")[0] in set(theirs) for i in items)
+    _keep(config, items, set(mine))
+    config.get_terminal_writer().line(f"{n} tests of {len(theirs)} files run in a second pytest process "
+                                      f"(tests/two_processes.py); its report follows this one's")
+
+
+_SECOND, _FIRST = pytest.StashKey(), pytest.StashKey()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Wait for the second process (end it when this one stops early: -x, Ctrl-C) and fail if it failed."""
+    second = session.config.stash.get(_SECOND, None)
+    if second is None:
+        return
+    proc = second[0]
+    if session.shouldfail or session.shouldstop or exitstatus == pytest.ExitCode.INTERRUPTED:
+        proc.terminate()
+    code = proc.wait()
+    os.unlink(second[2])
+    session.config.stash[_FIRST] = int(session.exitstatus)
+    if code != 0 and session.exitstatus == 0:
+        session.exitstatus = code
+
+
+def pytest_unconfigure(config):
+    """The second process's report, after this one's last line."""
+    second = config.stash.get(_SECOND, None)
+    if second is None:
+        return
+    proc, out, _, files = second
+    out.seek(0)
+    writer = config.get_terminal_writer()
+    writer.sep("=", f"the second pytest process ({files} files), exit status {proc.returncode}")
+    writer.write(out.read())
+    first, second = config.stash.get(_FIRST, None), proc.returncode
+    writer.sep("=", f"exit status {first} here, {second} in the second process: "
+                    + ("all passed" if first == second == 0 else "FAILED"), red=bool(first or second),
+               green=not (first or second))
+    writer.flush()
