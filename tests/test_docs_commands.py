@@ -31,6 +31,8 @@ import pytest
 from helpers import ROOT, question, run_here, write_jsonl
 from plumbing import cli
 
+pytestmark = pytest.mark.session_fixtures("smollm2")  # request.getfixturevalue: tests/two_processes.py
+
 SCRIPTS = ("sft.py", "reward.py", "dpo.py", "grpo.py")
 
 NOT_RUN = [  # (pattern on the command, why it is not run here)

@@ -20,6 +20,8 @@ import sft
 from helpers import TURN_TOKENS, chat, family_tokenizer, question, read_metrics, write_jsonl
 from plumbing import models
 
+pytestmark = pytest.mark.session_fixtures("smollm2")  # request.getfixturevalue: tests/two_processes.py
+
 SIZE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
             max_position_embeddings=256)
 

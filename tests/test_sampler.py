@@ -19,6 +19,8 @@ import shared_prompt
 from helpers import ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, run_script
 from plumbing import models, rundir
 
+pytestmark = pytest.mark.session_fixtures("smollm2")  # request.getfixturevalue: tests/two_processes.py
+
 V, PAD, EOS = 16, 0, 1
 
 

@@ -13,6 +13,8 @@ from helpers import (SUBPROCESS_ENV_NO_TOKENIZER_THREADS, TWO_RANK_RUNS, chat, c
                      read_metrics, chat_rows, run_here, run_script, write_jsonl)
 from plumbing import cli, models
 
+pytestmark = pytest.mark.session_fixtures("smollm2")  # request.getfixturevalue: tests/two_processes.py
+
 FAST = ["--n_train", "256", "--n_eval", "8", "--batch_size", "8", "--max_response_len", "20", "--warmup_steps", "2"]
 
 

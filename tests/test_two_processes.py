@@ -9,8 +9,11 @@ import two_processes
 from helpers import ROOT
 
 
-def fake_item(file, *fixtures):
-    return types.SimpleNamespace(nodeid=f"tests/{file}::test_x", fixturenames=["tmp_path", *fixtures])
+def fake_item(file, *fixtures, marked=()):
+    """A collected test of `file` using `fixtures`; marked: the names of its session_fixtures mark."""
+    marks = [types.SimpleNamespace(args=tuple(marked))] if marked else []
+    return types.SimpleNamespace(nodeid=f"tests/{file}::test_x", fixturenames=["tmp_path", *fixtures],
+                                 iter_markers=lambda name: marks if name == "session_fixtures" else [])
 
 
 def test_files_sharing_a_costly_fixture_stay_together_and_the_rest_balance():
@@ -31,6 +34,16 @@ def test_a_file_using_both_shared_fixtures_joins_their_groups():
              fake_item("d.py", "smollm2", "two_ranks")]
     (mine, theirs), load = two_processes.split(items, {"a.py": 5})
     assert (mine, theirs, load) == (["tests/a.py"], ["tests/b.py", "tests/c.py", "tests/d.py"], [5, 3])
+
+
+def test_a_file_marked_as_asking_for_a_shared_fixture_by_name_joins_its_users():
+    """c asks for smollm2 by name (request.getfixturevalue: not among its fixturenames), marked so:
+    it joins e, which uses smollm2, and a goes alone (2 s each). Unmarked, c and e part."""
+    items = [fake_item("a.py"), fake_item("c.py", marked=["smollm2"]), fake_item("e.py", "smollm2")]
+    seconds = {"a.py": 2, "c.py": 2, "e.py": 2}
+    assert two_processes.split(items, seconds)[0] == (["tests/c.py", "tests/e.py"], ["tests/a.py"])
+    items[1] = fake_item("c.py")
+    assert two_processes.split(items, seconds)[0] == (["tests/a.py", "tests/e.py"], ["tests/c.py"])
 
 
 CONFTEST = f"""

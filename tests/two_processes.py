@@ -11,8 +11,9 @@ process, started right after collection with the same arguments, runs the others
 the second, prints its report after its own, and exits with a failure if either failed. The split
 is by file and the same on every run: which tests share a process, and in which order they run,
 never depends on timing. Files that use a costly session fixture (SHARED) stay in one process, so it
-is built once; then each file (or group of files) goes to the process with fewer expected seconds
-(SECONDS). RLHF_TEST_PROCESSES=1 runs everything in one process, as does a machine of one core.
+is built once (a file that asks for one by name, request.getfixturevalue, says so with
+`pytestmark = pytest.mark.session_fixtures("smollm2")`); then each file (or group of files) goes to
+the process with fewer expected seconds (SECONDS). RLHF_TEST_PROCESSES=1 runs everything in one process, as does a machine of one core.
 """
 import atexit
 import os
@@ -25,15 +26,16 @@ import pytest
 FILES_ENV = "RLHF_TEST_FILES"  # set in the second process: a file listing the test files it runs
 SHARED = ("two_ranks", "smollm2")  # one torchrun of every 2-rank run; the GGUF conversion (~40 s)
 MIN_SECONDS = 60  # a second process costs one more collection (~12 s): not below this much work
-# Seconds each file takes on one core of the 2-core AMD EPYC (`--durations=0`, summed by file), to
-# balance the two processes; a file not listed counts 1 s.
+# Seconds each file takes on the 2-core AMD EPYC, both processes running (`--durations=0`, summed by
+# file), to balance them; a file not listed counts 1 s.
 SECONDS = {
-    "test_robustness.py": 196, "test_memory_model.py": 153, "test_distributed.py": 143, "test_packing.py": 73,
-    "test_generation_micro_batch.py": 64, "test_families.py": 57, "test_docs_commands.py": 54,
-    "test_sampler.py": 44, "test_edge_cases.py": 41, "test_plots.py": 40, "test_gpu_path.py": 39,
-    "test_grpo.py": 18, "test_smollm2.py": 16, "test_common.py": 16, "test_tool_safety.py": 13,
-    "test_reward.py": 11, "test_variants.py": 10, "test_user_path.py": 9, "test_cpu_only.py": 8, "test_sft.py": 6,
-    "test_dpo.py": 5, "test_frozen_bf16.py": 5, "test_shared_prompt.py": 4,
+    "test_robustness.py": 183, "test_distributed.py": 164, "test_memory_model.py": 131,
+    "test_generation_micro_batch.py": 65, "test_edge_cases.py": 60, "test_docs_commands.py": 56,
+    "test_families.py": 52, "test_sampler.py": 46, "test_gpu_path.py": 42, "test_plots.py": 40,
+    "test_common.py": 28, "test_packing.py": 28, "test_smollm2.py": 24, "test_grpo.py": 19, "test_reward.py": 15,
+    "test_tool_safety.py": 12, "test_user_path.py": 10, "test_variants.py": 10, "test_cpu_only.py": 9,
+    "test_frozen_bf16.py": 6, "test_shared_prompt.py": 6, "test_dpo.py": 6, "test_two_processes.py": 5,
+    "test_sft.py": 4,
 }
 
 
@@ -43,7 +45,8 @@ def split(items, seconds=SECONDS):
     heaviest first, each to the process with fewer expected seconds so far."""
     groups = []  # [(shared fixtures used, [files])], in the order of collection
     for item in items:
-        file, used = item.nodeid.split("::")[0], {f for f in SHARED if f in item.fixturenames}
+        marked = [a for m in item.iter_markers("session_fixtures") for a in m.args]
+        file, used = item.nodeid.split("::")[0], {f for f in SHARED if f in item.fixturenames or f in marked}
         mine = [g for g in groups if file in g[1] or g[0] & used]
         merged = (set(used).union(*(g[0] for g in mine)), [f for g in mine for f in g[1]])
         if file not in merged[1]:
