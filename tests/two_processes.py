@@ -3,7 +3,7 @@
 Every test, and every process a test launches, runs torch on one thread (conftest.one_torch_thread,
 helpers.SUBPROCESS_ENV: models this small gain nothing from a second), and a launched script spends
 its first 6-8 s importing torch and transformers on one core. So one pytest process keeps a 2-core
-machine about 55-65% busy (its user + system time over wall time: 1.03 cores through
+machine 50-65% busy (its user + system time over wall time: 1.03 cores through
 tests/test_robustness.py, 1.3 through test_distributed.py and test_memory_model.py).
 
 When pytest collects tests from more than one file, this hands some of the files to a second pytest
@@ -13,7 +13,8 @@ is by file and the same on every run: which tests share a process, and in which 
 never depends on timing. Files that use a costly session fixture (SHARED) stay in one process, so it
 is built once (a file that asks for one by name, request.getfixturevalue, says so with
 `pytestmark = pytest.mark.session_fixtures("smollm2")`); then each file (or group of files) goes to
-the process with fewer expected seconds (SECONDS). RLHF_TEST_PROCESSES=1 runs everything in one process, as does a machine of one core.
+the process with fewer expected seconds (SECONDS). RLHF_TEST_PROCESSES=1 runs everything in one
+process, as does a machine of one core.
 """
 import atexit
 import os
