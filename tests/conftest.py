@@ -33,6 +33,18 @@ def one_torch_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture(autouse=True)
+def no_ctrl_c_left_behind():
+    """A Ctrl-C that a run inside this process took (rundir.INTERRUPTED, which cli.script clears when
+    a run starts) ends with the test: left set, the next test that checks a step without cli.script
+    (Run.check) would raise KeyboardInterrupt, and which test that is depends on the tests before it
+    in the process (tests/two_processes.py)."""
+    yield
+    from plumbing import rundir
+
+    assert rundir.INTERRUPTED is None, "this test left rundir.INTERRUPTED set: clear it where the run ends"
+
+
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory):
     """The folder of SmolLM2-135M-Instruct (Llama architecture, its 49k byte-level BPE tokenizer,

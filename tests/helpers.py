@@ -101,6 +101,7 @@ def run_here(args, cwd=ROOT):
         sys.argv = argv
         os.chdir(old_cwd)
         torch.set_num_threads(threads)
+        rundir.INTERRUPTED = None  # a Ctrl-C the run took ends with it, as it would with its process
     return subprocess.CompletedProcess([sys.executable, *args], code, out.getvalue(), err.getvalue())
 
 
