@@ -181,8 +181,8 @@ def _step_fn(compile, device):
     return _compiled[_next_token_unfused]
 
 
-def _guarded(t, compile, device):
-    """Around decode step t of a rollout: dynamo's guards checked at the first step only. They
+def _skip_guards(compile, device):
+    """Entered after a rollout's first decode step, left at its end: dynamo's guards unchecked. They
     check that a compiled graph fits its inputs (the model, the cache, shapes and dtypes), which
     stay the same through a rollout, and cost ~1 ms a step on CPU, ~10% of the tiny model's
     (bench/sampler.py). Step 0 checks them (and compiles if none fits); the next steps run the graph
@@ -190,7 +190,7 @@ def _guarded(t, compile, device):
     step has dynamo's recompile_limit graphs (shapes), a new shape's step 0 runs eagerly, leaving
     no graph to skip to (dynamo would raise): the guards stay on."""
     code = (_next_logits if device.type == "cuda" else _next_token_unfused).__code__
-    if (compile and t > 0 and len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
+    if (compile and len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
             < torch._dynamo.config.recompile_limit):
         return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
     return contextlib.nullcontext()
@@ -276,7 +276,7 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
     GRPO's groups do: kept once, read by shared_prompt.attention); 2. a static cache written in
     place, "all stopped?" read every 8 tokens on a GPU; 3. compile=True: the decode step compiled
     (on CPU with its draw; the cache length rounded up so nearby lengths share a graph), its guards
-    checked once a rollout (_guarded), on CUDA replayed as a CUDA graph, under autocast from bf16
+    checked once a rollout (_skip_guards), on CUDA replayed as a CUDA graph, under autocast from bf16
     copies of the weights (_bf16_decoder)."""
     device = prompt_ids.device
     kw = dict(logits_to_keep=1) if common._accepts(model, "logits_to_keep") else {}
@@ -302,20 +302,22 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
     draw = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     u = _draws(uniforms, generator, temperature, B, device)
     tok, logp = sample_token(logits, u=u(0), bad=bad, return_logprob=True, **draw)
-    for t in range(n):
-        tok = tok.masked_fill(done, pad_id)
-        tokens[:, t] = tok
-        if return_logprobs:
-            logps[:, t] = logp
-        response_mask[:, t] = ~done  # the stop token itself counts
-        done = done | torch.isin(tok, stops)
-        if t == n - 1 or (t % check_every == check_every - 1 and done.all()):
-            break
-        if graphs:  # each step's logits are read before the next replay overwrites them
-            torch.compiler.cudagraph_mark_step_begin()
-        with _guarded(t, compile, device), shared_prompt.decoding(decoder, prompts is not None):
+    with contextlib.ExitStack() as rollout, shared_prompt.decoding(decoder, prompts is not None):
+        for t in range(n):
+            tok = tok.masked_fill(done, pad_id)
+            tokens[:, t] = tok
+            if return_logprobs:
+                logps[:, t] = logp
+            response_mask[:, t] = ~done  # the stop token itself counts
+            done = done | torch.isin(tok, stops)
+            if t == n - 1 or (t % check_every == check_every - 1 and done.all()):
+                break
+            if graphs:  # each step's logits are read before the next replay overwrites them
+                torch.compiler.cudagraph_mark_step_begin()
             tok, logp, nonfinite = step(decoder, tok[:, None], mask, pos + t, cache=cache, kw=kw, u=u(t + 1), draw=draw)
-        bad |= nonfinite
+            bad |= nonfinite
+            if t == 0:  # the graph is chosen for the rollout: the next steps skip its guards
+                rollout.enter_context(_skip_guards(compile, device))
     if bad:
         raise RuntimeError(NAN_LOGITS)
     R = int(response_mask.any(0).sum())  # the longest response: its columns are the first R
@@ -452,45 +454,47 @@ def generate_with_tools(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, 
     draw = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     u = _draws(uniforms, generator, temperature, B, device)
     tok, logp = sample_token(logits, u=u(n), bad=bad, return_logprob=True, **draw)  # a row's draw: its token's column
-    for t in range(n_steps):
-        forcing = f_at < f_len  # (B,) in a result: its next token is taken, not sampled
-        tok = torch.where(forcing, forced.gather(1, f_at.clamp(max=R - 1)[:, None]).squeeze(1), tok)
-        going = ~(done | waiting)  # the rows that write a token this step
-        at = torch.where(going, n, R)[:, None]  # (B, 1)
-        ids.scatter_(1, at, tok[:, None])
-        logps.scatter_(1, at, logp.masked_fill(forcing, 0.0)[:, None])
-        tool_mask.scatter_(1, at, forcing.long()[:, None])
-        mask[:, first + t] = ~waiting  # a waiting row's slot empty; a finished row's pad seen (by itself), as generate's
-        fed_pos = pos + n.clamp(max=R - 1)  # (B,) the fed token's position (a finished row's: within range)
-        sampled = going & ~forcing
-        closed = sampled & (tok == close)
-        n = n + going
-        f_at = f_at + (going & forcing)
-        call = closed & (calls < max_calls) & (n < R)  # a call it may make, with room for its result
-        calls = calls + call
-        waiting = waiting | call
-        done = done | (sampled & torch.isin(tok, stops)) | (closed & ~call) | (n >= R)
-        finished = calling = False
-        if t % check_every == check_every - 1:
-            finished, calling = torch.stack([done.all(), waiting.any()]).tolist()  # one host sync
-        if finished or t == n_steps - 1:
-            break
-        if graphs:  # each step's logits are read before the next replay overwrites them
-            torch.compiler.cudagraph_mark_step_begin()
-        with _guarded(t, compile, device), shared_prompt.decoding(decoder, prompts is not None):
+    with contextlib.ExitStack() as rollout, shared_prompt.decoding(decoder, prompts is not None):
+        for t in range(n_steps):
+            forcing = f_at < f_len  # (B,) in a result: its next token is taken, not sampled
+            tok = torch.where(forcing, forced.gather(1, f_at.clamp(max=R - 1)[:, None]).squeeze(1), tok)
+            going = ~(done | waiting)  # the rows that write a token this step
+            at = torch.where(going, n, R)[:, None]  # (B, 1)
+            ids.scatter_(1, at, tok[:, None])
+            logps.scatter_(1, at, logp.masked_fill(forcing, 0.0)[:, None])
+            tool_mask.scatter_(1, at, forcing.long()[:, None])
+            mask[:, first + t] = ~waiting  # a waiting row's slot empty; a finished row's pad seen (by itself), as generate's
+            fed_pos = pos + n.clamp(max=R - 1)  # (B,) the fed token's position (a finished row's: within range)
+            sampled = going & ~forcing
+            closed = sampled & (tok == close)
+            n = n + going
+            f_at = f_at + (going & forcing)
+            call = closed & (calls < max_calls) & (n < R)  # a call it may make, with room for its result
+            calls = calls + call
+            waiting = waiting | call
+            done = done | (sampled & torch.isin(tok, stops)) | (closed & ~call) | (n >= R)
+            finished = calling = False
+            if t % check_every == check_every - 1:
+                finished, calling = torch.stack([done.all(), waiting.any()]).tolist()  # one host sync
+            if finished or t == n_steps - 1:
+                break
+            if graphs:  # each step's logits are read before the next replay overwrites them
+                torch.compiler.cudagraph_mark_step_begin()
             tok, logp, nonfinite = step(decoder, tok.masked_fill(~going, pad_id)[:, None],
                                         None if prompts is not None else mask, fed_pos[:, None],
                                         cache=cache, kw=kw, u=u(n.clamp(max=R - 1)), draw=draw)
-        bad |= nonfinite
-        if calling:  # 3. the calls: run on the host, their results queued for the rows to feed
-            rows = waiting.nonzero().squeeze(1)
-            have, is_tool, lengths = ids[rows].tolist(), tool_mask[rows].tolist(), n[rows].tolist()
-            written = [[x for x, m in zip(r[:k], tl[:k]) if not m] for r, tl, k in zip(have, is_tool, lengths)]
-            results = tools.results_tokens(tokenizer, written, tool, [R - k for k in lengths])
-            r_ids, r_mask = common.pad(results, pad_id)  # (A, F), F <= R
-            forced[rows, :r_ids.shape[1]] = r_ids.to(device)
-            f_at, f_len = f_at.index_fill(0, rows, 0), f_len.index_copy(0, rows, r_mask.sum(1).to(device))
-            waiting = waiting.index_fill(0, rows, False)
+            bad |= nonfinite
+            if t == 0:  # the graph is chosen for the rollout: the next steps skip its guards
+                rollout.enter_context(_skip_guards(compile, device))
+            if calling:  # 3. the calls: run on the host, their results queued for the rows to feed
+                rows = waiting.nonzero().squeeze(1)
+                have, is_tool, lengths = ids[rows].tolist(), tool_mask[rows].tolist(), n[rows].tolist()
+                written = [[x for x, m in zip(r[:k], tl[:k]) if not m] for r, tl, k in zip(have, is_tool, lengths)]
+                results = tools.results_tokens(tokenizer, written, tool, [R - k for k in lengths])
+                r_ids, r_mask = common.pad(results, pad_id)  # (A, F), F <= R
+                forced[rows, :r_ids.shape[1]] = r_ids.to(device)
+                f_at, f_len = f_at.index_fill(0, rows, 0), f_len.index_copy(0, rows, r_mask.sum(1).to(device))
+                waiting = waiting.index_fill(0, rows, False)
     if bad:
         raise RuntimeError(NAN_LOGITS)
     width = int(n.max())  # the longest response
