@@ -24,7 +24,7 @@ import tempfile
 
 import pytest
 
-FILES_ENV = "RLHF_TEST_FILES"  # set in the second process: a file listing the test files it runs
+FILES_ENV = "RLHF_TEST_FILES"  # set in the second process: the test files it runs, joined by os.pathsep
 SHARED = ("two_ranks", "smollm2")  # one torchrun of every 2-rank run; the GGUF conversion (~40 s)
 MIN_SECONDS = 60  # a second process costs one more collection (~12 s): not below this much work
 # Seconds each file takes on the 2-core AMD EPYC, both processes running (`--durations=0`, summed by
@@ -47,7 +47,7 @@ def split(items, seconds=SECONDS):
     groups = []  # [(shared fixtures used, [files])], in the order of collection
     for item in items:
         marked = [a for m in item.iter_markers("session_fixtures") for a in m.args]
-        file, used = item.nodeid.split("::")[0], {f for f in SHARED if f in item.fixturenames or f in marked}
+        file, used = _file(item), {f for f in SHARED if f in item.fixturenames or f in marked}
         mine = [g for g in groups if file in g[1] or g[0] & used]
         merged = (set(used).union(*(g[0] for g in mine)), [f for g in mine for f in g[1]])
         if file not in merged[1]:
@@ -62,19 +62,24 @@ def split(items, seconds=SECONDS):
     return parts, load
 
 
+def _file(item):
+    return item.nodeid.split("::")[0]
+
+
 def _keep(config, items, files):
-    """Deselect the items outside `files`, as -k does."""
-    kept = [i for i in items if i.nodeid.split("::")[0] in files]
-    dropped = [i for i in items if i.nodeid.split("::")[0] not in files]
+    """Deselect the items outside `files`, as -k does; returns how many."""
+    files = set(files)
+    dropped = [i for i in items if _file(i) not in files]
     if dropped:
         config.hook.pytest_deselected(items=dropped)
-    items[:] = kept
+    items[:] = [i for i in items if _file(i) in files]
+    return len(dropped)
 
 
 @pytest.hookimpl(trylast=True)  # after -k and -m have deselected
 def pytest_collection_modifyitems(session, config, items):
     if os.environ.get(FILES_ENV):  # the second process: its share
-        _keep(config, items, set(open(os.environ[FILES_ENV]).read().split("\n")))
+        _keep(config, items, os.environ[FILES_ENV].split(os.pathsep))
         return
     if (os.environ.get("RLHF_TEST_PROCESSES") == "1" or (os.cpu_count() or 1) < 2 or config.option.collectonly
             or config.getoption("usepdb", False)):
@@ -82,20 +87,16 @@ def pytest_collection_modifyitems(session, config, items):
     (mine, theirs), load = split(items)
     if not theirs or min(load) < MIN_SECONDS:
         return
-    listing = tempfile.NamedTemporaryFile("w", suffix=".txt", prefix="second-process-", delete=False)
-    listing.write("\n".join(theirs))
-    listing.close()
     args = list(config.invocation_params.args)
     if config.option.basetemp:  # the two processes' tmp_path folders apart
         args += ["--basetemp", f"{config.option.basetemp}-second"]
     out = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen([sys.executable, "-m", "pytest", *args], cwd=config.invocation_params.dir,
-                            env={**os.environ, FILES_ENV: listing.name}, stdout=out, stderr=subprocess.STDOUT,
+                            env={**os.environ, FILES_ENV: os.pathsep.join(theirs)}, stdout=out, stderr=subprocess.STDOUT,
                             text=True)
     atexit.register(lambda: proc.poll() is None and proc.kill())
-    config.stash[_SECOND] = (proc, out, listing.name, len(theirs))
-    n = sum(i.nodeid.split("::")[0] in set(theirs) for i in items)
-    _keep(config, items, set(mine))
+    config.stash[_SECOND] = (proc, out, len(theirs))
+    n = _keep(config, items, mine)
     config.get_terminal_writer().line(f"{n} tests of {len(theirs)} files run in a second pytest process "
                                       f"(tests/two_processes.py); its report follows this one's")
 
@@ -112,7 +113,6 @@ def pytest_sessionfinish(session, exitstatus):
     if session.shouldfail or session.shouldstop or exitstatus == pytest.ExitCode.INTERRUPTED:
         proc.terminate()
     code = proc.wait()
-    os.unlink(second[2])
     session.config.stash[_FIRST] = int(session.exitstatus)
     if code != 0 and session.exitstatus == 0:
         session.exitstatus = code
@@ -123,7 +123,7 @@ def pytest_unconfigure(config):
     second = config.stash.get(_SECOND, None)
     if second is None:
         return
-    proc, out, _, files = second
+    proc, out, files = second
     out.seek(0)
     writer = config.get_terminal_writer()
     writer.sep("=", f"the second pytest process ({files} files), exit status {proc.returncode}")
