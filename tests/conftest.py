@@ -16,7 +16,8 @@ import os
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import pytest  # noqa: E402
-from two_processes import pytest_collection_modifyitems, pytest_sessionfinish, pytest_unconfigure  # noqa: E402,F401
+from two_processes import (pytest_collection_modifyitems, pytest_runtest_logreport,  # noqa: E402,F401
+                           pytest_sessionfinish, pytest_unconfigure)
 
 
 @pytest.fixture(scope="session", autouse=True)
