@@ -16,8 +16,8 @@ import os
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import pytest  # noqa: E402
-from two_processes import (pytest_collection_modifyitems, pytest_runtest_logreport,  # noqa: E402,F401
-                           pytest_sessionfinish, pytest_unconfigure)
+from plumbing import rundir  # noqa: E402
+from two_processes import pytest_collection_modifyitems, pytest_sessionfinish, pytest_unconfigure  # noqa: E402,F401
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -41,8 +41,6 @@ def no_ctrl_c_left_behind():
     (Run.check) would raise KeyboardInterrupt, and which test that is depends on the tests before it
     in the process (tests/two_processes.py)."""
     yield
-    from plumbing import rundir
-
     assert rundir.INTERRUPTED is None, "this test left rundir.INTERRUPTED set: clear it where the run ends"
 
 

@@ -14,13 +14,11 @@ never depends on timing. Files that use a costly session fixture (SHARED) stay i
 is built once (a file that asks for one by name, request.getfixturevalue, says so with
 `pytestmark = pytest.mark.session_fixtures("smollm2")`); then each file (or group of files) goes to
 the process with fewer expected seconds (SECONDS). RLHF_TEST_PROCESSES=1 runs everything in one
-process, as does a machine of one core, and --sw (its record is of one run in one order).
-
-What both processes would write, the last to end over the other's, the first merges: the failures
-`pytest --lf` reruns (.pytest_cache) and a --junitxml file, which the second writes apart.
+process, as does a machine of one core. Given --junitxml, the second writes its XML apart and the
+first merges it into its own (both writing the one file, the last to end would keep only its tests).
+pytest's cache, which both would write too (`--lf`), is off (pyproject.toml: -p no:cacheprovider).
 """
 import atexit
-import json
 import os
 import subprocess
 import sys
@@ -30,7 +28,6 @@ import xml.etree.ElementTree
 import pytest
 
 FILES_ENV = "RLHF_TEST_FILES"  # set in the second process: the test files it runs, joined by os.pathsep
-OUT_ENV = "RLHF_TEST_SECOND_OUT"  # and the folder it leaves its outcomes in (outcomes.json, junit.xml)
 SHARED = ("two_ranks", "smollm2")  # one torchrun of every 2-rank run; the GGUF conversion (~40 s)
 MIN_SECONDS = 60  # a second process costs one more collection (~12 s): not below this much work
 # Seconds each file takes on the 2-core AMD EPYC, both processes running (`--durations=0`, summed by
@@ -88,45 +85,33 @@ def pytest_collection_modifyitems(session, config, items):
         _keep(config, items, os.environ[FILES_ENV].split(os.pathsep))
         return
     if (os.environ.get("RLHF_TEST_PROCESSES") == "1" or (os.cpu_count() or 1) < 2 or config.option.collectonly
-            or config.getoption("usepdb", False) or config.getoption("stepwise", False)):
+            or config.getoption("usepdb", False)):
         return
     (mine, theirs), load = split(items)
     if not theirs or min(load) < MIN_SECONDS:
         return
-    args, folder = list(config.invocation_params.args), tempfile.TemporaryDirectory(prefix="pytest-second-")
+    args, xml = list(config.invocation_params.args), None
     if config.option.basetemp:  # the two processes' tmp_path folders apart
         args += ["--basetemp", f"{config.option.basetemp}-second"]
-    if getattr(config.option, "xmlpath", None):  # the last --junitxml counts: the second's XML apart, merged at the end
-        args += ["--junitxml", os.path.join(folder.name, "junit.xml")]
+    if getattr(config.option, "xmlpath", None):  # the last --junitxml counts: the second's XML apart
+        xml = tempfile.TemporaryDirectory(prefix="pytest-second-")
+        args += ["--junitxml", os.path.join(xml.name, "junit.xml")]
     out = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen([sys.executable, "-m", "pytest", *args], cwd=config.invocation_params.dir,
-                            env={**os.environ, FILES_ENV: os.pathsep.join(theirs), OUT_ENV: folder.name},
-                            stdout=out, stderr=subprocess.STDOUT, text=True)
+                            env={**os.environ, FILES_ENV: os.pathsep.join(theirs)}, stdout=out, stderr=subprocess.STDOUT,
+                            text=True)
     atexit.register(lambda: proc.poll() is None and proc.kill())
-    config.stash[_SECOND] = (proc, out, len(theirs), folder)
+    config.stash[_SECOND] = (proc, out, len(theirs), xml)
     n = _keep(config, items, mine)
     config.get_terminal_writer().line(f"{n} tests of {len(theirs)} files run in a second pytest process "
                                       f"(tests/two_processes.py); its report follows this one's")
 
 
 _SECOND, _FIRST = pytest.StashKey(), pytest.StashKey()
-OUTCOMES = {}  # node id -> failed, each test's last outcome in this process, by the rule of pytest --lf
-
-
-def pytest_runtest_logreport(report):
-    if (report.when == "call" and report.passed) or report.skipped:
-        OUTCOMES[report.nodeid] = False
-    elif report.failed:
-        OUTCOMES[report.nodeid] = True
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Wait for the second process (end it when this one stops early: -x, Ctrl-C) and fail if it failed;
-    in the second, leave its outcomes for the first."""
-    if os.environ.get(OUT_ENV):
-        with open(os.path.join(os.environ[OUT_ENV], "outcomes.json"), "w") as f:
-            json.dump(OUTCOMES, f)
-        return
+    """Wait for the second process (end it when this one stops early: -x, Ctrl-C) and fail if it failed."""
     second = session.config.stash.get(_SECOND, None)
     if second is None:
         return
@@ -137,18 +122,6 @@ def pytest_sessionfinish(session, exitstatus):
     session.config.stash[_FIRST] = int(session.exitstatus)
     if code != 0 and session.exitstatus == 0:
         session.exitstatus = code
-
-
-def merge_lastfailed(lastfailed, *outcomes):
-    """pytest --lf's record (node id -> True: failed last time it ran) updated with each process's
-    outcomes: both processes start from the same record and write theirs, the last over the other's."""
-    lastfailed = dict(lastfailed)
-    for nodeid, failed in (pair for o in outcomes for pair in o.items()):
-        if failed:
-            lastfailed[nodeid] = True
-        else:
-            lastfailed.pop(nodeid, None)
-    return lastfailed
 
 
 def merge_junit(path, other):
@@ -163,20 +136,16 @@ def merge_junit(path, other):
 
 
 def pytest_unconfigure(config):
-    """The second process's results merged into this one's records, and its report after this one's last line."""
+    """The second process's --junitxml merged into this one's, and its report after this one's last line."""
     second = config.stash.get(_SECOND, None)
     if second is None:
         return
-    proc, out, files, folder = second
-    outcomes = os.path.join(folder.name, "outcomes.json")
-    if getattr(config, "cache", None) is not None and os.path.exists(outcomes):  # not with -p no:cacheprovider
-        with open(outcomes) as f:
-            theirs = json.load(f)
-        config.cache.set("cache/lastfailed", merge_lastfailed(config.cache.get("cache/lastfailed", {}), OUTCOMES, theirs))
-    xml_second = os.path.join(folder.name, "junit.xml")
-    if getattr(config.option, "xmlpath", None) and os.path.exists(xml_second):
-        merge_junit(os.path.join(config.invocation_params.dir, config.option.xmlpath), xml_second)
-    folder.cleanup()
+    proc, out, files, xml = second
+    if xml is not None:
+        if os.path.exists(os.path.join(xml.name, "junit.xml")):  # not when -x or Ctrl-C ended it first
+            merge_junit(os.path.join(config.invocation_params.dir, config.option.xmlpath),
+                        os.path.join(xml.name, "junit.xml"))
+        xml.cleanup()
     out.seek(0)
     writer = config.get_terminal_writer()
     writer.sep("=", f"the second pytest process ({files} files), exit status {proc.returncode}")
