@@ -377,14 +377,15 @@ def micro_batches(rows, attention_mask, rows_per_forward, d, packed=False):
     return [rows[a:b] for a, b in spans]
 
 
-def packing_pays(model, attention_mask, rows_per_forward, d=None):
+def packing_pays(model, attention_mask, rows_per_forward, d):
     """Whether packing these rows (micro-batches of at most rows_per_forward x T tokens) computes less
     than padding them. Flash attention's varlen kernels attend within each row: always. SDPA and
     eager mask a packed micro-batch's N x N query-key pairs but still compute them (padded: B x T x T);
     per layer a token's projections and MLP cost ~24 h^2 FLOPs and a pair 4 h, so with w = 1 / (6 h)
     packing pays where N (1 + w min(N, rows_per_forward T)) < n T (1 + w T): for h = 1536, T = 1536
-    and 4 rows a micro-batch, where more than 23% of the tokens are padding. d: summed over ranks, so
-    that all cut their micro-batches alike. One host sync."""
+    and 4 rows a micro-batch, where more than 23% of the tokens are padding. Summed over d's ranks
+    first: packing changes how many forwards (collectives under FSDP) a rank runs (common.micro_batches),
+    so one rank's rows must not decide it alone. One host sync."""
     if "flash" in str(getattr(model.config, "_attn_implementation", "")) or \
             getattr(model.config, "_attn_implementation", None) == "sdpa_packed":
         return True
@@ -392,7 +393,7 @@ def packing_pays(model, attention_mask, rows_per_forward, d=None):
     w = 1 / (6 * model.config.get_text_config().hidden_size)
     N = attention_mask.sum(dtype=torch.float64)
     cost = torch.stack([N * (1 + w * N.clamp(max=rows_per_forward * T)), N.new_tensor(n * T * (1 + w * T))])
-    if d is not None and d.world_size > 1:
+    if d.world_size > 1:
         dist.all_reduce(cost)
     return bool(cost[0] < cost[1])
 
@@ -502,28 +503,12 @@ def response_logprobs(model, input_ids, attention_mask, n_response, temperature=
         return logps, unpack(entropy_from_logits(logits))
 
 
-@torch.no_grad()
-def batched_logprobs(model, ids, attn, n_response, temperature, d, rows_per_forward, with_entropy=False, truncate=None,
-                     packed=False):
-    """Log-probs of the response block of every row, (N, R), in micro-batches (`micro_batches`), no
-    graph; with_entropy: and the entropy of each position's distribution; truncate, packed:
-    response_logprobs' knobs."""
-    out, packed = [], packed and packing_pays(model, attn, rows_per_forward, d)
-    for r in micro_batches(torch.arange(ids.shape[0], device=ids.device), attn, rows_per_forward, d, packed):
-        with autocast(d):
-            out.append(response_logprobs(model, ids[r], attn[r], n_response, temperature=temperature,
-                                         with_entropy=with_entropy, truncate=truncate, packed=packed))
-    if with_entropy:
-        return tuple(torch.cat([o[j] for o in out]).float() for j in (0, 1))
-    return torch.cat(out).float()
-
-
 def sequence_logprobs(model, batch, d, packed=False):
     """log pi(y|x) summed over each row's response tokens, (B,), for a batch (ids, attn, resp), one
     forward; packed: where it computes less (`packing_pays`)."""
     ids, attn, resp = batch
     with autocast(d):
-        logps = response_logprobs(model, ids, attn, resp.shape[1], packed=packed and packing_pays(model, attn, len(ids)))
+        logps = response_logprobs(model, ids, attn, resp.shape[1], packed=packed and packing_pays(model, attn, len(ids), d))
     return (logps.float() * resp).sum(-1)
 
 

@@ -16,7 +16,9 @@ Deliberate choices and departures:
    followed by the chosen then the rejected responses padded to a common R (as the reference
    implementation, eric-mitchell/direct-preference-optimization, does; faster under FSDP).
 2. The reference log-probs are computed once before training and the reference model is freed
-   (`--precompute_ref`, default); `--no-precompute_ref` keeps a live frozen reference instead.
+   (`--precompute_ref`, default); `--no-precompute_ref` keeps a live frozen reference instead, run in
+   the policy's layout (shared_prompt.layout), so that at equal weights both give the same log-probs
+   to the bit (tests/test_exact.py).
    Both give the same loss in fp32 (tests/test_dpo.py); in bf16 the reference pass's batches round
    differently from the update's (margins 4.6e-3 apart at beta 0.1 on a 0.5B, docs/gpu.md).
 3. The loss is the mean over the pairs of the global batch (all micro-batches, all ranks), so
@@ -26,7 +28,10 @@ Deliberate choices and departures:
    the SFT checkpoint trained on demonstrations.
 6. Anthropic HH rows {chosen, rejected} (no prompt field) are split at the last
    "\\n\\nAssistant:" (data.split_hh); both dialogues must share that prompt.
-7. beta 0.3 by default, not the paper's 0.1: on the embedded task beta 0.1 over-corrects the
+7. A pair whose chosen and rejected responses are the same tokens carries no preference: its rejected
+   log-probs are taken to be its chosen's own (dpo_loss's `same`), so its h and gradient are exactly 0;
+   computed apart, two rows' gradients cancel only to float noise, which Adam scales to lr-sized steps.
+8. beta 0.3 by default, not the paper's 0.1: on the embedded task beta 0.1 over-corrects the
    SFT model's dropped repeats into extra repeats (greedy exact-match 0.33 -> 0.50, a quarter of
    the answers too long); 0.3 reached 0.77 with the same held-out accuracy (0.69).
 
@@ -51,7 +56,7 @@ import data
 import tasks
 import sampling
 import shared_prompt
-from plumbing import cli, conflicts, logs, models, rundir
+from plumbing import cli, conflicts, logs, models, rundir, speed
 
 LossType = Literal["sigmoid", "sigmoid_norm", "ipo", "hinge", "robust", "apo_zero", "simpo"]
 
@@ -104,10 +109,11 @@ class Config(cli.SharedConfig):
     """pairs per optimizer step, over all ranks and micro-batches [>= 1]"""
     grad_accum: int = 1
     """micro-batches per optimizer step on each rank [>= 1]"""
-    shared_prompt: bool = True
+    shared_prompt: bool | Literal["auto"] = "auto"
     """chosen and rejected compute their prompt once, its keys and values serving both, in the policy's and the live
     reference's forwards, where that computes fewer FLOPs than the padded (or --padding_free) forward: the same
-    log-probs to float rounding, the same rows; one process (under torchrun: off)"""
+    log-probs to float rounding, the same rows; one process (under torchrun: off). auto: true on a CPU; on a GPU if
+    faster, timed once on the first micro-batch (plumbing/speed.py)"""
     warmup_steps: int = 20
     """linear warmup steps before the cosine decay [>= 0]"""
     offload_frozen: bool = False
@@ -147,17 +153,22 @@ def log_ratios(policy_logps, ref_logps, lengths, loss_type):
 
 
 def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, beta, n_pairs,
-             loss_type="sigmoid", label_smoothing=0.0, lengths=None, simpo_gamma=0.5, rpo_alpha=0.0):
+             loss_type="sigmoid", label_smoothing=0.0, lengths=None, simpo_gamma=0.5, rpo_alpha=0.0, same=None):
     """Preference loss of a micro-batch of pairs, divided by the pairs of the global batch
     (common.py's rule 1: summed over micro-batches and ranks, the mean over the global batch).
 
     policy_chosen_logps, policy_rejected_logps: (B,) log pi(y|x) summed over response tokens;
     ref_chosen_logps, ref_rejected_logps: (B,) the same under the reference (no gradient; unused
     by simpo); lengths: (chosen, rejected) response tokens, (B,) each, for sigmoid_norm, simpo
-    and rpo_alpha; n_pairs: pairs in the global batch. Returns (loss, metrics); rewards/* are the
-    implicit rewards beta * log_ratios, detached.
+    and rpo_alpha; n_pairs: pairs in the global batch; same: (B,) True where chosen and rejected are
+    the same tokens. Returns (loss, metrics); rewards/* are the implicit rewards beta * log_ratios,
+    detached.
     """
     len_c, len_r = lengths if lengths is not None else (None, None)
+    if same is not None:  # no preference: the rejected log-probs are the chosen's own, so that h and its gradient
+        # are exactly 0 (two forwards' gradients cancel only to float noise, which Adam scales to lr-sized steps)
+        policy_rejected_logps = torch.where(same, policy_chosen_logps, policy_rejected_logps)
+        ref_rejected_logps = torch.where(same, ref_chosen_logps, ref_rejected_logps)
     lr_c = log_ratios(policy_chosen_logps, ref_chosen_logps, len_c, loss_type)  # (B,)
     lr_r = log_ratios(policy_rejected_logps, ref_rejected_logps, len_r, loss_type)
     h = lr_c - lr_r  # (B,)
@@ -197,6 +208,13 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_r
 
 # -----------------------------------------------------------------------------
 # log-probs of every pair
+
+
+def response_lengths(pairs, device):
+    """The response tokens of each pair's chosen and rejected, (N, 2) (sigmoid_norm's, simpo's and RPO's
+    per-token averages), and whether the two are the same tokens, (N,) (dpo_loss's `same`)."""
+    lengths = torch.tensor([[len(c), len(r)] for c, r in zip(pairs[1], pairs[2])], dtype=torch.float, device=device)
+    return lengths, torch.tensor([c == r for c, r in zip(pairs[1], pairs[2])], dtype=torch.bool, device=device)
 
 
 def all_pair_logps(model, pairs, pad_id, d, batch_size):
@@ -243,9 +261,7 @@ def main(cfg):
     job = rundir.Run(cfg, d, model_flags=["model", "ref_model"])  # out_dir checked and locked; nothing written yet
     tokenizer = models.load_tokenizer(cfg.model, cfg.trust_remote_code, cfg.chat_template)
     train, test, train_pairs, test_pairs = data.encode_preferences(train, test, tokenizer, cfg)
-    # response tokens (N, 2) of chosen and rejected: sigmoid_norm's, simpo's and RPO's per-token averages
-    train_len, test_len = (torch.tensor([[len(c), len(r)] for c, r in zip(pairs[1], pairs[2])], dtype=torch.float,
-                                        device=d.device) for pairs in (train_pairs, test_pairs))
+    (train_len, same), (test_len, _) = (response_lengths(pairs, d.device) for pairs in (train_pairs, test_pairs))
     gold = {"pairs": test, "prompts": tasks.test_prompts(cfg.n_eval_prompts, cfg.seed)} \
         if (cfg.eval_dataset or cfg.dataset) in tasks.TASKS else None  # the embedded task's gold reward
 
@@ -267,7 +283,8 @@ def main(cfg):
             common.print0(f"reference log-probs of {len(train)} train pairs in {time.time() - t_ref:.1f}s")
     common.set_seed(cfg.seed)
     _, model = models.load_policy(cfg.model, cfg, d, response_len=cfg.max_response_len)
-    packed = models.use_packing(cfg.padding_free, [model, ref], d)  # padding-free where rows stay apart
+    fast = speed.choose(cfg, d, job.choices, model, data.pair_batch(train_pairs, range(micro), tokenizer.pad_token_id,
+                                                                    d.device), models_=[ref])  # auto: per device
     optimizer, scheduler = common.make_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps,
                                                  cfg.steps)
     common.print0(f"dpo: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {len(train)} train pairs, "
@@ -285,18 +302,19 @@ def main(cfg):
         rows = order.next(cfg.batch_size)[common.shard_batch(cfg.batch_size, d)]
 
         # ---------------------------------------------------------------------
-        # 3. forward (chosen and rejected together) and backward per micro-batch
+        # 3. forward (chosen and rejected together, a live reference in the same layout) and backward per micro-batch
         sums = {}
         for k in range(cfg.grad_accum):
             mb = rows[k * micro:(k + 1) * micro]
             batch = data.pair_batch(train_pairs, mb, tokenizer.pad_token_id, d.device)  # 2 x micro rows
-            pi_c, pi_r = shared_prompt.sequence_logprobs(model, batch, d, packed, enabled=cfg.shared_prompt).chunk(2)  # (micro,) x 2
+            layout = shared_prompt.layout(batch, d, fast["padding_free"], models=[model, ref], enabled=fast["shared_prompt"])
+            pi_c, pi_r = shared_prompt.sequence_logprobs(model, batch, d, *layout).chunk(2)  # (micro,) x 2
             if ref is None:  # precomputed (or simpo's zeros)
                 ref_c, ref_r = ref_train[mb].unbind(1)
             else:  # frozen (common.freeze): no parameter needs a gradient, no graph is kept
-                ref_c, ref_r = shared_prompt.sequence_logprobs(ref, batch, d, packed, enabled=cfg.shared_prompt).chunk(2)
+                ref_c, ref_r = shared_prompt.sequence_logprobs(ref, batch, d, *layout).chunk(2)
             loss, m = dpo_loss(pi_c, pi_r, ref_c, ref_r, n_pairs=cfg.batch_size, lengths=train_len[mb].unbind(1),
-                               **knobs)
+                               same=same[mb], **knobs)
             common.backward(model, loss, d, sync=k == cfg.grad_accum - 1)
             common.add_metrics(sums, m)
 

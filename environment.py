@@ -132,6 +132,7 @@ class Env:
     rm_tokenizer: object = None
     teacher: object = None  # on-policy distillation's, frozen
     tool: object = None  # --tools: a function, text -> text
+    compile: bool = False  # the sampler's decode step compiled (--compile, or what `auto` chose: plumbing/speed.py)
     prompt_cut: object = None  # (n,) bool: the prompt is longer than --max_prompt_len, cut from the left
 
 
@@ -295,10 +296,10 @@ def sample(model, env, prompts, u, temperature, cfg, d):
     p_ids, p_mask = (t.to(d.device) for t in common.pad(p_ids, env.tokenizer.pad_token_id, side="left"))  # (N, P)
     pad_id = env.tokenizer.pad_token_id
     kw = dict(eos_id=env.stop_ids[0], pad_id=pad_id, temperature=temperature, top_k=cfg.top_k,
-              top_p=cfg.top_p, min_p=cfg.min_p, stop_ids=env.stop_ids[1:], compile=cfg.compile)
+              top_p=cfg.top_p, min_p=cfg.min_p, stop_ids=env.stop_ids[1:], compile=env.compile)
     outs = []  # each chunk's (ids, mask, log-probs, tool mask), (n, R_chunk) each
     # LoRA's frozen base cast to bf16 once for the whole rollout; --compile decodes from sampling._bf16_decoder's copies
-    with common.autocast(d), frozen_in_bf16(model, d, enabled=not cfg.compile):
+    with common.autocast(d), frozen_in_bf16(model, d, enabled=not env.compile):
         for rows in chunks(len(prompts), cfg.generation_micro_batch_size):
             if env.tool is None:
                 out = sampling.generate(model, p_ids[rows], p_mask[rows], cfg.max_new_tokens, uniforms=u[rows],

@@ -30,6 +30,10 @@ Deliberate departures:
 5. Nothing random depends on the rank: the sampler's numbers are drawn for the global rollout and
    indexed by row, rejection sampling draws per prompt, mini-batches are dealt from the global
    rollout and dynamic sampling picks groups in global order: 2 ranks reproduce 1 process.
+6. The mini-batches are dealt once a rollout and each pass goes over the same ones (as TRL does), cut
+   into the same micro-batches as the reference's, the rollout policy's and the teacher's passes
+   (shared_prompt.plan): at equal weights their log-probs are the policy's to the bit, so KL = 0 and
+   rho = 1 exactly, and a run whose advantages are all 0 moves no weight (tests/test_exact.py).
 
 Run:
     python grpo.py                                     # from runs/sft, gold reward, CPU
@@ -38,6 +42,7 @@ Run:
         --reward_model runs/rm-gpt2 --max_prompt_len 384 --max_new_tokens 56 --lr 1e-6
 """
 import copy
+import functools
 import math
 from dataclasses import dataclass
 from typing import ClassVar, Literal, get_args
@@ -51,7 +56,7 @@ import reward_fns
 import sampling
 import shared_prompt
 import tasks
-from plumbing import cli, conflicts, logs, models, rundir
+from plumbing import cli, conflicts, logs, models, rundir, speed
 
 KlEstimator = Literal["k1", "k2", "k3", "ratio_k1", "ratio_k3"]
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "constant"]
@@ -101,8 +106,9 @@ class Config(cli.SharedConfig):
     never sampled) (prime-rl's sampling replay, PR #2601; DeepSeek-V3.2's Keep Sampling Mask, arXiv:2512.02556 3.1)"""
     truncate_token: str = ""
     """a string of one token: generation also stops at it, and tokens after it are masked"""
-    compile: bool = False
-    """torch.compile the rollout's decode step (10-60 s once per batch shape; pays over a run's many rollouts)"""
+    compile: bool | Literal["auto"] = "auto"
+    """torch.compile the rollout's decode step (10-60 s once per batch shape; pays over a run's many rollouts). auto:
+    on a GPU under `python` (a CUDA-graph decode step), not under torchrun nor on a CPU (plumbing/speed.py)"""
     generation_micro_batch_size: int = 0
     """rows each rank samples at once: its KV cache's rows (0: all; TRL's generation_batch_size is the rollout) [>= 0]"""
     tools: str = ""
@@ -242,10 +248,11 @@ class Config(cli.SharedConfig):
     """optimizer steps per pass (the rollout split into this many mini-batches) [>= 1]"""
     grad_accum: int = 1
     """micro-batches per mini-batch on each rank [>= 1]"""
-    shared_prompt: bool = True
+    shared_prompt: bool | Literal["auto"] = "auto"
     """a group's rows compute their prompt once, its keys and values serving each row, in the reference pass and
     the update, where that computes fewer FLOPs than padded (or --padding_free) micro-batches: the same log-probs to
-    float rounding, never more rows a forward than a padded micro-batch; one process (under torchrun: off)"""
+    float rounding, never more rows a forward than a padded micro-batch; one process (under torchrun: off). auto:
+    true on a CPU; on a GPU if faster, timed once on a first micro-batch (plumbing/speed.py)"""
     warmup_steps: int = 5
     """linear warmup (optimizer steps) before the cosine decay [>= 0]"""
     offload_frozen: bool = False
@@ -362,7 +369,10 @@ def group_advantages(rewards, scale="group", global_norm=False, d=common.Dist(),
     nan_std = ((((r0 - nan_mean) * scored) ** 2).sum(1, keepdim=True) / (n - 1).clamp(min=1)).sqrt()
     mean = torch.where(full, rewards.mean(1, keepdim=True), nan_mean)
     std = torch.where(full, rewards.std(1, keepdim=True), nan_std) if G > 1 else torch.zeros_like(mean)
-    adv = rewards - mean
+    zero_std = torch.where(full[:, 0], rewards.amax(1) == rewards.amin(1), nan_std[:, 0] == 0)  # (B,)
+    # equal rewards have no advantage, exactly: their float mean can be an ulp off (8 x 0.3 -> 3e-8),
+    # which the std's eps would scale up to 3e-4 and Adam to lr-sized steps
+    adv = torch.where(zero_std[:, None], 0.0, rewards - mean)
     if estimator == "rloo":
         adv = adv * n / (n - 1).clamp(min=1)
     elif estimator == "reinforce_pp":
@@ -382,7 +392,6 @@ def group_advantages(rewards, scale="group", global_norm=False, d=common.Dist(),
         g_mean, g_std = _global_mean_std(adv.nan_to_num(0.0), d, weights=scored)
         adv = (adv - g_mean) / (g_std + eps)
     n_groups = rewards.shape[0] * d.world_size
-    zero_std = torch.where(full[:, 0], rewards.amax(1) == rewards.amin(1), nan_std[:, 0] == 0)
     metrics = {"reward": mean.sum() / n_groups, "reward_std": std.sum() / n_groups,
                "frac_reward_zero_std": zero_std.float().sum() / n_groups}
     return torch.where(scored, adv, 0.0), metrics
@@ -676,6 +685,11 @@ def minibatch_rows(n_rows, n_minibatches, generator, local=slice(None)):
     return rows[:, start // K:stop // K] - start
 
 
+SHOW = ["loss", "grad_norm", "reward", "reward_std", "frac_reward_zero_std", "kl", "clip_ratio/low", "clip_ratio/high",
+        "completions/mean_length", "eval/exact_match", "eval/gold_reward", "eval/accuracy", "eval/reward",
+        "eval/greedy/reward", "time/step"]  # the metrics of a step's line
+
+
 def main(cfg):
     # 0. setup: policy, reference, optional reward model, data
     d = cli.start(cfg)  # flags checked and filled, process group joined, seed set
@@ -704,16 +718,14 @@ def main(cfg):
     n_local, rows_local = cfg.prompts_per_step // d.world_size, cfg.prompts_per_step // d.world_size * cfg.group_size
     micro = rows_local // cfg.num_mini_batches // cfg.grad_accum  # rows per forward on this rank
     common.print0(banner(cfg, d, params, micro, env))
-    packed = models.use_packing(cfg.padding_free, [model, env.teacher], d)  # padding-free where rows stay apart
-    lp = dict(**environment.scoring(cfg), d=d, rows_per_forward=micro, packed=packed)  # the log-prob passes' knobs
+    fast = speed.choose(cfg, d, job.choices, model, functools.partial(speed.rollout_sample, env, cfg, micro, d),
+                        models_=[env.teacher])  # --padding_free, --shared_prompt, --compile: auto, per device
+    env.compile, n_rows = fast["compile"], rows_local * d.world_size  # sequences in the global batch
     loss_knobs = dict(epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high, beta=0 if cfg.kl_in_reward else cfg.beta,
                       kl_estimator=cfg.kl_estimator, agg=cfg.loss_agg, entropy_coef=cfg.entropy_coef,
                       loss_type=cfg.loss_type, level=cfg.importance_sampling_level, delta=cfg.delta,
                       clip_ratio_c=cfg.clip_ratio_c, sapo_temperatures=(cfg.sapo_temperature_pos, cfg.sapo_temperature_neg))
-    start = job.begin(model, tokenizer, optimizer, scheduler, order,  # restores a resumed run's state
-                      show=["loss", "grad_norm", "reward", "reward_std", "frac_reward_zero_std", "kl", "clip_ratio/low",
-                            "clip_ratio/high", "completions/mean_length", "eval/exact_match", "eval/gold_reward",
-                            "eval/accuracy", "eval/reward", "eval/greedy/reward", "time/step"])
+    start = job.begin(model, tokenizer, optimizer, scheduler, order, show=SHOW)  # restores a resumed run's state
     if job.resume_from and cfg.ref_refresh_every:  # a checkpoint is at a refresh (conflicts.grpo)
         environment.refresh_reference(ref, model)
     if start == 1 and (first := environment.evaluate(model, ref, env, evals, cfg=cfg, d=d)):  # prompts alone: none
@@ -744,18 +756,23 @@ def main(cfg):
         R, rewards, parts = roll.r_ids.shape[1], roll.rewards, dict(roll.parts)
 
         # ---------------------------------------------------------------------
-        # 3. advantages, after the reference (and, for mu > 1 or several mini-batches, the
-        #    rollout policy's) log-probs, in the precision of training (LoRA's base cast once for both)
+        # 3. advantages, after the reference's (and, for mu > 1 or several mini-batches, the rollout
+        #    policy's) log-probs, in the precision of training (LoRA's base cast once for both), each pass
+        #    on the update's own micro-batches (`plan`): at equal weights the KL and log rho are exactly 0
+        deal = torch.Generator().manual_seed(sampling.stream_seed(cfg.seed, step, stream=2))  # the same on every rank
+        minibatches = minibatch_rows(n_rows, cfg.num_mini_batches, deal, common.shard_batch(n_rows, d)).to(d.device)
+        plan = shared_prompt.plan(minibatches, ids, attn, R, rows_per_forward=micro, d=d, packed=fast["padding_free"],
+                                  models=[model, env.teacher], enabled=fast["shared_prompt"])  # per mini-batch
+        lp = dict(**environment.scoring(cfg), plan=plan, d=d)  # the log-prob passes' knobs
         old_logps = keep = None  # keep: the tokens that get the policy gradient (--top_entropy_share)
         with environment.frozen_in_bf16(model, d):
             with environment.reference_context(model, ref):
-                ref_logps = shared_prompt.batched_logprobs(model if ref is None else ref, ids, attn, R, **lp,
-                                                           enabled=cfg.shared_prompt)  # (rows_local, R)
+                ref_logps = shared_prompt.planned_logprobs(model if ref is None else ref, ids, attn, R, **lp)  # (rows, R)
             if cfg.top_entropy_share < 1:
-                old_logps, entropy = common.batched_logprobs(model, ids, attn, R, **lp, with_entropy=True)
+                old_logps, entropy = shared_prompt.planned_logprobs(model, ids, attn, R, **lp, with_entropy=True)
                 keep = top_entropy_mask(entropy, loss_mask, cfg.top_entropy_share, d, cfg.max_new_tokens)
             elif cfg.num_iterations > 1 or cfg.num_mini_batches > 1 or cfg.kl_in_reward or cfg.teacher:  # else old = pi
-                old_logps = common.batched_logprobs(model, ids, attn, R, **lp)
+                old_logps = shared_prompt.planned_logprobs(model, ids, attn, R, **lp)
         if cfg.kl_in_reward:  # beta * sum_t KL_t of each sequence, taken from its reward (the loss has none)
             parts["kl_penalty"] = cfg.beta * (kl_per_token(old_logps, ref_logps, old_logps, cfg.kl_estimator)
                                               * own).sum(-1)  # logged as reward/kl_penalty
@@ -765,10 +782,10 @@ def main(cfg):
                                             lengths=loss_mask.sum(-1).view(n_local, cfg.group_size))
         adv = adv.flatten()  # (rows_local,)
         if env.teacher is not None:  # on-policy distillation: each token's advantage, (rows_local, R)
-            teacher_logps = common.batched_logprobs(env.teacher, ids, attn, R, **lp)
+            teacher_logps = shared_prompt.planned_logprobs(env.teacher, ids, attn, R, **lp)
             adv = adv[:, None] + distill_advantages(teacher_logps, old_logps, loss_mask, cfg.teacher_coef)
             sums["distill/reverse_kl"] = ((old_logps - teacher_logps) * loss_mask).sum() / (rows_local * d.world_size)
-        n_rows, lengths = rows_local * d.world_size, roll.r_mask.sum(-1).float()  # sequences in the global batch
+        lengths = roll.r_mask.sum(-1).float()
         sums |= adv_metrics | environment.reward_metrics(parts, weights, n_rows, d)  # TRL's rewards/<name>/mean too
         sums |= {"completions/mean_length": lengths.sum() / n_rows,
                  "completions/clipped_ratio": (~roll.stopped).float().sum() / n_rows,
@@ -776,18 +793,14 @@ def main(cfg):
         sums |= {"tools/call_frequency": sampling.tool_calls(roll.r_tool).sum() / n_rows} if cfg.tools else {}
 
         # ---------------------------------------------------------------------
-        # 4. update: num_iterations passes, each over num_mini_batches optimizer steps of
-        #    grad_accum micro-batches dealt from the global rollout; every normaliser is that of the
-        #    global mini-batch
+        # 4. update: num_iterations passes, each over the same num_mini_batches optimizer steps (as
+        #    TRL) of grad_accum micro-batches dealt from the global rollout; every normaliser is that of
+        #    the global mini-batch
         grad_norms, gap_max = [], torch.zeros((), device=d.device)
-        deal = torch.Generator().manual_seed(sampling.stream_seed(cfg.seed, step, stream=2))  # the same on every rank
         for it in range(cfg.num_iterations):
-            for mb_rows in minibatch_rows(n_rows, cfg.num_mini_batches, deal, common.shard_batch(n_rows, d)).to(d.device):
+            for mb_rows, (chunks, pack, share) in zip(minibatches, plan):
                 normaliser = loss_normaliser(loss_mask[mb_rows], cfg.loss_agg, cfg.max_new_tokens, d)
                 n_tokens = loss_normaliser(loss_mask[mb_rows], "token_mean", 0, d).clamp(min=1)  # metrics' denominator
-                pack = packed and common.packing_pays(model, attn[mb_rows], micro, d)  # where it computes less
-                chunks, share = shared_prompt.micro_batches(mb_rows, ids, attn, R, micro, d=d, packed=pack, model=model,
-                                                            enabled=cfg.shared_prompt)  # grad_accum, or cut by tokens
                 for k, r in enumerate(chunks):
                     with common.autocast(d):
                         logps, entropy = shared_prompt.response_logprobs(model, ids[r], attn[r], R, **environment.scoring(cfg),

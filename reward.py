@@ -41,7 +41,7 @@ import common
 import data
 import sampling
 import tasks
-from plumbing import cli, logs, models, rundir
+from plumbing import cli, logs, models, rundir, speed
 
 
 @dataclass
@@ -199,8 +199,9 @@ def main(cfg):
     tokenizer, model = models.load_policy(cfg.model, cfg, d, response_len=cfg.max_response_len,
                                           kind="new_reward")
     model.config.reward_gain, model.config.reward_bias = 1.0, 0.0  # training sees raw scores
-    packed = models.use_packing(cfg.padding_free, [model], d)  # padding-free where rows stay apart
     train, test, train_pairs, test_pairs = data.encode_preferences(train, test, tokenizer, cfg)
+    packed = speed.choose(cfg, d, job.choices, model, data.pair_batch(train_pairs, range(micro), tokenizer.pad_token_id,
+                                                                      d.device), reward=True)["padding_free"]
     margins = torch.tensor(train["margin"][:], dtype=torch.float32) if "margin" in train.column_names else None
     gold_pairs = test if (cfg.eval_dataset or cfg.dataset) in tasks.TASKS else None  # the embedded task's noise
     optimizer, scheduler = common.make_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps,
@@ -223,7 +224,7 @@ def main(cfg):
         for k in range(cfg.grad_accum):
             mb = rows[k * micro:(k + 1) * micro]
             ids, attn, _ = data.pair_batch(train_pairs, mb, tokenizer.pad_token_id, d.device)  # (2 micro, P+R)
-            pack = packed and common.packing_pays(model, attn, 2 * micro)  # padding-free where it computes less
+            pack = packed and common.packing_pays(model, attn, 2 * micro, d)  # padding-free where it computes less
             with common.autocast(d):
                 r_chosen, r_rejected = common.reward_scores(model, ids, attn, pack).chunk(2)  # (micro,), (micro,)
             margin = margins[mb].to(d.device) if margins is not None else None

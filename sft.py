@@ -30,7 +30,7 @@ import common
 import data
 import tasks
 import sampling
-from plumbing import cli, logs, models, rundir
+from plumbing import cli, logs, models, rundir, speed
 
 
 @dataclass
@@ -193,8 +193,9 @@ def main(cfg):
     order = data.DataOrder(len(train), cfg.seed, batch=cfg.batch_size, source=f"--dataset {cfg.dataset}")
     job = rundir.Run(cfg, d, model_flags=["model"])  # out_dir checked and locked; nothing is written before job.begin
     tokenizer, model = models.load_policy(cfg.model, cfg, d, response_len=cfg.max_response_len)
-    packed = models.use_packing(cfg.padding_free, [model], d)  # padding-free where rows stay apart
     encoded = encode_sft(train, tokenizer, cfg, cfg.dataset)  # prompts, completions, loss masks
+    packed = speed.choose(cfg, d, job.choices, model, make_batch(*encoded, range(micro), tokenizer.pad_token_id,
+                                                                  d.device))["padding_free"]  # auto: per device
     data.show_example(tokenizer, encoded[0][0], encoded[1][0], cfg.dataset, mask=encoded[2][0])
     held_out = (encode_sft(test.select(range(min(cfg.n_eval, len(test)))), tokenizer, cfg,
                            f"{cfg.eval_dataset or cfg.dataset} (held out)"),
@@ -220,7 +221,7 @@ def main(cfg):
         for k in range(cfg.grad_accum):
             ids, attn, resp = make_batch(*encoded, rows[k * micro:(k + 1) * micro], tokenizer.pad_token_id,
                                          d.device)  # (micro, P+R), (micro, P+R), (micro, R)
-            pack = packed and common.packing_pays(model, attn, micro)  # padding-free where it computes less
+            pack = packed and common.packing_pays(model, attn, micro, d)  # padding-free where it computes less
             with common.autocast(d):
                 logps = common.response_logprobs(model, ids, attn, resp.shape[1], packed=pack)  # (micro, R)
             loss, m = sft_loss(logps, resp, n_tokens)

@@ -19,9 +19,11 @@ rest's are computed apart), and B x (P + R) cached keys and values, which the pa
 its backward too. Without a gradient (the reference pass) the cache of every layer lives to the
 forward's end: B x (P + R) x layers, at most the rollout's cache of all its rows (unless
 --generation_micro_batch_size cuts the rollout finer than the micro-batch; bench/memory.py counts it).
-Not bitwise the padded path's (float order): a pass whose log-probs are compared token by token with
-another model's (grpo.py's old policy against its teacher) keeps to common's, so that both take one
-path whatever each model's activation checkpointing (tests/test_grpo.py).
+Not bitwise the padded path's (float order), so two passes whose log-probs meet in one formula (the
+policy's and the reference's in the KL, the old policy's in the ratio, the teacher's in distillation)
+take one layout, decided once for every model they run (`micro_batches(models=...)`, `plan`): at equal
+weights their log-probs are then equal to the bit, and so the KL, its gradient and log rho are exactly 0
+(tests/test_exact.py).
 """
 import contextlib
 import itertools
@@ -40,15 +42,17 @@ def _flops(tokens, keys, w):
 
 
 def _shareable(model, n_prompt):
-    """Whether a forward can share prompts: a prompt block, no activation checkpointing (transformers
-    turns the cache off under it)."""
-    return n_prompt > 0 and not getattr(model, "is_activation_checkpointing", False)
+    """Whether a forward of this model can share prompts: a prompt block, no activation checkpointing
+    (transformers turns the cache off under it), and a plain cache in every layer (not a sliding
+    window's, which would drop the prompt's first keys)."""
+    return (n_prompt > 0 and not getattr(model, "is_activation_checkpointing", False)
+            and all(type(layer) is DynamicLayer for layer in transformers.DynamicCache(config=model.config).layers))
 
 
-def _possible(model, n_prompt, d):
-    """_shareable, in one process: every FSDP rank must run as many forwards, and whether a rank's rows
-    share prompts is its own."""
-    return d.world_size == 1 and _shareable(model, n_prompt)
+def _possible(models, n_prompt, d):
+    """_shareable for every one of `models` (None: absent), in one process: every FSDP rank must run as
+    many forwards, and whether a rank's rows share prompts is its own."""
+    return d.world_size == 1 and all(m is None or _shareable(m, n_prompt) for m in models)
 
 
 def prompts(ids, attn, n_prompt):
@@ -57,16 +61,19 @@ def prompts(ids, attn, n_prompt):
     return torch.unique(torch.cat([ids[:, :n_prompt], attn[:, :n_prompt]], 1), dim=0, return_inverse=True)
 
 
-def micro_batches(rows, ids, attn, n_response, rows_per_forward, d, packed=False, model=None, enabled=True):
+def micro_batches(rows, ids, attn, n_response, rows_per_forward, d, packed=False, models=(), enabled=True):
     """(micro-batches, shared): common.micro_batches' cut (packed: by tokens), or, where computing each
     distinct prompt once computes fewer FLOPs, micro-batches of rows_per_forward rows (never more rows
     than a padded micro-batch, whatever packing would fit: its memory) with shared = True, for
-    response_logprobs(shared=True). A micro-batch of rows of distinct prompts counts as its padded or
-    packed forward, which it then takes. A few host syncs (the rows' lengths and prompts) a pass."""
+    response_logprobs(shared=True). One decision for every one of `models` (the policy first, whose
+    width counts the FLOPs): a model that cannot share (activation checkpointing) keeps them all off it.
+    A micro-batch of rows of distinct prompts counts as its padded or packed forward, which it then
+    takes. A few host syncs (the rows' lengths and prompts) a pass."""
     P, R = ids.shape[1] - n_response, n_response
     cut = common.micro_batches(rows, attn, rows_per_forward, d, packed)
-    if not enabled or model is None or not _possible(model, P, d):
+    if not enabled or not models or not _possible(models, P, d):
         return cut, False
+    model = models[0]
     T, w = ids.shape[1], 1 / (6 * model.config.get_text_config().hidden_size)
     lengths, prompt = attn[rows].sum(-1).tolist(), prompts(ids[rows], attn[rows], P)[1].tolist()  # per row of `rows`
     per_row = "flash" in str(model.config._attn_implementation) or model.config._attn_implementation == "sdpa_packed"
@@ -94,29 +101,26 @@ def micro_batches(rows, ids, attn, n_response, rows_per_forward, d, packed=False
 def response_logprobs(model, input_ids, attention_mask, n_response, temperature=1.0, with_entropy=False,
                       entropy_grad=False, truncate=None, packed=False, shared=False):
     """common.response_logprobs' (B, R) log-probs (and entropies: detached unless entropy_grad), the
-    prompts (the first T - n_response columns, left-padded) computed once each where shared (the rows
-    cut by micro_batches for it: at most a padded micro-batch's; it says shared only in one process).
-    common.response_logprobs itself (packed or not) where not shared, where no two rows share a
-    prompt, under activation checkpointing and for caches that are not plain (sliding-window layers)."""
+    prompts (the first T - n_response columns, left-padded) computed once each where shared, as
+    micro_batches decided it for every model of the pass (at most a padded micro-batch's rows; shared
+    only in one process). common.response_logprobs itself (packed or not) where not shared or where
+    no two rows share a prompt."""
     P, R = input_ids.shape[1] - n_response, n_response
-
-    def whole():
+    p_rows, inverse = prompts(input_ids, attention_mask, P) if shared else (input_ids, None)
+    if len(p_rows) == len(input_ids):
         return common.response_logprobs(model, input_ids, attention_mask, R, temperature=temperature,
                                         with_entropy=with_entropy, entropy_grad=entropy_grad, truncate=truncate,
                                         packed=packed)
-
-    if not shared or not _shareable(model, P):
-        return whole()
-    p_rows, inverse = prompts(input_ids, attention_mask, P)
-    if len(p_rows) == len(input_ids):
-        return whole()
-    # 1. each distinct prompt once: its last position's logits (the first response token's) and its cache
+    # 1. each distinct prompt once: its last position's logits (the first response token's) and its cache.
+    # The kept position as an index, not logits_to_keep=1's slice: the head then reads a contiguous
+    # (U, 1, H), which torch.matmul folds into one mm whether or not the head's weight requires a
+    # gradient; the slice's strided view takes bmm for a frozen head and mm for a trained one, a float
+    # apart (the reference would not be the policy to the bit)
     ids, mask = p_rows[:, :P], p_rows[:, P:]  # (U, P)
-    keep = dict(logits_to_keep=1) if common._accepts(model, "logits_to_keep") else {}
+    accepts = common._accepts(model, "logits_to_keep")
+    keep = dict(logits_to_keep=torch.tensor([P - 1], device=ids.device)) if accepts else {}
     out = model(input_ids=ids, attention_mask=mask, position_ids=common.position_ids_from_mask(mask), use_cache=True,
                 **keep)
-    if not all(type(layer) is DynamicLayer for layer in out.cache.layers):
-        return whole()
     logits = [out.logits[:, -1:][inverse]]  # (B, 1, V)
     # 2. every row's response after its prompt's keys and values: positions P .. P + R - 2 predict tokens 2 .. R
     if R > 1:
@@ -137,31 +141,56 @@ def response_logprobs(model, input_ids, attention_mask, n_response, temperature=
         return logps, torch.cat([common.entropy_from_logits(x) for x in logits], 1)
 
 
+def plan(minibatches, ids, attn, n_response, rows_per_forward, d, packed=False, models=(), enabled=True):
+    """The forwards of every pass over a rollout, cut once: for each mini-batch (a row of
+    `minibatches`, indices into ids), its micro-batches, whether they pack (where that computes less,
+    common.packing_pays, agreed by all ranks) and whether they share prompts (micro_batches, for every
+    one of `models`): [(micro-batches, packed, shared)]. The reference's, the rollout policy's and the
+    teacher's log-probs and every update's forwards run over these same micro-batches. A row's
+    log-probs depend, in their last float bits, on the rows it is computed with (the matmuls' and the
+    attention's blocking over the batch and its padded length): in one layout, a model equal to the
+    policy gives the policy's log-probs to the bit, so that the KL, its gradient and log rho are 0, not
+    float noise that Adam would scale into lr-sized steps (tests/test_exact.py)."""
+    out = []
+    for rows in minibatches:
+        pack = packed and common.packing_pays(models[0], attn[rows], rows_per_forward, d)
+        chunks, shared = micro_batches(rows, ids, attn, n_response, rows_per_forward=rows_per_forward, d=d, packed=pack,
+                                       models=models, enabled=enabled)
+        out.append((chunks, pack, shared))
+    return out
+
+
 @torch.no_grad()
-def batched_logprobs(model, ids, attn, n_response, temperature, d, rows_per_forward, with_entropy=False, truncate=None,
-                     packed=False, enabled=True):
-    """common.batched_logprobs, each micro-batch through response_logprobs above (micro_batches above
-    decides where prompts are shared): (N, R) log-probs (and entropies), no graph."""
-    out, packed = [], packed and common.packing_pays(model, attn, rows_per_forward, d)
-    chunks, shared = micro_batches(torch.arange(ids.shape[0], device=ids.device), ids, attn, n_response,
-                                   rows_per_forward, d=d, packed=packed, model=model, enabled=enabled)
-    for r in chunks:
-        with common.autocast(d):
-            out.append(response_logprobs(model, ids[r], attn[r], n_response, temperature=temperature,
-                                         with_entropy=with_entropy, truncate=truncate, packed=packed, shared=shared))
-    if with_entropy:
-        return tuple(torch.cat([o[j] for o in out]).float() for j in (0, 1))
-    return torch.cat(out).float()
+def planned_logprobs(model, ids, attn, n_response, plan, d, temperature=1.0, truncate=None, with_entropy=False):
+    """Log-probs of the response block of every row that `plan` holds, (N, R) (and the entropies of its
+    positions' distributions, with_entropy), each micro-batch through response_logprobs as `plan` cut
+    it; no graph."""
+    out = [torch.zeros(ids.shape[0], n_response, device=ids.device) for _ in range(1 + with_entropy)]
+    for chunks, packed, shared in plan:
+        for r in chunks:
+            with common.autocast(d):
+                values = response_logprobs(model, ids[r], attn[r], n_response, temperature=temperature,
+                                           with_entropy=with_entropy, truncate=truncate, packed=packed, shared=shared)
+            for o, v in zip(out, values if with_entropy else (values,)):
+                o[r] = v.float()
+    return tuple(out) if with_entropy else out[0]
 
 
-def sequence_logprobs(model, batch, d, packed=False, enabled=True):
-    """common.sequence_logprobs (one forward of the batch, DPO's chosen and rejected rows) through
-    response_logprobs above where micro_batches above finds sharing computes less: log pi(y|x) summed
-    over each row's response tokens, (B,), for a batch (ids, attn, resp)."""
+def layout(batch, d, packed=False, models=(), enabled=True):
+    """(packed, shared) for one forward of a whole batch (ids, attn, resp), DPO's chosen and rejected
+    rows: packed where that computes less (agreed by all ranks), sharing prompts where that computes
+    less still; one decision for every one of `models` (the policy and its reference), as `plan`'s."""
     ids, attn, resp = batch
-    packed = packed and common.packing_pays(model, attn, len(ids))
-    _, shared = micro_batches(torch.arange(len(ids), device=ids.device), ids, attn, resp.shape[1], len(ids), d=d,
-                              packed=packed, model=model, enabled=enabled)
+    packed = packed and common.packing_pays(models[0], attn, len(ids), d)
+    _, shared = micro_batches(torch.arange(len(ids), device=ids.device), ids, attn, resp.shape[1], rows_per_forward=len(ids),
+                              d=d, packed=packed, models=models, enabled=enabled)
+    return packed, shared
+
+
+def sequence_logprobs(model, batch, d, packed=False, shared=False):
+    """log pi(y|x) summed over each row's response tokens, (B,), for a batch (ids, attn, resp) in one
+    forward (DPO's chosen and rejected rows), in the layout `layout` chose."""
+    ids, attn, resp = batch
     with common.autocast(d):
         logps = response_logprobs(model, ids, attn, resp.shape[1], packed=packed, shared=shared)  # (B, R)
     return (logps.float() * resp).sum(-1)

@@ -359,6 +359,14 @@ SCRIPT_ONLY = {"prompts_per_step", "group_size", "num_mini_batches", "reward_mod
                "batch_size", "compile", "teacher", "rs_samples", "tools", "generation_micro_batch_size"}  # other scripts' flags: ignored
 
 
+def as_on_a_gpu(cfg, launcher):
+    """cfg with each `auto` speed flag as a GPU run resolves it (plumbing/speed.py): --compile under `python`,
+    not under torchrun; the layouts, which it times, counted as the one that holds more: prompts shared and
+    rows packed wherever they can be."""
+    auto = {"compile": launcher == "python", "shared_prompt": True, "padding_free": True}
+    return dataclasses.replace(cfg, **{k: v for k, v in auto.items() if getattr(cfg, k, None) == "auto"})
+
+
 def parse_flags(argv):
     """["--max_new_tokens", "1024", ...] -> {"max_new_tokens": 1024, ...}, typed by the scripts' Configs."""
     import ast
@@ -377,7 +385,7 @@ def parse_flags(argv):
 def estimate(s, script, world=1, launcher="torchrun", device="gpu", ac=False, offload_frozen=False, **flags):
     """{phase: {part: bytes}} of `script` at its Config's defaults, overridden by flags (as on its
     command line: max_prompt_len, max_response_len or max_new_tokens, batch_size, grad_accum, ...)."""
-    cfg = script_config(script, **flags)
+    cfg = as_on_a_gpu(script_config(script, **flags), launcher)
     W = world if launcher == "torchrun" else 1
     if script == "grpo":
         prompts = cfg.prompts_per_step // W

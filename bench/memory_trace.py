@@ -77,8 +77,8 @@ def _shared(prompt_of):
         inverse = torch.tensor([distinct.index(u) for u in of], device=ids.device)
         return torch.cat([ids[first, :n_prompt], attn[first, :n_prompt]], 1), inverse
 
-    def micro_batches(rows, ids, attn, n_response, rows_per_forward, d, packed=False, model=None, enabled=True):
-        return common.micro_batches(rows, attn, rows_per_forward, d), enabled and shared_prompt._possible(model, 1, d)
+    def micro_batches(rows, ids, attn, n_response, rows_per_forward, d, packed=False, models=(), enabled=True):
+        return common.micro_batches(rows, attn, rows_per_forward, d), enabled and shared_prompt._possible(models, 1, d)
 
     with mock.patch.object(shared_prompt, "prompts", prompts), \
             mock.patch.object(shared_prompt, "micro_batches", micro_batches):
@@ -193,7 +193,7 @@ def trace(shape, script, world=1, launcher="torchrun", ac=False, breakdown=False
     optimizer steps run; the second (AdamW's moments allocated) is the one measured."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    cfg = memory.script_config(script, **flags)
+    cfg = memory.as_on_a_gpu(memory.script_config(script, **flags), launcher)
     d = _world(world, launcher)
     with FakeTensorMode(), _as_on_a_gpu(d):
         model = _build(shape, "new_reward" if script == "reward" else "causal")
@@ -268,12 +268,12 @@ def _dpo(model, optimizer, scheduler, frozen, cfg, d, tracker):
         batch = _batch(2 * (cfg.batch_size // d.world_size // cfg.grad_accum), cfg.max_prompt_len,
                        cfg.max_response_len, d)
         with _shared(lambda i: i % (len(batch[0]) // 2)):  # chosen i and rejected i: prompt i
-            pi_c, pi_r = shared_prompt.sequence_logprobs(model, batch, d, enabled=cfg.shared_prompt).chunk(2)
+            layout = shared_prompt.layout(batch, d, models=[model, frozen.get("reference")], enabled=cfg.shared_prompt)
+            pi_c, pi_r = shared_prompt.sequence_logprobs(model, batch, d, *layout).chunk(2)
             ref_c, ref_r = torch.zeros_like(pi_c), torch.zeros_like(pi_r)  # precomputed (or SimPO's none)
             if frozen:  # a live reference
                 with torch.no_grad():
-                    ref_c, ref_r = shared_prompt.sequence_logprobs(frozen["reference"], batch, d,
-                                                                    enabled=cfg.shared_prompt).chunk(2)
+                    ref_c, ref_r = shared_prompt.sequence_logprobs(frozen["reference"], batch, d, *layout).chunk(2)
         return dpo.dpo_loss(pi_c, pi_r, ref_c, ref_r, beta=cfg.beta, n_pairs=cfg.batch_size)[0]
 
     _steps(model, optimizer, scheduler, cfg, d, tracker, micro_loss)
@@ -335,24 +335,23 @@ def _grpo(model, optimizer, scheduler, frozen, cfg, d, tracker):
             with tracker.phase("reward model", measure=step == 1), common.autocast(d), torch.no_grad():
                 common.reward_scores(frozen["reward model"], ids[:, :-1], attn[:, :-1])  # environment.learned_rewards
         ids, attn, loss_mask = _batch(rows, P, R, d)  # grpo.reward: group_size of each prompt's samples kept
+        minibatches = torch.arange(rows, device=ids.device).view(cfg.num_mini_batches, -1)
+        with _shared(lambda i: i // dealt):  # grpo.py's plan (sharing: one process, no activation checkpointing)
+            plan = shared_prompt.plan(minibatches, ids, attn, R, micro, d, models=[model, frozen.get("teacher")],
+                                      enabled=cfg.shared_prompt)
+        lp = dict(plan=plan, d=d, temperature=cfg.temperature)
         with tracker.phase("reference and old log-probs", measure=step == 1), environment.frozen_in_bf16(model, d):
-            with environment.reference_context(model, ref), _shared(lambda i: i // cfg.group_size):
-                ref_logps = shared_prompt.batched_logprobs(model if ref is None else ref, ids, attn, R,
-                                                           temperature=cfg.temperature, d=d, rows_per_forward=micro,
-                                                           enabled=cfg.shared_prompt)
-            old_logps = common.batched_logprobs(model, ids, attn, R, temperature=cfg.temperature, d=d,
-                                                rows_per_forward=micro)
+            with environment.reference_context(model, ref), _shared(lambda i: i // dealt):
+                ref_logps = shared_prompt.planned_logprobs(model if ref is None else ref, ids, attn, R, **lp)
+            with _shared(lambda i: i // dealt):
+                old_logps = shared_prompt.planned_logprobs(model, ids, attn, R, **lp)
         adv = torch.zeros(rows, device=d.device)
         if cfg.teacher:
-            with tracker.phase("teacher log-probs", measure=step == 1):
-                teacher_logps = common.batched_logprobs(frozen["teacher"], ids, attn, R, temperature=cfg.temperature,
-                                                        d=d, rows_per_forward=micro)
+            with tracker.phase("teacher log-probs", measure=step == 1), _shared(lambda i: i // dealt):
+                teacher_logps = shared_prompt.planned_logprobs(frozen["teacher"], ids, attn, R, **lp)
                 adv = adv[:, None] + grpo.distill_advantages(teacher_logps, old_logps, loss_mask, cfg.teacher_coef)
-        for _ in range(cfg.num_mini_batches):
+        for _, _, share in plan:
             with tracker.phase("forward and backward", measure=step == 1):
-                with _shared(lambda i: i // dealt):  # grpo.py's choice (one process, no activation checkpointing)
-                    _, share = shared_prompt.micro_batches(torch.arange(rows, device=ids.device), ids, attn, R, micro,
-                                                           d=d, model=model, enabled=cfg.shared_prompt)
                 for k in range(cfg.grad_accum):
                     r = slice(k * micro, (k + 1) * micro)
                     with common.autocast(d), _shared(lambda i: i // dealt):

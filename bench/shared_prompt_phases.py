@@ -36,10 +36,9 @@ if algo == "grpo":
 else:
     r_ids = torch.randint(15, 25, (NP * G, R), generator=g); r_mask = torch.ones_like(r_ids)
 ids, attn = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1)
-def ref_pass(v):
-    if v == "shared":
-        return shared_prompt.batched_logprobs(ref, ids, attn, R, 1.0, d, rows_per_forward=NP * G)
-    return common.batched_logprobs(ref, ids, attn, R, 1.0, d, rows_per_forward=NP * G, packed=v == "packed")
+def ref_pass(v):  # one micro-batch of every row, in the layout v
+    with torch.no_grad():
+        return shared_prompt.response_logprobs(ref, ids, attn, R, packed=v == "packed", shared=v == "shared")
 def update(v):
     if v == "shared":
         lp, ent = shared_prompt.response_logprobs(model, ids, attn, R, with_entropy=True, shared=True)

@@ -205,7 +205,7 @@ def _safe_load_planner():
 
 
 def save_checkpoint(model, tokenizer, out_dir, d, optimizer=None, scheduler=None, step=None, order=None,
-                    config=None, dtype=None, inputs=None):
+                    config=None, dtype=None, inputs=None, choices=None):
     """Write out_dir/checkpoint: with an optimizer, the resumable training state (--save_every),
     else a Hugging Face export (model + tokenizer, loadable by AutoModel*). Collective.
 
@@ -218,7 +218,7 @@ def save_checkpoint(model, tokenizer, out_dir, d, optimizer=None, scheduler=None
       The model state here is the fp32 master copy, whatever dtype the export has.
     - `training_state.pt` (small): scheduler, every rank's RNG state, the step, the data order;
       `trainer_state.json`: the step, the run's flags (`config`) and what its model and data
-      flags named (`inputs`), which --resume compares.
+      flags named (`inputs`), which --resume compares, and what `auto` chose (`choices`), which it keeps.
     Everything is written into checkpoint.tmp/ and renamed into place: a kill while writing leaves
     the previous checkpoint/ (or, between the two renames, checkpoint.old/, which
     models.resolve_checkpoint finds); so does a write that fails (a full disk: the error says so).
@@ -254,7 +254,8 @@ def save_checkpoint(model, tokenizer, out_dir, d, optimizer=None, scheduler=None
             if extra is not None:
                 torch.save(extra, os.path.join(tmp, "training_state.pt"))
                 write_json(os.path.join(tmp, "trainer_state.json"),
-                            {"step": step, "config": dataclasses.asdict(config) if config else {}, "inputs": inputs or {}})
+                            {"step": step, "config": dataclasses.asdict(config) if config else {}, "inputs": inputs or {},
+                             "choices": choices or {}})
     except (Exception, CheckpointException) as e:  # most often a full disk: torch's writers say "unexpected pos"
         free = shutil.disk_usage(out_dir).free
         full = free < 2**26 or "No space left" in str(e)

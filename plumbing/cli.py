@@ -38,11 +38,12 @@ class SharedConfig:
     """clip the global gradient norm to this (0: no clipping) [>= 0]"""
     activation_checkpointing: bool = False
     """recompute activations in the backward pass (less memory, ~30% more compute)"""
-    padding_free: bool = True
+    padding_free: bool | typing.Literal["auto"] = "auto"
     """each micro-batch's rows back to back in one sequence, position ids restarting per row, cut at a padded
     micro-batch's tokens: no compute on padding, the same log-probs to float rounding (TRL's padding_free), in each
     pass where that computes fewer FLOPs (always under flash attention; SDPA and eager compute a packed micro-batch's
-    N x N attention); off, with a line, for a model whose attention lets packed rows see each other"""
+    N x N attention); off, with a line, for a model whose attention lets packed rows see each other. auto: true on a
+    CPU; on a GPU the faster of packed and padded, timed once on the first micro-batch (plumbing/speed.py)"""
     packed_attention: bool = False
     """with --padding_free under SDPA: each packed row attends over its own tokens (one SDPA call per run of rows of
     one length, plumbing.models.packed_attention), not over the whole pack under a block-diagonal mask, so every pass
@@ -270,6 +271,10 @@ def parse_config(cls, argv=None):
         if tp is bool:
             parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, **kw)
             continue
+        if tp in AUTO_BOOL:  # --flag, --no-flag, --flag true|false|auto
+            parser.add_argument(f"--{f.name}", nargs="?", const=True, type=auto_bool, metavar="{true,false,auto}", **kw)
+            parser.add_argument(f"--no-{f.name}", dest=f.name, action="store_false", help=argparse.SUPPRESS)
+            continue
         if typing.get_origin(tp) is typing.Literal:
             parser.add_argument(f"--{f.name}", choices=typing.get_args(tp), **kw)
             continue
@@ -278,13 +283,25 @@ def parse_config(cls, argv=None):
             convert = lambda s, tp=tp: None if s.lower() in ("none", "") else tp(s)
             convert.__name__ = tp.__name__
         parser.add_argument(f"--{f.name}", type=convert, metavar=tp.__name__.upper(), **kw)
-    bools = {f.name for f in dataclasses.fields(cls) if hints[f.name] is bool}
+    bools = {f.name for f in dataclasses.fields(cls) if hints[f.name] is bool or hints[f.name] in AUTO_BOOL}
     try:
         argv = trl_flags.translate(script, sys.argv[1:] if argv is None else list(argv),
                                    {f.name for f in dataclasses.fields(cls)} | {f"no-{b}" for b in bools}, bools)
     except ValueError as e:
         parser.exit(2, f"{e}\n")
     return cls(**vars(parser.parse_args(argv)))
+
+
+AUTO_BOOL = (bool | typing.Literal["auto"], typing.Literal["auto"] | bool)  # a speed flag: plumbing/speed.py
+
+
+def auto_bool(text):
+    """true / false (TRL's spellings: 1, yes, ...) or auto, for a speed flag."""
+    value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False, "auto": "auto"}.get(
+        text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of true, false, auto")
+    return value
 
 
 _RANGE = (r"\[(?P<op>>=|>) (?P<bound>-?[0-9.e+-]+)\]$"
@@ -321,8 +338,9 @@ def check_ranges(cfg):
         elif rng is not None and value is not None and not isinstance(value, bool) and not rng[1](value):
             bad.append(f"--{f.name} {value} is out of range {rng[0]}")
         choices = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is typing.Literal else ()
+        choices = (True, False, "auto") if hints[f.name] in AUTO_BOOL else choices
         if choices and value not in choices:
-            bad.append(f"--{f.name} {value!r} is not one of {', '.join(choices)}")
+            bad.append(f"--{f.name} {value!r} is not one of {', '.join(map(str, choices))}")
     if bad:
         raise ValueError("; ".join(bad))
 

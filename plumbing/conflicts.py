@@ -51,7 +51,7 @@ def grpo(cfg, d):
         (not (cfg.lora and (cfg.ref_refresh_every or d.torchrun or cfg.save_every or cfg.resume)),
          "--lora runs under `python` (sharded adapters are not merged), without --ref_refresh_every (its reference is "
          "the adapters switched off), --save_every or --resume (its checkpoint holds merged weights)"),
-        (not (cfg.compile and d.torchrun), "--compile runs under `python`: under torchrun FSDP2's hooks split the decode "
+        (not (cfg.compile is True and d.torchrun), "--compile runs under `python`: under torchrun FSDP2's hooks split the decode "
          "step into a graph per layer, and CUDA graphs would be re-recorded every rollout (the gathered weights move)"),
         (not (cfg.teacher and cfg.off_policy_mask_threshold),
          "--off_policy_mask_threshold masks sequences by the sign of their advantage; with --teacher each token has "

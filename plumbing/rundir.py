@@ -197,6 +197,8 @@ class Run:
                                   f"or --overwrite to move what it holds aside")
         self.resume_from = found if has_ckpt and cfg.resume else None
         self.last_ckpt, self.step, self.changed = self.resume_from, None, {}
+        # what `auto` chose for each speed flag (plumbing/speed.py), kept by a resumed run
+        self.choices = dict(state.get("choices", {})) if self.resume_from else {}
         if self.resume_from:
             if state is None:
                 raise FileNotFoundError(f"{found} has no trainer_state.json (a final checkpoint): it cannot be resumed; "
@@ -241,7 +243,8 @@ class Run:
                     _cut_metrics(os.path.join(self.out_dir, name), self.step)
             entry = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv),
                      "resumed_at_step": self.step, "changed": self.changed}
-            checkpoints.write_json(config, {**dataclasses.asdict(self.cfg), "inputs": self.inputs, "history": history + [entry]})
+            checkpoints.write_json(config, {**dataclasses.asdict(self.cfg), "inputs": self.inputs, "choices": self.choices,
+                                            "history": history + [entry]})
         checkpoints.wait_for_rank0(self.d)  # also makes its process group now, not hours in at the first save
         self.started = True
         self.logger = logs.Logger(self.out_dir, self.cfg, self.d, show)
@@ -277,7 +280,7 @@ class Run:
             raise FloatingPointError(f"{'step %d: ' % step if step else ''}{what} after the update; no checkpoint "
                                      f"written. Last good checkpoint: {self.last_ckpt or 'none written yet'}")
         resumable = dict(optimizer=self.optimizer, scheduler=self.scheduler, step=step, order=self.order,
-                         config=self.cfg, inputs=self.inputs) if step else {}
+                         config=self.cfg, inputs=self.inputs, choices=self.choices) if step else {}
         return checkpoints.save_checkpoint(model, self.tokenizer, self.out_dir, self.d, dtype=checkpoints.export_dtype(self.cfg.save_dtype),
                                **resumable)
 

@@ -147,6 +147,20 @@ def accumulated_gradients():
     rundir.release()
 
 
+def speed_agreed():
+    """Each rank times the layouts differently (rank 0: packed 1 s, padded 2 s; rank 1: packed 3 s,
+    padded 1.5 s): speed.fastest sums the ranks' times, so both keep padded (3.5 s against 4)."""
+    from plumbing import speed
+
+    d = common.setup_distributed(timeout_minutes=1.0)
+    table = [{"packed": 1.0, "padded": 2.0}, {"packed": 3.0, "padded": 1.5}][d.rank]
+    ran = []
+    speed._forward_backward = lambda model, batch, layout, reward: ran.append(layout)
+    speed.seconds = lambda fn, d: fn() or table[ran[-1]]
+    best, times = speed.fastest(None, None, ["padded", "packed"], d)
+    print(f"rank {d.rank} keeps {best}: {times}", flush=True)
+
+
 def slow_sampler(seconds, script, *args):
     """`script ARGS` with rank 1 sleeping `seconds` at the start of its first generate, as a rank
     decoding a longer rollout would: the other rank waits in its next collective. Also checks

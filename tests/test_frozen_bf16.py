@@ -149,8 +149,9 @@ def test_the_rollout_and_the_reference_equal_the_per_forward_cast(family, llama,
             ids, mask, logps = sampling.generate(model, p_ids, p_mask, 12, eos_id=0, pad_id=0, uniforms=u,
                                                  return_logprobs=True)
             with environment.reference_context(model, None):
-                ref = common.batched_logprobs(model, torch.cat([p_ids, ids], 1), torch.cat([p_mask, mask], 1),
-                                              ids.shape[1], temperature=1.0, d=CPU, rows_per_forward=4)
+                ids_, attn = torch.cat([p_ids, ids], 1), torch.cat([p_mask, mask], 1)
+                plan = shared_prompt.plan(torch.arange(6)[None], ids_, attn, ids.shape[1], 4, CPU, models=[model])
+                ref = shared_prompt.planned_logprobs(model, ids_, attn, ids.shape[1], plan, CPU)
         return ids, mask, logps, ref
 
     per_forward, once = rollout_and_reference(False), rollout_and_reference(True)
@@ -197,8 +198,7 @@ def test_grpo_lora_steps_are_the_per_forward_casts_to_the_bit(llama, tmp_path, m
         """grpo.main, recording each block's bf16 parameters, each rollout and log-prob pass (and
         whether a block was open around it), and whether one was open at each backward."""
         rollouts, passes, open_at, backward_open, greedy_open = [], [], [0], [], []
-        rollout, batched, backward = environment.rollout, common.batched_logprobs, common.backward
-        shared_batched = shared_prompt.batched_logprobs
+        rollout, planned, backward = environment.rollout, shared_prompt.planned_logprobs, common.backward
         greedy = sampling.evaluate_generations
 
         @contextlib.contextmanager
@@ -217,12 +217,10 @@ def test_grpo_lora_steps_are_the_per_forward_casts_to_the_bit(llama, tmp_path, m
             rollouts.append((roll.r_ids.clone(), roll.r_mask.clone(), roll.r_logps.clone(), len(blocks) > n))
             return roll
 
-        def recorder(batched):  # common's passes (old policy) and shared_prompt's (the reference)
-            def record_pass(*args, **kwargs):
-                out = batched(*args, **kwargs)
-                passes.append((*(out if isinstance(out, tuple) else (out,)), open_at[0] > 0))
-                return out
-            return record_pass
+        def record_pass(*args, **kwargs):  # the reference's and the old policy's passes
+            out = planned(*args, **kwargs)
+            passes.append((*(out if isinstance(out, tuple) else (out,)), open_at[0] > 0))
+            return out
 
         def record_backward(*args, **kwargs):
             backward_open.append(open_at[0] > 0)
@@ -235,8 +233,7 @@ def test_grpo_lora_steps_are_the_per_forward_casts_to_the_bit(llama, tmp_path, m
         with monkeypatch.context() as m:
             m.setattr(environment, "frozen_in_bf16", recording)
             m.setattr(environment, "rollout", record_rollout)
-            m.setattr(common, "batched_logprobs", recorder(batched))
-            m.setattr(shared_prompt, "batched_logprobs", recorder(shared_batched))
+            m.setattr(shared_prompt, "planned_logprobs", record_pass)
             m.setattr(common, "backward", record_backward)
             m.setattr(sampling, "evaluate_generations", record_greedy)
             m.setattr(environment, "grpo_evals", with_held_out(environment.grpo_evals))

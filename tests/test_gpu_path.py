@@ -11,6 +11,7 @@ import torch
 import common
 import grpo
 import sampling
+import shared_prompt
 import tasks
 from bench import gpu_check
 from helpers import free_port, read_metrics
@@ -332,7 +333,7 @@ def _scaled_reference(freeze):
 
 
 def _shifted_old_logprobs(batched):
-    """common.batched_logprobs with the policy's (old) log-probs 0.5 too low, the reference's right."""
+    """shared_prompt.planned_logprobs with the policy's (old) log-probs 0.5 too low, the reference's right."""
     def wrapped(model, *args, **kwargs):
         out = batched(model, *args, **kwargs)
         return out - 0.5 if any(p.requires_grad for p in model.parameters()) else out
@@ -364,7 +365,7 @@ def _one_row_dealt_twice(deal):
 
 PLANTS = {  # name: (where, what, the checks to run, the rows that must fail, rows that must still pass)
     "kl": (common, "freeze", _scaled_reference, "b", ["KL to the reference"], ["clip_ratio"]),
-    "clipping": (common, "batched_logprobs", _shifted_old_logprobs, "b", ["clip_ratio", "logp_diff"],
+    "clipping": (shared_prompt, "planned_logprobs", _shifted_old_logprobs, "b", ["clip_ratio", "logp_diff"],
                  ["KL to the reference"]),
     "sampler": (sampling, "_next_logits", _decode_ignoring_padding, "a", ["fp32, TF32 off", "each side's error"],
                 ["contiguous chunks"]),

@@ -99,8 +99,9 @@ def test_distillation_from_a_teacher_equal_to_the_student_leaves_the_policy_unch
     advantage is log pi - log pi = 0 (the teacher's log-probs are the policy's, computed the same
     way), so no gradient, and the checkpoint equals the start; the reverse KL logged is 0, with and
     without --activation_checkpointing (under which the policy cannot share prompts: transformers
-    turns its cache off; the frozen teacher could). Planted: both passes on shared_prompt's path
-    make it -6e-8 and -1.2e-7 here: they stay on common.batched_logprobs."""
+    turns its cache off; the frozen teacher could): both passes run one plan (shared_prompt.plan),
+    decided for the policy and the teacher together. Planted: the plan's `models=[model]` alone, the
+    checkpointed policy's padded forward against a sharing teacher, makes it -6e-8 and -1.2e-7."""
     from transformers import AutoModelForCausalLM
 
     tok = tasks.char_tokenizer()

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common
+import shared_prompt
 import tasks
 from helpers import checkpoint_weights, max_abs_diff, read_metrics, run_here, run_script, write_jsonl
 from plumbing import models
@@ -161,11 +162,12 @@ def test_micro_batches_cut_by_tokens():
         [[5, 4, 3, 2, 1], [0]]  # 20 tokens, then 10
 
 
-def test_batched_logprobs_packed_equal_padded(user_models):
+def test_planned_logprobs_packed_equal_padded(user_models):
     model = AutoModelForCausalLM.from_pretrained(user_models["qwen2"], dtype=torch.float32)
     ids, attn, resp = _batch(model.config.vocab_size, LENGTHS * 2, seed=1)
-    want = common.batched_logprobs(model, ids, attn, resp.shape[1], 1.0, common.Dist(), rows_per_forward=3)
-    got = common.batched_logprobs(model, ids, attn, resp.shape[1], 1.0, common.Dist(), rows_per_forward=3, packed=True)
+    R, d, rows = resp.shape[1], common.Dist(), torch.arange(len(ids))[None]  # one mini-batch
+    got, want = (shared_prompt.planned_logprobs(model, ids, attn, R, shared_prompt.plan(
+        rows, ids, attn, R, 3, d, packed=packed, models=[model]), d) for packed in (True, False))
     torch.testing.assert_close(got * resp, want * resp, rtol=0, atol=1e-5)
 
 
@@ -222,19 +224,19 @@ def test_packing_pays_where_it_computes_fewer_flops(monkeypatch):
         attn = _mask(lengths, T)
         packed, padded = _flops(wide, attn, r)
         if abs(packed - padded) > 0.01 * padded:  # the estimate bounds a cut's pairs; exact away from a tie
-            assert common.packing_pays(wide, attn, r) == (packed < padded), (lengths, T, r)
+            assert common.packing_pays(wide, attn, r, common.Dist()) == (packed < padded), (lengths, T, r)
         packed, padded = _flops(rowwise, attn, r)
-        assert packed <= padded and common.packing_pays(rowwise, attn, r), (lengths, T, r)
-    assert not common.packing_pays(wide, _mask([1210] * 4, 1536), 4)  # 21% padding: padded
-    assert common.packing_pays(wide, _mask([1150] * 4, 1536), 4)  # 25%: packed
-    assert common.packing_pays(_config(1536, "flash_attention_2"), _mask([1536] * 4, 1536), 4)
+        assert packed <= padded and common.packing_pays(rowwise, attn, r, common.Dist()), (lengths, T, r)
+    assert not common.packing_pays(wide, _mask([1210] * 4, 1536), 4, common.Dist())  # 21% padding: padded
+    assert common.packing_pays(wide, _mask([1150] * 4, 1536), 4, common.Dist())  # 25%: packed
+    assert common.packing_pays(_config(1536, "flash_attention_2"), _mask([1536] * 4, 1536), 4, common.Dist())
     full, sparse = _mask([1536] * 4, 1536), _mask([100] * 4, 1536)
     other = torch.stack([s.sum(dtype=torch.float64) for s in (sparse, full)])  # the other rank's raw sums
     def all_reduce(cost):  # the other rank's costs, computed as the function computes its own
         w, N = 1 / (6 * 1536), other[0]
         cost += torch.stack([N * (1 + w * N.clamp(max=4 * 1536)), N.new_tensor(4 * 1536 * (1 + w * 1536))])
     monkeypatch.setattr(common.dist, "all_reduce", all_reduce)
-    assert not common.packing_pays(wide, full, 4)
+    assert not common.packing_pays(wide, full, 4, common.Dist())
     assert common.packing_pays(wide, full, 4, common.Dist(world_size=2))
 
 
@@ -250,7 +252,7 @@ def test_grpo_padding_free_equals_padded(tmp_path, user_models, model, monkeypat
     runs, packs, real_pack = [], [], common.pack
     monkeypatch.setattr(common, "pack", lambda *a: packs.append(packs.pop() + 1) or real_pack(*a))
     asked = []  # every pass packed, as under flash attention; what each pass asks packing_pays about
-    monkeypatch.setattr(common, "packing_pays", lambda m, attn, r, d=None: asked.append((len(attn), r, d)) or True)
+    monkeypatch.setattr(common, "packing_pays", lambda m, attn, r, d: asked.append((len(attn), r, d)) or True)
     for flag in ("--padding_free", "--no-padding_free"):
         packs.append(0)
         out = tmp_path / flag
@@ -263,9 +265,10 @@ def test_grpo_padding_free_equals_padded(tmp_path, user_models, model, monkeypat
         assert "--padding_free off" not in proc.stdout
         assert (packs.pop() > 0) == (flag == "--padding_free")
         runs.append(out)
-    # the reference and old-policy passes ask about all 16 rows, the update about each mini-batch's 8, cut at
-    # grad_accum 2's 4 rows a forward, every rank summing
-    assert {(n, r, type(d)) for n, r, d in asked} == {(16, 4, common.Dist), (8, 4, common.Dist)}
+    # once per mini-batch of 8 rows (the plan every pass of the step runs), cut at grad_accum 2's 4 rows a
+    # forward, every rank summing
+    assert {(n, r, type(d)) for n, r, d in asked} == {(8, 4, common.Dist)}
+    assert len(asked) == 2 * 2  # 2 steps x 2 mini-batches: not again for each pass
     one, two = ([r for r in read_metrics(out) if "loss" in r] for out in runs)
     assert len(one) == 2 and all(r["reward_std"] > 0 for r in one)
     for a, b in zip(one, two, strict=True):
@@ -322,7 +325,7 @@ def test_offline_scripts_padding_free_equal_padded(tmp_path, user_models, script
     runs, packs, real_pack = [], [], common.pack
     monkeypatch.setattr(common, "pack", lambda *a: packs.append(packs.pop() + 1) or real_pack(*a))
     asked = []  # every pass packed, as under flash attention; what each pass asks packing_pays about
-    monkeypatch.setattr(common, "packing_pays", lambda m, attn, r, d=None: asked.append((len(attn), r, d)) or True)
+    monkeypatch.setattr(common, "packing_pays", lambda m, attn, r, d: asked.append((len(attn), r, d)) or True)
     for flag in ("--padding_free", "--no-padding_free"):
         packs.append(0)
         (tmp_path / flag).mkdir()
@@ -332,7 +335,8 @@ def test_offline_scripts_padding_free_equal_padded(tmp_path, user_models, script
         assert "--padding_free off" not in proc.stdout
         assert (packs.pop() > 0) == (flag == "--padding_free")
         runs.append(argv[argv.index("--out_dir") + 1])
-    assert asked and all(n == r and d is None for n, r, d in asked)  # a micro-batch, its rows (DPO, RM: 2 per pair)
+    # a micro-batch, its rows (DPO, RM: 2 per pair), summed over the ranks (one rank's rows must not decide alone)
+    assert asked and all(n == r and isinstance(d, common.Dist) for n, r, d in asked)
     one, two = ([r for r in read_metrics(out) if "loss" in r] for out in runs)
     assert len(one) >= 2
     for a, b in zip(one, two, strict=True):

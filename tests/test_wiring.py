@@ -61,25 +61,23 @@ def clone_draws(generator, n=8):
 
 def record_grpo(cfg):
     """grpo.main(cfg) in this process, recording what the step gives its pure functions, per call:
-    batched_logprobs (ids, attention mask, output: the reference's, the old policy's, the
+    planned_logprobs (ids, attention mask, output: the reference's, the old policy's, the
     teacher's, in that order), reward's rewards, group_advantages' rewards and output,
     minibatch_rows' rows and its generator's next draws, grpo_loss's advantages, mask and knobs
     with the micro-batch's ids and attention mask (from the response_logprobs just before it), the
     sampler's uniforms of each (step, round), and each prompt's rejection-sampling draws."""
     seen = {k: [] for k in ("logprobs", "reward", "adv", "minibatches", "deal", "loss", "uniforms", "rs")}
     orig = {name: getattr(mod, name) for mod, name in [
-        (common, "batched_logprobs"), (grpo, "reward"), (grpo, "group_advantages"), (grpo, "minibatch_rows"),
+        (shared_prompt, "planned_logprobs"), (grpo, "reward"), (grpo, "group_advantages"), (grpo, "minibatch_rows"),
         (grpo, "grpo_loss"), (grpo, "rejection_sample"), (common, "response_logprobs"), (environment, "rollout"),
         (sampling, "rollout_uniforms")]}
-    shared = {name: getattr(shared_prompt, name) for name in ("batched_logprobs", "response_logprobs")}  # the
-    last = {}  # reference pass's and the update's (rows that share a prompt compute it once), recorded alike
+    shared = {"response_logprobs": shared_prompt.response_logprobs}  # the passes' and the update's forwards
+    last = {}  # (rows that share a prompt compute it once), recorded alike
 
-    def recorded_batched(fn):
-        def batched_logprobs(model, ids, attn, *args, **kwargs):
-            out = fn(model, ids, attn, *args, **kwargs)
-            seen["logprobs"].append((ids, attn, out))
-            return out
-        return batched_logprobs
+    def planned_logprobs(model, ids, attn, *args, **kwargs):
+        out = orig["planned_logprobs"](model, ids, attn, *args, **kwargs)
+        seen["logprobs"].append((ids, attn, out))
+        return out
 
     def recorded_forward(fn):
         def response_logprobs(model, ids, attn, *args, **kwargs):
@@ -125,9 +123,7 @@ def record_grpo(cfg):
         return u
 
     with pytest.MonkeyPatch.context() as mp:
-        for mod, name, fn in [(common, "batched_logprobs", recorded_batched(orig["batched_logprobs"])),
-                              (shared_prompt, "batched_logprobs", recorded_batched(shared["batched_logprobs"])),
-                              (grpo, "reward", reward),
+        for mod, name, fn in [(shared_prompt, "planned_logprobs", planned_logprobs), (grpo, "reward", reward),
                               (grpo, "group_advantages", group_advantages), (grpo, "minibatch_rows", minibatch_rows),
                               (grpo, "grpo_loss", grpo_loss), (grpo, "rejection_sample", rejection_sample),
                               (common, "response_logprobs", recorded_forward(orig["response_logprobs"])),
@@ -217,7 +213,7 @@ def test_the_teachers_advantage_is_coef_times_teacher_minus_student_at_the_tempe
                                   - naive_logprobs(student, ids, attn, R, cfg.temperature)) * own * stopped
     want = seen["adv"][0][1][:, None] + distill  # (rows, R)
     calls = iter(seen["loss"])
-    for rows in seen["minibatches"][:cfg.num_iterations]:  # step 1's passes
+    for rows in seen["minibatches"][:1] * cfg.num_iterations:  # step 1's passes, each over its mini-batches
         for r in rows:  # one micro-batch per mini-batch
             got = next(calls)["adv"]
             torch.testing.assert_close(got.double(), want[r], rtol=1e-4, atol=1e-4)
@@ -292,7 +288,7 @@ def test_the_minibatch_deal_is_not_the_samplers_stream(streams_run):
     rejection-sampling generator of its step drew."""
     cfg, seen = streams_run
     for step in range(1, cfg.steps + 1):
-        deal = seen["deal"][(step - 1) * cfg.num_iterations]  # its first draws of the step
+        deal = seen["deal"][step - 1]  # the step's draws
         used = [u.flatten()[:64] for key, u in seen["uniforms"] if key[0] == step]
         used += [d.flatten() for key, d in seen["rs"] if key[0] == step]
         again = set(deal.tolist()) & set(torch.cat(used).tolist())

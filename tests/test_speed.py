@@ -1,0 +1,155 @@
+"""`auto`, the default of the speed flags (--padding_free, --shared_prompt, --compile: plumbing/speed.py):
+the CPU's rule (FLOPs: packed and shared where they compute less; no compile), a GPU's (the layouts timed
+once on the first micro-batch, the fastest kept; the compiled decode step under `python`, not torchrun),
+the same choice on every rank and on --resume, said on the run's first lines and in run_config.json.
+The GPU's rule runs here on CPU tensors with the device check and the clock faked: what it decides from
+given times is what is tested; what the times are on a GPU is bench/gpu_check.py's to measure."""
+import json
+
+import pytest
+import torch
+
+import common
+import dpo
+import grpo
+import sft
+from helpers import ctrl_c_after_first_save, read_metrics, run_here, run_script, write_jsonl
+from plumbing import cli, speed
+
+CPU = common.Dist()
+CUDA_PYTHON = common.Dist()
+CUDA_TORCHRUN = common.Dist(world_size=1, torchrun=True)
+
+
+def test_speed_flags_parse_as_trl_and_as_auto():
+    """--padding_free (TRL's boolean), --no-padding_free, --padding_free true|false|auto, the default auto;
+    anything else refused naming the flag."""
+    assert cli.parse_config(dpo.Config, []).padding_free == "auto"
+    assert cli.parse_config(dpo.Config, []).shared_prompt == "auto"
+    assert cli.parse_config(grpo.Config, []).compile == "auto"
+    for argv, want in ((["--padding_free"], True), (["--no-padding_free"], False), (["--padding_free", "false"], False),
+                       (["--padding_free", "True"], True), (["--padding_free", "auto"], "auto")):
+        assert cli.parse_config(sft.Config, argv).padding_free == want, argv
+    with pytest.raises(SystemExit):
+        cli.parse_config(sft.Config, ["--padding_free", "sometimes"])
+    with pytest.raises(ValueError, match=r"--shared_prompt 'yes' is not one of True, False, auto"):
+        cli.check_ranges(dpo.Config(shared_prompt="yes"))
+
+
+def test_on_a_cpu_auto_is_the_flop_rule_and_no_compile():
+    """On a CPU every layout flag left at auto resolves to true (packing and sharing wherever they
+    compute fewer FLOPs, which each pass then decides) and --compile to false, recorded with why;
+    flags given are kept as given and not recorded."""
+    cfg, recorded = grpo.Config(padding_free=False), {}
+    model = _tiny()
+    got = speed.choose(cfg, CPU, recorded, model, batch=_boom, models_=[None])
+    assert got == {"padding_free": False, "shared_prompt": True, "compile": False}
+    assert set(recorded) == {"shared_prompt", "compile"}
+    assert "FLOPs" in recorded["shared_prompt"]["why"] and "CPU" in recorded["compile"]["why"]
+
+
+def _tiny():
+    from plumbing import models
+    import tasks
+
+    return models.load_model("tiny", tasks.char_tokenizer())
+
+
+def _boom():
+    raise AssertionError("a CPU times nothing: the first micro-batch is not even built")
+
+
+def _batch(model, G=4, P=6, R=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, model.config.vocab_size, (P,), generator=g).tolist()] * G
+    responses = [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in (R, 2, R - 3, 1)[:G]]
+    return common.join_prompt_response(prompts, responses, 0)
+
+
+@pytest.fixture
+def gpu_clock(monkeypatch):
+    """A GPU, as far as speed.choose can tell: the device check says so, and each layout's forward and
+    backward takes the seconds `table` gives it (the real forward and backward run, on the CPU)."""
+    table, ran = {}, []
+    real = speed._forward_backward
+    monkeypatch.setattr(speed, "timed", lambda d: True)
+    monkeypatch.setattr(speed, "_forward_backward", lambda *a: ran.append(a[2]) or real(*a))
+    monkeypatch.setattr(speed, "seconds", lambda fn, d: fn() or table[ran[-1]])
+    return table, ran
+
+
+@pytest.mark.parametrize("fastest", ["padded", "packed", "shared"])
+def test_on_a_gpu_the_fastest_timed_layout_is_kept(gpu_clock, fastest):
+    """Each candidate (padded; packed, as the model keeps packed rows apart; shared, as the rows share a
+    prompt in one process) warmed up once, then timed 3 times each in alternating order, the least of
+    each compared: the fastest one is what the flags resolve to, with every time in the line. The
+    weights' gradients are left as they were (none)."""
+    table, ran = gpu_clock
+    table.update({"padded": 2.0, "packed": 3.0, "shared": 4.0, fastest: 1.0})
+    model = _tiny()
+    recorded = {}
+    got = speed.choose(dpo.Config(), CUDA_PYTHON, recorded, model, batch=_batch(model))
+    assert got == {"padding_free": fastest == "packed", "shared_prompt": fastest == "shared"}
+    assert ran == ["padded", "packed", "shared"] * 2 + ["shared", "packed", "padded", "padded", "packed", "shared"]
+    measured = f"timed on the first micro-batch: {', '.join(f'{k} {1e3 * table[k]:.1f} ms' for k in table)}"
+    assert recorded["padding_free"]["why"] == recorded["shared_prompt"]["why"] == measured
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_on_a_gpu_compile_is_on_under_python_and_off_under_torchrun(gpu_clock):
+    table, _ = gpu_clock
+    table.update({"padded": 1.0, "packed": 2.0})
+    model = _tiny()
+    for d, want in ((CUDA_PYTHON, True), (CUDA_TORCHRUN, False)):
+        recorded = {}
+        cfg = grpo.Config(shared_prompt=False)
+        assert speed.choose(cfg, d, recorded, model, batch=_batch(model))["compile"] is want
+        assert ("torchrun" in recorded["compile"]["why"]) is (not want)
+
+
+def test_a_recorded_choice_is_kept_and_not_timed_again(gpu_clock):
+    """A resumed run's choices (Run.choices, from its checkpoint) are taken as they are: nothing is
+    timed, and the line says whose they are."""
+    table, ran = gpu_clock
+    recorded = {"padding_free": {"value": False, "why": "timed on the first micro-batch: padded 1 ms"},
+                "shared_prompt": {"value": True, "why": "timed on the first micro-batch: shared 1 ms"}}
+    assert speed.choose(dpo.Config(), CUDA_PYTHON, recorded, _tiny(), batch=_boom) == \
+        {"padding_free": False, "shared_prompt": True}
+    assert ran == []
+
+
+def test_two_ranks_keep_the_layout_of_their_summed_times():
+    """Rank 0 times packed faster, rank 1 padded: both keep padded, the faster over the two summed
+    (tests/dist_worker.py speed_agreed)."""
+    r = run_script(["tests/dist_worker.py", "speed_agreed"], nproc=2, timeout=180)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank} keeps padded: {{'padded': 3.5, 'packed': 4.0}}" in r.stdout, r.stdout
+
+
+def test_a_run_records_its_choices_and_a_resume_keeps_them(tmp_path, monkeypatch):
+    """sft.py at auto: run_config.json and the checkpoint's trainer_state.json hold what auto chose
+    and why, the first lines say it; a resume whose checkpoint says padded (as a GPU's timing could
+    have chosen) trains padded on the CPU too, and says that the run it resumes chose it."""
+    rows = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"sort {i % 9} 1 =", "completion": " 1" * (1 + i % 4)}
+                                              for i in range(32)])
+    args = ["sft.py", "--model", "tiny", "--dataset", rows, "--eval_dataset", rows, "--steps", "4", "--batch_size",
+            "8", "--save_every", "2", "--n_eval", "8", "--warmup_steps", "0", "--out_dir", str(tmp_path / "run")]
+    with ctrl_c_after_first_save():  # stopped at step 2, as a Ctrl-C would
+        first = run_here(args)
+    assert first.returncode == 130, first.stdout[-2000:] + first.stderr[-2000:]
+    assert "auto: --padding_free true (a CPU step is bound by FLOPs" in first.stdout
+    config = json.loads((tmp_path / "run" / "run_config.json").read_text())
+    assert config["padding_free"] == "auto" and config["choices"]["padding_free"]["value"] is True
+    state_file = tmp_path / "run" / "checkpoint" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    assert state["choices"]["padding_free"]["value"] is True
+    state["choices"]["padding_free"] = {"value": False, "why": "timed on the first micro-batch: padded 1.0 ms"}
+    state_file.write_text(json.dumps(state))
+    packs, real = [], common.pack
+    monkeypatch.setattr(common, "pack", lambda *a: packs.append(1) or real(*a))
+    resumed = run_here([*args, "--resume"])
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert "--padding_free false (as the run it resumes chose: timed on the first micro-batch" in resumed.stdout
+    assert not packs and [r["step"] for r in read_metrics(tmp_path / "run")][-1] == 4
+    assert json.loads((tmp_path / "run" / "run_config.json").read_text())["choices"]["padding_free"]["value"] is False
