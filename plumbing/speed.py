@@ -43,11 +43,11 @@ def seconds(fn, d):
     return time.perf_counter() - t0
 
 
-def _forward_backward(model, batch, layout, reward):
+def _forward_backward(model, batch, layout, reward, d):
     """One training forward and backward of `batch` (ids, attn, response mask) in `layout`, the
     gradients then dropped: what a layout costs in an update."""
     ids, attn, resp = batch
-    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=common.bf16_supported(ids.device)):
+    with common.autocast(d):
         if reward:
             out = common.reward_scores(model, ids, attn, packed=layout == "packed")
         else:
@@ -61,11 +61,11 @@ def fastest(model, batch, layouts, d, reward=False):
     """The fastest of `layouts` for a forward and backward of `batch`, by the ROUNDS timed calls of
     each (the least), summed over the ranks: (name, {name: seconds})."""
     for layout in layouts:  # warm-up: allocations, kernel selection, autotuning
-        _forward_backward(model, batch, layout, reward)
+        _forward_backward(model, batch, layout, reward, d)
     times = torch.full((len(layouts),), float("inf"), dtype=torch.float64)
     for r in range(ROUNDS):
         for i in (range(len(layouts)) if r % 2 == 0 else reversed(range(len(layouts)))):
-            times[i] = min(times[i], seconds(functools.partial(_forward_backward, model, batch, layouts[i], reward), d))
+            times[i] = min(times[i], seconds(functools.partial(_forward_backward, model, batch, layouts[i], reward, d), d))
     times = common.all_reduce_sum(times.to(d.device), d).tolist()
     return layouts[times.index(min(times))], dict(zip(layouts, times))
 
