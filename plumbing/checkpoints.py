@@ -3,6 +3,7 @@ that a checkpoint folder from elsewhere can run no code: the sharded training st
 (torch.distributed.checkpoint) every --save_every steps, the final export (save_pretrained), and
 `python -m plumbing export OUT_DIR [DEST]`, the export of a resumable checkpoint."""
 import dataclasses
+import enum
 import functools
 import json
 import os
@@ -145,17 +146,28 @@ def _check_metadata(folder):
     whatever a crafted file asks (os.system...). Read it first with an unpickler that knows only
     the classes real metadata holds; refuse the folder, naming the file, otherwise. A folder
     without one is not a complete checkpoint, and one that cannot be read is damaged: each said
-    so. Returns the metadata."""
+    so. Returns the metadata. Python 3.11.2 (Debian 12's) pickles the enum member it holds as
+    builtins.getattr(enum class, name): getattr is admitted for exactly that, a member of an
+    allowed enum by its name, and nothing else (tests/fixtures/dcp_metadata-*.pickle)."""
     import pickle
 
     class Refused(pickle.UnpicklingError):
         pass
+
+    def enum_member(cls, name):  # how Python 3.11.2 (not 3.11.7) pickles an enum member: getattr(cls, name)
+        if isinstance(cls, enum.EnumMeta) and (cls.__module__, cls.__qualname__) in _METADATA_CLASSES and \
+                isinstance(name, str) and name in cls.__members__:
+            return cls[name]
+        raise Refused(f"builtins.getattr({getattr(cls, '__qualname__', type(cls).__name__)}, {name!r}) is not an "
+                      f"enum member of a checkpoint's metadata")
 
     class Restricted(pickle.Unpickler):
         def find_class(self, module, name):
             if (module, name) in _METADATA_CLASSES or (module == "torch" and isinstance(getattr(torch, name, None),
                                                                                        torch.dtype)):
                 return super().find_class(module, name)
+            if (module, name) == ("builtins", "getattr"):
+                return enum_member
             raise Refused(f"{module}.{name} is not part of a checkpoint's metadata")
 
     path = os.path.join(folder, ".metadata")

@@ -133,6 +133,68 @@ def test_a_checkpoint_folder_runs_no_code_on_resume(interrupted, tmp_path):
     assert run_fast("sft.py", ["--steps", "3", "--save_every", "2", "--out_dir", str(out), "--resume"]).returncode == 0
 
 
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+
+
+@pytest.mark.parametrize("python", ["3.11.2", "3.11.7"])
+def test_the_metadata_guard_reads_real_metadata_pickled_by_each_python(tmp_path, python):
+    """On Debian 12's /usr/bin/python3 (3.11.2) no run could resume: that Python pickles DCP's
+    _MEM_FORMAT_ENCODING enum member as builtins.getattr(_MEM_FORMAT_ENCODING, name), which the
+    guard refused ("builtins.getattr is not part of a checkpoint's metadata"). The .metadata of
+    a model's and its optimizer's state, as each Python pickled it (tests/fixtures/
+    make_dcp_metadata.py), is read by the guard into what a plain pickle.load reads."""
+    (tmp_path / ".metadata").write_bytes(open(os.path.join(FIXTURES, f"dcp_metadata-{python}.pickle"), "rb").read())
+    with open(tmp_path / ".metadata", "rb") as f:
+        uses_getattr = b"getattr" in f.read()
+        f.seek(0)
+        expected = pickle.load(f)  # our own fixture: safe to read unguarded
+    assert uses_getattr == (python == "3.11.2")
+    read = checkpoints._check_metadata(str(tmp_path))
+    assert read.state_dict_metadata == expected.state_dict_metadata and read.storage_data == expected.storage_data
+    formats = {m.properties.memory_format for m in read.state_dict_metadata.values() if hasattr(m, "properties")}
+    assert formats == {torch.contiguous_format}, formats  # the enum member, mapped back by TensorProperties
+
+
+def _getattr_chain(marker):
+    """A pickle of builtins.getattr calls alone (beside an allowed function) that reaches the os
+    module and makes the folder `marker`: getattr(_get_layout, "__globals__").get("os").mkdir."""
+    def getattr_(obj, name):
+        return b"cbuiltins\ngetattr\n(" + obj + b"V" + name + b"\ntR"
+
+    os_module = getattr_(getattr_(b"ctorch.serialization\n_get_layout\n", b"__globals__"), b"get") + b"(Vos\ntR"
+    return getattr_(os_module, b"mkdir") + b"(V" + marker.encode() + b"\ntR."
+
+
+@pytest.mark.parametrize("case", ["getattr_to_os", "getattr_not_a_member", "global_outside"])
+def test_the_metadata_guard_admits_getattr_for_an_enum_member_alone(tmp_path, case):
+    """builtins.getattr is admitted only as Python 3.11.2 uses it, a member of an allowed enum by
+    name: a getattr chain that reaches os from an allowed function (it runs under pickle.load,
+    seen here), a getattr on the allowed enum for anything but a member, and a global outside the
+    allow-list are each refused, naming what, and nothing runs."""
+    marker = tmp_path / "ran"
+    payload = {
+        "getattr_to_os": _getattr_chain(str(marker)),
+        "getattr_not_a_member": b"cbuiltins\ngetattr\n(ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\n"
+                                b"V__class__\ntR.",
+        "global_outside": pickle.dumps(os.system),
+    }[case]
+    if case == "getattr_to_os":  # the payload is live: an unguarded load runs it
+        pickle.loads(payload)
+        assert marker.is_dir()
+        marker.rmdir()
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / ".metadata").write_bytes(payload)
+    with pytest.raises(ValueError) as e:
+        checkpoints._check_metadata(str(folder))
+    named = {"getattr_to_os": "builtins.getattr(_get_layout, '__globals__') is not an enum member",
+             "getattr_not_a_member": "builtins.getattr(_MEM_FORMAT_ENCODING, '__class__') is not an enum member",
+             "global_outside": "posix.system is not part of a checkpoint's metadata"}[case]
+    assert str(e.value).startswith(f"{folder / '.metadata'} is not a checkpoint's metadata ({named}"), str(e.value)
+    assert str(e.value).endswith("refusing to read it, as it could run code"), str(e.value)
+    assert not marker.exists()
+
+
 def test_a_full_disk_is_named_and_leaves_the_last_checkpoint(tmp_path, monkeypatch):
     """A disk that filled up during the sharded save ended in `unexpected pos 704 vs 598` (torch's
     zip writer). The message now says that no space is left, where, and that the last
