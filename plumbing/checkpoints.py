@@ -341,9 +341,10 @@ def export(path, dest=None):
 
 
 def _check_export_dest(dest):
-    """An export goes into a new or empty folder, or one holding neither a model nor a run: into a
-    model's folder it would replace its weights without a word, and into a run's out_dir its
-    config.json would make `--model out_dir` load the export instead of the run's checkpoint."""
+    """An export goes into a new or empty folder: into a model's folder it would replace its
+    weights without a word, into a run's out_dir its config.json would make `--model out_dir` load
+    the export instead of the run's checkpoint, and into a folder of tokenizer files it would
+    overwrite tokenizer.json while a chat_template.jinja it does not write replaced its template."""
     if os.path.exists(dest) and not os.path.isdir(dest):
         raise FileExistsError(f"{dest} is a file: pass a folder to export into")
     names = sorted(os.listdir(dest)) if os.path.isdir(dest) else []
@@ -355,6 +356,10 @@ def _check_export_dest(dest):
     if models:
         raise FileExistsError(f"{dest} already holds a model ({', '.join(models)}): an export there would replace "
                               f"its weights; pass a new folder as DEST")
+    if names:
+        raise FileExistsError(f"{dest} already holds files ({', '.join(names)}): an export writes a whole Hugging Face "
+                              f"folder (weights, config, tokenizer, chat template), would overwrite them and load "
+                              f"the others as its own; pass a new or empty folder as DEST")
 
 
 def _read_sharded(sharded_dir, state):

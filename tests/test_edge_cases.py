@@ -473,6 +473,25 @@ def test_export_refuses_a_folder_that_holds_a_model_or_a_run(interrupted, tmp_pa
         assert "Traceback" not in r.stderr and _files(dest) == before
 
 
+def test_export_refuses_a_folder_of_the_users_tokenizer_files(interrupted, tmp_path):
+    """`python -m plumbing export RUN DEST`, DEST holding the user's tokenizer.json,
+    tokenizer_config.json and chat_template.jinja (no weights): tokenizer.json was overwritten
+    without a word, and the export's tokenizer then loaded the stray chat_template.jinja as its
+    own. Refused, naming the folder and its files; nothing in it changes."""
+    out = resumable(interrupted, tmp_path)
+    dest = tmp_path / "mine"
+    dest.mkdir()
+    files = {"chat_template.jinja": "{{ 'MY TEMPLATE' }}", "tokenizer.json": "{\"mine\": 1}",
+             "tokenizer_config.json": "{}"}
+    for name, text in files.items():
+        (dest / name).write_text(text)
+    r = run_cli(["export", out, dest])
+    assert r.returncode == 1 and (f"{dest} already holds files (chat_template.jinja, tokenizer.json, "
+                                  f"tokenizer_config.json): an export writes a whole Hugging Face folder") in r.stderr, \
+        r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and {p.name: p.read_text() for p in dest.iterdir()} == files
+
+
 def test_the_last_good_checkpoint_gives_finite_outputs(tmp_path):
     """`--lr 1e10`: an update leaves weights near 1e10, every one finite, whose logits are NaN; the
     run saved them and, when the next loss was NaN, named that checkpoint the last good one. A save
