@@ -18,8 +18,11 @@ import pytest
 import torch
 
 import common
+import data
+import environment
 import grpo
 import reward_fns
+import tasks
 from helpers import (ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, chat, checkpoint_weights, read_metrics, run_here,
                      write_jsonl)
 from test_robustness import FAST, _files, run_fast
@@ -490,6 +493,43 @@ def test_export_refuses_a_folder_of_the_users_tokenizer_files(interrupted, tmp_p
                                   f"tokenizer_config.json): an export writes a whole Hugging Face folder") in r.stderr, \
         r.stderr[-2000:]
     assert "Traceback" not in r.stderr and {p.name: p.read_text() for p in dest.iterdir()} == files
+
+
+def test_a_csv_header_naming_a_column_twice_is_refused(tmp_path):
+    """A CSV whose header is `prompt,completion,completion` trained on the second completion
+    column without a word (a row became a dict, the last of equal keys kept). Refused, naming the
+    file, the column and where it stands."""
+    path = tmp_path / "d.csv"
+    path.write_text("prompt,completion,completion\nq,first,second\n")
+    with pytest.raises(ValueError) as e:
+        data.load_data(str(path), "train", ["prompt", "completion"])
+    assert str(e.value) == (f"{path}: the header names column 'completion' more than once (columns 2, 3); give each "
+                            f"column its own name")
+    path.write_text("prompt,completion,note\nq,first,second\n")  # distinct names read as before
+    assert data.load_data(str(path), "train", ["prompt", "completion"]).to_list() == [
+        {"prompt": "q", "completion": "first", "note": "second"}]
+
+
+def test_answers_4_and_text_4_in_one_file_are_one_answer_to_the_math_rule(tmp_path, capsys):
+    """Answers 4 and "4" in one file were refused for the `math` rule ("field 'answer' is str,
+    while earlier rows hold int"), though the rule reads both. The column is read as text, with a
+    note, and each row scores as the rule scores the value as written in the file; a prompt
+    column mixing them is still refused, naming the row."""
+    answers = [4, "4", 2.5, "#### 7", -3]
+    rows = [{"prompt": f"q{i}", "answer": a} for i, a in enumerate(answers)]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    ds, _ = environment.load_prompts(grpo.Config(dataset=path, reward_fn="math"), rules=True)
+    read = ds["answer"][:]
+    assert read == ["4", "4", "2.5", "#### 7", "-3"]
+    assert f"note: {path}: column 'answer' holds both numbers and text; its numbers are read as text" in \
+        capsys.readouterr().out
+    for completion in ("4", "2.5", "7", "-3", "5"):
+        scores = [tasks.math_reward("", completion, a) for a in read]
+        assert scores == [tasks.math_reward("", completion, a) for a in answers], completion
+    assert [tasks.math_reward("", "4", a) for a in read] == [1.0, 1.0, 0.0, 0.0, 0.0]
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "q", "completion": "c"}, {"prompt": 4, "completion": "c"}])
+    with pytest.raises(ValueError, match=rf"^{path} row 2: field 'prompt' is int, while earlier rows hold str$"):
+        data.load_data(path, "train", ["prompt", "completion"])
 
 
 def test_the_last_good_checkpoint_gives_finite_outputs(tmp_path):
