@@ -532,6 +532,28 @@ def test_answers_4_and_text_4_in_one_file_are_one_answer_to_the_math_rule(tmp_pa
         data.load_data(path, "train", ["prompt", "completion"])
 
 
+def test_the_corrections_mode_and_bounds_without_the_correction_are_refused(tmp_path):
+    """`--vllm_importance_sampling_mode token_mask --vllm_importance_sampling_clip_min 0.5` without
+    `--vllm_importance_sampling_correction` was saved in run_config.json and ignored: the policy
+    term was not weighted. Refused before anything is written, naming each flag set and the one
+    missing; with the correction they pass, and so do the defaults without it."""
+    from plumbing import conflicts
+
+    out = tmp_path / "run"
+    r = run_here(["grpo.py", "--vllm_importance_sampling_mode", "token_mask", "--vllm_importance_sampling_clip_min",
+                  "0.5", "--steps", "1", "--out_dir", str(out)])
+    assert r.returncode != 0 and ("--vllm_importance_sampling_mode token_mask and --vllm_importance_sampling_clip_min "
+                                  "0.5 shape the sampler-trainer correction, which is off: pass "
+                                  "--vllm_importance_sampling_correction too, or drop them") in r.stderr, r.stderr[-2000:]
+    assert not out.exists()
+    cfg = cli.with_defaults(grpo.Config())
+    conflicts.grpo(cfg, common.Dist())  # the defaults, correction off
+    with pytest.raises(ValueError, match=r"^--vllm_importance_sampling_clip_max none shapes .* or drop it$"):
+        conflicts.grpo(dataclasses.replace(cfg, vllm_importance_sampling_clip_max=None), common.Dist())
+    conflicts.grpo(dataclasses.replace(cfg, vllm_importance_sampling_correction=True, vllm_importance_sampling_clip_min=0.5,
+                                       vllm_importance_sampling_mode="token_mask"), common.Dist())
+
+
 def test_the_last_good_checkpoint_gives_finite_outputs(tmp_path):
     """`--lr 1e10`: an update leaves weights near 1e10, every one finite, whose logits are NaN; the
     run saved them and, when the next loss was NaN, named that checkpoint the last good one. A save
