@@ -3,14 +3,18 @@ an independent probability tree, LoRA's reference, and a subprocess run of the s
 import copy
 import importlib.util
 import math
+import types
 
+import datasets
 import pytest
 import torch
 
 import common
+import data
 import environment
 import reward_fns
 import grpo
+import sampling
 import tasks
 from grpo import (aggregate, group_advantages, grpo_loss, kl_per_token, loss_normaliser,
                   rejection_sample)
@@ -885,7 +889,7 @@ def test_rejection_sampling_ranks_an_unscored_completion_last(monkeypatch, mode)
     nan = math.nan
     rewards = torch.tensor([-1.0, nan, -2.0, -3.0, -5.0, -4.0, nan, -6.0])
     monkeypatch.setattr(environment, "score", lambda roll, env, cfg, d: {"rule": rewards.clone()})
-    env = type("Env", (), {"weights": {"rule": 1.0}})()
+    env = types.SimpleNamespace(weights={"rule": 1.0})
     cfg = grpo.Config(prompts_per_step=2, group_size=3, rs_samples=4, rs_mode=mode, no_eos_penalty=0.0)
     roll = grpo.reward(hand_rollout([0.0] * 8), env, cfg, common.Dist(), step=1)
     want = {"rso": [0, 2, 3, 4, 5, 7], "topbottom": [0, 1, 2, 4, 5, 6]}[mode]
@@ -898,10 +902,6 @@ def test_the_sampled_evaluation_draws_from_its_own_stream(monkeypatch):
     uniforms `sample` is given for each chunk are those of sampling.rollout_uniforms(n, T,
     stream_seed(seed, 0, stream=3)), after torch.manual_seed(0) as after (1). Planted, fails here:
     `u = torch.rand(n, cfg.max_new_tokens, dtype=torch.float64)` (the global RNG)."""
-    import types
-
-    import sampling
-
     seen = []
 
     def fake_sample(model, env, prompts, u, temperature, cfg, d):
@@ -932,11 +932,6 @@ def test_a_row_stopped_only_where_a_stop_id_is_inside_its_response(monkeypatch):
     cut before it stopped (a tool budget, --truncate_token's mask) has that id in its padding.
     Rows: stopped at EOS; cut, EOS-as-pad after it; full length, no stop id. Planted, fails here:
     `torch.isin(r_ids, stop_ids).any(-1)` without `& r_mask.bool()`."""
-    import types
-
-    import data
-    import datasets
-
     eos = pad = 0
     r_ids = torch.tensor([[5, eos, pad], [5, 6, pad], [5, 6, 7]])
     r_mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 1, 1]])
