@@ -66,6 +66,11 @@ def _csv_rows(path, text):
     empty margin None (missing)."""
     reader = csv.reader(io.StringIO(text, newline=""))
     header = next(reader, [])
+    twice = next((name for i, name in enumerate(header) if name in header[:i]), None)
+    if twice is not None:  # dict(zip(...)) would keep the last of them and drop the others without a word
+        columns = [str(i + 1) for i, name in enumerate(header) if name == twice]
+        raise ValueError(f"{path}: the header names column {twice!r} more than once (columns {', '.join(columns)}); "
+                         f"give each column its own name")
     rows = []
     for n, cells in enumerate((c for c in reader if c), 1):  # blank lines skipped
         if len(cells) != len(header):
@@ -116,8 +121,10 @@ def read_file(path, reads=COLUMNS):
     the script does not read (not in `reads`) that a Dataset cannot hold (rows that do not share
     one type; a parquet type `datasets` has none for, such as a map) is left out, with a note; in
     a column it reads, that is an error naming the row or the type. A parquet file's columns keep
-    their Arrow types (uint64 ids above 2**63 included). The file is checked before it is opened:
-    a FIFO would block, and load_data reads it twice."""
+    their Arrow types (uint64 ids above 2**63 included). A reference column the script reads
+    (`answer`, `solution`, --answer_column's) whose rows mix numbers and text is read as text,
+    with a note: answers 4 and "4" are one answer to the rules. The file is checked
+    before it is opened: a FIFO would block, and load_data reads it twice."""
     import datasets
 
     if os.path.isdir(path):
@@ -154,8 +161,15 @@ def read_file(path, reads=COLUMNS):
     rows = _csv_rows(path, text) if path.endswith(".csv") else _json_rows(path, text)
     data = {}
     for c in dict.fromkeys(k for r in rows for k in r):
+        values = [r.get(c) for r in rows]
+        kinds = {type(v) for v in values if v is not None}
+        mixed = str in kinds and kinds - {str} and kinds <= {str, int, float}
+        if mixed and c in reads and (c == "answer" or c not in COLUMNS):  # 4 and "4": one answer to the rules
+            values = [v if v is None or isinstance(v, str) else json.dumps(v) for v in values]
+            common.print0(f"note: {path}: column {c!r} holds both numbers and text; its numbers are read as text "
+                          f"(4 as \"4\")")
         try:
-            data[c] = _arrow_column([r.get(c) for r in rows], c)
+            data[c] = _arrow_column(values, c)
         except ValueError as e:
             if c in reads:
                 raise ValueError(f"{path} {e}") from None

@@ -31,6 +31,7 @@ to runs/results.md, every seed's figures to runs/results.json, the plots to runs
 """
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -213,4 +214,10 @@ def main(cfg):
 
 
 if __name__ == "__main__":
-    main(cli.parse_config(Config))
+    try:
+        main(cli.parse_config(Config))
+    except KeyboardInterrupt:  # Ctrl-C: the running stage has printed its own line (runner.run_stage)
+        again = "; the stages --redo names run afresh again" if any(a.startswith("--redo") for a in sys.argv) else ""
+        print(f"\npipeline interrupted; continue with: python {shlex.join(sys.argv)} (finished stages are skipped, "
+              f"an interrupted one resumes from its last checkpoint{again})", file=sys.stderr)
+        sys.exit(130)

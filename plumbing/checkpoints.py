@@ -3,6 +3,7 @@ that a checkpoint folder from elsewhere can run no code: the sharded training st
 (torch.distributed.checkpoint) every --save_every steps, the final export (save_pretrained), and
 `python -m plumbing export OUT_DIR [DEST]`, the export of a resumable checkpoint."""
 import dataclasses
+import enum
 import functools
 import json
 import os
@@ -145,17 +146,28 @@ def _check_metadata(folder):
     whatever a crafted file asks (os.system...). Read it first with an unpickler that knows only
     the classes real metadata holds; refuse the folder, naming the file, otherwise. A folder
     without one is not a complete checkpoint, and one that cannot be read is damaged: each said
-    so. Returns the metadata."""
+    so. Returns the metadata. Python 3.11.2 (Debian 12's) pickles the enum member it holds as
+    builtins.getattr(enum class, name): getattr is admitted for exactly that, a member of an
+    allowed enum by its name, and nothing else (tests/fixtures/dcp_metadata-*.pickle)."""
     import pickle
 
     class Refused(pickle.UnpicklingError):
         pass
+
+    def enum_member(cls, name):  # how Python 3.11.2 (not 3.11.7) pickles an enum member: getattr(cls, name)
+        if isinstance(cls, enum.EnumMeta) and (cls.__module__, cls.__qualname__) in _METADATA_CLASSES and \
+                isinstance(name, str) and name in cls.__members__:
+            return cls[name]
+        raise Refused(f"builtins.getattr({getattr(cls, '__qualname__', type(cls).__name__)}, {name!r}) is not an "
+                      f"enum member of a checkpoint's metadata")
 
     class Restricted(pickle.Unpickler):
         def find_class(self, module, name):
             if (module, name) in _METADATA_CLASSES or (module == "torch" and isinstance(getattr(torch, name, None),
                                                                                        torch.dtype)):
                 return super().find_class(module, name)
+            if (module, name) == ("builtins", "getattr"):
+                return enum_member
             raise Refused(f"{module}.{name} is not part of a checkpoint's metadata")
 
     path = os.path.join(folder, ".metadata")
@@ -330,9 +342,10 @@ def export(path, dest=None):
 
 
 def _check_export_dest(dest):
-    """An export goes into a new or empty folder, or one holding neither a model nor a run: into a
-    model's folder it would replace its weights without a word, and into a run's out_dir its
-    config.json would make `--model out_dir` load the export instead of the run's checkpoint."""
+    """An export goes into a new or empty folder: into a model's folder it would replace its
+    weights without a word, into a run's out_dir its config.json would make `--model out_dir` load
+    the export instead of the run's checkpoint, and into a folder of tokenizer files it would
+    overwrite tokenizer.json while a chat_template.jinja it does not write replaced its template."""
     if os.path.exists(dest) and not os.path.isdir(dest):
         raise FileExistsError(f"{dest} is a file: pass a folder to export into")
     names = sorted(os.listdir(dest)) if os.path.isdir(dest) else []
@@ -344,6 +357,10 @@ def _check_export_dest(dest):
     if models:
         raise FileExistsError(f"{dest} already holds a model ({', '.join(models)}): an export there would replace "
                               f"its weights; pass a new folder as DEST")
+    if names:
+        raise FileExistsError(f"{dest} already holds files ({', '.join(names)}): an export writes a whole Hugging Face "
+                              f"folder (weights, config, tokenizer, chat template), would overwrite them and load "
+                              f"the others as its own; pass a new or empty folder as DEST")
 
 
 def _read_sharded(sharded_dir, state):

@@ -1,6 +1,7 @@
 """Flags that do not go together, one function a script, each message saying what to change (each
 flag's own range and choices: cli.check_ranges; the schedule: cli.check_schedule). Called by the
 scripts right after cli.start."""
+import dataclasses
 
 
 def dpo(cfg):
@@ -15,6 +16,10 @@ def grpo(cfg, d):
     """The batch arithmetic and the flags that do not go together, with messages that say what to
     change (each flag's own range and choices: cli.check_ranges)."""
     n_local = cfg.prompts_per_step // max(d.world_size, 1)
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    is_set = [f"--{k} {'none' if getattr(cfg, k) is None else getattr(cfg, k)}" for k in (
+        "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max")
+        if getattr(cfg, k) != defaults[k]]  # the correction's mode and bounds, where they are not the defaults
     checks = [
         (cfg.prompts_per_step % d.world_size == 0,
          f"--prompts_per_step {cfg.prompts_per_step} must be divisible by world size {d.world_size} (groups stay on one rank)"),
@@ -43,6 +48,9 @@ def grpo(cfg, d):
             cfg.vllm_importance_sampling_clip_min is None is cfg.vllm_importance_sampling_clip_max),
          f"--vllm_importance_sampling_mode {cfg.vllm_importance_sampling_mode} needs "
          f"--vllm_importance_sampling_clip_min or --vllm_importance_sampling_clip_max"),
+        (cfg.vllm_importance_sampling_correction or not is_set,
+         f"{' and '.join(is_set)} shape{'s' if len(is_set) == 1 else ''} the sampler-trainer correction, which is "
+         f"off: pass --vllm_importance_sampling_correction too, or drop {'them' if len(is_set) > 1 else 'it'}"),
         (not cfg.delta or cfg.delta > 1 + cfg.epsilon_high,
          f"--delta {cfg.delta} must exceed 1 + --epsilon_high ({1 + cfg.epsilon_high}) or be 0 (off)"),
         (not cfg.clip_ratio_c or cfg.clip_ratio_c > 1, f"--clip_ratio_c {cfg.clip_ratio_c} must exceed 1 or be 0 (off)"),

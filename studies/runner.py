@@ -52,18 +52,20 @@ def run_stage(name, argv, cfg, times):
     cmd = [sys.executable, *argv, *extra]
     print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
     t0 = time.time()
-    # the stage ends with the pipeline: on SIGTERM or Ctrl-C (the finally below), and on SIGKILL
-    # through the kernel's parent-death signal (Linux), so a rerun never finds it still running
+    # the stage ends with the pipeline: on SIGTERM or Ctrl-C (below), and on SIGKILL through the
+    # kernel's parent-death signal (Linux), so a rerun never finds it still running
     proc = subprocess.Popen(cmd, preexec_fn=_end_with_parent)
     try:
         rc = proc.wait()
+    except KeyboardInterrupt:  # a terminal's Ctrl-C reaches the stage too (one process group), which ends
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # with its own line: wait for it, a second Ctrl-C
+        try:  # ignored; passed on if the stage still runs after 10 s (a `kill -INT` of the pipeline alone)
+            _stop(proc, signal.SIGINT, grace=10)
+        finally:
+            signal.signal(signal.SIGINT, old)
+        raise
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        _stop(proc, signal.SIGTERM, grace=0)
     if rc != 0:
         raise SystemExit(f"stage {name} failed: {' '.join(cmd)}")
     times[os.path.relpath(out_dir, cfg.runs)] = round(time.time() - t0, 1)
@@ -75,6 +77,19 @@ def run_stages(stage_list, cfg, times, times_path):
         run_stage(name, argv, cfg, times)
         with open(times_path, "w") as f:
             json.dump(times, f, indent=1)
+
+
+def _stop(proc, sig, grace):
+    """End proc if it still runs: `grace` seconds to end on its own, then sig, then SIGKILL 30 s later."""
+    for send, wait in ((None, grace), (sig, 30), (signal.SIGKILL, None)):
+        if proc.poll() is not None:
+            return
+        if send is not None:
+            proc.send_signal(send)
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def _end_with_parent():

@@ -89,12 +89,12 @@ def test_an_unused_column_of_mixed_types_is_left_out(tmp_path, capsys):
 
     import grpo
 
-    rows = [{"prompt": "p1", "completion": "c1", "answer": 7}, {"prompt": "p2", "completion": "c2", "answer": "3/4"}]
+    rows = [{"prompt": "p1", "completion": "c1", "answer": 7}, {"prompt": "p2", "completion": "c2", "answer": [3, 4]}]
     path = write_jsonl(tmp_path / "d.jsonl", rows)
     assert data.load_data(path, "train", ["prompt", "completion"]).column_names == ["prompt", "completion"]
     assert capsys.readouterr().out == (f"{path}: left out column 'answer', which this script does not read: row 2: "
-                                       f"field 'answer' is str, while earlier rows hold int\n")
-    with pytest.raises(ValueError, match=rf"^{path} row 2: field 'answer' is str, while earlier rows hold int$"):
+                                       f"field 'answer' is list, while earlier rows hold int\n")
+    with pytest.raises(ValueError, match=rf"^{path} row 2: field 'answer' is list, while earlier rows hold int$"):
         environment.load_prompts(grpo.Config(dataset=path, reward_fn="math"), rules=True)
     assert environment.load_prompts(grpo.Config(dataset=path), rules=False)[0].column_names == ["prompt", "completion"]
     table = pyarrow.table({"prompt": ["p1", "p2"], "completion": ["c1", "c2"], "id": pyarrow.array([2**63 + 5, 1], pyarrow.uint64()),

@@ -18,8 +18,11 @@ import pytest
 import torch
 
 import common
+import data
+import environment
 import grpo
 import reward_fns
+import tasks
 from helpers import (ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, chat, checkpoint_weights, read_metrics, run_here,
                      write_jsonl)
 from test_robustness import FAST, _files, run_fast
@@ -131,6 +134,68 @@ def test_a_checkpoint_folder_runs_no_code_on_resume(interrupted, tmp_path):
         planner.load_bytes(None, io.BytesIO(pickle.dumps(_Payload(str(marker)))))
     assert not marker.exists()
     assert run_fast("sft.py", ["--steps", "3", "--save_every", "2", "--out_dir", str(out), "--resume"]).returncode == 0
+
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+
+
+@pytest.mark.parametrize("python", ["3.11.2", "3.11.7"])
+def test_the_metadata_guard_reads_real_metadata_pickled_by_each_python(tmp_path, python):
+    """On Debian 12's /usr/bin/python3 (3.11.2) no run could resume: that Python pickles DCP's
+    _MEM_FORMAT_ENCODING enum member as builtins.getattr(_MEM_FORMAT_ENCODING, name), which the
+    guard refused ("builtins.getattr is not part of a checkpoint's metadata"). The .metadata of
+    a model's and its optimizer's state, as each Python pickled it (tests/fixtures/
+    make_dcp_metadata.py), is read by the guard into what a plain pickle.load reads."""
+    (tmp_path / ".metadata").write_bytes(open(os.path.join(FIXTURES, f"dcp_metadata-{python}.pickle"), "rb").read())
+    with open(tmp_path / ".metadata", "rb") as f:
+        uses_getattr = b"getattr" in f.read()
+        f.seek(0)
+        expected = pickle.load(f)  # our own fixture: safe to read unguarded
+    assert uses_getattr == (python == "3.11.2")
+    read = checkpoints._check_metadata(str(tmp_path))
+    assert read.state_dict_metadata == expected.state_dict_metadata and read.storage_data == expected.storage_data
+    formats = {m.properties.memory_format for m in read.state_dict_metadata.values() if hasattr(m, "properties")}
+    assert formats == {torch.contiguous_format}, formats  # the enum member, mapped back by TensorProperties
+
+
+def _getattr_chain(marker):
+    """A pickle of builtins.getattr calls alone (beside an allowed function) that reaches the os
+    module and makes the folder `marker`: getattr(_get_layout, "__globals__").get("os").mkdir."""
+    def getattr_(obj, name):
+        return b"cbuiltins\ngetattr\n(" + obj + b"V" + name + b"\ntR"
+
+    os_module = getattr_(getattr_(b"ctorch.serialization\n_get_layout\n", b"__globals__"), b"get") + b"(Vos\ntR"
+    return getattr_(os_module, b"mkdir") + b"(V" + marker.encode() + b"\ntR."
+
+
+@pytest.mark.parametrize("case", ["getattr_to_os", "getattr_not_a_member", "global_outside"])
+def test_the_metadata_guard_admits_getattr_for_an_enum_member_alone(tmp_path, case):
+    """builtins.getattr is admitted only as Python 3.11.2 uses it, a member of an allowed enum by
+    name: a getattr chain that reaches os from an allowed function (it runs under pickle.load,
+    seen here), a getattr on the allowed enum for anything but a member, and a global outside the
+    allow-list are each refused, naming what, and nothing runs."""
+    marker = tmp_path / "ran"
+    payload = {
+        "getattr_to_os": _getattr_chain(str(marker)),
+        "getattr_not_a_member": b"cbuiltins\ngetattr\n(ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\n"
+                                b"V__class__\ntR.",
+        "global_outside": pickle.dumps(os.system),
+    }[case]
+    if case == "getattr_to_os":  # the payload is live: an unguarded load runs it
+        pickle.loads(payload)
+        assert marker.is_dir()
+        marker.rmdir()
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / ".metadata").write_bytes(payload)
+    with pytest.raises(ValueError) as e:
+        checkpoints._check_metadata(str(folder))
+    named = {"getattr_to_os": "builtins.getattr(_get_layout, '__globals__') is not an enum member",
+             "getattr_not_a_member": "builtins.getattr(_MEM_FORMAT_ENCODING, '__class__') is not an enum member",
+             "global_outside": "posix.system is not part of a checkpoint's metadata"}[case]
+    assert str(e.value).startswith(f"{folder / '.metadata'} is not a checkpoint's metadata ({named}"), str(e.value)
+    assert str(e.value).endswith("refusing to read it, as it could run code"), str(e.value)
+    assert not marker.exists()
 
 
 def test_a_full_disk_is_named_and_leaves_the_last_checkpoint(tmp_path, monkeypatch):
@@ -409,6 +474,84 @@ def test_export_refuses_a_folder_that_holds_a_model_or_a_run(interrupted, tmp_pa
         assert r.returncode == 1 and f"{dest} already holds a {'model' if dest == model else 'run'} ({held})" in r.stderr, \
             r.stderr[-2000:]
         assert "Traceback" not in r.stderr and _files(dest) == before
+
+
+def test_export_refuses_a_folder_of_the_users_tokenizer_files(interrupted, tmp_path):
+    """`python -m plumbing export RUN DEST`, DEST holding the user's tokenizer.json,
+    tokenizer_config.json and chat_template.jinja (no weights): tokenizer.json was overwritten
+    without a word, and the export's tokenizer then loaded the stray chat_template.jinja as its
+    own. Refused, naming the folder and its files; nothing in it changes."""
+    out = resumable(interrupted, tmp_path)
+    dest = tmp_path / "mine"
+    dest.mkdir()
+    files = {"chat_template.jinja": "{{ 'MY TEMPLATE' }}", "tokenizer.json": "{\"mine\": 1}",
+             "tokenizer_config.json": "{}"}
+    for name, text in files.items():
+        (dest / name).write_text(text)
+    r = run_cli(["export", out, dest])
+    assert r.returncode == 1 and (f"{dest} already holds files (chat_template.jinja, tokenizer.json, "
+                                  f"tokenizer_config.json): an export writes a whole Hugging Face folder") in r.stderr, \
+        r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and {p.name: p.read_text() for p in dest.iterdir()} == files
+
+
+def test_a_csv_header_naming_a_column_twice_is_refused(tmp_path):
+    """A CSV whose header is `prompt,completion,completion` trained on the second completion
+    column without a word (a row became a dict, the last of equal keys kept). Refused, naming the
+    file, the column and where it stands."""
+    path = tmp_path / "d.csv"
+    path.write_text("prompt,completion,completion\nq,first,second\n")
+    with pytest.raises(ValueError) as e:
+        data.load_data(str(path), "train", ["prompt", "completion"])
+    assert str(e.value) == (f"{path}: the header names column 'completion' more than once (columns 2, 3); give each "
+                            f"column its own name")
+    path.write_text("prompt,completion,note\nq,first,second\n")  # distinct names read as before
+    assert data.load_data(str(path), "train", ["prompt", "completion"]).to_list() == [
+        {"prompt": "q", "completion": "first", "note": "second"}]
+
+
+def test_answers_4_and_text_4_in_one_file_are_one_answer_to_the_math_rule(tmp_path, capsys):
+    """Answers 4 and "4" in one file were refused for the `math` rule ("field 'answer' is str,
+    while earlier rows hold int"), though the rule reads both. The column is read as text, with a
+    note, and each row scores as the rule scores the value as written in the file; a prompt
+    column mixing them is still refused, naming the row."""
+    answers = [4, "4", 2.5, "#### 7", -3]
+    rows = [{"prompt": f"q{i}", "answer": a} for i, a in enumerate(answers)]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    ds, _ = environment.load_prompts(grpo.Config(dataset=path, reward_fn="math"), rules=True)
+    read = ds["answer"][:]
+    assert read == ["4", "4", "2.5", "#### 7", "-3"]
+    assert f"note: {path}: column 'answer' holds both numbers and text; its numbers are read as text" in \
+        capsys.readouterr().out
+    for completion in ("4", "2.5", "7", "-3", "5"):
+        scores = [tasks.math_reward("", completion, a) for a in read]
+        assert scores == [tasks.math_reward("", completion, a) for a in answers], completion
+    assert [tasks.math_reward("", "4", a) for a in read] == [1.0, 1.0, 0.0, 0.0, 0.0]
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "q", "completion": "c"}, {"prompt": 4, "completion": "c"}])
+    with pytest.raises(ValueError, match=rf"^{path} row 2: field 'prompt' is int, while earlier rows hold str$"):
+        data.load_data(path, "train", ["prompt", "completion"])
+
+
+def test_the_corrections_mode_and_bounds_without_the_correction_are_refused(tmp_path):
+    """`--vllm_importance_sampling_mode token_mask --vllm_importance_sampling_clip_min 0.5` without
+    `--vllm_importance_sampling_correction` was saved in run_config.json and ignored: the policy
+    term was not weighted. Refused before anything is written, naming each flag set and the one
+    missing; with the correction they pass, and so do the defaults without it."""
+    from plumbing import conflicts
+
+    out = tmp_path / "run"
+    r = run_here(["grpo.py", "--vllm_importance_sampling_mode", "token_mask", "--vllm_importance_sampling_clip_min",
+                  "0.5", "--steps", "1", "--out_dir", str(out)])
+    assert r.returncode != 0 and ("--vllm_importance_sampling_mode token_mask and --vllm_importance_sampling_clip_min "
+                                  "0.5 shape the sampler-trainer correction, which is off: pass "
+                                  "--vllm_importance_sampling_correction too, or drop them") in r.stderr, r.stderr[-2000:]
+    assert not out.exists()
+    cfg = cli.with_defaults(grpo.Config())
+    conflicts.grpo(cfg, common.Dist())  # the defaults, correction off
+    with pytest.raises(ValueError, match=r"^--vllm_importance_sampling_clip_max none shapes .* or drop it$"):
+        conflicts.grpo(dataclasses.replace(cfg, vllm_importance_sampling_clip_max=None), common.Dist())
+    conflicts.grpo(dataclasses.replace(cfg, vllm_importance_sampling_correction=True, vllm_importance_sampling_clip_min=0.5,
+                                       vllm_importance_sampling_mode="token_mask"), common.Dist())
 
 
 def test_the_last_good_checkpoint_gives_finite_outputs(tmp_path):

@@ -3,14 +3,18 @@ an independent probability tree, LoRA's reference, and a subprocess run of the s
 import copy
 import importlib.util
 import math
+import types
 
+import datasets
 import pytest
 import torch
 
 import common
+import data
 import environment
 import reward_fns
 import grpo
+import sampling
 import tasks
 from grpo import (aggregate, group_advantages, grpo_loss, kl_per_token, loss_normaliser,
                   rejection_sample)
@@ -836,3 +840,111 @@ def test_a_mini_batch_of_truncated_completions_only_has_a_zero_loss_not_nan(tmp_
     step = rows[-1]
     assert step["completions/clipped_ratio"] == 15 / 16, step  # the case: one stopped completion in 16
     assert math.isfinite(step["loss"]) and math.isfinite(step["grad_norm"]), step
+
+
+# -----------------------------------------------------------------------------
+# the wiring around the math: each test fails with the one-line bug its docstring names planted
+
+
+def hand_rollout(rewards, stopped=None):
+    """An environment.Rollout of len(rewards) rows (prompt_idx: the row's number), its rewards as given."""
+    rewards = torch.tensor(rewards, dtype=torch.float32)
+    N = len(rewards)
+    ids = torch.arange(N)[:, None].repeat(1, 2)
+    return environment.Rollout(p_ids=ids, p_mask=torch.ones_like(ids), r_ids=ids, r_mask=torch.ones_like(ids),
+                               r_logps=torch.zeros(N, 2), r_tool=torch.zeros(N, 2),
+                               stopped=torch.ones(N, dtype=torch.bool) if stopped is None else stopped,
+                               prompt_idx=torch.arange(N), prompt_cut=torch.zeros(N, dtype=torch.bool),
+                               rewards=rewards, parts={})
+
+
+def test_combine_pairs_each_weight_with_the_reward_of_its_name():
+    """The weighted sum takes each weight's reward by name: the parts come in another order than
+    the weights, after a term no weight names (a penalty, logged alone). Hand case: 0.5 a + 2 b.
+    Planted, fails here: `zip(weights.values(), parts.values())` (by position)."""
+    parts = {"overlong": torch.tensor([-100.0, -100.0]), "b": torch.tensor([1.0, 2.0]), "a": torch.tensor([10.0, 20.0])}
+    assert environment.combine(parts, {"a": 0.5, "b": 2.0}).tolist() == [0.5 * 10 + 2 * 1, 0.5 * 20 + 2 * 2]
+
+
+def test_dynamic_sampling_keeps_a_group_whose_scored_rewards_differ_beside_an_unscored_one():
+    """DAPO's dynamic sampling: a group [0, None, 1, 0] (a function returned None for one
+    completion) has rewards that differ, and is kept before the equal-reward groups; [2, None, 2,
+    2] is equal. Groups 1 and 3 are kept, none missing. Planted, fails here: `g.amax(1) >
+    g.amin(1)` without nan_to_num (NaN compares False: the group counted as all-equal)."""
+    nan = math.nan
+    rewards = [1, 1, 1, 1, 0, nan, 1, 0, 2, nan, 2, 2, 3, 1, 0, 2]  # groups 0..3 of 4
+    cfg = grpo.Config(prompts_per_step=2, group_size=4)
+    roll, missing = grpo.dynamic_sample([hand_rollout(rewards)], cfg, common.Dist(), pad_id=0)
+    assert roll.prompt_idx.tolist() == [4, 5, 6, 7, 12, 13, 14, 15] and missing == 0
+    roll, missing = grpo.dynamic_sample([hand_rollout(rewards[:12])], cfg, common.Dist(), pad_id=0)
+    assert roll.prompt_idx.tolist()[:4] == [4, 5, 6, 7] and missing == 1
+
+
+@pytest.mark.parametrize("mode", ["rso", "topbottom"])
+def test_rejection_sampling_ranks_an_unscored_completion_last(monkeypatch, mode):
+    """--rs_samples 4 keeping 3 (--group_size): a completion no reward scores (None) ranks below
+    every scored one, whatever they are. Rewards all negative: rso keeps the three scored ones
+    (an unscored one has acceptance probability 0 while any is left), topbottom the two highest
+    and the unscored as the lowest. Planted, fails here: `rewards.nan_to_num(0.0)` (an unscored
+    completion ranked as reward 0, above them all)."""
+    nan = math.nan
+    rewards = torch.tensor([-1.0, nan, -2.0, -3.0, -5.0, -4.0, nan, -6.0])
+    monkeypatch.setattr(environment, "score", lambda roll, env, cfg, d: {"rule": rewards.clone()})
+    env = types.SimpleNamespace(weights={"rule": 1.0})
+    cfg = grpo.Config(prompts_per_step=2, group_size=3, rs_samples=4, rs_mode=mode, no_eos_penalty=0.0)
+    roll = grpo.reward(hand_rollout([0.0] * 8), env, cfg, common.Dist(), step=1)
+    want = {"rso": [0, 2, 3, 4, 5, 7], "topbottom": [0, 1, 2, 4, 5, 6]}[mode]
+    assert roll.prompt_idx.tolist() == want
+
+
+def test_the_sampled_evaluation_draws_from_its_own_stream(monkeypatch):
+    """environment.evaluate_rewards samples the held-out prompts with uniforms of their own stream
+    (seeded by --seed alone): the same at every evaluation, whatever the global RNG holds. The
+    uniforms `sample` is given for each chunk are those of sampling.rollout_uniforms(n, T,
+    stream_seed(seed, 0, stream=3)), after torch.manual_seed(0) as after (1). Planted, fails here:
+    `u = torch.rand(n, cfg.max_new_tokens, dtype=torch.float64)` (the global RNG)."""
+    seen = []
+
+    def fake_sample(model, env, prompts, u, temperature, cfg, d):
+        seen.append((temperature, u.clone()))
+        n = len(prompts)
+        return (torch.zeros(n, 1, dtype=torch.long), None, torch.full((n, 2), 7), torch.ones(n, 2, dtype=torch.long),
+                None, None)
+
+    monkeypatch.setattr(environment, "sample", fake_sample)
+    monkeypatch.setattr(sampling, "decode_responses", lambda tok, ids, mask, p_ids: ["x"] * len(ids))
+    monkeypatch.setattr(environment, "score_texts", lambda env, rows, own, texts, **kw: {"rule": torch.ones(len(texts))})
+    env = types.SimpleNamespace(fns=[], rm=None, stop_ids=[0], tokenizer=None, weights={"rule": 1.0})
+    held = {"rows": {"prompt": ["a", "b", "c"], "reward_fn": ["sort"] * 3}, "own": ["a", "b", "c"],
+            "numbers": [1, 2, 3], "source": "held.jsonl"}
+    cfg = grpo.Config(seed=3, max_new_tokens=5, temperature=0.9, eval_batch_size=2)
+    want = sampling.rollout_uniforms(3, 5, sampling.stream_seed(3, 0, stream=3))
+    for global_seed in (0, 1):
+        seen.clear()
+        torch.manual_seed(global_seed)
+        environment.evaluate_rewards(torch.nn.Linear(1, 1), env, held, cfg, common.Dist())
+        sampled = torch.cat([u for t, u in seen if t == cfg.temperature])  # chunks of rows [0, 1], [2]
+        assert torch.equal(sampled, want), global_seed
+
+
+def test_a_row_stopped_only_where_a_stop_id_is_inside_its_response(monkeypatch):
+    """`stopped` (--no_eos_penalty, --mask_truncated_completions, completions/clipped_ratio) reads
+    the stop ids inside the response mask only: where the pad id is a stop id (EOS as pad), a row
+    cut before it stopped (a tool budget, --truncate_token's mask) has that id in its padding.
+    Rows: stopped at EOS; cut, EOS-as-pad after it; full length, no stop id. Planted, fails here:
+    `torch.isin(r_ids, stop_ids).any(-1)` without `& r_mask.bool()`."""
+    eos = pad = 0
+    r_ids = torch.tensor([[5, eos, pad], [5, 6, pad], [5, 6, 7]])
+    r_mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 1, 1]])
+
+    def fake_sample(model, env, prompts, u, temperature, cfg, d):
+        n = len(prompts)
+        return (torch.ones(n, 1, dtype=torch.long), torch.ones(n, 1, dtype=torch.long), r_ids, r_mask,
+                torch.zeros(n, 3), torch.zeros(n, 3, dtype=torch.long))
+
+    monkeypatch.setattr(environment, "sample", fake_sample)
+    env = types.SimpleNamespace(order=data.DataOrder(2, 0, 1), prompts=datasets.Dataset.from_dict({"prompt": ["a", "b"]}),
+                                stop_ids=[eos, 9], prompt_cut=torch.zeros(2, dtype=torch.bool))
+    cfg = grpo.Config(prompts_per_step=1, group_size=3, max_new_tokens=3)
+    roll = environment.rollout(torch.nn.Linear(1, 1), env, cfg, common.Dist(), step=1)
+    assert roll.stopped.tolist() == [True, False, False]

@@ -294,6 +294,34 @@ def test_killing_the_pipeline_ends_its_running_stage(tmp_path, how=signal.SIGKIL
         time.sleep(0.1)
 
 
+def test_ctrl_c_during_a_pipeline_stage_ends_with_its_line_and_the_pipelines(tmp_path):
+    """A Ctrl-C at the terminal (SIGINT to the pipeline and its stage, one process group) during a
+    stage: the stage printed its resume line, then the pipeline a full KeyboardInterrupt
+    traceback. Now the pipeline waits for the stage's line and ends with its own, the command that
+    continues, exit status 130, no traceback; the stage has ended."""
+    def terminal():  # a process group of its own, as a terminal's foreground job, and Ctrl-C not ignored
+        os.setpgrp()
+        _ctrl_c_as_in_a_terminal()
+
+    pipe = subprocess.Popen([sys.executable, "pipeline.py", "--runs", str(tmp_path)], cwd=ROOT,
+                            env=SUBPROCESS_ENV_NO_TOKENIZER_THREADS, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=terminal)
+    lock = tmp_path / "sft" / ".lock"
+    deadline = time.time() + 120
+    while not (lock.exists() and lock.read_text().startswith("pid")):  # the SFT stage runs, its handlers set
+        assert time.time() < deadline and pipe.poll() is None, "the SFT stage did not start"
+        time.sleep(0.1)
+    stage = int(lock.read_text().split()[1])
+    os.killpg(pipe.pid, signal.SIGINT)
+    _, err = pipe.communicate(timeout=120)
+    assert pipe.returncode == 130 and "Traceback" not in err, err[-3000:]
+    lines = err.strip().splitlines()
+    assert lines[-1] == (f"pipeline interrupted; continue with: python pipeline.py --runs {tmp_path} (finished stages "
+                         f"are skipped, an interrupted one resumes from its last checkpoint)"), err[-3000:]
+    assert lines[-3].startswith("interrupted") and lines[-2] == "", err[-3000:]  # the stage's own line
+    assert not _alive(stage)
+
+
 def _alive(pid):
     try:
         with open(f"/proc/{pid}/stat") as f:

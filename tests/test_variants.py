@@ -188,6 +188,35 @@ def test_off_policy_mask_drops_negative_advantage_sequences_past_the_threshold_o
     assert not torch.allclose(g[0], g_kl[0])
 
 
+def test_off_policy_mask_compares_the_threshold_with_the_mean_log_ratio():
+    """DeepSeek-V3.2's Eq. 9 bounds the mean token log(pi_rollout / pi), not its sum: row 0 drifts
+    0.1 on each of 4 tokens (mean 0.1, sum 0.4) and is kept under a threshold of 0.2; row 1 drifts
+    0.3 on its 2 tokens (mean 0.3), its padding 5: dropped; row 2 drifts 0.15 on 1 token and is kept.
+    Planted, fails here: the sum over tokens without `/ mask.sum(-1)`."""
+    logps = torch.zeros(3, 4, **f64)
+    rollout = torch.tensor([[0.1, 0.1, 0.1, 0.1], [0.3, 0.3, 5.0, 5.0], [0.15, 5.0, 5.0, 5.0]], **f64)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], **f64)
+    keep = off_policy_mask(logps, rollout, torch.tensor([-1.0, -1.0, -1.0], **f64), mask, 0.2)
+    assert keep.flatten().tolist() == [1.0, 0.0, 1.0]
+
+
+@pytest.mark.parametrize("mode, want", [("token_mask", [1.0, 0.0, 1.5, 0.0]), ("token_truncate", [1.0, 0.5, 1.5, 2.0])])
+def test_policy_weights_bound_the_ratio_below_by_clip_min(mode, want):
+    """policy_weights passes both bounds on: per-token ratios pi_old / pi_rollout of 1, 0.3, 1.5
+    and 3 under --vllm_importance_sampling_clip_min 0.5 and _clip_max 2 are masked (IcePop) to
+    1, 0, 1.5, 0 or truncated to 1, 0.5, 1.5, 2, and half the tokens are outside. Planted, fails
+    here: the call of rollout_is_weights without `clip_min=cfg.vllm_importance_sampling_clip_min`."""
+    cfg = replace(cli.with_defaults(grpo.Config()), prompts_per_step=1, group_size=1, num_mini_batches=1,
+                  vllm_importance_sampling_correction=True, vllm_importance_sampling_mode=mode,
+                  vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=2.0)
+    old = torch.log(torch.tensor([[1.0, 0.3, 1.5, 3.0]], **f64))
+    rollout, mask = torch.zeros(1, 4, **f64), torch.ones(1, 4, **f64)
+    w, m = grpo.policy_weights(cfg, old, old, rollout, torch.tensor([1.0], **f64), mask, None,
+                               n_tokens=torch.tensor(4.0, **f64))
+    torch.testing.assert_close(w, torch.tensor([want], **f64))
+    assert m["sampling/importance_sampling_ratio/outside_tokens"].item() == 0.5
+
+
 def test_top_entropy_mask_keeps_the_top_share_of_real_tokens_by_enumeration():
     g = torch.Generator().manual_seed(0)
     entropy = torch.rand(3, 6, generator=g) * 5
@@ -285,6 +314,24 @@ def test_reinforce_pp_whitens_over_tokens_as_verl_does():
     tokens = [c for c, n in zip(centred, lengths.flatten().tolist()) for _ in range(n)]
     mean, var = statistics.fmean(tokens), statistics.variance(tokens)
     torch.testing.assert_close(adv.flatten(), torch.tensor([(c - mean) / math.sqrt(var + 1e-8) for c in centred], **f64))
+
+
+def test_reinforce_pp_whitens_over_the_tokens_of_scored_completions_only():
+    """An unscored completion (NaN: a function returned None) gets advantage 0 and is no part of
+    REINFORCE++'s whitening: rewards [[1, None, 0], [2, 4, 3]] with lengths [[2, 7, 1], [1, 2, 3]]
+    are centred by each group's scored mean, then whitened over the scored completions' tokens
+    alone (a naive loop over them). Planted, fails here: the whitening's weights without `* scored`
+    (the unscored completion's 7 tokens counted as advantage 0)."""
+    import statistics
+
+    r = torch.tensor([[1.0, math.nan, 0.0], [2.0, 4.0, 3.0]], **f64)
+    lengths = torch.tensor([[2, 7, 1], [1, 2, 3]])
+    adv, _ = grpo.group_advantages(r, "none", estimator="reinforce_pp", lengths=lengths)
+    centred = [0.5, None, -0.5, -1.0, 1.0, 0.0]  # r - the mean of the group's scored rewards (0.5; 3)
+    tokens = [c for c, n in zip(centred, lengths.flatten().tolist()) if c is not None for _ in range(n)]
+    mean, var = statistics.fmean(tokens), statistics.variance(tokens)
+    want = [0.0 if c is None else (c - mean) / math.sqrt(var + 1e-8) for c in centred]
+    torch.testing.assert_close(adv.flatten(), torch.tensor(want, **f64))
 
 
 def test_cispo_caps_the_weight_at_epsilon_high_itself_as_trl_does():
