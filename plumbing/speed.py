@@ -61,11 +61,11 @@ def fastest(model, batch, layouts, d, reward=False):
     """The fastest of `layouts` for a forward and backward of `batch`, by the ROUNDS timed calls of
     each (the least), summed over the ranks: (name, {name: seconds})."""
     for layout in layouts:  # warm-up: allocations, kernel selection, autotuning
-        _forward_backward(model, batch, layout, reward, d)
+        _forward_backward(model, batch, layout, reward=reward, d=d)
     times = torch.full((len(layouts),), float("inf"), dtype=torch.float64)
     for r in range(ROUNDS):
         for i in (range(len(layouts)) if r % 2 == 0 else reversed(range(len(layouts)))):
-            times[i] = min(times[i], seconds(functools.partial(_forward_backward, model, batch, layouts[i], reward, d), d))
+            times[i] = min(times[i], seconds(functools.partial(_forward_backward, model, batch, layouts[i], reward=reward, d=d), d))
     times = common.all_reduce_sum(times.to(d.device), d).tolist()
     return layouts[times.index(min(times))], dict(zip(layouts, times))
 

@@ -73,7 +73,7 @@ def gpu_clock(monkeypatch):
     table, ran = {}, []
     real = speed._forward_backward
     monkeypatch.setattr(speed, "timed", lambda d: True)
-    monkeypatch.setattr(speed, "_forward_backward", lambda *a: ran.append(a[2]) or real(*a))
+    monkeypatch.setattr(speed, "_forward_backward", lambda *a, **k: ran.append(a[2]) or real(*a, **k))
     monkeypatch.setattr(speed, "seconds", lambda fn, d: fn() or table[ran[-1]])
     return table, ran
 
