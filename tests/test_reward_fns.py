@@ -160,8 +160,9 @@ def test_a_bad_reward_fn_or_weight_is_refused_naming_the_flag_before_anything_is
     (tmp_path / "myrewards.py").write_text(REWARDS)
     fns = tmp_path / "myrewards.py"
     for argv, message in (
-            (["--reward_fn", "nosuchmodule:f"], "--reward_fn nosuchmodule:f: cannot import 'nosuchmodule'"),
-            (["--reward_fn", f"{fns}:nope"], f"--reward_fn {fns}:nope: {str(fns)!r} has no function 'nope'"),
+            (["--reward_fn", "nosuchmodule:f"], "--reward_fn nosuchmodule:f: cannot load it: importing module "
+             "'nosuchmodule' failed: ModuleNotFoundError: No module named 'nosuchmodule'\n"),
+            (["--reward_fn", f"{fns}:nope"], f"--reward_fn {fns}:nope: cannot load it: module {str(fns)!r} has no 'nope'"),
             (["--reward_fn", "math,srot"], "'srot' is neither a rule"),
             (["--reward_fn", f"{fns}:length,{fns}:odd_only", "--reward_weights", "length:1"],
              "gives no weight to --reward_fn's odd_only"),
