@@ -140,9 +140,9 @@ class RewardCaller:
         replies = self._calls(self.fns, kw, len(rows))
         for f, (header, _) in zip(self.fns, replies):
             if "timeout" in header:
-                raise ValueError(f"--reward_fn {f.name}{self.where} {_failure(header, f'on {source} rows {_rows(rows)}')}: "
-                                 f"raise the flag for a slow function; one that can hang on a row can bound itself "
-                                 f"(signal.alarm) and return None for it")
+                what = _failure(header, f"on {source} rows {_rows(rows)}")
+                raise ValueError(f"--reward_fn {f.name}{self.where} {what}: raise the flag for a slow function; one that "
+                                 f"can hang on a row can bound itself (signal.alarm) and return None for it")
             if FAILED & set(header):
                 raise ValueError(self._culprit(f, kw, rows, source, header))
         out = {f.name: check_rewards(header, data, f.name + self.where, rows, source)
