@@ -66,13 +66,11 @@ CALLS = []  # this worker's calls so far
 
 
 def hangs_from_the_second_call(prompts, completions, **kwargs):
-    """1.0 per completion at its first call (step 1), then marks `hung` and never returns, with
-    SIGINT and SIGTERM ignored (a terminal's Ctrl-C must not reach it, and the trainer's SIGTERM
-    must not be enough)."""
+    """1.0 per completion at its first call (step 1), then marks `hung` and never returns."""
     CALLS.append(len(completions))
     if len(CALLS) > 1:
         mark("hung")
-        ignore_signals_and_hang()
+        hang()
     return [1.0] * len(completions)
 
 
