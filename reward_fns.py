@@ -6,7 +6,6 @@ rules read as each row's reference (environment.score calls them)."""
 import array
 import dataclasses
 import math
-import pickle
 import sys
 
 import tasks
@@ -130,7 +129,7 @@ class RewardCaller:
 
     def _calls(self, fns, kw, n):
         """Each function's reply (workers.call_all) on the rows of kw (n of them)."""
-        payload = pickle.dumps(((), kw, ["rewards", n]), protocol=pickle.HIGHEST_PROTOCOL)
+        payload = workers.request((), kw, ["rewards", n])  # each row's objects its own, as TRL's
         return workers.call_all([(f.fn, payload) for f in fns], self.timeout_s)
 
     def __call__(self, prompts, completions, completion_ids, columns, rows, source):

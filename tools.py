@@ -17,7 +17,6 @@ import json
 import math
 import operator
 import os
-import pickle
 
 from plumbing import user_code, workers
 
@@ -167,7 +166,7 @@ def call_tools(tool, texts, max_chars=None, timeout_s=None):
     exception in the trainer (Ctrl-C) kills the workers it interrupted."""
     tool = as_tool(tool)
     limit = timeout_s or tool.timeout_s
-    calls = [(tool, pickle.dumps(((call_argument(text),), {}, ["text", max_chars]))) for text in texts]
+    calls = [(tool, workers.request((call_argument(text),), {}, ["text", max_chars])) for text in texts]
     return [_answer(header, limit) for header, _ in workers.call_all(calls, limit)]
 
 

@@ -11,12 +11,13 @@ goes to the trainer's process group only; the trainer then ends it). It imports 
 library, plumbing/user_code.py and the function's module (multiprocessing's spawn would import the
 trainer's script, torch and all), from the trainer's sys.path, and answers calls one at a time in
 its main thread (where Python runs signal handlers), kept alive between calls. What the trainer
-sends is pickled, so the function gets objects of its own at every call; what a worker sends back
-is JSON and raw floats: the trainer never unpickles what a user's code could have written. Its
+sends is pickled without pickle's memo (request), so the function gets objects of its own at
+every call and in every row, as TRL passes them; what a worker sends back is JSON and raw floats:
+the trainer never unpickles what a user's code could have written. Its
 stdin is a pipe the trainer never writes: EOF on it tells the worker that the trainer is gone."""
 import array
 import asyncio
-import copy
+import io
 import inspect
 import json
 import multiprocessing.connection
@@ -53,21 +54,6 @@ def _exit_with_parent(fd):
     os._exit(1)
 
 
-def _fresh(kwargs):
-    """Each row its own objects, as TRL passes them: unpickling keeps one object for the rows that
-    shared one in the trainer (a prompt's G completions share its messages), so each repeat of a
-    mutable one is copied."""
-    for values in kwargs.values():
-        if type(values) is list:
-            seen = set()
-            for i, v in enumerate(values):
-                if isinstance(v, (str, bytes, int, float, type(None))):
-                    continue
-                if id(v) in seen:
-                    values[i] = copy.deepcopy(v)
-                seen.add(id(values[i]))
-
-
 def _rewards(out, n):
     """A reward function's value as [header, floats]: n float64 (NaN for None and NaN), and a JSON
     header naming each item that is not a real number or None ({row index: repr}), or the type and
@@ -75,6 +61,8 @@ def _rewards(out, n):
     (iterating a 1-D tensor gives those; TRL's torch.tensor takes them)."""
     if isinstance(out, (str, bytes)) or not hasattr(out, "__len__") or len(out) != n:
         return [{"not": type(out).__name__, "length": len(out) if hasattr(out, "__len__") else None}, b""]
+    if all(type(v) is float or type(v) is int for v in out):  # the common case, at C speed
+        return [{}, array.array("d", out).tobytes()]
     values, bad = array.array("d", bytes(8 * n)), {}
     for i, v in enumerate(out):
         if getattr(v, "ndim", None) == 0 and hasattr(v, "item"):
@@ -94,8 +82,6 @@ def _call(fn, args, kwargs, reply, loop):
     max_chars characters; ["rewards", n] _rewards'. [{"raised": text}, b""] if anything raised
     (SystemExit and KeyboardInterrupt too: the function's failure, not the worker's)."""
     try:
-        if reply[0] == "rewards":
-            _fresh(kwargs)
         out = fn(*args, **kwargs)
         if inspect.isawaitable(out):
             out = loop.run_until_complete(out)
@@ -140,6 +126,18 @@ def _serve(fd):
 
 
 # ---- the trainer's side ----
+
+def request(args, kwargs, reply):
+    """A call for a worker: (args, kwargs, reply) pickled without the memo (Pickler.fast), so that an
+    object the trainer passes in several places (a prompt's messages, in each of its G rows) is
+    written, and unpickled, once for each: each row gets its own, as TRL gives it (a function that
+    appends to prompts[i] changes row i alone). Costs the repeats' bytes; a cycle is a ValueError."""
+    buffer = io.BytesIO()
+    pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.fast = True
+    pickler.dump((args, kwargs, reply))
+    return buffer.getvalue()
+
 
 class Worker:
     """A worker process for one function (spec: `module:function`, plumbing/user_code.py)."""
@@ -232,7 +230,7 @@ class Pool:
 
 
 def call_all(calls, timeout_s):
-    """Run calls, [(pool, payload)] (payload: pickle.dumps((args, kwargs, reply)), _call's), each on
+    """Run calls, [(pool, payload)] (payload: request's), each on
     a worker of its pool, up to pool.workers of a pool at once, all pools side by side; returns, per
     call, [header, bytes] as _call makes them, or [{"ended": how}, b""] (its process ended, or could
     not be started again: "unstarted"), or [{"timeout": timeout_s}, b""] (it ran past timeout_s
