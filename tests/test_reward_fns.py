@@ -178,7 +178,7 @@ def test_a_bad_reward_fn_or_weight_is_refused_naming_the_flag_before_anything_is
         environment.load_prompts(cfg, rules=False, fns=reward_fns.load_reward_fns(cfg.reward_fn))
 
 
-def test_reward_functions_run_together_async_ones_on_one_loop(tmp_path):
+def test_reward_functions_of_a_batch_run_at_once_async_ones_too(tmp_path):
     """Two `async def` functions and a plain one, each 0.4 s (a judge behind an API): one call
     takes about 0.4 s, not 1.2 s; None comes back as NaN, and a wrong return is named."""
     (tmp_path / "slow.py").write_text('''
