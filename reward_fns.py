@@ -55,9 +55,11 @@ def load_reward_fns(spec):
     for taken in sorted({n for n in names if names.count(n) > 1} | ({"rule", "model"} & set(names))):
         raise ValueError(f"--reward_fn {spec!r}: two rewards are named {taken!r} (`rule` is each row's own rule and "
                          f"`model` the --reward_model): give each function its own name")
-    starting = [f.fn.start() for f in fns if not f.builtin]  # their imports side by side
-    for f, worker in zip([f for f in fns if not f.builtin], starting):
-        failure = worker.ready()
+    users = [f for f in fns if not f.builtin]
+    for f in users:
+        f.fn.start()  # their imports side by side
+    for f in users:
+        failure = f.fn.idle[0].ready()
         if failure:
             raise ValueError(f"--reward_fn {f.fn.spec}: cannot load it: {failure}")
     return fns
