@@ -61,6 +61,7 @@ def load_prompts(cfg, rules, fns=(), split="train"):
     ds = data.load_data(source, cfg.eval_split if cfg.eval_dataset and split == "test" else split, columns,
                         kind="prompt", n=cfg.n_train, seed=cfg.seed,
                         optional=("reward_fn", "answer", "solution", cfg.answer_column) if rules or fns else ())
+    reward_fns.check_columns(ds.column_names, source, fns)  # a column named `completions` would reach them twice
     builtin = [f.name for f in fns if f.builtin]
     # each column read once, whole ([:]): iterating a datasets Column formats it row by row, 100x slower
     prompts = ds["prompt"][:]
@@ -169,7 +170,8 @@ def make_env(cfg, d, prompts, order, tokenizer, model, weights, rows=None, fns=(
     return Env(prompts=rendered, own_prompts=prompts["prompt"][:], order=order, tokenizer=tokenizer,
                stop_ids=stop_ids, truncate_id=stop_ids[-1] if cfg.truncate_token else None, weights=weights, rm=rm,
                rm_tokenizer=rm_tokenizer, teacher=teacher, tool=tool, prompt_cut=torch.tensor(cut),
-               rows=rows or list(range(1, len(prompts) + 1)), fns=list(fns), caller=reward_fns.RewardCaller(fns),
+               rows=rows or list(range(1, len(prompts) + 1)), fns=list(fns),
+               caller=reward_fns.RewardCaller(fns, cfg.reward_fn_timeout, rank=d.rank if d.world_size > 1 else None),
                answer_column=reward_fns.answer_column(prompts, cfg, cfg.dataset, needed=False))
 
 

@@ -124,6 +124,10 @@ class Config(cli.SharedConfig):
     </answer>); or TRL's reward_funcs, comma-separated: rules and your `module:function`s (a module, or
     path/to/file.py:fn), each called fn(prompts=, completions=, completion_ids=, **columns) -> a float or None
     per completion"""
+    reward_fn_timeout: float = 600.0
+    """seconds a --reward_fn function's call (a rank's completions of a step, all at once; it runs in a worker process
+    of its own) may take before the run stops naming it and its rows (TRL has none): minutes for a judge behind an
+    API, and far below --timeout_minutes, so that a hang is named before another rank's collective times out [> 0]"""
     reward_weights: str = ""
     """weighted sum of rewards by name, e.g. `rule:1.0,model:0.5` or `math:1,fn:0.5` (rule: each row's rule; model:
     --reward_model; a function: its name) (empty: each --reward_fn function and --reward_model at 1, else the one

@@ -1,17 +1,15 @@
 """GRPO's reward functions: the rules of tasks.py by name and your own `module:function`s, loaded
 once and called as TRL calls its reward_funcs (fn(prompts=, completions=, completion_ids=,
-**columns) -> a float or None per completion), all of a batch at once; their weights, and the
-column the rules read as each row's reference (environment.score calls them)."""
-import asyncio
-import concurrent.futures
+**columns) -> a float or None per completion), all of a batch at once, each of yours in a worker
+process of its own (plumbing/workers.py, as tools.py's tools); their weights, and the column the
+rules read as each row's reference (environment.score calls them)."""
+import array
 import dataclasses
-import inspect
 import math
-import numbers
-import threading
+import sys
 
 import tasks
-from plumbing import user_code
+from plumbing import user_code, workers
 
 
 def answer_column(ds, cfg, source, needed):
@@ -29,24 +27,17 @@ def answer_column(ds, cfg, source, needed):
 @dataclasses.dataclass
 class RewardFn:
     name: str  # a rule's name, or the function's in `module:function` (its weight's and its metrics' name)
-    fn: object
+    fn: object  # a rule's function, or the workers.Pool that runs the user's function
     builtin: bool  # a rule of tasks.REWARD_FNS: fn(prompt, completion, answer) -> float, one row at a time
 
 
-def _import(module, flag):
-    """plumbing.user_code.import_module, any failure at import (a missing file or dependency, an error
-    in the module) a ValueError naming the flag."""
-    try:
-        return user_code.import_module(module)
-    except Exception as e:
-        raise ValueError(f"{flag}: cannot import {module!r}: {type(e).__name__}: {e}") from None
-
-
 def load_reward_fns(spec):
-    """--reward_fn's functions, each a rule's name or a `module:function` (a module on the Python
-    path, a `name.py` in the working directory, or a .py file: `path/to/rewards.py:fn`), imported
-    once here, so a bad one is refused naming the flag before anything is written. One rule alone
-    ([] here) is every row's `rule`, a row's own `reward_fn` column winning."""
+    """--reward_fn's functions, each a rule's name or a `module:function` (a module, a `name.py` in
+    the working directory, or a .py file: `path/to/rewards.py:fn`; plumbing/user_code.py). A rule
+    is called in the trainer (tasks.py's own code); a user's function is imported here in a worker
+    process of its own (plumbing/workers.py), all side by side, so a bad one (an import that fails,
+    exits or hangs; no such function) is refused naming the flag before anything is written. One
+    rule alone ([] here) is every row's `rule`, a row's own `reward_fn` column winning."""
     entries = [e.strip() for e in spec.split(",")] if spec else []
     if len(entries) <= 1 and all(e in tasks.REWARD_FNS for e in entries):
         return []
@@ -59,15 +50,30 @@ def load_reward_fns(spec):
         if not module or not name:
             raise ValueError(f"--reward_fn {spec!r}: {e!r} is neither a rule ({', '.join(sorted(tasks.REWARD_FNS))}) "
                              f"nor a `module:function`")
-        fn = getattr(_import(module, f"--reward_fn {e}"), name, None)
-        if not callable(fn):
-            raise ValueError(f"--reward_fn {e}: {module!r} has no function {name!r}")
-        fns.append(RewardFn(name, fn, builtin=False))
+        fns.append(RewardFn(name, workers.Pool(e), builtin=False))
     names = [f.name for f in fns]
     for taken in sorted({n for n in names if names.count(n) > 1} | ({"rule", "model"} & set(names))):
         raise ValueError(f"--reward_fn {spec!r}: two rewards are named {taken!r} (`rule` is each row's own rule and "
                          f"`model` the --reward_model): give each function its own name")
+    users = [f for f in fns if not f.builtin]
+    for f in users:
+        f.fn.start()  # their imports side by side
+    for f in users:
+        failure = f.fn.idle[0].ready()
+        if failure:
+            raise ValueError(f"--reward_fn {f.fn.spec}: cannot load it: {failure}")
     return fns
+
+
+def check_columns(columns, source, fns):
+    """A data column named like an argument TRL passes a reward function itself (prompts,
+    completions, completion_ids) would reach it twice: refused, naming the column and the file,
+    where a user's function is called."""
+    clash = [c for c in columns if c in ("prompts", "completions", "completion_ids")]
+    if clash and any(not f.builtin for f in fns):
+        raise ValueError(f"{source}: the column {clash[0]!r} has the name of an argument every --reward_fn function "
+                         f"is given (prompts, completions, completion_ids), and every other column is passed by its "
+                         f"name too: rename the column")
 
 
 def parse_weights(spec, has_model, has_teacher=False, names=()):
@@ -105,60 +111,91 @@ def parse_weights(spec, has_model, has_teacher=False, names=()):
     return weights
 
 
+FLOAT32_LIMIT = 2.0 ** 128 - 2.0 ** 103  # the least number that float32 rounds to inf (the rewards' dtype)
+FAILED = {"raised", "ended", "timeout", "unstarted"}  # what a failed call's reply holds (workers.call_all)
+
+
 class RewardCaller:
-    """Calls a run's reward functions on a batch of rows, all at once: each plain function in a
-    thread of its own, the `async def` ones on one event loop (kept for the run, in a thread, as
-    TRL keeps one) awaited together, so that slow ones (a judge behind an API) overlap. A function
-    that raises is run again row by row to find the row to name."""
+    """Calls a run's reward functions on a batch of rows, all at once, as TRL calls its reward_funcs:
+    fn(prompts=, completions=, completion_ids=, **columns), sync or `async def`, each in its own
+    worker process (workers.call_all), so that slow ones (a judge behind an API) overlap, every call
+    gets objects of its own, and nothing a function does can hang or end the run without a word.
+    A call that fails (raises anything, ends its process) is run again row by row to find the row
+    to name; one that runs past timeout_s seconds (--reward_fn_timeout) stops the run naming its
+    rows. rank: named in the errors under torchrun (None: one process)."""
 
-    def __init__(self, fns):
+    def __init__(self, fns, timeout_s=600.0, rank=None):
         self.fns = [f for f in fns if not f.builtin]
-        self.pool = concurrent.futures.ThreadPoolExecutor(max(1, len(self.fns)))
-        self.loop = None
-        if any(inspect.iscoroutinefunction(f.fn) for f in self.fns):
-            self.loop = asyncio.new_event_loop()
-            threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.timeout_s, self.where = timeout_s, "" if rank is None else f" (rank {rank})"
+        self.said = set()  # the functions whose all-None batch was reported
 
-    def _submit(self, f, kw):
-        if inspect.iscoroutinefunction(f.fn):
-            return asyncio.run_coroutine_threadsafe(f.fn(**kw), self.loop)
-        return self.pool.submit(f.fn, **kw)
+    def _calls(self, fns, kw, n):
+        """Each function's reply (workers.call_all) on the rows of kw (n of them)."""
+        payload = workers.request((), kw, ["rewards", n])  # each row's objects its own, as TRL's
+        return workers.call_all([(f.fn, payload) for f in fns], self.timeout_s)
 
     def __call__(self, prompts, completions, completion_ids, columns, rows, source):
         """{name: [float, NaN for None]} of each function on these rows. rows: each row's number
         in the data set (1-based), for the errors; columns: every other column, as lists."""
         kw = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-        futures = [self._submit(f, kw) for f in self.fns]
-        out = {}
-        for f, future in zip(self.fns, futures):
-            try:
-                values = future.result()
-            except Exception as e:
-                raise ValueError(self._culprit(f, kw, rows, source) + f"{type(e).__name__}: {e}") from e
-            out[f.name] = check_rewards(values, f.name, rows, source)
+        replies = self._calls(self.fns, kw, len(rows))
+        for f, (header, _) in zip(self.fns, replies):
+            if "timeout" in header:
+                what = _failure(header, f"on {source} rows {_rows(rows)}")
+                raise ValueError(f"--reward_fn {f.name}{self.where} {what}: raise the flag for a slow function; one that "
+                                 f"can hang on a row can bound itself (signal.alarm) and return None for it")
+            if FAILED & set(header):
+                raise ValueError(self._culprit(f, kw, rows, source, header))
+        out = {f.name: check_rewards(header, data, f.name + self.where, rows, source)
+               for f, (header, data) in zip(self.fns, replies)}
+        for name, values in out.items():
+            if name not in self.said and values and all(math.isnan(v) for v in values):
+                self.said.add(name)
+                print(f"warning: --reward_fn {name}{self.where} returned None (or NaN) for every completion of a batch "
+                      f"({source} rows {_rows(rows)}): they are left out of every mean, and a completion that no "
+                      f"reward scores has advantage 0 (TRL warns alike; said once)", file=sys.stderr, flush=True)
         return out
 
-    def _culprit(self, f, kw, rows, source):
-        """`--reward_fn NAME raised on SOURCE row K: `, K the first row that raises alone (none: every row)."""
+    def _culprit(self, f, kw, rows, source, header):
+        """`--reward_fn NAME raised on SOURCE row K: WHAT`, K the first row whose call alone fails
+        (none: the rows together)."""
         for i, row in enumerate(rows):
-            try:
-                self._submit(f, {k: v[i:i + 1] for k, v in kw.items()}).result()
-            except Exception:
-                return f"--reward_fn {f.name} raised on {source} row {row}: "
-        return f"--reward_fn {f.name} raised on {source} rows {rows[0]}..{rows[-1]} together: "
+            alone, _ = self._calls([f], {k: v[i:i + 1] for k, v in kw.items()}, 1)[0]
+            if FAILED & set(alone):
+                return f"--reward_fn {f.name}{self.where} {_failure(alone, f'on {source} row {row}')}"
+        return f"--reward_fn {f.name}{self.where} {_failure(header, f'on {source} rows {_rows(rows)} together')}"
 
 
-def check_rewards(values, name, rows, source):
-    """A function's return value as floats, None (not applicable) as NaN, as TRL reads it: a list
-    of one real number or None per completion; anything else is an error naming the row."""
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__") or len(values) != len(rows):
-        raise ValueError(f"--reward_fn {name} returned {type(values).__name__} "
-                         f"{'of length ' + str(len(values)) if hasattr(values, '__len__') else ''} for {len(rows)} "
-                         f"completions: return a list of one float (or None) per completion")
-    out = []
-    for v, row in zip(values, rows):
-        if v is not None and not (isinstance(v, numbers.Real) and not math.isinf(v)):
-            raise ValueError(f"--reward_fn {name} returned {v!r} for {source} row {row}: a reward is a finite "
-                             f"number, or None where it does not apply")
-        out.append(math.nan if v is None else float(v))
-    return out
+def _failure(header, where):
+    """What a failed call did (workers.call_all's reply), in words: `raised on SOURCE row K:
+    RuntimeError: ...`, `ended its worker process (exit status 0) on SOURCE row K`."""
+    if "raised" in header:
+        return f"raised {where}: {header['raised']}"
+    if "timeout" in header:
+        return f"ran past --reward_fn_timeout {header['timeout']:g} s {where} (its worker was killed)"
+    if "unstarted" in header:
+        return f"could not be started again {where}: {header['unstarted']}"
+    return f"ended its worker process ({header['ended']}) {where}"
+
+
+def _rows(rows):
+    """The rows of a call, for a message: `3, 7, 12` (each once), the first 8 of many."""
+    distinct = sorted(set(rows))
+    return ", ".join(map(str, distinct[:8])) + (f", ... ({len(distinct)} rows)" if len(distinct) > 8 else "")
+
+
+def check_rewards(header, data, name, rows, source):
+    """A function's reply (workers._rewards: float64s, NaN for None) as floats, as TRL reads its
+    return: one real number or None per completion, finite in float32 (the rewards' dtype: 1e39 is
+    inf there, and the loss NaN); anything else is an error naming the row."""
+    if "not" in header:
+        length = f" of length {header['length']}" if header["length"] is not None else ""
+        raise ValueError(f"--reward_fn {name} returned {header['not']}{length} for {len(rows)} completions: return a "
+                         f"list of one float (or None) per completion")
+    values, bad = array.array("d", data).tolist(), header.get("bad", {})  # JSON's keys: the indices as text
+    for i, v in enumerate(values):
+        if str(i) in bad or abs(v) >= FLOAT32_LIMIT:  # NaN (None) passes: left out of the sums
+            what = bad.get(str(i), repr(v))
+            raise ValueError(f"--reward_fn {name} returned {what} for {source} row {rows[i]}: a reward is a number "
+                             f"finite in float32 (|x| < 3.4e38), or None where it does not apply")
+    return values

@@ -3,11 +3,11 @@ a user's own Python function named `module:function` (a module on the Python pat
 `my_tools.py:search`). A tool takes the text the model wrote between
 the call tags and returns text.
 
-A tool runs in worker processes of its own (`load_tool`), never in the trainer: whatever it does
-(hang, sleep, ignore signals, kill its thread or process, call sys.exit or os._exit, raise
-KeyboardInterrupt, return something other than text), its call is answered with an error text for
-the model to read, the worker is ended and replaced, and the run goes on; a Ctrl-C ends the run and
-its workers with it.
+A tool runs in worker processes of its own (`load_tool`, plumbing/workers.py), never in the
+trainer: whatever it does (hang, sleep, ignore signals, kill its thread or process, call sys.exit
+or os._exit, raise KeyboardInterrupt, return something other than text), its call is answered
+with an error text for the model to read, the worker is ended and replaced, and the run goes on; a
+Ctrl-C ends the run and its workers with it.
 
     python -c "import tools; print(tools.calculator('12 * (3 + 4)'))"    # 84
 """
@@ -15,19 +15,10 @@ import ast
 import functools
 import json
 import math
-import multiprocessing.connection
 import operator
 import os
-import signal
-import socket
-import subprocess
-import sys
-import threading
-import time
-import traceback
-import weakref
 
-from plumbing import user_code
+from plumbing import user_code, workers
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"  # the tag pair of a model without a tool-call format
 RESULT_OPEN, RESULT_CLOSE = "<tool_result>", "</tool_result>"
@@ -36,10 +27,6 @@ TIMEOUT_S = 10.0
 """the time limit of one call, unless the tool's function sets its own: `fn.timeout_s = 30`"""
 WORKERS = 4
 """worker processes per tool, the calls of one turn that run at once, unless the function sets `fn.workers`"""
-START_TIMEOUT_S = 120.0
-"""the time limit of a worker's start: the interpreter and the import of the tool's module (torch takes seconds)"""
-KILL_GRACE_S = 1.0
-"""the time a worker has to end after SIGTERM before it is sent SIGKILL"""
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
@@ -96,177 +83,22 @@ def call_argument(text):
     return str(next(iter(args.values()))) if isinstance(args, dict) and len(args) == 1 else text
 
 
-# ---- the worker process: `python tools.py --worker FD`, started by _Worker ----
+# ---- the tool's calls, each in a worker process of its own (plumbing/workers.py) ----
 
-def _failure(e, where=False):
-    """An exception as one line: its type, its message and, with where, the file and line it was
-    raised at (a SyntaxError's message has them)."""
-    try:
-        frame = traceback.extract_tb(e.__traceback__)[-1] if where and e.__traceback__ else None
-        at = f" ({frame.filename}:{frame.lineno})" if frame and not isinstance(e, SyntaxError) else ""
-        return f"{type(e).__name__}: {e}{at}" if str(e) else f"{type(e).__name__}{at}"
-    except BaseException:  # an exception whose str() raises
-        return type(e).__name__
-
-
-def _import(spec):
-    """The function a spec names (`calculator` is this module's), with its own time limit and
-    worker count if it sets them; or the reason it cannot be used."""
-    if spec == "calculator":
-        return calculator, {}
-    module, name = user_code.split(spec)
-    try:
-        fn = getattr(user_code.import_module(module), name, None)
-    except BaseException as e:  # SyntaxError, a missing dependency, SystemExit: anything the module's code does
-        raise ValueError(f"importing module {module!r} failed: {_failure(e, where=True)}") from None
-    if fn is None:
-        raise ValueError(f"module {module!r} has no {name!r}")
-    if not callable(fn):
-        raise ValueError(f"{module}.{name} is not a function")
-    return fn, {k: getattr(fn, k) for k in ("timeout_s", "workers") if hasattr(fn, k)}
-
-
-def _run(fn, text, max_chars):
-    """fn(call_argument(text)) cut to max_chars characters, or the error text of what went wrong."""
-    try:
-        out = fn(call_argument(text))
-    except BaseException as e:  # SystemExit and KeyboardInterrupt too: the tool's failure, not the worker's
-        return f"error: {_failure(e)}"
-    if not isinstance(out, str):
-        return f"error: the tool returned an object of type {type(out).__name__}, not a str"
-    return str.__getitem__(out, slice(None, max_chars))
-
-
-def _exit_with_parent(fd):
-    """Wait for EOF on fd, the read end of a pipe only the trainer holds open; it comes when the
-    trainer exits, however it ends (SIGKILL included); then end this worker and its process group."""
-    while os.read(fd, 1):
-        pass
-    if os.getpgrp() == os.getpid():  # the leader of its own group: the tool's children go too
-        os.killpg(0, signal.SIGKILL)
-    os._exit(1)
-
-
-def _serve(fd):
-    """A worker's life: read the spec and the trainer's sys.path, import the tool, say so (or why
-    not), then answer calls, [text, max_chars] -> text, one at a time, until the trainer hangs up.
-    Messages are JSON: the trainer never unpickles what a tool's process sends."""
-    conn = multiprocessing.connection.Connection(fd)
-    lifeline = os.dup(0)
-    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # a tool reading stdin reads nothing
-    threading.Thread(target=_exit_with_parent, args=(lifeline,), daemon=True).start()
-    spec, sys.path[:] = json.loads(conn.recv_bytes())
-    try:
-        fn, declared = _import(spec)
-    except ValueError as e:
-        conn.send_bytes(json.dumps({"failed": str(e)}).encode())
-        return
-    conn.send_bytes(json.dumps({"ready": declared}, default=repr).encode())
-    while True:
-        try:
-            text, max_chars = json.loads(conn.recv_bytes())
-        except EOFError:
-            return
-        conn.send_bytes(json.dumps(_run(fn, text, max_chars)).encode())
-
-
-# ---- the trainer's side ----
-
-class _Worker:
-    """A worker process for one tool: a Python interpreter running this file, in a session of its
-    own (a terminal's Ctrl-C goes to the trainer's process group only; the trainer then ends it),
-    started with fork+exec by subprocess (safe in a process with threads, unlike multiprocessing's
-    fork), importing only this module, plumbing/user_code.py and the tool's (multiprocessing's spawn
-    would import the trainer's script, torch and all). Its stdin is a pipe the trainer never writes: EOF on it tells
-    the worker that the trainer is gone."""
-
-    def __init__(self, spec):
-        ours, theirs = socket.socketpair()
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", str(theirs.fileno())],
-                                     stdin=subprocess.PIPE, pass_fds=(theirs.fileno(),), start_new_session=True)
-        theirs.close()
-        self.conn = multiprocessing.connection.Connection(ours.detach())
-        self.conn.send_bytes(json.dumps([spec, [str(p) for p in sys.path]]).encode())
-        self.declared = None  # what the tool's function set (timeout_s, workers), once it has loaded
-
-    def ready(self):
-        """None once the tool is imported, else why it cannot be (the worker is then stopped)."""
-        if self.declared is not None:
-            return None
-        try:
-            if not self.conn.poll(START_TIMEOUT_S):
-                self.stop()
-                return f"its worker did not start within {START_TIMEOUT_S:g} s (the import hangs?)"
-            status = json.loads(self.conn.recv_bytes())
-        except (EOFError, OSError, ValueError):
-            self.stop()
-            return f"importing it ended its worker process ({self.ended()})"
-        if "failed" in status:
-            self.stop()
-            return status["failed"]
-        self.declared = status["ready"]
-        return None
-
-    def ended(self):
-        """How the process ended, in words."""
-        code = self.proc.wait()
-        return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
-
-    def stop(self, grace_s=None):
-        """End the worker's process group: SIGTERM, then SIGKILL after grace_s (KILL_GRACE_S) if it
-        is still there; wait for it."""
-        grace_s = KILL_GRACE_S if grace_s is None else grace_s
-        for sig in (signal.SIGTERM, signal.SIGKILL) if grace_s else (signal.SIGKILL,):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
-            try:
-                self.proc.wait(timeout=grace_s if sig == signal.SIGTERM else None)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        self.conn.close()
-        self.proc.stdin.close()
-
-
-def _stop_all(workers, owner):
-    """At exit or when its Tool is collected: end every worker still running, at once."""
-    if os.getpid() == owner:  # not in a child forked from the trainer
-        for w in workers:
-            w.stop(grace_s=0)
-        workers.clear()
-
-
-class Tool:
+class Tool(workers.Pool):
     """A tool that load_tool loaded, called as tool(text) -> text (call_tool) or tools.call_tools:
     its spec, the time limit of one call, and up to `workers` worker processes that run it."""
 
     def __init__(self, spec, timeout_s=None, workers=None):
-        self.spec, self.timeout_s, self.workers = spec, timeout_s, workers
-        self.idle, self.live = [], []  # idle: ready or starting; live: every worker not yet stopped
-        weakref.finalize(self, _stop_all, self.live, os.getpid())
+        # the calculator by this file's path: a `tools.py` of the user's working directory is not this one
+        super().__init__(f"{os.path.abspath(__file__)}:calculator" if spec == "calculator" else spec, workers)
+        self.name, self.timeout_s = spec, timeout_s
 
     def __repr__(self):
-        return f"Tool({self.spec!r}, timeout_s={self.timeout_s}, workers={self.workers})"
+        return f"Tool({self.name!r}, timeout_s={self.timeout_s}, workers={self.workers})"
 
     def __call__(self, text):
         return call_tool(self, text)
-
-    def start(self):
-        """A new worker, idle; its import runs while the trainer goes on."""
-        w = _Worker(self.spec)
-        self.live.append(w)
-        self.idle.append(w)
-        return w
-
-    def retire(self, worker, replace=True):
-        """Stop a worker that overran or died (SIGKILL at once unless replace), and start its
-        replacement, whose import then overlaps the sampler's next turn."""
-        worker.stop(grace_s=None if replace else 0)
-        self.live.remove(worker)
-        if replace:
-            self.start()
 
 
 def load_tool(spec, timeout_s=None, workers=None):
@@ -278,7 +110,7 @@ def load_tool(spec, timeout_s=None, workers=None):
     if spec != "calculator" and not all(user_code.split(spec)):
         raise ValueError(f"--tools {spec!r}: expected `calculator` or `module:function`")
     tool = Tool(spec)
-    failure = tool.start().ready()
+    failure = tool.load()
     if failure:
         raise ValueError(f"--tools {spec!r}: cannot load it: {failure}")
     declared = tool.idle[0].declared
@@ -309,76 +141,38 @@ def as_tool(tool):
     return _OF_FUNCTION[spec]
 
 
+def _answer(header, limit):
+    """A call's reply (workers.call_all's) as the text the model reads: the tool's, or an error text."""
+    if "value" in header:
+        return header["value"]
+    if "raised" in header:
+        return f"error: {header['raised']}"
+    if "not" in header:
+        return f"error: the tool returned an object of type {header['not']}, not a str"
+    if "timeout" in header:
+        return f"error: the tool took longer than {limit:g} s"
+    if "unstarted" in header:
+        return f"error: the tool's worker could not be started again: {header['unstarted']}"
+    if header.get("idle"):
+        return f"error: the tool's process ended between calls ({header['ended']})"
+    return f"error: the tool ended its process ({header['ended']})"
+
+
 def call_tools(tool, texts, max_chars=None, timeout_s=None):
     """tool(call_argument(text)) for each text, as text (each cut to max_chars characters by the
-    worker, before it is sent), run at once on up to tool.workers workers. A call that raises (any
-    exception), returns anything but a str, ends its worker's process, or runs past timeout_s
-    (the tool's) is answered with an error text and its worker replaced; an exception in the
-    trainer (Ctrl-C) kills the workers it interrupted."""
+    worker, before it is sent), run at once on up to tool.workers workers (workers.call_all). A call
+    that raises (any exception), returns anything but a str, ends its worker's process, or runs
+    past timeout_s (the tool's) is answered with an error text and its worker replaced; an
+    exception in the trainer (Ctrl-C) kills the workers it interrupted."""
     tool = as_tool(tool)
     limit = timeout_s or tool.timeout_s
-    replies, todo, busy = [None] * len(texts), list(range(len(texts)))[::-1], {}
-    try:
-        while len(tool.idle) < min(tool.workers, len(texts)) and len(tool.live) < tool.workers:
-            tool.start()  # the workers this turn needs, importing side by side
-        while todo or busy:
-            while todo and len(busy) < tool.workers:
-                if not tool.idle:  # one retired without a replacement (an interrupted call before)
-                    tool.start()
-                i, worker = todo.pop(), tool.idle.pop(0)
-                replies[i] = _send(tool, worker, texts[i], max_chars)
-                if replies[i] is None:
-                    busy[worker.conn] = (worker, i, time.monotonic() + limit)
-            if busy:
-                first = min(deadline for _, _, deadline in busy.values())
-                for conn in multiprocessing.connection.wait(list(busy), timeout=max(first - time.monotonic(), 0)):
-                    worker, i, _ = busy.pop(conn)
-                    replies[i] = _receive(tool, worker)
-                for conn, (worker, i, deadline) in list(busy.items()):
-                    if time.monotonic() >= deadline:
-                        del busy[conn]
-                        tool.retire(worker)
-                        replies[i] = f"error: the tool took longer than {limit:g} s"
-    except BaseException:
-        for worker, _, _ in busy.values():  # a reply it sends later would answer the next call
-            tool.retire(worker, replace=False)
-        raise
-    return replies
-
-
-def _send(tool, worker, text, max_chars):
-    """Give a worker a call: None, or the call's error text if the worker cannot take it (it could
-    not be started again, or it died while idle)."""
-    failure = worker.ready()
-    if failure:  # this call fails; the next one tries a fresh worker
-        tool.retire(worker)
-        return f"error: the tool's worker could not be started again: {failure}"
-    try:
-        worker.conn.send_bytes(json.dumps([text, max_chars]).encode())
-    except OSError:
-        tool.retire(worker)
-        return f"error: the tool's process ended between calls ({worker.ended()})"
-    return None
-
-
-def _receive(tool, worker):
-    """The reply of a worker that has one, or the error text of a worker that ended mid-call."""
-    try:
-        reply = json.loads(worker.conn.recv_bytes())
-    except (EOFError, OSError, ValueError):  # it died mid-call, or wrote on the channel itself
-        tool.retire(worker)
-        return f"error: the tool ended its process ({worker.ended()})"
-    tool.idle.append(worker)
-    return reply
+    calls = [(tool, workers.request((call_argument(text),), {}, ["text", max_chars])) for text in texts]
+    return [_answer(header, limit) for header, _ in workers.call_all(calls, limit)]
 
 
 def call_tool(tool, text, timeout_s=None):
     """One call: call_tools(tool, [text])'s reply. tool: a Tool (load_tool) or a module-level function."""
     return call_tools(tool, [text], timeout_s=timeout_s)[0]
-
-
-if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
-    _serve(int(sys.argv[2]))
 
 
 # -----------------------------------------------------------------------------

@@ -1,4 +1,5 @@
 """Running a script, everything a reader of the algorithms can skip, one job per module: the
 command line and config (cli), the run folder (rundir), checkpoints (checkpoints), model files and
-loading (models), logging (logs), a user's `module:function` code (user_code). `python -m plumbing
-export OUT_DIR [DEST]` writes the Hugging Face export of a run's resumable checkpoint."""
+loading (models), logging (logs), a user's `module:function` code (user_code) and the worker
+processes that run it (workers). `python -m plumbing export OUT_DIR [DEST]` writes the Hugging
+Face export of a run's resumable checkpoint."""

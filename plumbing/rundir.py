@@ -21,7 +21,7 @@ from plumbing import checkpoints, logs, models
 # run, and --resume refuses a difference (docs/distributed.md, "Resuming").
 RESUME_MAY_CHANGE = ("steps", "grad_accum", "activation_checkpointing", "offload_frozen", "compile", "eval_every",
                      "eval_batch_size", "save_every", "save_dtype", "hsdp", "timeout_minutes", "out_dir", "wandb",
-                     "trust_remote_code", "log_completions", "generation_micro_batch_size")
+                     "trust_remote_code", "log_completions", "generation_micro_batch_size", "reward_fn_timeout")
 
 
 # the flags that name a model or data: what each names is recorded, by content, with the run

@@ -6,6 +6,7 @@ and check what the functions received and what was logged against a computation 
 themselves (each function writes what it got and returned to a log)."""
 import json
 import math
+import re
 import time
 
 import pytest
@@ -160,8 +161,9 @@ def test_a_bad_reward_fn_or_weight_is_refused_naming_the_flag_before_anything_is
     (tmp_path / "myrewards.py").write_text(REWARDS)
     fns = tmp_path / "myrewards.py"
     for argv, message in (
-            (["--reward_fn", "nosuchmodule:f"], "--reward_fn nosuchmodule:f: cannot import 'nosuchmodule'"),
-            (["--reward_fn", f"{fns}:nope"], f"--reward_fn {fns}:nope: {str(fns)!r} has no function 'nope'"),
+            (["--reward_fn", "nosuchmodule:f"], "--reward_fn nosuchmodule:f: cannot load it: importing module "
+             "'nosuchmodule' failed: ModuleNotFoundError: No module named 'nosuchmodule'\n"),
+            (["--reward_fn", f"{fns}:nope"], f"--reward_fn {fns}:nope: cannot load it: module {str(fns)!r} has no 'nope'"),
             (["--reward_fn", "math,srot"], "'srot' is neither a rule"),
             (["--reward_fn", f"{fns}:length,{fns}:odd_only", "--reward_weights", "length:1"],
              "gives no weight to --reward_fn's odd_only"),
@@ -176,7 +178,7 @@ def test_a_bad_reward_fn_or_weight_is_refused_naming_the_flag_before_anything_is
         environment.load_prompts(cfg, rules=False, fns=reward_fns.load_reward_fns(cfg.reward_fn))
 
 
-def test_reward_functions_run_together_async_ones_on_one_loop(tmp_path):
+def test_reward_functions_of_a_batch_run_at_once_async_ones_too(tmp_path):
     """Two `async def` functions and a plain one, each 0.4 s (a judge behind an API): one call
     takes about 0.4 s, not 1.2 s; None comes back as NaN, and a wrong return is named."""
     (tmp_path / "slow.py").write_text('''
@@ -250,3 +252,84 @@ def test_eval_dataset_is_scored_by_every_reward(tmp_path):
     first = read_metrics(tmp_path / "g")[0]
     assert first["step"] == 0 and {"eval/reward", "eval/rewards/rule/mean", "eval/greedy/reward",
                                    "eval/greedy/rewards/rule/mean"} <= set(first)
+
+
+def test_a_column_named_like_an_argument_trl_passes_is_refused_naming_it_and_the_file(tmp_path):
+    """A data column named `prompts`, `completions` or `completion_ids` would reach a user's
+    function twice: refused when the prompts load, naming the column and the file; with rules
+    alone (no function is called) the file loads. Before: `TypeError: dict() got multiple values
+    for keyword argument 'completions'` at step 1, naming neither."""
+    (tmp_path / "myrewards.py").write_text(REWARDS)
+    fns = reward_fns.load_reward_fns(f"{tmp_path / 'myrewards.py'}:judge")
+    for column in ("prompts", "completions", "completion_ids"):
+        path = write_jsonl(tmp_path / "c.jsonl", [{"prompt": f"sort {i} 1 =", column: "x"} for i in range(3)])
+        cfg = grpo.Config(dataset=path, reward_fn=f"{tmp_path / 'myrewards.py'}:judge")
+        with pytest.raises(ValueError, match=rf"^{path}: the column '{column}' has the name of an argument every "
+                                             r"--reward_fn function is given .*: rename the column$"):
+            environment.load_prompts(cfg, rules=False, fns=fns)
+        ds, _ = environment.load_prompts(grpo.Config(dataset=path, reward_fn="digits"), rules=True)
+        assert column in ds.column_names
+
+
+def test_none_or_nan_for_every_row_is_said_once_and_a_reward_infinite_in_float32_is_refused(tmp_path, capsys):
+    """A function returning None (or NaN) for every completion of a batch: a warning naming it and
+    the rows, once (TRL warns); some None: no warning. 1e39 (inf in float32, the rewards' dtype) or
+    float('inf'): an error naming the function, the value and the row; float32's largest finite
+    number passes. Before: no word (the run trained on zero advantages, logging `reward 0`), and
+    1e39 passed the check until the loss was NaN."""
+    path = tmp_path / "returns.py"
+    path.write_text("import math\n\ndef f(prompts, completions, value, **kw):\n    return value\n")
+    caller = reward_fns.RewardCaller(reward_fns.load_reward_fns(f"{path}:f"))
+
+    def call(values, rows=(3, 5)):
+        return caller(["p"] * len(values), ["c"] * len(values), [[1]] * len(values), {"value": values}, rows=list(rows),
+                      source="d.jsonl")["f"]
+
+    assert call([None, 1.0])[1] == 1.0 and capsys.readouterr().err == ""
+    assert all(math.isnan(v) for v in call([None, None]))
+    said = capsys.readouterr().err
+    assert said == ("warning: --reward_fn f returned None (or NaN) for every completion of a batch (d.jsonl rows 3, 5): "
+                    "they are left out of every mean, and a completion that no reward scores has advantage 0 (TRL warns "
+                    "alike; said once)\n")
+    call([math.nan, math.nan])
+    assert capsys.readouterr().err == ""  # once
+    largest = 3.4028234663852886e38  # float32's largest finite number
+    assert call([largest, -largest]) == [largest, -largest]
+    for bad in (1e39, -3.5e38, math.inf):
+        with pytest.raises(ValueError, match=rf"^--reward_fn f returned {re.escape(repr(bad))} for d.jsonl row 5: a "
+                                             r"reward is a number finite in float32"):
+            call([1.0, bad])
+
+
+def test_a_tensor_or_an_array_of_rewards_is_taken_as_trl_takes_it(tmp_path):
+    """A 1-D torch tensor (TRL's torch.tensor takes one; its items are 0-d tensors) and a numpy
+    array are read as their numbers. Before: the tensor was refused ("returned tensor(1.5)")."""
+    (tmp_path / "arrays.py").write_text("import numpy, torch\n\n"
+                                        "def t(prompts, completions, **kw):\n    return torch.tensor([1.5, -2.0])\n\n"
+                                        "def a(prompts, completions, **kw):\n    return numpy.array([0.25, 3.0])\n")
+    fns = reward_fns.load_reward_fns(f"{tmp_path / 'arrays.py'}:t,{tmp_path / 'arrays.py'}:a")
+    out = reward_fns.RewardCaller(fns)(["p", "q"], ["c", "d"], [[1], [2]], {}, rows=[1, 2], source="d.jsonl")
+    assert out == {"t": [1.5, -2.0], "a": [0.25, 3.0]}
+
+
+def test_a_reward_file_imports_its_neighbours_and_a_users_tasks_py_is_the_users(tmp_path, monkeypatch):
+    """rewards.py beside the helper.py it imports loads in both spec forms (its path; its name,
+    from the working directory), as `python rewards.py` would import it; a user's tasks.py or
+    data.py in the working directory is the user's, not the project's module of that name.
+    Before: "No module named 'helper'" in both forms, and `tasks:f` loaded the project's tasks.py
+    (which has no f)."""
+    (tmp_path / "helper.py").write_text("BONUS = 0.5\n")
+    (tmp_path / "rewards.py").write_text("import helper\n\n"
+                                         "def f(prompts, completions, **kw):\n    return [helper.BONUS] * len(prompts)\n")
+    for name in ("tasks", "data"):
+        (tmp_path / f"{name}.py").write_text(f"def {name}_fn(prompts, completions, **kw):\n"
+                                             f"    return [7.0] * len(prompts)\n")
+
+    def scores(spec):
+        caller = reward_fns.RewardCaller(reward_fns.load_reward_fns(spec))
+        return caller(["p"], ["c"], [[1]], {}, rows=[1], source="d.jsonl")
+
+    assert scores(f"{tmp_path / 'rewards.py'}:f") == {"f": [0.5]}
+    monkeypatch.chdir(tmp_path)
+    assert scores("rewards:f") == {"f": [0.5]}
+    assert scores("tasks:tasks_fn,data:data_fn") == {"tasks_fn": [7.0], "data_fn": [7.0]}

@@ -19,6 +19,7 @@ from test_grpo import grpo_argv, write_digits_prompts
 from test_grpo_tools import tool_flags
 
 import tools
+from plumbing import workers
 
 
 def gone(pid):
@@ -57,7 +58,7 @@ def test_a_tool_that_hangs_sleeps_or_ignores_signals_is_ended_at_its_time_limit(
     answered `took longer` after the tool's time limit, its worker killed (SIGKILL after the grace
     when SIGTERM is ignored) and replaced: the tool answers the next turn."""
     monkeypatch.setenv("TOOL_TEST_DIR", str(tmp_path))
-    monkeypatch.setattr(tools, "KILL_GRACE_S", 0.1)
+    monkeypatch.setattr(workers, "KILL_GRACE_S", 0.1)
     texts = ["hang", "sleep", "ignore_signals", "kill_its_thread"]
     tool = tools.load_tool("misbehaving_tools:misbehaves", timeout_s=0.2, workers=len(texts))
     assert tools.call_tools(tool, texts) == ["error: the tool took longer than 0.2 s"] * len(texts)
@@ -98,7 +99,7 @@ def test_a_tool_module_that_fails_at_import_is_refused_naming_the_flag_when_the_
     for name, (_, why) in MODULES.items():
         assert re.match(re.escape(f"--tools '{name}:f': cannot load it: ") + why, refusals[name]), refusals[name]
     with monkeypatch.context() as patched, pytest.raises(ValueError, match="import:f'.*not start within 0.2 s"):
-        patched.setattr(tools, "START_TIMEOUT_S", 0.2)
+        patched.setattr(workers, "START_TIMEOUT_S", 0.2)
         tools.load_tool("hangs_at_import:f")
     prompts = write_digits_prompts(tmp_path / "prompts.jsonl", 8)  # not the embedded task's 100k prompts
     proc = run_here(grpo_argv(tmp_path / "run", "--dataset", prompts, "--tools", "raises_at_import:f"))

@@ -1,0 +1,138 @@
+"""Reward functions that misbehave, for tests/test_reward_safety.py: `misbehaving_rewards:NAME` in
+--reward_fn or reward_fns.load_reward_fns, called as TRL calls a reward function. A worker
+process imports this module, so it imports the standard library only. A function that is to be
+waited for writes a file NAME-PID into $REWARD_TEST_DIR first: a test waits for that file, never
+for a time."""
+import asyncio
+import os
+import signal
+import sys
+import threading
+import time
+
+
+def mark(name):
+    """An empty file named NAME-PID (this worker's pid) in $REWARD_TEST_DIR, when that is set."""
+    if os.environ.get("REWARD_TEST_DIR"):
+        open(os.path.join(os.environ["REWARD_TEST_DIR"], f"{name}-{os.getpid()}"), "w").close()
+
+
+def raise_(exc):
+    raise exc
+
+
+def hang():
+    threading.Event().wait()
+
+
+def ignore_signals_and_hang():
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    hang()
+
+
+BEHAVIOURS = {  # what a row's `behaviour` column makes misbehaves do
+    "raise": lambda: raise_(RuntimeError("cannot score this")),
+    "sys_exit": lambda: sys.exit(0),
+    "system_exit_3": lambda: raise_(SystemExit(3)),
+    "os_exit": lambda: os._exit(0),
+    "kill_its_process": lambda: os.kill(os.getpid(), signal.SIGKILL),
+    "keyboard_interrupt": lambda: raise_(KeyboardInterrupt()),
+    "base_exception": lambda: raise_(BaseException("a reward's own")),
+    "hang": hang,
+    "sleep": lambda: time.sleep(3600),
+    "ignore_signals": ignore_signals_and_hang,
+}
+
+
+def misbehaves(prompts, completions, behaviour, **kwargs):
+    """Does what a row's `behaviour` names (BEHAVIOURS), marking it first; else each completion's length."""
+    for b in behaviour:
+        if b in BEHAVIOURS:
+            mark(b)
+            BEHAVIOURS[b]()
+    return [float(len(c)) for c in completions]
+
+
+async def hangs_async(prompts, completions, behaviour, **kwargs):
+    """An `async def` that never returns where a row's `behaviour` is `hang`."""
+    if "hang" in behaviour:
+        mark("hang_async")
+        await asyncio.Event().wait()
+    return [float(len(c)) for c in completions]
+
+
+CALLS = []  # this worker's calls so far
+
+
+def hangs_from_the_second_call(prompts, completions, **kwargs):
+    """1.0 per completion at its first call (step 1), then marks `hung` and never returns."""
+    CALLS.append(len(completions))
+    if len(CALLS) > 1:
+        mark("hung")
+        hang()
+    return [1.0] * len(completions)
+
+
+async def hangs_async_from_the_second_call(prompts, completions, **kwargs):
+    """hangs_from_the_second_call as an `async def`: awaits forever from its second call."""
+    CALLS.append(len(completions))
+    if len(CALLS) > 1:
+        mark("hung")
+        await asyncio.Event().wait()
+    return [1.0] * len(completions)
+
+
+def starts_a_thread(prompts, completions, **kwargs):
+    """Starts a thread that is not a daemon and never ends, once per worker; 1.0 per completion."""
+    if not CALLS:
+        threading.Thread(target=hang, daemon=False).start()
+        mark("thread")
+    CALLS.append(len(completions))
+    return [1.0] * len(completions)
+
+
+def bounds_itself(prompts, completions, behaviour, **kwargs):
+    """A verifier that bounds each row with signal.alarm's interval timer (main thread only): a row
+    whose work (`sleep`) overruns 0.2 s is cut short and gets None; the others 1.0."""
+    def overran(signum, frame):
+        raise TimeoutError
+
+    old, out = signal.signal(signal.SIGALRM, overran), []
+    try:
+        for b in behaviour:
+            signal.setitimer(signal.ITIMER_REAL, 0.2)
+            try:
+                if b == "sleep":
+                    time.sleep(3600)
+                out.append(1.0)
+            except TimeoutError:
+                out.append(None)
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+    finally:
+        signal.signal(signal.SIGALRM, old)
+    return out
+
+
+def mutates(prompts, completions, completion_ids, solution, **kwargs):
+    """Appends to everything it is given, then returns how many messages each prompt has: 2 for a
+    prompt of one message that is its row's own (TRL passes each row fresh objects)."""
+    for p, c, ids, s in zip(prompts, completions, completion_ids, solution):
+        p.append({"role": "assistant", "content": "mine"})
+        c.append({"role": "user", "content": "mine"})
+        ids.append(0)
+        s.append("mine")
+    return [float(len(p)) for p in prompts]
+
+
+def exits_on_rank_1(prompts, completions, **kwargs):
+    """os._exit(0) on torchrun's rank 1 (its RANK, which the worker inherits), else 1.0 each."""
+    if os.environ.get("RANK") == "1":
+        os._exit(0)
+    return [1.0] * len(completions)
+
+
+def returns(prompts, completions, value, **kwargs):
+    """Each row's `value` column as its reward (None, NaN, 1e39: what a function may return)."""
+    return list(value)
