@@ -7,7 +7,6 @@ themselves (each function writes what it got and returned to a log)."""
 import json
 import math
 import re
-import time
 
 import pytest
 import torch
@@ -179,27 +178,37 @@ def test_a_bad_reward_fn_or_weight_is_refused_naming_the_flag_before_anything_is
 
 
 def test_reward_functions_of_a_batch_run_at_once_async_ones_too(tmp_path):
-    """Two `async def` functions and a plain one, each 0.4 s (a judge behind an API): one call
-    takes about 0.4 s, not 1.2 s; None comes back as NaN, and a wrong return is named."""
-    (tmp_path / "slow.py").write_text('''
-import asyncio, time
+    """Two `async def` functions and a plain one (judges behind an API): each marks that it has
+    started and waits for the other two to have started too, which only happens if the caller runs
+    them at once (one after another, the first would wait out its 30 s and return -1s); None comes
+    back as NaN, and a wrong return is named. No clock is read: it cannot fail by timing."""
+    (tmp_path / "slow.py").write_text(f'''
+import asyncio, os, time
+FOLDER = {str(tmp_path)!r}
+
+def started(name):  # mark this one started; True once all three are
+    open(os.path.join(FOLDER, "started-" + name), "w").close()
+    return all(os.path.exists(os.path.join(FOLDER, "started-" + n)) for n in "abc")
+
+async def together(name):
+    for _ in range(3000):
+        if started(name):
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
 async def a(prompts, completions, **kw):
-    await asyncio.sleep(0.4)
-    return [1.0, None]
+    return [1.0, None] if await together("a") else [-1.0, -1.0]
 async def b(prompts, completions, **kw):
-    await asyncio.sleep(0.4)
-    return [2.0, 3]
+    return [2.0, 3] if await together("b") else [-1.0, -1.0]
 def c(prompts, completions, **kw):
-    time.sleep(0.4)
-    return [len(p) for p in prompts]
+    return [len(p) for p in prompts] if asyncio.run(together("c")) else [-1.0, -1.0]
 def bad(prompts, completions, **kw):
     return [1.0, "x"]
 ''')
     fns = reward_fns.load_reward_fns(",".join(f"{tmp_path / 'slow.py'}:{n}" for n in "abc"))
     caller = reward_fns.RewardCaller(fns)
-    start = time.perf_counter()
     out = caller(["p", "pp"], ["c", "cc"], [[1], [2]], {}, rows=[4, 9], source="d.jsonl")
-    assert time.perf_counter() - start < 0.75
     assert out["a"][0] == 1.0 and math.isnan(out["a"][1]) and out["b"] == [2.0, 3.0] and out["c"] == [1.0, 2.0]
     bad = reward_fns.RewardCaller(reward_fns.load_reward_fns(f"{tmp_path / 'slow.py'}:bad,math"))
     with pytest.raises(ValueError, match=r"--reward_fn bad returned 'x' for d.jsonl row 9"):
