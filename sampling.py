@@ -281,7 +281,8 @@ def _fill_cache(cache, prefill, inverse, P):
 
 @torch.no_grad()
 def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, temperature=1.0, top_k=0,
-             top_p=1.0, stop_ids=(), generator=None, compile=False, uniforms=None, return_logprobs=False, min_p=0.0):
+             top_p=1.0, stop_ids=(), generator=None, compile=False, uniforms=None, return_logprobs=False, min_p=0.0,
+             check_every=None):
     """Sample responses to left-padded prompts (greedy output equals model.generate's; under FSDP
     call it inside `unsharded`). Random numbers: `uniforms` (B, >= max_new_tokens), column t for
     token t, or `generator`. Returns ids (B, R) right-padded with pad_id and a mask (B, R), 1 up to
@@ -291,7 +292,8 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
     Against model.generate (bench/sampler.py): 1. each distinct prompt is prefilled once, its keys
     and values copied to its G repeats (compiled on CPU, where the rows come in runs of a prompt as
     GRPO's groups do: kept once, read by shared_prompt.attention); 2. a static cache written in
-    place, "all stopped?" read every 8 tokens on a GPU; 3. compile=True: the decode step compiled
+    place, "all stopped?" read every check_every tokens (None: 8 on a GPU, where a read drains the
+    queue, else 1), its only host sync (tests/test_dispatch.py); 3. compile=True: the decode step compiled
     (on CPU with its draw; the cache length rounded up so nearby lengths share a graph), its guards
     checked once a rollout (_skip_guards), on CUDA replayed as a CUDA graph, under autocast from bf16
     copies of the weights (_bf16_decoder)."""
@@ -310,7 +312,7 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
     step = _step_fn(compile, device)
     decoder = _bf16_decoder(model) if compile and torch.is_autocast_enabled(device.type) else model
     graphs = compile and device.type == "cuda"
-    check_every = GPU_CHECK_EVERY if device.type == "cuda" else 1
+    check_every = check_every or (GPU_CHECK_EVERY if device.type == "cuda" else 1)
     tokens = torch.full((B, n), pad_id, dtype=torch.long, device=device)
     response_mask = torch.zeros((B, n), dtype=torch.long, device=device)
     logps = torch.zeros((B, n), dtype=torch.float, device=device) if return_logprobs else None
