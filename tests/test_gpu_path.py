@@ -460,36 +460,38 @@ def test_gpu_check_fails_on_a_planted_bug(cpu_check, monkeypatch, plant):
 
 def test_gpu_check_reads_compilations_and_cuda_graph_recordings_from_torch_logs():
     """(d)'s reader on hand-written output in TORCH_LOGS's format (torch 2.11 and 2.13 word the
-    recording differently): compile ids [frame/compile] counted once each (a restart [0/0_1] is
-    not a compilation), the recordings split at the `step 2` line (one after it: the evaluation's
-    rows), re-recordings (a static input moved: the H200's first (d) run had 254) apart."""
+    recording differently): every compilation counted (a restart [0/0_1] is not one; the ids start
+    again after torch.compiler.reset(), sampling._decode_cache's when its cache grows), split with
+    the recordings at the `step 2` line; re-recordings (a static input moved: the H200's first (d)
+    run had 254) and skipped graphs apart. After step 2 nothing may compile or record."""
     def log(*lines):
         return "\n".join(lines) + "\n"
 
     trace = "I1125 14:03:09.495000 7499 torch/_dynamo/symbolic_convert.py:5335] [{}] Step 1: torchdynamo start " \
-            "tracing _next_token /repo/sampling.py:78"
+            "tracing _next_logits /repo/sampling.py:78"
     record = "V1125 14:03:09.6 7499 torch/_inductor/cudagraph_trees.py:2403] [0/0] [__cudagraphs] {}"
-    step = "step {}/3 | elapsed 9s | ETA 4s | reward 0.1 | kl 0 | clip_ratio/low 0 | clip_ratio/high 0"
+    step = "step {}/4 | elapsed 9s | ETA 4s | reward 0.1 | kl 0 | clip_ratio/low 0 | clip_ratio/high 0"
+    recording = record.format("Recording function=0, mode=INFERENCE, cuda_graph_id=0, inputs: [...]")
     good = log(trace.format("0/0"), trace.format("0/0_1"), record.format("Running warmup function=0, mode=INFERENCE"),
-               record.format("Recording function=0, mode=INFERENCE, cuda_graph_id=0, inputs: [...]"),
-               step.format(1), step.format(2), step.format(3))
-    assert gpu_check.compile_report(good) == (1, ["_next_token"], 1, 0, 0, 0)
+               recording, step.format(0), trace.format("0/0"), recording, trace.format("0/1"),  # reset, then grown
+               record.format("Recording cudagraph tree for graph without symints"),
+               record.format("Recording function 0 of graph recording id 3"),  # torch 2.11's wording
+               step.format(1), step.format(2), step.format(3), step.format(4))
+    assert gpu_check.compile_report(good) == dict(compiled=3, compiled_after=0, frames=["_next_logits"], recorded=3,
+                                                  recorded_after=0, rerecorded=0, skipped=0)
     assert all(r["ok"] for r in gpu_check.compile_rows("run", good))
-    tree = record.format("Recording cudagraph tree for graph without symints")
-    evaluated = good.replace(step.format(3), log(tree, record.format("Recording function 0 of graph recording id 3"),
-                                                 step.format(3)))  # torch 2.11's wording
-    assert gpu_check.compile_report(evaluated)[2:] == (1, 1, 0, 0)
-    assert all(r["ok"] for r in gpu_check.compile_rows("run", evaluated))
-    again = evaluated + log(record.format("Recording function=0, mode=INFERENCE, cuda_graph_id=4"))
+    after = step.format(2) + "\n"
+    recorded_late = good.replace(after, after + log(recording))
+    compiled_late = good.replace(after, after + log(trace.format("0/2")))
     rerecorded = good + log(record.format("Re-recording function=0, mode=INFERENCE, reason=static input moved"))
-    recompiled = log(trace.format("0/0"), trace.format("0/1"), trace.format("0/2")) + good
+    recompiled = log(*(trace.format(f"0/{i}") for i in range(4))) + good
     skipped = good.replace("Running warmup", "skipping cudagraphs due to mutated inputs. Running warmup")
-    unfinished = good.replace(step.format(2), "")
-    for bad, ok in ((again, [True, False]), (rerecorded, [True, False]), (recompiled, [False, True]),
-                    (skipped, [True, False]), (unfinished, [True, False])):
+    unfinished = good.replace(after, "")
+    for bad, ok in ((recorded_late, [False, False]), (compiled_late, [False, False]), (rerecorded, [True, False]),
+                    (recompiled, [False, True]), (skipped, [True, False]), (unfinished, [False, False])):
         assert [r["ok"] for r in gpu_check.compile_rows("run", bad)] == ok, bad
-    assert gpu_check.compile_report(rerecorded)[2:] == (1, 0, 1, 0)
-    assert gpu_check.compile_report(recompiled)[0] == 3 and gpu_check.compile_report(unfinished)[3] is None
+    assert gpu_check.compile_report(rerecorded)["rerecorded"] == 1
+    assert gpu_check.compile_report(recompiled)["compiled"] == 7 and gpu_check.compile_report(unfinished)["recorded_after"] is None
 
 
 def test_gpu_check_memory_bound_is_ten_percent_and_one_gib():
