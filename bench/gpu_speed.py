@@ -351,17 +351,19 @@ def main(argv=None):
     trl = trl_importable()
     peak, _ = matmul_peak(device, torch.bfloat16 if common.bf16_supported(device) else torch.float32)
     spec = next((v for k, v in BF16_PEAK.items() if k in name), None)
-    t0, rows, details = time.time(), [row("all", "matmul peak measured here (bf16 on a GPU, MFU's reference)",
-                                          f"{peak / 1e12:.1f} TFLOP/s", f"data sheet {spec / 1e12:.0f}" if spec else "")], {}
-    print(f"gpu_speed on {name}, torch {torch.__version__}, trl {'importable' if trl else 'not importable'}", flush=True)
+    rows = [row("all", "matmul peak measured here (bf16 on a GPU, MFU's reference)", f"{peak / 1e12:.1f} TFLOP/s",
+                f"data sheet {spec / 1e12:.0f}" if spec else "")]
+    t0, details = time.time(), {}
+    print(f"gpu_speed on {name}, torch {torch.__version__}, trl {'importable' if trl else 'not importable'}",
+          flush=True)
     todo = [(s, None) for s in SECTIONS[:2] if s in only] + [(s, shape) for shape in shapes for s in SECTIONS[2:]
                                                               if s in only]
     with tempfile.TemporaryDirectory(prefix="gpu_speed-") as work:
         for section, shape in todo:
             what = section + (f" {shape}" if shape else "")
             if budget is not None and time.time() - t0 > budget:
-                rows.append(row(section, f"{what}: skipped", f"the budget ({budget:.0f} s) was spent",
-                                f"python bench/gpu_speed.py --only {section}" + (f" --shapes {shape}" if shape else "")))
+                again = f"python bench/gpu_speed.py --only {section}" + (f" --shapes {shape}" if shape else "")
+                rows.append(row(section, f"{what}: skipped", f"the budget ({budget:.0f} s) was spent", again))
                 continue
             s0 = time.time()
             try:
