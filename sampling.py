@@ -196,36 +196,54 @@ def _skip_guards(compile, device):
     return contextlib.nullcontext()
 
 
-_DECODE_CACHES = weakref.WeakKeyDictionary()  # model -> ((rows, slots), StaticCache), for compiled decoding
+_DECODE_CACHES = weakref.WeakKeyDictionary()  # model -> ((rows, slots, layout), {B: StaticCache}), compiled decoding
 
 
-def _decode_cache(model, B, L, persistent):
-    """A static KV cache of B rows and L slots, and its slots (None for sliding-window layers:
-    prefilled into a fresh cache). persistent (compiled decoding): one per model, reused in place
-    (the captured graph reads it at fixed addresses) while its rows match and its slots suffice;
-    a rollout that needs others replaces it. One, not one per length: several kept through the
-    update would hold 22-37 GiB at 8B. A replaced cache takes the CUDA graphs recorded on it along
-    (reset_cudagraph_trees): left in place, cudagraph trees find its addresses moved and re-record
-    at every decode step, not once (63 times in a 64-token rollout on an H200, docs/gpu.md)."""
+def _static_layers(model):
+    """Every layer of the model's static cache a full-attention StaticLayer (none a sliding window's)."""
     from transformers import StaticCache
     from transformers.cache_utils import StaticLayer
 
-    if persistent:
-        (rows, slots), cache = _DECODE_CACHES.pop(model, ((0, 0), None))  # an old one goes before a new one is made
-        if rows == B and slots >= L:
-            _DECODE_CACHES[model] = ((rows, slots), cache)
-            return cache, slots
-        if cache is not None:
-            from torch._inductor.cudagraph_trees import reset_cudagraph_trees  # 4 s to import: compiled runs only
+    return all(type(layer) is StaticLayer for layer in StaticCache(config=model.config, max_cache_len=1).layers)
 
-            del cache
-            reset_cudagraph_trees()  # no CUDA graph on a CPU: nothing to reset
-    cache = StaticCache(config=model.config, max_cache_len=L)
-    if not all(type(layer) is StaticLayer for layer in cache.layers):
-        return None, L
+
+def _decode_cache(model, B, L, like, persistent):
+    """A static KV cache of B rows and L or more slots, its layers laid out like `like`'s (the
+    prefill's cache: dtype, heads, head size), and its slots. persistent (compiled decoding): one
+    per model, sized for the largest rollout so far and never shrunk; a rollout of B rows decodes
+    in a view of its first B rows, the same view for every rollout of B rows. So each shape the step
+    is compiled for keeps the addresses its CUDA graph was recorded with (cudagraph trees re-record
+    at every decode step where a static input moved: 63 times in a 64-token rollout on an H200,
+    docs/gpu.md), however training and evaluation rollouts of other rows alternate, and the cache
+    is held once, not once per shape (several through the update held 22-37 GiB at 8B). A rollout
+    that needs more rows or slots, or another layout, replaces it: every graph recorded on the old
+    one goes with it (torch.compiler.reset(): the CUDA graph trees shut down and dynamo's entries
+    dropped; an entry kept would run its shape's graph on the dead trees at the next rollout of
+    that shape, "Running CUDAGraph after shutdown" on an H200), and each shape compiles and records
+    once more: in a run's first rollouts, which meet its largest."""
+    from transformers import StaticCache
+
+    layout = [(x.keys.dtype, x.keys.device, x.keys.shape[1], x.keys.shape[-1], x.values.shape[-1]) for x in like.layers]
+    (rows, slots, kind), views = _DECODE_CACHES.pop(model, ((0, 0, None), {})) if persistent else ((0, 0, None), {})
+    if B > rows or L > slots or layout != kind:
+        if views:  # the old one goes before a new one is made, with every graph recorded on it
+            views.clear()
+            torch.compiler.reset()
+        rows, slots = max(B, rows), max(L, slots)
+        full = StaticCache(config=model.config, max_cache_len=slots)
+        for layer, x in zip(full.layers, like.layers):  # (rows, heads, slots, head size) each
+            layer.lazy_initialization(*(t[:1, :, :0].expand(rows, -1, -1, -1) for t in (x.keys, x.values)))
+        views = {rows: full}
+    if B not in views:  # the first B rows of every layer, at the full cache's addresses
+        views[B] = view = copy.copy(views[rows])
+        view.layers = [copy.copy(layer) for layer in view.layers]
+        for layer in view.layers:
+            layer.batch_size, layer.keys, layer.values = B, layer.keys[:B], layer.values[:B]
+            torch._dynamo.mark_static_address(layer.keys)  # as StaticLayer marks its own: read in place by a graph
+            torch._dynamo.mark_static_address(layer.values)
     if persistent:
-        _DECODE_CACHES[model] = ((B, L), cache)
-    return cache, L
+        _DECODE_CACHES[model] = ((rows, slots, layout), views)
+    return views[B], slots
 
 
 _BF16_COPIES = weakref.WeakKeyDictionary()  # model -> (its copy with bf16 linear weights, [(bf16, fp32)])
@@ -255,16 +273,16 @@ def _fill_cache(cache, prefill, inverse, P):
     for dst, src in zip(cache.layers, prefill.layers):
         k, v = (src.keys, src.values) if inverse is None else (src.keys.index_select(0, inverse),
                                                                src.values.index_select(0, inverse))
-        if not dst.is_initialized or dst.keys.dtype != k.dtype:
-            dst.lazy_initialization(k[:, :, :0], v[:, :, :0])
         dst.keys[:, :, :P].copy_(k)
         dst.values[:, :, :P].copy_(v)
         dst.cumulative_length.fill_(P)
+        del k, v  # before the next layer's are made: one layer's copies at a time
 
 
 @torch.no_grad()
 def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, temperature=1.0, top_k=0,
-             top_p=1.0, stop_ids=(), generator=None, compile=False, uniforms=None, return_logprobs=False, min_p=0.0):
+             top_p=1.0, stop_ids=(), generator=None, compile=False, uniforms=None, return_logprobs=False, min_p=0.0,
+             check_every=None):
     """Sample responses to left-padded prompts (greedy output equals model.generate's; under FSDP
     call it inside `unsharded`). Random numbers: `uniforms` (B, >= max_new_tokens), column t for
     token t, or `generator`. Returns ids (B, R) right-padded with pad_id and a mask (B, R), 1 up to
@@ -274,7 +292,8 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
     Against model.generate (bench/sampler.py): 1. each distinct prompt is prefilled once, its keys
     and values copied to its G repeats (compiled on CPU, where the rows come in runs of a prompt as
     GRPO's groups do: kept once, read by shared_prompt.attention); 2. a static cache written in
-    place, "all stopped?" read every 8 tokens on a GPU; 3. compile=True: the decode step compiled
+    place, "all stopped?" read every check_every tokens (None: 8 on a GPU, where a read drains the
+    queue, else 1), its only host sync (tests/test_dispatch.py); 3. compile=True: the decode step compiled
     (on CPU with its draw; the cache length rounded up so nearby lengths share a graph), its guards
     checked once a rollout (_skip_guards), on CUDA replayed as a CUDA graph, under autocast from bf16
     copies of the weights (_bf16_decoder)."""
@@ -293,7 +312,7 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
     step = _step_fn(compile, device)
     decoder = _bf16_decoder(model) if compile and torch.is_autocast_enabled(device.type) else model
     graphs = compile and device.type == "cuda"
-    check_every = GPU_CHECK_EVERY if device.type == "cuda" else 1
+    check_every = check_every or (GPU_CHECK_EVERY if device.type == "cuda" else 1)
     tokens = torch.full((B, n), pad_id, dtype=torch.long, device=device)
     response_mask = torch.zeros((B, n), dtype=torch.long, device=device)
     logps = torch.zeros((B, n), dtype=torch.float, device=device) if return_logprobs else None
@@ -349,8 +368,7 @@ def _prefill(model, prompt_ids, prompt_mask, max_new_tokens, compile, kw):
     rows, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], 1), dim=0, return_inverse=True)
     dedup = len(rows) < B
     ids, mask = (rows[:, :P], rows[:, P:]) if dedup else (prompt_ids, prompt_mask)
-    cache, L = _decode_cache(model, B, L, persistent=compile)  # L: the cache's slots, >= P + max_new_tokens
-    if cache is None:  # sliding-window layers: prefill into a fresh static cache, then reorder it
+    if not _static_layers(model):  # sliding-window layers: prefill into a fresh static cache, then reorder it
         from transformers import StaticCache
 
         cache = StaticCache(config=model.config, max_cache_len=L)
@@ -360,6 +378,7 @@ def _prefill(model, prompt_ids, prompt_mask, max_new_tokens, compile, kw):
     else:
         out = model(input_ids=ids, attention_mask=mask, position_ids=common.position_ids_from_mask(mask), use_cache=True, **kw)
         logits = out.logits[:, -1]  # (U, V)
+        cache, L = _decode_cache(model, B, L, out.cache, persistent=compile)  # L: its slots, >= P + max_new_tokens
         _fill_cache(cache, out.cache, inverse if dedup else None, P)
         del out
     if dedup:
@@ -377,11 +396,9 @@ def _prefill_shared(model, ids, mask, G, max_new_tokens, compile, kw):
         ids, mask = torch.nn.functional.pad(ids, (pad, 0)), torch.nn.functional.pad(mask, (pad, 0))
     out = model(input_ids=ids, attention_mask=mask, position_ids=common.position_ids_from_mask(mask), use_cache=True, **kw)
     S = _rounded(max_new_tokens) if compile else max_new_tokens
-    cache, S = _decode_cache(model, B, S, persistent=compile)
-    for dst, src in zip(cache.layers, out.cache.layers):
-        if not dst.is_initialized or dst.keys.dtype != src.keys.dtype:
-            dst.lazy_initialization(src.keys[:1, :, :0].expand(B, -1, -1, -1), src.values[:1, :, :0].expand(B, -1, -1, -1))
-        dst.cumulative_length.fill_(0)
+    cache, S = _decode_cache(model, B, S, out.cache, persistent=compile)
+    for layer in cache.layers:
+        layer.cumulative_length.fill_(0)
     prompts = shared_prompt.PromptKV([layer.keys for layer in out.cache.layers],
                                      [layer.values for layer in out.cache.layers], mask.bool(), cache)
     return out.logits[:, -1].repeat_interleave(G, 0), cache, None, prompts

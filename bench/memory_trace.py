@@ -286,10 +286,10 @@ def _turn(model, rows, n_prompts, prompt_len, slots, cfg, d):
     and one decode step into the full cache (from the bf16 copies under autocast with --compile)."""
     import sampling
 
-    cache, slots = sampling._decode_cache(model, rows, slots, persistent=cfg.compile)
     prompts, mask, _ = _batch(n_prompts, prompt_len, 0, d)
     out = model(input_ids=prompts, attention_mask=mask, position_ids=common.position_ids_from_mask(mask),
                 use_cache=True, logits_to_keep=1)
+    cache, slots = sampling._decode_cache(model, rows, slots, out.cache, persistent=cfg.compile)
     inverse = None if n_prompts == rows else torch.arange(rows, device=d.device) * n_prompts // rows
     sampling._fill_cache(cache, out.cache, inverse, prompt_len)
     logits = out.logits[:, -1] if inverse is None else out.logits[:, -1][inverse]  # (rows, V)

@@ -371,8 +371,9 @@ def ours_argv(algo, settings, a, model_dir, rows_file, out_dir, steps):
                  "--eval_dataset", rows_file,  # train on every row, as TRL does (no hash split)
                  "--loss_type", "sigmoid", "--label_smoothing", "0", "--eval_batch_size", "64", "--n_eval", "1",
                  "--n_eval_prompts", "1", "--precompute_ref" if settings["precompute"] else "--no-precompute_ref"]
-    argv += ["--padding_free" if settings["padding_free"] else "--no-padding_free",  # explicit, whatever the defaults
-             "--shared_prompt" if settings["shared_prompt"] else "--no-shared_prompt"]
+    for flag in ("padding_free", "shared_prompt"):  # explicit, whatever the defaults; None: the script's default
+        if settings[flag] is not None:
+            argv.append(f"--{flag}" if settings[flag] else f"--no-{flag}")
     return [f"{algo}.py", *argv]
 
 

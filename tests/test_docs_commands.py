@@ -40,7 +40,7 @@ NOT_RUN = [  # (pattern on the command, why it is not run here)
     (r"-m pytest", "the test suite itself"),
     (r"--nnodes [2-9]|HOST", "several nodes"),
     (r"^python -c .*load_dataset", "downloads a data set from the hub"),
-    (r"bench/gpu_check\.py(?!.*--cpu)|bench/(sampler|steps|logprobs|trl_compare)\.py", "a GPU benchmark"),
+    (r"bench/(gpu_check|gpu_speed)\.py(?!.*--cpu)|bench/(sampler|steps|logprobs|trl_compare)\.py", "a GPU benchmark"),
     (r"pipeline\.py", "the pipeline: minutes to an hour (tests/test_pipeline.py runs its stages at small scale)"),
     (r"\b(OUT_DIR|DEST|RUN\d?|RUNS|FILE|N)\b|\.\.\.", "a placeholder the user fills in"),
     (r"--help", "prints the flags (tests/test_common.py reads every script's --help)"),

@@ -40,9 +40,9 @@ def recorded_run(argv):
         rolls.append({k: v.clone() for k, v in vars(roll).items() if torch.is_tensor(v)})
         return roll
 
-    def recording_cache(model, B, L, persistent):
+    def recording_cache(model, B, L, like, persistent):
         cache_rows.append(B)
-        return decode_cache(model, B, L, persistent)
+        return decode_cache(model, B, L, like, persistent)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(environment, "rollout", recording_rollout)

@@ -9,12 +9,13 @@ import pytest
 import torch
 
 import common
+import environment
 import grpo
 import sampling
 import shared_prompt
 import tasks
 from bench import gpu_check
-from helpers import free_port, read_metrics
+from helpers import free_port, read_metrics, write_jsonl
 from plumbing import cli, models, rundir
 
 META = common.Dist(device=torch.device("meta"))
@@ -221,61 +222,126 @@ def test_non_finite_logits_give_valid_ids_and_a_clear_error(tiny):
         sampling.generate(broken, ids, mask, 6, tok.eos_token_id, tok.pad_token_id)
 
 
-def test_persistent_decode_cache_is_reused_in_place_and_leaks_nothing(tiny, monkeypatch):
-    """With compile=True the static cache of each (rows, length) is made once and overwritten in
-    place by later rollouts (CUDA graphs read it at fixed addresses). Two rollouts of different
-    prompts through it sample exactly what a fresh cache gives (nothing leaks from the first)."""
-    model, tok = tiny
-    monkeypatch.setattr(sampling, "_step_fn", lambda compile, device: sampling._next_token)  # eager, same cache path
-    batches = [["sort 3 1 =", "sort 9 9 2 7 ="], ["sort 5 =", "sort 8 1 1 ="]]
-    ptrs = []
-    for texts in batches:
-        ids, mask = common.pad([tok(t)["input_ids"] for t in texts for _ in range(3)], tok.pad_token_id, side="left")
-        ids, mask = ids[:, -8:], mask[:, -8:]  # one prompt length, so both rollouts share the cache's shape
-        u = sampling.rollout_uniforms(6, 10, seed=1)
-        fresh = sampling.generate(model, ids, mask, 10, tok.eos_token_id, tok.pad_token_id, uniforms=u)
-        kept = sampling.generate(model, ids, mask, 10, tok.eos_token_id, tok.pad_token_id, uniforms=u, compile=True)
-        for a, b in zip(fresh, kept):
-            assert torch.equal(a, b)
-        _, cache = sampling._DECODE_CACHES[model]
-        ptrs.append(cache.layers[0].keys.data_ptr())
-    assert ptrs[0] == ptrs[1]
+class FakeCudagraphTrees:
+    """What cudagraph trees do to a compiled step, on the CPU (torch/_inductor/cudagraph_trees.py):
+    a dynamo backend whose every graph binds, at its first run, to the tree manager alive then and
+    records the addresses of its static inputs (parameters, the cache's tensors: marked static);
+    a later run on moved addresses re-records, and a run after its manager was shut down raises as
+    cudagraph trees do. reset_cudagraph_trees shuts the manager down, and so does torch.compiler.reset()
+    on a CUDA machine (torch/_dynamo/__init__.py), after dropping dynamo's entries."""
+
+    def __init__(self, monkeypatch):
+        self.manager, self.compiled, self.recorded, self.rerecorded = object(), 0, [], 0
+        reset = torch._dynamo.reset
+        monkeypatch.setattr("torch._inductor.cudagraph_trees.reset_cudagraph_trees", self.shutdown)
+        monkeypatch.setattr(torch._dynamo, "reset", lambda: (reset(), self.shutdown()))
+        compiled = torch.compile(sampling._next_logits, backend=self.backend, dynamic=False)
+        monkeypatch.setattr(sampling, "_compiled", {sampling._next_logits: compiled})
+        step_fn = sampling._step_fn  # its CUDA branch: the forward alone compiled, for CUDA graphs
+        monkeypatch.setattr(sampling, "_step_fn", lambda compile, device: step_fn(compile, torch.device("cuda")))
+
+    def shutdown(self):
+        self.manager = object()
+
+    def backend(self, gm, example_inputs):
+        self.compiled += 1
+        shape = tuple(tuple(x.shape) for x in example_inputs if isinstance(x, torch.Tensor))
+        graph = {}
+
+        def run(*args):
+            static = [a.data_ptr() for a in args if getattr(a, "_dynamo_static_input_type", None)]
+            if not graph:
+                graph.update(manager=self.manager, static=static)
+                self.recorded.append(shape)
+            elif graph["manager"] is not self.manager:
+                raise AssertionError("Running CUDAGraph after shutdown")
+            elif static != graph["static"]:
+                graph["static"] = static
+                self.rerecorded += 1
+            return gm(*args)
+        return run
 
 
-@pytest.mark.parametrize("layout, slots", [("aabb", (24, 8)), ("abab", (40, 24))])
-def test_one_decode_cache_per_model_sized_for_the_longest_rollout(tiny, monkeypatch, layout, slots):
-    """Compiled decoding keeps one static cache per model, not one per length (four at 8B held
-    22-37 GiB through the update): a shorter rollout of the same rows decodes in the longer one's
-    cache, sampling exactly what a fresh cache gives; other rows replace it, the old one freed and
-    the CUDA graphs recorded on it reset (else cudagraph trees re-record at every step). "aabb":
-    each prompt's rows in a run, its keys kept once: the cache holds the response slots, 20
-    rounded up to 24; "abab": every row a copy of its prompt, P + 20 slots rounded up to 40."""
-    import gc
-    import weakref
+def test_compiled_decoding_survives_training_evaluation_and_tool_rollouts(tmp_path, monkeypatch):
+    """A run's rollouts through the compiled decode step, CUDA graphs faked (FakeCudagraphTrees):
+    evaluation of 3 rows, training of 8, evaluation again, tool turns (8 rows, a GPU's 7 idle slots
+    per call: more slots), then evaluation, training and tools twice more. Each rollout samples what
+    the eager sampler does from a fresh cache; no graph runs on shut-down trees (a return to a
+    shape compiled before the cache was replaced: what crashed an H200 run); after the first pass
+    of each shape, nothing compiles, records or re-records again."""
+    import tools
 
-    model, tok = tiny
-    monkeypatch.setattr(sampling, "_step_fn", lambda compile, device: sampling._next_token)  # eager, same cache path
-    resets = []
-    monkeypatch.setattr("torch._inductor.cudagraph_trees.reset_cudagraph_trees", lambda: resets.append(1))
-    sampling._DECODE_CACHES.pop(model, None)  # an earlier test's
-    texts = {"aabb": ["sort 3 1 ="] * 2 + ["sort 9 9 2 7 ="] * 2, "abab": ["sort 3 1 =", "sort 9 9 2 7 ="] * 2}[layout]
-    ids, mask = common.pad([tok(t)["input_ids"] for t in texts], tok.pad_token_id, side="left")
-    u = sampling.rollout_uniforms(4, 20, seed=1)
-    seen, first = [], None
-    for rows, new_tokens in ((4, 20), (4, 6), (2, 6)):
-        fresh = sampling.generate(model, ids[:rows], mask[:rows], new_tokens, tok.eos_token_id, tok.pad_token_id,
-                                  uniforms=u[:rows])
-        kept = sampling.generate(model, ids[:rows], mask[:rows], new_tokens, tok.eos_token_id, tok.pad_token_id,
-                                 uniforms=u[:rows], compile=True)
-        for a, b in zip(fresh, kept):
-            assert torch.equal(a, b)
-        shape, cache = sampling._DECODE_CACHES[model]
-        first = first or weakref.ref(cache)
-        seen.append((shape, cache is first(), len(resets)))
-        del cache
-        gc.collect()
-    assert seen[0] == seen[1] == ((4, slots[0]), True, 0)  # the 6-token rollout used the 20-token one's slots
-    assert seen[2] == ((2, slots[1]), False, 1) and first() is None  # other rows: replaced, the old one freed
+    folder = tasks.calculator_gpt2(tmp_path / "caller")
+    tok = models.load_tokenizer(folder)
+    model = models.load_model(folder, tok).eval()
+    tool = tools.load_tool("calculator")
+    trees = FakeCudagraphTrees(monkeypatch)
+    ids, mask = common.pad(sampling.encode_prompts(tok, [r["prompt"] for r in tasks.prompt_rows(4)], 32)[0],
+                           tok.pad_token_id, side="left")
+    ids, mask = ids.repeat_interleave(2, 0), mask.repeat_interleave(2, 0)  # 4 prompts x G = 2
+    u = sampling.rollout_uniforms(8, 24, seed=0)
+    kw = dict(eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    rollouts = {
+        "evaluation": lambda compile: sampling.generate(model, ids[:3], mask[:3], 12, temperature=0.0,
+                                                        compile=compile, **kw),
+        "training": lambda compile: sampling.generate(model, ids, mask, 12, uniforms=u, return_logprobs=True,
+                                                      compile=compile, **kw),
+        "tools": lambda compile: sampling.generate_with_tools(model, ids, mask, 24, tokenizer=tok, tool=tool,
+                                                              uniforms=u, check_every=8, compile=compile, **kw)}
+    counts = []
+    for name in ["evaluation", "training", "evaluation", "tools"] + ["evaluation", "training", "tools"] * 3:
+        got, want = rollouts[name](True), rollouts[name](False)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w) if g.dtype != torch.float else torch.allclose(g, w, atol=1e-6), name
+        counts.append((trees.compiled, len(trees.recorded), trees.rerecorded))
+    assert sampling.tool_calls(rollouts["tools"](False)[3]).sum() > 0  # the tool rollouts called the tool
+    assert counts[-1] == counts[6], counts  # the last two passes compiled and recorded nothing
+    assert trees.rerecorded == 0, counts
+
+
+def test_grpo_compile_runs_through_evaluations_tool_turns_and_resume(tmp_path, monkeypatch):
+    """grpo.py --compile --tools, CUDA graphs faked (FakeCudagraphTrees), evaluating every step (the
+    file's held-out prompts, greedy and sampled: 3 rows, training 8): killed after step 2's
+    checkpoint, then --resume (to step 5) in a fresh state, a new process's. Both runs end; from
+    each run's third rollout or evaluation on (the first two meet its shapes: each may replace the
+    cache with a larger one, and the shapes compile again), nothing compiles, records or re-records."""
+    trees = FakeCudagraphTrees(monkeypatch)
+    folder = tasks.calculator_gpt2(tmp_path / "caller")
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": r["prompt"], "reward_fn": "digits"}
+                                                       for r in tasks.prompt_rows(64)])
+    argv = ["--model", folder, "--dataset", prompts, "--tools", "calculator", "--steps", "5", "--prompts_per_step", "4",
+            "--group_size", "2", "--max_new_tokens", "12", "--max_prompt_len", "48", "--eval_every", "1",
+            "--save_every", "1", "--compile", "--out_dir", str(tmp_path / "run")]
+    seen = []  # after each rollout and evaluation: (what, compilations, recordings, re-recordings)
+    rollout, evaluate, sample = environment.rollout, environment.evaluate, sampling.generate_with_tools
+
+    def counted(name, fn):
+        def wrapped(*args, **kwargs):
+            if name == "rollout" and [s[0] for s in seen].count("rollout") == 2 and "--resume" not in argv:
+                raise KeyboardInterrupt  # killed after step 2's checkpoint
+            out = fn(*args, **kwargs)
+            seen.append((name, trees.compiled, len(trees.recorded), trees.rerecorded))
+            return out
+        return wrapped
+
+    monkeypatch.setattr(environment, "rollout", counted("rollout", rollout))
+    monkeypatch.setattr(environment, "evaluate", counted("evaluate", evaluate))
+    calls = []
+    monkeypatch.setattr(sampling, "generate_with_tools", lambda *a, **k: calls.append(k["compile"]) or sample(*a, **k))
+    with pytest.raises(KeyboardInterrupt):
+        grpo.main(cli.parse_config(grpo.Config, argv))
+    rundir.release()
+    first, seen[:] = list(seen), []
+    torch.compiler.reset()  # a new process: no graph, no trees
+    trees.shutdown()
+    argv.append("--resume")
+    grpo.main(cli.parse_config(grpo.Config, argv))
+    assert [s[0] for s in first] == ["evaluate", "rollout", "evaluate", "rollout", "evaluate"], first  # steps 0-2
+    assert [s[0] for s in seen] == ["rollout", "evaluate"] * 3, seen  # steps 3-5
+    assert calls and all(calls), calls  # every rollout ran the compiled tool loop
+    assert first[-1][1:] == first[2][1:] and seen[-1][1:] == seen[2][1:], (first, seen)
+    assert first[-1][3] == seen[-1][3] == 0, (first, seen)
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [0, 1, 2, 3, 4, 5]
 
 
 def test_gpu_check_refuses_without_a_gpu():
@@ -395,36 +461,38 @@ def test_gpu_check_fails_on_a_planted_bug(cpu_check, monkeypatch, plant):
 
 def test_gpu_check_reads_compilations_and_cuda_graph_recordings_from_torch_logs():
     """(d)'s reader on hand-written output in TORCH_LOGS's format (torch 2.11 and 2.13 word the
-    recording differently): compile ids [frame/compile] counted once each (a restart [0/0_1] is
-    not a compilation), the recordings split at the `step 2` line (one after it: the evaluation's
-    rows), re-recordings (a static input moved: the H200's first (d) run had 254) apart."""
+    recording differently): every compilation counted (a restart [0/0_1] is not one; the ids start
+    again after torch.compiler.reset(), sampling._decode_cache's when its cache grows), split with
+    the recordings at the `step 2` line; re-recordings (a static input moved: the H200's first (d)
+    run had 254) and skipped graphs apart. After step 2 nothing may compile or record."""
     def log(*lines):
         return "\n".join(lines) + "\n"
 
     trace = "I1125 14:03:09.495000 7499 torch/_dynamo/symbolic_convert.py:5335] [{}] Step 1: torchdynamo start " \
-            "tracing _next_token /repo/sampling.py:78"
+            "tracing _next_logits /repo/sampling.py:78"
     record = "V1125 14:03:09.6 7499 torch/_inductor/cudagraph_trees.py:2403] [0/0] [__cudagraphs] {}"
-    step = "step {}/3 | elapsed 9s | ETA 4s | reward 0.1 | kl 0 | clip_ratio/low 0 | clip_ratio/high 0"
+    step = "step {}/4 | elapsed 9s | ETA 4s | reward 0.1 | kl 0 | clip_ratio/low 0 | clip_ratio/high 0"
+    recording = record.format("Recording function=0, mode=INFERENCE, cuda_graph_id=0, inputs: [...]")
     good = log(trace.format("0/0"), trace.format("0/0_1"), record.format("Running warmup function=0, mode=INFERENCE"),
-               record.format("Recording function=0, mode=INFERENCE, cuda_graph_id=0, inputs: [...]"),
-               step.format(1), step.format(2), step.format(3))
-    assert gpu_check.compile_report(good) == (1, ["_next_token"], 1, 0, 0, 0)
+               recording, step.format(0), trace.format("0/0"), recording, trace.format("0/1"),  # reset, then grown
+               record.format("Recording cudagraph tree for graph without symints"),
+               record.format("Recording function 0 of graph recording id 3"),  # torch 2.11's wording
+               step.format(1), step.format(2), step.format(3), step.format(4))
+    assert gpu_check.compile_report(good) == dict(compiled=3, compiled_after=0, frames=["_next_logits"], recorded=3,
+                                                  recorded_after=0, rerecorded=0, skipped=0)
     assert all(r["ok"] for r in gpu_check.compile_rows("run", good))
-    tree = record.format("Recording cudagraph tree for graph without symints")
-    evaluated = good.replace(step.format(3), log(tree, record.format("Recording function 0 of graph recording id 3"),
-                                                 step.format(3)))  # torch 2.11's wording
-    assert gpu_check.compile_report(evaluated)[2:] == (1, 1, 0, 0)
-    assert all(r["ok"] for r in gpu_check.compile_rows("run", evaluated))
-    again = evaluated + log(record.format("Recording function=0, mode=INFERENCE, cuda_graph_id=4"))
+    after = step.format(2) + "\n"
+    recorded_late = good.replace(after, after + log(recording))
+    compiled_late = good.replace(after, after + log(trace.format("0/2")))
     rerecorded = good + log(record.format("Re-recording function=0, mode=INFERENCE, reason=static input moved"))
-    recompiled = log(trace.format("0/0"), trace.format("0/1"), trace.format("0/2")) + good
+    recompiled = log(*(trace.format(f"0/{i}") for i in range(4))) + good
     skipped = good.replace("Running warmup", "skipping cudagraphs due to mutated inputs. Running warmup")
-    unfinished = good.replace(step.format(2), "")
-    for bad, ok in ((again, [True, False]), (rerecorded, [True, False]), (recompiled, [False, True]),
-                    (skipped, [True, False]), (unfinished, [True, False])):
+    unfinished = good.replace(after, "")
+    for bad, ok in ((recorded_late, [False, False]), (compiled_late, [False, False]), (rerecorded, [True, False]),
+                    (recompiled, [False, True]), (skipped, [True, False]), (unfinished, [False, False])):
         assert [r["ok"] for r in gpu_check.compile_rows("run", bad)] == ok, bad
-    assert gpu_check.compile_report(rerecorded)[2:] == (1, 0, 1, 0)
-    assert gpu_check.compile_report(recompiled)[0] == 3 and gpu_check.compile_report(unfinished)[3] is None
+    assert gpu_check.compile_report(rerecorded)["rerecorded"] == 1
+    assert gpu_check.compile_report(recompiled)["compiled"] == 7 and gpu_check.compile_report(unfinished)["recorded_after"] is None
 
 
 def test_gpu_check_memory_bound_is_ten_percent_and_one_gib():

@@ -116,8 +116,8 @@ def test_the_tool_loop_makes_the_one_cache_the_model_counts(check_every, tmp_pat
     tok, model = AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder)
     caches, decode_cache = [], sampling._decode_cache
 
-    def recording(model, B, L, persistent):
-        caches.append(decode_cache(model, B, L, persistent)[0])
+    def recording(model, B, L, like, persistent):
+        caches.append(decode_cache(model, B, L, like, persistent)[0])
         return caches[-1], L
 
     monkeypatch.setattr(sampling, "_decode_cache", recording)

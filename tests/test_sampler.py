@@ -216,7 +216,7 @@ def test_compiled_sampling_matches_eager():
     assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
     assert len(set(eager[0].flatten().tolist())) > 5  # sampled, not one token throughout
     torch.testing.assert_close(compiled[2], eager[2], rtol=0, atol=1e-5)
-    assert sampling._DECODE_CACHES[model][0] == (len(ids), 16)  # (rows, slots): responses only
+    assert sampling._DECODE_CACHES[model][0][:2] == (len(ids), 16)  # (rows, slots): responses only
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "smollm2_small"])

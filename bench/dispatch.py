@@ -1,0 +1,246 @@
+"""What a step dispatches, counted on the CPU: aten ops and host syncs per decode step (ours against
+transformers' model.generate) and per DPO and GRPO training step (the scripts' own step against a
+plain transformers padded forward and backward of the same batch, what TRL 1.16 runs). On a GPU a
+small model's step is dispatch-bound (~10-15 us an op on an H200, docs/gpu.md), so the counts are
+what a GPU pays for, and they are deterministic: tests/test_dispatch.py bounds them, so that what a
+GPU shows cannot regress unseen between GPU loans. Counts, never times.
+
+    python bench/dispatch.py                    # the SmolLM2 shape (30 layers, widths cut: counts do not depend on them)
+    python bench/dispatch.py --layers 2 --diff  # a short model, and each op whose count differs per decode step
+
+Per step: the count over a run of `more` extra steps minus the count over the shorter run, over
+`more` (what is done once a call, the prefill, a run's setup and its evaluations, cancels). Host
+syncs: aten._local_scalar_dense (.item(), bool()), Tensor.tolist and .numpy, nonzero, masked_select,
+unique and indexing with a boolean mask, each of which makes a GPU's host wait for its queue to drain.
+"""
+import argparse
+import collections
+import contextlib
+import copy
+import os
+import sys
+import tempfile
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import common  # noqa: E402
+import sampling  # noqa: E402
+import tasks  # noqa: E402
+
+SYNCS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default",
+         "aten._unique2.default", "aten.unique_dim.default", "aten.unique_consecutive.default",
+         "aten.repeat_interleave.Tensor"}
+# SmolLM2-135M's architecture (Llama: 30 layers, 9 heads over 3 KV heads, SwiGLU, tied head) with every width cut:
+# the ops a step dispatches depend on the layers and the code path, not on the widths
+SMOLLM2_OPS = dict(hidden_size=72, intermediate_size=64, num_hidden_layers=30, num_attention_heads=9,
+                   num_key_value_heads=3, head_dim=8, max_position_embeddings=1024, rms_norm_eps=1e-5,
+                   rope_theta=100000.0, tie_word_embeddings=True)
+
+
+class Dispatched(TorchDispatchMode):
+    """Counts the aten ops dispatched inside it by name (`ops`) and the host syncs among them
+    (`syncs`); nothing is counted inside `paused()`."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.syncs, self.counting = collections.Counter(), collections.Counter(), True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.counting:
+            name = str(func)
+            self.ops[name] += 1
+            boolean_index = func is torch.ops.aten.index.Tensor and any(
+                t is not None and t.dtype in (torch.bool, torch.uint8) for t in args[1])
+            if name in SYNCS or boolean_index:
+                self.syncs[name] += 1
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):  # a CPU tensor's .tolist() and .numpy() read it without an aten op: counted here
+        self._saved = torch.Tensor.tolist, torch.Tensor.numpy
+        for method, saved in zip(("tolist", "numpy"), self._saved):
+            setattr(torch.Tensor, method, self._reading(f"Tensor.{method}", saved))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist, torch.Tensor.numpy = self._saved
+        return super().__exit__(*exc)
+
+    def _reading(self, name, method):
+        def read(tensor, *args, **kwargs):
+            if self.counting:
+                self.syncs[name] += 1
+            return method(tensor, *args, **kwargs)
+        return read
+
+    @contextlib.contextmanager
+    def paused(self):
+        self.counting = False
+        try:
+            yield
+        finally:
+            self.counting = True
+
+
+def per_step(run, short, more):
+    """(ops, syncs) per step, Counters by op name: run(short + more) minus run(short), over `more`."""
+    counts = []
+    for n in (short, short + more):
+        with torch.no_grad(), Dispatched() as seen:
+            run(n)
+        counts.append(seen)
+    return tuple(_per(getattr(counts[1], k), getattr(counts[0], k), more) for k in ("ops", "syncs"))
+
+
+def _per(long, short, more):
+    diff = collections.Counter(long)
+    diff.subtract(short)
+    return collections.Counter({k: v / more for k, v in diff.items() if v})
+
+
+def smollm2_ops_model(layers=30, seed=0):
+    """(tokenizer, model): SmolLM2's architecture with widths cut (SMOLLM2_OPS), random weights, the
+    scripts' fp32 head, the character tokenizer."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    tok = tasks.char_tokenizer()
+    config = LlamaConfig(**{**SMOLLM2_OPS, "num_hidden_layers": layers}, vocab_size=len(tok),
+                         bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.get_output_embeddings().__class__ = common.FP32Head  # the scripts' head (plumbing.models.load_model)
+    return tok, model
+
+
+# -----------------------------------------------------------------------------
+# a decode step: ours (sampling.generate, eager) against model.generate, temperature 1, no early stop
+
+
+def decode_step(model, ids, mask, pad_id, eos_id, short=8, more=16, check_every=None):
+    """{"ours": (ops, syncs), "generate": (ops, syncs)} per decode step of the same rows: sampling.generate
+    (eager, its stop check every `check_every` steps) and model.generate (do_sample, a dynamic cache)."""
+    def ours(n):
+        return sampling.generate(model, ids, mask, n, -1, pad_id, temperature=1.0, check_every=check_every,
+                                 generator=torch.Generator(device=ids.device).manual_seed(0))
+
+    def generate(n):
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=True,
+                              temperature=1.0, top_k=0, top_p=1.0, pad_token_id=pad_id, eos_token_id=eos_id)
+
+    return {"ours": per_step(ours, short, more), "generate": per_step(generate, short, more)}
+
+
+# -----------------------------------------------------------------------------
+# a training step: the script's own (its main, one more step; the rollout and the evaluations not
+# counted) against a plain transformers padded forward and backward of the same rows
+
+
+def script_step(script, argv, steps=1, pause=()):
+    """(ops, syncs) of one steady training step of script.main (dpo or grpo), and what `record`
+    saw of the last step: the run of argv for steps + 1 steps minus the run for `steps` (their
+    first steps alike; the last one's evaluation is in both). pause: (module, name) of functions
+    whose ops are not counted (the rollout: a decode loop, counted by decode_step)."""
+    counts, seen_batches = [], []
+    for n in (steps, steps + 1):
+        with tempfile.TemporaryDirectory() as out, Dispatched() as seen, contextlib.ExitStack() as stack:
+            for module, name in pause:
+                fn = getattr(module, name)
+                stack.enter_context(_patched(module, name, _pausing(seen, fn, seen_batches)))
+            script.main(script.cli.parse_config(script.Config, [*argv, "--steps", str(n), "--out_dir", out]))
+        counts.append(seen)
+    return _per(counts[1].ops, counts[0].ops, 1), _per(counts[1].syncs, counts[0].syncs, 1), seen_batches
+
+
+def _pausing(seen, fn, record):
+    def paused(*args, **kwargs):
+        with seen.paused():
+            out = fn(*args, **kwargs)
+        record.append(out)
+        return out
+    return paused
+
+
+@contextlib.contextmanager
+def _patched(module, name, value):
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
+
+
+def padded_step(model, ids, attn, n_response, loss_fn, lr=1e-6):
+    """(ops, syncs) of a plain transformers training step, as TRL 1.16 runs one: the policy's
+    padded forward over every row (logits of the last n_response + 1 positions kept), log-probs of
+    the response tokens by log_softmax and gather, the reference's same forward without
+    gradients, loss_fn(logps, ref_logps) -> loss, backward, gradient clipping, AdamW (fused,
+    common.make_optimizer's kind) and zero_grad. The model is copied: its reference is its copy."""
+    policy, ref = copy.deepcopy(model).train(), copy.deepcopy(model).eval().requires_grad_(False)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, betas=(0.9, 0.95), fused=True)
+    labels = ids[:, -n_response:]
+
+    def logps(m):
+        logits = m(input_ids=ids, attention_mask=attn, logits_to_keep=n_response + 1).logits[:, :-1]  # (B, R, V)
+        return torch.log_softmax(logits.float(), -1).gather(-1, labels[..., None]).squeeze(-1)  # (B, R)
+
+    def step():
+        with torch.no_grad():
+            ref_logps = logps(ref)
+        loss = loss_fn(logps(policy), ref_logps)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # the optimizer's state made: the counted step is a steady one
+    with Dispatched() as seen:
+        step()
+    return seen.ops, seen.syncs
+
+
+def dpo_loss(resp, beta=0.1):
+    """TRL's sigmoid DPO loss over rows [chosen; rejected] (the scripts' pair_batch layout)."""
+    def loss(logps, ref_logps):
+        pi, ref = (logps * resp).sum(-1).chunk(2), (ref_logps * resp).sum(-1).chunk(2)
+        return -torch.nn.functional.logsigmoid(beta * ((pi[0] - ref[0]) - (pi[1] - ref[1]))).mean()
+    return loss
+
+
+def grpo_loss(resp, advantages, beta=0.04, eps=0.2):
+    """TRL's GRPO loss, one iteration (the old policy is the policy, detached), the k3 KL, token mean."""
+    def loss(logps, ref_logps):
+        ratio = torch.exp(logps - logps.detach())
+        pg = -torch.min(ratio * advantages[:, None], ratio.clamp(1 - eps, 1 + eps) * advantages[:, None])
+        kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
+        return ((pg + beta * kl) * resp).sum() / resp.sum()
+    return loss
+
+
+def total(counter):
+    return sum(counter.values())
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--rows", type=int, default=16, help="decode rows: prompts x G = 2")
+    p.add_argument("--diff", action="store_true", help="each op whose count per decode step differs")
+    args = p.parse_args()
+    tok, model = smollm2_ops_model(args.layers)
+    from bench.sampler import prompts_batch
+
+    ids, mask = prompts_batch(tok, args.rows // 2, 2, torch.device("cpu"))
+    steps = decode_step(model, ids, mask, tok.pad_token_id, tok.eos_token_id, check_every=sampling.GPU_CHECK_EVERY)
+    for k, (ops, syncs) in steps.items():
+        print(f"decode step, {k:8s}: {total(ops):7.1f} ops, {total(syncs):.3f} host syncs ({dict(syncs)})")
+    if args.diff:
+        a, b = steps["ours"][0], steps["generate"][0]
+        for k in sorted(set(a) | set(b), key=lambda k: a[k] - b[k]):
+            if a[k] != b[k]:
+                print(f"  {k:55s} ours {a[k]:7.2f}  generate {b[k]:7.2f}")
+
+
+if __name__ == "__main__":
+    main()
