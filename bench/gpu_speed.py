@@ -8,6 +8,10 @@ H100/H200): ours at default flags against TRL 1.16 and against plain model.gener
 Sections, in this order; one that would start after --budget_s seconds (default 240) is skipped, its
 row naming the command that runs it (the command ends within ~8 minutes of an H200's time, machine
 start included; its results are written after each section, should it be killed):
+  exact    at equal weights a frozen copy's no-grad pass gives the policy's update forward's log-probs to
+           the bit on the device, under bf16 autocast as grpo.py runs, padded, packed and sharing prompts
+           (tests/test_exact.py's check, whose CPU kernels a GPU's may not share: SDPA's backend or cuBLAS's
+           algorithm chosen by whether a weight needs a gradient would break it), seconds.
   compile  grpo.py --compile on Qwen2.5-0.5B's shape through 4 steps evaluating every one
            (bench/gpu_check.py's (b) and (d) rows): nothing compiled, recorded or re-recorded after
            step 2, KL 0 at lr 0.
@@ -49,7 +53,7 @@ from bench import dispatch, gpu_check, memory, trl_compare, util  # noqa: E402
 from bench.steps import exact_alphabet, make_data, matmul_peak  # noqa: E402
 from plumbing import models  # noqa: E402
 
-SECTIONS = ("compile", "decode", "grpo", "dpo")
+SECTIONS = ("exact", "compile", "decode", "grpo", "dpo")
 BF16_PEAK = {"H100": 989e12, "H200": 989e12}  # dense bf16 tensor-core FLOP/s of the SXM parts (NVIDIA's data sheets)
 GPU = dict(shapes=("smollm2-random", "qwen2.5-0.5b"), decode=dict(prompts=16, G=8, prompt=128, new=128),
            grpo=dict(batch_size=16, group_size=8, prompt_len=128, response_len=128),
@@ -196,6 +200,45 @@ def profile(fn, device, top=25):
     return dict(wall_ms=1e3 * wall, busy=sum(dev(e) for e in kernels) / 1e6 / wall if kernels else 0.0,
                 ops=sum(e.count for e in ops), kernels=table(kernels, lambda e: -dev(e)),
                 host_ops=table(ops, lambda e: -e.self_cpu_time_total))
+
+
+# -----------------------------------------------------------------------------
+# exact: the reference's pass is the policy's own on this device (tests/test_exact.py's check)
+
+
+def exact_section(plan, device):
+    """A random Qwen2.5-0.5B-shaped model (4 of its layers: the kernels, not the depth, are in question)
+    against its frozen copy (common.freeze), rows in groups sharing left-padded prompts, responses of
+    many lengths."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    import shared_prompt
+
+    d = common.Dist(device=device)
+    config = memory.hf_config(SHAPES["qwen2-tiny"] if device.type == "cpu" else dict(SHAPES["qwen2.5-0.5b"], L=4))
+    torch.manual_seed(0)
+    policy = models.no_dropout(AutoModelForCausalLM.from_config(config)).to(device).train()
+    ref = common.freeze(copy.deepcopy(policy), d)
+    g = torch.Generator().manual_seed(0)
+    V, G = config.vocab_size, 4
+    prompts = [torch.randint(3, V, (n,), generator=g).tolist() for n in (40, 17, 64, 5) for _ in range(G)]
+    responses = [torch.randint(3, V, (1 + (7 * i) % 48,), generator=g).tolist() for i in range(len(prompts))]
+    ids, attn, resp = (t.to(device) for t in common.join_prompt_response(prompts, responses, 0))
+    rows, out = torch.arange(len(ids), device=device), []
+    for packed, shared in ((False, False), (True, False), (False, True)):
+        with common.autocast(d):
+            want = shared_prompt.response_logprobs(policy, ids, attn, resp.shape[1], with_entropy=True, packed=packed,
+                                                   shared=shared)[0].float().detach()
+        got = shared_prompt.planned_logprobs(ref, ids, attn, resp.shape[1], [([rows], packed, shared)], d)
+        gap = float(((got - want) * resp).abs().max())
+        layout = "shared" if shared else "packed" if packed else "padded"
+        precision = ", bf16 autocast" if common.bf16_supported(device) else ""
+        out.append(row("exact", f"frozen copy vs the policy's update forward, {layout}{precision}",
+                       f"max |diff| {gap:.3g}", "equal to the bit: pass" if gap == 0 else
+                       "FAIL: at equal weights the KL's gradient is float noise here"))
+    return out, {}
 
 
 # -----------------------------------------------------------------------------
@@ -356,7 +399,7 @@ def main(argv=None):
     t0, details = time.time(), {}
     print(f"gpu_speed on {name}, torch {torch.__version__}, trl {'importable' if trl else 'not importable'}",
           flush=True)
-    todo = [(s, None) for s in SECTIONS[:2] if s in only] + [(s, shape) for shape in shapes for s in SECTIONS[2:]
+    todo = [(s, None) for s in SECTIONS[:3] if s in only] + [(s, shape) for shape in shapes for s in SECTIONS[3:]
                                                               if s in only]
     with tempfile.TemporaryDirectory(prefix="gpu_speed-") as work:
         for section, shape in todo:
@@ -367,7 +410,9 @@ def main(argv=None):
                 continue
             s0 = time.time()
             try:
-                if section == "decode":
+                if section == "exact":
+                    got, details["exact"] = exact_section(plan, device)
+                elif section == "decode":
                     got, details["decode"] = decode_section(plan, device)
                 elif section == "compile":
                     got, details["compile"] = compile_section(device, work)
