@@ -177,24 +177,65 @@ def read_file(path, reads=COLUMNS):
     return datasets.Dataset.from_dict(data)
 
 
+def _hash(prompt):
+    text = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)  # a conversation
+    return int(hashlib.sha256(text.encode()).hexdigest()[:8], 16)
+
+
 def held_out(prompt):
     """Whether a prompt belongs to the held-out share of a local file: a hash of its text, so the
     split is the same on every run and every rank, and rows sharing a prompt stay together."""
-    text = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)  # a conversation
-    return int(hashlib.sha256(text.encode()).hexdigest()[:8], 16) < HOLDOUT * 16**8
+    return _hash(prompt) < HOLDOUT * 16**8
+
+
+MIN_EVAL = 25  # held-out rows below which eval/* is noise: an accuracy over n has a standard error up to 0.5/sqrt(n)
+
+
+def holdout_rows(prompts, name, split, what="rows", eval_on_train=True):
+    """The rows (indices) of split "train" or "test" of a local file without a held-out file of its
+    own. The held-out rows are those whose prompt hashes into HOLDOUT (held_out); where none does (a
+    small file: 64 distinct prompts hold none out 4% of the time, 20 prompts 36%), or all do, those
+    of its prompt of lowest hash, so that no file is refused for its size. A file that cannot be
+    split so (one prompt; or fewer than 1 / HOLDOUT rows, whose share is under one row, holding none
+    out by hash) trains on every row: its "test" rows are all of them (eval/* measures the training
+    rows) or, where not eval_on_train, None (no evaluation), said. The "train" call prints how many
+    rows each split has, and warns where the held-out ones are too few to read (small_eval)."""
+    hashes = [_hash(p) for p in prompts]
+    test = [h < HOLDOUT * 16**8 for h in hashes]
+    fallback = "none" if not any(test) else "all" if all(test) else ""
+    if fallback:
+        test = [h == min(hashes) for h in hashes]
+    if all(test) or (fallback and len(prompts) * HOLDOUT < 1):
+        if split == "train":
+            why = "one prompt" if all(test) else f"under {1 / HOLDOUT:.0f}, {fallback} hashing into the held-out share"
+            then = (f"eval/* is measured on the training {what}" if eval_on_train else "no evaluation")
+            common.print0(f"warning: {name}: no --eval_dataset, and its {len(prompts)} {what} are too few to split "
+                          f"({why}): training on all of them, {then}; pass --eval_dataset with held-out {what}")
+        return list(range(len(prompts))) if split == "train" or eval_on_train else None
+    rows = [i for i, t in enumerate(test) if t == (split == "test")]
+    if split == "train":
+        n, k = len(prompts), len(prompts) - len(rows)
+        which = (f"and {fallback} of its {n} {what} hash into the held-out {HOLDOUT:.0%}, so the {k} {what} of its "
+                 f"prompt of lowest hash" if fallback else
+                 f"so the {k} of {n} {what} whose prompt hashes into the held-out {HOLDOUT:.0%}")
+        common.print0(f"{name}: no --eval_dataset, {which} are kept for evaluation, not trained on; {n - k} {what} to "
+                      f"train on")
+        small_eval(k, name, what)
+    return rows
+
+
+def small_eval(n, name, what="rows"):
+    """Warn where a held-out set of n rows is too small to read (fewer than MIN_EVAL): an accuracy
+    over n pairs moves by up to 0.5/sqrt(n) from one draw of them to another (one standard error),
+    and a loss over n rows as much as its rows differ."""
+    if n < MIN_EVAL:
+        common.print0(f"warning: {name}: {n} held-out {what}: too few to read eval/* (an accuracy over {n} has a "
+                      f"standard error up to {0.5 / n ** 0.5:.2f}); pass --eval_dataset with {MIN_EVAL} or more")
 
 
 def hold_out(ds, name, split):
-    """The rows of split "train" or "test" of a local file that has no splits of its own."""
-    test = [held_out(p) for p in ds["prompt" if "prompt" in ds.column_names else "text"][:]]
-    rows = [i for i, t in enumerate(test) if t == (split == "test")]
-    if not rows:
-        raise ValueError(f"{name}: none of its {len(ds)} rows falls in the {split} share of the hash split "
-                         f"({HOLDOUT:.0%} of prompts held out); pass --eval_dataset with held-out rows")
-    if split == "train":
-        common.print0(f"{name}: no --eval_dataset, so the {len(ds) - len(rows)} of {len(ds)} rows whose prompt "
-                      f"hashes into the held-out {HOLDOUT:.0%} are kept for evaluation, not trained on")
-    return ds.select(rows)
+    """The rows of split "train" or "test" of a local file that has no splits of its own (holdout_rows)."""
+    return ds.select(holdout_rows(ds["prompt" if "prompt" in ds.column_names else "text"][:], name, split))
 
 
 def looks_local(name):
@@ -252,6 +293,8 @@ def load_data(name, split, columns, kind=None, n=None, seed=0, holdout=False, op
                           f"{', ...' if len(empty) > 5 else ''}), read as empty text")
     if holdout and os.path.isfile(name):
         ds = hold_out(ds, name, split)
+    elif split != "train" and name not in tasks.TASKS:  # a held-out set of its own (a hub split, --eval_dataset)
+        small_eval(len(ds), name if os.path.isfile(name) else f"{name} ({split})")
     return ds
 
 
@@ -448,6 +491,21 @@ def assistant_turns(ds, tokenizer, source):
     return prompts, pieces, True
 
 
+def report_later_turns(turns, max_len, source):
+    """SFT's completion of a `messages` row is everything after its first assistant turn begins, later
+    user turns included, all counted by --max_response_len, which cuts it from the right. Where rows
+    have several assistant turns (turns: each row's [(start, end), ...] of its assistant turns' tokens
+    in the completion), prints a line saying so, with the later turns it cuts: in part, and wholly
+    (none of their tokens trained on)."""
+    later = [t for row in turns for t in row[1:]]
+    if not later:
+        return
+    cut, gone = sum(end > max_len for _, end in later), sum(start >= max_len for start, _ in later)
+    common.print0(f"{source}: --max_response_len {max_len} counts every token after a row's first assistant turn "
+                  f"begins, later user turns included: it cuts {cut} of the {len(later)} later assistant turns of "
+                  f"{sum(len(row) > 1 for row in turns)} multi-turn rows ({gone} of them wholly)")
+
+
 HH_MARKER = "\n\nAssistant:"
 
 
@@ -473,7 +531,8 @@ def load_pairs(name, split, n=None, seed=0, holdout=False):
     any others the source has, such as a numeric `margin`). Rows without a prompt field are
     Anthropic HH dialogues, split by split_hh. Errors name the source and the row (1-based).
     holdout: as in load_data, by the hash of the (split) prompt."""
-    ds = load_data(name, split, ["chosen", "rejected"], kind="preference", n=n, seed=seed,
+    whole = holdout and os.path.isfile(name)  # split below, by the hash of the prompt the rows have then
+    ds = load_data(name, "train" if whole else split, ["chosen", "rejected"], kind="preference", n=n, seed=seed,
                    optional=("prompt", "margin"))
     if "prompt" in ds.column_names:
         check_field(ds["prompt"][:], "prompt", name)
@@ -494,7 +553,7 @@ def load_pairs(name, split, n=None, seed=0, holdout=False):
         bad = next((i for i, m in enumerate(ds["margin"][:]) if isinstance(m, bool) or not isinstance(m, (int, float))), None)
         if bad is not None:
             raise ValueError(f"{name} row {bad + 1}: field 'margin' is {ds[bad]['margin']!r}, not a number")
-    if holdout and os.path.isfile(name):
+    if whole:
         ds = hold_out(ds, name, split)
     return ds
 

@@ -58,7 +58,7 @@ def load_prompts(cfg, rules, fns=(), split="train"):
         return None, None
     one_rule = cfg.reward_fn in tasks.REWARD_FNS  # --reward_fn NAME: every row's rule, a row's own winning
     columns = ["prompt"] + (["reward_fn"] if rules and not one_rule else [])
-    ds = data.load_data(source, cfg.eval_split if cfg.eval_dataset and split == "test" else split, columns,
+    ds = data.load_data(source, cfg.eval_split if cfg.eval_dataset and split == "test" else "train", columns,
                         kind="prompt", n=cfg.n_train, seed=cfg.seed,
                         optional=("reward_fn", "answer", "solution", cfg.answer_column) if rules or fns else ())
     reward_fns.check_columns(ds.column_names, source, fns)  # a column named `completions` would reach them twice
@@ -75,14 +75,9 @@ def load_prompts(cfg, rules, fns=(), split="train"):
     for name in builtin:
         tasks.check_rule_rows([name] * len(ds), prompts, source, answers, flag=f"--reward_fn {name}")
     rows = list(range(len(ds)))  # each row's in the data set, for the errors that name one
-    if local:  # as sft.py and dpo.py split a file without --eval_dataset, where both shares hold rows
-        test = [data.held_out(p) for p in prompts]
-        if 0 < sum(test) < len(ds):
-            rows = [i for i, t in enumerate(test) if t == (split == "test")]
-            if split == "train":
-                common.print0(f"{source}: no --eval_dataset, so the {sum(test)} of {len(test)} prompts hashing into "
-                              f"the held-out {data.HOLDOUT:.0%} are evaluated, not trained on")
-        elif split == "test":
+    if local:  # split as sft.py and dpo.py split a file without --eval_dataset (read whole above, as "train")
+        rows = data.holdout_rows(prompts, source, split, what="prompts", eval_on_train=False)
+        if rows is None:
             return None, None
     rows = rows[:cfg.n_eval] if split == "test" else rows
     return ds.select(rows), [i + 1 for i in rows]

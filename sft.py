@@ -52,7 +52,9 @@ class Config(cli.SharedConfig):
     n_train: int = 50000
     """rows drawn from an embedded task (ignored for files and hub data sets) [>= 1]"""
     max_response_len: int | None = None
-    """completion tokens kept, EOS included; a longer one is cut from the right, counted in the banner [>= 1]"""
+    """completion tokens kept, EOS included; a longer one is cut from the right, counted in the banner. A `messages`
+    row's completion is everything after its first assistant turn begins, later user turns included: the banner
+    counts the later assistant turns cut [>= 1]"""
     # --- optimisation ---
     steps: int = 700
     """optimizer steps [>= 1]"""
@@ -129,11 +131,14 @@ def encode_sft(ds, tokenizer, cfg, source):
     prompt_texts, pieces, chat = data.assistant_turns(ds, tokenizer, source)
     prompts, cut = sampling.encode_prompts(tokenizer, prompt_texts, cfg.max_prompt_len, source)
     ids = iter(tokenizer([t for row in pieces for t, _ in row], add_special_tokens=False)["input_ids"])
-    completions, masks, c_cut = [], [], 0
+    completions, masks, c_cut, turns = [], [], 0, []
     for row in pieces:
         tokens, mask = [], []
+        turns.append([])  # each assistant turn's (start, end) in the completion
         for _, trained in row:
             piece = next(ids)
+            if trained:
+                turns[-1].append((len(tokens), len(tokens) + len(piece)))
             tokens += piece
             mask += [int(trained)] * len(piece)
         if not chat:
@@ -144,6 +149,7 @@ def encode_sft(ds, tokenizer, cfg, source):
     if sum(cut) or c_cut:
         common.print0(f"{source}: truncated {sum(cut)} prompts (left) and {c_cut} completions (right) "
                       f"of {len(ds)} rows to {cfg.max_prompt_len}/{cfg.max_response_len} tokens")
+    data.report_later_turns(turns, cfg.max_response_len, source)
     return prompts, completions, masks
 
 

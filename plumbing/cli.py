@@ -59,8 +59,12 @@ class SharedConfig:
     out_dir: str = "runs/run"
     """where metrics.jsonl and the checkpoint/ folder go"""
     save_every: int = 0
-    """also write a resumable checkpoint (optimizer, data position) every this many steps (0: only at the end) [>=
-    0]"""
+    """also write a resumable checkpoint every this many steps (0: by --save_minutes alone) [>= 0]"""
+    save_minutes: float | None = None
+    """write a resumable checkpoint (sharded weights, optimizer, data position) after the first step that ends this
+    many minutes of training after the last one, so that a run stopped in any way (Ctrl-C, kill, crash, a lost node)
+    resumes with --resume from at most that long ago (0: none by time). Default 10, 0 with grpo.py's --lora (its
+    checkpoint cannot be resumed) [>= 0]"""
     save_dtype: typing.Literal["float32", "bfloat16", "float16"] = "float32"
     """dtype of the exported weights in checkpoint/; the resumable state stays fp32"""
     resume: bool = False
@@ -82,9 +86,13 @@ def start(cfg):
 
     hf_logging.disable_progress_bar()
     filled = fill_defaults(cfg)
-    check_ranges(cfg)
-    check_schedule(cfg)
-    check_extras(cfg)
+    try:
+        check_ranges(cfg)
+        check_schedule(cfg)
+        check_saves(cfg)
+        check_extras(cfg)
+    except (ValueError, ModuleNotFoundError) as e:
+        raise rundir.refusal(e)
     d = common.setup_distributed(timeout_minutes=cfg.timeout_minutes, hsdp=cfg.hsdp)
     if filled:
         common.print0(filled)
@@ -108,13 +116,36 @@ def fill_defaults(cfg):
     filled = {k: v for k, v in preset.items() if getattr(cfg, k) is None}
     for k, v in filled.items():
         setattr(cfg, k, v)
-    lines = [fit_warmup(cfg)] if hasattr(cfg, "warmup_steps") else []
+    lines = ([fit_warmup(cfg)] if hasattr(cfg, "warmup_steps") else []) + [fill_saves(cfg)]
     if filled:
         source = (f"the embedded task's (--model {EMBEDDED_MODEL} or --dataset {EMBEDDED_TASK})" if embedded
                   else "TRL 1.16's, for a model and data of your own")
         lines.insert(0, f"defaults, {source}: {' '.join(f'--{k} {v:g}' for k, v in filled.items())} (pass a flag to "
                         f"change one)")
     return "\n".join(line for line in lines if line)
+
+
+SAVE_MINUTES = 10.0  # --save_minutes' default: a kill loses at most 10 minutes; a save of SmolLM2-135M's state (1.6 GB)
+# took 8-10 s on 2 CPU cores, 1.5% of that
+
+
+def fill_saves(cfg):
+    """--save_minutes left unset, set in place: SAVE_MINUTES, a checkpoint by the clock, not by
+    steps (TRL's save_steps 500 is 4 hours of SmolLM2's 31-s step on 2 CPU cores and 4 minutes of a
+    0.5-s GPU step: a count of steps loses another span of work on every model and machine); 0 with grpo.py's
+    --lora, whose checkpoint holds merged weights and cannot be resumed. Returns the banner line
+    saying how checkpoints are written and how a run is stopped; "" under an explicit 0 and no
+    --save_every."""
+    lora = getattr(cfg, "lora", False)
+    if cfg.save_minutes is None:
+        cfg.save_minutes = 0.0 if lora else SAVE_MINUTES
+    when = [f"every {cfg.save_minutes:g} minutes of training (--save_minutes)"] * bool(cfg.save_minutes)
+    when += [f"every {cfg.save_every} steps (--save_every)"] * bool(cfg.save_every)
+    if not when:
+        return "--lora: no resumable checkpoint before the end (its adapters are merged into the weights it saves)" \
+            if lora else ""
+    return (f"checkpoints: a resumable one {' and '.join(when)} into {os.path.join(cfg.out_dir, 'checkpoint')}; "
+            f"Ctrl-C, or `kill PID` for a run in the background, ends the run with the command that resumes it")
 
 
 def optimizer_steps(cfg):
@@ -153,6 +184,14 @@ def check_schedule(cfg):
 
 
 OPTIONAL_EXTRAS = {"wandb": ("wandb", "pip install wandb"), "lora": ("peft", "pip install peft")}
+
+
+def check_saves(cfg):
+    """Refuse --save_minutes with grpo.py's --lora (as conflicts.grpo refuses its --save_every): its
+    checkpoint holds the adapters merged into the weights, and cannot be resumed."""
+    if getattr(cfg, "lora", False) and cfg.save_minutes:
+        raise ValueError(f"--save_minutes {cfg.save_minutes:g} with --lora: its checkpoint holds the adapters merged "
+                         f"into the weights, and cannot be resumed; pass --save_minutes 0")
 
 
 def check_extras(cfg):
@@ -199,59 +238,147 @@ def _command():
     return f"torchrun {f'--nnodes {nodes} ' if nodes > 1 else ''}--nproc_per_node {local} {args}"
 
 
+GRACE = 5.0  # seconds a signalled run has to end by itself before it is ended at once (_watch)
+_FORGETS_AT_FORK = []  # whether os.register_at_fork has the hook that unsets the wakeup fd in a forked child
+
+
 def script(main, cls):
     """Parse the command line into cls and run main. A Ctrl-C (SIGINT), a SIGTERM (a scheduler's,
-    or torchrun's as it stops) or a SIGHUP (the terminal or ssh session closed) ends the run with
-    one line naming the last resumable checkpoint and the command that continues from it, not a
-    traceback; exit status 130, 143 or 129. A signal is left alone where the shell asked for that:
+    `kill PID`'s, or torchrun's as it stops) or a SIGHUP (the terminal or ssh session closed) ends
+    the run with one line naming the last resumable checkpoint and the command that continues from
+    it, not a traceback; exit status 130, 143 or 129; within GRACE seconds, also in a step that
+    spends minutes in one C call (_watch). A signal is left alone where the shell asked for that:
     a background job `cmd &` starts with SIGINT ignored, `nohup cmd` with SIGHUP ignored, and the
-    run goes on. A run that fails leaves out_dir as `Run.abandon` says."""
+    run goes on (`kill PID` stops it). A run that cannot start as asked (a flag's value, a busy
+    out_dir: rundir.refusal) ends with its one-line message, exit status 1. A run that fails leaves
+    out_dir as `Run.abandon` says."""
+    import threading
+
     cfg = parse_config(cls)
     rundir.INTERRUPTED, installed = None, {}
     for sig, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL),
                          (signal.SIGHUP, signal.SIG_DFL)):
         if signal.getsignal(sig) is default:  # not when ignored, nor when a caller installed its own
             installed[sig] = signal.signal(sig, rundir.on_signal)
+    ending, done, wakeup = threading.Event(), threading.Event(), None
+    if installed:
+        if not _FORGETS_AT_FORK:  # a child forked without exec must not write its signals into this pipe
+            os.register_at_fork(after_in_child=lambda: signal.set_wakeup_fd(-1))
+            _FORGETS_AT_FORK.append(True)
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        wakeup = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        threading.Thread(target=_watch, args=(read_fd, cfg, set(installed), ending, done), daemon=True).start()
     try:
         main(cfg)
     except BaseException as e:
+        ending.set()
         for r in rundir.RUNS:
             r.abandon()
         # a Ctrl-C can surface as another exception: one raised by a context's __exit__ that the
         # KeyboardInterrupt was unwinding through (torch.save's zip writer: "unexpected pos"),
         # which torch.distributed.checkpoint then wraps; the handler's record says what it was
         if not (isinstance(e, KeyboardInterrupt) or rundir.INTERRUPTED):
+            if getattr(e, "refusal", False):
+                common.print0(f"{os.path.basename(sys.argv[0])}: {e}", file=sys.stderr)
+                sys.exit(1)
             if "Timed out" in str(e):  # gloo's words; NCCL's watchdog ends the process itself, saying "timeout"
                 e.add_note(f"a collective waited longer than --timeout_minutes {cfg.timeout_minutes} for another "
                            f"rank: raise it where a rank is slow (a long rollout, rank 0 reading a large model alone)")
             raise
-        ckpt = models.resolve_checkpoint(cfg.out_dir)
-        try:
-            state = checkpoints.trainer_state(ckpt) if cfg.out_dir else None
-        except ValueError:
-            state = None
-        what = {signal.SIGTERM: "terminated (SIGTERM)", signal.SIGHUP: "hung up (SIGHUP)"}.get(rundir.INTERRUPTED, "interrupted")
-        if state is not None:
-            line = f"{what}. Last checkpoint: {ckpt} (step {state['step']}); continue with: {_command()} --resume"
-        else:
-            line = f"{what} before any resumable checkpoint in {cfg.out_dir} (--save_every N writes them)"
-        if "LOCAL_WORLD_SIZE" in os.environ:
-            line += "\n(a traceback of torchrun's that may follow reports the same signal)"
-        common.print0("\n" + line, file=sys.stderr)
+        common.print0("\n" + interrupted_line(cfg, rundir.INTERRUPTED or signal.SIGINT), file=sys.stderr)
         sys.exit(128 + (rundir.INTERRUPTED or signal.SIGINT))
     finally:
+        done.set()
         rundir.RUNS.clear()
+        if wakeup is not None:
+            signal.set_wakeup_fd(wakeup)
+            os.close(write_fd)  # the watcher's read returns: it ends
         for sig, old in installed.items():
             signal.signal(sig, old)
+
+
+def interrupted_line(cfg, sig):
+    """The line a run stopped by signal `sig` ends with: the last resumable checkpoint in out_dir
+    and the command that continues from it, or that there is none yet."""
+    ckpt = models.resolve_checkpoint(cfg.out_dir)
+    try:
+        state = checkpoints.trainer_state(ckpt) if cfg.out_dir else None
+    except ValueError:
+        state = None
+    what = {signal.SIGTERM: "terminated (SIGTERM)", signal.SIGHUP: "hung up (SIGHUP)"}.get(sig, "interrupted")
+    if state is not None:
+        line = f"{what}. Last checkpoint: {ckpt} (step {state['step']}); continue with: {_command()} --resume"
+    elif cfg.save_minutes or cfg.save_every:
+        line = (f"{what} before its first resumable checkpoint in {cfg.out_dir} (one is written every "
+                f"{f'--save_minutes {cfg.save_minutes:g}' if cfg.save_minutes else ''}"
+                f"{' and ' if cfg.save_minutes and cfg.save_every else ''}"
+                f"{f'--save_every {cfg.save_every} steps' if cfg.save_every else ''})")
+    else:
+        line = f"{what} before any resumable checkpoint in {cfg.out_dir} (--save_minutes or --save_every writes them)"
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        line += "\n(a traceback of torchrun's that may follow reports the same signal)"
+    return line
+
+
+def _watch(read_fd, cfg, signals, ending, done):
+    """A thread of `script`'s: Ctrl-C, SIGTERM and SIGHUP end a run within GRACE seconds, also one
+    inside a long C call (a forward, a backward, a GGUF de-quantisation, a checkpoint's write).
+    Python runs a signal's handler in the main thread, between two bytecodes: a SIGTERM sent during
+    a 60-s step ended the run a minute later. This thread hears of each signal at once (the
+    interpreter's C handler writes its number to read_fd's pipe: signal.set_wakeup_fd) and, where
+    the main thread has not begun to end the run GRACE seconds after the first, or at a second
+    signal, ends the process itself (os._exit): the same line and exit status as the main thread's,
+    out_dir left as Run.abandon leaves it, no lock file of models.file_lock left. What it cuts short
+    loses nothing whole: a checkpoint is renamed into place once written (checkpoints.save_checkpoint),
+    so the last whole one is the one the line names."""
+    import select
+    import time
+
+    first, deadline = None, None
+    try:
+        while not done.is_set():
+            timeout = None if first is None else max(0.0, deadline - time.monotonic())
+            if select.select([read_fd], [], [], timeout)[0]:
+                got = os.read(read_fd, 64)
+                if not got or done.is_set():  # the run ended: `script` closed the pipe
+                    return
+                got = [s for s in got if s in signals]
+                if not got:
+                    continue
+                if first is None:
+                    first, deadline = got[0], time.monotonic() + GRACE
+                    if len(got) == 1:
+                        continue
+            elif ending.is_set():  # the main thread is ending the run (and saying so): it decides when
+                deadline = time.monotonic() + GRACE
+                continue
+            if done.is_set():
+                return
+            for r in list(rundir.RUNS):
+                try:
+                    r.abandon()
+                except Exception:
+                    pass
+            for path in list(models.LOCK_FILES):
+                try:
+                    os.remove(path)
+                except OSError:
+                    pass
+            common.print0("\n" + interrupted_line(cfg, first), file=sys.stderr)
+            os._exit(128 + first)
+    finally:
+        os.close(read_fd)
 
 
 def parse_config(cls, argv=None):
     """Build a Config from the command line: `--lr 1e-6`, `--lr=1e-6`, `--flag` / `--no-flag`,
     `--x none` (or `--x ""`) for an optional field, one of a Literal's values for a field typed
-    with one; TRL's name of a flag where it means the same (`--learning_rate`, trl_flags). A value
-    of the wrong type or not among the choices exits with an error that names it (argparse); an
-    unknown flag, or a TRL flag that means something else here, with the script's name, the flag,
-    and what was meant (trl_flags). A Config's own flags are listed before the shared ones."""
+    with one; TRL's name of a flag where it means the same (`--learning_rate`, trl_flags), and a
+    TRL flag that means nothing here (`--bf16`) with a note. A value of the wrong type or not among
+    the choices exits with an error that names it (argparse); every unknown flag, and every TRL
+    flag that means something else here, with one message naming the script, each flag and what
+    was meant (trl_flags). A Config's own flags are listed before the shared ones."""
     docs, hints = _field_docs(cls), typing.get_type_hints(cls)
     script = os.path.splitext(os.path.basename(getattr(sys.modules[cls.__module__], "__file__", None) or "run"))[0]
     parser = argparse.ArgumentParser(description=(sys.modules[cls.__module__].__doc__ or "").split("\n\n")[0],
@@ -285,11 +412,14 @@ def parse_config(cls, argv=None):
         parser.add_argument(f"--{f.name}", type=convert, metavar=tp.__name__.upper(), **kw)
     bools = {f.name for f in dataclasses.fields(cls) if hints[f.name] is bool or hints[f.name] in AUTO_BOOL}
     try:
-        argv = trl_flags.translate(script, sys.argv[1:] if argv is None else list(argv),
-                                   {f.name for f in dataclasses.fields(cls)} | {f"no-{b}" for b in bools}, bools)
+        argv, notes = trl_flags.translate(script, sys.argv[1:] if argv is None else list(argv),
+                                          {f.name for f in dataclasses.fields(cls)} | {f"no-{b}" for b in bools}, bools)
     except ValueError as e:
         parser.exit(2, f"{e}\n")
-    return cls(**vars(parser.parse_args(argv)))
+    cfg = cls(**vars(parser.parse_args(argv)))
+    for note in notes:
+        common.print0(note)
+    return cfg
 
 
 AUTO_BOOL = (bool | typing.Literal["auto"], typing.Literal["auto"] | bool)  # a speed flag: plumbing/speed.py

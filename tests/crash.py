@@ -6,6 +6,8 @@
                                                         # written (the renames inside torch.distributed.checkpoint's
                                                         # own writing are not counted)
     python tests/crash.py raise_on_rank:R sft.py ARGS   # rank R raises at its first optimizer step: a failing rank
+    python tests/crash.py block_at_step:N sft.py ARGS   # the N-th optimizer step blocks in C for ever (a step that
+                                                        # takes minutes in one call), saying "blocked" on stderr
 
 os._exit skips every cleanup handler, like a SIGKILL. The scripts carry no test hooks: the
 failure is patched in from here.
@@ -56,6 +58,21 @@ elif mode == "raise_on_rank":
         return clip(*a, **kw)
 
     common.clip_grad_norm = clip_or_raise
+elif mode == "block_at_step":
+    import ctypes
+
+    step = common.optimizer_step
+
+    def step_or_block(*a, **kw):
+        calls["count"] += 1
+        if calls["count"] == n:
+            libc, mutex = ctypes.CDLL(None), ctypes.create_string_buffer(64)  # zeroed: PTHREAD_MUTEX_INITIALIZER
+            libc.pthread_mutex_lock(mutex)
+            print("blocked", file=sys.stderr, flush=True)
+            libc.pthread_mutex_lock(mutex)  # never returns, and no signal interrupts it; ctypes releases the GIL
+        return step(*a, **kw)
+
+    common.optimizer_step = step_or_block
 else:
     raise SystemExit(f"unknown mode {mode}")
 

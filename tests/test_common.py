@@ -360,10 +360,11 @@ def test_a_local_file_without_a_held_out_one_is_split_by_prompt_hash(tmp_path, c
     assert f"the {len(test['prompt'])} of 400 rows whose prompt hashes into the held-out 5% are kept for evaluation" in \
         capsys.readouterr().out
     assert len(data.load_data(path, "train", ["prompt", "completion"])) == 400  # no split without holdout
-    write_jsonl(tmp_path / "one.jsonl", rows[:2])
-    side = "test" if not data.held_out(rows[0]["prompt"]) else "train"
-    with pytest.raises(ValueError, match=f"none of its 2 rows falls in the {side} share.*pass --eval_dataset"):
-        data.load_data(str(tmp_path / "one.jsonl"), side, ["prompt", "completion"], holdout=True)
+    write_jsonl(tmp_path / "one.jsonl", rows[:2])  # one prompt: nothing to hold out, said (tests/test_first_day.py)
+    for side in ("train", "test"):
+        assert len(data.load_data(str(tmp_path / "one.jsonl"), side, ["prompt", "completion"], holdout=True)) == 2
+    assert "its 2 rows are too few to split (one prompt): training on all of them, eval/* is measured" in \
+        capsys.readouterr().out
 
 
 def test_empty_prompts_are_refused_naming_the_source():

@@ -205,5 +205,5 @@ def test_ctrl_c_while_a_tool_is_blocked_ends_the_run_with_130_and_leaves_no_proc
     os.killpg(proc.pid, signal.SIGINT)
     assert proc.wait(timeout=120) == 130, (tmp / "err").read_text()[-3000:]
     lines = (tmp / "err").read_text().strip().splitlines()
-    assert lines[-1].startswith("interrupted before any resumable checkpoint") and "Traceback" not in "".join(lines)
+    assert lines[-1].startswith("interrupted before its first resumable checkpoint") and "Traceback" not in "".join(lines)
     assert our_processes(f"TOOL_TEST_DIR={markers}") == [] and gone(worker)

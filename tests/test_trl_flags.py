@@ -89,9 +89,14 @@ def test_a_trl_flag_that_means_something_else_here_is_refused_with_what_to_pass(
 
 
 def test_every_refused_flag_is_refused_on_every_script_it_names(capsys):
-    for trl, scripts, _, note in trl_flags.TRL_FLAGS:
-        for script in scripts if note else ():
-            code, err = parse(SCRIPTS[script], [f"--{trl}", "1"], capsys)
+    """Every TRL flag with a note, given a value the note does not accept (trl_flags.ACCEPTED: those
+    that set nothing here run with the note; tests/test_first_day.py), is refused with it."""
+    for trl, scripts, ours, note in trl_flags.TRL_FLAGS:
+        accepted = ours is None and trl_flags.ACCEPTED[trl] is None
+        value = "false" if ours is None and trl_flags.ACCEPTED[trl] == trl_flags.TRUE else "true" \
+            if trl_flags.ACCEPTED.get(trl) == trl_flags.FALSE else "1"
+        for script in scripts if note and not accepted else ():
+            code, err = parse(SCRIPTS[script], [f"--{trl}", value], capsys)
             assert code == 2 and note in err, (script, trl, err)
 
 

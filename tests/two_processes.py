@@ -39,7 +39,7 @@ SECONDS = {
     "test_common.py": 28, "test_packing.py": 28, "test_smollm2.py": 24, "test_grpo.py": 19, "test_reward.py": 15,
     "test_tool_safety.py": 12, "test_user_path.py": 10, "test_variants.py": 10, "test_cpu_only.py": 9,
     "test_frozen_bf16.py": 6, "test_shared_prompt.py": 6, "test_dpo.py": 6, "test_two_processes.py": 30,
-    "test_sft.py": 4,
+    "test_sft.py": 4, "test_first_day.py": 30,
 }
 
 
