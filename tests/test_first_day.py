@@ -379,6 +379,8 @@ def value_for(script, trl):
     tp = next((a for a in typing.get_args(tp) if a is not type(None)), tp) if type(None) in typing.get_args(tp) else tp
     if typing.get_origin(tp) is typing.Literal:
         return typing.get_args(tp)[0]
+    if tp in cli.AUTO_BOOL:  # a speed flag: true, false or auto (plumbing/speed.py)
+        return "true"
     return {bool: "true", int: "7", float: "0.5", str: "x"}[tp]
 
 

@@ -50,9 +50,11 @@ def test_estimates_are_within_20_percent_of_the_measured_peaks(capsys):
     ("qwen2.5-1.5b", 4, "python", 1, {}, "sft"),
     # grpo.py's own flags under `python`, each term over 10% of a phase here: LoRA's adapter-only gradients
     # (full ones: +100% in the optimizer step), the fp32 teacher (33% of it), the reward model's pass over
-    # rs_samples rows a prompt (75% of its phase) and the tool loop's later turn (most of the rollout)
+    # rs_samples rows a prompt (75% of its phase) and the tool loop's later turn (most of the rollout); not compiled
+    # (auto's choice on a GPU under `python`; with it the model's rollout phase is 15% over the trace's here, the
+    # peak, in the update, within 0.1%: --compile's own case is the next)
     ("gpt2", 2, "python", 1, dict(lora=True, teacher="t", rs_samples=16, reward_model="rm", tools="calculator",
-                                  num_mini_batches=1), "grpo"),
+                                  num_mini_batches=1, compile=False), "grpo"),
     # --compile: the KV cache kept between rollouts and the bf16 decoder copies (18% and 14% of the
     # optimizer step beside LoRA's frozen base)
     ("gpt2", 4, "python", 1, dict(compile=True, lora=True, prompts_per_step=8, num_mini_batches=1), "grpo"),
