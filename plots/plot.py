@@ -525,16 +525,18 @@ def plot_variants(variants, out_dir):
 
 def plot_real(results, out_dir):
     """pipeline.py --smollm2: greedy accuracy on held-out arith prompts over GRPO's steps (the
-    verifier reward: mean over the seeds with a min-max band, thin lines each seed; the learned
-    reward: seed 0), and where DPO's model ends (seed 0's prompts)."""
+    verifier reward and the learned reward model: mean over the seeds with a min-max band, thin
+    lines each seed), and where DPO's models end (mean, the bar their range)."""
     c = results["smollm2"]
     fig, ax = plt.subplots(figsize=(7, 4.4))
-    for ys in c["grpo_by_seed"]:
-        ax.plot(c["steps"], ys, color="C0", lw=0.7, alpha=0.4)
-    _band(ax, c["steps"], c["grpo_by_seed"], "C0", f"GRPO, verifier reward ({len(c['grpo_by_seed'])} seeds)")
-    ax.plot(c["rm_steps"], c["grpo_rm"], "s--", color="C1", label="GRPO, learned reward model (seed 0)")
-    ax.plot([c["steps"][-1]], [c["dpo_accuracy"]], "D", color="C2", ms=8,
-            label="DPO on the on-policy pairs: its final model (seed 0's prompts)")
+    for key, color, name in (("grpo_by_seed", "C0", "verifier reward"), ("grpo_rm_by_seed", "C1", "learned reward model")):
+        for ys in c[key]:
+            ax.plot(c["steps"], ys, color=color, lw=0.7, alpha=0.4)
+        _band(ax, c["steps"], c[key], color, f"GRPO, {name} ({len(c[key])} seeds)")
+    dpo = c["dpo_accuracy"]
+    mean = sum(dpo) / len(dpo)
+    ax.errorbar([c["steps"][-1]], [mean], yerr=[[mean - min(dpo)], [max(dpo) - mean]], fmt="D", color="C2", ms=8,
+                capsize=4, label=f"DPO on the on-policy pairs: its final models ({len(dpo)} seeds)")
     ax.set_xlabel("GRPO step")
     ax.set_ylabel("greedy accuracy, 100 held-out prompts")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))

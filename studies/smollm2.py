@@ -63,10 +63,14 @@ def real_stages(cfg):
              *REAL_PAIR_FLAGS]
     grpo = ["grpo.py", "--model", REAL, "--dataset", "arith", *REAL_LEN, *REAL_GRPO_FLAGS,
             "--steps", str(cfg.real_steps), "--eval_every", str(max(cfg.real_steps // 2, 1))]
-    out = [("grpo", [*grpo, "--seed", str(s), "--out_dir", r("grpo", f"seed{s}")]) for s in range(cfg.real_seeds)]
-    out += [("rm", ["reward.py", "--model", REAL, *pairs, "--lr", "3e-5", "--n_normalize", "64", "--out_dir", r("rm")]),
-            ("dpo", ["dpo.py", "--model", REAL, *pairs, "--lr", "1e-5", "--beta", "0.1", "--out_dir", r("dpo")])]
-    out.append(("grpo_rm", [*grpo, "--reward_model", r("rm"), "--seed", "0", "--out_dir", r("grpo_rm")]))
+    seeds = range(cfg.real_seeds)
+    out = [("grpo", [*grpo, "--seed", str(s), "--out_dir", r("grpo", f"seed{s}")]) for s in seeds]
+    out += [("rm", ["reward.py", "--model", REAL, *pairs, "--lr", "3e-5", "--n_normalize", "64", "--seed", str(s),
+                    "--out_dir", r("rm", f"seed{s}")]) for s in seeds]
+    out += [("dpo", ["dpo.py", "--model", REAL, *pairs, "--lr", "1e-5", "--beta", "0.1", "--seed", str(s),
+                     "--out_dir", r("dpo", f"seed{s}")]) for s in seeds]
+    out += [("grpo_rm", [*grpo, "--reward_model", r("rm", f"seed{s}"), "--seed", str(s),
+                         "--out_dir", r("grpo_rm", f"seed{s}")]) for s in seeds]
     return out
 
 
@@ -136,17 +140,19 @@ def real_pairs(cfg, times):
 
 
 def real_eval(cfg):
-    """The greedy accuracy of the DPO model on GRPO seed 0's held-out prompts (GRPO logs its own),
-    and REAL_EXAMPLES answers of the instruct model and of GRPO seed 0's model."""
+    """The greedy accuracy of each seed's DPO model on the held-out prompts of GRPO's run of that seed
+    (GRPO logs its own), and REAL_EXAMPLES answers of the instruct model and of GRPO seed 0's model."""
     path = real_dir(cfg.runs, "eval.json")
     if os.path.isfile(path) and not runner.redo(cfg, "eval"):
         with open(path) as f:
             return json.load(f)
-    rows = tasks.arith_rows(REAL_N_EVAL, seed=0, split="test")  # grpo.py's --seed 0 evaluations: the same prompts
-    found = {}
-    tok, model = runner.load_trained(real_dir(cfg.runs, "dpo"))
-    texts = answers(tok, model, rows)
-    found["dpo_accuracy"] = sum(tasks.math_reward(None, t, r["answer"]) for t, r in zip(texts, rows)) / len(rows)
+    found = {"dpo_accuracy": []}
+    for s in range(cfg.real_seeds):
+        rows = tasks.arith_rows(REAL_N_EVAL, seed=s, split="test")  # grpo.py's --seed s evaluations: the same prompts
+        tok, model = runner.load_trained(real_dir(cfg.runs, "dpo", f"seed{s}"))
+        texts = answers(tok, model, rows)
+        found["dpo_accuracy"].append(sum(tasks.math_reward(None, t, r["answer"]) for t, r in zip(texts, rows)) / len(rows))
+    rows = tasks.arith_rows(REAL_N_EVAL, seed=0, split="test")
     examples = rows[:REAL_EXAMPLES]
     found["examples"] = [{"question": r["prompt"][0]["content"], "answer": r["answer"]} for r in examples]
     for name, folder in (("before", REAL), ("after", real_dir(cfg.runs, "grpo", "seed0"))):
@@ -159,28 +165,33 @@ def real_eval(cfg):
 
 
 def real_results(cfg, times):
-    """The table (accuracy before and after each stage, mean ± std over GRPO's seeds), the
-    curves of greedy accuracy over GRPO's steps, and the example answers."""
-    grpo = [runner.read_rows(real_dir(cfg.runs, "grpo", f"seed{s}")) for s in range(cfg.real_seeds)]
-    evals = [[r for r in rows if "eval/gold_reward" in r] for rows in grpo]
-    before, after = [e[0]["eval/gold_reward"] for e in evals], [e[-1]["eval/gold_reward"] for e in evals]
-    rm_run = [r for r in runner.read_rows(real_dir(cfg.runs, "grpo_rm")) if "eval/gold_reward" in r]
-    ev = real_eval(cfg)
-    rm, dpo = runner.last_eval(real_dir(cfg.runs, "rm")), runner.last_eval(real_dir(cfg.runs, "dpo"))
-    t = lambda *parts: runner.seconds(times, [real_dir(cfg.runs, *parts)], cfg.runs)  # noqa: E731
-    grpo_t = runner.seconds(times, [real_dir(cfg.runs, "grpo", f"seed{s}") for s in range(cfg.real_seeds)], cfg.runs)
-    lines = ["| stage | held-out pairwise accuracy | greedy accuracy, before -> after | wall time (s) |",
-             "|---|---|---|---|",
-             f"| reward model (full fine-tune) | {runner.cell([rm.get('eval/accuracy')])} | | {t('rm')} |",
-             f"| DPO (full fine-tune) | {runner.cell([dpo.get('eval/accuracy')])} | {before[0]:.3f} -> "
-             f"{ev['dpo_accuracy']:.3f} | {t('dpo')} |",
-             f"| GRPO, verifier reward (LoRA; seeds 0-{cfg.real_seeds - 1}) | | {runner.cell(before)} -> {runner.cell(after)} "
-             f"(gain {runner.cell([a - b for a, b in zip(after, before)])}) | {grpo_t} |",
-             f"| GRPO, learned reward (LoRA; seed 0) | | {rm_run[0]['eval/gold_reward']:.3f} -> "
-             f"{rm_run[-1]['eval/gold_reward']:.3f} | {t('grpo_rm')} |"]
-    curves = {"steps": [r["step"] for r in evals[0]],
-              "grpo_by_seed": [[r["eval/gold_reward"] for r in e] for e in evals],
-              "grpo_rm": [r["eval/gold_reward"] for r in rm_run], "rm_steps": [r["step"] for r in rm_run],
+    """The table (accuracy before and after each stage, mean ± std over the seeds), the curves of
+    greedy accuracy over GRPO's steps, and the example answers."""
+    seeds = range(cfg.real_seeds)
+
+    def evals(kind):  # each seed's evaluation rows of a GRPO run
+        return [[r for r in runner.read_rows(real_dir(cfg.runs, kind, f"seed{s}")) if "eval/gold_reward" in r]
+                for s in seeds]
+
+    def span(runs):  # (before, after, gain) cells over the seeds
+        before, after = [e[0]["eval/gold_reward"] for e in runs], [e[-1]["eval/gold_reward"] for e in runs]
+        return runner.cell(before), runner.cell(after), runner.cell([a - b for a, b in zip(after, before)])
+
+    grpo, grpo_rm, ev = evals("grpo"), evals("grpo_rm"), real_eval(cfg)
+    rm, dpo = ([runner.last_eval(real_dir(cfg.runs, kind, f"seed{s}")) for s in seeds] for kind in ("rm", "dpo"))
+    t = lambda kind: runner.seconds(times, [real_dir(cfg.runs, kind, f"seed{s}") for s in seeds], cfg.runs)  # noqa: E731
+    start = runner.cell([e[0]["eval/gold_reward"] for e in grpo])  # each seed's held-out prompts, before training
+    (b, a, g), (rb, ra, rg) = span(grpo), span(grpo_rm)
+    lines = [f"| stage (seeds 0-{cfg.real_seeds - 1}) | held-out pairwise accuracy | greedy accuracy, before -> after "
+             f"| wall time (s, a seed) |", "|---|---|---|---|",
+             f"| reward model (full fine-tune) | {runner.cell([r.get('eval/accuracy') for r in rm])} | | {t('rm')} |",
+             f"| DPO (full fine-tune) | {runner.cell([r.get('eval/accuracy') for r in dpo])} | {start} -> "
+             f"{runner.cell(ev['dpo_accuracy'])} (gain {runner.cell([x - e[0]['eval/gold_reward'] for x, e in zip(ev['dpo_accuracy'], grpo)])}) | {t('dpo')} |",
+             f"| GRPO, verifier reward (LoRA) | | {b} -> {a} (gain {g}) | {t('grpo')} |",
+             f"| GRPO, learned reward model (LoRA) | | {rb} -> {ra} (gain {rg}) | {t('grpo_rm')} |"]
+    curves = {"steps": [r["step"] for r in grpo[0]],
+              "grpo_by_seed": [[r["eval/gold_reward"] for r in e] for e in grpo],
+              "grpo_rm_by_seed": [[r["eval/gold_reward"] for r in e] for e in grpo_rm],
               "dpo_accuracy": ev["dpo_accuracy"]}
     shown = "\n".join(f"- {e['question']} (answer {e['answer']})\n  - before: {e['before']!r}\n  - after: "
                       f"{e['after']!r}" for e in ev["examples"])
