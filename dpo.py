@@ -209,6 +209,20 @@ def all_pair_logps(model, pairs, pad_id, d, batch_size):
         return common.map_rows(logps, len(pairs[0]), d, batch_size, logits_per_row=data.pair_logits(pairs, model))
 
 
+def reference_logps(ref, cfg, train_pairs, test_pairs, pad_id, d):
+    """The reference's log-probs (N, 2) of the held-out pairs and, with --precompute_ref, of the train
+    pairs, after which the reference is not kept: (the reference kept live or None, the train pairs',
+    the held-out pairs'). ref: a frozen model, or the LoRA policy, its adapters off (models.as_reference)."""
+    with models.as_reference(ref):
+        ref_test = all_pair_logps(ref, test_pairs, pad_id, d, cfg.eval_batch_size)  # (N_eval, 2)
+        if not cfg.precompute_ref:
+            return ref, None, ref_test
+        t0 = time.time()
+        ref_train = all_pair_logps(ref, train_pairs, pad_id, d, cfg.eval_batch_size)  # (N, 2)
+    common.print0(f"reference log-probs of {len(train_pairs[0])} train pairs in {time.time() - t0:.1f}s")
+    return None, ref_train, ref_test
+
+
 # -----------------------------------------------------------------------------
 
 
@@ -250,27 +264,25 @@ def main(cfg):
         if (cfg.eval_dataset or cfg.dataset) in tasks.TASKS else None  # the embedded task's gold reward
 
     # -------------------------------------------------------------------------
-    # 1. the reference: log-probs of every train and eval pair once, or a live frozen model
-    ref = ref_train = None
+    # 1. the reference: log-probs of every train and eval pair once, or a live frozen model; with --lora (and
+    #    no --ref_model) the policy itself with its adapters off, so after the policy loads
+    own = cfg.lora and not cfg.ref_model and cfg.loss_type != "simpo"  # LoRA's reference: the policy, adapters off
     if cfg.loss_type == "simpo":  # reference-free: no reference model is loaded
-        ref_test, ref_train = (torch.zeros(len(x), 2, device=d.device) for x in (test, train))
-    else:
+        ref, ref_test, ref_train = None, *(torch.zeros(len(x), 2, device=d.device) for x in (test, train))
+    elif not own:
         common.set_seed(cfg.seed)  # `--model tiny` builds random weights: the policy must start equal to its reference
         ref = models.load_frozen(cfg.ref_model or cfg.model, tokenizer, d, trust_remote_code=cfg.trust_remote_code,
                                  cpu_offload=cfg.offload_frozen)
         models.check_context(ref, cfg.max_prompt_len, cfg.max_response_len)
-        ref_test = all_pair_logps(ref, test_pairs, tokenizer.pad_token_id, d, cfg.eval_batch_size)  # (N_eval, 2)
-        if cfg.precompute_ref:
-            t_ref = time.time()
-            ref_train = all_pair_logps(ref, train_pairs, tokenizer.pad_token_id, d, cfg.eval_batch_size)  # (N, 2)
-            ref = None  # freed
-            common.print0(f"reference log-probs of {len(train)} train pairs in {time.time() - t_ref:.1f}s")
+        ref, ref_train, ref_test = reference_logps(ref, cfg, train_pairs, test_pairs, tokenizer.pad_token_id, d)
     common.set_seed(cfg.seed)
     _, model = models.load_policy(cfg.model, cfg, d, response_len=cfg.max_response_len)
+    if own:
+        ref, ref_train, ref_test = reference_logps(model, cfg, train_pairs, test_pairs, tokenizer.pad_token_id, d)
     packed = models.use_packing(cfg.padding_free, [model, ref], d)  # padding-free where rows stay apart
     optimizer, scheduler = common.make_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps,
                                                  cfg.steps)
-    common.print0(f"dpo: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {len(train)} train pairs, "
+    common.print0(f"dpo: {models.parameters(model)}, {len(train)} train pairs, "
                   f"{len(test)} eval pairs, world size {d.world_size}{logs.layout(d)}, micro-batch {micro} pairs x "
                   f"{cfg.grad_accum}, {'live' if ref else 'no' if cfg.loss_type == 'simpo' else 'precomputed'} reference")
     knobs = dict(beta=cfg.beta, loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing,
@@ -293,8 +305,9 @@ def main(cfg):
             pi_c, pi_r = shared_prompt.sequence_logprobs(model, batch, d, packed, enabled=cfg.shared_prompt).chunk(2)  # (micro,) x 2
             if ref is None:  # precomputed (or simpo's zeros)
                 ref_c, ref_r = ref_train[mb].unbind(1)
-            else:  # frozen (common.freeze): no parameter needs a gradient, no graph is kept
-                ref_c, ref_r = shared_prompt.sequence_logprobs(ref, batch, d, packed, enabled=cfg.shared_prompt).chunk(2)
+            else:  # frozen, or --lora's policy with its adapters off: no gradient, no graph kept
+                with models.as_reference(ref):
+                    ref_c, ref_r = shared_prompt.sequence_logprobs(ref, batch, d, packed, enabled=cfg.shared_prompt).chunk(2)
             loss, m = dpo_loss(pi_c, pi_r, ref_c, ref_r, n_pairs=cfg.batch_size, lengths=train_len[mb].unbind(1),
                                **knobs)
             common.backward(model, loss, d, sync=k == cfg.grad_accum - 1)

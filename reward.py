@@ -205,7 +205,7 @@ def main(cfg):
     gold_pairs = test if (cfg.eval_dataset or cfg.dataset) in tasks.TASKS else None  # the embedded task's noise
     optimizer, scheduler = common.make_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps,
                                                  cfg.steps)
-    common.print0(f"reward: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {len(train)} train pairs, "
+    common.print0(f"reward: {models.parameters(model)}, {len(train)} train pairs, "
                   f"{len(test)} eval pairs, world size {d.world_size}{logs.layout(d)}, micro-batch {micro} pairs x "
                   f"{cfg.grad_accum}")
     start = job.begin(model, tokenizer, optimizer, scheduler, order)  # restores a resumed run's state

@@ -201,7 +201,7 @@ def main(cfg):
                 tasks.test_prompts(cfg.n_eval, cfg.seed) if (cfg.eval_dataset or cfg.dataset) in tasks.TASKS else [])
     optimizer, scheduler = common.make_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps,
                                                  cfg.steps)
-    common.print0(f"sft: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {len(train)} train "
+    common.print0(f"sft: {models.parameters(model)}, {len(train)} train "
                   f"rows, world size {d.world_size}{logs.layout(d)}, micro-batch {micro} x {cfg.grad_accum} accumulation")
     start = job.begin(model, tokenizer, optimizer, scheduler, order)  # restores a resumed run's state
     if start == 1:

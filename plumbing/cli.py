@@ -54,6 +54,23 @@ class SharedConfig:
     timeout_minutes: float = 60.0
     """under torchrun: how long a rank waits in one collective for the others (while rank 0 alone reads the weights,
     another decodes a long rollout or runs a slow reward function) before the job fails; at most a week (0, 10080]"""
+    # --- LoRA (peft: pip install peft) ---
+    lora: bool = False
+    """train LoRA adapters (arXiv:2106.09685) on the frozen model; the export merges them into the weights (it loads
+    with AutoModelFor* alone); dpo.py's and grpo.py's reference is the same network with the adapters off; reward.py's
+    score head trains whole, as TRL's reward trainer (peft's SEQ_CLS task)"""
+    lora_r: int = 16
+    """LoRA rank [>= 1]"""
+    lora_alpha: float = 32.0
+    """LoRA scale numerator (scale = alpha / r) [> 0]"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input, in the passes that compute gradients only (the reference, old log-probs,
+    sampling and evaluation see no dropout). TRL's default is 0.05; 0 here, as every dropout here (models.no_dropout):
+    with it a policy's log-probs differ from its own no-gradient pass [0, 1)"""
+    lora_target_modules: str = "all-linear"
+    """the layers that get adapters: all-linear (every linear layer but the output head), or module names, comma- or
+    space-separated (q_proj,v_proj). TRL's default (none) is peft's list for the architecture: q_proj,v_proj on Llama
+    and Qwen2, c_attn on GPT-2"""
     # --- run ---
     out_dir: str = "runs/run"
     """where metrics.jsonl and the checkpoint/ folder go"""

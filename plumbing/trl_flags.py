@@ -33,7 +33,7 @@ TRL_FLAGS = [
     ("per_device_eval_batch_size", OFFLINE, "eval_batch_size", ""),
     ("max_steps", OFFLINE, "steps", ""),
     ("num_generations", ("grpo",), "group_size", ""),
-    ("use_peft", ("grpo",), "lora", ""),
+    ("use_peft", ALL, "lora", ""),
     ("center_rewards_coefficient", ("reward",), "center_coef", ""),
     ("precompute_ref_log_probs", ("dpo",), "precompute_ref", ""),
     ("per_device_train_batch_size", OFFLINE, "batch_size",
@@ -73,6 +73,12 @@ TRL_FLAGS = [
     ("completion_only_loss", ("sft",), None, ONLY_THIS),
     ("packing", ("sft",), None, "no bin-packing of rows into fixed-length blocks here; --padding_free trains with "
      "no padding computed, each row attending to itself alone"),
+    ("lora_task_type", ALL, None, "set by the script here: a causal LM's adapters, and for reward.py peft's SEQ_CLS "
+     "task (its score head trained whole)"),
+    ("lora_modules_to_save", ALL, None, "no modules trained whole beside the adapters here, but reward.py's score head"),
+    ("use_rslora", ALL, None, "LoRA's scale is --lora_alpha / --lora_r here: for rsLoRA's alpha / sqrt(r), pass "
+     "--lora_alpha = alpha x sqrt(r) (alpha 16 at r 64: --lora_alpha 128)"),
+    ("use_dora", ALL, None, "no DoRA here: LoRA's adapters alone (--lora)"),
 ]
 
 # TRL's flags whose name and meaning are this project's too (listed in the docs' table)
@@ -81,10 +87,46 @@ SAME_NAME = [("seed", ALL), ("weight_decay", ALL), ("warmup_steps", ALL), ("trus
              ("temperature", ("grpo",)), ("top_p", ("grpo",)), ("top_k", ("grpo",)), ("min_p", ("grpo",)),
              ("num_iterations", ("grpo",)),
              ("epsilon_high", ("grpo",)), ("scale_rewards", ("grpo",)), ("reward_weights", ("grpo",)),
-             ("mask_truncated_completions", ("grpo",)), ("lora_r", ("grpo",)), ("lora_alpha", ("grpo",)),
+             ("mask_truncated_completions", ("grpo",)), ("lora_r", ALL), ("lora_alpha", ALL), ("lora_dropout", ALL),
+             ("lora_target_modules", ALL),
              ("padding_free", ("sft", "dpo"))]
 
 TRUE, FALSE = ("true", "1", "yes"), ("false", "0", "no")  # how TRL's parser (HfArgumentParser) reads a bool's value
+
+LISTS = {"lora_target_modules"}  # TRL's list flags (nargs="+": `--lora_target_modules q_proj v_proj`): comma-joined here
+
+# TRL's GRPO loss_type names the policy term and how it is averaged at once; here they are two flags, --loss_type (the
+# term: grpo is PPO's clipped surrogate, as TRL's grpo, dapo, dr_grpo and bnpo are) and --loss_agg (the average).
+# TRL's names of an average given to --loss_type: {script: {flag: {TRL's value: (the flags here, or None: refused,
+# with what differs)}}}. TRL's own `grpo` is a value here too, PPO's term: averaged as TRL's grpo by --loss_agg
+# seq_mean_token_mean (tests/test_lora_trl.py computes each of TRL's losses both ways).
+TRL_VALUES = {"grpo": {"loss_type": {
+    "dapo": ("--loss_agg token_mean", ""),
+    "dr_grpo": ("--loss_agg constant", ""),
+    "bnpo": (None, "it divides each micro-batch's sum by that micro-batch's own tokens, so its gradient depends on how a "
+                   "step is split over GPUs and accumulation (trl #3021); every average here is over the global "
+                   "mini-batch: --loss_agg token_mean (TRL's dapo) is bnpo exactly where a step is one micro-batch on "
+                   "one process"),
+    "luspo": (None, "LUSPO (arXiv:2602.05261) weighs each sequence's GSPO term by its length and averages over "
+                    "sequences: here --importance_sampling_level sequence --loss_agg constant, whose loss is LUSPO's "
+                    "divided by --max_new_tokens (AdamW's steps are nearly scale-free; --grad_clip sees the smaller "
+                    "norm)"),
+    "vespo": (None, "there is no VESPO (arXiv:2602.10693) here; --loss_type sapo is the nearest soft gate"),
+}}}
+
+
+def trl_value(script, name, value, argv):
+    """The flags here that a TRL value of a flag of ours stands for (TRL_VALUES): `--loss_type dapo`
+    -> ["--loss_agg", "token_mean"]. ValueError for a TRL value with no equal here (saying what
+    differs and what is nearest), and for one whose flag argv also gives."""
+    flags, note = TRL_VALUES[script][name][value]
+    if flags is None:
+        raise ValueError(f"{script}.py: --{name} {value} is TRL's, with no equal here: {note}")
+    ours = flags.split()[0]
+    if any(a == ours or a.startswith(ours + "=") for a in argv):
+        raise ValueError(f"{script}.py: --{name} {value} is TRL's name for {flags} here, and {ours} is given too: "
+                         f"pass one of them")
+    return flags.split()
 
 
 def rows(script):
@@ -121,6 +163,16 @@ def translate(script, argv, flags, bools):
             if value.lower() not in TRUE + FALSE:
                 raise ValueError(f"{script}.py: --{name}={value}: give true or false, or --{name} / --no-{name}")
             out.append(f"--{name}" if value.lower() in TRUE else f"--no-{name}")
+            continue
+        if arg.startswith("--") and name in LISTS:  # TRL's list: every value up to the next flag
+            values = [value] if eq else []
+            while not eq and i < len(argv) and not argv[i].startswith("--"):
+                values, i = values + [argv[i]], i + 1
+            out.append(f"--{name}={','.join(values)}")
+            continue
+        given = value if eq else argv[i] if i < len(argv) else None
+        if arg.startswith("--") and given in TRL_VALUES.get(script, {}).get(name, {}):  # `--loss_type dapo`
+            out, i = out + trl_value(script, name, given, argv), i + (not eq)
             continue
         if not arg.startswith("--") or arg == "--help" or name in flags:
             out.append(arg)
