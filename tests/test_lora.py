@@ -185,15 +185,17 @@ def test_dpo_lora_reference_is_the_network_with_its_adapters_off(tmp_path, user_
 
 
 def test_reward_lora_trains_the_score_head_whole(tmp_path, user_models):
-    """reward.py --lora: the new score head trains whole beside the adapters (peft's SEQ_CLS task,
-    modules_to_save, as TRL's reward trainer): with the head frozen a reward model's scores would stay
-    a random projection. The export loads as a sequence classifier without peft; its head moved from
-    the one a run at lr 0 exports (the same seed, the same random head), its embeddings did not."""
+    """reward.py --lora --lora_target_modules q_proj,v_proj: the new score head trains whole beside
+    the adapters (peft's SEQ_CLS task, modules_to_save, as TRL's reward trainer); without that task
+    the head is frozen and a reward model's scores stay a random projection of what the adapters
+    learn. The export loads as a sequence classifier without peft; its head moved from the one a run
+    at lr 0 exports (the same seed, the same random head), its embeddings did not."""
     from transformers import AutoModelForSequenceClassification
 
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
-    run_ok(reward_argv(tmp_path / "a", user_models))
-    run_ok(reward_argv(tmp_path / "b", user_models, "--lr", "0"))
+    targets = ["--lora_target_modules", "q_proj,v_proj"]
+    run_ok(reward_argv(tmp_path / "a", user_models, *targets))
+    run_ok(reward_argv(tmp_path / "b", user_models, *targets, "--lr", "0"))
     trained, start = weights(tmp_path / "a" / "run" / "checkpoint"), weights(tmp_path / "b" / "run" / "checkpoint")
     assert trained.keys() == start.keys() and not any("lora" in k or "original_module" in k for k in trained)
     assert (trained["score.weight"] - start["score.weight"]).abs().max() > 1e-3
