@@ -307,7 +307,8 @@ def main(cfg):
                 ref_c, ref_r = ref_train[mb].unbind(1)
             else:  # frozen, or --lora's policy with its adapters off: no gradient, no graph kept
                 with models.as_reference(ref):
-                    ref_c, ref_r = shared_prompt.sequence_logprobs(ref, batch, d, packed, enabled=cfg.shared_prompt).chunk(2)
+                    ref_c, ref_r = shared_prompt.sequence_logprobs(ref, batch, d, packed,
+                                                                   enabled=cfg.shared_prompt).chunk(2)
             loss, m = dpo_loss(pi_c, pi_r, ref_c, ref_r, n_pairs=cfg.batch_size, lengths=train_len[mb].unbind(1),
                                **knobs)
             common.backward(model, loss, d, sync=k == cfg.grad_accum - 1)

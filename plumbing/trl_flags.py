@@ -99,7 +99,7 @@ LISTS = {"lora_target_modules"}  # TRL's list flags (nargs="+": `--lora_target_m
 # term: grpo is PPO's clipped surrogate, as TRL's grpo, dapo, dr_grpo and bnpo are) and --loss_agg (the average).
 # TRL's names of an average given to --loss_type: {script: {flag: {TRL's value: (the flags here, or None: refused,
 # with what differs)}}}. TRL's own `grpo` is a value here too, PPO's term: averaged as TRL's grpo by --loss_agg
-# seq_mean_token_mean (tests/test_lora_trl.py computes each of TRL's losses both ways).
+# seq_mean_token_mean (tests/test_variants.py computes each of TRL's losses both ways).
 TRL_VALUES = {"grpo": {"loss_type": {
     "dapo": ("--loss_agg token_mean", ""),
     "dr_grpo": ("--loss_agg constant", ""),
@@ -111,7 +111,7 @@ TRL_VALUES = {"grpo": {"loss_type": {
                     "sequences: here --importance_sampling_level sequence --loss_agg constant, whose loss is LUSPO's "
                     "divided by --max_new_tokens (AdamW's steps are nearly scale-free; --grad_clip sees the smaller "
                     "norm)"),
-    "vespo": (None, "there is no VESPO (arXiv:2602.10693) here; --loss_type sapo is the nearest soft gate"),
+    "vespo": (None, "there is no VESPO (arXiv:2602.10693) here"),
 }}}
 
 
@@ -146,7 +146,9 @@ def help_note(script, flag):
 
 def translate(script, argv, flags, bools):
     """argv with TRL's names of `script` replaced by this project's: `--learning_rate 1e-5` ->
-    `--lr 1e-5`, `--use_peft true` -> `--lora`, `--report_to wandb` -> `--wandb`. flags: every
+    `--lr 1e-5`, `--use_peft true` -> `--lora`, `--report_to wandb` -> `--wandb`, a list flag's values
+    comma-joined (`--lora_target_modules q_proj v_proj`), a TRL value of ours (`grpo.py --loss_type
+    dapo` -> `--loss_agg token_mean`, TRL_VALUES). flags: every
     flag name the script has (bools too, and their `no-` forms); bools: those that take no value.
     ValueError, naming the script and the flag, for a TRL flag that means something else here
     (its note) and for a flag that is neither (with a "did you mean")."""
@@ -220,7 +222,10 @@ def docs_table():
         here = "refused" if note else f"`--{ours}`"
         lines.append(f"| `--{trl}` | {here} | {scripts(s)} | {note or 'nothing: the same meaning'} |")
     same = ", ".join(f"`--{n}`" + ("" if s == ALL else f" ({scripts(s)})") for n, s in SAME_NAME)
-    return "\n".join(lines) + f"\n\nThe same name and meaning here: {same}."
+    values = "\n".join(f"- `{script}.py --{flag} {value}`: " + (f"`{ours}` here" if ours else f"refused: {note}")
+                       for script, by_flag in TRL_VALUES.items() for flag, table in by_flag.items()
+                       for value, (ours, note) in table.items())
+    return "\n".join(lines) + f"\n\nThe same name and meaning here: {same}.\n\nTRL's values of a flag of ours:\n\n{values}"
 
 
 if __name__ == "__main__":
