@@ -104,7 +104,7 @@ def n_params(s):
 
 def parts(s, script, world=1, launcher="torchrun", device="gpu", seqs=4, prompt_len=512, response_len=512,
           rollout_rows=64, ac=False, offload_frozen=False, lora=False, precompute_ref=True, reward_model=True,
-          generation_rows=0):
+          generation_rows=0, beta=0.04):
     """Bytes per device of each phase's parts, {phase: {part: bytes}}. seqs: sequences of one
     micro-batch (DPO and the reward model: pairs, two sequences each); rollout_rows: GRPO's
     completions per rank in one rollout; generation_rows: the rows of one call of its sampler (0:
@@ -116,8 +116,8 @@ def parts(s, script, world=1, launcher="torchrun", device="gpu", seqs=4, prompt_
     kv = s["kv_heads"] * s["h"] // s["heads"]
     S, R = prompt_len + response_len, response_len
     parts = {}
-    if lora:  # frozen fp32 base under `python` (grpo.py refuses --lora under torchrun); adapters are small
-        parts["parameters"] = 4 * N
+    if lora:  # the frozen fp32 base (sharded under torchrun); the adapters are small
+        parts["parameters"] = 4 * N / W
     else:
         parts["parameters"] = 4 * N / W
         parts["gradients"] = 4 * N / W
@@ -126,7 +126,7 @@ def parts(s, script, world=1, launcher="torchrun", device="gpu", seqs=4, prompt_
         # the root, 2 blocks and a block's unsharded gradients, in bf16 on a GPU (fp32 on the CPU)
         parts["gathered (FSDP)"] = e * (n_root + 3 * n_block)
     frozen_bytes = 0 if offload_frozen else (2 * N / W if fsdp and device == "gpu" else 4 * N / W)
-    if script == "dpo" and not precompute_ref or script == "grpo" and not lora:
+    if not lora and (script == "dpo" and not precompute_ref or script == "grpo" and beta):  # LoRA's: adapters off
         parts["reference"] = frozen_bytes
     if script == "grpo" and reward_model:
         parts["reward model"] = frozen_bytes
@@ -158,7 +158,8 @@ def parts(s, script, world=1, launcher="torchrun", device="gpu", seqs=4, prompt_
 
 
 def lora_params(s, r=16):
-    """LoRA's adapter parameters (models.add_lora: every linear of every block, r x (in + out) each)."""
+    """LoRA's adapter parameters (models.add_lora, all-linear: every linear of every block, r x (in + out)
+    each; reward.py's score head, trained whole beside them, is h more: left out)."""
     kv = s["kv_heads"] * s["h"] // s["heads"]
     h, I = s["h"], s["I"]
     # q, k, v, o, gate, up, down; GPT-2: c_attn, c_proj, c_fc, c_proj
@@ -168,7 +169,8 @@ def lora_params(s, r=16):
 
 def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, response_len=512, rollout_rows=64,
               prompts=8, grad_accum=1, ac=False, offload_frozen=False, lora=False, lora_r=16, precompute_ref=True,
-              reward_model=True, teacher=False, compile=False, tools=0, generation_rows=0, shared=(0, 0)):
+              reward_model=True, teacher=False, compile=False, tools=0, generation_rows=0, shared=(0, 0), beta=0.04,
+              old_pass=True):
     """Bytes per GPU of each phase's parts, {phase: {part: bytes}}, bf16 compute (FSDP2's
     MixedPrecisionPolicy under torchrun, autocast under `python`). seqs: sequences of one
     micro-batch (DPO and the reward model: both sequences of each pair); rollout_rows: GRPO's
@@ -176,7 +178,9 @@ def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, r
     generation_rows: the rows of one call of its sampler (0: all rollout_rows), a chunk of
     consecutive rows whose groups are contiguous; tools: the calls a row may make (--max_tool_calls
     with --tools; 0: no tool); shared: the distinct prompts of a micro-batch of the update (DPO: of its
-    forward) and of one of GRPO's reference pass where shared_prompt computes each once (0: it does not)."""
+    forward) and of one of GRPO's reference pass where shared_prompt computes each once (0: it does not).
+    beta: GRPO's; at 0 no reference (grpo.py loads none, and makes no reference pass); old_pass: GRPO
+    makes the old policy's pass (several updates a rollout, or a teacher)."""
     N, n_block, n_root = n_params(s)
     fsdp = launcher == "torchrun"
     W = world if fsdp else 1
@@ -187,11 +191,12 @@ def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, r
     kv = s["kv_heads"] * h // s["heads"]
     S, R = prompt_len + response_len, response_len
     linear = 2 * h * h + 2 * h * kv + (3 if s["gated"] else 2) * h * I  # a block's linear weights
-    # LoRA (`python` only): the base frozen in fp32; gradients and AdamW's moments of the adapters alone
-    trained = lora_params(s, lora_r) if lora else N / W
-    state = {"parameters": 4 * N + 4 * trained if lora else 4 * N / W, "optimizer": 8 * trained}
+    # LoRA: the base frozen in fp32, sharded under torchrun as the model it is; gradients and AdamW's moments of
+    # the adapters alone; dpo.py's and grpo.py's reference is the policy with its adapters off: no copy
+    trained = (lora_params(s, lora_r) if lora else N) / W
+    state = {"parameters": 4 * N / W + (4 * trained if lora else 0), "optimizer": 8 * trained}
     frozen = 0 if offload_frozen and fsdp else 2 * N / W if fsdp else 4 * N
-    if script == "dpo" and not precompute_ref or script == "grpo" and not lora:
+    if not lora and (script == "dpo" and not precompute_ref or script == "grpo" and beta):
         state["reference"] = frozen
     if script == "grpo" and reward_model:
         state["reward model"] = frozen * (N - head) / N
@@ -299,9 +304,10 @@ def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, r
     rows = seqs  # one micro-batch of logits at a time, + log_softmax's
     ref = dict(state_kept, **no_grad_weights)  # the reference's, then the policy's (autocast caches the policy's only)
     ref["logits"] = 4 * rows * R * V + (4 * rows * R * V if rows * R * V <= 2**28 else 2 * 4 * 2**26)
-    if shared[1]:  # shared_prompt: the logits made while every layer's cache of the micro-batch's rows is alive
+    if shared[1] and beta:  # shared_prompt: the reference's logits made while every layer's cache of its rows is alive
         ref["logits"] = max(ref["logits"], 4 * rows * R * V + rows * S * L * kv_bytes)
-    phases["reference and old log-probs"] = ref
+    if beta or old_pass:  # neither pass at beta 0 with one update a rollout (TRL's defaults)
+        phases["reference and old log-probs"] = ref
     if teacher:  # frozen: under autocast each op casts a weight anew, none cached
         phases["teacher log-probs"] = dict(state_kept, **(weights if fsdp else {}), logits=ref["logits"])
     return phases
@@ -389,9 +395,9 @@ def estimate(s, script, world=1, launcher="torchrun", device="gpu", ac=False, of
         prompts, rollout_rows, generation_rows = 0, 0, 0
         seqs, R = cfg.batch_size // W // cfg.grad_accum, cfg.max_response_len
     knobs = dict(seqs=seqs, prompt_len=cfg.max_prompt_len, response_len=R, rollout_rows=rollout_rows,
-                 generation_rows=generation_rows, ac=ac,
-                 offload_frozen=offload_frozen, lora=getattr(cfg, "lora", False),
-                 precompute_ref=getattr(cfg, "precompute_ref", True), reward_model=bool(getattr(cfg, "reward_model", "")))
+                 generation_rows=generation_rows, ac=ac, offload_frozen=offload_frozen, lora=cfg.lora,
+                 precompute_ref=getattr(cfg, "precompute_ref", True), reward_model=bool(getattr(cfg, "reward_model", "")),
+                 beta=getattr(cfg, "beta", 0.04))
     if device == "cpu":  # the CPU model counts pairs; the GPU model sequences (both of each pair)
         return parts(s, script, world, launcher, device, **knobs)
     knobs["seqs"] *= 2 if script in ("dpo", "reward") else 1
@@ -402,8 +408,9 @@ def estimate(s, script, world=1, launcher="torchrun", device="gpu", ac=False, of
         dealt = max(1, cfg.group_size // cfg.num_mini_batches) if script == "grpo" else 2
         U = [-(-seqs // dealt), -(-seqs // cfg.group_size) if script == "grpo" else 0]
         knobs["shared"] = tuple(u if u < seqs * (1 + (script == "dpo")) else 0 for u in U)
-    return gpu_parts(s, script, world, launcher, grad_accum=cfg.grad_accum, prompts=prompts,
-                     lora_r=getattr(cfg, "lora_r", 16), teacher=bool(getattr(cfg, "teacher", "")),
+    old_pass = script == "grpo" and (cfg.num_iterations > 1 or cfg.num_mini_batches > 1 or bool(cfg.teacher))
+    return gpu_parts(s, script, world, launcher, grad_accum=cfg.grad_accum, prompts=prompts, old_pass=old_pass,
+                     lora_r=cfg.lora_r, teacher=bool(getattr(cfg, "teacher", "")),
                      compile=getattr(cfg, "compile", False), tools=cfg.max_tool_calls if getattr(cfg, "tools", "") else 0,
                      **knobs)
 
@@ -464,8 +471,6 @@ FLAG_NAMES = {"ac": "--activation_checkpointing", "offload_frozen": "--offload_f
 def first_fit(s, script, world, flags):
     """The first rung of KNOBS[world] at which the script fits an 80-GB GPU: (how, peak, phase) or None."""
     for launcher, knobs in KNOBS[world]:
-        if knobs.get("lora") and script != "grpo":
-            continue
         extra = {k: v for k, v in knobs.items() if k in ("lora", "grad_accum")}
         peak, phase = total(estimate(s, script, world, launcher, ac=knobs.get("ac", False),
                                      offload_frozen=knobs.get("offload_frozen", False), **flags, **extra), "gpu")
