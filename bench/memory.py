@@ -536,6 +536,9 @@ CHECKS = [  # (launcher, world, flags, scripts) the model is checked at against 
         ("python", 1, dict(lora=True)), ("python", 1, dict(lora=True, ac=True)), ("python", 1, dict(compile=True)),
         ("python", 1, dict(tools="calculator")), ("torchrun", 8, dict(tools="calculator")),
         ("python", 1, dict(tools="calculator", generation_micro_batch_size=32))]],
+    # LoRA in the other scripts, on one GPU and on 8 (dpo.py's live reference: the policy with its adapters off)
+    *[(launcher, world, dict(LONG, lora=True, **flags), ("sft", "reward", "dpo")) for launcher, world, flags in [
+        ("python", 1, dict(ac=True)), ("torchrun", 8, {}), ("python", 1, dict(precompute_ref=False))]],
 ]
 
 
