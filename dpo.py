@@ -18,7 +18,9 @@ Deliberate choices and departures:
 2. The reference log-probs are computed once before training and the reference model is freed
    (`--precompute_ref`, default); `--no-precompute_ref` keeps a live frozen reference instead.
    Both give the same loss in fp32 (tests/test_dpo.py); in bf16 the reference pass's batches round
-   differently from the update's (margins 4.6e-3 apart at beta 0.1 on a 0.5B, docs/gpu.md).
+   differently from the update's (margins 4.6e-3 apart at beta 0.1 on a 0.5B, docs/gpu.md). With
+   --lora the reference is the policy itself with its adapters off (no copy; TRL's peft reference),
+   precomputed or live (tests/test_lora.py).
 3. The loss is the mean over the pairs of the global batch (all micro-batches, all ranks), so
    gradient accumulation does not change the gradient (common.py's rule 1).
 4. IPO uses summed sequence log-probs, like the other loss types (TRL's ipo averages over tokens).
@@ -274,11 +276,11 @@ def main(cfg):
         ref = models.load_frozen(cfg.ref_model or cfg.model, tokenizer, d, trust_remote_code=cfg.trust_remote_code,
                                  cpu_offload=cfg.offload_frozen)
         models.check_context(ref, cfg.max_prompt_len, cfg.max_response_len)
-        ref, ref_train, ref_test = reference_logps(ref, cfg, train_pairs, test_pairs, tokenizer.pad_token_id, d)
+        ref, ref_train, ref_test = reference_logps(ref, cfg, train_pairs, test_pairs, tokenizer.pad_token_id, d=d)
     common.set_seed(cfg.seed)
     _, model = models.load_policy(cfg.model, cfg, d, response_len=cfg.max_response_len)
     if own:
-        ref, ref_train, ref_test = reference_logps(model, cfg, train_pairs, test_pairs, tokenizer.pad_token_id, d)
+        ref, ref_train, ref_test = reference_logps(model, cfg, train_pairs, test_pairs, tokenizer.pad_token_id, d=d)
     packed = models.use_packing(cfg.padding_free, [model, ref], d)  # padding-free where rows stay apart
     optimizer, scheduler = common.make_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps,
                                                  cfg.steps)

@@ -22,6 +22,8 @@ Deliberate choices and departures:
    std 1, stored as reward_gain / reward_bias in the model config (Ziegler et al. 2019,
    arXiv:1909.08593, whose code normalises after training the same way): GRPO's KL coefficient
    and advantages then see rewards of a known scale. Pairwise accuracy does not change (gain > 0).
+6. `--lora`: adapters on the frozen model, its new score head trained whole beside them (peft's
+   SEQ_CLS task, as TRL's reward trainer); the export merges them (tests/test_lora.py).
 
 Run:
     python reward.py                                  # tiny GPT-2 from runs/sft on the embedded sort task, CPU

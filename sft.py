@@ -19,6 +19,7 @@ Run:
     torchrun --nproc_per_node 2 sft.py               # the same on 2 processes (FSDP2)
     torchrun --nproc_per_node 8 sft.py --model gpt2 --dataset trl-lib/tldr --max_prompt_len 384 \\
         --max_response_len 56 --steps 2000 --batch_size 64 --lr 5e-5 --out_dir runs/sft-gpt2
+    python sft.py --model smollm2 --dataset my.jsonl --lora --lr 2e-4 --out_dir runs/sft-lora  # adapters, merged on export
 """
 import time
 from dataclasses import dataclass
