@@ -92,7 +92,7 @@ def grpo_evals(cfg, tokenizer, rules=False, fns=()):
     """What grpo.py evaluates on: an embedded task's held-out prompts (rendered, and as given), the
     held-out prompts of --eval_dataset or of a local file's hash split (`prompts`: their rendered
     columns, as given, their rows), and held-out preference pairs (--eval_pairs, or the task's own)
-    encoded (not at --beta 0: no reference to score them with); None where there are none."""
+    encoded (not without a reference, at --beta 0: nothing to score them with); None where there are none."""
     embedded = cfg.dataset in tasks.TASKS
     held_out = pairs = gold_pairs = prompts = None
     if embedded:
@@ -103,7 +103,7 @@ def grpo_evals(cfg, tokenizer, rules=False, fns=()):
         source = cfg.eval_dataset or cfg.dataset
         prompts = {"rows": data.render_chat(test, tokenizer, source)[0][:], "own": test["prompt"][:],
                    "numbers": numbers, "source": source}
-    if cfg.beta and (cfg.eval_pairs or (embedded and "preference" in tasks.TASKS[cfg.dataset])):  # beta 0: no reference
+    if (cfg.beta or cfg.reference) and (cfg.eval_pairs or (embedded and "preference" in tasks.TASKS[cfg.dataset])):
         rows = data.load_pairs(cfg.eval_pairs or cfg.dataset, cfg.eval_pairs_split if cfg.eval_pairs else "test",
                                cfg.n_eval_pairs, cfg.seed)
         rows, chat = data.render_chat(rows.select(range(min(cfg.n_eval_pairs, len(rows)))), tokenizer,
@@ -422,11 +422,12 @@ def evaluate_rewards(model, env, held, cfg, d):
 
 def reference(model, cfg, d):
     """The reference policy, before the policy is sharded: the policy itself when it has LoRA adapters
-    (reference_context switches them off), else a frozen copy of it; None at --beta 0 (TRL's default),
-    where neither the loss nor a metric needs one: none is loaded, and the run says what it leaves out."""
-    if not cfg.beta:
+    (reference_context switches them off), else a frozen copy of it; None at --beta 0 without
+    --reference (TRL's default), where the loss needs none: none is loaded, and the run says what it
+    leaves out."""
+    if not (cfg.beta or cfg.reference):
         common.print0("--beta 0: no KL term, so no reference model is loaded (TRL's default); no `kl` metric and no "
-                      "eval/accuracy of beta log(pi / pi_ref) (--beta > 0 for them)")
+                      "eval/accuracy of beta log(pi / pi_ref) (--reference loads one for them)")
         return None
     return model if hasattr(model, "peft_config") else common.freeze(copy.deepcopy(model), d,
                                                                       cpu_offload=cfg.offload_frozen)

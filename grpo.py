@@ -68,9 +68,9 @@ class Config(cli.SharedConfig):
     # GRPOConfig (lr 1e-6, 512 prompt and 256 completion tokens, beta 0, epsilon 0.2, one pass of one mini-batch)
     DEFAULTS: ClassVar[dict] = {
         "embedded": dict(lr=1e-4, max_prompt_len=64, max_new_tokens=24, beta=0.04, epsilon_high=0.28, num_iterations=2,
-                         num_mini_batches=2),
+                         num_mini_batches=2, reference=True),
         "trl": dict(lr=1e-6, max_prompt_len=512, max_new_tokens=256, beta=0.0, epsilon_high=0.2, num_iterations=1,
-                    num_mini_batches=1)}
+                    num_mini_batches=1, reference=False)}
     # --- model and data ---
     model: str = "runs/sft"
     """the policy to start from: a checkpoint folder (runs/sft), a hub id, `tiny`, `smollm2` or path/to/model.gguf"""
@@ -224,8 +224,8 @@ class Config(cli.SharedConfig):
     beta: float | None = None
     """the KL penalty's coefficient against the reference policy (GRPO Eq. 3): 0.04 on the embedded task,
     DeepSeekMath's value, with which its results were made; TRL's default for a model of your own, 0: then, as in
-    TRL, no reference model is loaded (less memory, no reference pass), and the run logs no `kl` and no
-    eval/accuracy of beta log(pi / pi_ref) [>= 0]"""
+    TRL, no reference model is loaded (less memory, no reference pass; --reference loads one), and the run logs no
+    `kl` and no eval/accuracy of beta log(pi / pi_ref) [>= 0]"""
     kl_estimator: KlEstimator = "k3"
     """k1, k2, k3, ratio_k1 or ratio_k3 (GRPO Eq. 4 is k3)"""
     kl_in_reward: bool = False
@@ -237,6 +237,10 @@ class Config(cli.SharedConfig):
     default), seq_mean_token_mean (each sequence's token mean, averaged over sequences: TRL's grpo and sapo) or
     constant (the sum over max_new_tokens x sequences: Dr. GRPO, TRL's dr_grpo)"""
     # --- reference ---
+    reference: bool | None = None
+    """load the reference policy at --beta 0 too, for the `kl` metric and eval/accuracy (at --beta > 0 one always
+    is): on by default on the embedded task, whose KL study measures a run without a KL term; off for a model of
+    your own, as TRL loads none at beta 0"""
     ref_refresh_every: int = 0
     """copy the policy into the reference every this many steps (0: never) [>= 0]"""
     # --- optimisation ---

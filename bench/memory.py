@@ -104,7 +104,7 @@ def n_params(s):
 
 def parts(s, script, world=1, launcher="torchrun", device="gpu", seqs=4, prompt_len=512, response_len=512,
           rollout_rows=64, ac=False, offload_frozen=False, lora=False, precompute_ref=True, reward_model=True,
-          generation_rows=0, beta=0.04):
+          generation_rows=0, reference=True):
     """Bytes per device of each phase's parts, {phase: {part: bytes}}. seqs: sequences of one
     micro-batch (DPO and the reward model: pairs, two sequences each); rollout_rows: GRPO's
     completions per rank in one rollout; generation_rows: the rows of one call of its sampler (0:
@@ -126,7 +126,7 @@ def parts(s, script, world=1, launcher="torchrun", device="gpu", seqs=4, prompt_
         # the root, 2 blocks and a block's unsharded gradients, in bf16 on a GPU (fp32 on the CPU)
         parts["gathered (FSDP)"] = e * (n_root + 3 * n_block)
     frozen_bytes = 0 if offload_frozen else (2 * N / W if fsdp and device == "gpu" else 4 * N / W)
-    if not lora and (script == "dpo" and not precompute_ref or script == "grpo" and beta):  # LoRA's: adapters off
+    if not lora and (script == "dpo" and not precompute_ref or script == "grpo" and reference):  # LoRA's: adapters off
         parts["reference"] = frozen_bytes
     if script == "grpo" and reward_model:
         parts["reward model"] = frozen_bytes
@@ -169,7 +169,7 @@ def lora_params(s, r=16):
 
 def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, response_len=512, rollout_rows=64,
               prompts=8, grad_accum=1, ac=False, offload_frozen=False, lora=False, lora_r=16, precompute_ref=True,
-              reward_model=True, teacher=False, compile=False, tools=0, generation_rows=0, shared=(0, 0), beta=0.04,
+              reward_model=True, teacher=False, compile=False, tools=0, generation_rows=0, shared=(0, 0), reference=True,
               old_pass=True):
     """Bytes per GPU of each phase's parts, {phase: {part: bytes}}, bf16 compute (FSDP2's
     MixedPrecisionPolicy under torchrun, autocast under `python`). seqs: sequences of one
@@ -179,8 +179,8 @@ def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, r
     consecutive rows whose groups are contiguous; tools: the calls a row may make (--max_tool_calls
     with --tools; 0: no tool); shared: the distinct prompts of a micro-batch of the update (DPO: of its
     forward) and of one of GRPO's reference pass where shared_prompt computes each once (0: it does not).
-    beta: GRPO's; at 0 no reference (grpo.py loads none, and makes no reference pass); old_pass: GRPO
-    makes the old policy's pass (several updates a rollout, or a teacher)."""
+    reference: GRPO loads a reference and makes its pass (beta > 0, or --reference; TRL's beta 0: none);
+    old_pass: GRPO makes the old policy's pass (several updates a rollout, or a teacher)."""
     N, n_block, n_root = n_params(s)
     fsdp = launcher == "torchrun"
     W = world if fsdp else 1
@@ -196,7 +196,7 @@ def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, r
     trained = (lora_params(s, lora_r) if lora else N) / W
     state = {"parameters": 4 * N / W + (4 * trained if lora else 0), "optimizer": 8 * trained}
     frozen = 0 if offload_frozen and fsdp else 2 * N / W if fsdp else 4 * N
-    if not lora and (script == "dpo" and not precompute_ref or script == "grpo" and beta):
+    if not lora and (script == "dpo" and not precompute_ref or script == "grpo" and reference):
         state["reference"] = frozen
     if script == "grpo" and reward_model:
         state["reward model"] = frozen * (N - head) / N
@@ -304,9 +304,9 @@ def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, r
     rows = seqs  # one micro-batch of logits at a time, + log_softmax's
     ref = dict(state_kept, **no_grad_weights)  # the reference's, then the policy's (autocast caches the policy's only)
     ref["logits"] = 4 * rows * R * V + (4 * rows * R * V if rows * R * V <= 2**28 else 2 * 4 * 2**26)
-    if shared[1] and beta:  # shared_prompt: the reference's logits made while every layer's cache of its rows is alive
+    if shared[1] and reference:  # shared_prompt: the reference's logits made while every layer's cache of its rows is alive
         ref["logits"] = max(ref["logits"], 4 * rows * R * V + rows * S * L * kv_bytes)
-    if beta or old_pass:  # neither pass at beta 0 with one update a rollout (TRL's defaults)
+    if reference or old_pass:  # neither pass at beta 0 with one update a rollout (TRL's defaults)
         phases["reference and old log-probs"] = ref
     if teacher:  # frozen: under autocast each op casts a weight anew, none cached
         phases["teacher log-probs"] = dict(state_kept, **(weights if fsdp else {}), logits=ref["logits"])
@@ -397,7 +397,7 @@ def estimate(s, script, world=1, launcher="torchrun", device="gpu", ac=False, of
     knobs = dict(seqs=seqs, prompt_len=cfg.max_prompt_len, response_len=R, rollout_rows=rollout_rows,
                  generation_rows=generation_rows, ac=ac, offload_frozen=offload_frozen, lora=cfg.lora,
                  precompute_ref=getattr(cfg, "precompute_ref", True), reward_model=bool(getattr(cfg, "reward_model", "")),
-                 beta=getattr(cfg, "beta", 0.04))
+                 reference=script == "grpo" and bool(cfg.beta or cfg.reference))
     if device == "cpu":  # the CPU model counts pairs; the GPU model sequences (both of each pair)
         return parts(s, script, world, launcher, device, **knobs)
     knobs["seqs"] *= 2 if script in ("dpo", "reward") else 1

@@ -210,7 +210,7 @@ def trace(shape, script, world=1, launcher="torchrun", ac=False, breakdown=False
                 for copy in copies.values() if isinstance(copies, torch.nn.ModuleDict) else ():
                     for name, p in list(copy.named_parameters(recurse=False)):
                         setattr(copy, name, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype)))
-        elif script == "grpo" and cfg.beta or script == "dpo" and not cfg.precompute_ref:
+        elif script == "grpo" and (cfg.beta or cfg.reference) or script == "dpo" and not cfg.precompute_ref:
             frozen["reference"] = common.freeze(_build(shape), d)  # a copy of the policy (grpo.py: none at beta 0)
         model = common.shard_model(model, d, activation_checkpointing=ac)
         if script == "grpo" and cfg.reward_model:
@@ -326,7 +326,7 @@ def _grpo(model, optimizer, scheduler, frozen, cfg, d, tracker):
     chunks = environment.chunks(sampled, cfg.generation_micro_batch_size)
     chunk = max(c.stop - c.start for c in chunks)
     chunk_prompts = max((c.stop - 1) // group - c.start // group + 1 for c in chunks)
-    ref = frozen.get("reference", model if cfg.lora and cfg.beta else None)  # LoRA's: the policy, adapters off
+    ref = frozen.get("reference", model if cfg.lora and (cfg.beta or cfg.reference) else None)  # LoRA's: adapters off
     # grpo.minibatch_rows deals each K consecutive rows one to each of K mini-batches: a group's G rows, G / K to
     # each (consecutive there, as here: row i of a micro-batch has prompt i // (G / K))
     dealt = max(1, cfg.group_size // cfg.num_mini_batches)

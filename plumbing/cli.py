@@ -128,9 +128,15 @@ def fill_defaults(cfg):
     if filled:
         source = (f"the embedded task's (--model {EMBEDDED_MODEL} or --dataset {EMBEDDED_TASK})" if embedded
                   else "TRL 1.16's, for a model and data of your own")
-        lines.insert(0, f"defaults, {source}: {' '.join(f'--{k} {v:g}' for k, v in filled.items())} (pass a flag to "
+        lines.insert(0, f"defaults, {source}: {' '.join(map(shown, filled.items()))} (pass a flag to "
                         f"change one)")
     return "\n".join(line for line in lines if line)
+
+
+def shown(flag_value):
+    """A flag and its value as on a command line: `--lr 1e-06`, `--reference`, `--no-reference`."""
+    k, v = flag_value
+    return (f"--{k}" if v else f"--no-{k}") if isinstance(v, bool) else f"--{k} {v:g}"
 
 
 def optimizer_steps(cfg):
@@ -282,8 +288,9 @@ def parse_config(cls, argv=None):
         kw = dict(default=default, help=(docs.get(f.name, " ") + trl_flags.help_note(script, f.name)).replace("%", "%%"),
                   dest=f.name)  # argparse formats %
         if f.name in getattr(cls, "DEFAULTS", {}).get("trl", {}):  # fill_defaults': both values, not "None"
-            kw["help"] += (f" (default: {cls.DEFAULTS['embedded'][f.name]:g} with --model {EMBEDDED_MODEL} or --dataset "
-                           f"{EMBEDDED_TASK}, else {cls.DEFAULTS['trl'][f.name]:g}, TRL's)%(default).0s")
+            embedded, trl = (shown((f.name, cls.DEFAULTS[k][f.name])) for k in ("embedded", "trl"))
+            kw["help"] += (f" (default: {embedded} with --model {EMBEDDED_MODEL} or --dataset {EMBEDDED_TASK}, else "
+                           f"{trl}, TRL's)%(default).0s")
         if tp is bool:
             parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, **kw)
             continue

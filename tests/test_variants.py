@@ -488,15 +488,17 @@ def test_simpo_loads_no_reference_and_trains(tmp_path, monkeypatch):
 
 def test_each_preset_fills_its_grpo_values_and_says_so():
     """The embedded task (`--model tiny` or `--dataset sort`) keeps the values its results were made
-    with (beta 0.04, DAPO's clip-higher 0.28, 2 passes of 2 mini-batches); a model and data of your
-    own get TRL 1.16's (beta 0, epsilon 0.2, one pass of one mini-batch), named on the banner's
-    defaults line; a flag given is kept; --help gives both values."""
+    with (beta 0.04, DAPO's clip-higher 0.28, 2 passes of 2 mini-batches, a reference loaded); a
+    model and data of your own get TRL 1.16's (beta 0, epsilon 0.2, one pass of one mini-batch, no
+    reference), named on the banner's defaults line; a flag given is kept; --help gives both values
+    and why."""
     embedded = cli.with_defaults(grpo.Config(model="tiny", dataset="my.jsonl"))
-    assert (embedded.beta, embedded.epsilon_high, embedded.num_iterations, embedded.num_mini_batches) == (0.04, 0.28, 2, 2)
+    assert (embedded.beta, embedded.epsilon_high, embedded.num_iterations, embedded.num_mini_batches,
+            embedded.reference) == (0.04, 0.28, 2, 2, True)
     cfg = grpo.Config(model="my-model", dataset="my.jsonl", num_mini_batches=4)
     line = cli.fill_defaults(cfg)
-    assert (cfg.beta, cfg.epsilon_high, cfg.num_iterations, cfg.num_mini_batches) == (0.0, 0.2, 1, 4)
-    assert "TRL 1.16's" in line and "--beta 0 --epsilon_high 0.2 --num_iterations 1" in line
+    assert (cfg.beta, cfg.epsilon_high, cfg.num_iterations, cfg.num_mini_batches, cfg.reference) == (0.0, 0.2, 1, 4, False)
+    assert "TRL 1.16's" in line and "--beta 0 --epsilon_high 0.2 --num_iterations 1 --no-reference" in line
     assert "--num_mini_batches" not in line  # given, not filled
     helps = cli._field_docs(grpo.Config)
     for flag in ("beta", "epsilon_high", "num_iterations", "num_mini_batches"):
@@ -593,7 +595,8 @@ def test_our_loss_type_grpo_is_still_the_clipped_surrogate_at_its_loss_agg():
 
 def test_a_beta_0_run_loads_no_reference_and_beta_above_0_does(tmp_path, monkeypatch):
     """TRL's default beta 0 for a model of your own: no frozen copy of the policy is made (TRL loads
-    no reference model), the run logs no kl, and says so; with --beta 0.04 the copy is made and kl is
+    no reference model), the run logs no kl, and says so; with --beta 0.04, or --reference at beta 0
+    (the embedded task's KL study measures a run without a KL term), the copy is made and kl is
     logged; with --lora and --beta 0.04 the reference is the policy, adapters off: no copy either."""
     folder = models.load_model("tiny", tasks.char_tokenizer())
     folder.save_pretrained(tmp_path / "m")
@@ -602,7 +605,8 @@ def test_a_beta_0_run_loads_no_reference_and_beta_above_0_does(tmp_path, monkeyp
     frozen = []
     freeze = common.freeze
     monkeypatch.setattr(common, "freeze", lambda model, *a, **k: frozen.append(model) or freeze(model, *a, **k))
-    for extra, copies, kl in (([], 0, False), (["--beta", "0.04"], 1, True), (["--beta", "0.04", "--lora"], 0, True)):
+    for extra, copies, kl in (([], 0, False), (["--beta", "0.04"], 1, True), (["--reference"], 1, True),
+                              (["--beta", "0.04", "--lora", "--lora_r", "4"], 0, True)):
         frozen.clear()
         out = tmp_path / f"run{len(extra)}"
         proc = run_here(["grpo.py", "--model", str(tmp_path / "m"), "--dataset", rows, "--steps", "1",
