@@ -191,7 +191,7 @@ def trace(shape, script, world=1, launcher="torchrun", ac=False, breakdown=False
     """{phase: peak bytes} of one step of `script` at its Config's defaults, overridden by flags
     (max_prompt_len, max_response_len or max_new_tokens, batch sizes, grad_accum...). Two
     optimizer steps run; the second (AdamW's moments allocated) is the one measured."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     cfg = memory.script_config(script, **flags)
     d = _world(world, launcher)
@@ -202,14 +202,12 @@ def trace(shape, script, world=1, launcher="torchrun", ac=False, breakdown=False
             from plumbing import models
 
             # peft moves each adapter to its base layer's device and dtype with Module.to, which swaps fake
-            # tensors and cannot here; the adapters are made there (the fake CPU, fp32) already
-            with mock.patch.object(torch.nn.Module, "to", lambda self, *args, **kwargs: self):
+            # tensors and cannot here; the adapters are made there (the fake CPU, fp32) already. reward.py's score
+            # head, trained whole, peft deep-copies: a fake tensor's deep copy would belong to a fake mode of its own
+            # (an error at the forward, and a segfault in a later trace), so it is cloned in this one
+            with mock.patch.object(torch.nn.Module, "to", lambda self, *args, **kwargs: self), \
+                    mock.patch.object(FakeTensor, "__deepcopy__", lambda self, memo: self.clone(), create=True):
                 model = models.with_lora(model, cfg)
-            for m in model.modules():  # reward.py's score head, trained whole: peft's deep copy of it belongs to
-                copies = getattr(m, "modules_to_save", None)  # another fake mode; made again in this one
-                for copy in copies.values() if isinstance(copies, torch.nn.ModuleDict) else ():
-                    for name, p in list(copy.named_parameters(recurse=False)):
-                        setattr(copy, name, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype)))
         elif script == "grpo" and (cfg.beta or cfg.reference) or script == "dpo" and not cfg.precompute_ref:
             frozen["reference"] = common.freeze(_build(shape), d)  # a copy of the policy (grpo.py: none at beta 0)
         model = common.shard_model(model, d, activation_checkpointing=ac)

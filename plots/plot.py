@@ -375,7 +375,8 @@ def plot_kl_compare(run_dirs, out_dir, smooth=0):
     for i, (run_dir, label) in enumerate(zip(run_dirs, labels)):
         steps, values = series(read_metrics(run_dir), "kl")
         if not steps:
-            raise ValueError(f"{os.path.join(run_dir, 'metrics.jsonl')}: no 'kl' rows (not a GRPO run?)")
+            raise ValueError(f"{os.path.join(run_dir, 'metrics.jsonl')}: no 'kl' rows (not a GRPO run, or one at "
+                             f"--beta 0 without --reference?)")
         color, ls = run_style(i)
         if smooth > 1 and len(steps) > smooth:
             ax.plot(steps, values, color=color, ls=ls, lw=0.8, alpha=0.3)
