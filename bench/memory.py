@@ -9,8 +9,8 @@ script's own flags (its Config's defaults unless given).
     python bench/memory.py --validate   # the CPU model against the peaks measured here (bench/results)
 
 On a GPU (bytes per GPU; N parameters, W ranks under torchrun, bf16 compute), per phase:
-- always: fp32 parameters 4N/W and AdamW's moments 8N/W (--lora, under `python` only: the frozen
-  base 4N, and the adapters' parameters, gradients and moments alone); frozen models (the
+- always: fp32 parameters 4N/W and AdamW's moments 8N/W (--lora: the frozen base 4N/W, and the
+  adapters' parameters, gradients and moments alone; no reference copy); frozen models (the
   reference, the reward model, grpo.py's --teacher, of the policy's shape) in bf16, 2N/W, under
   torchrun (none on the GPU with --offload_frozen), fp32 4N under `python`; GRPO's --compile: the
   static KV cache kept from one rollout to the next, and under `python` the bf16 copies of the
@@ -25,7 +25,8 @@ On a GPU (bytes per GPU; N parameters, W ranks under torchrun, bf16 compute), pe
   gradients (--grad_accum > 1), the activations each op keeps for its backward per token and
   layer (gated MLP: 24 h + 8 I bytes under FSDP, 34 h + 8 I under autocast, whose residual stream
   and norms are fp32 and whose linears each cast their input; GPT-2's Python GELU: 16 h + 10 I,
-  20 h + 10 I; LoRA: -6 h gated, +2 h GPT-2, and its adapters' r-wide outputs; plus flash
+  20 h + 10 I; LoRA: -6 h gated, +2 h GPT-2, and its adapters' r-wide outputs, and in a block's
+  backward their own gradients, 8 I a token (4 I under FSDP; fitted): reward.py's peak; plus flash
   attention's log-sum-exp and the padding mask as a bf16 bias), and the fp32 logits of the R
   response positions with their gradient (and log_softmax's output where
   common.logprobs_from_logits takes that path; GRPO: at the forward's end, the entropy's three
@@ -264,15 +265,20 @@ def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, r
                                  + seqs * R * per_token_layer + seqs * prompt_len * 4 * h)
     elif not ac:
         fb["activations"] = tokens * L * per_token_layer
+    # LoRA, inside a block's backward (the logits freed): each adapter's own gradients beside the frozen path's, the
+    # scaled output's and the second input's, two of the MLP's I-wide a token (fitted to the tracker: 7.5-8.6 I bytes
+    # under autocast on the three shapes); the peak of reward.py, which has no logits to free first
+    adapters = (4 if fsdp else 8) * I * tokens if lora else 0
     if not ac:
         start, end = dict(head, logits=logits), {"logits": logits_end}
+        block = {"adapters' gradients (a block's backward)": adapters}
     else:  # each block's input (bf16 under FSDP, fp32 under autocast), then the largest of: the logits and
         # their gradient (the backward's start), one block recomputed, autocast's copies (the forward's end)
         fb.pop("autocast copies", None)
         fb["activations"] = tokens * (2 if fsdp else 4) * h * L
-        start = dict(head, **{"largest transient": max(logits, tokens * per_token_layer)})
-        end = {"largest transient": logits_end + no_grad_weights.get("autocast copies", 0)}
-    fb.update(max(start, end, key=lambda parts: sum(parts.values())))
+        start = dict(head, **{"largest transient": max(logits, tokens * per_token_layer + adapters)})
+        end, block = {"largest transient": logits_end + no_grad_weights.get("autocast copies", 0)}, {}
+    fb.update(max(start, end, block, key=lambda parts: sum(parts.values())))
     phases = {"forward and backward": fb}
     phases["optimizer step"] = dict(state_kept, gradients=4 * trained)
     if script != "grpo":

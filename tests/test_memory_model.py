@@ -75,6 +75,9 @@ def test_estimates_are_within_20_percent_of_the_measured_peaks(capsys):
     ("qwen2.5-1.5b", 4, "torchrun", 8, dict(lora=True), "sft"),
     ("qwen2.5-1.5b", 8, "torchrun", 8, dict(lora=True), "reward"),
     ("qwen2.5-1.5b", 4, "python", 1, dict(lora=True, precompute_ref=False), "dpo"),
+    # reward.py --lora --activation_checkpointing: no logits to free first, so its peak is a recomputed block's backward
+    # with the adapters' own gradients (left out: 29% under the trace)
+    ("qwen2.5-1.5b", 8, "python", 1, dict(lora=True, ac=True), "reward"),
 ])
 def test_the_gpu_model_is_within_10_percent_of_the_traced_step(shape, layers, launcher, world, flags, script, capsys):
     """bench/memory.py's GPU model, phase by phase, against bench/memory_trace.py: the script's own
