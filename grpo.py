@@ -629,9 +629,10 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, normaliser, epsilon
     low, high = (rho < 1 - epsilon_low, rho > 1 + epsilon_high)  # DPPO: the tokens its trust region masks
     if loss_type in ("dppo_tv", "dppo_kl"):
         low = high = dppo_mask(logps, old_logps, A, loss_type, delta_low=epsilon_low, delta_high=epsilon_high) == 0
-    metrics = {"loss": loss.detach(), "clip_ratio/low": mean(low & (A < 0)), "clip_ratio/high": mean(high & (A > 0))}
+    metrics = {"loss": loss.detach()}
     if kl is not None:
         metrics |= {"kl": mean(kl_per_token(logps, ref_logps, old_logps, "k3")), "kl/optimized": mean(kl)}
+    metrics |= {"clip_ratio/low": mean(low & (A < 0)), "clip_ratio/high": mean(high & (A > 0))}
     if clip_ratio_c:
         metrics["clip_ratio/dual"] = mean((rho > clip_ratio_c) & (A < 0))
     if entropy is not None:
