@@ -56,8 +56,9 @@ TRL_FLAGS = [
      "the prompt and the completion each have a limit here: --max_prompt_len (cut from the left) and "
      "--max_response_len (cut from the right); TRL's 1024 is 512 + 512"),
     ("epsilon", ("grpo",), "epsilon_low",
-     "TRL's --epsilon sets both clip bounds unless --epsilon_high is given, and the upper bound here defaults to "
-     "0.28 (DAPO): pass --epsilon_low X --epsilon_high X"),
+     "TRL's --epsilon sets both clip bounds unless --epsilon_high is given; here each is a flag of its own (0.2 and "
+     "0.2 for a model of your own, as TRL's; 0.2 and DAPO's 0.28 on the embedded task): pass --epsilon_low X "
+     "--epsilon_high X"),
     ("logging_steps", ALL, None, "every step is logged here: one line and one metrics.jsonl row per step"),
     ("lr_scheduler_type", ALL, None,
      "the schedule here is fixed: a linear warmup over --warmup_steps, then a cosine decay to 0"),
@@ -83,7 +84,7 @@ TRL_FLAGS = [
 
 # TRL's flags whose name and meaning are this project's too (listed in the docs' table)
 SAME_NAME = [("seed", ALL), ("weight_decay", ALL), ("warmup_steps", ALL), ("trust_remote_code", ALL),
-             ("beta", ("dpo", "grpo")), ("loss_type", ("dpo", "grpo")), ("label_smoothing", ("dpo",)),
+             ("beta", ("dpo", "grpo")), ("loss_type", ("dpo",)), ("label_smoothing", ("dpo",)),
              ("temperature", ("grpo",)), ("top_p", ("grpo",)), ("top_k", ("grpo",)), ("min_p", ("grpo",)),
              ("num_iterations", ("grpo",)),
              ("epsilon_high", ("grpo",)), ("scale_rewards", ("grpo",)), ("reward_weights", ("grpo",)),
