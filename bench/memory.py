@@ -272,6 +272,10 @@ def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, r
     if not ac:
         start, end = dict(head, logits=logits), {"logits": logits_end}
         block = {"adapters' gradients (a block's backward)": adapters}
+        if script == "dpo" and not precompute_ref and shared[0]:  # a live reference's forward after the policy's (its
+            # activations and logits kept): with shared prompts every layer's keys and values of the rows live until
+            # its logits are made (the 2 logits above: the policy's kept, the reference's)
+            start["live reference's cache"] = seqs * S * L * kv_bytes
     else:  # each block's input (bf16 under FSDP, fp32 under autocast), then the largest of: the logits and
         # their gradient (the backward's start), one block recomputed, autocast's copies (the forward's end)
         fb.pop("autocast copies", None)
