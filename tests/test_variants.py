@@ -584,11 +584,7 @@ def test_trls_loss_types_without_an_equal_are_refused_saying_what_is_nearest(val
     with pytest.raises(SystemExit):  # a TRL name and the flag it stands for, both given
         cli.parse_config(grpo.Config, ["--loss_type", "dr_grpo", "--loss_agg", "token_mean"])
     assert "and --loss_agg is given too: pass one of them" in capsys.readouterr().err
-
-
-def test_our_loss_type_grpo_is_still_the_clipped_surrogate_at_its_loss_agg():
-    """`--loss_type grpo` keeps its meaning here (PPO's term, averaged by --loss_agg): not rewritten to
-    TRL's grpo, whose average is per sequence."""
+    # `--loss_type grpo` keeps its meaning here (PPO's term, averaged by --loss_agg), not TRL's per-sequence average
     cfg = cli.parse_config(grpo.Config, ["--loss_type", "grpo"])
     assert (cfg.loss_type, cfg.loss_agg) == ("grpo", "token_mean")
 
