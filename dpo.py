@@ -20,7 +20,9 @@ Deliberate choices and departures:
    the policy's layout (shared_prompt.layout), so that at equal weights both give the same log-probs
    to the bit (tests/test_exact.py).
    Both give the same loss in fp32 (tests/test_dpo.py); in bf16 the reference pass's batches round
-   differently from the update's (margins 4.6e-3 apart at beta 0.1 on a 0.5B, docs/gpu.md).
+   differently from the update's (margins 4.6e-3 apart at beta 0.1 on a 0.5B, docs/gpu.md). With
+   --lora the reference is the policy itself with its adapters off (no copy; TRL's peft reference),
+   precomputed or live (tests/test_lora.py).
 3. The loss is the mean over the pairs of the global batch (all micro-batches, all ranks), so
    gradient accumulation does not change the gradient (common.py's rule 1).
 4. IPO uses summed sequence log-probs, like the other loss types (TRL's ipo averages over tokens).
@@ -227,6 +229,20 @@ def all_pair_logps(model, pairs, pad_id, d, batch_size):
         return common.map_rows(logps, len(pairs[0]), d, batch_size, logits_per_row=data.pair_logits(pairs, model))
 
 
+def reference_logps(ref, cfg, train_pairs, test_pairs, pad_id, d):
+    """The reference's log-probs (N, 2) of the held-out pairs and, with --precompute_ref, of the train
+    pairs, after which the reference is not kept: (the reference kept live or None, the train pairs',
+    the held-out pairs'). ref: a frozen model, or the LoRA policy, its adapters off (models.as_reference)."""
+    with models.as_reference(ref):
+        ref_test = all_pair_logps(ref, test_pairs, pad_id, d, cfg.eval_batch_size)  # (N_eval, 2)
+        if not cfg.precompute_ref:
+            return ref, None, ref_test
+        t0 = time.time()
+        ref_train = all_pair_logps(ref, train_pairs, pad_id, d, cfg.eval_batch_size)  # (N, 2)
+    common.print0(f"reference log-probs of {len(train_pairs[0])} train pairs in {time.time() - t0:.1f}s")
+    return None, ref_train, ref_test
+
+
 # -----------------------------------------------------------------------------
 
 
@@ -266,28 +282,26 @@ def main(cfg):
         if (cfg.eval_dataset or cfg.dataset) in tasks.TASKS else None  # the embedded task's gold reward
 
     # -------------------------------------------------------------------------
-    # 1. the reference: log-probs of every train and eval pair once, or a live frozen model
-    ref = ref_train = None
+    # 1. the reference: log-probs of every train and eval pair once, or a live frozen model; with --lora (and
+    #    no --ref_model) the policy itself with its adapters off, so after the policy loads
+    own = cfg.lora and not cfg.ref_model and cfg.loss_type != "simpo"  # LoRA's reference: the policy, adapters off
     if cfg.loss_type == "simpo":  # reference-free: no reference model is loaded
-        ref_test, ref_train = (torch.zeros(len(x), 2, device=d.device) for x in (test, train))
-    else:
+        ref, ref_test, ref_train = None, *(torch.zeros(len(x), 2, device=d.device) for x in (test, train))
+    elif not own:
         common.set_seed(cfg.seed)  # `--model tiny` builds random weights: the policy must start equal to its reference
         ref = models.load_frozen(cfg.ref_model or cfg.model, tokenizer, d, trust_remote_code=cfg.trust_remote_code,
                                  cpu_offload=cfg.offload_frozen)
         models.check_context(ref, cfg.max_prompt_len, cfg.max_response_len)
-        ref_test = all_pair_logps(ref, test_pairs, tokenizer.pad_token_id, d, cfg.eval_batch_size)  # (N_eval, 2)
-        if cfg.precompute_ref:
-            t_ref = time.time()
-            ref_train = all_pair_logps(ref, train_pairs, tokenizer.pad_token_id, d, cfg.eval_batch_size)  # (N, 2)
-            ref = None  # freed
-            common.print0(f"reference log-probs of {len(train)} train pairs in {time.time() - t_ref:.1f}s")
+        ref, ref_train, ref_test = reference_logps(ref, cfg, train_pairs, test_pairs, tokenizer.pad_token_id, d=d)
     common.set_seed(cfg.seed)
     _, model = models.load_policy(cfg.model, cfg, d, response_len=cfg.max_response_len)
+    if own:
+        ref, ref_train, ref_test = reference_logps(model, cfg, train_pairs, test_pairs, tokenizer.pad_token_id, d=d)
     fast = speed.choose(cfg, d, job.choices, model, data.pair_batch(train_pairs, range(micro), tokenizer.pad_token_id,
                                                                     d.device), models_=[ref])  # auto: per device
     optimizer, scheduler = common.make_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps,
                                                  cfg.steps)
-    common.print0(f"dpo: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {len(train)} train pairs, "
+    common.print0(f"dpo: {models.parameters(model)}, {len(train)} train pairs, "
                   f"{len(test)} eval pairs, world size {d.world_size}{logs.layout(d)}, micro-batch {micro} pairs x "
                   f"{cfg.grad_accum}, {'live' if ref else 'no' if cfg.loss_type == 'simpo' else 'precomputed'} reference")
     knobs = dict(beta=cfg.beta, loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing,
@@ -311,8 +325,9 @@ def main(cfg):
             pi_c, pi_r = shared_prompt.sequence_logprobs(model, batch, d, *layout).chunk(2)  # (micro,) x 2
             if ref is None:  # precomputed (or simpo's zeros)
                 ref_c, ref_r = ref_train[mb].unbind(1)
-            else:  # frozen (common.freeze): no parameter needs a gradient, no graph is kept
-                ref_c, ref_r = shared_prompt.sequence_logprobs(ref, batch, d, *layout).chunk(2)
+            else:  # frozen, or --lora's policy with its adapters off: no gradient, no graph kept
+                with models.as_reference(ref):
+                    ref_c, ref_r = shared_prompt.sequence_logprobs(ref, batch, d, *layout).chunk(2)
             loss, m = dpo_loss(pi_c, pi_r, ref_c, ref_r, n_pairs=cfg.batch_size, lengths=train_len[mb].unbind(1),
                                same=same[mb], **knobs)
             common.backward(model, loss, d, sync=k == cfg.grad_accum - 1)

@@ -3,9 +3,10 @@ prompts, rendered with the chat template and each with its rule, their order, th
 reward model, on-policy distillation's teacher and the tool a policy may call. Each step: the
 rollout (rollout: prompts -> completions, drawn by the sampler with the random numbers of the
 global batch) and what scores its completions (score: each row's rule, the reward model). Beside
-them the reference policy (LoRA's adapters switched off, or a frozen copy refreshed under FSDP2)
+them the reference policy (LoRA's adapters switched off, or a frozen copy refreshed under FSDP2; none at beta 0)
 and the held-out evaluation (greedy answers, the implicit reward's pairwise accuracy)."""
 import contextlib
+import copy
 import dataclasses
 import math
 import os
@@ -87,7 +88,7 @@ def grpo_evals(cfg, tokenizer, rules=False, fns=()):
     """What grpo.py evaluates on: an embedded task's held-out prompts (rendered, and as given), the
     held-out prompts of --eval_dataset or of a local file's hash split (`prompts`: their rendered
     columns, as given, their rows), and held-out preference pairs (--eval_pairs, or the task's own)
-    encoded; None where there are none."""
+    encoded (not without a reference, at --beta 0: nothing to score them with); None where there are none."""
     embedded = cfg.dataset in tasks.TASKS
     held_out = pairs = gold_pairs = prompts = None
     if embedded:
@@ -98,7 +99,7 @@ def grpo_evals(cfg, tokenizer, rules=False, fns=()):
         source = cfg.eval_dataset or cfg.dataset
         prompts = {"rows": data.render_chat(test, tokenizer, source)[0][:], "own": test["prompt"][:],
                    "numbers": numbers, "source": source}
-    if cfg.eval_pairs or (embedded and "preference" in tasks.TASKS[cfg.dataset]):
+    if (cfg.beta or cfg.reference) and (cfg.eval_pairs or (embedded and "preference" in tasks.TASKS[cfg.dataset])):
         rows = data.load_pairs(cfg.eval_pairs or cfg.dataset, cfg.eval_pairs_split if cfg.eval_pairs else "test",
                                cfg.n_eval_pairs, cfg.seed)
         rows, chat = data.render_chat(rows.select(range(min(cfg.n_eval_pairs, len(rows)))), tokenizer,
@@ -417,9 +418,22 @@ def evaluate_rewards(model, env, held, cfg, d):
 # the reference policy and the held-out evaluation
 
 
+def reference(model, cfg, d):
+    """The reference policy, before the policy is sharded: the policy itself when it has LoRA adapters
+    (reference_context switches them off), else a frozen copy of it; None at --beta 0 without
+    --reference (TRL's default), where the loss needs none: none is loaded, and the run says what it
+    leaves out."""
+    if not (cfg.beta or cfg.reference):
+        common.print0("--beta 0: no KL term, so no reference model is loaded (TRL's default); no `kl` metric and no "
+                      "eval/accuracy of beta log(pi / pi_ref) (--reference loads one for them)")
+        return None
+    return model if hasattr(model, "peft_config") else common.freeze(copy.deepcopy(model), d,
+                                                                      cpu_offload=cfg.offload_frozen)
+
+
 def reference_context(model, ref):
-    """Run the reference: the frozen copy, or the LoRA model with its adapters disabled."""
-    return model.disable_adapter() if ref is None else contextlib.nullcontext()
+    """Run the reference: a frozen copy as it is, the LoRA policy (ref is model) with its adapters off."""
+    return models.as_reference(model) if ref is model else contextlib.nullcontext()
 
 
 @torch.no_grad()
@@ -443,7 +457,7 @@ def pairwise_accuracy(model, ref, pairs, pad_id, d, batch_size):
         batch = data.pair_batch(pairs, rows, pad_id, d.device)
         pi = common.sequence_logprobs(model, batch, d)
         with reference_context(model, ref):
-            pi_ref = common.sequence_logprobs(model if ref is None else ref, batch, d)
+            pi_ref = common.sequence_logprobs(ref, batch, d)
         return torch.stack((pi - pi_ref).chunk(2), 1)
 
     with common.evaluating(model):

@@ -41,7 +41,6 @@ Run:
     torchrun --nproc_per_node 8 grpo.py --model runs/sft-gpt2 --dataset trl-lib/tldr \\
         --reward_model runs/rm-gpt2 --max_prompt_len 384 --max_new_tokens 56 --lr 1e-6
 """
-import copy
 import functools
 import math
 from dataclasses import dataclass
@@ -70,10 +69,14 @@ KL_ESTIMATORS, LOSS_AGGS, LOSS_TYPES, IS_LEVELS, ADV_ESTIMATORS, IS_MODES = map(
 
 @dataclass
 class Config(cli.SharedConfig):
-    # the values of the flags left unset (cli.fill_defaults): the embedded task's, or TRL 1.16's GRPOConfig
-    # (lr 1e-6, 512 prompt tokens, 256 completion tokens)
-    DEFAULTS: ClassVar[dict] = {"embedded": dict(lr=1e-4, max_prompt_len=64, max_new_tokens=24),
-                                "trl": dict(lr=1e-6, max_prompt_len=512, max_new_tokens=256)}
+    # the values of the flags left unset (cli.fill_defaults): the embedded task's, its results' own, or TRL 1.16's
+    # GRPOConfig (lr 1e-6, 512 prompt and 256 completion tokens, beta 0, epsilon 0.2, one pass of one mini-batch)
+    LORA_RESUMES: ClassVar[bool] = False  # --lora's checkpoint holds merged weights (conflicts.grpo, cli.check_saves)
+    DEFAULTS: ClassVar[dict] = {
+        "embedded": dict(lr=1e-4, max_prompt_len=64, max_new_tokens=24, beta=0.04, epsilon_high=0.28, num_iterations=2,
+                         num_mini_batches=2, reference=True),
+        "trl": dict(lr=1e-6, max_prompt_len=512, max_new_tokens=256, beta=0.0, epsilon_high=0.2, num_iterations=1,
+                    num_mini_batches=1, reference=False)}
     # --- model and data ---
     model: str = "runs/sft"
     """the policy to start from: a checkpoint folder (runs/sft), a hub id, `tiny`, `smollm2` or path/to/model.gguf"""
@@ -175,16 +178,21 @@ class Config(cli.SharedConfig):
     """then normalise advantages to mean 0, std 1 over the whole batch on all ranks"""
     epsilon_low: float = 0.2
     """clip rho below at 1 - epsilon_low [0, 1)"""
-    epsilon_high: float = 0.28
-    """clip rho above at 1 + epsilon_high (DAPO clip-higher); with --loss_type cispo the IS weight's cap itself, as
-    in TRL (which suggests 5; MiniMax-M1 and verl write the cap as 1 + eps_high) (TRL's name) [>= 0]"""
+    epsilon_high: float | None = None
+    """clip rho above at 1 + epsilon_high: 0.28 on the embedded task, DAPO's clip-higher (arXiv:2503.14476), with
+    which its results were made (docs/results.md); TRL's default for a model of your own, --epsilon_low's 0.2 (a
+    symmetric clip). With --loss_type cispo the IS weight's cap itself, as in TRL (which suggests 5; MiniMax-M1 and
+    verl write the cap as 1 + eps_high) (TRL's name) [>= 0]"""
     loss_type: LossType = "grpo"
-    """the policy term (TRL's values): grpo (PPO's clipped surrogate), cispo (the clipped IS weight, without
-    gradient, times every token's REINFORCE term: arXiv:2506.13585), sapo (a soft gate instead of the clip:
-    arXiv:2511.20347); or (verl's values) dppo_tv, dppo_kl (DPPO, arXiv:2602.04879: a token whose probability
-    moved past --epsilon_low / --epsilon_high in the advantage's direction, by their difference (TV) or the binary
-    KL, gets no gradient; verl's recipe: 0.15 for TV, 0.05 for KL; prime-rl's default loss); how it is averaged is
-    --loss_agg"""
+    """the policy term: grpo (PPO's clipped surrogate), cispo (the clipped IS weight, without gradient, times every
+    token's REINFORCE term: arXiv:2506.13585), sapo (a soft gate instead of the clip: arXiv:2511.20347); or (verl's
+    values) dppo_tv, dppo_kl (DPPO, arXiv:2602.04879: a token whose probability moved past --epsilon_low /
+    --epsilon_high in the advantage's direction, by their difference (TV) or the binary KL, gets no gradient; verl's
+    recipe: 0.15 for TV, 0.05 for KL; prime-rl's default loss). How it is averaged is --loss_agg. TRL's loss_type
+    names both: its dapo (its default) and dr_grpo are PPO's term averaged as --loss_agg token_mean and constant,
+    and are taken for those; its grpo averages per sequence (--loss_agg seq_mean_token_mean), as its sapo does; its
+    cispo is ours at --loss_agg token_mean; its bnpo, luspo and vespo have no exact equal here and are refused,
+    saying what is nearest"""
     importance_sampling_level: IsLevel = "token"
     """rho per token (PPO), per sequence (GSPO, arXiv:2507.18071: exp of the mean token log-ratio, one per sequence;
     GSPO clips at 3e-4 / 4e-4) (TRL's name and values), or sequence_token (GSPO-token: the sequence's value, each
@@ -224,8 +232,11 @@ class Config(cli.SharedConfig):
     """the ratio's upper bound C_max (none: unbounded) (TRL's name and default) [> 0]"""
     vllm_importance_sampling_clip_min: float | None = None
     """the ratio's lower bound C_min (none: unbounded, TRL's default) (TRL's name) [>= 0]"""
-    beta: float = 0.04
-    """KL coefficient [>= 0]"""
+    beta: float | None = None
+    """the KL penalty's coefficient against the reference policy (GRPO Eq. 3): 0.04 on the embedded task,
+    DeepSeekMath's value, with which its results were made; TRL's default for a model of your own, 0: then, as in
+    TRL, no reference model is loaded (less memory, no reference pass; --reference loads one), and the run logs no
+    `kl` and no eval/accuracy of beta log(pi / pi_ref) [>= 0]"""
     kl_estimator: KlEstimator = "k3"
     """k1, k2, k3, ratio_k1 or ratio_k3 (GRPO Eq. 4 is k3)"""
     kl_in_reward: bool = False
@@ -233,23 +244,25 @@ class Config(cli.SharedConfig):
     entropy_coef: float = 0.0
     """entropy bonus coefficient [>= 0]"""
     loss_agg: LossAgg = "token_mean"
-    """token_mean, seq_mean_token_mean, or constant (divide by max_new_tokens x sequences; Dr. GRPO)"""
-    # --- reference and LoRA ---
+    """how the per-token terms are averaged, over the global mini-batch: token_mean (over its tokens; TRL's dapo, its
+    default), seq_mean_token_mean (each sequence's token mean, averaged over sequences: TRL's grpo and sapo) or
+    constant (the sum over max_new_tokens x sequences: Dr. GRPO, TRL's dr_grpo)"""
+    # --- reference ---
+    reference: bool | None = None
+    """load the reference policy at --beta 0 too, for the `kl` metric and eval/accuracy (at --beta > 0 one always
+    is): on by default on the embedded task, whose KL study measures a run without a KL term; off for a model of
+    your own, as TRL loads none at beta 0"""
     ref_refresh_every: int = 0
     """copy the policy into the reference every this many steps (0: never) [>= 0]"""
-    lora: bool = False
-    """train LoRA adapters (peft); the reference is the same network with adapters disabled"""
-    lora_r: int = 16
-    """LoRA rank [>= 1]"""
-    lora_alpha: float = 32.0
-    """LoRA scale numerator (scale = alpha / r) [> 0]"""
     # --- optimisation ---
     steps: int = 20
     """rollouts (each followed by num_iterations x num_mini_batches optimizer steps) [>= 1]"""
-    num_iterations: int = 2
-    """mu: optimisation passes over each rollout [>= 1]"""
-    num_mini_batches: int = 2
-    """optimizer steps per pass (the rollout split into this many mini-batches) [>= 1]"""
+    num_iterations: int | None = None
+    """mu: optimisation passes over each rollout: 2 on the embedded task (GRPO's mu > 1: each rollout reused), with
+    which its results were made; TRL's default for a model of your own, 1 [>= 1]"""
+    num_mini_batches: int | None = None
+    """optimizer steps per pass (the rollout split into this many mini-batches): 2 on the embedded task, with which
+    its results were made; TRL's default for a model of your own, 1 (one optimizer step a rollout) [>= 1]"""
     grad_accum: int = 1
     """micro-batches per mini-batch on each rank [>= 1]"""
     shared_prompt: bool | Literal["auto"] = "auto"
@@ -606,8 +619,9 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, normaliser, epsilon
               pg_weights=None):
     """Policy term + beta * KL - entropy_coef * entropy, aggregated (GRPO Eq. 3, DAPO Eq. 10).
 
-    logps, old_logps, ref_logps, mask, entropy: (B, T); advantages: (B,); normaliser: the global
-    mini-batch's (loss_normaliser); pg_weights: (B, T) or (B, 1) weights of the policy term alone
+    logps, old_logps, ref_logps, mask, entropy: (B, T) (ref_logps None: no reference, beta 0, no KL
+    metrics); advantages: (B,); normaliser: the global mini-batch's (loss_normaliser); pg_weights: (B, T)
+    or (B, 1) weights of the policy term alone
     (masks, truncated IS). Returns (loss, metrics); token metrics are divided by n_tokens, the
     global mini-batch's tokens (None: this micro-batch's), so they add up like the loss."""
     A = advantages[:, None] if advantages.dim() == 1 else advantages  # (B, 1): one per sequence; (B, T): per token
@@ -615,7 +629,7 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, normaliser, epsilon
     pg = policy_loss(rho, logps, A, loss_type=loss_type, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
                      clip_ratio_c=clip_ratio_c, sapo_temperatures=sapo_temperatures, old_logps=old_logps)
     loss = aggregate(pg if pg_weights is None else pg * pg_weights, mask, agg, normaliser)
-    kl = kl_per_token(logps, ref_logps, old_logps, kl_estimator)
+    kl = None if ref_logps is None else kl_per_token(logps, ref_logps, old_logps, kl_estimator)  # None: no reference
     if beta != 0:
         loss = loss + beta * aggregate(kl, mask, agg, normaliser)
     if entropy_coef != 0:
@@ -629,8 +643,10 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, normaliser, epsilon
     low, high = (rho < 1 - epsilon_low, rho > 1 + epsilon_high)  # DPPO: the tokens its trust region masks
     if loss_type in ("dppo_tv", "dppo_kl"):
         low = high = dppo_mask(logps, old_logps, A, loss_type, delta_low=epsilon_low, delta_high=epsilon_high) == 0
-    metrics = {"loss": loss.detach(), "kl": mean(kl_per_token(logps, ref_logps, old_logps, "k3")), "kl/optimized": mean(kl),
-               "clip_ratio/low": mean(low & (A < 0)), "clip_ratio/high": mean(high & (A > 0))}
+    metrics = {"loss": loss.detach()}
+    if kl is not None:
+        metrics |= {"kl": mean(kl_per_token(logps, ref_logps, old_logps, "k3")), "kl/optimized": mean(kl)}
+    metrics |= {"clip_ratio/low": mean(low & (A < 0)), "clip_ratio/high": mean(high & (A > 0))}
     if clip_ratio_c:
         metrics["clip_ratio/dual"] = mean((rho > clip_ratio_c) & (A < 0))
     if entropy is not None:
@@ -706,11 +722,8 @@ def main(cfg):
     job = rundir.Run(cfg, d, model_flags=["model", "reward_model", "teacher"])  # out_dir checked, locked; nothing written
     tokenizer, model = models.load_policy(cfg.model, cfg, d, response_len=cfg.max_new_tokens,
                                           response_flag="--max_new_tokens", shard=False)
-    ref = None  # with --lora: the policy with its adapters disabled
-    if cfg.lora:
-        model = models.add_lora(model, cfg.lora_r, cfg.lora_alpha)
-    else:  # the starting policy (with --ref_refresh_every, a resumed run's last refresh: below)
-        ref = common.freeze(copy.deepcopy(model), d, cpu_offload=cfg.offload_frozen)
+    model = models.with_lora(model, cfg)  # --lora's adapters
+    ref = environment.reference(model, cfg, d)  # the starting policy (a resumed run's last refresh: below); none at beta 0
     model = common.shard_model(model, d, activation_checkpointing=cfg.activation_checkpointing)
     env = environment.make_env(cfg, d, prompts=train, order=order, tokenizer=tokenizer, model=model, weights=weights,
                                rows=rows, fns=fns)
@@ -770,8 +783,8 @@ def main(cfg):
         lp = dict(**environment.scoring(cfg), plan=plan, d=d)  # the log-prob passes' knobs
         old_logps = keep = None  # keep: the tokens that get the policy gradient (--top_entropy_share)
         with environment.frozen_in_bf16(model, d):
-            with environment.reference_context(model, ref):
-                ref_logps = shared_prompt.planned_logprobs(model if ref is None else ref, ids, attn, R, **lp)  # (rows, R)
+            with environment.reference_context(model, ref):  # (rows_local, R); none without a reference (beta 0)
+                ref_logps = None if ref is None else shared_prompt.planned_logprobs(ref, ids, attn, R, **lp)
             if cfg.top_entropy_share < 1:
                 old_logps, entropy = shared_prompt.planned_logprobs(model, ids, attn, R, **lp, with_entropy=True)
                 keep = top_entropy_mask(entropy, loss_mask, cfg.top_entropy_share, d, cfg.max_new_tokens)
@@ -814,8 +827,9 @@ def main(cfg):
                     old = logps.detach() if old_logps is None else old_logps[r]
                     w, w_metrics = policy_weights(cfg, logps, old, roll.r_logps[r], adv[r], mask=mask,  # masks, IS
                                                   keep=None if keep is None else keep[r], n_tokens=n_tokens)
-                    loss, m = grpo_loss(logps, old, ref_logps[r], adv[r], mask, normaliser=normaliser,
-                                        entropy=entropy.float(), n_tokens=n_tokens, pg_weights=w, **loss_knobs)
+                    loss, m = grpo_loss(logps, old, None if ref is None else ref_logps[r], adv[r], mask,
+                                        normaliser=normaliser, entropy=entropy.float(), n_tokens=n_tokens, pg_weights=w,
+                                        **loss_knobs)
                     m |= w_metrics
                     if it == 0:  # the sampler's log-probs against the trainer's, once per token
                         gap = (old - roll.r_logps[r]).abs() * mask

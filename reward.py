@@ -22,6 +22,8 @@ Deliberate choices and departures:
    std 1, stored as reward_gain / reward_bias in the model config (Ziegler et al. 2019,
    arXiv:1909.08593, whose code normalises after training the same way): GRPO's KL coefficient
    and advantages then see rewards of a known scale. Pairwise accuracy does not change (gain > 0).
+6. `--lora`: adapters on the frozen model, its new score head trained whole beside them (peft's
+   SEQ_CLS task, as TRL's reward trainer); the export merges them (tests/test_lora.py).
 
 Run:
     python reward.py                                  # tiny GPT-2 from runs/sft on the embedded sort task, CPU
@@ -206,7 +208,7 @@ def main(cfg):
     gold_pairs = test if (cfg.eval_dataset or cfg.dataset) in tasks.TASKS else None  # the embedded task's noise
     optimizer, scheduler = common.make_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps,
                                                  cfg.steps)
-    common.print0(f"reward: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {len(train)} train pairs, "
+    common.print0(f"reward: {models.parameters(model)}, {len(train)} train pairs, "
                   f"{len(test)} eval pairs, world size {d.world_size}{logs.layout(d)}, micro-batch {micro} pairs x "
                   f"{cfg.grad_accum}")
     start = job.begin(model, tokenizer, optimizer, scheduler, order)  # restores a resumed run's state

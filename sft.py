@@ -19,6 +19,7 @@ Run:
     torchrun --nproc_per_node 2 sft.py               # the same on 2 processes (FSDP2)
     torchrun --nproc_per_node 8 sft.py --model gpt2 --dataset trl-lib/tldr --max_prompt_len 384 \\
         --max_response_len 56 --steps 2000 --batch_size 64 --lr 5e-5 --out_dir runs/sft-gpt2
+    python sft.py --model smollm2 --dataset my.jsonl --lora --lr 2e-4 --out_dir runs/sft-lora  # adapters, merged on export
 """
 import time
 from dataclasses import dataclass
@@ -208,7 +209,7 @@ def main(cfg):
                 tasks.test_prompts(cfg.n_eval, cfg.seed) if (cfg.eval_dataset or cfg.dataset) in tasks.TASKS else [])
     optimizer, scheduler = common.make_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps,
                                                  cfg.steps)
-    common.print0(f"sft: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {len(train)} train "
+    common.print0(f"sft: {models.parameters(model)}, {len(train)} train "
                   f"rows, world size {d.world_size}{logs.layout(d)}, micro-batch {micro} x {cfg.grad_accum} accumulation")
     start = job.begin(model, tokenizer, optimizer, scheduler, order)  # restores a resumed run's state
     if start == 1:

@@ -9,8 +9,8 @@ script's own flags (its Config's defaults unless given).
     python bench/memory.py --validate   # the CPU model against the peaks measured here (bench/results)
 
 On a GPU (bytes per GPU; N parameters, W ranks under torchrun, bf16 compute), per phase:
-- always: fp32 parameters 4N/W and AdamW's moments 8N/W (--lora, under `python` only: the frozen
-  base 4N, and the adapters' parameters, gradients and moments alone); frozen models (the
+- always: fp32 parameters 4N/W and AdamW's moments 8N/W (--lora: the frozen base 4N/W, and the
+  adapters' parameters, gradients and moments alone; no reference copy); frozen models (the
   reference, the reward model, grpo.py's --teacher, of the policy's shape) in bf16, 2N/W, under
   torchrun (none on the GPU with --offload_frozen), fp32 4N under `python`; GRPO's --compile: the
   static KV cache kept from one rollout to the next, and under `python` the bf16 copies of the
@@ -25,7 +25,8 @@ On a GPU (bytes per GPU; N parameters, W ranks under torchrun, bf16 compute), pe
   gradients (--grad_accum > 1), the activations each op keeps for its backward per token and
   layer (gated MLP: 24 h + 8 I bytes under FSDP, 34 h + 8 I under autocast, whose residual stream
   and norms are fp32 and whose linears each cast their input; GPT-2's Python GELU: 16 h + 10 I,
-  20 h + 10 I; LoRA: -6 h gated, +2 h GPT-2, and its adapters' r-wide outputs; plus flash
+  20 h + 10 I; LoRA: -6 h gated, +2 h GPT-2, and its adapters' r-wide outputs, and in a block's
+  backward their own gradients, 8 I a token (4 I under FSDP; fitted): reward.py's peak; plus flash
   attention's log-sum-exp and the padding mask as a bf16 bias), and the fp32 logits of the R
   response positions with their gradient (and log_softmax's output where
   common.logprobs_from_logits takes that path; GRPO: at the forward's end, the entropy's three
@@ -104,7 +105,7 @@ def n_params(s):
 
 def parts(s, script, world=1, launcher="torchrun", device="gpu", seqs=4, prompt_len=512, response_len=512,
           rollout_rows=64, ac=False, offload_frozen=False, lora=False, precompute_ref=True, reward_model=True,
-          generation_rows=0):
+          generation_rows=0, reference=True):
     """Bytes per device of each phase's parts, {phase: {part: bytes}}. seqs: sequences of one
     micro-batch (DPO and the reward model: pairs, two sequences each); rollout_rows: GRPO's
     completions per rank in one rollout; generation_rows: the rows of one call of its sampler (0:
@@ -116,8 +117,8 @@ def parts(s, script, world=1, launcher="torchrun", device="gpu", seqs=4, prompt_
     kv = s["kv_heads"] * s["h"] // s["heads"]
     S, R = prompt_len + response_len, response_len
     parts = {}
-    if lora:  # frozen fp32 base under `python` (grpo.py refuses --lora under torchrun); adapters are small
-        parts["parameters"] = 4 * N
+    if lora:  # the frozen fp32 base (sharded under torchrun); the adapters are small
+        parts["parameters"] = 4 * N / W
     else:
         parts["parameters"] = 4 * N / W
         parts["gradients"] = 4 * N / W
@@ -126,7 +127,7 @@ def parts(s, script, world=1, launcher="torchrun", device="gpu", seqs=4, prompt_
         # the root, 2 blocks and a block's unsharded gradients, in bf16 on a GPU (fp32 on the CPU)
         parts["gathered (FSDP)"] = e * (n_root + 3 * n_block)
     frozen_bytes = 0 if offload_frozen else (2 * N / W if fsdp and device == "gpu" else 4 * N / W)
-    if script == "dpo" and not precompute_ref or script == "grpo" and not lora:
+    if not lora and (script == "dpo" and not precompute_ref or script == "grpo" and reference):  # LoRA's: adapters off
         parts["reference"] = frozen_bytes
     if script == "grpo" and reward_model:
         parts["reward model"] = frozen_bytes
@@ -158,7 +159,8 @@ def parts(s, script, world=1, launcher="torchrun", device="gpu", seqs=4, prompt_
 
 
 def lora_params(s, r=16):
-    """LoRA's adapter parameters (models.add_lora: every linear of every block, r x (in + out) each)."""
+    """LoRA's adapter parameters (models.add_lora, all-linear: every linear of every block, r x (in + out)
+    each; reward.py's score head, trained whole beside them, is h more: left out)."""
     kv = s["kv_heads"] * s["h"] // s["heads"]
     h, I = s["h"], s["I"]
     # q, k, v, o, gate, up, down; GPT-2: c_attn, c_proj, c_fc, c_proj
@@ -168,7 +170,8 @@ def lora_params(s, r=16):
 
 def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, response_len=512, rollout_rows=64,
               prompts=8, grad_accum=1, ac=False, offload_frozen=False, lora=False, lora_r=16, precompute_ref=True,
-              reward_model=True, teacher=False, compile=False, tools=0, generation_rows=0, shared=(0, 0)):
+              reward_model=True, teacher=False, compile=False, tools=0, generation_rows=0, shared=(0, 0), reference=True,
+              old_pass=True):
     """Bytes per GPU of each phase's parts, {phase: {part: bytes}}, bf16 compute (FSDP2's
     MixedPrecisionPolicy under torchrun, autocast under `python`). seqs: sequences of one
     micro-batch (DPO and the reward model: both sequences of each pair); rollout_rows: GRPO's
@@ -176,7 +179,9 @@ def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, r
     generation_rows: the rows of one call of its sampler (0: all rollout_rows), a chunk of
     consecutive rows whose groups are contiguous; tools: the calls a row may make (--max_tool_calls
     with --tools; 0: no tool); shared: the distinct prompts of a micro-batch of the update (DPO: of its
-    forward) and of one of GRPO's reference pass where shared_prompt computes each once (0: it does not)."""
+    forward) and of one of GRPO's reference pass where shared_prompt computes each once (0: it does not).
+    reference: GRPO loads a reference and makes its pass (beta > 0, or --reference; TRL's beta 0: none);
+    old_pass: GRPO makes the old policy's pass (several updates a rollout, or a teacher)."""
     N, n_block, n_root = n_params(s)
     fsdp = launcher == "torchrun"
     W = world if fsdp else 1
@@ -187,11 +192,12 @@ def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, r
     kv = s["kv_heads"] * h // s["heads"]
     S, R = prompt_len + response_len, response_len
     linear = 2 * h * h + 2 * h * kv + (3 if s["gated"] else 2) * h * I  # a block's linear weights
-    # LoRA (`python` only): the base frozen in fp32; gradients and AdamW's moments of the adapters alone
-    trained = lora_params(s, lora_r) if lora else N / W
-    state = {"parameters": 4 * N + 4 * trained if lora else 4 * N / W, "optimizer": 8 * trained}
+    # LoRA: the base frozen in fp32, sharded under torchrun as the model it is; gradients and AdamW's moments of
+    # the adapters alone; dpo.py's and grpo.py's reference is the policy with its adapters off: no copy
+    trained = (lora_params(s, lora_r) if lora else N) / W
+    state = {"parameters": 4 * N / W + (4 * trained if lora else 0), "optimizer": 8 * trained}
     frozen = 0 if offload_frozen and fsdp else 2 * N / W if fsdp else 4 * N
-    if script == "dpo" and not precompute_ref or script == "grpo" and not lora:
+    if not lora and (script == "dpo" and not precompute_ref or script == "grpo" and reference):
         state["reference"] = frozen
     if script == "grpo" and reward_model:
         state["reward model"] = frozen * (N - head) / N
@@ -259,15 +265,24 @@ def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, r
                                  + seqs * R * per_token_layer + seqs * prompt_len * 4 * h)
     elif not ac:
         fb["activations"] = tokens * L * per_token_layer
+    # LoRA, inside a block's backward (the logits freed): each adapter's own gradients beside the frozen path's, the
+    # scaled output's and the second input's, two of the MLP's I-wide a token (fitted to the tracker: 7.5-8.6 I bytes
+    # under autocast on the three shapes); the peak of reward.py, which has no logits to free first
+    adapters = (4 if fsdp else 8) * I * tokens if lora else 0
     if not ac:
         start, end = dict(head, logits=logits), {"logits": logits_end}
+        block = {"adapters' gradients (a block's backward)": adapters}
+        if script == "dpo" and not precompute_ref and shared[0]:  # a live reference's forward after the policy's (its
+            # activations and logits kept): with shared prompts every layer's keys and values of the rows live until
+            # its logits are made (the 2 logits above: the policy's kept, the reference's)
+            start["live reference's cache"] = seqs * S * L * kv_bytes
     else:  # each block's input (bf16 under FSDP, fp32 under autocast), then the largest of: the logits and
         # their gradient (the backward's start), one block recomputed, autocast's copies (the forward's end)
         fb.pop("autocast copies", None)
         fb["activations"] = tokens * (2 if fsdp else 4) * h * L
-        start = dict(head, **{"largest transient": max(logits, tokens * per_token_layer)})
-        end = {"largest transient": logits_end + no_grad_weights.get("autocast copies", 0)}
-    fb.update(max(start, end, key=lambda parts: sum(parts.values())))
+        start = dict(head, **{"largest transient": max(logits, tokens * per_token_layer + adapters)})
+        end, block = {"largest transient": logits_end + no_grad_weights.get("autocast copies", 0)}, {}
+    fb.update(max(start, end, block, key=lambda parts: sum(parts.values())))
     phases = {"forward and backward": fb}
     phases["optimizer step"] = dict(state_kept, gradients=4 * trained)
     if script != "grpo":
@@ -299,9 +314,10 @@ def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, r
     rows = seqs  # one micro-batch of logits at a time, + log_softmax's
     ref = dict(state_kept, **no_grad_weights)  # the reference's, then the policy's (autocast caches the policy's only)
     ref["logits"] = 4 * rows * R * V + (4 * rows * R * V if rows * R * V <= 2**28 else 2 * 4 * 2**26)
-    if shared[1]:  # shared_prompt: the logits made while every layer's cache of the micro-batch's rows is alive
+    if shared[1] and reference:  # shared_prompt: the reference's logits made while every layer's cache of its rows is alive
         ref["logits"] = max(ref["logits"], 4 * rows * R * V + rows * S * L * kv_bytes)
-    phases["reference and old log-probs"] = ref
+    if reference or old_pass:  # neither pass at beta 0 with one update a rollout (TRL's defaults)
+        phases["reference and old log-probs"] = ref
     if teacher:  # frozen: under autocast each op casts a weight anew, none cached
         phases["teacher log-probs"] = dict(state_kept, **(weights if fsdp else {}), logits=ref["logits"])
     return phases
@@ -397,9 +413,9 @@ def estimate(s, script, world=1, launcher="torchrun", device="gpu", ac=False, of
         prompts, rollout_rows, generation_rows = 0, 0, 0
         seqs, R = cfg.batch_size // W // cfg.grad_accum, cfg.max_response_len
     knobs = dict(seqs=seqs, prompt_len=cfg.max_prompt_len, response_len=R, rollout_rows=rollout_rows,
-                 generation_rows=generation_rows, ac=ac,
-                 offload_frozen=offload_frozen, lora=getattr(cfg, "lora", False),
-                 precompute_ref=getattr(cfg, "precompute_ref", True), reward_model=bool(getattr(cfg, "reward_model", "")))
+                 generation_rows=generation_rows, ac=ac, offload_frozen=offload_frozen, lora=cfg.lora,
+                 precompute_ref=getattr(cfg, "precompute_ref", True), reward_model=bool(getattr(cfg, "reward_model", "")),
+                 reference=script == "grpo" and bool(cfg.beta or cfg.reference))
     if device == "cpu":  # the CPU model counts pairs; the GPU model sequences (both of each pair)
         return parts(s, script, world, launcher, device, **knobs)
     knobs["seqs"] *= 2 if script in ("dpo", "reward") else 1
@@ -410,8 +426,9 @@ def estimate(s, script, world=1, launcher="torchrun", device="gpu", ac=False, of
         dealt = max(1, cfg.group_size // cfg.num_mini_batches) if script == "grpo" else 2
         U = [-(-seqs // dealt), -(-seqs // cfg.group_size) if script == "grpo" else 0]
         knobs["shared"] = tuple(u if u < seqs * (1 + (script == "dpo")) else 0 for u in U)
-    return gpu_parts(s, script, world, launcher, grad_accum=cfg.grad_accum, prompts=prompts,
-                     lora_r=getattr(cfg, "lora_r", 16), teacher=bool(getattr(cfg, "teacher", "")),
+    old_pass = script == "grpo" and (cfg.num_iterations > 1 or cfg.num_mini_batches > 1 or bool(cfg.teacher))
+    return gpu_parts(s, script, world, launcher, grad_accum=cfg.grad_accum, prompts=prompts, old_pass=old_pass,
+                     lora_r=cfg.lora_r, teacher=bool(getattr(cfg, "teacher", "")),
                      compile=getattr(cfg, "compile", False), tools=cfg.max_tool_calls if getattr(cfg, "tools", "") else 0,
                      **knobs)
 
@@ -472,8 +489,6 @@ FLAG_NAMES = {"ac": "--activation_checkpointing", "offload_frozen": "--offload_f
 def first_fit(s, script, world, flags):
     """The first rung of KNOBS[world] at which the script fits an 80-GB GPU: (how, peak, phase) or None."""
     for launcher, knobs in KNOBS[world]:
-        if knobs.get("lora") and script != "grpo":
-            continue
         extra = {k: v for k, v in knobs.items() if k in ("lora", "grad_accum")}
         peak, phase = total(estimate(s, script, world, launcher, ac=knobs.get("ac", False),
                                      offload_frozen=knobs.get("offload_frozen", False), **flags, **extra), "gpu")
@@ -539,6 +554,9 @@ CHECKS = [  # (launcher, world, flags, scripts) the model is checked at against 
         ("python", 1, dict(lora=True)), ("python", 1, dict(lora=True, ac=True)), ("python", 1, dict(compile=True)),
         ("python", 1, dict(tools="calculator")), ("torchrun", 8, dict(tools="calculator")),
         ("python", 1, dict(tools="calculator", generation_micro_batch_size=32))]],
+    # LoRA in the other scripts, on one GPU and on 8 (dpo.py's live reference: the policy with its adapters off)
+    *[(launcher, world, dict(LONG, lora=True, **flags), ("sft", "reward", "dpo")) for launcher, world, flags in [
+        ("python", 1, dict(ac=True)), ("torchrun", 8, {}), ("python", 1, dict(precompute_ref=False))]],
 ]
 
 

@@ -191,22 +191,25 @@ def trace(shape, script, world=1, launcher="torchrun", ac=False, breakdown=False
     """{phase: peak bytes} of one step of `script` at its Config's defaults, overridden by flags
     (max_prompt_len, max_response_len or max_new_tokens, batch sizes, grad_accum...). Two
     optimizer steps run; the second (AdamW's moments allocated) is the one measured."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     cfg = memory.as_on_a_gpu(memory.script_config(script, **flags), launcher)
     d = _world(world, launcher)
     with FakeTensorMode(), _as_on_a_gpu(d):
         model = _build(shape, "new_reward" if script == "reward" else "causal")
         frozen = {}  # grpo.py's and dpo.py's frozen models, by role
-        if script == "grpo" and cfg.lora:  # grpo.py: the reference is the policy with its adapters off
+        if cfg.lora:  # every script: models.with_lora; dpo.py's and grpo.py's reference is the policy, adapters off
             from plumbing import models
 
             # peft moves each adapter to its base layer's device and dtype with Module.to, which swaps fake
-            # tensors and cannot here; the adapters are made there (the fake CPU, fp32) already
-            with mock.patch.object(torch.nn.Module, "to", lambda self, *args, **kwargs: self):
-                model = models.add_lora(model, cfg.lora_r, cfg.lora_alpha)
-        elif script == "grpo" or script == "dpo" and not cfg.precompute_ref:
-            frozen["reference"] = common.freeze(_build(shape), d)  # a copy of the policy
+            # tensors and cannot here; the adapters are made there (the fake CPU, fp32) already. reward.py's score
+            # head, trained whole, peft deep-copies: a fake tensor's deep copy would belong to a fake mode of its own
+            # (an error at the forward, and a segfault in a later trace), so it is cloned in this one
+            with mock.patch.object(torch.nn.Module, "to", lambda self, *args, **kwargs: self), \
+                    mock.patch.object(FakeTensor, "__deepcopy__", lambda self, memo: self.clone(), create=True):
+                model = models.with_lora(model, cfg)
+        elif script == "grpo" and (cfg.beta or cfg.reference) or script == "dpo" and not cfg.precompute_ref:
+            frozen["reference"] = common.freeze(_build(shape), d)  # a copy of the policy (grpo.py: none at beta 0)
         model = common.shard_model(model, d, activation_checkpointing=ac)
         if script == "grpo" and cfg.reward_model:
             frozen["reward model"] = common.freeze(_build(shape, "reward"), d)
@@ -263,6 +266,7 @@ def _reward(model, optimizer, scheduler, frozen, cfg, d, tracker):
 
 def _dpo(model, optimizer, scheduler, frozen, cfg, d, tracker):
     import dpo
+    from plumbing import models
 
     def micro_loss():
         batch = _batch(2 * (cfg.batch_size // d.world_size // cfg.grad_accum), cfg.max_prompt_len,
@@ -271,9 +275,10 @@ def _dpo(model, optimizer, scheduler, frozen, cfg, d, tracker):
             layout = shared_prompt.layout(batch, d, models=[model, frozen.get("reference")], enabled=cfg.shared_prompt)
             pi_c, pi_r = shared_prompt.sequence_logprobs(model, batch, d, *layout).chunk(2)
             ref_c, ref_r = torch.zeros_like(pi_c), torch.zeros_like(pi_r)  # precomputed (or SimPO's none)
-            if frozen:  # a live reference
-                with torch.no_grad():
-                    ref_c, ref_r = shared_prompt.sequence_logprobs(frozen["reference"], batch, d, *layout).chunk(2)
+            if not cfg.precompute_ref:  # a live reference: a frozen copy, or --lora's policy with its adapters off
+                ref = frozen.get("reference", model)
+                with models.as_reference(ref):
+                    ref_c, ref_r = shared_prompt.sequence_logprobs(ref, batch, d, *layout).chunk(2)
         return dpo.dpo_loss(pi_c, pi_r, ref_c, ref_r, beta=cfg.beta, n_pairs=cfg.batch_size)[0]
 
     _steps(model, optimizer, scheduler, cfg, d, tracker, micro_loss)
@@ -320,7 +325,7 @@ def _grpo(model, optimizer, scheduler, frozen, cfg, d, tracker):
     chunks = environment.chunks(sampled, cfg.generation_micro_batch_size)
     chunk = max(c.stop - c.start for c in chunks)
     chunk_prompts = max((c.stop - 1) // group - c.start // group + 1 for c in chunks)
-    ref = frozen.get("reference")  # None with --lora: the policy with its adapters off
+    ref = frozen.get("reference", model if cfg.lora and (cfg.beta or cfg.reference) else None)  # LoRA's: adapters off
     # grpo.minibatch_rows deals each K consecutive rows one to each of K mini-batches: a group's G rows, G / K to
     # each (consecutive there, as here: row i of a micro-batch has prompt i // (G / K))
     dealt = max(1, cfg.group_size // cfg.num_mini_batches)
@@ -340,11 +345,16 @@ def _grpo(model, optimizer, scheduler, frozen, cfg, d, tracker):
             plan = shared_prompt.plan(minibatches, ids, attn, R, micro, d, models=[model, frozen.get("teacher")],
                                       enabled=cfg.shared_prompt)
         lp = dict(plan=plan, d=d, temperature=cfg.temperature)
-        with tracker.phase("reference and old log-probs", measure=step == 1), environment.frozen_in_bf16(model, d):
+        ref_logps = old_logps = None  # grpo.py's passes: the reference's at beta > 0, the old policy's where it differs
+        old_pass = cfg.num_iterations > 1 or cfg.num_mini_batches > 1 or cfg.teacher
+        with tracker.phase("reference and old log-probs", measure=step == 1 and (ref is not None or old_pass)), \
+                environment.frozen_in_bf16(model, d):
             with environment.reference_context(model, ref), _shared(lambda i: i // dealt):
-                ref_logps = shared_prompt.planned_logprobs(model if ref is None else ref, ids, attn, R, **lp)
-            with _shared(lambda i: i // dealt):
-                old_logps = shared_prompt.planned_logprobs(model, ids, attn, R, **lp)
+                if ref is not None:
+                    ref_logps = shared_prompt.planned_logprobs(ref, ids, attn, R, **lp)
+            if old_pass:
+                with _shared(lambda i: i // dealt):
+                    old_logps = shared_prompt.planned_logprobs(model, ids, attn, R, **lp)
         adv = torch.zeros(rows, device=d.device)
         if cfg.teacher:
             with tracker.phase("teacher log-probs", measure=step == 1), _shared(lambda i: i // dealt):
@@ -357,7 +367,8 @@ def _grpo(model, optimizer, scheduler, frozen, cfg, d, tracker):
                     with common.autocast(d), _shared(lambda i: i // dealt):
                         logps, entropy = shared_prompt.response_logprobs(model, ids[r], attn[r], R, cfg.temperature,
                                                                          with_entropy=True, shared=share)
-                    loss, _ = grpo.grpo_loss(logps.float(), old_logps[r], ref_logps[r], adv[r], loss_mask[r],
+                    loss, _ = grpo.grpo_loss(logps.float(), logps.detach().float() if old_logps is None else old_logps[r],
+                                             None if ref_logps is None else ref_logps[r], adv[r], loss_mask[r],
                                              normaliser=loss_mask.sum(), entropy=entropy.float(), beta=cfg.beta)
                     common.backward(model, loss, d)
             with tracker.phase("optimizer step", measure=step == 1):

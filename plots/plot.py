@@ -21,7 +21,8 @@ run_config.json; each figure is a grid of panels, and panels whose metrics are a
 left out. Train metrics are drawn as thin lines (plus a moving average with --smooth N),
 eval metrics as markers, and eval/bayes_accuracy as a dashed ceiling: the best accuracy any
 model can reach against the noisy annotator's labels. With several runs, each run has a colour
-and each metric of a panel a line style.
+and line style of its own (tab10's ten colours, then the next dash pattern: 80 runs apart), each
+panel shows one metric, and one legend of the runs stands beside the panels, outside them.
 """
 import argparse
 import hashlib
@@ -39,7 +40,15 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 DPI = 120
 PANEL_SIZE = (5.2, 3.6)  # inches per panel
 OUT = os.path.join("runs", "plots")  # the default --out: ignored by git, beside the runs
-LINE_STYLES = ("-", "--", ":", "-.")  # with several runs: one per metric of a panel
+# several runs: run i has colour C(i mod 10) and the (i // 10)-th dash pattern, so 80 runs are told apart
+RUN_DASHES = ("-", "--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)), (0, (8, 2, 1, 2)), (0, (1, 1)))
+LEGEND_ROW = 0.2  # inches a row of the runs' legend takes (font size 8)
+
+
+def run_style(i):
+    """The (colour, line style) of the i-th of several runs: tab10's ten colours, each next ten runs
+    with the next of RUN_DASHES; pairs repeat only past 80 runs (plot_runs says so)."""
+    return f"C{i % 10}", RUN_DASHES[(i // 10) % len(RUN_DASHES)]
 
 # -----------------------------------------------------------------------------
 # reading
@@ -177,19 +186,30 @@ def moving_average(values, n):
     return out
 
 
+def split_panels(panels):
+    """For several runs: each panel of several metrics as one panel per metric ("Loss: train",
+    "Loss: eval"), so that a line's colour and style name its run alone."""
+    out = []
+    for title, ylabel, keys, ceiling in panels:
+        for key, label in keys:
+            out.append((f"{title}: {label}" if len(keys) > 1 else title, ylabel, [(key, label)], ceiling))
+    return out
+
+
 def draw_panel(ax, runs, title, ylabel, keys, ceiling, smooth=0):
     """Draw one panel of runs [(label, rows, config), ...]; False (and nothing drawn) when none of
-    its keys has data. One run: a colour per metric; several: a colour per run, a line style per
-    metric, legends "label: metric"."""
+    its keys has data. One run: a colour per metric, and a legend of them; several: each run its
+    run_style, one metric a panel (split_panels), no legend (plot_panels draws the runs' one)."""
     drawn, several = 0, len(runs) > 1
+    ceilings = set()
     for r, (run_label, rows, config) in enumerate(runs):
         for j, (key, label) in enumerate(keys):
             steps, values = series(rows, key)
             if not steps:
                 continue
             label = label.format(kl_estimator=config.get("kl_estimator", "estimator"))
-            color, ls = (f"C{r}", LINE_STYLES[j % len(LINE_STYLES)]) if several else (f"C{drawn}", "-")
-            label = f"{run_label}: {label}" if several and len(keys) > 1 else run_label if several else label
+            color, ls = run_style(r) if several else (f"C{drawn}", "-")
+            label = run_label if several else label
             if key.startswith("eval/") or len(steps) <= 12:  # sparse: markers show where the points are
                 ax.plot(steps, values, marker="o", ls=ls, color=color, ms=4, lw=1.2, label=label, zorder=3)
             elif smooth > 1 and len(steps) > smooth and key != "lr":  # lr is a schedule: nothing to smooth
@@ -200,9 +220,9 @@ def draw_panel(ax, runs, title, ylabel, keys, ceiling, smooth=0):
                 ax.plot(steps, values, color=color, ls=ls, lw=1.2, label=label)
             drawn += 1
         _, best = series(rows, ceiling) if ceiling else ([], [])
-        if best:
-            ax.axhline(best[-1], color=f"C{r}" if several else "k", ls="--", lw=1,
-                       label=f"{run_label + ': ' if several else ''}Bayes ceiling ({best[-1]:.3f})")
+        if best and best[-1] not in ceilings:  # the same data's ceiling once
+            ceilings.add(best[-1])
+            ax.axhline(best[-1], color="k", ls="--", lw=1, label=f"Bayes ceiling ({best[-1]:.3f})")
     if not drawn:
         return False
     ax.set_title(title)
@@ -211,12 +231,30 @@ def draw_panel(ax, runs, title, ylabel, keys, ceiling, smooth=0):
     ax.set_ylabel(ylabel)
     ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4))  # lr-sized values as 1e-3 x ..., not 0.0010
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    if not several:
+        ax.legend(fontsize=8)
+    elif ceilings:  # the ceilings' values, where the runs' legend cannot say them
+        ax.set_title(f"{title}\n(dashed: Bayes ceiling {', '.join(f'{c:.3f}' for c in sorted(ceilings))})", fontsize=10)
     return True
 
 
 def plot_panels(runs, panels, title, path, smooth=0):
     """A grid of the panels that have data in any of runs [(label, rows, config), ...], saved to path."""
+    fig = figure_panels(runs, panels, title, smooth)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=DPI, bbox_inches="tight")  # "tight": the runs' legend, right of the panels, included
+    plt.close(fig)
+    return path
+
+
+def figure_panels(runs, panels, title, smooth=0):
+    """The figure of plot_panels, not saved: a grid of the panels that have data in any of runs; with
+    several runs one metric a panel and the runs' legend to the right of the grid, in as many
+    columns as its rows need to fit the figure's height."""
+    if len(runs) > 1:
+        estimators = {config.get("kl_estimator", "estimator") for _, _, config in runs}
+        shown = estimators.pop() if len(estimators) == 1 else "each run's estimator"
+        panels = [(t.replace("{kl_estimator}", shown), *rest) for t, *rest in split_panels(panels)]
     full = [p for p in panels if any(series(rows, k)[0] for _, rows, _ in runs for k, _ in p[2])]
     if not full:
         raise ValueError(f"{title}: none of the plotted metrics is in the file")
@@ -231,18 +269,23 @@ def plot_panels(runs, panels, title, path, smooth=0):
         ax.remove()
     fig.suptitle(title, fontsize=13)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight()))  # the title above the panels' titles
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
+    if len(runs) > 1:  # after the layout, beside it: the legend never covers a panel
+        from matplotlib.lines import Line2D
+
+        handles = [Line2D([], [], color=c, ls=ls, lw=1.5) for c, ls in map(run_style, range(len(runs)))]
+        rows_fit = max(4, int((fig.get_figheight() - 0.6) / LEGEND_ROW))
+        fig.legend(handles, [label for label, _, _ in runs], loc="upper left", bbox_to_anchor=(1.0, 1.0),
+                   ncol=math.ceil(len(runs) / rows_fit), fontsize=8, title=f"{len(runs)} runs", frameon=False)
+    return fig
 
 
-def save(fig, out_dir, name):
-    """Write fig to out_dir/name (laid out, at DPI) and close it; returns the path."""
+def save(fig, out_dir, name, tight=False):
+    """Write fig to out_dir/name (laid out, at DPI; tight: grown to hold a legend outside the axes) and
+    close it; returns the path."""
     fig.tight_layout()
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, name)
-    fig.savefig(path, dpi=DPI)
+    fig.savefig(path, dpi=DPI, bbox_inches="tight" if tight else None)
     plt.close(fig)
     return path
 
@@ -294,7 +337,11 @@ def plot_runs(run_dirs, out_dir, smooth=0, kind=None):
             elif k == "dpo" and "beta" in config:
                 title += f": beta={config['beta']}"
         else:
-            title = f"{k.upper()}: {', '.join(label for _, label, _, _ in runs)}"
+            names = ", ".join(label for _, label, _, _ in runs)
+            title = f"{k.upper()}: {names}" if len(names) <= 100 else f"{k.upper()}: {len(runs)} runs"
+            if len(runs) > 10 * len(RUN_DASHES):
+                print(f"note: {len(runs)} {k} runs in one figure: past {10 * len(RUN_DASHES)} their colour and line "
+                      f"style repeat; plot them in groups", file=sys.stderr)
         path = os.path.join(out_dir, figure_name([r[0] for r in runs], [r[1] for r in runs], k))
         try:
             paths.append(plot_panels([(label, rows, config) for _, label, rows, config in runs],
@@ -328,12 +375,14 @@ def plot_kl_compare(run_dirs, out_dir, smooth=0):
     for i, (run_dir, label) in enumerate(zip(run_dirs, labels)):
         steps, values = series(read_metrics(run_dir), "kl")
         if not steps:
-            raise ValueError(f"{os.path.join(run_dir, 'metrics.jsonl')}: no 'kl' rows (not a GRPO run?)")
+            raise ValueError(f"{os.path.join(run_dir, 'metrics.jsonl')}: no 'kl' rows (not a GRPO run, or one at "
+                             f"--beta 0 without --reference?)")
+        color, ls = run_style(i)
         if smooth > 1 and len(steps) > smooth:
-            ax.plot(steps, values, color=f"C{i}", lw=0.8, alpha=0.3)
-            ax.plot(steps, moving_average(values, smooth), color=f"C{i}", lw=1.8, label=f"{label} (avg {smooth})")
+            ax.plot(steps, values, color=color, ls=ls, lw=0.8, alpha=0.3)
+            ax.plot(steps, moving_average(values, smooth), color=color, ls=ls, lw=1.8, label=f"{label} (avg {smooth})")
         else:
-            ax.plot(steps, values, color=f"C{i}", lw=1.5, marker="o" if len(steps) <= 12 else None, ms=4,
+            ax.plot(steps, values, color=color, ls=ls, lw=1.5, marker="o" if len(steps) <= 12 else None, ms=4,
                     label=label)
     title = "Measured KL by KL estimator in the loss"
     if len(nonzero) == 1 and None not in nonzero:
@@ -343,8 +392,9 @@ def plot_kl_compare(run_dirs, out_dir, smooth=0):
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("KL(pi || pi_ref), k3 estimate per token")
     ax.grid(True, alpha=0.3)
-    ax.legend(title="kl_estimator")
-    return save(fig, out_dir, figure_name(run_dirs, folders, "kl_estimators"))
+    many = len(run_dirs) > 10  # beside the axes, not over the curves
+    ax.legend(title="kl_estimator", **(dict(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8) if many else {}))
+    return save(fig, out_dir, figure_name(run_dirs, folders, "kl_estimators"), tight=many)
 
 
 SUMMARY_STAGES = [("sft", "SFT"), ("rm", "reward\nmodel"), ("dpo", "DPO"), ("grpo_rm", "GRPO\nlearned RM"),

@@ -287,7 +287,10 @@ def save_checkpoint(model, tokenizer, out_dir, d, optimizer=None, scheduler=None
 
 def _write_export(model, tokenizer, folder, state, dtype, weights=True):
     """model.save_pretrained with `state` in `dtype` (None: as it is), and the tokenizer; without
-    weights, the config, generation config and tokenizer alone."""
+    weights, the config, generation config and tokenizer alone. A LoRA model exports the model it
+    wraps, its adapters merged into the weights (models.merged_state): it loads without peft."""
+    if weights and hasattr(model, "peft_config"):
+        state, model = models.merged_state(model, state), model.get_base_model()
     if not weights:
         model.config.save_pretrained(folder)
         if getattr(model, "generation_config", None) is not None and model.can_generate():
@@ -334,10 +337,13 @@ def export(path, dest=None):
     config = AutoConfig.from_pretrained(ckpt)
     scores = any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
     model = (AutoModelForSequenceClassification if scores else AutoModelForCausalLM).from_config(config)
+    flags = state["config"]
+    if flags.get("lora"):  # the sharded state holds the adapters beside the frozen base: merged on export
+        model = models.add_lora(model, flags["lora_r"], flags["lora_alpha"], target_modules=flags["lora_target_modules"])
     weights = _read_sharded(sharded_dir, {"model": get_model_state_dict(model)})
     set_model_state_dict(model, weights["model"])
     _write_export(model, AutoTokenizer.from_pretrained(ckpt), dest, model.state_dict(),
-                  export_dtype(state["config"].get("save_dtype", "float32")))
+                  export_dtype(flags.get("save_dtype", "float32")))
     return dest
 
 

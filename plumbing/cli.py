@@ -55,6 +55,23 @@ class SharedConfig:
     timeout_minutes: float = 60.0
     """under torchrun: how long a rank waits in one collective for the others (while rank 0 alone reads the weights,
     another decodes a long rollout or runs a slow reward function) before the job fails; at most a week (0, 10080]"""
+    # --- LoRA (peft: pip install peft) ---
+    lora: bool = False
+    """train LoRA adapters (arXiv:2106.09685) on the frozen model; the export merges them into the weights (it loads
+    with AutoModelFor* alone); dpo.py's and grpo.py's reference is the same network with the adapters off; reward.py's
+    score head trains whole, as TRL's reward trainer (peft's SEQ_CLS task)"""
+    lora_r: int = 16
+    """LoRA rank [>= 1]"""
+    lora_alpha: float = 32.0
+    """LoRA scale numerator (scale = alpha / r) [> 0]"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input, in the passes that compute gradients only (the reference, old log-probs,
+    sampling and evaluation see no dropout). TRL's default is 0.05; 0 here, as every dropout here (models.no_dropout):
+    with it a policy's log-probs differ from its own no-gradient pass [0, 1)"""
+    lora_target_modules: str = "all-linear"
+    """the layers that get adapters: all-linear (every linear layer but the output head), or module names, comma- or
+    space-separated (q_proj,v_proj). TRL's default (none) is peft's list for the architecture: q_proj,v_proj on Llama
+    and Qwen2, c_attn on GPT-2"""
     # --- run ---
     out_dir: str = "runs/run"
     """where metrics.jsonl and the checkpoint/ folder go"""
@@ -120,7 +137,7 @@ def fill_defaults(cfg):
     if filled:
         source = (f"the embedded task's (--model {EMBEDDED_MODEL} or --dataset {EMBEDDED_TASK})" if embedded
                   else "TRL 1.16's, for a model and data of your own")
-        lines.insert(0, f"defaults, {source}: {' '.join(f'--{k} {v:g}' for k, v in filled.items())} (pass a flag to "
+        lines.insert(0, f"defaults, {source}: {' '.join(map(shown, filled.items()))} (pass a flag to "
                         f"change one)")
     return "\n".join(line for line in lines if line)
 
@@ -136,7 +153,7 @@ def fill_saves(cfg):
     --lora, whose checkpoint holds merged weights and cannot be resumed. Returns the banner line
     saying how checkpoints are written and how a run is stopped; "" under an explicit 0 and no
     --save_every."""
-    lora = getattr(cfg, "lora", False)
+    lora = lora_unresumable(cfg)
     if cfg.save_minutes is None:
         cfg.save_minutes = 0.0 if lora else SAVE_MINUTES
     when = [f"every {cfg.save_minutes:g} minutes of training (--save_minutes)"] * bool(cfg.save_minutes)
@@ -146,6 +163,12 @@ def fill_saves(cfg):
             if lora else ""
     return (f"checkpoints: a resumable one {' and '.join(when)} into {os.path.join(cfg.out_dir, 'checkpoint')}; "
             f"Ctrl-C, or `kill PID` for a run in the background, ends the run with the command that resumes it")
+
+
+def shown(flag_value):
+    """A flag and its value as on a command line: `--lr 1e-06`, `--reference`, `--no-reference`."""
+    k, v = flag_value
+    return (f"--{k}" if v else f"--no-{k}") if isinstance(v, bool) else f"--{k} {v:g}"
 
 
 def optimizer_steps(cfg):
@@ -186,10 +209,16 @@ def check_schedule(cfg):
 OPTIONAL_EXTRAS = {"wandb": ("wandb", "pip install wandb"), "lora": ("peft", "pip install peft")}
 
 
+def lora_unresumable(cfg):
+    """grpo.py's --lora, whose checkpoint holds the adapters merged into the weights and cannot be
+    resumed (its Config's LORA_RESUMES; sft.py's, reward.py's and dpo.py's resume: tests/test_lora.py)."""
+    return bool(getattr(cfg, "lora", False)) and not getattr(type(cfg), "LORA_RESUMES", True)
+
+
 def check_saves(cfg):
     """Refuse --save_minutes with grpo.py's --lora (as conflicts.grpo refuses its --save_every): its
     checkpoint holds the adapters merged into the weights, and cannot be resumed."""
-    if getattr(cfg, "lora", False) and cfg.save_minutes:
+    if lora_unresumable(cfg) and cfg.save_minutes:
         raise ValueError(f"--save_minutes {cfg.save_minutes:g} with --lora: its checkpoint holds the adapters merged "
                          f"into the weights, and cannot be resumed; pass --save_minutes 0")
 
@@ -393,8 +422,9 @@ def parse_config(cls, argv=None):
         kw = dict(default=default, help=(docs.get(f.name, " ") + trl_flags.help_note(script, f.name)).replace("%", "%%"),
                   dest=f.name)  # argparse formats %
         if f.name in getattr(cls, "DEFAULTS", {}).get("trl", {}):  # fill_defaults': both values, not "None"
-            kw["help"] += (f" (default: {cls.DEFAULTS['embedded'][f.name]:g} with --model {EMBEDDED_MODEL} or --dataset "
-                           f"{EMBEDDED_TASK}, else {cls.DEFAULTS['trl'][f.name]:g}, TRL's)%(default).0s")
+            embedded, trl = (shown((f.name, cls.DEFAULTS[k][f.name])) for k in ("embedded", "trl"))
+            kw["help"] += (f" (default: {embedded} with --model {EMBEDDED_MODEL} or --dataset {EMBEDDED_TASK}, else "
+                           f"{trl}, TRL's)%(default).0s")
         if tp is bool:
             parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, **kw)
             continue

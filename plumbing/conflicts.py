@@ -64,6 +64,9 @@ def grpo(cfg, d):
         (not (cfg.teacher and cfg.off_policy_mask_threshold),
          "--off_policy_mask_threshold masks sequences by the sign of their advantage; with --teacher each token has "
          "its own: use one or the other"),
+        (cfg.beta or cfg.reference or not (cfg.kl_in_reward or cfg.ref_refresh_every or cfg.eval_pairs),
+         "--beta 0 (TRL's default for a model of your own) loads no reference model: --kl_in_reward, "
+         "--ref_refresh_every and --eval_pairs need one; pass --beta > 0 (0.04 is GRPO's), or --reference"),
         (not (cfg.save_every and cfg.ref_refresh_every and cfg.save_every % cfg.ref_refresh_every),
          f"--save_every {cfg.save_every} must be a multiple of --ref_refresh_every {cfg.ref_refresh_every} "
          f"(a resumed run rebuilds its reference from the checkpoint)"),

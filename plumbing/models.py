@@ -6,7 +6,8 @@ import functools
 import glob
 import os
 import shutil
-from contextlib import contextmanager
+import warnings
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -429,15 +430,15 @@ def load_frozen(name, tokenizer, d, kind="causal", trust_remote_code=False, cpu_
 def load_policy(name, cfg, d, response_len, response_flag="--max_response_len", kind="causal", shard=True):
     """The tokenizer and the model a script trains, from --model or the checkpoint it resumes:
     loaded (load_tokenizer, load_model; with --packed_attention, packed_attention), its context
-    checked against prompt + response, and sharded (FSDP2 under torchrun) unless shard=False
-    (grpo.py copies its reference first)."""
+    checked against prompt + response, given --lora's adapters (with_lora) and sharded (FSDP2
+    under torchrun), unless shard=False: neither (grpo.py copies its reference first)."""
     tokenizer = load_tokenizer(name, cfg.trust_remote_code, cfg.chat_template)
     model = load_model(name, tokenizer, kind=kind, trust_remote_code=cfg.trust_remote_code, d=d)
     if cfg.padding_free and cfg.packed_attention:
         model = packed_attention(model)
     check_context(model, cfg.max_prompt_len, response_len, response_flag)
     if shard:
-        model = common.shard_model(model, d, activation_checkpointing=cfg.activation_checkpointing)
+        model = common.shard_model(with_lora(model, cfg), d, activation_checkpointing=cfg.activation_checkpointing)
     return tokenizer, model
 
 
@@ -472,8 +473,81 @@ def use_packing(wanted, models, d):
     return wanted
 
 
-def add_lora(model, r, alpha):
-    """Wrap every linear layer (not the LM head) with LoRA adapters (peft, an optional extra)."""
+class TrainDropout(torch.nn.Dropout):
+    """LoRA's dropout (--lora_dropout) in the passes that compute gradients, whatever the module's
+    mode: the models here run in eval mode (no_dropout), and the passes without gradients (the
+    reference with the adapters off, old log-probs, sampling, evaluation) compute the network
+    itself. An activation checkpoint's recomputation restores the RNG: the same mask."""
+
+    def forward(self, x):
+        return torch.nn.functional.dropout(x, self.p, training=torch.is_grad_enabled())
+
+
+def add_lora(model, r, alpha, dropout=0.0, target_modules="all-linear"):
+    """LoRA adapters (peft, an optional extra; arXiv:2106.09685) on the model, whose own weights
+    freeze: each target layer computes W x + (alpha / r) B A x, B zero at the start (the model
+    unchanged). target_modules: "all-linear" (peft's: every linear layer but the output head) or
+    names, comma- or space-separated. A sequence classifier (a reward model) gets peft's SEQ_CLS
+    task, which trains its score head whole (modules_to_save), as TRL's reward trainer does.
+    dropout: on the adapters' input, in gradient passes only (TrainDropout)."""
     from peft import LoraConfig, get_peft_model
 
-    return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules="all-linear"))
+    targets = target_modules if target_modules == "all-linear" else target_modules.replace(",", " ").split()
+    if not targets:
+        raise ValueError("--lora_target_modules is empty: pass all-linear or module names (q_proj,v_proj)")
+    scores = type(model).__name__.endswith("ForSequenceClassification")
+    try:
+        with warnings.catch_warnings():  # GPT-2's Conv1D: peft finds its (in, out) weights itself, with a warning
+            warnings.filterwarnings("ignore", message="fan_in_fan_out is set to False")
+            model = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
+                                                     target_modules=targets, task_type="SEQ_CLS" if scores else None))
+    except ValueError as e:  # peft's "Target modules {...} not found in the base model"
+        raise ValueError(f"--lora_target_modules {target_modules}: {e}") from None
+    for m in model.modules():
+        for drop in getattr(m, "lora_dropout", {}).values():
+            if type(drop) is torch.nn.Dropout:
+                drop.__class__ = TrainDropout
+    return model
+
+
+def with_lora(model, cfg):
+    """The model with --lora's adapters (add_lora, the run's --lora_* flags), or as it is."""
+    if not cfg.lora:
+        return model
+    return add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
+
+
+@contextmanager
+def as_reference(model):
+    """The block's forwards as a reference's: without gradients, and for a LoRA model (`with_lora`)
+    with its adapters switched off (peft's disable_adapter): the frozen network it started from."""
+    with torch.no_grad(), model.disable_adapter() if hasattr(model, "peft_config") else nullcontext():
+        yield
+
+
+def merged_state(model, state):
+    """The state dict a LoRA model exports, computed as peft's merge_and_unload computes it but on
+    the gathered state (rank 0 holds it whole while the model itself stays sharded): each adapted
+    weight W + (alpha / r) B A (transposed for GPT-2's Conv1D, whose weight is (in, out)), the
+    adapters dropped, a head trained whole (modules_to_save) in place of the frozen one, under the
+    names of the model peft wraps. A model without adapters: its state as it is."""
+    if not hasattr(model, "peft_config"):
+        return state
+    from peft.tuners.lora import LoraLayer
+
+    out = dict(state)
+    for name, m in model.named_modules():
+        if isinstance(m, LoraLayer) and f"{name}.lora_A.default.weight" in out:
+            a, b = out.pop(f"{name}.lora_A.default.weight"), out.pop(f"{name}.lora_B.default.weight")  # (r, in), (out, r)
+            w = out[f"{name}.base_layer.weight"]
+            delta = m.scaling["default"] * (b.double() @ a.double())  # (out, in)
+            out[f"{name}.base_layer.weight"] = (w.double() + (delta.T if m.fan_in_fan_out else delta)).to(w.dtype)
+    return {k.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".").removeprefix("base_model.model."): v
+            for k, v in out.items() if ".original_module." not in k}
+
+
+def parameters(model):
+    """The banner's count: "0.80M parameters", and with LoRA "1.24M parameters, 0.02M trained (LoRA)"."""
+    total = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return f"{total / 1e6:.2f}M parameters" + (f", {trained / 1e6:.2f}M trained (LoRA)" if trained < total else "")

@@ -269,10 +269,11 @@ class Run:
         return start
 
     def check(self, step, metrics, keys=("loss",)):
-        """Stop on a NaN or infinite loss (or other named metric), naming the last good checkpoint;
-        end on a signal whose KeyboardInterrupt was dropped (raise_if_interrupted)."""
+        """Stop on a NaN or infinite loss (or other named metric, where the step logs it: grpo.py's kl
+        needs a reference), naming the last good checkpoint; end on a signal whose KeyboardInterrupt was
+        dropped (raise_if_interrupted)."""
         raise_if_interrupted()
-        bad = {k: metrics[k] for k in keys if not math.isfinite(metrics[k])}  # floats, already on the host
+        bad = {k: metrics[k] for k in keys if not math.isfinite(metrics.get(k, 0.0))}  # floats, already on the host
         if bad:
             raise FloatingPointError(f"step {step}: {', '.join(f'{k} is {v}' for k, v in bad.items())}; stopping. "
                                      f"Last good checkpoint: {self.last_ckpt or 'none written yet'}")

@@ -41,7 +41,7 @@ TRL_FLAGS = [
     ("max_steps", OFFLINE, "steps", ""),
     ("num_generations", ("grpo",), "group_size", ""),
     ("num_completions_to_print", ("grpo",), "log_completions", ""),
-    ("use_peft", ("grpo",), "lora", ""),
+    ("use_peft", ALL, "lora", ""),
     ("center_rewards_coefficient", ("reward",), "center_coef", ""),
     ("precompute_ref_log_probs", ("dpo",), "precompute_ref", ""),
     ("per_device_train_batch_size", OFFLINE, "batch_size",
@@ -64,8 +64,9 @@ TRL_FLAGS = [
      "the prompt and the completion each have a limit here: --max_prompt_len (cut from the left) and "
      "--max_response_len (cut from the right); TRL's 1024 is 512 + 512"),
     ("epsilon", ("grpo",), "epsilon_low",
-     "TRL's --epsilon sets both clip bounds unless --epsilon_high is given, and the upper bound here defaults to "
-     "0.28 (DAPO): pass --epsilon_low X --epsilon_high X"),
+     "TRL's --epsilon sets both clip bounds unless --epsilon_high is given; here each is a flag of its own (0.2 and "
+     "0.2 for a model of your own, as TRL's; 0.2 and DAPO's 0.28 on the embedded task): pass --epsilon_low X "
+     "--epsilon_high X"),
     ("dataset_test_split", ("grpo",), "eval_split",
      "held-out prompts here are --eval_dataset's (a hub one's split: --eval_split) or a local file's hash split: pass "
      "--eval_dataset DATASET --eval_split SPLIT"),
@@ -94,15 +95,22 @@ TRL_FLAGS = [
     ("completion_only_loss", ("sft",), None, ONLY_THIS),
     ("packing", ("sft",), None, "no bin-packing of rows into fixed-length blocks here; --padding_free trains with "
      "no padding computed, each row attending to itself alone"),
+    ("lora_task_type", ALL, None, "set by the script here: a causal LM's adapters, and for reward.py peft's SEQ_CLS "
+     "task (its score head trained whole)"),
+    ("lora_modules_to_save", ALL, None, "no modules trained whole beside the adapters here, but reward.py's score head"),
+    ("use_rslora", ALL, None, "LoRA's scale is --lora_alpha / --lora_r here: for rsLoRA's alpha / sqrt(r), pass "
+     "--lora_alpha = alpha x sqrt(r) (alpha 16 at r 64: --lora_alpha 128)"),
+    ("use_dora", ALL, None, "no DoRA here: LoRA's adapters alone (--lora)"),
 ]
 
 # TRL's flags whose name and meaning are this project's too (listed in the docs' table)
 SAME_NAME = [("seed", ALL), ("weight_decay", ALL), ("warmup_steps", ALL), ("trust_remote_code", ALL),
-             ("beta", ("dpo", "grpo")), ("loss_type", ("dpo", "grpo")), ("label_smoothing", ("dpo",)),
+             ("beta", ("dpo", "grpo")), ("loss_type", ("dpo",)), ("label_smoothing", ("dpo",)),
              ("temperature", ("grpo",)), ("top_p", ("grpo",)), ("top_k", ("grpo",)), ("min_p", ("grpo",)),
              ("num_iterations", ("grpo",)),
              ("epsilon_high", ("grpo",)), ("scale_rewards", ("grpo",)), ("reward_weights", ("grpo",)),
-             ("mask_truncated_completions", ("grpo",)), ("lora_r", ("grpo",)), ("lora_alpha", ("grpo",)),
+             ("mask_truncated_completions", ("grpo",)), ("lora_r", ALL), ("lora_alpha", ALL), ("lora_dropout", ALL),
+             ("lora_target_modules", ALL),
              ("padding_free", ("sft", "dpo"))]
 
 TRUE, FALSE = ("true", "1", "yes"), ("false", "0", "no")  # how TRL's parser (HfArgumentParser) reads a bool's value
@@ -120,6 +128,41 @@ TRL_BOOLS = {"logging_first_step", "bf16", "fp16", "push_to_hub", "use_vllm", "a
 # Flags of ours named as TRL's whose TRL type is a bool: TRL's true and false, as its parser reads them, are
 # these values (--log_completions 4 logs 4 completions a step here; TRL's --log_completions true logs them)
 BOOL_VALUES = {("grpo", "log_completions"): ("8", "0"), ("grpo", "scale_rewards"): ("group", "none")}
+
+LISTS = {"lora_target_modules"}  # TRL's list flags (nargs="+": `--lora_target_modules q_proj v_proj`): comma-joined here
+
+# TRL's GRPO loss_type names the policy term and how it is averaged at once; here they are two flags, --loss_type (the
+# term: grpo is PPO's clipped surrogate, as TRL's grpo, dapo, dr_grpo and bnpo are) and --loss_agg (the average).
+# TRL's names of an average given to --loss_type: {script: {flag: {TRL's value: (the flags here, or None: refused,
+# with what differs)}}}. TRL's own `grpo` is a value here too, PPO's term: averaged as TRL's grpo by --loss_agg
+# seq_mean_token_mean (tests/test_variants.py computes each of TRL's losses both ways).
+TRL_VALUES = {"grpo": {"loss_type": {
+    "dapo": ("--loss_agg token_mean", ""),
+    "dr_grpo": ("--loss_agg constant", ""),
+    "bnpo": (None, "it divides each micro-batch's sum by that micro-batch's own tokens, so its gradient depends on how a "
+                   "step is split over GPUs and accumulation (trl #3021); every average here is over the global "
+                   "mini-batch: --loss_agg token_mean (TRL's dapo) is bnpo exactly where a step is one micro-batch on "
+                   "one process"),
+    "luspo": (None, "LUSPO (arXiv:2602.05261) weighs each sequence's GSPO term by its length and averages over "
+                    "sequences: here --importance_sampling_level sequence --loss_agg constant, whose loss is LUSPO's "
+                    "divided by --max_new_tokens (AdamW's steps are nearly scale-free; --grad_clip sees the smaller "
+                    "norm)"),
+    "vespo": (None, "there is no VESPO (arXiv:2602.10693) here"),
+}}}
+
+
+def trl_value(script, name, value, argv):
+    """The flags here that a TRL value of a flag of ours stands for (TRL_VALUES): `--loss_type dapo`
+    -> ["--loss_agg", "token_mean"]. ValueError for a TRL value with no equal here (saying what
+    differs and what is nearest), and for one whose flag argv also gives."""
+    flags, note = TRL_VALUES[script][name][value]
+    if flags is None:
+        raise ValueError(f"{script}.py: --{name} {value} is TRL's, with no equal here: {note}")
+    ours = flags.split()[0]
+    if any(a == ours or a.startswith(ours + "=") for a in argv):
+        raise ValueError(f"{script}.py: --{name} {value} is TRL's name for {flags} here, and {ours} is given too: "
+                         f"pass one of them")
+    return flags.split()
 
 
 def rows(script):
@@ -154,12 +197,14 @@ def elsewhere(script, name):
 def translate(script, argv, flags, bools):
     """argv with TRL's names of `script` replaced by this project's: `--learning_rate 1e-5` ->
     `--lr 1e-5`, `--use_peft true` -> `--lora`, `--report_to wandb` -> `--wandb`, `--log_completions
-    true` -> `--log_completions 8` (BOOL_VALUES). flags: every flag name the script has (bools too,
-    and their `no-` forms); bools: those that take no value. Returns (argv, notes): the note of each
-    TRL flag given that means nothing here and was accepted (ACCEPTED), one line each. ValueError,
-    naming the script, with every flag refused, in one message: a TRL flag that means something else
-    here (its note), a TRL flag of another script (elsewhere), a bad true/false, and a flag that is
-    none of these (with a "did you mean")."""
+    true` -> `--log_completions 8` (BOOL_VALUES), a list flag's values comma-joined
+    (`--lora_target_modules q_proj v_proj`), a TRL value of ours (`grpo.py --loss_type dapo` ->
+    `--loss_agg token_mean`, TRL_VALUES). flags: every flag name the script has (bools too, and their
+    `no-` forms); bools: those that take no value. Returns (argv, notes): the note of each TRL flag
+    given that means nothing here and was accepted (ACCEPTED), one line each. ValueError, naming the
+    script, with every flag refused, in one message: a TRL flag that means something else here (its
+    note), a TRL flag of another script (elsewhere), a TRL value with no equal here, a bad true/false,
+    and a flag that is none of these (with a "did you mean")."""
     table, out, last, notes, refused, i = rows(script), [], [], [], [], 0
     given = {a[2:].partition("=")[0] for a in argv if a.startswith("--")}
     while i < len(argv):
@@ -186,6 +231,20 @@ def translate(script, argv, flags, bools):
                 refused.append(f"--{name}={value}: give true or false, or --{name} / --no-{name}")
                 continue
             out.append(f"--{name}" if value.lower() in TRUE else f"--no-{name}")
+            continue
+        if arg.startswith("--") and name in LISTS:  # TRL's list: every value up to the next flag
+            values = [value] if eq else []
+            while not eq and i < len(argv) and not argv[i].startswith("--"):
+                values, i = values + [argv[i]], i + 1
+            out.append(f"--{name}={','.join(values)}")
+            continue
+        word = value if eq else argv[i] if i < len(argv) else None
+        if arg.startswith("--") and word in TRL_VALUES.get(script, {}).get(name, {}):  # `--loss_type dapo`
+            i += not eq
+            try:
+                out += trl_value(script, name, word, argv)
+            except ValueError as e:
+                refused.append(str(e).removeprefix(f"{script}.py: "))
             continue
         if not arg.startswith("--") or arg == "--help" or name in flags:
             out.append(arg)
@@ -266,9 +325,13 @@ def docs_table():
     same = ", ".join(f"`--{n}`" + ("" if s == ALL else f" ({scripts(s)})") for n, s in SAME_NAME)
     bools = ", ".join(f"`--{flag} true` is `--{flag} {yes}` ({script}), false `{no}`"
                       for (script, flag), (yes, no) in BOOL_VALUES.items())
+    values = "\n".join(f"- `{script}.py --{flag} {value}`: " + (f"`{ours}` here" if ours else f"refused: {note}")
+                       for script, by_flag in TRL_VALUES.items() for flag, table in by_flag.items()
+                       for value, (ours, note) in table.items())
     return (
         "\n".join(lines) + f"\n\nThe same name and meaning here: {same}. TRL's booleans of flags that are not "
-        f"booleans here: {bools}. An ignored flag prints its note; every flag refused is named in one message.")
+        f"booleans here: {bools}. An ignored flag prints its note; every flag refused is named in one message."
+        f"\n\nTRL's values of a flag of ours:\n\n{values}")
 
 
 if __name__ == "__main__":

@@ -46,7 +46,8 @@ REAL_PAIR_FLAGS = ["--max_response_len", "40", "--batch_size", "8", "--steps", "
 # against 36%), so the rollouts would teach about text the greedy answers never contain
 REAL_GRPO_FLAGS = ["--lora", "--prompts_per_step", "6", "--group_size", "8", "--max_new_tokens", str(REAL_NEW_TOKENS),
                    "--temperature", "0.7", "--num_iterations", "1", "--num_mini_batches", "2", "--lr", "5e-4",
-                   "--warmup_steps", "0", "--n_eval", str(REAL_N_EVAL)]
+                   "--warmup_steps", "0", "--n_eval", str(REAL_N_EVAL),
+                   "--beta", "0.04", "--epsilon_high", "0.28"]  # the values docs/smollm2.md's runs were made with
 
 
 REAL_EXAMPLES = 3  # held-out prompts whose greedy answers before and after GRPO are shown
@@ -250,7 +251,7 @@ TOOL_SFT_FLAGS = ["--max_prompt_len", str(TOOL_PROMPT_LEN), "--max_response_len"
 TOOL_GRPO_FLAGS = ["--tools", "calculator", "--max_prompt_len", str(TOOL_PROMPT_LEN), "--max_new_tokens",
                    str(TOOL_NEW_TOKENS), *REAL_GRPO_FLAGS[:1], "--prompts_per_step", "6", "--group_size", "8",
                    "--temperature", "0.7", "--num_iterations", "1", "--num_mini_batches", "2", "--lr", "5e-4",
-                   "--warmup_steps", "0"]
+                   "--warmup_steps", "0", "--beta", "0.04", "--epsilon_high", "0.28"]  # as docs/tools.md's runs were made
 
 
 def tool_dir(runs, *parts):

@@ -115,7 +115,7 @@ def test_every_script_trains_on_conversational_rows(tmp_path, chat_model, capsys
                          eval_dataset=str(tmp_path / "dpo.jsonl"), n_eval_prompts=4,
                          max_response_len=8, **common_args), "loss"),
         (grpo, grpo.Config(dataset=write_jsonl(tmp_path / "grpo.jsonl", prompts), reward_fn="digits",
-                           prompts_per_step=2, group_size=2, max_new_tokens=6, n_eval_pairs=4, **common_args), "kl"),
+                           prompts_per_step=2, group_size=2, max_new_tokens=6, n_eval_pairs=4, **common_args), "loss"),
     ]
     for module, cfg, key in runs:
         cfg.out_dir = str(tmp_path / module.__name__)

@@ -188,7 +188,7 @@ def test_every_script_trains_each_family(family, fmt, folders, files, tmp_path):
         "dpo": dpo.Config(dataset=f["pairs"], eval_dataset=f["pairs"], batch_size=4, n_eval=2, n_eval_prompts=2,
                           max_response_len=8, lr=1e-2, **common_args),
         "grpo": grpo.Config(dataset=f["grpo"], prompts_per_step=2, group_size=2, max_new_tokens=6, n_eval=2,
-                            n_eval_pairs=2, num_iterations=1, num_mini_batches=1, lr=1e-2,
+                            n_eval_pairs=2, num_iterations=1, num_mini_batches=1, lr=1e-2, beta=0.04,
                             entropy_coef=0.01, **common_args),  # a gradient even when every group ties
     }
     start = checkpoint_weights(path, ".")

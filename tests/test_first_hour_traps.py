@@ -14,7 +14,8 @@ from test_edge_cases import run_cli
 
 @pytest.mark.parametrize("script, argv, total", [
     ("sft.py", ["--steps", "3", "--warmup_steps", "3"], "--steps 3 optimizer steps"),
-    ("grpo.py", ["--steps", "1", "--warmup_steps", "4"], "--steps 1 x --num_iterations 2 x --num_mini_batches 2 = 4"),
+    ("grpo.py", ["--steps", "1", "--warmup_steps", "4", "--num_iterations", "2", "--num_mini_batches", "2"],
+     "--steps 1 x --num_iterations 2 x --num_mini_batches 2 = 4"),
 ])
 def test_a_warmup_the_run_never_gets_past_is_refused_before_anything_is_written(tmp_path, user_models, script, argv,
                                                                                total):
@@ -32,7 +33,7 @@ def test_a_warmup_the_run_never_gets_past_is_refused_before_anything_is_written(
         r.stderr[-2000:]
     assert "never reach --lr 0.001" in r.stderr and not out.exists()
     fits = int(argv[3]) - 1
-    r = run_here([*base, *argv[:3], str(fits)])
+    r = run_here([*base, *argv[:3], str(fits), *argv[4:]])
     assert r.returncode == 0, r.stderr[-2000:]
     lrs = [row["lr"] for row in read_metrics(out) if "lr" in row]
     assert lrs[-1] == pytest.approx(1e-3)  # the peak, reached at the last optimizer step (GRPO logs it)

@@ -148,7 +148,7 @@ def test_the_rollout_and_the_reference_equal_the_per_forward_cast(family, llama,
                 (environment.frozen_in_bf16(model, CPU) if cast_once else contextlib.nullcontext()):
             ids, mask, logps = sampling.generate(model, p_ids, p_mask, 12, eos_id=0, pad_id=0, uniforms=u,
                                                  return_logprobs=True)
-            with environment.reference_context(model, None):
+            with environment.reference_context(model, model):  # ref is model: LoRA's adapters off
                 ids_, attn = torch.cat([p_ids, ids], 1), torch.cat([p_mask, mask], 1)
                 plan = shared_prompt.plan(torch.arange(6)[None], ids_, attn, ids.shape[1], 4, CPU, models=[model])
                 ref = shared_prompt.planned_logprobs(model, ids_, attn, ids.shape[1], plan, CPU)
@@ -169,7 +169,7 @@ def grpo_config(llama, tmp_path, out):
     rows = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"What is {i} + 7?", "reward_fn": "digits"}
                                                     for i in range(8)])
     return grpo.Config(model=llama, dataset=rows, eval_dataset=rows, n_eval=4, prompts_per_step=2, group_size=4,
-                       max_prompt_len=48, lora=True, lora_r=4, steps=2, max_new_tokens=8, num_iterations=1,
+                       max_prompt_len=48, lora=True, lora_r=4, steps=2, max_new_tokens=8, beta=0.04, num_iterations=1,
                        num_mini_batches=2, lr=1e-2, entropy_coef=0.01, warmup_steps=0, eval_every=100,
                        out_dir=str(tmp_path / out))
 

@@ -429,7 +429,7 @@ def test_lora_reference_is_the_base_model():
     with torch.no_grad():
         want = base(input_ids=ids).logits
         adapted = model(input_ids=ids).logits
-        with environment.reference_context(model, None):
+        with environment.reference_context(model, model):  # ref is model: LoRA's adapters off
             disabled = model(input_ids=ids).logits
         merged = model.merge_and_unload()(input_ids=ids).logits
     assert (adapted - want).abs().max() > 1e-2

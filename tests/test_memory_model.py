@@ -71,6 +71,15 @@ def test_estimates_are_within_20_percent_of_the_measured_peaks(capsys):
     ("gpt2", 8, "python", 1, dict(prompts_per_step=8, num_mini_batches=2, max_new_tokens=256), "grpo"),
     ("gpt2", 8, "python", 1, dict(prompts_per_step=8, num_mini_batches=2, max_new_tokens=256, shared_prompt=False),
      "grpo"),
+    # --lora in sft.py, reward.py and dpo.py, under torchrun too: the frozen base (fp32, sharded), the adapters, their
+    # gradients and AdamW's moments alone (a full fine-tune's: the optimizer step 4x the trace's); reward.py's score
+    # head trained whole; dpo.py's live reference the policy with its adapters off (a frozen copy: +2N/W)
+    ("qwen2.5-1.5b", 4, "torchrun", 8, dict(lora=True), "sft"),
+    ("qwen2.5-1.5b", 8, "torchrun", 8, dict(lora=True), "reward"),
+    ("qwen2.5-1.5b", 4, "python", 1, dict(lora=True, precompute_ref=False), "dpo"),
+    # reward.py --lora --activation_checkpointing: no logits to free first, so its peak is a recomputed block's backward
+    # with the adapters' own gradients (left out: 29% under the trace)
+    ("qwen2.5-1.5b", 8, "python", 1, dict(lora=True, ac=True), "reward"),
 ])
 def test_the_gpu_model_is_within_10_percent_of_the_traced_step(shape, layers, launcher, world, flags, script, capsys):
     """bench/memory.py's GPU model, phase by phase, against bench/memory_trace.py: the script's own
@@ -85,11 +94,13 @@ def test_the_gpu_model_is_within_10_percent_of_the_traced_step(shape, layers, la
 
 
 def test_the_defaults_are_the_scripts_defaults():
-    """The model's micro-batch comes from each script's Config: grpo.py's 32 prompts x 8 completions,
-    2 mini-batches (16 rows per forward on each of 8 ranks at the defaults), not a separate guess."""
+    """The model's micro-batch comes from each script's Config, at the defaults a model of your own
+    gets: grpo.py's 32 prompts x 8 completions in TRL's one mini-batch (32 rows per forward on each
+    of 8 ranks), not a separate guess."""
     import grpo
+    from plumbing import cli
 
-    cfg = grpo.Config()
+    cfg = cli.with_defaults(grpo.Config(model="mine", dataset="mine.jsonl"))
     s = memory.SHAPES["llama-3-8b"]
     R = 1024
     fb = memory.estimate(s, "grpo", 8, "torchrun", max_new_tokens=R)["forward and backward"]

@@ -242,7 +242,7 @@ def test_packing_pays_where_it_computes_fewer_flops(monkeypatch):
 
 @pytest.mark.parametrize("model", ["tiny", "llama"])
 def test_grpo_padding_free_equals_padded(tmp_path, user_models, model, monkeypatch):
-    """grpo.py at its defaults (2 passes over 2 mini-batches: the reference, old-policy and update
+    """grpo.py at the embedded task's 2 passes over 2 mini-batches (the reference, old-policy and update
     passes), with --grad_accum 2 and --beta 0.05, padding-free against --no-padding_free (prompts
     not shared, which would take every pass here: tests/test_shared_prompt.py has them), on GPT-2
     and on the Llama-shaped model (RoPE, GQA): the same rewards, loss, KL, grad norm every step
@@ -260,7 +260,8 @@ def test_grpo_padding_free_equals_padded(tmp_path, user_models, model, monkeypat
         proc = run_here(["grpo.py", "--model", model if model == "tiny" else user_models[model], "--dataset", data,
                          "--steps", "2", "--prompts_per_step", "4", "--group_size", "4", "--max_new_tokens", "8",
                          "--max_prompt_len", "64", "--grad_accum", "2", "--beta", "0.05", "--lr", "1e-4",
-                         "--warmup_steps", "0", "--eval_every", "100", "--no-shared_prompt", "--out_dir", str(out),
+                         "--num_iterations", "2", "--num_mini_batches", "2", "--no-shared_prompt",
+                         "--warmup_steps", "0", "--eval_every", "100", "--out_dir", str(out),
                          flag])
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "--padding_free off" not in proc.stdout

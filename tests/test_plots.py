@@ -282,6 +282,18 @@ def legend_labels(runs, kind, title):
     return labels
 
 
+def several(runs, kind):
+    """The figure of runs [(label, run_dir)] of one kind (plot.figure_panels, not saved): the runs'
+    legend's labels and the panels' titles."""
+    import matplotlib.pyplot as plt
+
+    fig = plot.figure_panels([(label, plot.read_metrics(d), plot.read_config(d)) for label, d in runs],
+                             plot.PANELS[kind], kind)
+    labels, titles = [t.get_text() for t in fig.legends[0].get_texts()], [ax.get_title() for ax in fig.axes]
+    plt.close(fig)
+    return labels, titles
+
+
 def test_run_labels_are_the_shortest_distinguishing_path_ends(tmp_path):
     assert plot.run_labels(["x/a/run", "y/a/run", "z/b"]) == ["x/a/run", "y/a/run", "b"]
     assert plot.run_labels(["runs/grpo", "runs/dpo"]) == ["grpo", "dpo"]
@@ -303,9 +315,9 @@ def test_several_runs_overlay_labelled_by_folder_and_never_share_a_file(tmp_path
     assert [os.path.basename(p)[:-len("_12345678.png")] for p in paths] == ["a-run+b-run_dpo", "rm_run_rm"]
     for p in paths:
         check_png(p)
-    assert legend_labels([("a/run", a), ("b/run", b)], "dpo", "Loss") == ["a/run", "b/run"]
-    assert legend_labels([("a/run", a), ("b/run", b)], "dpo", "Implicit rewards") == [
-        "a/run: chosen", "a/run: rejected", "b/run: chosen", "b/run: rejected"]
+    labels, titles = several([("a/run", a), ("b/run", b)], "dpo")
+    assert labels == ["a/run", "b/run"]  # one legend, of the runs
+    assert "Implicit rewards: chosen" in titles and "Implicit rewards: rejected" in titles and "Loss" in titles
     alone = [plot.plot_run(d, tmp_path / "same")[0] for d in (a, b)]
     assert len(set(alone)) == 2 and sorted(os.listdir(tmp_path / "same")) == sorted(map(os.path.basename, alone))
     img_a, img_b = (mpimg.imread(p) for p in alone)
@@ -389,3 +401,32 @@ def test_each_reward_function_gets_its_line_under_its_own_name():
             {"step": 2, "rewards/my/len/mean": -0.2, "rewards/accuracy/mean": 0.7, "reward/rule": 1.0}]
     (panel,) = [p for p in plot.expand_panels(plot.PANELS["grpo"], rows) if p[0] == "Each reward"]
     assert panel[2] == [("rewards/accuracy/mean", "accuracy"), ("rewards/my/len/mean", "my/len")]
+
+
+def test_fifty_runs_each_have_their_own_colour_and_style_and_the_legend_covers_no_panel(tmp_path):
+    """50 DPO runs in one figure: tab10's colours alone repeated from the 11th run on, in the same line
+    style, and the legend of 50 lines inside a panel covered it. Now each run's lines, in every panel,
+    have one (colour, dash pattern) pair and no two runs share one; the runs' legend lists all 50 and
+    its box, measured by matplotlib on the drawn figure, overlaps no panel's axes."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_hex
+
+    dirs = [write_run(tmp_path / f"r{i:02d}", "dpo", scale=1 + i / 10) for i in range(50)]
+    runs = [(f"r{i:02d}", plot.read_metrics(d), {}) for i, d in enumerate(dirs)]
+    fig = plot.figure_panels(runs, plot.PANELS["dpo"], "DPO")
+    fig.canvas.draw()
+    pairs = {}
+    for ax in fig.axes:
+        for line in ax.get_lines():
+            if line.get_label().startswith("r"):  # a run's line (not a ceiling)
+                # _unscaled_dash_pattern: the dash pattern as given ("--" and (0, (5, 1)) both read "--" otherwise)
+                pairs.setdefault(line.get_label(), set()).add((to_hex(line.get_color()), line._unscaled_dash_pattern))
+    assert sorted(pairs) == [label for label, _, _ in runs]
+    assert all(len(p) == 1 for p in pairs.values())  # one look per run, in every panel
+    assert len({next(iter(p)) for p in pairs.values()}) == 50  # no two runs alike
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == [label for label, _, _ in runs]
+    box = legend.get_window_extent()
+    assert not any(box.overlaps(ax.get_window_extent()) for ax in fig.axes)
+    plt.close(fig)
+    check_png(plot.plot_runs(dirs, tmp_path / "out")[0])

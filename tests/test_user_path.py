@@ -113,7 +113,8 @@ def grpo_everything(folder, models):
 
 
 def grpo_lr0(folder, models, *extra):
-    return grpo_argv(folder, models, "--reward_model", models["llama_rm"], "--lr", "0", "--steps", "1", *extra)
+    return grpo_argv(folder, models, "--reward_model", models["llama_rm"], "--lr", "0", "--steps", "1", "--beta", "0.04",
+                     "--num_iterations", "2", "--num_mini_batches", "2", *extra)  # a reference, an old policy's pass
 
 
 TWO_RANK_RUNS["grpo_folder"] = grpo_everything
@@ -154,7 +155,7 @@ def test_no_dropout_at_lr_0_under_python(tmp_path, user_models, ac):
     train mode (activation checkpointing needs it): with only nn.Dropout modules zeroed, the KL at
     lr 0 was 1.4e-4 with checkpointing. Two passes over two mini-batches: the old log-probs are a
     forward of their own, so the ratio is computed, not assumed."""
-    rows = run_ok(grpo_lr0(tmp_path, user_models, "--num_iterations", "2", "--num_mini_batches", "2", *ac))
+    rows = run_ok(grpo_lr0(tmp_path, user_models, *ac))
     assert_never_moved(rows)
 
 

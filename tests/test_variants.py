@@ -527,3 +527,135 @@ def test_simpo_loads_no_reference_and_trains(tmp_path, monkeypatch):
     assert refused.returncode != 0 and "drop --ref_model" in refused.stderr and not (tmp_path / "refused").exists()
     rows = read_metrics(out)
     assert rows[-1]["rewards/chosen"] < 0 and rows[-1]["loss"] > 0
+
+
+# -----------------------------------------------------------------------------
+# GRPO's defaults for a model of your own (TRL 1.16's) and TRL's loss_type names
+
+
+def test_each_preset_fills_its_grpo_values_and_says_so():
+    """The embedded task (`--model tiny` or `--dataset sort`) keeps the values its results were made
+    with (beta 0.04, DAPO's clip-higher 0.28, 2 passes of 2 mini-batches, a reference loaded); a
+    model and data of your own get TRL 1.16's (beta 0, epsilon 0.2, one pass of one mini-batch, no
+    reference), named on the banner's defaults line; a flag given is kept; --help gives both values
+    and why."""
+    embedded = cli.with_defaults(grpo.Config(model="tiny", dataset="my.jsonl"))
+    assert (embedded.beta, embedded.epsilon_high, embedded.num_iterations, embedded.num_mini_batches,
+            embedded.reference) == (0.04, 0.28, 2, 2, True)
+    cfg = grpo.Config(model="my-model", dataset="my.jsonl", num_mini_batches=4)
+    line = cli.fill_defaults(cfg)
+    assert (cfg.beta, cfg.epsilon_high, cfg.num_iterations, cfg.num_mini_batches, cfg.reference) == (0.0, 0.2, 1, 4, False)
+    assert "TRL 1.16's" in line and "--beta 0 --epsilon_high 0.2 --num_iterations 1 --no-reference" in line
+    assert "--num_mini_batches" not in line  # given, not filled
+    helps = cli._field_docs(grpo.Config)
+    for flag in ("beta", "epsilon_high", "num_iterations", "num_mini_batches"):
+        assert "embedded task" in helps[flag] and "TRL's default" in helps[flag], flag
+
+
+# TRL 1.16's GRPOTrainer._compute_loss, written out from its source for the loss types here: the policy term,
+# beta x k3 added per token, then each type's aggregation of each micro-batch (over `ga` accumulation steps of
+# `n_proc` processes, whose gradients DDP averages); the global accumulated batch's tokens for dapo and cispo
+def trl_loss(loss_type, logps, old, ref, adv, mask, beta, eps_low, eps_high, max_len, n_proc=2, ga=2,
+             sapo_temps=(1.0, 1.05)):
+    per, total, num_items = logps.shape[0] // (n_proc * ga), 0.0, mask.sum()
+    for k in range(n_proc * ga):
+        r = slice(k * per, (k + 1) * per)
+        lp, a, m = logps[r], adv[r][:, None], mask[r]
+        coef_1 = torch.exp(lp - old[r])
+        if loss_type == "cispo":
+            ptl = -torch.clamp(coef_1, max=eps_high).detach() * a * lp
+        elif loss_type == "sapo":
+            temps = torch.where(a > 0, sapo_temps[0], sapo_temps[1])
+            ptl = -torch.sigmoid(temps * (coef_1 - 1)) * 4 / temps * a
+        else:
+            ptl = -torch.min(coef_1 * a, torch.clamp(coef_1, 1 - eps_low, 1 + eps_high) * a)
+        if beta:
+            ptl = ptl + beta * (torch.exp(ref[r] - lp) - (ref[r] - lp) - 1)
+        if loss_type in ("grpo", "sapo"):
+            loss = ((ptl * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean() / ga
+        elif loss_type == "dr_grpo":
+            loss = (ptl * m).sum() / (per * max_len) / ga
+        else:  # dapo, cispo
+            loss = (ptl * m).sum() / (num_items / n_proc)
+        total = total + loss / n_proc
+    return total
+
+
+TRL_LOSSES = {  # TRL's loss_type -> (its epsilon_high, beta) and what a TRL user passes here for it
+    "dapo": (0.2, 0.04, ["--loss_type", "dapo"]),
+    "dr_grpo": (0.2, 0.04, ["--loss_type", "dr_grpo"]),
+    "grpo": (0.2, 0.04, ["--loss_type", "grpo", "--loss_agg", "seq_mean_token_mean"]),
+    "cispo": (5.0, 0.04, ["--loss_type", "cispo", "--epsilon_high", "5"]),
+    "sapo": (0.2, 0.04, ["--loss_type", "sapo", "--loss_agg", "seq_mean_token_mean"]),
+    "default": (0.2, 0.0, []),  # a model of your own at this project's defaults: TRL's default, dapo at beta 0
+}
+
+
+@pytest.mark.parametrize("name", TRL_LOSSES)
+def test_trls_loss_types_are_the_flags_they_map_to(name):
+    """Each of TRL's GRPO loss types that has an equal here, computed as TRL computes it (trl_loss: 2
+    processes x 2 accumulation steps) and by grpo_loss with the flags its name maps to (translated
+    by the parser: `--loss_type dapo` -> `--loss_agg token_mean`), summed over the same 4
+    micro-batches: the same loss and gradient, exactly."""
+    eps_high, beta, argv = TRL_LOSSES[name]
+    cfg = cli.with_defaults(cli.parse_config(grpo.Config, ["--model", "mine", "--dataset", "mine.jsonl", *argv,
+                                                           "--beta", str(beta)]))
+    assert cfg.epsilon_high == eps_high and cfg.epsilon_low == 0.2
+    g = torch.Generator().manual_seed(1)
+    B, T = 8, 6
+    logps = (-torch.rand(B, T, generator=g, **f64) * 2).requires_grad_()
+    old = logps.detach() + 0.3 * torch.randn(B, T, generator=g, **f64)
+    ref = logps.detach() + 0.3 * torch.randn(B, T, generator=g, **f64)
+    adv = torch.randn(B, generator=g, **f64)
+    mask = (torch.arange(T)[None] < torch.tensor([6, 3, 4, 1, 5, 2, 6, 4])[:, None]).to(torch.float64)
+    trl = trl_loss("dapo" if name == "default" else name, logps, old, ref, adv, mask, beta, 0.2, eps_high, T)
+    normaliser = grpo.loss_normaliser(mask, cfg.loss_agg, T)
+    ours = sum(grpo_loss(logps[r], old[r], ref[r], adv[r], mask[r], normaliser, epsilon_low=cfg.epsilon_low,
+                         epsilon_high=cfg.epsilon_high, beta=cfg.beta, agg=cfg.loss_agg, loss_type=cfg.loss_type)[0]
+               for r in (slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8)))
+    torch.testing.assert_close(ours, trl, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad(ours, logps), grad(trl, logps), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("value, says", [
+    ("bnpo", "--loss_agg token_mean (TRL's dapo) is bnpo exactly where a step is one micro-batch on one process"),
+    ("luspo", "--importance_sampling_level sequence --loss_agg constant"),
+    ("vespo", "no VESPO"),
+])
+def test_trls_loss_types_without_an_equal_are_refused_saying_what_is_nearest(value, says, capsys):
+    for argv in (["--loss_type", value], [f"--loss_type={value}"]):
+        with pytest.raises(SystemExit):
+            cli.parse_config(grpo.Config, argv)
+        err = capsys.readouterr().err
+        assert f"--loss_type {value} is TRL's, with no equal here" in err and says in err, err
+    with pytest.raises(SystemExit):  # a TRL name and the flag it stands for, both given
+        cli.parse_config(grpo.Config, ["--loss_type", "dr_grpo", "--loss_agg", "token_mean"])
+    assert "and --loss_agg is given too: pass one of them" in capsys.readouterr().err
+    # `--loss_type grpo` keeps its meaning here (PPO's term, averaged by --loss_agg), not TRL's per-sequence average
+    cfg = cli.parse_config(grpo.Config, ["--loss_type", "grpo"])
+    assert (cfg.loss_type, cfg.loss_agg) == ("grpo", "token_mean")
+
+
+def test_a_beta_0_run_loads_no_reference_and_beta_above_0_does(tmp_path, monkeypatch):
+    """TRL's default beta 0 for a model of your own: no frozen copy of the policy is made (TRL loads
+    no reference model), the run logs no kl, and says so; with --beta 0.04, or --reference at beta 0
+    (the embedded task's KL study measures a run without a KL term), the copy is made and kl is
+    logged; with --lora and --beta 0.04 the reference is the policy, adapters off: no copy either."""
+    folder = models.load_model("tiny", tasks.char_tokenizer())
+    folder.save_pretrained(tmp_path / "m")
+    tasks.char_tokenizer().save_pretrained(tmp_path / "m")
+    rows = write_jsonl(tmp_path / "p.jsonl", tasks.prompt_rows(32))
+    frozen = []
+    freeze = common.freeze
+    monkeypatch.setattr(common, "freeze", lambda model, *a, **k: frozen.append(model) or freeze(model, *a, **k))
+    for extra, copies, kl in (([], 0, False), (["--beta", "0.04"], 1, True), (["--reference"], 1, True),
+                              (["--beta", "0.04", "--lora", "--lora_r", "4"], 0, True)):
+        frozen.clear()
+        out = tmp_path / f"run{len(extra)}"
+        proc = run_here(["grpo.py", "--model", str(tmp_path / "m"), "--dataset", rows, "--steps", "1",
+                         "--prompts_per_step", "4", "--group_size", "4", "--max_new_tokens", "8", "--max_prompt_len", "32",
+                         "--eval_every", "5", "--out_dir", str(out), *extra])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert len(frozen) == copies, (extra, frozen)
+        assert ("kl" in read_metrics(out)[-1]) == kl, extra
+        assert ("no reference model is loaded" in proc.stdout) == (not extra), proc.stdout

@@ -1,0 +1,278 @@
+"""LoRA (--lora, TRL's --use_peft) in every script: adapters on a frozen model (peft), merged into
+the export (models.merged_state: peft's merge on the gathered state, so it works under FSDP2 too),
+checked against peft's own merge; the dropout of the adapters only where gradients flow; dpo.py's
+reference the same network with its adapters off, precomputed or live; reward.py's score head
+trained whole; resume; 2 processes (FSDP2) against 1; a TRL user's SFT and DPO command lines.
+The runs train the Llama-, Qwen2- and reward-shaped folders of helpers.build_user_models."""
+import copy
+import math
+
+import pytest
+import torch
+
+from helpers import (TWO_RANK_RUNS, chat_rows, checkpoint_weights, ctrl_c_after_first_save, max_abs_diff,
+                     read_metrics, run_here, write_jsonl)
+from plumbing import checkpoints, models
+
+pytest.importorskip("peft")
+
+
+def run_ok(argv):
+    """A script in this process (helpers.run_here); its out_dir's metrics rows."""
+    proc = run_here(argv)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    flag = "--out_dir" if "--out_dir" in argv else "--output_dir"  # TRL's name
+    return read_metrics(argv[argv.index(flag) + 1])
+
+
+def weights(folder):
+    """The tensors of a checkpoint folder (or a model folder), by name."""
+    return checkpoint_weights(folder, name="")
+
+
+def perturbed(model, seed=0):
+    """A LoRA model whose B matrices are random (LoRA starts as the identity), so that merging counts."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return model
+
+
+# -----------------------------------------------------------------------------
+# the export: peft's merge, on the state dict
+
+
+@pytest.mark.parametrize("name", ["llama", "tiny", "llama_rm"])
+def test_the_merged_state_is_peft_merge_and_unload(name, user_models):
+    """models.merged_state (what every export writes: the LoRA model's gathered state, merged on rank
+    0) against peft's own merge_and_unload, on a Llama (q/k/v/o, gate/up/down), GPT-2 (Conv1D, whose
+    weight is (in, out): the delta transposed) and a Llama reward model (its score head trained whole,
+    modules_to_save): the same names as the model before LoRA, the same tensors, and a model built
+    from them computes what the LoRA model computes."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    path = "tiny" if name == "tiny" else user_models[name]
+    tok = models.load_tokenizer(path)
+    kind = "reward" if name == "llama_rm" else "causal"
+    base = models.load_model(path, tok, kind=kind)
+    lora = perturbed(models.add_lora(copy.deepcopy(base), r=4, alpha=8.0))
+    if kind == "reward":  # the score head trains whole: move it too
+        with torch.no_grad():
+            lora.base_model.model.score.modules_to_save["default"].weight.add_(0.5)
+    merged = models.merged_state(lora, lora.state_dict())
+    peft_merged = copy.deepcopy(lora).merge_and_unload().state_dict()
+    assert merged.keys() == peft_merged.keys() == base.state_dict().keys()
+    for k in merged:
+        torch.testing.assert_close(merged[k], peft_merged[k], rtol=0, atol=1e-6, msg=k)
+    changed = [k for k in merged if not torch.equal(merged[k], base.state_dict()[k])]
+    assert changed and all("norm" not in k and "embed" not in k and "wte" not in k for k in changed), changed
+    auto = AutoModelForSequenceClassification if kind == "reward" else AutoModelForCausalLM
+    plain = auto.from_config(base.config)
+    plain.load_state_dict(merged)
+    ids = torch.arange(1, 9)[None] % base.config.vocab_size
+    with torch.no_grad():
+        torch.testing.assert_close(plain(input_ids=ids).logits, lora(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_without_adapters_exports_its_state_as_it_is(user_models):
+    tok = models.load_tokenizer(user_models["llama"])
+    model = models.load_model(user_models["llama"], tok)
+    state = model.state_dict()
+    assert models.merged_state(model, state) is state
+
+
+def test_lora_dropout_drops_in_gradient_passes_only(user_models):
+    """--lora_dropout: the models run in eval mode (dropout off), so peft's nn.Dropout would never
+    drop; models.TrainDropout drops where gradients flow (the update) and never in a pass without
+    them (reference, old log-probs, sampling, evaluation), in either mode."""
+    tok = models.load_tokenizer(user_models["llama"])
+    model = perturbed(models.add_lora(models.load_model(user_models["llama"], tok), 4, 8.0, dropout=0.5))
+    ids = torch.arange(1, 17)[None]
+    for mode in (model.eval, model.train):
+        mode()
+        with torch.no_grad():
+            a, b = model(input_ids=ids).logits, model(input_ids=ids).logits
+        assert torch.equal(a, b)
+        c = model(input_ids=ids).logits.detach()
+        assert (c - a).abs().max() > 1e-3  # dropped: another network than the no-grad pass's
+    with torch.no_grad():  # 0: the same network as the no-grad pass
+        model.eval()
+        a = model(input_ids=ids).logits
+    for m in model.modules():
+        if isinstance(m, models.TrainDropout):
+            m.p = 0.0
+    torch.testing.assert_close(model(input_ids=ids).logits.detach(), a, rtol=0, atol=0)
+
+
+def test_unknown_target_modules_are_named(user_models):
+    tok = models.load_tokenizer(user_models["llama"])
+    with pytest.raises(ValueError, match="--lora_target_modules q_prj"):
+        models.add_lora(models.load_model(user_models["llama"], tok), 4, 8.0, target_modules="q_prj")
+
+
+# -----------------------------------------------------------------------------
+# the scripts on folders of real architectures
+
+
+def sft_argv(folder, user_models, *extra):
+    rows = write_jsonl(folder / "messages.jsonl", chat_rows(32, "sft"))
+    return ["sft.py", "--model", user_models["llama"], "--dataset", rows, "--eval_dataset", rows, "--steps", "3",
+            "--batch_size", "8", "--lr", "1e-2", "--warmup_steps", "0", "--max_prompt_len", "128",
+            "--max_response_len", "16", "--n_eval", "8", "--eval_every", "3", "--lora", "--lora_r", "4",
+            "--out_dir", str(folder / "run"), *extra]
+
+
+def dpo_argv(folder, user_models, *extra):
+    rows = write_jsonl(folder / "pairs.jsonl", chat_rows(32, "preference"))
+    return ["dpo.py", "--model", user_models["qwen2"], "--dataset", rows, "--eval_dataset", rows, "--steps", "3",
+            "--batch_size", "8", "--lr", "1e-2", "--warmup_steps", "0", "--max_prompt_len", "128",
+            "--max_response_len", "16", "--n_eval", "8", "--eval_every", "3", "--lora", "--lora_r", "4",
+            "--out_dir", str(folder / "run"), *extra]
+
+
+def reward_argv(folder, user_models, *extra):
+    rows = write_jsonl(folder / "pairs.jsonl", chat_rows(32, "preference"))
+    return ["reward.py", "--model", user_models["llama"], "--dataset", rows, "--eval_dataset", rows, "--steps", "3",
+            "--batch_size", "8", "--lr", "1e-2", "--warmup_steps", "0", "--max_prompt_len", "128",
+            "--max_response_len", "16", "--n_eval", "8", "--eval_every", "3", "--n_normalize", "8", "--lora",
+            "--lora_r", "4", "--out_dir", str(folder / "run"), *extra]
+
+
+# the 2-rank runs at lr 1e-3: Adam moves an element whose gradient is float noise by lr whatever its sign, so at 1e-2
+# 1 and 2 processes end 2e-5 apart
+TWO_RANKS = {"sft_lora": lambda folder, user_models: sft_argv(folder, user_models, "--lr", "1e-3"),
+             "dpo_lora_live": lambda folder, user_models: dpo_argv(folder, user_models, "--no-precompute_ref", "--lr",
+                                                                   "1e-3"),
+             "reward_lora": lambda folder, user_models: reward_argv(folder, user_models, "--lr", "1e-3")}
+TWO_RANK_RUNS.update(TWO_RANKS)
+
+
+def adapted(name, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")):
+    return name.endswith(".weight") and any(f".{t}." in name for t in lora_targets)
+
+
+def test_sft_lora_exports_the_merged_model_and_trains_only_the_adapted_layers(tmp_path, user_models):
+    """sft.py --lora on the Llama folder: the export is a plain Llama checkpoint (the folder's names,
+    no adapter: AutoModelForCausalLM loads it without peft); every linear layer of the blocks moved,
+    and nothing else did (embeddings, norms and the head frozen)."""
+    from transformers import AutoModelForCausalLM
+
+    rows = run_ok(sft_argv(tmp_path, user_models))
+    assert rows[-1]["loss"] < rows[1]["loss"]
+    after, before = weights(tmp_path / "run" / "checkpoint"), weights(user_models["llama"])
+    assert after.keys() == before.keys()
+    moved = {k for k in after if not torch.equal(after[k], before[k])}
+    assert moved == {k for k in after if adapted(k)}, sorted(moved ^ {k for k in after if adapted(k)})
+    AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint")
+
+
+def test_dpo_lora_reference_is_the_network_with_its_adapters_off(tmp_path, user_models):
+    """dpo.py --lora (no --ref_model): the reference is the policy with its adapters off. Precomputed
+    at the start (adapters still the identity) and live at every step (adapters trained, switched
+    off), the losses agree step for step, and the first is ln 2 (the policy is its reference): a
+    live reference with its adapters on would be the policy itself, loss ln 2 at every step."""
+    (tmp_path / "pre").mkdir(), (tmp_path / "live").mkdir()
+    pre = run_ok(dpo_argv(tmp_path / "pre", user_models))
+    live = run_ok(dpo_argv(tmp_path / "live", user_models, "--no-precompute_ref"))
+    assert pre[1]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert abs(pre[-1]["loss"] - math.log(2)) > 1e-3  # the adapters moved the policy from its reference
+    for a, b in zip(pre, live, strict=True):
+        for key in ("loss", "rewards/margins", "eval/margin", "eval/accuracy"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
+
+
+def test_reward_lora_trains_the_score_head_whole(tmp_path, user_models):
+    """reward.py --lora --lora_target_modules q_proj,v_proj: the new score head trains whole beside
+    the adapters (peft's SEQ_CLS task, modules_to_save, as TRL's reward trainer); without that task
+    the head is frozen and a reward model's scores stay a random projection of what the adapters
+    learn. The export loads as a sequence classifier without peft; its head moved from the one a run
+    at lr 0 exports (the same seed, the same random head), its embeddings did not."""
+    from transformers import AutoModelForSequenceClassification
+
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    targets = ["--lora_target_modules", "q_proj,v_proj"]
+    run_ok(reward_argv(tmp_path / "a", user_models, *targets))
+    run_ok(reward_argv(tmp_path / "b", user_models, *targets, "--lr", "0"))
+    trained, start = weights(tmp_path / "a" / "run" / "checkpoint"), weights(tmp_path / "b" / "run" / "checkpoint")
+    assert trained.keys() == start.keys() and not any("lora" in k or "original_module" in k for k in trained)
+    assert (trained["score.weight"] - start["score.weight"]).abs().max() > 1e-3
+    assert torch.equal(trained["model.embed_tokens.weight"], start["model.embed_tokens.weight"])
+    AutoModelForSequenceClassification.from_pretrained(tmp_path / "a" / "run" / "checkpoint")
+
+
+@pytest.mark.parametrize("name, keys", [
+    ("sft_lora", ("loss", "grad_norm", "eval/loss")),
+    ("dpo_lora_live", ("loss", "rewards/margins", "grad_norm", "eval/margin")),
+    ("reward_lora", ("loss", "accuracy", "grad_norm", "eval/margin", "normalize/mean")),
+])
+def test_two_processes_match_one_with_lora(name, keys, tmp_path, user_models, two_ranks):
+    """FSDP2 over 2 processes, each block's frozen base and adapters sharded together, rank 0 reading
+    the folder and its adapters' initial values broadcast: the same losses, metrics and merged
+    export as 1 process (the export merges the gathered state on rank 0: models.merged_state)."""
+    one = run_ok(TWO_RANKS[name](tmp_path, user_models))
+    two = read_metrics(two_ranks(name) / "run")
+    assert [r["step"] for r in one] == [r["step"] for r in two]
+    for a, b in zip(one, two):
+        for key in keys:
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), (a["step"], key, a[key], b[key])
+    assert max_abs_diff(weights(tmp_path / "run" / "checkpoint"), weights(two_ranks(name) / "run" / "checkpoint")) < 1e-5
+
+
+def test_lora_resumes_and_its_checkpoint_exports_merged(tmp_path, user_models):
+    """sft.py --lora --save_every 2, stopped by a Ctrl-C right after the step-2 checkpoint, resumed:
+    the final export is the uninterrupted run's (adapters and their Adam moments restored, the base
+    untouched); the step-2 checkpoint exports (`python -m plumbing export`) as a plain Llama,
+    adapters merged."""
+    from transformers import AutoModelForCausalLM
+
+    for run in ("full", "resumed"):
+        (tmp_path / run).mkdir()
+    args = ["--steps", "4", "--save_every", "2"]
+    run_ok(sft_argv(tmp_path / "full", user_models, *args))
+    with ctrl_c_after_first_save():
+        killed = run_here(sft_argv(tmp_path / "resumed", user_models, *args))
+    assert killed.returncode == 130, killed.stderr[-2000:]
+    export = checkpoints.export(tmp_path / "resumed" / "run", str(tmp_path / "step2"))
+    step2 = weights(export)
+    assert step2.keys() == weights(user_models["llama"]).keys()
+    assert max_abs_diff(step2, weights(user_models["llama"])) > 1e-4  # two steps of adapters, merged
+    AutoModelForCausalLM.from_pretrained(export)
+    run_ok(sft_argv(tmp_path / "resumed", user_models, *args, "--resume"))
+    assert max_abs_diff(weights(tmp_path / "full" / "run" / "checkpoint"),
+                        weights(tmp_path / "resumed" / "run" / "checkpoint")) < 1e-6
+    a, b = read_metrics(tmp_path / "full" / "run"), read_metrics(tmp_path / "resumed" / "run")
+    assert [r["loss"] for r in a if "loss" in r] == pytest.approx([r["loss"] for r in b if "loss" in r], abs=1e-6)
+
+
+# -----------------------------------------------------------------------------
+# a TRL user's command lines
+
+
+def test_trl_sft_and_dpo_command_lines_with_use_peft_export_merged_models(tmp_path, user_models):
+    """`sft.py` and `dpo.py` as a TRL user writes them (TRL's names: --model_name_or_path,
+    --dataset_name, --use_peft, --lora_r, --lora_alpha, --lora_dropout, --lora_target_modules as a
+    list, --learning_rate, --max_steps, --output_dir): they run, and each exports a merged model
+    that AutoModelForCausalLM loads, in which only the named projections moved."""
+    from transformers import AutoModelForCausalLM
+
+    sft_rows = write_jsonl(tmp_path / "messages.jsonl", chat_rows(32, "sft"))
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", chat_rows(32, "preference"))
+    peft_flags = ["--use_peft", "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0.05",
+                  "--lora_target_modules", "q_proj", "v_proj"]
+    common = ["--learning_rate", "1e-2", "--max_steps", "2", "--max_prompt_length", "128", "--eval_steps", "2",
+              "--warmup_steps", "0"]
+    sft_out, dpo_out = tmp_path / "sft", tmp_path / "dpo"
+    run_ok(["sft.py", "--model_name_or_path", user_models["llama"], "--dataset_name", sft_rows, *peft_flags, *common,
+            "--batch_size", "8", "--output_dir", str(sft_out)])
+    run_ok(["dpo.py", "--model_name_or_path", str(sft_out), "--dataset_name", pairs, *peft_flags, *common,
+            "--batch_size", "8", "--output_dir", str(dpo_out)])
+    for folder, start in ((sft_out, user_models["llama"]), (dpo_out, sft_out / "checkpoint")):
+        after, before = weights(folder / "checkpoint"), weights(start)
+        assert after.keys() == before.keys()
+        moved = {k for k in after if not torch.equal(after[k], before[k])}
+        assert moved == {k for k in after if adapted(k, ("q_proj", "v_proj"))}, sorted(moved)
+        AutoModelForCausalLM.from_pretrained(folder / "checkpoint")
