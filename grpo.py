@@ -179,20 +179,17 @@ class Config(cli.SharedConfig):
     epsilon_low: float = 0.2
     """clip rho below at 1 - epsilon_low [0, 1)"""
     epsilon_high: float | None = None
-    """clip rho above at 1 + epsilon_high: 0.28 on the embedded task, DAPO's clip-higher (arXiv:2503.14476), with
-    which its results were made (docs/results.md); TRL's default for a model of your own, --epsilon_low's 0.2 (a
-    symmetric clip). With --loss_type cispo the IS weight's cap itself, as in TRL (which suggests 5; MiniMax-M1 and
-    verl write the cap as 1 + eps_high) (TRL's name) [>= 0]"""
+    """clip rho above at 1 + epsilon_high: 0.28 on the embedded task (DAPO's clip-higher, arXiv:2503.14476), TRL's
+    0.2 for a model of your own; with --loss_type cispo the IS weight's cap itself, as in TRL (which suggests 5;
+    MiniMax-M1 and verl write 1 + eps_high) (TRL's name) [>= 0]"""
     loss_type: LossType = "grpo"
     """the policy term: grpo (PPO's clipped surrogate), cispo (the clipped IS weight, without gradient, times every
     token's REINFORCE term: arXiv:2506.13585), sapo (a soft gate instead of the clip: arXiv:2511.20347); or (verl's
     values) dppo_tv, dppo_kl (DPPO, arXiv:2602.04879: a token whose probability moved past --epsilon_low /
     --epsilon_high in the advantage's direction, by their difference (TV) or the binary KL, gets no gradient; verl's
     recipe: 0.15 for TV, 0.05 for KL; prime-rl's default loss). How it is averaged is --loss_agg. TRL's loss_type
-    names both: its dapo (its default) and dr_grpo are PPO's term averaged as --loss_agg token_mean and constant,
-    and are taken for those; its grpo averages per sequence (--loss_agg seq_mean_token_mean), as its sapo does; its
-    cispo is ours at --loss_agg token_mean; its bnpo, luspo and vespo have no exact equal here and are refused,
-    saying what is nearest"""
+    names both: its dapo and dr_grpo are taken for --loss_agg token_mean and constant, its grpo and sapo average
+    per sequence (seq_mean_token_mean), its bnpo, luspo and vespo are refused saying what is nearest (trl_flags)"""
     importance_sampling_level: IsLevel = "token"
     """rho per token (PPO), per sequence (GSPO, arXiv:2507.18071: exp of the mean token log-ratio, one per sequence;
     GSPO clips at 3e-4 / 4e-4) (TRL's name and values), or sequence_token (GSPO-token: the sequence's value, each
@@ -233,10 +230,9 @@ class Config(cli.SharedConfig):
     vllm_importance_sampling_clip_min: float | None = None
     """the ratio's lower bound C_min (none: unbounded, TRL's default) (TRL's name) [>= 0]"""
     beta: float | None = None
-    """the KL penalty's coefficient against the reference policy (GRPO Eq. 3): 0.04 on the embedded task,
-    DeepSeekMath's value, with which its results were made; TRL's default for a model of your own, 0: then, as in
-    TRL, no reference model is loaded (less memory, no reference pass; --reference loads one), and the run logs no
-    `kl` and no eval/accuracy of beta log(pi / pi_ref) [>= 0]"""
+    """the KL penalty's coefficient (GRPO Eq. 3): 0.04 on the embedded task (DeepSeekMath's, with which its results
+    were made); for a model of your own TRL's 0, and then, as in TRL, no reference model is loaded (--reference
+    loads one) and the run logs no `kl` nor eval/accuracy [>= 0]"""
     kl_estimator: KlEstimator = "k3"
     """k1, k2, k3, ratio_k1 or ratio_k3 (GRPO Eq. 4 is k3)"""
     kl_in_reward: bool = False
@@ -258,11 +254,10 @@ class Config(cli.SharedConfig):
     steps: int = 20
     """rollouts (each followed by num_iterations x num_mini_batches optimizer steps) [>= 1]"""
     num_iterations: int | None = None
-    """mu: optimisation passes over each rollout: 2 on the embedded task (GRPO's mu > 1: each rollout reused), with
-    which its results were made; TRL's default for a model of your own, 1 [>= 1]"""
+    """mu: optimisation passes over each rollout: 2 on the embedded task, TRL's 1 for a model of your own [>= 1]"""
     num_mini_batches: int | None = None
-    """optimizer steps per pass (the rollout split into this many mini-batches): 2 on the embedded task, with which
-    its results were made; TRL's default for a model of your own, 1 (one optimizer step a rollout) [>= 1]"""
+    """optimizer steps per pass (the rollout split into this many mini-batches): 2 on the embedded task, TRL's 1 (one
+    optimizer step a rollout) for a model of your own [>= 1]"""
     grad_accum: int = 1
     """micro-batches per mini-batch on each rank [>= 1]"""
     shared_prompt: bool | Literal["auto"] = "auto"
@@ -303,20 +298,6 @@ class Config(cli.SharedConfig):
     """where metrics.jsonl and the checkpoint/ folder go"""
     seed: int = 0
     """seed for data order and sampling (the same rollouts on any number of ranks) [0, 4294967295]"""
-
-
-def banner(cfg, d, params, micro, env):
-    """The run's first line: what is trained, on how many ranks, in what batches, from what rewards,
-    and how many of the prompts are cut to --max_prompt_len."""
-    n_cut = int(env.prompt_cut.sum())
-    cut = (f"; {n_cut} of {len(env.prompt_cut)} prompts are longer than --max_prompt_len {cfg.max_prompt_len} tokens "
-           f"and cut from the left (each step's share: prompts/truncated_ratio)") if n_cut else ""
-    return (f"grpo: {sum(p.numel() for p in params) / 1e6:.2f}M trained parameters, world size {d.world_size}"
-            f"{logs.layout(d)}, {cfg.prompts_per_step} prompts x {cfg.group_size} completions per rollout"
-            f"{f' (kept of {cfg.rs_samples})' if cfg.rs_samples else ''}, {cfg.num_iterations} pass(es) x "
-            f"{cfg.num_mini_batches} mini-batch(es) of {micro * cfg.grad_accum} x {cfg.grad_accum} micro per "
-            f"rank, rewards {env.weights}{f', tool {cfg.tools} (<= {cfg.max_tool_calls} calls)' if cfg.tools else ''}"
-            f"{cut}")
 
 
 # -----------------------------------------------------------------------------
@@ -734,7 +715,7 @@ def main(cfg):
                                                  cfg.steps * n_updates)
     n_local, rows_local = cfg.prompts_per_step // d.world_size, cfg.prompts_per_step // d.world_size * cfg.group_size
     micro = rows_local // cfg.num_mini_batches // cfg.grad_accum  # rows per forward on this rank
-    common.print0(banner(cfg, d, params, micro, env))
+    common.print0(logs.grpo_banner(cfg, d, params, micro, env))
     fast = speed.choose(cfg, d, job.choices, model, functools.partial(speed.rollout_sample, env, cfg, micro, d),
                         models_=[env.teacher])  # --padding_free, --shared_prompt, --compile: auto, per device
     env.compile, n_rows = fast["compile"], rows_local * d.world_size  # sequences in the global batch

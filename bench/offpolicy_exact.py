@@ -37,6 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo  # noqa: E402
 import sampling  # noqa: E402
+from plumbing import cli  # noqa: E402
 
 # the gaps: the sampler's setting at each size; the trainer at temperature 1, truncating only where it replays
 GAPS = {
@@ -118,7 +119,8 @@ def training_loss(flags, old="trainer"):
     weights from grpo.policy_weights (the loop's own call), under grpo.py's flags and these.
     old: the policy of the ratio, the trainer's own in one pass (old = logps.detach(), grpo.py's
     departure 3), or the sampler's log-probs (prime-rl's DPPO, whose old policy is the sampler's)."""
-    cfg = dataclasses.replace(grpo.Config(), **{"vllm_importance_sampling_correction": False, **flags})
+    cfg = dataclasses.replace(cli.with_defaults(grpo.Config()),
+                              **{"vllm_importance_sampling_correction": False, **flags})
 
     def loss(logps, rollout_logps, A, mask):
         old_logps = logps.detach() if old == "trainer" else rollout_logps
@@ -135,7 +137,7 @@ def is_mode(mode, clip_min=None, clip_max=None):
                 vllm_importance_sampling_clip_min=clip_min, vllm_importance_sampling_clip_max=clip_max)
 
 
-_D = grpo.Config()  # grpo.py's defaults
+_D = cli.with_defaults(grpo.Config())  # grpo.py's defaults (the embedded task's)
 # name: (its loss, whether the trainer replays the sampler's truncation on its own logits: --sampling_replay)
 CORRECTIONS = {
     "none": (training_loss({}), False),

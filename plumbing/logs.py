@@ -224,6 +224,20 @@ def layout(d):
     return f" (HSDP: {d.mesh.shape[0]} replicas x {d.mesh.shape[1]} shards)"
 
 
+def grpo_banner(cfg, d, params, micro, env):
+    """grpo.py's first line: what is trained, on how many ranks, in what batches, from what rewards,
+    and how many of the prompts are cut to --max_prompt_len."""
+    n_cut = int(env.prompt_cut.sum())
+    cut = (f"; {n_cut} of {len(env.prompt_cut)} prompts are longer than --max_prompt_len {cfg.max_prompt_len} tokens "
+           f"and cut from the left (each step's share: prompts/truncated_ratio)") if n_cut else ""
+    return (f"grpo: {sum(p.numel() for p in params) / 1e6:.2f}M trained parameters, world size {d.world_size}"
+            f"{layout(d)}, {cfg.prompts_per_step} prompts x {cfg.group_size} completions per rollout"
+            f"{f' (kept of {cfg.rs_samples})' if cfg.rs_samples else ''}, {cfg.num_iterations} pass(es) x "
+            f"{cfg.num_mini_batches} mini-batch(es) of {micro * cfg.grad_accum} x {cfg.grad_accum} micro per "
+            f"rank, rewards {env.weights}{f', tool {cfg.tools} (<= {cfg.max_tool_calls} calls)' if cfg.tools else ''}"
+            f"{cut}")
+
+
 class Clock:
     """Each phase's wall time and peak GPU memory within a step, read off a script's loop without
     timers in it: `clock.split("rollout")` ends the phase "rollout" (after the device's queued work:

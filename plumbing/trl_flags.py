@@ -97,7 +97,8 @@ TRL_FLAGS = [
      "no padding computed, each row attending to itself alone"),
     ("lora_task_type", ALL, None, "set by the script here: a causal LM's adapters, and for reward.py peft's SEQ_CLS "
      "task (its score head trained whole)"),
-    ("lora_modules_to_save", ALL, None, "no modules trained whole beside the adapters here, but reward.py's score head"),
+    ("lora_modules_to_save", ALL, "lora", "no modules trained whole beside the adapters here, but reward.py's score "
+     "head"),
     ("use_rslora", ALL, None, "LoRA's scale is --lora_alpha / --lora_r here: for rsLoRA's alpha / sqrt(r), pass "
      "--lora_alpha = alpha x sqrt(r) (alpha 16 at r 64: --lora_alpha 128)"),
     ("use_dora", ALL, None, "no DoRA here: LoRA's adapters alone (--lora)"),
@@ -121,9 +122,10 @@ ACCEPTED = {"logging_steps": None, "logging_strategy": ("steps",), "logging_firs
             "lr_scheduler_type": ("cosine",), "bf16": None, "fp16": None, "save_strategy": ("steps",),
             "save_total_limit": None, "eval_strategy": ("steps",), "dataset_train_split": ("train",),
             "dataset_text_field": ("text",), "dataloader_num_workers": None, "push_to_hub": FALSE, "use_vllm": None,
-            "assistant_only_loss": TRUE, "completion_only_loss": TRUE, "packing": FALSE}
+            "assistant_only_loss": TRUE, "completion_only_loss": TRUE, "packing": FALSE,
+            "lora_task_type": ("causal_lm", "seq_cls"), "use_rslora": FALSE, "use_dora": FALSE}
 TRL_BOOLS = {"logging_first_step", "bf16", "fp16", "push_to_hub", "use_vllm", "assistant_only_loss",
-             "completion_only_loss", "packing"}  # TRL's bools among them: bare, `--bf16` is true
+             "completion_only_loss", "packing", "use_rslora", "use_dora"}  # TRL's bools among them: bare, `--bf16` is true
 
 # Flags of ours named as TRL's whose TRL type is a bool: TRL's true and false, as its parser reads them, are
 # these values (--log_completions 4 logs 4 completions a step here; TRL's --log_completions true logs them)

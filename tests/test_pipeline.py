@@ -145,28 +145,35 @@ def test_verifier_pairs_take_the_first_right_and_the_first_wrong_answer():
 
 
 def test_the_real_model_table_from_synthetic_runs(tmp_path):
-    """Before -> after of every GRPO seed on its own held-out prompts, mean ± std of the gains;
-    the learned-reward run and DPO beside them; the GRPO runs read from their own folders."""
+    """Before -> after of every GRPO seed on its own held-out prompts, mean ± std of the gains; the
+    learned-reward runs, the reward models and DPO over the seeds beside them (DPO's gain from each
+    seed's own start); every run read from its own folder."""
     cfg = pipeline.Config(runs=str(tmp_path), smollm2=True, real_seeds=3, real_steps=4, plots=False)
     evals = {0: (0.30, 0.50), 1: (0.40, 0.45), 2: (0.35, 0.60)}
-    for d in ("grpo/seed0", "grpo/seed1", "grpo/seed2", "grpo_rm", "rm", "dpo"):
-        os.makedirs(tmp_path / "smollm2" / d)
-    for seed, (before, after) in evals.items():
-        rows = [{"step": 0, "eval/gold_reward": before}, {"step": 2, "eval/gold_reward": 0.9},
-                {"step": 4, "eval/gold_reward": after}]
-        write_jsonl(tmp_path / "smollm2" / "grpo" / f"seed{seed}" / "metrics.jsonl", rows)
-    write_jsonl(tmp_path / "smollm2" / "grpo_rm" / "metrics.jsonl",
-                [{"step": 0, "eval/gold_reward": 0.3}, {"step": 4, "eval/gold_reward": 0.2}])
-    write_jsonl(tmp_path / "smollm2" / "rm" / "metrics.jsonl", [{"step": 24, "eval/accuracy": 0.75}])
-    write_jsonl(tmp_path / "smollm2" / "dpo" / "metrics.jsonl", [{"step": 24, "eval/accuracy": 0.6}])
-    (tmp_path / "smollm2" / "eval.json").write_text(json.dumps({"dpo_accuracy": 0.42, "examples": []}))
+    rm_evals = {0: (0.30, 0.20), 1: (0.40, 0.40), 2: (0.35, 0.30)}
+    for seed in evals:
+        for kind, (before, after) in (("grpo", evals[seed]), ("grpo_rm", rm_evals[seed])):
+            os.makedirs(tmp_path / "smollm2" / kind / f"seed{seed}")
+            rows = [{"step": 0, "eval/gold_reward": before}, {"step": 2, "eval/gold_reward": 0.9},
+                    {"step": 4, "eval/gold_reward": after}]
+            write_jsonl(tmp_path / "smollm2" / kind / f"seed{seed}" / "metrics.jsonl", rows)
+        for kind, acc in (("rm", 0.70 + 0.05 * seed), ("dpo", 0.60)):
+            os.makedirs(tmp_path / "smollm2" / kind / f"seed{seed}")
+            write_jsonl(tmp_path / "smollm2" / kind / f"seed{seed}" / "metrics.jsonl", [{"step": 24, "eval/accuracy": acc}])
+    (tmp_path / "smollm2" / "eval.json").write_text(json.dumps({"dpo_accuracy": [0.42, 0.50, 0.47], "examples": []}))
     table, curves, _ = smollm2.real_results(cfg, {})
+
+    def cell(values):
+        mean = sum(values) / len(values)
+        return f"{mean:.3f} ± {math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)):.3f}"
+
     gains = [0.20, 0.05, 0.25]
-    mean, std = sum(gains) / 3, math.sqrt(sum((g - sum(gains) / 3) ** 2 for g in gains) / 2)
-    assert f"0.350 ± 0.050 -> 0.517 ± 0.076 (gain {mean:.3f} ± {std:.3f})" in table
-    assert "| 0.750 |" in table and "0.300 -> 0.420" in table and "0.300 -> 0.200" in table
+    assert f"0.350 ± 0.050 -> 0.517 ± 0.076 (gain {cell(gains)})" in table
+    assert f"| {cell([0.70, 0.75, 0.80])} |" in table  # the reward models' pairwise accuracy
+    assert f"0.350 ± 0.050 -> {cell([0.42, 0.50, 0.47])} (gain {cell([0.12, 0.10, 0.12])})" in table  # DPO
+    assert f"0.350 ± 0.050 -> {cell([0.20, 0.40, 0.30])} (gain {cell([-0.10, 0.0, -0.05])})" in table  # learned reward
     assert curves["grpo_by_seed"] == [[0.3, 0.9, 0.5], [0.4, 0.9, 0.45], [0.35, 0.9, 0.6]]
-    assert curves["steps"] == [0, 2, 4]
+    assert curves["grpo_rm_by_seed"][1] == [0.4, 0.9, 0.4] and curves["steps"] == [0, 2, 4]
 
 
 def test_the_real_model_pipeline_without_the_package_names_the_pip_line(tmp_path, monkeypatch):
