@@ -5,16 +5,20 @@ the same choice on every rank and on --resume, said on the run's first lines and
 The GPU's rule runs here on CPU tensors with the device check and the clock faked: what it decides from
 given times is what is tested; what the times are on a GPU is bench/gpu_check.py's to measure."""
 import json
+from types import SimpleNamespace
 
+import datasets
 import pytest
 import torch
 
 import common
 import dpo
 import grpo
+import sampling
 import sft
+import tasks
 from helpers import ctrl_c_after_first_save, read_metrics, run_here, run_script, write_jsonl
-from plumbing import cli, speed
+from plumbing import cli, models, speed
 
 CPU = common.Dist()
 CUDA_PYTHON = common.Dist()
@@ -49,9 +53,6 @@ def test_on_a_cpu_auto_is_the_flop_rule_and_no_compile():
 
 
 def _tiny():
-    from plumbing import models
-    import tasks
-
     return models.load_model("tiny", tasks.char_tokenizer())
 
 
@@ -153,3 +154,20 @@ def test_a_run_records_its_choices_and_a_resume_keeps_them(tmp_path, monkeypatch
     assert "--padding_free false (as the run it resumes chose: timed on the first micro-batch" in resumed.stdout
     assert not packs and [r["step"] for r in read_metrics(tmp_path / "run")][-1] == 4
     assert json.loads((tmp_path / "run" / "run_config.json").read_text())["choices"]["padding_free"]["value"] is False
+
+
+def test_grpo_times_a_micro_batch_shaped_as_its_first():
+    """speed.rollout_sample, what a GPU times for grpo.py before its first rollout: the first prompts,
+    group_size / num_mini_batches rows of each (as the deal puts a group's rows in a mini-batch), the
+    micro-batch's rows, responses of random lengths up to --max_new_tokens after each prompt."""
+    tok = tasks.char_tokenizer()
+    prompts = [f"sort {' '.join('3' * k)} =" for k in range(3, 9)]
+    env = SimpleNamespace(prompts=datasets.Dataset.from_dict({"prompt": prompts}), tokenizer=tok)
+    cfg = cli.with_defaults(grpo.Config(group_size=8, num_mini_batches=2, max_new_tokens=12, max_prompt_len=32))
+    ids, attn, resp = speed.rollout_sample(env, cfg, micro=10, d=CPU)
+    P = ids.shape[1] - resp.shape[1]
+    assert ids.shape[0] == 10 and resp.shape[1] <= 12 and 1 <= resp.sum(-1).min()
+    for i in range(10):  # rows 0-3 the first prompt, 4-7 the second, 8-9 the third
+        want = sampling.encode_prompts(tok, [prompts[i // 4]], 32)[0][0]
+        assert ids[i, P - len(want):].tolist() == want and attn[i, :P].sum() == len(want)
+    assert (resp.sum(-1) != resp.sum(-1)[0]).any()  # lengths drawn, not all the longest
