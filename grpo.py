@@ -180,7 +180,7 @@ class Config(cli.SharedConfig):
     """clip rho below at 1 - epsilon_low [0, 1)"""
     epsilon_high: float | None = None
     """clip rho above at 1 + epsilon_high: 0.28 on the embedded task (DAPO's clip-higher, arXiv:2503.14476), TRL's
-    0.2 for a model of your own; with --loss_type cispo the IS weight's cap itself, as in TRL (which suggests 5;
+    default 0.2 for your own model; with --loss_type cispo the IS weight's cap itself, as in TRL (which suggests 5;
     MiniMax-M1 and verl write 1 + eps_high) (TRL's name) [>= 0]"""
     loss_type: LossType = "grpo"
     """the policy term: grpo (PPO's clipped surrogate), cispo (the clipped IS weight, without gradient, times every
@@ -231,7 +231,7 @@ class Config(cli.SharedConfig):
     """the ratio's lower bound C_min (none: unbounded, TRL's default) (TRL's name) [>= 0]"""
     beta: float | None = None
     """the KL penalty's coefficient (GRPO Eq. 3): 0.04 on the embedded task (DeepSeekMath's, with which its results
-    were made); for a model of your own TRL's 0, and then, as in TRL, no reference model is loaded (--reference
+    were made); for a model of your own TRL's default 0, and then, as in TRL, no reference model is loaded (--reference
     loads one) and the run logs no `kl` nor eval/accuracy [>= 0]"""
     kl_estimator: KlEstimator = "k3"
     """k1, k2, k3, ratio_k1 or ratio_k3 (GRPO Eq. 4 is k3)"""
@@ -254,10 +254,10 @@ class Config(cli.SharedConfig):
     steps: int = 20
     """rollouts (each followed by num_iterations x num_mini_batches optimizer steps) [>= 1]"""
     num_iterations: int | None = None
-    """mu: optimisation passes over each rollout: 2 on the embedded task, TRL's 1 for a model of your own [>= 1]"""
+    """mu: passes over each rollout: 2 on the embedded task, TRL's default 1 for a model of your own [>= 1]"""
     num_mini_batches: int | None = None
-    """optimizer steps per pass (the rollout split into this many mini-batches): 2 on the embedded task, TRL's 1 (one
-    optimizer step a rollout) for a model of your own [>= 1]"""
+    """optimizer steps per pass (the rollout split into this many mini-batches): 2 on the embedded task, TRL's
+    default 1 (one optimizer step a rollout) for a model of your own [>= 1]"""
     grad_accum: int = 1
     """micro-batches per mini-batch on each rank [>= 1]"""
     shared_prompt: bool | Literal["auto"] = "auto"

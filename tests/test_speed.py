@@ -169,5 +169,5 @@ def test_grpo_times_a_micro_batch_shaped_as_its_first():
     assert ids.shape[0] == 10 and resp.shape[1] <= 12 and 1 <= resp.sum(-1).min()
     for i in range(10):  # rows 0-3 the first prompt, 4-7 the second, 8-9 the third
         want = sampling.encode_prompts(tok, [prompts[i // 4]], 32)[0][0]
-        assert ids[i, P - len(want):].tolist() == want and attn[i, :P].sum() == len(want)
+        assert ids[i, P - len(want):P].tolist() == want and attn[i, :P].sum() == len(want)
     assert (resp.sum(-1) != resp.sum(-1)[0]).any()  # lengths drawn, not all the longest
