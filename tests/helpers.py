@@ -10,6 +10,7 @@ name `conftest` that every conftest.py outside a package shares, and under
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -120,6 +121,19 @@ def ctrl_c_after_first_save():
     with pytest.MonkeyPatch.context() as m:
         m.setattr(checkpoints, "save_checkpoint", saving)
         yield
+
+
+def start_as_a_terminal_does(argv, env, folder):
+    """`python ARGV` started in a session of its own with SIGINT at its default, as a terminal starts
+    it (a suite run as `cmd &` has SIGINT ignored, and an ignored signal stays ignored in a child);
+    its output to FOLDER/out and FOLDER/err. Returns the Popen."""
+    sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with open(folder / "out", "w") as out, open(folder / "err", "w") as err:
+            return subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=out, stderr=err,
+                                    start_new_session=True)
+    finally:
+        signal.signal(signal.SIGINT, sigint)
 
 
 def run_many(runs, results, nproc=2, timeout=600):

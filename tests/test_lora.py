@@ -116,36 +116,24 @@ def test_unknown_target_modules_are_named(user_models):
 # the scripts on folders of real architectures
 
 
-def sft_argv(folder, user_models, *extra):
-    rows = write_jsonl(folder / "messages.jsonl", chat_rows(32, "sft"))
-    return ["sft.py", "--model", user_models["llama"], "--dataset", rows, "--eval_dataset", rows, "--steps", "3",
+LORA_RUNS = {"sft": ("messages.jsonl", "sft", "llama", ()), "dpo": ("pairs.jsonl", "preference", "qwen2", ()),
+             "reward": ("pairs.jsonl", "preference", "llama", ("--n_normalize", "8"))}
+
+
+def lora_argv(script, folder, user_models, *extra):
+    """SCRIPT with --lora r 4 on 32 chat rows of its kind, a folder model (sft, reward: Llama; dpo: Qwen2)."""
+    name, kind, model, own = LORA_RUNS[script]
+    rows = write_jsonl(folder / name, chat_rows(32, kind))
+    return [f"{script}.py", "--model", user_models[model], "--dataset", rows, "--eval_dataset", rows, "--steps", "3",
             "--batch_size", "8", "--lr", "1e-2", "--warmup_steps", "0", "--max_prompt_len", "128",
-            "--max_response_len", "16", "--n_eval", "8", "--eval_every", "3", "--lora", "--lora_r", "4",
+            "--max_response_len", "16", "--n_eval", "8", "--eval_every", "3", *own, "--lora", "--lora_r", "4",
             "--out_dir", str(folder / "run"), *extra]
 
 
-def dpo_argv(folder, user_models, *extra):
-    rows = write_jsonl(folder / "pairs.jsonl", chat_rows(32, "preference"))
-    return ["dpo.py", "--model", user_models["qwen2"], "--dataset", rows, "--eval_dataset", rows, "--steps", "3",
-            "--batch_size", "8", "--lr", "1e-2", "--warmup_steps", "0", "--max_prompt_len", "128",
-            "--max_response_len", "16", "--n_eval", "8", "--eval_every", "3", "--lora", "--lora_r", "4",
-            "--out_dir", str(folder / "run"), *extra]
-
-
-def reward_argv(folder, user_models, *extra):
-    rows = write_jsonl(folder / "pairs.jsonl", chat_rows(32, "preference"))
-    return ["reward.py", "--model", user_models["llama"], "--dataset", rows, "--eval_dataset", rows, "--steps", "3",
-            "--batch_size", "8", "--lr", "1e-2", "--warmup_steps", "0", "--max_prompt_len", "128",
-            "--max_response_len", "16", "--n_eval", "8", "--eval_every", "3", "--n_normalize", "8", "--lora",
-            "--lora_r", "4", "--out_dir", str(folder / "run"), *extra]
-
-
-# the 2-rank runs at lr 1e-3: Adam moves an element whose gradient is float noise by lr whatever its sign, so at 1e-2
-# 1 and 2 processes end 2e-5 apart
-TWO_RANKS = {"sft_lora": lambda folder, user_models: sft_argv(folder, user_models, "--lr", "1e-3"),
-             "dpo_lora_live": lambda folder, user_models: dpo_argv(folder, user_models, "--no-precompute_ref", "--lr",
-                                                                   "1e-3"),
-             "reward_lora": lambda folder, user_models: reward_argv(folder, user_models, "--lr", "1e-3")}
+TWO_RANKS = {"sft_lora": lambda folder, models: lora_argv("sft", folder, models, "--lr", "1e-3"),
+             "dpo_lora_live": lambda folder, models: lora_argv("dpo", folder, models, "--no-precompute_ref",
+                                                               "--lr", "1e-3"),
+             "reward_lora": lambda folder, models: lora_argv("reward", folder, models, "--lr", "1e-3")}
 TWO_RANK_RUNS.update(TWO_RANKS)
 
 
@@ -159,7 +147,7 @@ def test_sft_lora_exports_the_merged_model_and_trains_only_the_adapted_layers(tm
     and nothing else did (embeddings, norms and the head frozen)."""
     from transformers import AutoModelForCausalLM
 
-    rows = run_ok(sft_argv(tmp_path, user_models))
+    rows = run_ok(lora_argv("sft", tmp_path, user_models))
     assert rows[-1]["loss"] < rows[1]["loss"]
     after, before = weights(tmp_path / "run" / "checkpoint"), weights(user_models["llama"])
     assert after.keys() == before.keys()
@@ -174,8 +162,8 @@ def test_dpo_lora_reference_is_the_network_with_its_adapters_off(tmp_path, user_
     off), the losses agree step for step, and the first is ln 2 (the policy is its reference): a
     live reference with its adapters on would be the policy itself, loss ln 2 at every step."""
     (tmp_path / "pre").mkdir(), (tmp_path / "live").mkdir()
-    pre = run_ok(dpo_argv(tmp_path / "pre", user_models))
-    live = run_ok(dpo_argv(tmp_path / "live", user_models, "--no-precompute_ref"))
+    pre = run_ok(lora_argv("dpo", tmp_path / "pre", user_models))
+    live = run_ok(lora_argv("dpo", tmp_path / "live", user_models, "--no-precompute_ref"))
     assert pre[1]["loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert abs(pre[-1]["loss"] - math.log(2)) > 1e-3  # the adapters moved the policy from its reference
     for a, b in zip(pre, live, strict=True):
@@ -194,8 +182,8 @@ def test_reward_lora_trains_the_score_head_whole(tmp_path, user_models):
 
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     targets = ["--lora_target_modules", "q_proj,v_proj"]
-    run_ok(reward_argv(tmp_path / "a", user_models, *targets))
-    run_ok(reward_argv(tmp_path / "b", user_models, *targets, "--lr", "0"))
+    run_ok(lora_argv("reward", tmp_path / "a", user_models, *targets))
+    run_ok(lora_argv("reward", tmp_path / "b", user_models, *targets, "--lr", "0"))
     trained, start = weights(tmp_path / "a" / "run" / "checkpoint"), weights(tmp_path / "b" / "run" / "checkpoint")
     assert trained.keys() == start.keys() and not any("lora" in k or "original_module" in k for k in trained)
     assert (trained["score.weight"] - start["score.weight"]).abs().max() > 1e-3
@@ -232,16 +220,16 @@ def test_lora_resumes_and_its_checkpoint_exports_merged(tmp_path, user_models):
     for run in ("full", "resumed"):
         (tmp_path / run).mkdir()
     args = ["--steps", "4", "--save_every", "2"]
-    run_ok(sft_argv(tmp_path / "full", user_models, *args))
+    run_ok(lora_argv("sft", tmp_path / "full", user_models, *args))
     with ctrl_c_after_first_save():
-        killed = run_here(sft_argv(tmp_path / "resumed", user_models, *args))
+        killed = run_here(lora_argv("sft", tmp_path / "resumed", user_models, *args))
     assert killed.returncode == 130, killed.stderr[-2000:]
     export = checkpoints.export(tmp_path / "resumed" / "run", str(tmp_path / "step2"))
     step2 = weights(export)
     assert step2.keys() == weights(user_models["llama"]).keys()
     assert max_abs_diff(step2, weights(user_models["llama"])) > 1e-4  # two steps of adapters, merged
     AutoModelForCausalLM.from_pretrained(export)
-    run_ok(sft_argv(tmp_path / "resumed", user_models, *args, "--resume"))
+    run_ok(lora_argv("sft", tmp_path / "resumed", user_models, *args, "--resume"))
     assert max_abs_diff(weights(tmp_path / "full" / "run" / "checkpoint"),
                         weights(tmp_path / "resumed" / "run" / "checkpoint")) < 1e-6
     a, b = read_metrics(tmp_path / "full" / "run"), read_metrics(tmp_path / "resumed" / "run")

@@ -10,12 +10,10 @@ is named."""
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
-from helpers import ROOT, SUBPROCESS_ENV, run_here, run_script, write_jsonl
+from helpers import ROOT, SUBPROCESS_ENV, run_here, run_script, start_as_a_terminal_does, write_jsonl
 from test_tool_safety import gone, marked, our_processes
 
 import data
@@ -117,21 +115,13 @@ def test_grpo_stops_at_reward_fn_timeout_and_a_keyboard_interrupt_of_a_function_
 
 
 def start_grpo(tmp, argv):
-    """`python grpo.py ARGV` in a session of its own, as a terminal runs it, with SIGINT at its
-    default (a suite run as `cmd &` has it ignored, and an ignored signal stays ignored in a
-    child); its environment names $REWARD_TEST_DIR (tmp/markers, where its function marks what it
+    """`python grpo.py ARGV` as a terminal starts it (helpers.start_as_a_terminal_does); its
+    environment names $REWARD_TEST_DIR (tmp/markers, where its function marks what it
     does) and puts tests/ on the path. Returns the process and its environment's marker."""
     (tmp / "markers").mkdir()
     marker = f"REWARD_TEST_DIR={tmp / 'markers'}"
     env = {**SUBPROCESS_ENV, "REWARD_TEST_DIR": str(tmp / "markers"), "PYTHONPATH": os.path.join(ROOT, "tests")}
-    sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        with open(tmp / "out", "w") as out, open(tmp / "err", "w") as err:
-            proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=out, stderr=err,
-                                    start_new_session=True)
-    finally:
-        signal.signal(signal.SIGINT, sigint)
-    return proc, marker
+    return start_as_a_terminal_does(argv, env, tmp), marker
 
 
 @pytest.fixture

@@ -9,12 +9,10 @@ import concurrent.futures
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
-from helpers import ROOT, SUBPROCESS_ENV, TWO_RANK_RUNS, read_metrics, run_here
+from helpers import ROOT, SUBPROCESS_ENV, TWO_RANK_RUNS, read_metrics, run_here, start_as_a_terminal_does
 from test_grpo import grpo_argv, write_digits_prompts
 from test_grpo_tools import tool_flags
 
@@ -174,13 +172,7 @@ def blocked_grpo(tmp_path_factory, user_models):
     (tmp / "markers").mkdir()
     env = {**SUBPROCESS_ENV, "TOOL_TEST_DIR": str(tmp / "markers"), "PYTHONPATH": os.path.join(ROOT, "tests")}
     argv = grpo_argv(tmp / "run", *tool_flags(tmp, user_models), "--tools", "misbehaving_tools:blocks")
-    sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        with open(tmp / "out", "w") as out, open(tmp / "err", "w") as err:
-            proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=out, stderr=err,
-                                    start_new_session=True)
-    finally:
-        signal.signal(signal.SIGINT, sigint)
+    proc = start_as_a_terminal_does(argv, env, tmp)
     yield proc, tmp
     if proc.poll() is None:  # the Ctrl-C test did not run, or failed
         os.killpg(proc.pid, signal.SIGKILL)
