@@ -25,7 +25,7 @@ to runs/results.md, every seed's figures to runs/results.json, the plots to runs
     python pipeline.py --seeds 3 --kl_compare --overopt    # the README's tables, about 50 minutes
     python pipeline.py --redo dpo,grpo_rm                  # run these stages again (or --redo all)
     python pipeline.py --variants                          # + the variants, about 32 minutes
-    python pipeline.py --smollm2                           # RUNS/smollm2/, about 38 minutes
+    python pipeline.py --smollm2                           # RUNS/smollm2/, about 53 minutes (3 seeds)
     python pipeline.py --smollm2_tools                     # RUNS/smollm2/tools/, about 30 minutes
     python pipeline.py --smollm2_distill                   # RUNS/smollm2/distill/
 """
