@@ -318,10 +318,13 @@ def race(algo, shape, plan, device, peak, work, trl):
 
 @contextlib.contextmanager
 def _in_process():
-    """trl_compare's runs of our scripts in this process (gpu_check.launch), peak RSS the process's."""
+    """trl_compare's runs of our scripts in this process (gpu_check.launch), peak RSS the process's;
+    TRL's side (bench/trl_compare.py --child, where TRL is installed) in its own process, as on a GPU."""
     import resource
 
     def run_case(argv, log_path):
+        if os.path.dirname(argv[0]):  # not one of the top-level scripts
+            return saved(argv, log_path)
         if gpu_check.launch(argv[0], argv[1:], log_path, "python", in_process=True) != 0:
             with open(log_path) as f:
                 raise RuntimeError(f"{' '.join(argv)} failed:\n{f.read()[-3000:]}")
