@@ -121,6 +121,13 @@ def all_gather(x, d):
     return out
 
 
+def to_device(values, device):
+    """A list of ints as a long tensor on the device, copied without a host sync (from pinned memory on
+    a GPU: a copy from pageable memory waits for the queue)."""
+    t = torch.tensor(values, dtype=torch.long)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
 def shard_batch(n, d):
     """The slice of a global batch of n rows that this rank takes."""
     if n % d.world_size:
@@ -167,15 +174,18 @@ EVAL_LOGITS = 2**28  # fp32 logits an evaluation forward may make (1 GiB): 2 row
 
 def map_rows(fn, n, d, batch_size, logits_per_row=0):
     """fn(rows) -> (len(rows), k) values, for all n rows, (n, k), on every rank. Collective. Each
-    rank takes a strided share in chunks of batch_size rows (fewer where logits_per_row would pass
-    EVAL_LOGITS), as many on every rank (padded with row 0): FSDP's forwards are collective."""
+    rank takes a strided share in chunks of at most batch_size rows (fewer where logits_per_row would
+    pass EVAL_LOGITS), every chunk of one size (the last padded with copies of a row, their values
+    dropped: a compiled decode step meets one batch shape) and as many on every rank: FSDP's forwards
+    are collective."""
     batch_size = max(1, min(batch_size, EVAL_LOGITS // max(logits_per_row, 1)))
-    mine = list(range(d.rank, n, d.world_size))
-    n_chunks = -(-(-(-n // d.world_size)) // batch_size)
+    mine, most = list(range(d.rank, n, d.world_size)), -(-n // d.world_size)  # most: the largest rank's share
+    n_chunks = -(-most // batch_size)
+    size = -(-most // n_chunks)  # the chunks of the largest share, as even as can be
     out = None
     for c in range(n_chunks):
-        rows = mine[c * batch_size:(c + 1) * batch_size]
-        values = fn(rows or [0])
+        rows = mine[c * size:(c + 1) * size]
+        values = fn(rows + [rows[0] if rows else 0] * (size - len(rows)))
         if out is None:
             out = values.new_zeros(n, values.shape[1])
         out[rows] = values[:len(rows)]
@@ -433,11 +443,14 @@ def on_gpu(t):
     return t.device.type != "cpu"
 
 
-def _chunk_rows(logits, chunk_elems):
-    """Rows per chunk of ~chunk_elems logits: 2^22 on a CPU (its allocator reuses them), 2^26 on a GPU."""
+CHUNK_LOGITS = {"cpu": 2**22, "gpu": 2**26}  # fp32 logits a chunk holds: a CPU's allocator reuses them; a GPU's kernels want more
+
+
+def _chunk_rows(logits, chunk_elems, V=None):
+    """Rows per chunk of ~chunk_elems logits (None: CHUNK_LOGITS) of V entries (default: logits' last dimension)."""
     if chunk_elems is None:
-        chunk_elems = 2**26 if on_gpu(logits) else 2**22
-    return max(1, chunk_elems // logits.shape[-1])
+        chunk_elems = CHUNK_LOGITS["gpu" if on_gpu(logits) else "cpu"]
+    return max(1, chunk_elems // (V or logits.shape[-1]))
 
 
 def logprobs_from_logits(logits, labels, chunk_elems=None):
@@ -474,7 +487,8 @@ def response_logprobs(model, input_ids, attention_mask, n_response, temperature=
     """Per-token log-probs of the response block, (B, R), at the sampling temperature, from one
     forward with position ids (GPT-2 does not derive them from the mask); with_entropy: also each
     position's entropy, detached unless entropy_grad. Position t predicts token t+1: only the R
-    positions before the response are computed (`logits_to_keep`), never a (B, P+R, V) tensor.
+    positions before the response reach the head (`logits_to_keep`), which scores them in chunks
+    (forward_logprobs): no (B, R, V) logits, let alone (B, P+R, V).
     truncate: fn(logits, labels) -> logits with the tokens a sampler's rule drops at -inf
     (sampling.truncation): the log-probs are then the truncated policy's, renormalised on what it
     keeps; the entropy stays the full distribution's (a -inf logit has no entropy term to add).
@@ -489,16 +503,45 @@ def response_logprobs(model, input_ids, attention_mask, n_response, temperature=
         keep = index[:, T - n_response - 1:T - 1][resp]  # (M,)
     if _accepts(model, "logits_to_keep"):  # those positions only: a contiguous (B, R, V), no copy in reshapes
         kw["logits_to_keep"] = keep if packed else torch.arange(T - n_response - 1, T - 1, device=input_ids.device)
-        keep = slice(None)
-    logits = model(**kw).logits[0, keep] if packed else model(**kw).logits[:, keep]  # (M, V) or (B, R, V)
+    labels = input_ids[:, -n_response:] if resp is None else input_ids[:, -n_response:][resp]  # (B, R) or (M,)
+    unpack = None if resp is None else (lambda x: x.new_zeros(resp.shape).masked_scatter(resp, x))
+    if "logits_to_keep" not in kw:  # a model that computes every position's logits: the response's taken
+        logits = model(**kw).logits[0, keep] if packed else model(**kw).logits[:, keep]  # (M, V) or (B, R, V)
+        return scored_logits(logits, labels, temperature, truncate, with_entropy, entropy_grad, unpack)
+    return forward_logprobs(model, kw, labels, temperature, truncate, with_entropy, entropy_grad, unpack)
+
+
+def forward_logprobs(model, kw, labels, temperature=1.0, truncate=None, with_entropy=False, entropy_grad=False,
+                     unpack=None):
+    """model(**kw)'s log-probs of `labels` at the positions its head sees (kw's logits_to_keep: one
+    per label, in order), (labels.shape), and with_entropy their distributions' entropies (detached
+    unless entropy_grad), each through unpack(x) where given. Fused in the head where the model's
+    forward returns what its head computes (FP32Head.request: no (tokens x V) logits), else from the
+    logits (scored_logits)."""
+    head = fused_head(model)
+    if head is None:
+        logits = model(**kw).logits.reshape(*labels.shape, -1)  # (..., V)
+        return scored_logits(logits, labels, temperature, truncate, with_entropy, entropy_grad, unpack)
+    head.request = dict(labels=labels, temperature=temperature, truncate=truncate, entropy=with_entropy,
+                        entropy_grad=entropy_grad)
+    try:
+        out = model(**kw).logits.reshape(*labels.shape, -1)  # (..., 1 | 2): log-prob, entropy
+    finally:
+        head.request = None
+    unpack = unpack or (lambda x: x)
+    if not with_entropy:
+        return unpack(out[..., 0])
+    return unpack(out[..., 0]), unpack(out[..., 1] if entropy_grad else out[..., 1].detach())
+
+
+def scored_logits(logits, labels, temperature=1.0, truncate=None, with_entropy=False, entropy_grad=False, unpack=None):
+    """forward_logprobs from logits (..., V): at the temperature, under `truncate`, chunked."""
     if temperature != 1.0:
         logits = logits / temperature
-    labels = input_ids[:, -n_response:] if resp is None else input_ids[:, -n_response:][resp]
-    logps = logprobs_from_logits(logits if truncate is None else truncate(logits, labels), labels)  # (B, R) or (M,)
-    unpack = (lambda x: x) if resp is None else (lambda x: x.new_zeros(resp.shape).masked_scatter(resp, x))
+    unpack = unpack or (lambda x: x)
+    logps = unpack(logprobs_from_logits(logits if truncate is None else truncate(logits, labels), labels))
     if not with_entropy:
-        return unpack(logps)
-    logps = unpack(logps)  # with its graph, outside the no_grad below
+        return logps
     with nullcontext() if entropy_grad else torch.no_grad():
         return logps, unpack(entropy_from_logits(logits))
 
@@ -553,39 +596,143 @@ def ranking_accuracy(chosen, rejected):
 
 
 # -----------------------------------------------------------------------------
-# loading models (tokenizers and data: data.py)
+# the LM head: fp32 logits from the compute dtype's operands, and log-probs that never hold a (tokens x V)
+# tensor (the head's matmul, log-softmax and gather fused chunk by chunk of tokens)
+
+
+def _head_dtype(x, w):
+    """The head's operand dtype: bf16 where its weight is (FSDP2's bf16 parameters, the sampler's
+    copies) or bf16 autocast is on, as autocast would cast a linear's operands; else fp32."""
+    kind = x.device.type
+    cast = kind in ("cuda", "cpu") and torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) == torch.bfloat16
+    return torch.bfloat16 if w.dtype == torch.bfloat16 or cast else torch.float32
+
+
+def _mm32(a, b):
+    """a @ b in fp32 from operands of one dtype: on a GPU one matmul with an fp32 result (bf16 products
+    are exact in fp32), on a CPU, whose matmuls take one dtype, in fp32."""
+    if on_gpu(a) and a.dtype != torch.float32:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+def _addmm32_(acc, a, b):
+    """acc += a @ b in place, fp32 acc, operands of one dtype (_mm32's): no second acc-sized product."""
+    if on_gpu(a) and a.dtype != torch.float32:
+        return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    return acc.addmm_(a.float(), b.float())
+
+
+def _head_mm(x, w, bias=None):
+    """(N, H) x (V, H) -> (N, V) logits in fp32."""
+    out = _mm32(x, w.t())
+    return out if bias is None else out + bias.float()
 
 
 class _HeadMatmul(torch.autograd.Function):
-    """x @ w.T in fp32 from bf16 x and w: on a GPU one matmul with an fp32 result, no fp32 copy of
-    a V x H weight per forward (per decoded token); a CPU's matmuls take one dtype. The gradients
-    are bf16 matmuls, as under autocast."""
+    """x @ w.T in fp32 from bf16 x and w, no fp32 copy of a V x H weight per forward (per decoded
+    token). The gradients are bf16 matmuls, as under autocast."""
 
     @staticmethod
-    def forward(ctx, x, w):  # (B, T, H), (V, H)
+    def forward(ctx, x, w):  # (..., H), (V, H)
         ctx.save_for_backward(x, w)
-        x2 = x.reshape(-1, x.shape[-1])
-        out = torch.mm(x2, w.t(), out_dtype=torch.float32) if on_gpu(x) else x2.float() @ w.float().t()
-        return out.view(*x.shape[:-1], w.shape[0])  # (B, T, V)
+        return _head_mm(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])  # (..., V)
 
     @staticmethod
     def backward(ctx, g):
         x, w = ctx.saved_tensors
-        g = g.reshape(-1, g.shape[-1]).to(w.dtype)  # (B*T, V)
+        g = g.reshape(-1, g.shape[-1]).to(w.dtype)  # (N, V)
         return (g @ w).view(x.shape), g.t() @ x.reshape(-1, x.shape[-1])
 
 
+class _HeadLogprobs(torch.autograd.Function):
+    """log softmax(z)[label] per token, z = (x W^T + b) / temperature in fp32 from operands in `dtype`
+    (the tokens a sampler's rule drops at -inf: `truncate`), and optionally the entropy of softmax(z)
+    before truncation, chunk by chunk of `rows` tokens: no (tokens x V) tensor is ever held (for V =
+    151,936 at 16K response tokens the fp32 logits alone are 10 GB); the backward recomputes each
+    chunk's logits (one more head matmul, as Cut Cross-Entropy, arXiv:2411.09009). The gradient by
+    hand: d logp_y / dz = 1[y] - softmax(z) over the kept tokens; d H / dz = -p (log p + H). W's
+    gradient is accumulated in fp32 and returned in W's own dtype (an fp32 master's under autocast)."""
+
+    @staticmethod
+    def forward(ctx, x, w, bias, labels, dtype, temperature, truncate, entropy, entropy_grad, rows):  # (N, H), (V, H), (N,)
+        xc, wc = x.to(dtype), w.to(dtype)
+        logps, ents = [], []
+        for i in range(0, x.shape[0], rows):
+            z = _head_mm(xc[i:i + rows], wc, bias)  # (n, V)
+            z = z if temperature == 1.0 else z / temperature
+            if entropy:
+                lp = torch.log_softmax(z, -1)
+                ents.append(-(lp.exp() * lp).sum(-1))
+                del lp
+            y = labels[i:i + rows]
+            zt = z if truncate is None else truncate(z, y)
+            logps.append(zt.gather(-1, y[:, None]).squeeze(-1) - torch.logsumexp(zt, -1))
+        ctx.save_for_backward(xc, w, bias, labels)
+        ctx.knobs = dtype, x.dtype, temperature, truncate, entropy and entropy_grad, rows
+        logp, ent = (torch.cat(t) if len(t) > 1 else t[0] if t else None for t in (logps, ents))
+        if entropy and not entropy_grad:
+            ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        xc, w, bias, labels = ctx.saved_tensors
+        dtype, x_dtype, temperature, truncate, entropy_grad, rows = ctx.knobs
+        wc = w.to(dtype)
+        gx, gw, gb = [], None, None
+        for i in range(0, xc.shape[0], rows):
+            z = _head_mm(xc[i:i + rows], wc, bias)
+            z = z if temperature == 1.0 else z / temperature
+            y = labels[i:i + rows, None]
+            g = torch.zeros_like(y, dtype=torch.float32) if g_logp is None else g_logp[i:i + rows, None].float()
+            zt = z if truncate is None else truncate(z, y[:, 0])
+            gz = torch.softmax(zt, -1).mul_(-g).scatter_add_(-1, y, g)  # (n, V): d loss / d z
+            if entropy_grad and g_ent is not None:
+                lp = torch.log_softmax(z, -1)
+                h = -(lp.exp() * lp).sum(-1, keepdim=True)
+                gz -= g_ent[i:i + rows, None].float() * lp.exp() * (lp + h)
+            gz = (gz if temperature == 1.0 else gz / temperature).to(dtype)
+            if ctx.needs_input_grad[0]:
+                gx.append(_mm32(gz, wc).to(x_dtype))  # (n, H)
+            if ctx.needs_input_grad[1]:  # (V, H), fp32; a frozen head (LoRA's) makes none
+                gw = _mm32(gz.t(), xc[i:i + rows]) if gw is None else _addmm32_(gw, gz.t(), xc[i:i + rows])
+            if bias is not None and ctx.needs_input_grad[2]:
+                gb = gz.float().sum(0) if gb is None else gb.add_(gz.float().sum(0))
+        gx = None if not gx else torch.cat(gx) if len(gx) > 1 else gx[0]
+        return (gx, None if gw is None else gw.to(w.dtype), None if gb is None else gb.to(bias.dtype), *[None] * 7)
+
+
 class FP32Head(torch.nn.Linear):
-    """An LM head that computes its logits in fp32. In bf16, GPT-2's logits (often 30-120) have
-    steps of 0.25-0.5: a log-prob could move by ~0.1 between two batch layouts, so rho != 1 on the
-    first pass and KL != 0 while pi = pi_ref. bf16 operands multiply exactly in fp32."""
+    """An LM head whose logits are fp32: from bf16 operands where the model computes in bf16 (fp32
+    accumulation: a logit of GPT-2's size, 30-120, would have steps of 0.25-0.5 in bf16, enough to move
+    a log-prob by ~0.1 between two batch layouts, so that rho != 1 on the first pass and KL != 0 while
+    pi = pi_ref), else fp32. `request` (response_logprobs): its next forward returns each token's
+    log-prob of its label (and entropy) instead of the logits, _HeadLogprobs' fused chunks."""
+
+    request = None
 
     def forward(self, x):
+        dtype = _head_dtype(x, self.weight)
         with torch.autocast(x.device.type, enabled=False) if x.device.type in ("cuda", "cpu") else nullcontext():
-            if x.dtype == self.weight.dtype == torch.bfloat16 and self.bias is None:  # FSDP2's bf16 weights
-                return _HeadMatmul.apply(x, self.weight)
-            return torch.nn.functional.linear(x.float(), self.weight.float(),
-                                              None if self.bias is None else self.bias.float())
+            if self.request is not None:
+                r, self.request = self.request, None
+                logp, ent = _HeadLogprobs.apply(x.reshape(-1, x.shape[-1]), self.weight, self.bias, r["labels"].reshape(-1),
+                                                dtype, r["temperature"], r["truncate"], r["entropy"], r["entropy_grad"],
+                                                _chunk_rows(x, None, V=self.weight.shape[0]))  # (N,) each
+                return torch.stack([logp] if ent is None else [logp, ent], -1).view(*x.shape[:-1], -1)  # (..., 1 | 2)
+            if dtype == torch.bfloat16 and self.bias is None:
+                return _HeadMatmul.apply(x.to(dtype), self.weight.to(dtype))
+            return torch.nn.functional.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+
+
+def fused_head(model):
+    """The model's FP32Head where its forward returns what that head computes, unchanged (no final
+    softcapping, logit scale or other rescaling of the logits: Gemma 2's, Cohere's, Granite's); else None."""
+    head, config = model.get_output_embeddings(), model.config.get_text_config()
+    rescaled = any(getattr(config, k, None) not in (None, 1, 1.0) for k in
+                   ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale"))
+    return head if type(head) is FP32Head and not rescaled else None
 
 
 # -----------------------------------------------------------------------------

@@ -245,6 +245,21 @@ class Rollout:
                                              if x.dtype == torch.bool else common.all_gather(x, d))
 
 
+def decode_reserve(cfg, d):
+    """(rows, slots) of the compiled sampler's cache, made at the run's first rollout or evaluation
+    and kept to its end (sampling.DecodeCache), sized from the flags so that every call of the run
+    fits and none replaces it (each would recompile every shape): rows, the largest call's (a
+    rollout's chunk of --generation_micro_batch_size rows at most, an evaluation's chunk of
+    --eval_batch_size prompts, the embedded task's greedy answers); slots, the longest prompt and
+    response (--max_prompt_len + --max_new_tokens, with --tools the tool loop's waits for its calls)."""
+    n, most = cfg.prompts_per_step // d.world_size * (cfg.rs_samples or cfg.group_size), cfg.generation_micro_batch_size
+    rollout = -(-n // -(-n // most)) if most else n  # chunks' largest
+    rows = max(rollout, min(cfg.n_eval, cfg.eval_batch_size, most or cfg.eval_batch_size), min(cfg.n_eval, most or 256))
+    new = sampling.tool_steps(cfg.max_new_tokens, cfg.max_tool_calls, sampling.GPU_CHECK_EVERY) if cfg.tools else \
+        cfg.max_new_tokens
+    return rows, cfg.max_prompt_len + new
+
+
 def chunks(n, size):
     """Slices of range(n) of at most `size` rows each (0: one of all n), as even as possible (24 rows
     at 10: 8, 8, 8), so that a compiled decode step meets as few batch shapes as possible."""
@@ -294,7 +309,8 @@ def sample(model, env, prompts, u, temperature, cfg, d):
     p_ids, p_mask = (t.to(d.device) for t in common.pad(p_ids, env.tokenizer.pad_token_id, side="left"))  # (N, P)
     pad_id = env.tokenizer.pad_token_id
     kw = dict(eos_id=env.stop_ids[0], pad_id=pad_id, temperature=temperature, top_k=cfg.top_k,
-              top_p=cfg.top_p, min_p=cfg.min_p, stop_ids=env.stop_ids[1:], compile=env.compile)
+              top_p=cfg.top_p, min_p=cfg.min_p, stop_ids=env.stop_ids[1:], compile=env.compile,
+              reserve=decode_reserve(cfg, d))
     outs = []  # each chunk's (ids, mask, log-probs, tool mask), (n, R_chunk) each
     # LoRA's frozen base cast to bf16 once for the whole rollout; --compile decodes from sampling._bf16_decoder's copies
     with common.autocast(d), frozen_in_bf16(model, d, enabled=not env.compile):
@@ -478,7 +494,8 @@ def evaluate(model, ref, env, evals, cfg, d):
             metrics |= sampling.evaluate_generations(
                 model, env.tokenizer, h["prompt"], rule, d, max_prompt_len=cfg.max_prompt_len,
                 max_new_tokens=cfg.max_new_tokens, answers=h.get("answer"), own_prompts=h["own_prompt"], tool=env.tool,
-                max_tool_calls=cfg.max_tool_calls, batch_size=cfg.generation_micro_batch_size or 256)
+                max_tool_calls=cfg.max_tool_calls, batch_size=cfg.generation_micro_batch_size or 256,
+                compile=env.compile, reserve=decode_reserve(cfg, d))
     metrics |= evaluate_rewards(model, env, evals["prompts"], cfg, d)  # --eval_dataset, a file's 5%
     if evals["pairs"] is not None:
         metrics["eval/accuracy"] = pairwise_accuracy(model, ref, evals["pairs"], env.tokenizer.pad_token_id, d,

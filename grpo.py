@@ -760,7 +760,8 @@ def main(cfg):
         deal = torch.Generator().manual_seed(sampling.stream_seed(cfg.seed, step, stream=2))  # the same on every rank
         minibatches = minibatch_rows(n_rows, cfg.num_mini_batches, deal, common.shard_batch(n_rows, d)).to(d.device)
         plan = shared_prompt.plan(minibatches, ids, attn, R, rows_per_forward=micro, d=d, packed=fast["padding_free"],
-                                  models=[model, env.teacher], enabled=fast["shared_prompt"])  # per mini-batch
+                                  models=[model, env.teacher], enabled=fast["shared_prompt"],
+                                  group_size=cfg.group_size)  # per mini-batch
         lp = dict(**environment.scoring(cfg), plan=plan, d=d)  # the log-prob passes' knobs
         old_logps = keep = None  # keep: the tokens that get the policy gradient (--top_entropy_share)
         with environment.frozen_in_bf16(model, d):
@@ -802,7 +803,7 @@ def main(cfg):
                 for k, r in enumerate(chunks):
                     with common.autocast(d):
                         logps, entropy = shared_prompt.response_logprobs(model, ids[r], attn[r], R, **environment.scoring(cfg),
-                                                                         with_entropy=True, packed=pack, shared=share,
+                                                                         with_entropy=True, packed=pack, shared=share and share[k],
                                                                          entropy_grad=cfg.entropy_coef != 0)  # (micro, R)
                     logps, mask = logps.float(), loss_mask[r].float()
                     old = logps.detach() if old_logps is None else old_logps[r]

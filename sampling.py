@@ -10,6 +10,12 @@ import hashlib
 import weakref
 
 import torch
+import transformers
+from torch.distributed.fsdp import FSDPModule
+import transformers.masking_utils
+from transformers import AutoModelForCausalLM, StaticCache
+from transformers.cache_utils import StaticLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import common
 import shared_prompt
@@ -128,13 +134,11 @@ def _next_logits(model, input_ids, attention_mask, position_ids, cache, kw):
                  cache=cache, use_cache=True, **kw).logits[:, -1]
 
 
-def _next_token(model, input_ids, attention_mask, position_ids, cache, kw, u, draw, forward=None):
-    """The decode step: the forward (_next_logits, or `forward`), then a token per row drawn from
-    its logits (sample_token with the knobs `draw`, from the uniforms u, None when greedy). Returns
-    the tokens (B,), their log-probs (B,) and a flag: some row's logits were non-finite. Compiled
-    on CPU, the draw's dozen small ops fuse into the forward's graph instead of each paying a
-    dispatch (bench/sampler.py)."""
-    logits = (forward or _next_logits)(model, input_ids, attention_mask, position_ids, cache=cache, kw=kw)
+def _next_token(model, input_ids, attention_mask, position_ids, cache, kw, u, draw):
+    """The tool loop's decode step: the forward (_next_logits), then a token per row drawn from its
+    logits (sample_token with the knobs `draw`, from the uniforms u, None when greedy). Returns the
+    tokens (B,), their log-probs (B,) and a flag: some row's logits were non-finite."""
+    logits = _next_logits(model, input_ids, attention_mask, position_ids, cache=cache, kw=kw)
     nonfinite = torch.zeros((), dtype=torch.bool, device=logits.device)
     tok, logp = sample_token(logits, u=u, bad=nonfinite, return_logprob=True, **draw)
     return tok, logp, nonfinite
@@ -148,9 +152,9 @@ def _next_token_unfused(*args, **kwargs):
 
 
 def _draws(uniforms, generator, temperature, B, device):
-    """fn(columns) -> the uniforms of a decode step's draw: uniforms' column of each row (columns:
-    an int, or (B,) per row), or B drawn from `generator` as sample_token would draw them; None
-    when greedy (no draw)."""
+    """fn(columns) -> the tool loop's uniforms of a decode step's draw: uniforms' column of each row
+    (columns: an int, or (B,) per row), or B drawn from `generator` as sample_token would draw them;
+    None when greedy (no draw)."""
     if temperature == 0:
         return lambda columns: None
     if uniforms is None:
@@ -159,112 +163,324 @@ def _draws(uniforms, generator, temperature, B, device):
                             uniforms.gather(1, columns[:, None]).squeeze(1))
 
 
+class Rows:
+    """What generate's decode loop keeps of each row, on the device: the token it feeds next and that
+    token's position, done rows, the non-finite flag, the column written next (a tensor, so that a
+    compiled step reads it without recompiling), the draws' uniforms, the attention mask over the
+    cache's slots, and the response so far: ids and log-probs, (B, W) each. Compiled, one Rows per
+    batch shape lives beside its cache view (DecodeCache) at fixed addresses that the step updates in
+    place, so that a CUDA graph replays it with no input to copy; eager, one a call."""
+
+    def __init__(self, B, W, L, device):
+        def zeros(dtype, *shape):
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.tok, self.pos, self.col = zeros(torch.long, B), zeros(torch.long, B), zeros(torch.long, 1)
+        self.done, self.bad = zeros(torch.bool, B), zeros(torch.bool)
+        self.u, self.attn = zeros(torch.float64, B, W), zeros(torch.long, B, L)
+        self.ids, self.logps, self.stops = zeros(torch.long, B, W), zeros(torch.float, B, W), None
+
+    def tensors(self):
+        return [self.tok, self.pos, self.col, self.done, self.bad, self.u, self.attn, self.ids, self.logps]
+
+    def start(self, prompt_mask, uniforms, pad_id, stops, shared=False):
+        """In place, for a new call: nothing written, each row's first response position, the uniforms'
+        first columns, the stop ids, the attention mask: the prompt's real tokens, then every slot (the
+        causal mask hides those past the token fed; shared: no mask, the cache holds the responses'
+        slots only)."""
+        P = prompt_mask.shape[1]
+        self.tok.fill_(pad_id), self.col.zero_(), self.done.zero_(), self.bad.zero_()
+        self.pos.copy_(prompt_mask.sum(-1) - 1)  # _decode adds 1 before the first token is fed
+        self.ids.fill_(pad_id), self.logps.zero_()
+        self.stops = torch.tensor(stops, device=self.tok.device)
+        if uniforms is not None:
+            k = min(uniforms.shape[1], self.u.shape[1])
+            self.u[:, :k].copy_(uniforms[:, :k])
+        if not shared:
+            self.attn[:, :P].copy_(prompt_mask)
+            self.attn[:, P:].fill_(1)
+
+    def response(self, n):
+        """The first n columns' ids and their mask: 1 up to and including each row's first stop id."""
+        ids = self.ids[:, :n]
+        stop = torch.isin(ids, self.stops).long()
+        return ids.clone(), (stop.cumsum(-1) - stop == 0).long()  # clones: Rows are the next call's
+
+
+def _decode(model, rows, cache, kw, draw, pad_id, logits=None):
+    """generate's decode step, all on the device: the forward of every row's last token (or the
+    prefill's `logits`, for the first), a token per row drawn from the uniforms of its column (greedy
+    at temperature 0), a done row's token replaced by pad, and everything recorded in `rows` in place:
+    the token, its log-prob under the distribution it was drawn from, done (a token in rows.stops),
+    the next feed and position, the column. Compiled, the forward, the draw and this bookkeeping are
+    one graph: nothing runs outside it a token."""
+    if logits is None:
+        logits = _next_logits(model, rows.tok[:, None], rows.attn if kw.get("prompts") is None else None,
+                              rows.pos[:, None], cache=cache, kw=kw)  # (B, V)
+    u = rows.u.index_select(1, rows.col) if draw["temperature"] else None  # (B, 1)
+    tok, logp = sample_token(logits, u=u, bad=rows.bad, return_logprob=True, **draw)
+    tok = tok.masked_fill(rows.done, pad_id)
+    rows.ids.index_copy_(1, rows.col, tok[:, None])
+    rows.logps.index_copy_(1, rows.col, logp[:, None])
+    rows.done.logical_or_(torch.isin(tok, rows.stops))
+    rows.tok.copy_(tok)
+    rows.pos.add_(1)
+    rows.col.add_(1)
+
+
+def _decode_unfused(*args, **kwargs):
+    """_decode with attention as SDPA's math backend, which inductor fuses on CPU (_next_token_unfused)."""
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        return _decode(*args, **kwargs)
+
+
 GPU_CHECK_EVERY = 8  # decode steps between host reads ("all stopped?", the calls) on a GPU: a read drains its queue
-_compiled = {}  # torch.compile of the step, made once; dynamo keeps a graph per model and shape
+_compiled = {}  # (function, GPU path) -> its torch.compile, made once; dynamo keeps a graph per model and shape
 
 
-def _step_fn(compile, device):
-    """The decode step (_next_token): eager, or compiled. On CPU the whole step, its graph's wrapper
-    in C++ (cpp_wrapper: its Python cost ~6% of a step). On CUDA the forward alone, as a CUDA graph
-    ("reduce-overhead": one replay for the hundreds of kernel launches of a token, reading the
-    static cache in place); the draw stays outside, since a graph's buffers stay in its memory pool
-    through the update, and the draw's float64 CDF is twice the logits."""
+def _gpu(device):
+    """Whether decoding on `device` takes the GPU's path: CUDA graphs, a host read every
+    GPU_CHECK_EVERY steps, every row's own copy of its prompt (tests take it on the CPU)."""
+    return device.type == "cuda"
+
+
+def _compile(fn, gpu):
+    """torch.compile of a decode step. On a GPU a CUDA graph ("reduce-overhead": one replay for the
+    hundreds of kernel launches of a token, reading the static cache and Rows in place); on CPU its
+    graph's wrapper in C++ (cpp_wrapper: its Python cost ~6% of a step), attention as SDPA's math
+    backend (the *_unfused twins)."""
+    if gpu:
+        return torch.compile(fn, dynamic=False, mode="reduce-overhead")
+    return torch.compile({_decode: _decode_unfused, _next_token: _next_token_unfused}[fn], dynamic=False,
+                         options={"cpp_wrapper": True})
+
+
+def _step_fn(fn, compile, device):
+    """The decode step `fn` (_decode, or the tool loop's _next_token): eager, or compiled (_compile)."""
     if not compile:
-        return _next_token
-    if device.type == "cuda":
-        if _next_logits not in _compiled:
-            _compiled[_next_logits] = torch.compile(_next_logits, dynamic=False, mode="reduce-overhead")
-        return functools.partial(_next_token, forward=_compiled[_next_logits])
-    if _next_token_unfused not in _compiled:
-        _compiled[_next_token_unfused] = torch.compile(_next_token_unfused, dynamic=False,
-                                                       options={"cpp_wrapper": True})
-    return _compiled[_next_token_unfused]
+        return fn
+    key = (fn, _gpu(device))
+    if key not in _compiled:
+        _compiled[key] = _compile(fn, _gpu(device))
+    return _compiled[key]
 
 
-def _skip_guards(compile, device):
-    """Entered after a rollout's first decode step, left at its end: dynamo's guards unchecked. They
-    check that a compiled graph fits its inputs (the model, the cache, shapes and dtypes), which
-    stay the same through a rollout, and cost ~1 ms a step on CPU, ~10% of the tiny model's
-    (bench/sampler.py). Step 0 checks them (and compiles if none fits); the next steps run the graph
-    it chose (set_stance's skip_guard_eval_unsafe); the next rollout checks them again. Once the
-    step has dynamo's recompile_limit graphs (shapes), a new shape's step 0 runs eagerly, leaving
-    no graph to skip to (dynamo would raise): the guards stay on."""
-    code = (_next_logits if device.type == "cuda" else _next_token_unfused).__code__
-    if (compile and len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
-            < torch._dynamo.config.recompile_limit):
+def _skip_guards(step):
+    """Entered after a rollout's first compiled decode step, left at its end: dynamo's guards
+    unchecked. They check that a compiled graph fits its inputs (the model, the cache, shapes and
+    dtypes), which stay the same through a rollout, and cost ~1 ms a step on CPU, ~10% of the tiny
+    model's (bench/sampler.py). The first step checks them (and compiles if none fits); the next
+    steps run the graph it chose (set_stance's skip_guard_eval_unsafe); the next rollout checks them
+    again. Once the step has dynamo's recompile_limit graphs (shapes), a new shape's first step runs
+    eagerly, leaving no graph to skip to (dynamo would raise): the guards stay on."""
+    code = getattr(getattr(step, "_torchdynamo_orig_callable", None), "__code__", None)
+    if code is not None and (len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
+                             < torch._dynamo.config.recompile_limit):
         return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
     return contextlib.nullcontext()
 
 
-_DECODE_CACHES = weakref.WeakKeyDictionary()  # model -> ((rows, slots, layout), {B: StaticCache}), compiled decoding
+# -----------------------------------------------------------------------------
+# what the compiled step reads: a copy of the model that decodes lean, a cache held through the run
+
+
+def decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention of one new token per row over a static cache, as transformers' SDPA path runs it in
+    eager mode (pack_gqa): the r query heads that share a key/value head go as r rows of one query,
+    (B, H_kv, r, D), so that the cache is read once as it is. Under torch.compile transformers takes
+    repeat_kv instead, a copy of every layer's whole cache at the query heads' count each token (3x for
+    SmolLM2, 7x for Qwen2.5-0.5B). The query in the cache's dtype: under bf16 autocast RoPE's fp32
+    cos/sin make it fp32. attention_mask: sdpa_mask's, (B, 1, 1, S) bool or None. Several query tokens
+    (a prefill): transformers' SDPA attention."""
+    if query.shape[2] != 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    if dropout or kwargs.get("softcap") or kwargs.get("sliding_window") or "s_aux" in kwargs:
+        raise ValueError("sampling.decode_attention: no dropout, softcapping, sliding window or attention sinks")
+    (B, H, _, D), Hkv = query.shape, key.shape[1]
+    q = query.to(key.dtype).reshape(B, Hkv, H // Hkv, D)  # (B, H_kv, r, D): a view, heads in GQA's order
+    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.reshape(B, H, 1, D).transpose(1, 2), None  # (B, 1, H, D), as transformers' attention functions return it
+
+
+transformers.AttentionInterface.register("decode", decode_attention)
+transformers.masking_utils.AttentionMaskInterface.register("decode", transformers.masking_utils.sdpa_mask)
+
+
+def _lean_attention(model):
+    """Whether decode_attention may stand in for the model's attention: SDPA or eager without
+    softcapping, in transformers' own modules of a text model (which look their attention function up
+    by the config's name), every layer full attention (shared_prompt.runs' conditions)."""
+    config = model.config.get_text_config()
+    return (config is model.config and config._attn_implementation in ("sdpa", "eager")
+            and not getattr(config, "attn_logit_softcapping", None) and _static_layers(model)
+            and all(type(m).__module__.startswith("transformers.models.") for m in model.modules()
+                    if hasattr(m, "layer_idx")))
+
+
+def _linear_weights(model):
+    return [m.weight for m in model.modules() if type(m) is torch.nn.Linear or type(m).__name__ == "Conv1D"]
+
+
+_DECODERS = weakref.WeakKeyDictionary()  # model -> (the module the compiled step runs, [(its tensor, the model's)])
+
+
+def _decoder(model):
+    """What the compiled decode step runs: a copy of the model whose attention is decode_attention,
+    refreshed from the model in place at each call, so that its addresses stay those its CUDA graphs
+    were recorded with. Under torchrun (FSDP2, inside common.unsharded) a copy outside FSDP, whose
+    hooks would cut the step into a graph per block and whose gathered weights move between rollouts:
+    every weight and buffer copied from the gathered ones (bf16 under FSDP's MixedPrecisionPolicy: 2
+    bytes a weight held through the run). Under bf16 autocast (one GPU, `python`), bf16 copies of the
+    linear weights and the head (inside a graph autocast would cast every weight on every token: its
+    cast cache serves eager code only), the embeddings and norms the model's own, so that the residual
+    stream is autocast's. Otherwise the model's own tensors, shared."""
+    if model not in _DECODERS:
+        _DECODERS[model] = _fsdp_copy(model) if _is_fsdp(model) else _autocast_copy(model)
+    decoder, pairs = _DECODERS[model]
+    with torch.no_grad():
+        for dst, src in pairs:
+            if hasattr(src, "full_tensor"):
+                raise RuntimeError("sampling.generate(compile=True) under FSDP runs inside common.unsharded(model)")
+            dst.copy_(src)
+    return decoder
+
+
+def _is_fsdp(model):
+    return isinstance(model, FSDPModule)
+
+
+def _autocast_copy(model):
+    bf16 = torch.is_autocast_enabled(next(model.parameters()).device.type)
+    head = model.get_output_embeddings()
+    memo = {id(t): t for t in (*model.parameters(), *model.buffers())}  # shared, not copied
+    pairs = []
+    if bf16:
+        for w in _linear_weights(model):
+            memo[id(w)] = torch.nn.Parameter(w.detach().to(torch.bfloat16), requires_grad=False)
+            pairs.append((memo[id(w)], w))
+    decoder = copy.deepcopy(model, memo)
+    if bf16 and isinstance(head, common.FP32Head) and head.bias is None:  # its own bf16 weight: a tied embedding stays fp32
+        w = torch.nn.Parameter(head.weight.detach().to(torch.bfloat16), requires_grad=False)
+        decoder.get_output_embeddings().weight = w
+        pairs.append((w, head.weight))
+    if _lean_attention(model):
+        decoder.config._attn_implementation = "decode"
+    return decoder.eval(), pairs
+
+
+def _fsdp_copy(model):
+    params = dict(model.named_parameters())
+    with torch.device("meta"):
+        decoder = AutoModelForCausalLM.from_config(copy.deepcopy(model.config))
+    dtype, device = next(iter(params.values())).dtype, next(iter(params.values())).device
+    made = {}  # meta tensor -> its empty one on the device (tied weights: one)
+    for m in decoder.modules():
+        for name, p in list(m.named_parameters(recurse=False)):
+            if id(p) not in made:
+                made[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device), requires_grad=False)
+            setattr(m, name, made[id(p)])
+        for name, b in list(m.named_buffers(recurse=False)):
+            m.register_buffer(name, torch.empty(b.shape, dtype=b.dtype, device=device),
+                              persistent=name not in m._non_persistent_buffers_set)
+    if isinstance(model.get_output_embeddings(), common.FP32Head):
+        decoder.get_output_embeddings().__class__ = common.FP32Head
+    mine = dict(decoder.named_parameters())
+    if mine.keys() != params.keys():
+        raise ValueError(f"sampling: compiled decoding under torchrun copies the model outside FSDP, but a "
+                         f"{type(decoder).__name__} built from its config has other weights (LoRA's adapters, remote "
+                         f"code?): run without --compile")
+    buffers = dict(model.named_buffers())
+    pairs = [(mine[k], params[k]) for k in mine] + [(b, buffers[k]) for k, b in decoder.named_buffers()]
+    if _lean_attention(decoder):
+        decoder.config._attn_implementation = "decode"
+    return decoder.eval(), pairs
+
+
+def compilable_under_fsdp(model):
+    """Whether _decoder can copy this model outside FSDP (plumbing/speed.py's `auto` under torchrun): a
+    causal LM of transformers' own code, without adapters."""
+    return not hasattr(model, "peft_config") and any(c.__module__.startswith("transformers.models.")
+                                                     for c in type(model).__mro__)
 
 
 def _static_layers(model):
     """Every layer of the model's static cache a full-attention StaticLayer (none a sliding window's)."""
-    from transformers import StaticCache
-    from transformers.cache_utils import StaticLayer
-
     return all(type(layer) is StaticLayer for layer in StaticCache(config=model.config, max_cache_len=1).layers)
 
 
-def _decode_cache(model, B, L, like, persistent):
-    """A static KV cache of B rows and L or more slots, its layers laid out like `like`'s (the
-    prefill's cache: dtype, heads, head size), and its slots. persistent (compiled decoding): one
-    per model, sized for the largest rollout so far and never shrunk; a rollout of B rows decodes
-    in a view of its first B rows, the same view for every rollout of B rows. So each shape the step
-    is compiled for keeps the addresses its CUDA graph was recorded with (cudagraph trees re-record
-    at every decode step where a static input moved: 63 times in a 64-token rollout on an H200,
-    docs/gpu.md), however training and evaluation rollouts of other rows alternate, and the cache
-    is held once, not once per shape (several through the update held 22-37 GiB at 8B). A rollout
-    that needs more rows or slots, or another layout, replaces it: every graph recorded on the old
-    one goes with it (torch.compiler.reset(): the CUDA graph trees shut down and dynamo's entries
-    dropped; an entry kept would run its shape's graph on the dead trees at the next rollout of
-    that shape, "Running CUDAGraph after shutdown" on an H200), and each shape compiles and records
-    once more: in a run's first rollouts, which meet its largest."""
-    from transformers import StaticCache
+class _CastingLayer(StaticLayer):
+    """A static cache layer that stores keys and values in its own dtype whatever the attention hands
+    it: the compute dtype (bf16 under autocast), where RoPE's fp32 cos/sin make the keys fp32 beside
+    bf16 values, and a cache of fp32 keys would be cast whole at every step, in every layer."""
 
-    layout = [(x.keys.dtype, x.keys.device, x.keys.shape[1], x.keys.shape[-1], x.values.shape[-1]) for x in like.layers]
-    (rows, slots, kind), views = _DECODE_CACHES.pop(model, ((0, 0, None), {})) if persistent else ((0, 0, None), {})
-    if B > rows or L > slots or layout != kind:
-        if views:  # the old one goes before a new one is made, with every graph recorded on it
-            views.clear()
+    def update(self, key_states, value_states, *args, **kwargs):
+        return super().update(key_states.to(self.keys.dtype), value_states.to(self.values.dtype), *args, **kwargs)
+
+
+class DecodeCache:
+    """A static KV cache of `rows` rows and `slots` slots, its layers laid out like a prefill's cache
+    (heads, head sizes) in the compute dtype, and each batch shape's view of it: (cache of its first B
+    rows at the full cache's addresses, Rows). Compiled decoding keeps one per model for the whole run
+    (`reserve` sizes it from the flags at its first call: every rollout and evaluation of the run fits),
+    so that each shape the step is compiled for keeps the addresses its CUDA graph was recorded with
+    (cudagraph trees re-record at every decode step where a static input moved: 63 times in a 64-token
+    rollout on an H200, docs/gpu.md), and is held once, not once per shape."""
+
+    def __init__(self, model, rows, slots, layout):
+        self.rows, self.slots, self.layout, self.views = rows, slots, layout, {}
+        self.full = StaticCache(config=model.config, max_cache_len=slots)
+        for layer, (dtype, device, h_kv, d_k, d_v) in zip(self.full.layers, layout):  # (rows, heads, slots, head size) each
+            layer.__class__ = _CastingLayer
+            layer.lazy_initialization(torch.empty(rows, h_kv, 0, d_k, dtype=dtype, device=device),
+                                      torch.empty(rows, h_kv, 0, d_v, dtype=dtype, device=device))
+
+    def view(self, B):
+        """The cache of the first B rows, at the full cache's addresses, and its Rows."""
+        if B not in self.views:
+            view = copy.copy(self.full)
+            view.layers = [copy.copy(layer) for layer in self.full.layers]
+            for layer in view.layers:
+                layer.batch_size, layer.keys, layer.values = B, layer.keys[:B], layer.values[:B]
+                torch._dynamo.mark_static_address(layer.keys)  # as StaticLayer marks its own: read in place by a graph
+                torch._dynamo.mark_static_address(layer.values)
+            rows = Rows(B, self.slots, self.slots, self.full.layers[0].keys.device)
+            for t in rows.tensors():
+                torch._dynamo.mark_static_address(t)
+            self.views[B] = view, rows
+        return self.views[B]
+
+
+_DECODE_CACHES = weakref.WeakKeyDictionary()  # model -> DecodeCache (compiled decoding)
+
+
+def _decode_cache(model, B, L, like, persistent, reserve=(0, 0)):
+    """(cache, Rows, slots): a static KV cache of B rows and L or more slots, laid out like `like`'s
+    layers (the prefill's cache) in the compute dtype (autocast's, else the values'), and the Rows of a
+    decode loop. persistent (compiled decoding): the model's DecodeCache, made at the first call with
+    at least `reserve` (rows, slots) and never shrunk; a call that needs more (one the reservation did
+    not foresee) replaces it, and every graph recorded on the old one goes with it
+    (torch.compiler.reset(): the CUDA graph trees shut down and dynamo's entries dropped; an entry kept
+    would run its shape's graph on the dead trees, "Running CUDAGraph after shutdown" on an H200):
+    each shape compiles and records once more."""
+    device = like.layers[0].keys.device
+    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else \
+        like.layers[0].values.dtype
+    layout = [(dtype, device, x.keys.shape[1], x.keys.shape[-1], x.values.shape[-1]) for x in like.layers]
+    if not persistent:
+        cache = DecodeCache(model, B, L, layout)
+        return cache.full, Rows(B, L, L, device), L
+    held = _DECODE_CACHES.get(model)
+    if held is None or B > held.rows or L > held.slots or layout != held.layout:
+        if held is not None:  # the old one goes before a new one is made, with every graph recorded on it
+            held.views.clear()
             torch.compiler.reset()
-        rows, slots = max(B, rows), max(L, slots)
-        full = StaticCache(config=model.config, max_cache_len=slots)
-        for layer, x in zip(full.layers, like.layers):  # (rows, heads, slots, head size) each
-            layer.lazy_initialization(*(t[:1, :, :0].expand(rows, -1, -1, -1) for t in (x.keys, x.values)))
-        views = {rows: full}
-    if B not in views:  # the first B rows of every layer, at the full cache's addresses
-        views[B] = view = copy.copy(views[rows])
-        view.layers = [copy.copy(layer) for layer in view.layers]
-        for layer in view.layers:
-            layer.batch_size, layer.keys, layer.values = B, layer.keys[:B], layer.values[:B]
-            torch._dynamo.mark_static_address(layer.keys)  # as StaticLayer marks its own: read in place by a graph
-            torch._dynamo.mark_static_address(layer.values)
-    if persistent:
-        _DECODE_CACHES[model] = ((rows, slots, layout), views)
-    return views[B], slots
-
-
-_BF16_COPIES = weakref.WeakKeyDictionary()  # model -> (its copy with bf16 linear weights, [(bf16, fp32)])
-
-
-def _bf16_decoder(model):
-    """Compiled decoding under autocast (one GPU, plain `python`): the model with bf16 copies of its
-    linear weights, refreshed in place once per rollout. Inside a graph autocast would cast every
-    weight on every token (its cast cache serves eager code only); held between rollouts (2 bytes
-    per weight), the copies keep the CUDA graph's addresses. Embeddings, norms and the fp32 head
-    are the model's own, so the numbers are autocast's."""
-    if model not in _BF16_COPIES:
-        memo = {id(t): t for t in (*model.parameters(), *model.buffers())}  # shared, not copied
-        linears = [m.weight for m in model.modules() if type(m) is torch.nn.Linear or type(m).__name__ == "Conv1D"]
-        memo |= {id(w): torch.nn.Parameter(w.detach().to(torch.bfloat16), requires_grad=False) for w in linears}
-        _BF16_COPIES[model] = (copy.deepcopy(model, memo), [(memo[id(w)], w) for w in linears])
-    decoder, pairs = _BF16_COPIES[model]
-    with torch.no_grad():
-        for dst, src in pairs:
-            dst.copy_(src)
-    return decoder
+        rows = max(B, reserve[0], held.rows if held else 0)
+        slots = max(_rounded(L), reserve[1], held.slots if held else 0)  # nearby lengths share a graph
+        del held
+        _DECODE_CACHES[model] = held = DecodeCache(model, rows, slots, layout)
+    cache, rows = held.view(B)
+    return cache, rows, held.slots
 
 
 def _fill_cache(cache, prefill, inverse, P):
@@ -282,7 +498,7 @@ def _fill_cache(cache, prefill, inverse, P):
 @torch.no_grad()
 def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, temperature=1.0, top_k=0,
              top_p=1.0, stop_ids=(), generator=None, compile=False, uniforms=None, return_logprobs=False, min_p=0.0,
-             check_every=None):
+             check_every=None, reserve=(0, 0)):
     """Sample responses to left-padded prompts (greedy output equals model.generate's; under FSDP
     call it inside `unsharded`). Random numbers: `uniforms` (B, >= max_new_tokens), column t for
     token t, or `generator`. Returns ids (B, R) right-padded with pad_id and a mask (B, R), 1 up to
@@ -293,56 +509,46 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
     and values copied to its G repeats (compiled on CPU, where the rows come in runs of a prompt as
     GRPO's groups do: kept once, read by shared_prompt.attention); 2. a static cache written in
     place, "all stopped?" read every check_every tokens (None: 8 on a GPU, where a read drains the
-    queue, else 1), its only host sync (tests/test_dispatch.py); 3. compile=True: the decode step compiled
-    (on CPU with its draw; the cache length rounded up so nearby lengths share a graph), its guards
-    checked once a rollout (_skip_guards), on CUDA replayed as a CUDA graph, under autocast from bf16
-    copies of the weights (_bf16_decoder)."""
+    queue, else 1), its only host sync (tests/test_dispatch.py); 3. compile=True: the decode step
+    (_decode: forward, draw and bookkeeping) compiled, on CUDA replayed as a CUDA graph, from a copy of
+    the model that decodes lean (_decoder), over a cache held through the run (DecodeCache, at least
+    `reserve` = (rows, slots) from the first call: one graph per batch shape), its guards checked once
+    a call (_skip_guards)."""
     device = prompt_ids.device
     kw = dict(logits_to_keep=1) if common._accepts(model, "logits_to_keep") else {}
-    stops = torch.tensor([eos_id, *stop_ids], device=device)
-    uniforms = None if uniforms is None else uniforms.to(device)
+    B, n = prompt_ids.shape[0], max_new_tokens
     # 1. prefill
-    logits, cache, mask, prompts = _prefill(model, prompt_ids, prompt_mask, max_new_tokens, compile=compile, kw=kw)
+    logits, cache, rows, prompts = _prefill(model, prompt_ids, prompt_mask, n, compile=compile, kw=kw,
+                                            reserve=reserve)
     if prompts is not None:
         kw = {**kw, "prompts": prompts}
-    B, n = prompt_ids.shape[0], max_new_tokens
-    pos = prompt_mask.sum(-1, keepdim=True)  # (B, 1) position of the first response token
+    if temperature and uniforms is None:  # the generator's draws, a column a token (as B at a time would come)
+        uniforms = torch.rand((n, B), generator=generator, dtype=torch.float64, device=device).T
+    rows.start(prompt_mask, None if uniforms is None else uniforms.to(device), pad_id, (eos_id, *stop_ids),
+               shared=prompts is not None)
 
     # 2. decode; slots of the static cache past the current token are hidden by the causal mask
-    step = _step_fn(compile, device)
-    decoder = _bf16_decoder(model) if compile and torch.is_autocast_enabled(device.type) else model
-    graphs = compile and device.type == "cuda"
-    check_every = check_every or (GPU_CHECK_EVERY if device.type == "cuda" else 1)
-    tokens = torch.full((B, n), pad_id, dtype=torch.long, device=device)
-    response_mask = torch.zeros((B, n), dtype=torch.long, device=device)
-    logps = torch.zeros((B, n), dtype=torch.float, device=device) if return_logprobs else None
-    done = torch.zeros(B, dtype=torch.bool, device=device)
-    bad = torch.zeros((), dtype=torch.bool, device=device)  # any row with non-finite logits
+    step = _step_fn(_decode, compile, device)
+    decoder = _decoder(model) if compile else model
+    check_every = check_every or (GPU_CHECK_EVERY if _gpu(device) else 1)
     draw = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    u = _draws(uniforms, generator, temperature, B, device)
-    tok, logp = sample_token(logits, u=u(0), bad=bad, return_logprob=True, **draw)
     with contextlib.ExitStack() as rollout, shared_prompt.decoding(decoder, prompts is not None):
-        for t in range(n):
-            tok = tok.masked_fill(done, pad_id)
-            tokens[:, t] = tok
-            if return_logprobs:
-                logps[:, t] = logp
-            response_mask[:, t] = ~done  # the stop token itself counts
-            done = done | torch.isin(tok, stops)
-            if t == n - 1 or (t % check_every == check_every - 1 and done.all()):
+        _decode(decoder, rows, cache, kw, draw, pad_id, logits=logits)  # token 0, from the prefill's logits
+        for t in range(1, n):
+            if t % check_every == 0 and bool(rows.done.all()):  # the loop's one host read
                 break
-            if graphs:  # each step's logits are read before the next replay overwrites them
+            if compile and _gpu(device):  # each step's outputs are read before the next replay overwrites them
                 torch.compiler.cudagraph_mark_step_begin()
-            tok, logp, nonfinite = step(decoder, tok[:, None], mask, pos + t, cache=cache, kw=kw, u=u(t + 1), draw=draw)
-            bad |= nonfinite
-            if t == 0:  # the graph is chosen for the rollout: the next steps skip its guards
-                rollout.enter_context(_skip_guards(compile, device))
-    if bad:
+            step(decoder, rows, cache, kw, draw, pad_id)
+            if t == 1 and compile:  # the graph is chosen for the call: the next steps skip its guards
+                rollout.enter_context(_skip_guards(step))
+    if rows.bad:
         raise RuntimeError(NAN_LOGITS)
-    R = int(response_mask.any(0).sum())  # the longest response: its columns are the first R
+    ids, mask = rows.response(n)
+    R = int(mask.any(0).sum())  # the longest response: its columns are the first R
     if return_logprobs:
-        return tokens[:, :R], response_mask[:, :R], logps[:, :R] * response_mask[:, :R]
-    return tokens[:, :R], response_mask[:, :R]
+        return ids[:, :R], mask[:, :R], rows.logps[:, :R] * mask[:, :R]
+    return ids[:, :R], mask[:, :R]
 
 
 def _rounded(n):
@@ -351,57 +557,57 @@ def _rounded(n):
     return -(-n // q) * q
 
 
-def _prefill(model, prompt_ids, prompt_mask, max_new_tokens, compile, kw):
+def _prefill(model, prompt_ids, prompt_mask, max_new_tokens, compile, kw, reserve=(0, 0)):
     """generate's step 1: each distinct prompt prefilled once. Returns the (B, V) logits of each row's
-    first response token, a static cache, the decode's attention mask and shared_prompt.PromptKV or
-    None. Either each row gets a copy of its prompt's keys and values in a cache of L >= P +
-    max_new_tokens slots (mask (B, L)), or, compiled on CPU where the rows come in runs of equal
+    first response token, a static cache, its Rows (their attention mask over the cache's slots) and
+    shared_prompt.PromptKV or None. Either each row gets a copy of its prompt's keys and values in a
+    cache of L >= P + max_new_tokens slots, or, compiled on CPU where the rows come in runs of equal
     prompts (shared_prompt.runs), each prompt's keys and values stay stored once (PromptKV, read by
-    shared_prompt.attention) and the cache holds the responses' slots only (mask None). Not on CUDA:
-    under its graphs that paid on one of three shapes (docs/gpu.md)."""
+    shared_prompt.attention) and the cache holds the responses' slots only. Not on CUDA: under its
+    graphs that paid on one of three shapes (docs/gpu.md)."""
     B, P = prompt_ids.shape
-    share = compile and prompt_ids.device.type == "cpu"
+    share = compile and not _gpu(prompt_ids.device)
     G = shared_prompt.runs(model, prompt_ids, prompt_mask) if share else 0
     if G:
-        return _prefill_shared(model, prompt_ids[::G], prompt_mask[::G], G, max_new_tokens, compile=compile, kw=kw)
-    L = _rounded(P + max_new_tokens) if compile else P + max_new_tokens
-    rows, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], 1), dim=0, return_inverse=True)
-    dedup = len(rows) < B
-    ids, mask = (rows[:, :P], rows[:, P:]) if dedup else (prompt_ids, prompt_mask)
+        return _prefill_shared(model, prompt_ids[::G], prompt_mask[::G], G, max_new_tokens, compile=compile, kw=kw,
+                               reserve=reserve)
+    L = P + max_new_tokens  # slots it needs; compiled, the held cache's (DecodeCache: >= L, rounded up)
+    uniq, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], 1), dim=0, return_inverse=True)
+    dedup = len(uniq) < B
+    ids, mask = (uniq[:, :P], uniq[:, P:]) if dedup else (prompt_ids, prompt_mask)
     if not _static_layers(model):  # sliding-window layers: prefill into a fresh static cache, then reorder it
-        from transformers import StaticCache
-
         cache = StaticCache(config=model.config, max_cache_len=L)
         logits = _next_logits(model, ids, mask, common.position_ids_from_mask(mask), cache=cache, kw=kw)  # (U, V)
         if dedup:
             cache.reorder_cache(inverse)
+        rows = Rows(B, L, L, prompt_ids.device)
     else:
-        out = model(input_ids=ids, attention_mask=mask, position_ids=common.position_ids_from_mask(mask), use_cache=True, **kw)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=common.position_ids_from_mask(mask), use_cache=True,
+                    **kw)
         logits = out.logits[:, -1]  # (U, V)
-        cache, L = _decode_cache(model, B, L, out.cache, persistent=compile)  # L: its slots, >= P + max_new_tokens
+        cache, rows, L = _decode_cache(model, B, L, out.cache, persistent=compile, reserve=reserve)  # L >= P + new
         _fill_cache(cache, out.cache, inverse if dedup else None, P)
         del out
     if dedup:
         logits = logits.index_select(0, inverse)  # (B, V)
-    return logits, cache, torch.cat([prompt_mask, prompt_mask.new_ones(B, L - P)], 1), None
+    return logits, cache, rows, None
 
 
-def _prefill_shared(model, ids, mask, G, max_new_tokens, compile, kw):
+def _prefill_shared(model, ids, mask, G, max_new_tokens, compile, kw, reserve=(0, 0)):
     """_prefill of U distinct prompts, each for G consecutive rows, kept once each (PromptKV),
     left-padded to a rounded length under compile so that nearby prompt lengths share a graph; the
-    static cache: B = U x G rows of max_new_tokens response slots (rounded under compile), from slot 0."""
+    static cache: B = U x G rows of max_new_tokens response slots or more (compiled: the held cache's), from slot 0."""
     P, B = ids.shape[1], ids.shape[0] * G
     if compile:
         pad = _rounded(P) - P
         ids, mask = torch.nn.functional.pad(ids, (pad, 0)), torch.nn.functional.pad(mask, (pad, 0))
     out = model(input_ids=ids, attention_mask=mask, position_ids=common.position_ids_from_mask(mask), use_cache=True, **kw)
-    S = _rounded(max_new_tokens) if compile else max_new_tokens
-    cache, S = _decode_cache(model, B, S, out.cache, persistent=compile)
+    cache, rows, S = _decode_cache(model, B, max_new_tokens, out.cache, persistent=compile, reserve=(reserve[0], 0))
     for layer in cache.layers:
         layer.cumulative_length.fill_(0)
     prompts = shared_prompt.PromptKV([layer.keys for layer in out.cache.layers],
                                      [layer.values for layer in out.cache.layers], mask.bool(), cache)
-    return out.logits[:, -1].repeat_interleave(G, 0), cache, None, prompts
+    return out.logits[:, -1].repeat_interleave(G, 0), cache, rows, prompts
 
 
 # -----------------------------------------------------------------------------
@@ -425,7 +631,7 @@ def tool_steps(max_new_tokens, max_calls, check_every):
 @torch.no_grad()
 def generate_with_tools(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tokenizer, tool,
                         stop_ids=(), max_calls=2, uniforms=None, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
-                        generator=None, compile=False, check_every=None):
+                        generator=None, compile=False, check_every=None, reserve=(0, 0)):
     """generate with tool calls: returns ids (B, R), mask (B, R) of every response token (the
     model's and the tools'), the model's log-probs (B, R) (0 on tool tokens) and tool_mask (B, R) (1
     on tool tokens; a call's count: tool_calls(tool_mask)). uniforms (B, >= max_new_tokens): column
@@ -444,19 +650,21 @@ def generate_with_tools(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, 
     kw = dict(logits_to_keep=1) if common._accepts(model, "logits_to_keep") else {}
     stops = torch.tensor([eos_id, *stop_ids], device=device)
     uniforms = None if uniforms is None else uniforms.to(device)
-    check_every = check_every or (GPU_CHECK_EVERY if device.type == "cuda" else 1)
+    check_every = check_every or (GPU_CHECK_EVERY if _gpu(device) else 1)
     n_steps = tool_steps(R, max_calls, check_every)
     # 1. prefill
-    logits, cache, mask, prompts = _prefill(model, prompt_ids, prompt_mask, n_steps, compile=compile, kw=kw)
-    first = P  # the first response slot of `mask`: after the prompt, or 0 where the prompts are kept apart
+    logits, cache, rows, prompts = _prefill(model, prompt_ids, prompt_mask, n_steps, compile=compile, kw=kw,
+                                            reserve=reserve)
+    rows.start(prompt_mask, None, pad_id, (eos_id, *stop_ids), shared=prompts is not None)
+    mask, first = rows.attn, P  # the attention mask over the cache's slots; `first`: the first response slot
     if prompts is not None:  # shared_prompt.attention reads the responses' slots from this mask, set in place
         kw, first = {**kw, "prompts": prompts}, 0
         mask = prompts.response_mask = torch.zeros(B, cache.layers[0].max_cache_len, dtype=torch.long, device=device)
 
     # 2. decode: each step a token per row, sampled, or its result's next token where it is in one
-    step = _step_fn(compile, device)
-    decoder = _bf16_decoder(model) if compile and torch.is_autocast_enabled(device.type) else model
-    graphs = compile and device.type == "cuda"
+    step = _step_fn(_next_token, compile, device)
+    decoder = _decoder(model) if compile else model
+    graphs = compile and _gpu(device)
     pos = prompt_mask.sum(-1)  # (B,) position of the first response token
     ids = torch.full((B, R + 1), pad_id, dtype=torch.long, device=device)  # column R: the idle rows' writes
     logps = torch.zeros((B, R + 1), dtype=torch.float, device=device)
@@ -501,8 +709,8 @@ def generate_with_tools(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, 
                                         None if prompts is not None else mask, fed_pos[:, None],
                                         cache=cache, kw=kw, u=u(n.clamp(max=R - 1)), draw=draw)
             bad |= nonfinite
-            if t == 0:  # the graph is chosen for the rollout: the next steps skip its guards
-                rollout.enter_context(_skip_guards(compile, device))
+            if t == 0 and compile:  # the graph is chosen for the rollout: the next steps skip its guards
+                rollout.enter_context(_skip_guards(step))
             if calling:  # 3. the calls: run on the host, their results queued for the rows to feed
                 rows = waiting.nonzero().squeeze(1)
                 have, is_tool, lengths = ids[rows].tolist(), tool_mask[rows].tolist(), n[rows].tolist()
@@ -602,14 +810,14 @@ def stop_token_ids(tokenizer, model, truncate_token=""):
 
 
 def respond(model, tokenizer, prompts, max_prompt_len, max_new_tokens, stops, device, temperature=0.0,
-            uniforms=None, tool=None, max_tool_calls=2):
+            uniforms=None, tool=None, max_tool_calls=2, compile=False, reserve=(0, 0)):
     """The model's responses to text prompts (a chat already rendered), as text, sampled until one
     of `stops` (stop_token_ids); temperature 0 is greedy, uniforms the rows' draws. With a `tool`
     (tools.load_tool), the calls it makes run (py) and the text holds their results."""
     p_ids, p_mask = common.pad(encode_prompts(tokenizer, prompts, max_prompt_len)[0], tokenizer.pad_token_id,
                                side="left")
     kw = dict(eos_id=stops[0], pad_id=tokenizer.pad_token_id, temperature=temperature, stop_ids=stops[1:],
-              uniforms=uniforms)
+              uniforms=uniforms, compile=compile, reserve=reserve)
     if tool is None:
         r_ids, r_mask = generate(model, p_ids.to(device), p_mask.to(device), max_new_tokens, **kw)
     else:
@@ -619,7 +827,7 @@ def respond(model, tokenizer, prompts, max_prompt_len, max_new_tokens, stops, de
 
 
 def evaluate_generations(model, tokenizer, prompts, reward_fn, d, max_prompt_len, max_new_tokens, batch_size=256,
-                         answers=None, own_prompts=None, tool=None, max_tool_calls=2):
+                         answers=None, own_prompts=None, tool=None, max_tool_calls=2, compile=False, reserve=(0, 0)):
     """Greedy answers to held-out prompts (text, a chat already rendered), scored by a gold reward
     fn(prompt, completion, answer) of tasks.REWARD_FNS, given each row's own prompt (`own_prompts`:
     the messages of a conversational row; default `prompts`) and its `answers` where the rule
@@ -633,7 +841,7 @@ def evaluate_generations(model, tokenizer, prompts, reward_fn, d, max_prompt_len
         with common.autocast(d):
             replies = respond(model, tokenizer, texts, max_prompt_len=max_prompt_len,
                                    max_new_tokens=max_new_tokens, stops=stops, device=d.device, tool=tool,
-                                   max_tool_calls=max_tool_calls)
+                                   max_tool_calls=max_tool_calls, compile=compile, reserve=reserve)
         rewards = [reward_fn(own_prompts[i], c, a) for i, c, a in zip(rows, replies, refs)]
         return torch.tensor([[r, float(r == 1.0)] for r in rewards], dtype=torch.float64, device=d.device)
 

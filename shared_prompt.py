@@ -61,21 +61,58 @@ def prompts(ids, attn, n_prompt):
     return torch.unique(torch.cat([ids[:, :n_prompt], attn[:, :n_prompt]], 1), dim=0, return_inverse=True)
 
 
-def micro_batches(rows, ids, attn, n_response, rows_per_forward, d, packed=False, models=(), enabled=True):
+def groups_of(ids, attn, n_prompt):
+    """Each row's prompt, numbered in order of first appearance (rows with one number share it), found
+    by comparing the rows' prompt blocks (torch.unique: a host read), for a caller that does not know
+    its rows' groups."""
+    found = prompts(ids, attn, n_prompt)[1].tolist()
+    number = {x: i for i, x in enumerate(dict.fromkeys(found))}
+    return [number[x] for x in found]
+
+
+def _slots(groups):
+    """The shared layout of rows whose prompts are `groups` (one id a row): the distinct groups in
+    order of first appearance, U of them, each a sequence of its prompt then g response slots (g: the
+    most rows a group has). Returns src, (U, g) the row in each slot (-1: an empty slot), and each
+    row's slot, u g + k, (B,); host lists."""
+    members = {}
+    for b, x in enumerate(groups):
+        members.setdefault(x, []).append(b)
+    g = max(map(len, members.values()))
+    src = [m + [-1] * (g - len(m)) for m in members.values()]
+    slot = [0] * len(groups)
+    for u, m in enumerate(members.values()):
+        for k, b in enumerate(m):
+            slot[b] = u * g + k
+    return src, slot
+
+
+def _length(groups, P, R):
+    """(U, L): a shared forward's sequences and their length, P + g R."""
+    members = {}
+    for x in groups:
+        members[x] = members.get(x, 0) + 1
+    return len(members), P + max(members.values()) * R
+
+
+def micro_batches(rows, ids, attn, n_response, rows_per_forward, d, packed=False, models=(), enabled=True, groups=None):
     """(micro-batches, shared): common.micro_batches' cut (packed: by tokens), or, where computing each
     distinct prompt once computes fewer FLOPs, micro-batches of rows_per_forward rows (never more rows
-    than a padded micro-batch, whatever packing would fit: its memory) with shared = True, for
-    response_logprobs(shared=True). One decision for every one of `models` (the policy first, whose
-    width counts the FLOPs): a model that cannot share (activation checkpointing) keeps them all off it.
-    A micro-batch of rows of distinct prompts counts as its padded or packed forward, which it then
-    takes. A few host syncs (the rows' lengths and prompts) a pass."""
+    than a padded micro-batch, whatever packing would fit: its memory) with shared, a list of each
+    micro-batch's rows' groups, for response_logprobs(shared=...); False where not shared. groups: each
+    row of ids' prompt (the rollout's or the pairing's structure; None: compared, a host read). One
+    decision for every one of `models` (the policy first, whose width counts the FLOPs): a model that
+    cannot share (activation checkpointing) keeps them all off it. A micro-batch whose rows all have
+    prompts of their own counts as its padded or packed forward, which it then takes. A few host
+    syncs (the rows and their lengths) a pass."""
     P, R = ids.shape[1] - n_response, n_response
     cut = common.micro_batches(rows, attn, rows_per_forward, d, packed)
     if not enabled or not models or not _possible(models, P, d):
         return cut, False
     model = models[0]
     T, w = ids.shape[1], 1 / (6 * model.config.get_text_config().hidden_size)
-    lengths, prompt = attn[rows].sum(-1).tolist(), prompts(ids[rows], attn[rows], P)[1].tolist()  # per row of `rows`
+    lengths = attn[rows].sum(-1).tolist()  # per row of `rows`
+    prompt = groups_of(ids[rows], attn[rows], P) if groups is None else [groups[i] for i in rows.tolist()]
     per_row = "flash" in str(model.config._attn_implementation) or model.config._attn_implementation == "sdpa_packed"
 
     def alone(a, b):  # common.response_logprobs' FLOPs for rows[a:b]: padded, or packed (N x N pairs under SDPA)
@@ -84,78 +121,85 @@ def micro_batches(rows, ids, attn, n_response, rows_per_forward, d, packed=False
         n = lengths[a:b]
         return sum(_flops(x, x, w) for x in n) if per_row else _flops(sum(n), sum(n), w)
 
-    def shared(a, b):
-        U = len(set(prompt[a:b]))
-        return alone(a, b) if U == b - a else _flops(U * P, P, w) + _flops((b - a) * R, T, w)
+    def shared(a, b):  # U sequences of a prompt and its rows' responses, each token attending its whole length
+        U, L = _length(prompt[a:b], P, R)
+        return alone(a, b) if U == b - a else _flops(U * L, L, w)
 
     def spans(chunks):  # each micro-batch's (first, end) in `rows`: they cut it in order
         ends = list(itertools.accumulate(len(c) for c in chunks))
-        return zip([0] + ends[:-1], ends)
+        return list(zip([0] + ends[:-1], ends))
 
     by_rows = common.micro_batches(rows, attn, rows_per_forward, d)
     if sum(shared(a, b) for a, b in spans(by_rows)) < sum(alone(a, b) for a, b in spans(cut)):
-        return by_rows, True
+        return by_rows, [prompt[a:b] for a, b in spans(by_rows)]
     return cut, False
 
 
 def response_logprobs(model, input_ids, attention_mask, n_response, temperature=1.0, with_entropy=False,
                       entropy_grad=False, truncate=None, packed=False, shared=False):
-    """common.response_logprobs' (B, R) log-probs (and entropies: detached unless entropy_grad), the
-    prompts (the first T - n_response columns, left-padded) computed once each where shared, as
-    micro_batches decided it for every model of the pass (at most a padded micro-batch's rows; shared
-    only in one process). common.response_logprobs itself (packed or not) where not shared or where
-    no two rows share a prompt."""
+    """common.response_logprobs' (B, R) log-probs (and entropies: detached unless entropy_grad), where
+    `shared` (each row's group: rows of a group share their prompt block; True: found by comparing
+    them) with each distinct prompt computed once, in ONE forward: a group's prompt then its rows'
+    responses as one sequence, each response attending the prompt and itself (a 4-D mask), so that a
+    step dispatches a padded forward's ops, not a prefill's and a second pass's. The same products as
+    the padded forward's: each real token sees the same real tokens at the same positions. common.
+    response_logprobs itself (packed or not) where not shared or where no two rows share a prompt."""
     P, R = input_ids.shape[1] - n_response, n_response
-    p_rows, inverse = prompts(input_ids, attention_mask, P) if shared else (input_ids, None)
-    if len(p_rows) == len(input_ids):
+    groups = groups_of(input_ids, attention_mask, P) if shared is True else shared
+    if not groups or len(set(groups)) == len(groups):
         return common.response_logprobs(model, input_ids, attention_mask, R, temperature=temperature,
                                         with_entropy=with_entropy, entropy_grad=entropy_grad, truncate=truncate,
                                         packed=packed)
-    # 1. each distinct prompt once: its last position's logits (the first response token's) and its cache.
-    # The kept position as an index, not logits_to_keep=1's slice: the head then reads a contiguous
-    # (U, 1, H), which torch.matmul folds into one mm whether or not the head's weight requires a
-    # gradient; the slice's strided view takes bmm for a frozen head and mm for a trained one, a float
-    # apart (the reference would not be the policy to the bit)
-    ids, mask = p_rows[:, :P], p_rows[:, P:]  # (U, P)
-    accepts = common._accepts(model, "logits_to_keep")
-    keep = dict(logits_to_keep=torch.tensor([P - 1], device=ids.device)) if accepts else {}
-    out = model(input_ids=ids, attention_mask=mask, position_ids=common.position_ids_from_mask(mask), use_cache=True,
-                **keep)
-    logits = [out.logits[:, -1:][inverse]]  # (B, 1, V)
-    # 2. every row's response after its prompt's keys and values: positions P .. P + R - 2 predict tokens 2 .. R
-    if R > 1:
-        for layer in out.cache.layers:  # (U, h, P, D) -> (B, h, P, D)
-            layer.keys, layer.values = layer.keys[inverse], layer.values[inverse]
-        pos = common.position_ids_from_mask(attention_mask)[:, P:-1]  # (B, R - 1)
-        logits.append(model(input_ids=input_ids[:, P:-1], attention_mask=attention_mask[:, :-1], position_ids=pos,
-                            cache=out.cache, use_cache=True).logits)  # (B, R - 1, V)
-    del out
-    # each part's log-probs and entropies apart, then joined: (B, R) each, no (B, R, V) copy of the logits
-    labels = input_ids[:, P:].split([1, R - 1], 1)[:len(logits)]
-    logits = [x / temperature for x in logits] if temperature != 1.0 else logits
-    logps = torch.cat([common.logprobs_from_logits(x if truncate is None else truncate(x, y), y)
-                       for x, y in zip(logits, labels)], 1)  # (B, R)
-    if not with_entropy:
-        return logps
-    with contextlib.nullcontext() if entropy_grad else torch.no_grad():
-        return logps, torch.cat([common.entropy_from_logits(x) for x in logits], 1)
+    src, slot = (common.to_device(x, input_ids.device) for x in _slots(groups))  # (U, g), (B,)
+    (U, g), dev = src.shape, input_ids.device
+    valid, src = src >= 0, src.clamp(min=0)
+    ids = torch.cat([input_ids[src[:, 0], :P], input_ids[src, P:].reshape(U, g * R)], 1)  # (U, L): prompt, g responses
+    real = torch.cat([attention_mask[src[:, 0], :P], (attention_mask[src, P:] * valid[..., None]).reshape(U, g * R)], 1)
+    n_prompt = real[:, :P].sum(-1, keepdim=True)  # (U, 1): each response's first position
+    pos = torch.cat([common.position_ids_from_mask(real[:, :P]), n_prompt + torch.arange(R, device=dev).repeat(g)], 1)
+    structure, eye, keep = _structure(P, g, R, dev)
+    mask = (structure & (real.bool()[:, None, :] | eye))[:, None]  # (U, 1, L, L): True where a query sees a key
+    if model.config.get_text_config()._attn_implementation == "eager":  # eager attention adds its mask
+        mask = torch.zeros(mask.shape, device=dev).masked_fill_(~mask, torch.finfo(torch.float32).min)
+    kw = dict(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=keep)
+    out = common.forward_logprobs(model, kw, ids[:, P:], temperature, truncate, with_entropy, entropy_grad,
+                                  unpack=lambda x: x.reshape(U * g, R).index_select(0, slot))  # (B, R) each
+    return out
 
 
-def plan(minibatches, ids, attn, n_response, rows_per_forward, d, packed=False, models=(), enabled=True):
+def _structure(P, g, R, device):
+    """Who may see whom in a shared sequence of a P-token prompt and g response slots of R tokens, (L,
+    L) bool (causal, no response slot seeing another's), the diagonal alone (a padding token sees itself:
+    no empty row, whose softmax would be NaN), and the positions whose logits score each slot's R
+    tokens, (g R,): the prompt's last for the first, then the slot's own."""
+    L = P + g * R
+    seg = torch.arange(L, device=device).sub_(P).div_(R, rounding_mode="floor").add_(1).clamp_(min=0)  # (L,): 0 prompt
+    j = torch.arange(L, device=device)
+    structure = (j[None, :] <= j[:, None]) & ((seg[None, :] == 0) | (seg[None, :] == seg[:, None]))
+    keep = (j[P:] - 1).view(g, R)
+    keep[:, 0] = P - 1
+    return structure, j[:, None] == j[None, :], keep.flatten()
+
+
+def plan(minibatches, ids, attn, n_response, rows_per_forward, d, packed=False, models=(), enabled=True,
+         group_size=0):
     """The forwards of every pass over a rollout, cut once: for each mini-batch (a row of
     `minibatches`, indices into ids), its micro-batches, whether they pack (where that computes less,
     common.packing_pays, agreed by all ranks) and whether they share prompts (micro_batches, for every
-    one of `models`): [(micro-batches, packed, shared)]. The reference's, the rollout policy's and the
-    teacher's log-probs and every update's forwards run over these same micro-batches. A row's
-    log-probs depend, in their last float bits, on the rows it is computed with (the matmuls' and the
-    attention's blocking over the batch and its padded length): in one layout, a model equal to the
-    policy gives the policy's log-probs to the bit, so that the KL, its gradient and log rho are 0, not
-    float noise that Adam would scale into lr-sized steps (tests/test_exact.py)."""
+    one of `models`; group_size: rows r and r' share one where r // group_size == r' // group_size, the
+    rollout's groups): [(micro-batches, packed, shared)], shared False or each micro-batch's groups.
+    The reference's, the rollout policy's and the teacher's log-probs and every update's forwards run
+    over these same micro-batches. A row's log-probs depend, in their last float bits, on the rows it
+    is computed with (the matmuls' and the attention's blocking over the batch and its padded length):
+    in one layout, a model equal to the policy gives the policy's log-probs to the bit, so that the KL,
+    its gradient and log rho are 0, not float noise that Adam would scale into lr-sized steps
+    (tests/test_exact.py)."""
+    groups = [r // group_size for r in range(len(ids))] if group_size else None
     out = []
     for rows in minibatches:
         pack = packed and common.packing_pays(models[0], attn[rows], rows_per_forward, d)
         chunks, shared = micro_batches(rows, ids, attn, n_response, rows_per_forward=rows_per_forward, d=d, packed=pack,
-                                       models=models, enabled=enabled)
+                                       models=models, enabled=enabled, groups=groups)
         out.append((chunks, pack, shared))
     return out
 
@@ -167,10 +211,11 @@ def planned_logprobs(model, ids, attn, n_response, plan, d, temperature=1.0, tru
     it; no graph."""
     out = [torch.zeros(ids.shape[0], n_response, device=ids.device) for _ in range(1 + with_entropy)]
     for chunks, packed, shared in plan:
-        for r in chunks:
+        for k, r in enumerate(chunks):
             with common.autocast(d):
                 values = response_logprobs(model, ids[r], attn[r], n_response, temperature=temperature,
-                                           with_entropy=with_entropy, truncate=truncate, packed=packed, shared=shared)
+                                           with_entropy=with_entropy, truncate=truncate, packed=packed,
+                                           shared=shared and shared[k])
             for o, v in zip(out, values if with_entropy else (values,)):
                 o[r] = v.float()
     return tuple(out) if with_entropy else out[0]
@@ -178,13 +223,15 @@ def planned_logprobs(model, ids, attn, n_response, plan, d, temperature=1.0, tru
 
 def layout(batch, d, packed=False, models=(), enabled=True):
     """(packed, shared) for one forward of a whole batch (ids, attn, resp), DPO's chosen and rejected
-    rows: packed where that computes less (agreed by all ranks), sharing prompts where that computes
-    less still; one decision for every one of `models` (the policy and its reference), as `plan`'s."""
+    rows (rows i and B + i: pair i, one prompt): packed where that computes less (agreed by all ranks),
+    sharing prompts where that computes less still (shared: each row's pair); one decision for every
+    one of `models` (the policy and its reference), as `plan`'s."""
     ids, attn, resp = batch
     packed = packed and common.packing_pays(models[0], attn, len(ids), d)
+    pairs = [i % (len(ids) // 2) for i in range(len(ids))]
     _, shared = micro_batches(torch.arange(len(ids), device=ids.device), ids, attn, resp.shape[1], rows_per_forward=len(ids),
-                              d=d, packed=packed, models=models, enabled=enabled)
-    return packed, shared
+                              d=d, packed=packed, models=models, enabled=enabled, groups=pairs)
+    return packed, shared and shared[0]
 
 
 def sequence_logprobs(model, batch, d, packed=False, shared=False):

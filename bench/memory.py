@@ -66,10 +66,6 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 2**30
-# shared_prompt's forward keeps this many h bytes a distinct prompt's position and layer more than the padded
-# model's terms say, fitted to bench/memory_trace.py (not derived term by term): on GPT-2's and Qwen2.5's shapes at 8
-# layers, DPO's phase within -8% of the trace and GRPO's within +4% with it, -14% and -6% without
-SHARED_PROMPT_EXTRA = 40
 
 SHAPES = {  # layers, hidden, heads, kv heads, MLP width, vocabulary, tied embeddings, gated MLP, learned positions
     "gpt2": dict(L=12, h=768, heads=12, kv_heads=12, I=3072, V=50257, tied=True, gated=False, pos=1024),
@@ -144,8 +140,8 @@ def parts(s, script, world=1, launcher="torchrun", device="gpu", seqs=4, prompt_
         parts["activations"] = tokens * (s["L"] * e * s["h"] + per_token_layer + probs)
     else:
         parts["activations"] = tokens * s["L"] * (per_token_layer + probs)
-    if script != "reward":
-        parts["logits"] = 2 * 4 * seqs * seq_factor * (R + 1) * s["V"]  # fp32 logits and their gradient
+    if script != "reward":  # the fused head's chunks (common._HeadLogprobs): a few fp32 copies of one chunk's logits
+        parts["logits"] = head_logits(seqs * seq_factor * R, s["V"], device, grad=True)
     phases = {"update": parts}
     if script == "grpo":
         roll = {k: v for k, v in parts.items() if k not in ("gradients", "activations", "logits")}
@@ -212,9 +208,10 @@ def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, r
     # (environment.frozen_in_bf16; the rollout's not with --compile, which decodes from the decoder copies)
     no_grad_weights = {"bf16 base (cast once)": 2 * L * linear} if lora else weights
     # GRPO --compile: one static KV cache per model kept between rollouts (sampling._decode_cache) and,
-    # under autocast, bf16 copies of the linear weights kept for the compiled decode (sampling._bf16_decoder)
-    # bf16 keys and values; under autocast a RoPE model's keys stay fp32 (its fp32 residual stream makes
-    # cos and sin fp32, and q * cos with them)
+    # under autocast, bf16 copies of the linear weights kept for the compiled decode (sampling._decoder)
+    # bf16 keys and values in the sampler's static cache (sampling._CastingLayer); in a prefill's or a forward's
+    # own cache under autocast a RoPE model's keys stay fp32 (its fp32 residual stream makes cos and sin fp32,
+    # and q * cos with them)
     kv_bytes = kv * (6 if not fsdp and not s["pos"] else 4)
     # the sampler's call: the distinct prompts prefilled once into a cache of P + R slots; with --tools
     # (sampling.generate_with_tools) the same cache, continued to the end, with 7 slots more per call a row may
@@ -225,15 +222,16 @@ def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, r
     group = rollout_rows // max(prompts, 1)
     chunk_prompts = min(prompts, -(-(rows - 1) // max(group, 1)) + 1)
     slots = cache_slots(S + 7 * tools, compile)
-    cache = rows * slots * L * kv_bytes
+    cache = rows * slots * L * kv * 4
     kept = {}
     if script == "grpo" and lora and ac:  # transformers makes the embeddings' output a leaf that requires grad;
         # grpo.py's last loss (and log-probs) keep their graph's nodes, and so it and its gradient, to the next update
         kept["last micro-batch's input embeddings"] = 8 * seqs * S * h
     if script == "grpo" and compile:
         kept["compiled KV cache"] = cache
-        if not fsdp:
-            kept["bf16 decoder copies"] = 2 * L * linear
+        # sampling._decoder: under autocast bf16 copies of the linear weights and the head; under FSDP2 a
+        # gathered bf16 copy of the whole model, outside FSDP
+        kept["bf16 decoder copies"] = 2 * N if fsdp else 2 * (L * linear + V * h)
     state_kept = dict(state, **kept)
 
     # forward and backward of one micro-batch, at the start of the backward
@@ -247,22 +245,18 @@ def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, r
     if grad_accum > 1:
         fb["gradients"] = 4 * trained  # the earlier micro-batches', reduce-scattered
     logits = logits_end = 0  # at the backward's start, and at the forward's end
-    if script != "reward":
-        # fp32 logits and their gradient; log_softmax + gather keep a second (B, R, V) where it fits
-        # EVAL_LOGITS (common.logprobs_from_logits)
-        small = seqs * R * V <= 2**28
-        logits, logits_end = 4 * seqs * R * V * (3 if small else 2), 4 * seqs * R * V * (2 if small else 1)
-    if script == "grpo":  # the update's entropy (common.entropy_from_logits): three fp32 chunks of 2^26 logits
-        logits_end += 3 * 4 * min(seqs * R, max(1, 2**26 // V)) * V
+    if script != "reward":  # the fused head (common._HeadLogprobs): chunks of 2^26 logits, never all of them; the
+        # backward's start: a chunk recomputed, its softmax and gradient, and W's fp32 gradient
+        logits = head_logits(seqs * R, V, "gpu", grad=True) + (0 if lora else 4 * V * h)  # W's gradient, fp32
+        logits_end = head_logits(seqs * R, V, "gpu")
     # FSDP2: the root's gradients (the head's) are made first in the backward and wait for its end, unsharded
-    head = {"head gradient (FSDP)": 2 * V * h} if fsdp and script != "reward" else {}
-    if not ac and shared[0]:  # shared_prompt: each distinct prompt's P tokens, then every row's R after its keys
-        # and values, gathered to every row (each row's P cached positions, repeated to every head under the
-        # response's mask: repeat_kv, 4 h bytes a position) and, per distinct prompt, SHARED_PROMPT_EXTRA h bytes
-        # a position and layer more than a padded token's
-        U, per_token = shared[0], per_token_layer - 2 * S  # the mask's bf16 bias: a query's keys
-        fb["activations"] = L * (U * prompt_len * (per_token + 2 * prompt_len + SHARED_PROMPT_EXTRA * h)
-                                 + seqs * R * per_token_layer + seqs * prompt_len * 4 * h)
+    head = {"head gradient (FSDP)": 2 * V * h} if fsdp and script != "reward" and not lora else {}
+    if not ac and shared[0]:  # shared_prompt: U sequences of a prompt and its rows' responses (g slots of R), every
+        # token under a 4-D mask over its sequence's Ls keys (a bf16 bias of Ls a query, as the padded one's S)
+        U = shared[0]
+        Ls = prompt_len + -(-seqs // U) * R
+        fb["activations"] = L * U * Ls * (per_token_layer - 2 * S + 2 * Ls) + U * Ls * Ls
+        tokens = U * Ls  # what the forward computes
     elif not ac:
         fb["activations"] = tokens * L * per_token_layer
     # LoRA, inside a block's backward (the logits freed): each adapter's own gradients beside the frozen path's, the
@@ -272,10 +266,6 @@ def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, r
     if not ac:
         start, end = dict(head, logits=logits), {"logits": logits_end}
         block = {"adapters' gradients (a block's backward)": adapters}
-        if script == "dpo" and not precompute_ref and shared[0]:  # a live reference's forward after the policy's (its
-            # activations and logits kept): with shared prompts every layer's keys and values of the rows live until
-            # its logits are made (the 2 logits above: the policy's kept, the reference's)
-            start["live reference's cache"] = seqs * S * L * kv_bytes
     else:  # each block's input (bf16 under FSDP, fp32 under autocast), then the largest of: the logits and
         # their gradient (the backward's start), one block recomputed, autocast's copies (the forward's end)
         fb.pop("autocast copies", None)
@@ -311,16 +301,26 @@ def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, r
         if fsdp:
             rm["gathered (FSDP)"] = 2 * (n_root + 2 * n_block)
         phases["reward model"] = rm
-    rows = seqs  # one micro-batch of logits at a time, + log_softmax's
     ref = dict(state_kept, **no_grad_weights)  # the reference's, then the policy's (autocast caches the policy's only)
-    ref["logits"] = 4 * rows * R * V + (4 * rows * R * V if rows * R * V <= 2**28 else 2 * 4 * 2**26)
-    if shared[1] and reference:  # shared_prompt: the reference's logits made while every layer's cache of its rows is alive
-        ref["logits"] = max(ref["logits"], 4 * rows * R * V + rows * S * L * kv_bytes)
+    # one micro-batch at a time without a graph: the larger of a layer's transients (as the prefill's: 6 I + c h a
+    # token, of the padded rows or of shared_prompt's U sequences) and the fused head's chunk
+    U = shared[1]
+    ref_tokens = U * (prompt_len + -(-seqs // U) * R) if U else seqs * S
+    ref["forward"] = max(ref_tokens * (6 * I + c * h), head_logits(seqs * R, V, "gpu"))
     if reference or old_pass:  # neither pass at beta 0 with one update a rollout (TRL's defaults)
         phases["reference and old log-probs"] = ref
     if teacher:  # frozen: under autocast each op casts a weight anew, none cached
-        phases["teacher log-probs"] = dict(state_kept, **(weights if fsdp else {}), logits=ref["logits"])
+        phases["teacher log-probs"] = dict(state_kept, **(weights if fsdp else {}), forward=ref["forward"])
     return phases
+
+
+def head_logits(tokens, V, device, grad=False):
+    """The fused head's fp32 transients (common._HeadLogprobs): one chunk of min(tokens, 2^26 / V) rows
+    (2^22 on a CPU) of logits, its log-softmax and their product for the entropy (3 copies); with a
+    gradient, the backward's recomputed chunk, its softmax (the gradient, in place) and the entropy's
+    log-softmax and its exp (4 copies)."""
+    rows = min(tokens, max(1, (2**26 if device == "gpu" else 2**22) // V))
+    return (4 if grad else 3) * 4 * rows * V
 
 
 def chunk_rows(n, size):
@@ -376,10 +376,11 @@ SCRIPT_ONLY = {"prompts_per_step", "group_size", "num_mini_batches", "reward_mod
 
 
 def as_on_a_gpu(cfg, launcher):
-    """cfg with each `auto` speed flag as a GPU run resolves it (plumbing/speed.py): --compile under `python`,
-    not under torchrun; the layouts, which it times, counted as the one that holds more: prompts shared and
-    rows packed wherever they can be."""
-    auto = {"compile": launcher == "python", "shared_prompt": True, "padding_free": True}
+    """cfg with each `auto` speed flag as a GPU run resolves it (plumbing/speed.py): --compile, but not
+    under torchrun with LoRA; the layouts, which it times, counted as the one that holds more: prompts
+    shared and rows packed wherever they can be."""
+    auto = {"compile": launcher == "python" or not getattr(cfg, "lora", False), "shared_prompt": True,
+            "padding_free": True}
     return dataclasses.replace(cfg, **{k: v for k, v in auto.items() if getattr(cfg, k, None) == "auto"})
 
 
@@ -423,7 +424,7 @@ def estimate(s, script, world=1, launcher="torchrun", device="gpu", ac=False, of
     # group's G rows dealt G / K to each of K mini-batches (grpo.minibatch_rows), consecutive there; its reference
     # pass: G consecutive rows; DPO: a pair's two rows. Full-length rows: wherever rows share one, sharing computes less
     if W == 1 and not ac and getattr(cfg, "shared_prompt", False) and script in ("grpo", "dpo"):
-        dealt = max(1, cfg.group_size // cfg.num_mini_batches) if script == "grpo" else 2
+        dealt = max(1, cfg.group_size // cfg.num_mini_batches) if script == "grpo" else 1  # DPO: seqs counts pairs here
         U = [-(-seqs // dealt), -(-seqs // cfg.group_size) if script == "grpo" else 0]
         knobs["shared"] = tuple(u if u < seqs * (1 + (script == "dpo")) else 0 for u in U)
     old_pass = script == "grpo" and (cfg.num_iterations > 1 or cfg.num_mini_batches > 1 or bool(cfg.teacher))

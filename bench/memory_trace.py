@@ -77,8 +77,12 @@ def _shared(prompt_of):
         inverse = torch.tensor([distinct.index(u) for u in of], device=ids.device)
         return torch.cat([ids[first, :n_prompt], attn[first, :n_prompt]], 1), inverse
 
-    def micro_batches(rows, ids, attn, n_response, rows_per_forward, d, packed=False, models=(), enabled=True):
-        return common.micro_batches(rows, attn, rows_per_forward, d), enabled and shared_prompt._possible(models, 1, d)
+    def micro_batches(rows, ids, attn, n_response, rows_per_forward, d, packed=False, models=(), enabled=True,
+                      groups=None):
+        chunks = common.micro_batches(rows, attn, rows_per_forward, d)
+        if not (enabled and shared_prompt._possible(models, 1, d)):
+            return chunks, False
+        return chunks, [[prompt_of(i) for i in range(len(c))] for c in chunks]
 
     with mock.patch.object(shared_prompt, "prompts", prompts), \
             mock.patch.object(shared_prompt, "micro_batches", micro_batches):
@@ -294,13 +298,12 @@ def _turn(model, rows, n_prompts, prompt_len, slots, cfg, d):
     prompts, mask, _ = _batch(n_prompts, prompt_len, 0, d)
     out = model(input_ids=prompts, attention_mask=mask, position_ids=common.position_ids_from_mask(mask),
                 use_cache=True, logits_to_keep=1)
-    cache, slots = sampling._decode_cache(model, rows, slots, out.cache, persistent=cfg.compile)
+    cache, _, slots = sampling._decode_cache(model, rows, slots, out.cache, persistent=cfg.compile)
     inverse = None if n_prompts == rows else torch.arange(rows, device=d.device) * n_prompts // rows
     sampling._fill_cache(cache, out.cache, inverse, prompt_len)
     logits = out.logits[:, -1] if inverse is None else out.logits[:, -1][inverse]  # (rows, V)
     del out
-    compiled_autocast = cfg.compile and torch.is_autocast_enabled(d.device.type)  # sampling.generate's test
-    decoder = sampling._bf16_decoder(model) if compiled_autocast else model
+    decoder = sampling._decoder(model) if cfg.compile else model  # sampling.generate's
     full = torch.ones(rows, slots, dtype=torch.long, device=d.device)
     sampling._next_logits(decoder, logits.argmax(-1)[:, None], full, torch.full((rows, 1), prompt_len, device=d.device),
                           cache=cache, kw=dict(logits_to_keep=1))
@@ -366,7 +369,7 @@ def _grpo(model, optimizer, scheduler, frozen, cfg, d, tracker):
                     r = slice(k * micro, (k + 1) * micro)
                     with common.autocast(d), _shared(lambda i: i // dealt):
                         logps, entropy = shared_prompt.response_logprobs(model, ids[r], attn[r], R, cfg.temperature,
-                                                                         with_entropy=True, shared=share)
+                                                                         with_entropy=True, shared=share and share[k])
                     loss, _ = grpo.grpo_loss(logps.float(), logps.detach().float() if old_logps is None else old_logps[r],
                                              None if ref_logps is None else ref_logps[r], adv[r], loss_mask[r],
                                              normaliser=loss_mask.sum(), entropy=entropy.float(), beta=cfg.beta)

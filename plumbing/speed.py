@@ -8,9 +8,10 @@ rounding), so a run takes the faster path for its device and says which, and why
 - A GPU's step on a small model is bound by kernel launches, not FLOPs (on an H200 the shared-prompt
   DPO step, 2.1x the padded step's ops for 25% fewer FLOPs, ran at 0.62x its speed: docs/gpu.md). The
   layouts are timed once, forward and backward of the first micro-batch, fastest kept; the times are
-  summed over the ranks, so that every rank keeps the same. The compiled CUDA-graph decode step is taken
-  under `python`, not under torchrun, where FSDP2's hooks cut the compiled step into a graph per block
-  and the gathered weights move between rollouts (its graphs would record again every rollout).
+  summed over the ranks, so that every rank keeps the same. The compiled CUDA-graph decode step is
+  taken, under torchrun too, where it decodes from a bf16 copy of the model outside FSDP2 (whose hooks
+  would cut the compiled step into a graph per block, its gathered weights moving between rollouts):
+  not with LoRA's adapters or remote code under torchrun, which the copy cannot hold.
 A choice is recorded with the run (run_config.json, and each checkpoint's trainer_state.json) and a
 resumed run takes it again instead of timing anew: resumed == uninterrupted, as for a flag given.
 """
@@ -83,11 +84,13 @@ def choose(cfg, d, recorded, model, batch, models_=(), reward=False):
     out |= {f: c["value"] for f, c in fresh.items()}
     todo = [f for f in asked if f not in out]
     if "compile" in todo:
-        on = timed(d) and not d.torchrun
-        why = ("a CUDA-graph decode step, several times model.generate's speed (docs/gpu.md)" if on else
-               "under torchrun FSDP2's hooks cut the compiled step into a graph per block and the gathered weights "
-               "move between rollouts" if timed(d) else "on a CPU 10-60 s of compile a batch shape pays back only "
-               "over a long run")
+        copyable = not d.torchrun or sampling.compilable_under_fsdp(model)
+        on = timed(d) and copyable
+        why = ("a CUDA-graph decode step, several times model.generate's speed (docs/gpu.md)" +
+               (", from a bf16 copy of the model outside FSDP2" if d.torchrun else "") if on else
+               "under torchrun the compiled step decodes from a copy of the model outside FSDP2, which LoRA's "
+               "adapters or remote code do not allow" if timed(d) else
+               "on a CPU 10-60 s of compile a batch shape pays back only over a long run")
         recorded["compile"] = {"value": on, "why": why}
     layouts = [f for f in todo if f != "compile"]
     if layouts and not timed(d):

@@ -16,6 +16,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
+
+import sampling
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 """the repository root: every script a test runs is run from here"""
@@ -371,3 +374,13 @@ def chat_rows(n, kind):
         else:
             rows.append({"prompt": question(i), "reward_fn": "digits"})
     return rows
+
+
+def dynamo_eager(monkeypatch, gpu=False):
+    """The sampler's compiled decode steps traced by dynamo and run by its eager backend: the graphs
+    and guards are dynamo's whatever compiles them, in seconds instead of inductor's tens; gpu: the
+    GPU's path taken on the CPU (sampling._gpu: no shared prompts, a host read every 8 steps)."""
+    monkeypatch.setattr(sampling, "_compiled", {})
+    monkeypatch.setattr(sampling, "_compile", lambda fn, gpu_path: torch.compile(fn, backend="eager", dynamic=False))
+    if gpu:
+        monkeypatch.setattr(sampling, "_gpu", lambda device: True)

@@ -409,10 +409,10 @@ def test_activation_checkpointing_recomputes_blocks_of_a_loaded_checkpoint(tmp_p
 @pytest.mark.parametrize("n, world, batch", [(15, 2, 4), (7, 3, 2), (2, 4, 1), (9, 1, 4), (8, 2, 8)])
 def test_map_rows_equal_forward_counts_and_every_row_once(n, world, batch, monkeypatch):
     """Each rank's results, as the all-reduce would sum them: every row's value exactly once (the
-    padding rows computed but dropped), and the same number of calls on every rank (FSDP's
-    collective gathers hang otherwise)."""
+    padding rows computed but dropped), the same number of calls on every rank (FSDP's collective
+    gathers hang otherwise), all of one size (a compiled decode step meets one batch shape)."""
     monkeypatch.setattr(common, "all_reduce_sum", lambda x, d: x)  # the ranks' outputs, summed below
-    calls, outs = [], []
+    calls, outs, sizes = [], [], set()
     for r in range(world):
         seen = []
 
@@ -422,8 +422,9 @@ def test_map_rows_equal_forward_counts_and_every_row_once(n, world, batch, monke
 
         outs.append(common.map_rows(fn, n, common.Dist(rank=r, world_size=world), batch))
         calls.append(len(seen))
-        assert all(len(rows) <= batch for rows in seen)
+        sizes.update(len(rows) for rows in seen)
     assert len(set(calls)) == 1  # every rank runs as many forwards
+    assert len(sizes) == 1 and max(sizes) <= batch, sizes
     total = sum(outs)
     assert total[:, 1].tolist() == [1.0] * n  # each row counted once over all ranks
     assert total[:, 0].tolist() == [10.0 * i + 1 for i in range(n)]
@@ -845,7 +846,7 @@ def test_map_rows_cuts_chunks_to_the_logits_they_make():
         sizes.append(len(rows))
         return torch.tensor(rows, dtype=torch.float64)[:, None]
 
-    for per_row, want in ((0, [8, 2]), (common.EVAL_LOGITS // 3, [3, 3, 3, 1]), (common.EVAL_LOGITS + 1, [1] * 10)):
+    for per_row, want in ((0, [5, 5]), (common.EVAL_LOGITS // 3, [3, 3, 3, 3]), (common.EVAL_LOGITS + 1, [1] * 10)):
         sizes.clear()
         out = common.map_rows(fn, 10, common.Dist(), 8, logits_per_row=per_row)
         assert sizes == want and out[:, 0].tolist() == list(range(10))

@@ -40,9 +40,9 @@ def recorded_run(argv):
         rolls.append({k: v.clone() for k, v in vars(roll).items() if torch.is_tensor(v)})
         return roll
 
-    def recording_cache(model, B, L, like, persistent):
+    def recording_cache(model, B, L, like, persistent, reserve=(0, 0)):
         cache_rows.append(B)
-        return decode_cache(model, B, L, like, persistent)
+        return decode_cache(model, B, L, like, persistent, reserve)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(environment, "rollout", recording_rollout)

@@ -77,9 +77,10 @@ def test_metrics_reduce_from_device_tensors_and_floats():
 
 
 def test_lm_head_logits_are_fp32_under_bf16_autocast(tiny):
-    """Under bf16 autocast the kept positions' logits are computed in fp32 from the (bf16-
-    computed) hidden states: log-probs equal an fp32 head on those hidden states, and differ
-    from bf16-rounded logits by more than the tolerance (so the check has teeth)."""
+    """Under bf16 autocast the kept positions' logits are fp32 sums of bf16 products (the hidden
+    states and the weight in bf16, as autocast casts a linear's operands, accumulated in fp32, never
+    rounded to bf16): log-probs equal that computation done by hand, to the rounding of fp32 sums of
+    H terms, and differ from bf16-rounded logits by more (so the check has teeth)."""
     model, tok = tiny
     model = models.load_model("tiny", tok).eval()
     with torch.no_grad():  # logits of GPT-2's size (tens): where bf16's step is 0.125-0.5
@@ -92,12 +93,138 @@ def test_lm_head_logits_are_fp32_under_bf16_autocast(tiny):
         got = common.response_logprobs(model, ids, attn, R)
         h = model.transformer(input_ids=ids, attention_mask=attn,
                               position_ids=common.position_ids_from_mask(attn)).last_hidden_state[:, -(R + 1):-1]
-    logits = h.float() @ model.lm_head.weight.float().T
+    x, w = h.bfloat16().double(), model.lm_head.weight.bfloat16().double()
+    logits = x @ w.T  # (B, R, V): the bf16 products summed exactly (float64)
     want = torch.log_softmax(logits, -1).gather(-1, ids[:, -R:, None]).squeeze(-1)
-    rounded = torch.log_softmax(logits.bfloat16().float(), -1).gather(-1, ids[:, -R:, None]).squeeze(-1)
+    rounded = torch.log_softmax(logits.bfloat16().double(), -1).gather(-1, ids[:, -R:, None]).squeeze(-1)
+    # an fp32 sum of H terms is off by at most H eps32 sum|x_i w_i| (Higham, Thm 3.1), and a log-softmax
+    # moves by at most twice its inputs' largest error
+    bound = 2 * x.shape[-1] * torch.finfo(torch.float32).eps * (x.abs() @ w.abs().T).max().item()
     assert got.dtype == torch.float32
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
-    assert (rounded - want).abs().max() > 1e-2
+    assert (got.double() - want).abs().max() <= bound, bound
+    assert (rounded - want).abs().max() > 10 * bound
+
+
+def _naive_head(x, w, b, labels, temperature, truncate):
+    """The head's log-probs and entropies from whole fp64 logits, autograd's gradients."""
+    z = (x.double() @ w.double().T + (0 if b is None else b.double())) / temperature
+    ent = -(z.softmax(-1) * z.log_softmax(-1)).sum(-1)
+    zt = z if truncate is None else truncate(z, labels).double()
+    return zt.log_softmax(-1).gather(-1, labels[:, None]).squeeze(-1), ent
+
+
+@pytest.mark.parametrize("temperature, top_p, bias", [(1.0, 1.0, False), (0.7, 1.0, True), (0.7, 0.8, False)])
+def test_the_fused_head_scores_tokens_without_their_logits(temperature, top_p, bias):
+    """common._HeadLogprobs (the LM head, log-softmax and gather in chunks of tokens, the backward
+    recomputing each chunk): log-probs and entropies equal those of whole fp64 logits, at a
+    temperature and under a sampler's top-p (truncated and renormalised; the entropy the full
+    distribution's), and so do the gradients of the weight, bias and hidden states of a loss of both
+    (the entropy's too: an entropy bonus), to fp32's rounding of sums over H and V terms. No op of
+    the forward or the backward makes a tensor of the tokens x V logits' size: 64 tokens in chunks
+    of 8."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Largest(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            sizes = [t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.dtype.is_floating_point]
+            self.numel = max([self.numel, *sizes])
+            return out
+
+    g = torch.Generator().manual_seed(0)
+    N, H, V = 64, 16, 50
+    x = torch.randn(N, H, generator=g, requires_grad=True)
+    w = (torch.randn(V, H, generator=g) * 2).requires_grad_()
+    b = (torch.randn(V, generator=g) if bias else torch.zeros(V)).requires_grad_(bias)
+    labels = torch.randint(0, V, (N,), generator=g)
+    c, e = torch.randn(N, generator=g, dtype=torch.float64), torch.randn(N, generator=g, dtype=torch.float64)
+    truncate = sampling.truncation(top_p=top_p)
+    with Largest() as seen:
+        logp, ent = common._HeadLogprobs.apply(x, w, b if bias else None, labels, torch.float32, temperature, truncate,
+                                               True, True, 8)
+        ((logp.double() * c).sum() + (ent.double() * e).sum()).backward()
+    assert seen.numel < N * V, seen.numel
+    got = [logp, ent, x.grad, w.grad] + ([b.grad] if bias else [])
+    for t in [x, w, b]:
+        t.grad = None
+    want_logp, want_ent = _naive_head(x, w, b if bias else None, labels, temperature, truncate)
+    ((want_logp * c).sum() + (want_ent * e).sum()).backward()
+    want = [want_logp, want_ent, x.grad, w.grad] + ([b.grad] if bias else [])
+    eps, scale = torch.finfo(torch.float32).eps, (x.abs() @ w.abs().T).max().item() / temperature
+    # fp32 logits are off by H eps |x||w| (a sum of H products); log-probs, entropies and their
+    # gradients are smooth in them with constants of order log V and |c| + |e|, and a gradient's sum
+    # over N tokens or V entries adds N (or V) eps of its terms
+    bound = 8 * (H * scale + N + V) * eps * max(1.0, scale) * (1 + c.abs().max().item() + e.abs().max().item())
+    for name, a, b_ in zip(["logp", "entropy", "x.grad", "w.grad", "b.grad"], got, want):
+        assert (a.double() - b_.double()).abs().max() <= bound * max(1.0, b_.abs().max().item()), (name, bound)
+    if top_p < 1:
+        assert (truncate(x.detach() @ w.detach().T, labels) == float("-inf")).any()  # the rule dropped tokens
+
+
+def test_response_logprobs_never_hold_the_responses_logits(tiny, monkeypatch):
+    """The update's and the reference's log-probs (common.response_logprobs, padded and packed, and
+    shared_prompt's responses) with their entropies and gradients: no op of the forward or backward
+    makes a floating tensor of the response tokens x V logits' size, with chunks of 2 tokens
+    (CHUNK_LOGITS; the default is 2^26 logits a chunk on a GPU: 256 MiB, against 10 GB for
+    Qwen's 151,936 entries at 16K response tokens)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    model, tok = tiny
+    model = models.load_model("tiny", tok).train()
+    V = model.lm_head.weight.shape[0]
+
+    class Largest(TorchDispatchMode):  # the largest floating tensor over the vocabulary that an op makes (no view)
+        def __init__(self):
+            super().__init__()
+            self.numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not func.is_view:
+                self.numel = max([self.numel, *[t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+                                                and t.dtype.is_floating_point and t.shape[-1:] == (V,)]])
+            return out
+
+    monkeypatch.setattr(common, "CHUNK_LOGITS", {"cpu": 2 * V, "gpu": 2 * V})
+    prompt = tok("sort 3 1 2 4 5 6 =")["input_ids"]
+    ids, attn, resp = common.join_prompt_response([prompt] * 4, [tok(" 1 2 3 4 5 6")["input_ids"]] * 4, tok.pad_token_id)
+    for kw in (dict(packed=False), dict(packed=True), dict(shared=True)):
+        with Largest() as seen:
+            logps, ent = shared_prompt.response_logprobs(model, ids, attn, resp.shape[1], with_entropy=True,
+                                                         entropy_grad=True, **kw)
+            (logps.sum() + ent.sum()).backward()
+        # a chunk's 2 tokens, or one position a row (shared prompts' first response token: 4 rows)
+        assert seen.numel <= len(ids) * V < resp.numel() * V, (kw, seen.numel)
+
+
+def test_response_logprobs_fused_equal_the_logits_path(tiny, monkeypatch):
+    """common.response_logprobs through the fused head (FP32Head.request) gives the log-probs,
+    entropies and gradients of its logits path (common.scored_logits, taken where a model rescales its
+    logits), padded and packed, to fp32 rounding of the same sums."""
+    model, tok = tiny
+    model = models.load_model("tiny", tok).train()
+    ids, attn, resp = common.join_prompt_response([tok("sort 3 1 2 =")["input_ids"], tok("sort 9 8 =")["input_ids"]],
+                                                  [tok(" 1 2 3")["input_ids"], tok(" 8 9 9")["input_ids"]], tok.pad_token_id)
+    out = {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(common, "fused_head", lambda m: None)
+        for packed in (False, True):
+            model.zero_grad()
+            logps, ent = common.response_logprobs(model, ids, attn, resp.shape[1], temperature=0.8, with_entropy=True,
+                                                  entropy_grad=True, packed=packed)
+            ((logps * resp).sum() + (ent * resp).sum()).backward()
+            out[fused, packed] = [logps.detach() * resp, ent.detach() * resp, model.lm_head.weight.grad.clone(),
+                                  model.transformer.h[0].attn.c_attn.weight.grad.clone()]
+    for packed in (False, True):
+        for a, b in zip(out[True, packed], out[False, packed]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_fp32_head_checkpoint_loads_as_a_plain_linear(tiny, tmp_path):
@@ -225,20 +352,21 @@ def test_non_finite_logits_give_valid_ids_and_a_clear_error(tiny):
 class FakeCudagraphTrees:
     """What cudagraph trees do to a compiled step, on the CPU (torch/_inductor/cudagraph_trees.py):
     a dynamo backend whose every graph binds, at its first run, to the tree manager alive then and
-    records the addresses of its static inputs (parameters, the cache's tensors: marked static);
-    a later run on moved addresses re-records, and a run after its manager was shut down raises as
-    cudagraph trees do. reset_cudagraph_trees shuts the manager down, and so does torch.compiler.reset()
-    on a CUDA machine (torch/_dynamo/__init__.py), after dropping dynamo's entries."""
+    records the addresses of its static inputs (parameters, the cache's and Rows' tensors: marked
+    static); a later run on moved addresses re-records, a run after its manager was shut down raises
+    as cudagraph trees do, and a run that mutates an input not marked static is one cudagraph trees
+    would skip (`skipped`: "skipping cudagraphs due to mutated inputs"). reset_cudagraph_trees shuts
+    the manager down, and so does torch.compiler.reset() on a CUDA machine (torch/_dynamo/__init__.py),
+    after dropping dynamo's entries. The sampler takes the GPU's path (sampling._gpu)."""
 
     def __init__(self, monkeypatch):
-        self.manager, self.compiled, self.recorded, self.rerecorded = object(), 0, [], 0
+        self.manager, self.compiled, self.recorded, self.rerecorded, self.skipped = object(), 0, [], 0, 0
         reset = torch._dynamo.reset
         monkeypatch.setattr("torch._inductor.cudagraph_trees.reset_cudagraph_trees", self.shutdown)
         monkeypatch.setattr(torch._dynamo, "reset", lambda: (reset(), self.shutdown()))
-        compiled = torch.compile(sampling._next_logits, backend=self.backend, dynamic=False)
-        monkeypatch.setattr(sampling, "_compiled", {sampling._next_logits: compiled})
-        step_fn = sampling._step_fn  # its CUDA branch: the forward alone compiled, for CUDA graphs
-        monkeypatch.setattr(sampling, "_step_fn", lambda compile, device: step_fn(compile, torch.device("cuda")))
+        monkeypatch.setattr(sampling, "_compiled", {})
+        monkeypatch.setattr(sampling, "_compile", lambda fn, gpu: torch.compile(fn, backend=self.backend, dynamic=False))
+        monkeypatch.setattr(sampling, "_gpu", lambda device: True)
 
     def shutdown(self):
         self.manager = object()
@@ -258,7 +386,11 @@ class FakeCudagraphTrees:
             elif static != graph["static"]:
                 graph["static"] = static
                 self.rerecorded += 1
-            return gm(*args)
+            others = [(a, a._version) for a in args if isinstance(a, torch.Tensor)
+                      and not getattr(a, "_dynamo_static_input_type", None)]
+            out = gm(*args)
+            self.skipped += any(a._version != v for a, v in others)
+            return out
         return run
 
 
@@ -296,7 +428,60 @@ def test_compiled_decoding_survives_training_evaluation_and_tool_rollouts(tmp_pa
         counts.append((trees.compiled, len(trees.recorded), trees.rerecorded))
     assert sampling.tool_calls(rollouts["tools"](False)[3]).sum() > 0  # the tool rollouts called the tool
     assert counts[-1] == counts[6], counts  # the last two passes compiled and recorded nothing
-    assert trees.rerecorded == 0, counts
+    assert trees.rerecorded == 0 and trees.skipped == 0, counts
+
+
+def test_grpo_compile_compiles_each_shape_once_through_long_tailed_prompts_evaluations_and_resume(
+        tmp_path, monkeypatch, user_models):
+    """grpo.py --compile on a Qwen2-shaped model (RoPE, GQA, a BPE chat template), CUDA graphs faked
+    (FakeCudagraphTrees): prompts whose lengths follow a long tail (most short, a few 3-6x longer,
+    met at whatever step the data order brings them), evaluations every step of 5 held-out prompts in
+    chunks of 2 (--eval_batch_size: 2, 2 and 1 padded to 2), greedy and sampled; killed after step
+    2's checkpoint, then --resume to step 6 in a fresh state, a new process's. The decode cache is
+    sized from the flags at the first call and never replaced, so each run compiles and records one
+    graph per batch shape it meets (rows, greedy or sampled) and none after its second step, none
+    re-records, and no graph mutates an input that is not static (which cudagraph trees would skip)."""
+    trees = FakeCudagraphTrees(monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    lengths = (torch.distributions.LogNormal(1.0, 0.8).sample((64,)).clamp(1, 24).round().int() + 1).tolist()
+    rows = [{"prompt": "sort " + " ".join(str((i * 7 + k) % 10) for k in range(n)), "reward_fn": "digits"}
+            for i, n in enumerate(lengths)]
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    argv = ["--model", user_models["qwen2"], "--dataset", prompts, "--steps", "6", "--prompts_per_step", "4",
+            "--group_size", "2", "--max_new_tokens", "10", "--max_prompt_len", "96", "--eval_every", "1",
+            "--n_eval", "5", "--eval_batch_size", "2", "--save_every", "1", "--compile", "--out_dir", str(tmp_path / "run")]
+    seen, calls = [], []  # after each rollout and evaluation: (what, compilations, recordings); each generate's shape
+    rollout, evaluate, generate = environment.rollout, environment.evaluate, sampling.generate
+
+    def counted(name, fn):
+        def wrapped(*args, **kwargs):
+            if name == "rollout" and [s[0] for s in seen].count("rollout") == 2 and "--resume" not in argv:
+                raise KeyboardInterrupt  # killed after step 2's checkpoint
+            out = fn(*args, **kwargs)
+            seen.append((name, trees.compiled, len(trees.recorded)))
+            return out
+        return wrapped
+
+    monkeypatch.setattr(environment, "rollout", counted("rollout", rollout))
+    monkeypatch.setattr(environment, "evaluate", counted("evaluate", evaluate))
+    monkeypatch.setattr(sampling, "generate", lambda model, ids, *a, **k: calls.append(
+        (len(ids), k.get("temperature", 1.0) == 0, ids.shape[1])) or generate(model, ids, *a, **k))
+    with pytest.raises(KeyboardInterrupt):
+        grpo.main(cli.parse_config(grpo.Config, argv))
+    rundir.release()
+    first, first_calls, seen[:], calls[:] = list(seen), list(calls), [], []
+    torch.compiler.reset()  # a new process: no graph, no trees
+    trees.shutdown()
+    compiled_before = trees.compiled
+    argv.append("--resume")
+    grpo.main(cli.parse_config(grpo.Config, argv))
+    assert [s[0] for s in first] == ["evaluate", "rollout", "evaluate", "rollout", "evaluate"], first  # steps 0-2
+    assert [s[0] for s in seen] == ["rollout", "evaluate"] * 4, seen  # steps 3-6
+    assert len({c[2] for c in first_calls + calls}) > 2  # the prompt blocks' widths differ from call to call
+    for run, run_calls, base in ((first, first_calls, 0), (seen, calls, compiled_before)):
+        shapes = {c[:2] for c in run_calls}
+        assert run[-1][1] - base <= len(shapes) and run[-1][1:] == run[2][1:], (run, shapes)  # none after step 2
+    assert trees.rerecorded == 0 and trees.skipped == 0, (trees.rerecorded, trees.skipped)
 
 
 def test_grpo_compile_runs_through_evaluations_tool_turns_and_resume(tmp_path, monkeypatch):

@@ -105,7 +105,9 @@ def test_the_defaults_are_the_scripts_defaults():
     R = 1024
     fb = memory.estimate(s, "grpo", 8, "torchrun", max_new_tokens=R)["forward and backward"]
     rows = cfg.prompts_per_step // 8 * cfg.group_size // cfg.num_mini_batches // cfg.grad_accum
-    assert fb["logits"] == 2 * 4 * rows * R * s["V"]  # past EVAL_LOGITS: the chunked pass, logits + gradient
+    # the docstring's per token and layer under FSDP, gated MLP: 24 h + 8 I, attention's 4 heads and a bias of S keys
+    S, h = cfg.max_prompt_len + R, s["h"]
+    assert fb["activations"] == rows * S * s["L"] * (24 * h + 8 * s["I"] + 4 * s["heads"] + 2 * S)
     with pytest.raises(ValueError, match="--no_such_flag"):
         memory.estimate(s, "grpo", 8, "torchrun", no_such_flag=1)
 
@@ -129,9 +131,10 @@ def test_the_tool_loop_makes_the_one_cache_the_model_counts(check_every, tmp_pat
     tok, model = AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder)
     caches, decode_cache = [], sampling._decode_cache
 
-    def recording(model, B, L, like, persistent):
-        caches.append(decode_cache(model, B, L, like, persistent)[0])
-        return caches[-1], L
+    def recording(model, B, L, like, persistent, reserve=(0, 0)):
+        out = decode_cache(model, B, L, like, persistent, reserve)
+        caches.append(out[0])
+        return out
 
     monkeypatch.setattr(sampling, "_decode_cache", recording)
     prompts = [r["prompt"] for r in tasks.prompt_rows(16)]

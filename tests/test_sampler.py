@@ -16,7 +16,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForC
 import common
 import sampling
 import shared_prompt
-from helpers import ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, run_script
+from helpers import ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, dynamo_eager, run_script
 from plumbing import models, rundir
 
 pytestmark = pytest.mark.session_fixtures("smollm2")  # request.getfixturevalue: tests/two_processes.py
@@ -187,13 +187,12 @@ def test_sample_token_refuses_nan_logits():
 
 @pytest.mark.parametrize("branch", ["cpu", "cuda"])
 def test_compiled_step_matches_eager(monkeypatch, branch):
-    """Greedy answers of the compiled step equal the eager step's. "cuda": _step_fn's CUDA branch (the
-    forward alone compiled in "reduce-overhead" mode, the draw eager beside it) run on CPU tensors,
-    where inductor leaves out the CUDA graph: the branch's code, short of the graph."""
+    """Greedy answers of the compiled step equal the eager step's. "cuda": the GPU's path (sampling._gpu:
+    the step compiled in "reduce-overhead" mode) run on CPU tensors, where inductor leaves out the CUDA
+    graph: the path's code, short of the graph."""
+    monkeypatch.setattr(sampling, "_compiled", {})
     if branch == "cuda":
-        step_fn = sampling._step_fn
-        monkeypatch.setattr(sampling, "_step_fn", lambda compile, device: step_fn(compile, torch.device("cuda")))
-        monkeypatch.setattr(sampling, "_compiled", {})
+        monkeypatch.setattr(sampling, "_gpu", lambda device: True)
     model = _gpt2(n_layer=1)  # compiling takes ~10 s whatever the size: tracing dominates
     ids, mask = common.pad(PROMPTS, PAD, side="left")
     eager, eager_mask = sampling.generate(model, ids, mask, 12, EOS, PAD, temperature=0)
@@ -216,7 +215,8 @@ def test_compiled_sampling_matches_eager():
     assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
     assert len(set(eager[0].flatten().tolist())) > 5  # sampled, not one token throughout
     torch.testing.assert_close(compiled[2], eager[2], rtol=0, atol=1e-5)
-    assert sampling._DECODE_CACHES[model][0][:2] == (len(ids), 16)  # (rows, slots): responses only
+    held = sampling._DECODE_CACHES[model]
+    assert (held.rows, held.slots) == (len(ids), 16)  # responses only
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "smollm2_small"])
@@ -228,8 +228,7 @@ def test_shared_prompts_sample_what_whole_rows_do_on_user_architectures(name, us
     folder = request.getfixturevalue(name) if name == "smollm2_small" else user_models[name]
     tok = models.load_tokenizer(folder)
     model = models.load_model(folder, tok).eval()
-    fn = sampling._next_token_unfused
-    monkeypatch.setattr(sampling, "_compiled", {fn: torch.compile(fn, backend="eager", dynamic=False)})
+    dynamo_eager(monkeypatch)
     texts = [tok.apply_chat_template([{"role": "user", "content": "sort " + " ".join("97531"[:k])}], tokenize=False,
                                      add_generation_prompt=True) for k in range(1, 5) for _ in range(3)]
     ids, mask = common.pad(sampling.encode_prompts(tok, texts, 128)[0], tok.pad_token_id, side="left")
@@ -265,8 +264,7 @@ def test_guards_are_checked_at_each_rollouts_first_step(monkeypatch):
     would run the last rollout's graph: a shape error or other tokens). Dynamo's eager backend:
     the guards are dynamo's whatever compiles the graph, and it traces in seconds."""
     model = _gpt2(n_layer=1)
-    fn = sampling._next_token_unfused
-    monkeypatch.setattr(sampling, "_compiled", {fn: torch.compile(fn, backend="eager", dynamic=False)})
+    dynamo_eager(monkeypatch)
     for rows, new_tokens in [(5, 8), (3, 8), (5, 20), (5, 8)]:
         ids, mask = common.pad(PROMPTS[:rows], PAD, side="left")
         want = sampling.generate(model, ids, mask, new_tokens, EOS, PAD, generator=torch.Generator().manual_seed(rows))
@@ -280,9 +278,8 @@ def test_past_dynamos_recompile_limit_a_new_shape_decodes_eagerly(monkeypatch):
     first step eagerly (dynamo's fallback) and keeps the guards on for the rest (sampling._guarded):
     it samples what the eager sampler does instead of raising at its second step."""
     model = _gpt2(n_layer=1)
-    fn = sampling._next_token_unfused
     torch._dynamo.reset()
-    monkeypatch.setattr(sampling, "_compiled", {fn: torch.compile(fn, backend="eager", dynamic=False)})
+    dynamo_eager(monkeypatch)
     with torch._dynamo.config.patch(recompile_limit=2):
         for rows in (5, 4, 3):  # the third shape is past the limit
             ids, mask = common.pad(PROMPTS[:rows], PAD, side="left")
@@ -474,18 +471,18 @@ def test_the_sampler_benchmark_counts_a_divergence_only_past_a_bf16_tie():
 def test_compiled_decoding_under_autocast_reads_bf16_weights_cast_once_per_rollout(monkeypatch):
     """Under plain `python --compile` on a GPU the decode step runs inside autocast, and a compiled
     graph casts every fp32 weight to bf16 on every token (autocast's cast cache serves eager code
-    only). generate decodes from sampling._bf16_decoder: bf16 copies of the linear weights made
-    once, refreshed in place per rollout (fixed addresses for the CUDA graph), the same numbers.
-    On the CPU, with CPU autocast standing in and the step left uncompiled (its inputs are what a
-    graph would see): no weight cast in a decode step, logits equal to autocast's own, refreshed
-    after an update, the rest of the model shared."""
+    only). generate decodes from sampling._decoder's copy: bf16 copies of the linear weights and of the
+    head (its own: the tied embedding stays the model's fp32) made once, refreshed in place per call
+    (fixed addresses for the CUDA graph), the same numbers. On the CPU, with CPU autocast standing in and
+    the step left uncompiled (its inputs are what a graph would see): no weight cast in a decode
+    forward, logits equal to autocast's own, refreshed after an update, the embeddings shared."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import tasks
 
     tok = tasks.char_tokenizer()
     model = models.load_model("tiny", tok)
-    weights = {p.data_ptr() for n, p in model.named_parameters() if n.endswith("c_attn.weight") or "mlp" in n}
+    weights = {p.data_ptr() for p in model.parameters()}
 
     class Casts(TorchDispatchMode):
         def __init__(self):
@@ -500,25 +497,26 @@ def test_compiled_decoding_under_autocast_reads_bf16_weights_cast_once_per_rollo
     ids = torch.tensor([tok("sort 3 1 2 =")["input_ids"]] * 2)
     mask, pos = torch.ones_like(ids), torch.arange(ids.shape[1]).expand_as(ids)
     seen = []
-    monkeypatch.setattr(sampling, "_step_fn", lambda compile, device: lambda m, *a, **k: (
-        seen.append(m), sampling._next_token(m, *a, **k))[1])
+    monkeypatch.setattr(sampling, "_step_fn", lambda fn, compile, device: lambda m, *a, **k: (
+        seen.append(m), fn(m, *a, **k))[1])
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         sampling.generate(model, ids, mask, 4, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, temperature=0,
                           compile=True)
-        decoder = sampling._bf16_decoder(model)
+        decoder = sampling._decoder(model)
         assert seen and all(m is decoder for m in seen)  # every decode step, not the model
         with Casts() as casts:
             got = decoder(input_ids=ids, attention_mask=mask, position_ids=pos).logits
         assert casts.n == 0
         want = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits  # autocast casting its weights
         assert torch.equal(got, want)
-    linears = [m.weight for m in decoder.modules() if type(m).__name__ == "Conv1D"]
-    assert linears and all(w.dtype == torch.bfloat16 for w in linears)
-    assert decoder.transformer.wte.weight is model.transformer.wte.weight  # the head and embeddings shared
+    linears = [m.weight for m in decoder.modules() if type(m).__name__ == "Conv1D"] + [decoder.lm_head.weight]
+    assert len(linears) > 1 and all(w.dtype == torch.bfloat16 for w in linears)
+    assert decoder.transformer.wte.weight is model.transformer.wte.weight  # the embeddings shared, fp32
+    assert decoder.config._attn_implementation == "decode" and model.config._attn_implementation != "decode"
     ptrs = [w.data_ptr() for w in linears]
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.01)
-    assert sampling._bf16_decoder(model) is decoder and [w.data_ptr() for w in linears] == ptrs
-    src = [m.weight for m in model.modules() if type(m).__name__ == "Conv1D"]
+    assert sampling._decoder(model) is decoder and [w.data_ptr() for w in linears] == ptrs
+    src = [m.weight for m in model.modules() if type(m).__name__ == "Conv1D"] + [model.lm_head.weight]
     assert all(torch.equal(w, s.to(torch.bfloat16)) for w, s in zip(linears, src))

@@ -65,14 +65,15 @@ def test_planned_and_sequence_logprobs_equal_common_ones(user_models):
     ids, attn, resp = _groups(model.config.vocab_size, prompt_lens=(4, 7, 3, 6), group=3, seed=1)
     d, R = common.Dist(), resp.shape[1]
     plan = shared_prompt.plan(torch.arange(len(ids))[None], ids, attn, R, 4, d, models=[model])
-    assert [s for _, _, s in plan] == [True]
+    assert [bool(s) for _, _, s in plan] == [True]
     with torch.no_grad():
         want = torch.cat([common.response_logprobs(model, ids[i:i + 1], attn[i:i + 1], R) for i in range(len(ids))])
     got = shared_prompt.planned_logprobs(model, ids, attn, R, plan, d)
     torch.testing.assert_close(got * resp, want * resp, rtol=0, atol=1e-5)
-    batch = _groups(model.config.vocab_size, prompt_lens=(4, 7, 3), group=2, seed=2)
+    order = torch.tensor([0, 2, 4, 1, 3, 5])  # DPO's layout: chosen of pairs 0-2, then their rejected
+    batch = [x[order] for x in _groups(model.config.vocab_size, prompt_lens=(4, 7, 3), group=2, seed=2)]
     layout = shared_prompt.layout(batch, d, models=[model])
-    assert layout == (False, True)
+    assert layout == (False, [0, 1, 2, 0, 1, 2])  # chosen i and rejected i: pair i's prompt
     with torch.no_grad():
         torch.testing.assert_close(shared_prompt.sequence_logprobs(model, batch, d, *layout),
                                    common.sequence_logprobs(model, batch, d), rtol=0, atol=1e-5)
@@ -87,21 +88,26 @@ def test_rows_of_distinct_prompts_take_the_padded_forward(user_models):
                            common.response_logprobs(model, ids, attn, resp.shape[1]))
 
 
-def test_rows_given_another_prompts_keys_differ(user_models, monkeypatch):
-    """The planted bug: each row continues from the next distinct prompt's keys and values."""
+def test_rows_given_another_prompts_keys_differ(user_models):
+    """The planted bug: groups that put rows of other prompts together (each row continuing from its
+    group's first row's prompt). And the structure each caller gives (GRPO's rollout: rows r // G;
+    DPO's pairs: rows i and B + i) is the one comparing the prompts finds, on their own layouts."""
     model = AutoModelForCausalLM.from_pretrained(user_models["llama"], dtype=torch.float32).eval()
     ids, attn, resp = _groups(model.config.vocab_size)
+    R = resp.shape[1]
     with torch.no_grad():
-        want = common.response_logprobs(model, ids, attn, resp.shape[1]) * resp
-        real_unique = torch.unique
-
-        def shifted(x, **kw):
-            rows, inverse = real_unique(x, **kw)
-            return rows, (inverse + 1) % len(rows)
-
-        monkeypatch.setattr(shared_prompt.torch, "unique", shifted)
-        got = shared_prompt.response_logprobs(model, ids, attn, resp.shape[1], shared=True) * resp
+        want = common.response_logprobs(model, ids, attn, R) * resp
+        got = shared_prompt.response_logprobs(model, ids, attn, R, shared=[0] * len(ids)) * resp
     assert (got - want).abs().max() > 1e-3
+    assert shared_prompt.groups_of(ids, attn, ids.shape[1] - R) == [r // 3 for r in range(len(ids))]  # G = 3
+    plan = shared_prompt.plan(torch.arange(len(ids))[None], ids, attn, R, 4, common.Dist(), models=[model],
+                              group_size=3)
+    found = shared_prompt.plan(torch.arange(len(ids))[None], ids, attn, R, 4, common.Dist(), models=[model])
+    assert [[c.tolist() for c in chunks] for chunks, _, _ in plan] == [[c.tolist() for c in chunks] for chunks, _, _ in found]
+    assert [s for _, _, s in plan] == [s for _, _, s in found] and plan[0][2]
+    order = torch.tensor([0, 3, 6, 1, 4, 7])  # two rows of each prompt, in DPO's layout
+    assert shared_prompt.layout([x[order] for x in (ids, attn, resp)], common.Dist(), models=[model])[1] == \
+        shared_prompt.groups_of(ids[order], attn[order], ids.shape[1] - R)
 
 
 def _long_tail(vocab, group=4, n_prompts=4, seed=3):
@@ -120,14 +126,18 @@ def _long_tail(vocab, group=4, n_prompts=4, seed=3):
 def _independent_flops(model, ids, attn, R, chunks, shared, packed):
     """FLOPs per layer of the forwards each micro-batch takes, in packing_pays' units (a token's
     projections and MLP; a query-key pair 1 / (6 h) of one), counted from the rows themselves:
-    shared, each distinct prompt's P tokens over P keys and each row's R over P + R; packed under
+    shared, each distinct prompt's sequence of its P tokens and g response slots of R (g: the most rows
+    a prompt has), each token over the whole sequence (a 4-D mask's dense attention); packed under
     sdpa_packed, each row's own tokens over themselves; padded, every row's T over T."""
+    import collections
+
     P, T, w = ids.shape[1] - R, ids.shape[1], 1 / (6 * model.config.hidden_size)
     total = 0.0
     for r in chunks:
-        U = len({tuple(x) for x in torch.cat([ids[r, :P], attn[r, :P]], 1).tolist()})
+        counts = collections.Counter(tuple(x) for x in torch.cat([ids[r, :P], attn[r, :P]], 1).tolist())
+        U, L = len(counts), P + max(counts.values()) * R
         if shared and U < len(r):
-            total += U * P * (1 + w * P) + len(r) * R * (1 + w * T)
+            total += U * L * (1 + w * L)
         elif packed:
             total += sum(n * (1 + w * n) for n in attn[r].sum(-1).tolist())
         else:
@@ -164,7 +174,7 @@ def test_micro_batches_share_prompts_within_a_padded_micro_batch_where_that_comp
     assert shared_prompt.micro_batches(rows, ids, attn, R, 4, d=d, models=[checkpointed])[1] is False
     # one decision for every model of the pass: a frozen reference that could share follows the policy that cannot
     assert shared_prompt.micro_batches(rows, ids, attn, R, 4, d=d, models=[checkpointed, model])[1] is False
-    assert shared_prompt.micro_batches(rows, ids, attn, R, 4, d=d, models=[model, None])[1] is True
+    assert shared_prompt.micro_batches(rows, ids, attn, R, 4, d=d, models=[model, None])[1]
 
 
 @pytest.mark.parametrize("script", ["grpo", "dpo"])
@@ -176,8 +186,8 @@ def test_scripts_sharing_prompts_equal_not_sharing(tmp_path, user_models, script
     import test_user_path
 
     shared = []
-    real = shared_prompt.prompts
-    monkeypatch.setattr(shared_prompt, "prompts", lambda *a: shared.append(1) or real(*a))
+    real = shared_prompt._slots
+    monkeypatch.setattr(shared_prompt, "_slots", lambda *a: shared.append(1) or real(*a))
     runs = []
     for flag in ("--shared_prompt", "--no-shared_prompt"):
         folder = tmp_path / flag

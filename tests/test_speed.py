@@ -1,6 +1,6 @@
 """`auto`, the default of the speed flags (--padding_free, --shared_prompt, --compile: plumbing/speed.py):
 the CPU's rule (FLOPs: packed and shared where they compute less; no compile), a GPU's (the layouts timed
-once on the first micro-batch, the fastest kept; the compiled decode step under `python`, not torchrun),
+once on the first micro-batch, the fastest kept; the compiled decode step, not under torchrun with LoRA),
 the same choice on every rank and on --resume, said on the run's first lines and in run_config.json.
 The GPU's rule runs here on CPU tensors with the device check and the clock faked: what it decides from
 given times is what is tested; what the times are on a GPU is bench/gpu_check.py's to measure."""
@@ -97,15 +97,19 @@ def test_on_a_gpu_the_fastest_timed_layout_is_kept(gpu_clock, fastest):
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_on_a_gpu_compile_is_on_under_python_and_off_under_torchrun(gpu_clock):
+def test_on_a_gpu_compile_is_on_under_python_and_torchrun_but_not_torchrun_with_lora(gpu_clock):
+    """The compiled decode step on a GPU: under `python`, and under torchrun, where it decodes from a
+    copy of the model outside FSDP2 (sampling._decoder); not under torchrun with LoRA's adapters,
+    which that copy (a model built from the config) cannot hold."""
     table, _ = gpu_clock
     table.update({"padded": 1.0, "packed": 2.0})
-    model = _tiny()
-    for d, want in ((CUDA_PYTHON, True), (CUDA_TORCHRUN, False)):
+    model, lora = _tiny(), models.add_lora(_tiny(), r=2, alpha=4)
+    for d, m, want in ((CUDA_PYTHON, model, True), (CUDA_TORCHRUN, model, True), (CUDA_PYTHON, lora, True),
+                       (CUDA_TORCHRUN, lora, False)):
         recorded = {}
         cfg = grpo.Config(shared_prompt=False)
-        assert speed.choose(cfg, d, recorded, model, batch=_batch(model))["compile"] is want
-        assert ("torchrun" in recorded["compile"]["why"]) is (not want)
+        assert speed.choose(cfg, d, recorded, m, batch=_batch(m))["compile"] is want
+        assert ("LoRA" in recorded["compile"]["why"]) is (not want)
 
 
 def test_a_recorded_choice_is_kept_and_not_timed_again(gpu_clock):

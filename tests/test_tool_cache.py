@@ -11,6 +11,7 @@ import torch
 
 import common
 import sampling
+from helpers import dynamo_eager
 import shared_prompt
 import tasks
 import tools
@@ -120,8 +121,7 @@ def test_the_compiled_loop_keeping_each_prompt_once_gives_the_full_prefills_roll
     traced step that inductor compiles."""
     tok = models.load_tokenizer(user_models["llama_calculator"])
     model = models.load_model(user_models["llama_calculator"], tok).eval()
-    fn = sampling._next_token_unfused
-    monkeypatch.setattr(sampling, "_compiled", {fn: torch.compile(fn, backend="eager", dynamic=False)})
+    dynamo_eager(monkeypatch)
     texts = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
                                      add_generation_prompt=True) for r in tasks.prompt_rows(4) for _ in range(3)]
     ids, mask = common.pad(sampling.encode_prompts(tok, texts, 128)[0], tok.pad_token_id, side="left")

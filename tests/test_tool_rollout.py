@@ -41,11 +41,12 @@ def scripted_policy(monkeypatch, writes, tok):
             out[b, writes[b][len(own)] if len(own) < len(writes[b]) else tok.eos_token_id] = 0.0
         return out
 
-    def prefill(model, prompt_ids, prompt_mask, max_new_tokens, compile, kw):
+    def prefill(model, prompt_ids, prompt_mask, max_new_tokens, compile, kw, reserve):
         prompts[:] = [r[m.bool()].tolist() for r, m in zip(prompt_ids, prompt_mask)]
         fed[:] = [list(r) for r in prompts]
         at[:] = [prompt_ids.shape[1], 0]
-        return logits(), None, torch.cat([prompt_mask, prompt_mask.new_ones(len(fed), max_new_tokens)], 1), None
+        L = prompt_ids.shape[1] + max_new_tokens
+        return logits(), None, sampling.Rows(len(fed), L, L, prompt_ids.device), None
 
     def step(model, tok_, mask, pos, cache, kw):
         slot = at[0] + at[1]
