@@ -29,6 +29,7 @@ from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 
 import torch
+import torch._inductor.config
 import torch.distributed as dist
 
 # TF32 for a GPU's fp32 matmuls (FP32Head under `python`): ~8x fp32's rate; CPUs keep full fp32.
@@ -203,6 +204,18 @@ def transformer_blocks(model):
     for m in model.modules():
         names |= set(getattr(m, "_no_split_modules", None) or [])
     return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def compile_blocks(model):
+    """Each transformer block's forward compiled (regional compilation, as torchtitan's): FSDP2's hooks
+    run around it, and dynamo compiles a block's code once for every block of the model (their weights
+    are the graph's inputs), once more at a second batch shape (then with symbolic sizes). Inductor
+    rounds its fused intermediates as eager code would (emulate_precision_casts), so that a pass without
+    a gradient (the reference's, the old policy's) and one with it compute the same numbers."""
+    torch._inductor.config.emulate_precision_casts = True
+    for block in transformer_blocks(model):
+        if "forward" not in vars(block):
+            block.forward = torch.compile(block.forward)
 
 
 def bf16_supported(device):

@@ -717,7 +717,7 @@ def main(cfg):
     micro = rows_local // cfg.num_mini_batches // cfg.grad_accum  # rows per forward on this rank
     common.print0(logs.grpo_banner(cfg, d, params, micro, env))
     fast = speed.choose(cfg, d, job.choices, model, functools.partial(speed.rollout_sample, env, cfg, micro, d),
-                        models_=[env.teacher])  # --padding_free, --shared_prompt, --compile: auto, per device
+                        models_=[env.teacher, ref])  # the speed flags (--compile, ...): auto, per device
     env.compile, n_rows = fast["compile"], rows_local * d.world_size  # sequences in the global batch
     loss_knobs = dict(epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high, beta=0 if cfg.kl_in_reward else cfg.beta,
                       kl_estimator=cfg.kl_estimator, agg=cfg.loss_agg, entropy_coef=cfg.entropy_coef,

@@ -360,6 +360,8 @@ def _autocast_copy(model):
             memo[id(w)] = torch.nn.Parameter(w.detach().to(torch.bfloat16), requires_grad=False)
             pairs.append((memo[id(w)], w))
     decoder = copy.deepcopy(model, memo)
+    for m in decoder.modules():  # a compiled block's forward (common.compile_blocks) is bound to the model's block
+        vars(m).pop("forward", None)
     if bf16 and isinstance(head, common.FP32Head) and head.bias is None:  # its own bf16 weight: a tied embedding stays fp32
         w = torch.nn.Parameter(head.weight.detach().to(torch.bfloat16), requires_grad=False)
         decoder.get_output_embeddings().weight = w

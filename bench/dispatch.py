@@ -171,7 +171,7 @@ def _patched(module, name, value):
         setattr(module, name, saved)
 
 
-def padded_step(model, ids, attn, n_response, loss_fn, lr=1e-6):
+def padded_step(model, ids, attn, n_response, loss_fn, lr=1e-6, run=None):
     """(ops, syncs) of a plain transformers training step, as TRL 1.16 runs one: the policy's
     padded forward over every row (logits of the last n_response + 1 positions kept), log-probs of
     the response tokens by log_softmax and gather, the reference's same forward without
@@ -195,6 +195,8 @@ def padded_step(model, ids, attn, n_response, loss_fn, lr=1e-6):
         optimizer.zero_grad(set_to_none=True)
 
     step()  # the optimizer's state made: the counted step is a steady one
+    if run is not None:  # another counter (launches)
+        return run(step)
     with Dispatched() as seen:
         step()
     return seen.ops, seen.syncs
@@ -220,6 +222,67 @@ def grpo_loss(resp, advantages, beta=0.04, eps=0.2):
 
 def total(counter):
     return sum(counter.values())
+
+
+# -----------------------------------------------------------------------------
+# kernel launches: what a step launches where parts of it are compiled (--compile_layers), counted from the
+# profiler's events, since a dispatch mode makes dynamo run compiled code eagerly
+
+
+UNCOUNTED = "dispatch: uncounted"  # a record_function region whose events are left out (the rollout, data)
+
+
+def launches(run):
+    """{name: count} of what run() launches: each aten op dispatched outside a compiled region (the
+    outermost only: a composite op once, as the one kernel or view it amounts to), and inside one each
+    of inductor's kernels ("compiled kernel") and each op it calls out to (a matmul, attention). The
+    graphs must have been compiled with torch._inductor.config.cpp.enable_kernel_profile on (on the
+    CPU inductor's kernels are seen only then). Events under record_function(UNCOUNTED) are left out."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    counts = collections.Counter()
+    for e in prof.events():
+        above, parent = [], e.cpu_parent
+        while parent is not None:
+            above.append(parent.name)
+            parent = parent.cpu_parent
+        if UNCOUNTED in above:
+            continue
+        if e.name.startswith("graph_") and "cpp_" in e.name:
+            counts["compiled kernel"] += 1
+        elif e.name.startswith("aten::") and not any(a.startswith("aten::") for a in above):
+            counts[e.name] += 1
+    return counts
+
+
+def script_launches(script, argv, steps=1, pause=()):
+    """launches() of one steady training step of script.main (its run of steps + 1 steps less its run of
+    `steps`), the functions `pause` names ((module, name)) left out: script_step's count for a run whose
+    blocks are compiled."""
+    counts = []
+    for n in (steps, steps, steps + 1):  # the first run compiles what the others run (not counted)
+        with tempfile.TemporaryDirectory() as out, contextlib.ExitStack() as stack:
+            for module, name in pause:
+                stack.enter_context(_patched(module, name, _uncounted(getattr(module, name))))
+            counts.append(launches(lambda: script.main(script.cli.parse_config(
+                script.Config, [*argv, "--steps", str(n), "--out_dir", out]))))
+    return _per(counts[2], counts[1], 1)
+
+
+def _uncounted(fn):
+    def run(*args, **kwargs):
+        with torch.profiler.record_function(UNCOUNTED):
+            return fn(*args, **kwargs)
+    return run
+
+
+def padded_launches(model, ids, attn, n_response, loss_fn):
+    """launches() of padded_step's plain transformers step (TRL 1.16's: eager)."""
+    ran = []
+    padded_step(model, ids, attn, n_response, loss_fn, run=lambda step: ran.append(launches(step)))
+    return ran[0]
 
 
 def main():

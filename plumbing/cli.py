@@ -44,6 +44,11 @@ class SharedConfig:
     pass where that computes fewer FLOPs (always under flash attention; SDPA and eager compute a packed micro-batch's
     N x N attention); off, with a line, for a model whose attention lets packed rows see each other. auto: true on a
     CPU; on a GPU the faster of packed and padded, timed once on the first micro-batch (plumbing/speed.py)"""
+    compile_layers: bool | typing.Literal["auto"] = "auto"
+    """torch.compile each transformer block's forward (regional compilation, as torchtitan: FSDP2's hooks stay outside
+    it, every block runs one graph), in every training and log-prob pass: a block's ops fuse into a few kernels, and a
+    small model's step on a GPU is bound by its kernel launches (the first steps pay the compile, tens of seconds).
+    auto: on a GPU, not on a CPU (plumbing/speed.py)"""
     packed_attention: bool = False
     """with --padding_free under SDPA: each packed row attends over its own tokens (one SDPA call per run of rows of
     one length, plumbing.models.packed_attention), not over the whole pack under a block-diagonal mask, so every pass

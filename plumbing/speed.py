@@ -5,7 +5,7 @@ rounding), so a run takes the faster path for its device and says which, and why
 - A CPU's step is bound by its FLOPs: packing and shared prompts are taken wherever they compute
   fewer (common.packing_pays, shared_prompt.micro_batches: `true`); the rollout's decode step is not
   compiled (10-60 s of compile a batch shape, paid back only over a long run).
-- A GPU's step on a small model is bound by kernel launches, not FLOPs (on an H200 the shared-prompt
+- A GPU's step on a small model is bound by kernel launches, not FLOPs (so --compile_layers fuses each block's ops) (on an H200 the shared-prompt
   DPO step, 2.1x the padded step's ops for 25% fewer FLOPs, ran at 0.62x its speed: docs/gpu.md). The
   layouts are timed once, forward and backward of the first micro-batch, fastest kept; the times are
   summed over the ranks, so that every rank keeps the same. The compiled CUDA-graph decode step is
@@ -26,7 +26,7 @@ import shared_prompt
 from plumbing import models
 
 AUTO = "auto"
-SPEED_FLAGS = ("padding_free", "shared_prompt", "compile")
+SPEED_FLAGS = ("padding_free", "shared_prompt", "compile", "compile_layers")
 ROUNDS = 3  # timed calls of each layout, alternated (A B C C B A ...), after one warm-up call of each
 
 
@@ -92,7 +92,11 @@ def choose(cfg, d, recorded, model, batch, models_=(), reward=False):
                "adapters or remote code do not allow" if timed(d) else
                "on a CPU 10-60 s of compile a batch shape pays back only over a long run")
         recorded["compile"] = {"value": on, "why": why}
-    layouts = [f for f in todo if f != "compile"]
+    if "compile_layers" in todo:
+        recorded["compile_layers"] = {"value": timed(d), "why": (
+            "a block's ops fused into a few kernels: a small model's step on a GPU is bound by its launches" if timed(d)
+            else "on a CPU a step is bound by its FLOPs, which fusing does not cut, and the compile takes minutes")}
+    layouts = [f for f in todo if f not in ("compile", "compile_layers")]
     if layouts and not timed(d):
         for f in layouts:
             recorded[f] = {"value": True, "why": "a CPU step is bound by FLOPs: where that computes fewer"}
@@ -115,6 +119,10 @@ def choose(cfg, d, recorded, model, batch, models_=(), reward=False):
         common.print0(f"auto: {line}")
     if "padding_free" in out:
         out["padding_free"] = models.use_packing(out["padding_free"], [model, *models_], d)
+    if out.get("compile_layers"):
+        for m in [model, *models_]:
+            if m is not None:
+                common.compile_blocks(m)
     return out
 
 
