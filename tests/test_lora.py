@@ -113,6 +113,7 @@ LORA_KINDS = {  # kind -> (model, targets): every kind of adapter peft puts on a
     "embedding": ("llama", "embed_tokens"),  # lora_embedding_A/B
     "tied_embedding": ("tiny", "wte"),  # GPT-2's wte is its head too: the adapter changes the embedding's use alone
     "tied_head": ("tiny", "lm_head"),  # ... or the head's alone
+    "tied_head_grpo": ("tiny", "lm_head"),  # grpo.py's export, the same path (before: peft's merge_and_unload)
 }
 
 
@@ -132,7 +133,11 @@ def test_the_export_loads_as_the_trained_run(kind, tmp_path, user_models):
     from transformers import AutoModelForCausalLM
 
     name, targets = LORA_KINDS[kind]
-    if name == "tiny":
+    if kind.endswith("grpo"):
+        argv = ["grpo.py", "--model", "tiny", "--lora", "--lora_target_modules", targets, "--steps", "2",
+                "--prompts_per_step", "4", "--group_size", "4", "--max_new_tokens", "8", "--eval_every", "1000",
+                "--lr", "5e-2", "--warmup_steps", "0", "--entropy_coef", "0.01", "--out_dir", str(tmp_path / "run")]
+    elif name == "tiny":
         argv = ["sft.py", "--model", "tiny", "--lora", "--lora_target_modules", targets, "--steps", "3", "--batch_size",
                 "8", "--n_eval", "16", "--eval_every", "1000", "--warmup_steps", "0", "--lr", "5e-2", "--out_dir",
                 str(tmp_path / "run")]
@@ -158,7 +163,7 @@ def test_the_export_loads_as_the_trained_run(kind, tmp_path, user_models):
     tied = kind.startswith("tied")
     assert export.config.tie_word_embeddings is (start.config.tie_word_embeddings and not tied)
     if tied:  # the layer without the adapter: the weight as it started, exactly
-        other = export.get_output_embeddings() if kind == "tied_embedding" else export.get_input_embeddings()
+        other = export.get_output_embeddings() if targets == "wte" else export.get_input_embeddings()
         assert torch.equal(other.weight, start.get_input_embeddings().weight)
 
 
