@@ -44,32 +44,29 @@ def load_reward_fns(spec):
     entries = [e.strip() for e in spec.split(",")] if spec else []
     if len(entries) <= 1 and all(e in tasks.REWARD_FNS for e in entries):
         return []
-    fns, pools = [], {}
+    modules = {}  # each file's (or module's) functions: {key: (module, [names])}
     for e in entries:
         module, name = user_code.split(e)
-        if e in tasks.REWARD_FNS:
-            fns.append(RewardFn(e, tasks.REWARD_FNS[e], builtin=True))
-            continue
-        if not module or not name:
+        if e not in tasks.REWARD_FNS and not (module and name):
             raise ValueError(f"--reward_fn {spec!r}: {e!r} is neither a rule ({', '.join(sorted(tasks.REWARD_FNS))}) "
                              f"nor a `module:function`")
-        key = os.path.realpath(module) if module.endswith(".py") else module  # rf.py and ./rf.py: one file
-        pools.setdefault(key, (module, []))[1].append(name)
-        fns.append(RewardFn(name, key, builtin=False))
-    names = [f.name for f in fns]
+        if e not in tasks.REWARD_FNS:  # rf.py and ./rf.py: one file
+            modules.setdefault(os.path.realpath(module) if module.endswith(".py") else module, (module, []))[1].append(name)
+    names = [e if e in tasks.REWARD_FNS else user_code.split(e)[1] for e in entries]
     for taken in sorted({n for n in names if names.count(n) > 1} | ({"rule", "model"} & set(names))):
         raise ValueError(f"--reward_fn {spec!r}: two rewards are named {taken!r} (`rule` is each row's own rule and "
                          f"`model` the --reward_model): give each function its own name")
-    pools = {key: workers.Pool(module, fn_names) for key, (module, fn_names) in pools.items()}
-    for f in fns:
-        f.fn = pools[f.fn] if not f.builtin else f.fn
-    for pool in pools.values():
+    pools = [workers.Pool(module, fn_names) for module, fn_names in modules.values()]
+    of = {name: pool for pool in pools for name in pool.names}
+    fns = [RewardFn(e, tasks.REWARD_FNS[e], builtin=True) if e in tasks.REWARD_FNS else RewardFn(n, of[n], builtin=False)
+           for e, n in zip(entries, names)]
+    for pool in pools:
         pool.start()  # their imports side by side
-    for pool in pools.values():
+    for pool in pools:
         failure = pool.idle[0].ready()
         if failure:
-            failed = pool.idle[0].failed
-            raise ValueError(f"--reward_fn {pool.spec}:{failed or ','.join(pool.names)}: cannot load it: {failure}")
+            who = pool.idle[0].failed or ",".join(pool.names)  # the function to blame, or all (the import failed)
+            raise ValueError(f"--reward_fn {pool.spec}:{who}: cannot load it: {failure}")
     return fns
 
 

@@ -1,10 +1,10 @@
 """A user's own code named on the command line as `module:function` (--reward_fn, --tools): the
 module by name (a `name.py` or package in the working directory first, then the Python path), or a
 .py file by its path (`path/to/rewards.py:accuracy`), as TRL users keep their reward functions
-beside their data. It is imported in a worker process of its own (plumbing/workers.py), never in
-the trainer, as Python imports a script: its folder first on the path, so a `helper.py` beside it
-imports, and a file named like one of this project's modules (`tasks.py`, `data.py`) is the user's.
-Imports nothing of the project: the workers import it alone."""
+beside their data. It is imported in a worker process (plumbing/workers.py; one for the functions
+of one module), never in the trainer, as Python imports a script: its folder first on the path, so
+a `helper.py` beside it imports, and a file named like one of this project's modules (`tasks.py`,
+`data.py`) is the user's. Imports nothing of the project: the workers import it alone."""
 import importlib
 import importlib.util
 import os

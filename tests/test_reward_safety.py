@@ -1,27 +1,35 @@
 """Nothing a reward function does can hang a run or end it without a word (reward_fns.RewardCaller,
-each function in a worker process of its own, plumbing/workers.py): functions
+each file's functions in a worker process of their own, plumbing/workers.py): functions
 (tests/misbehaving_rewards.py) that exit, os._exit, kill their process or raise anything stop
 the run naming themselves and the row; ones that never return (sync or async, asleep, signals
 ignored) are stopped at --reward_fn_timeout naming their rows; Ctrl-C and SIGTERM while one
 never returns end the run with its line and its last checkpoint, and no process left; a thread
 it starts does not keep the run alive; signal.alarm works in it, as in TRL's main thread; it
 gets objects of its own at every call; under torchrun, the rank whose function ends its process
-is named."""
+is named. Nor can it jam the channel to the trainer (writing to descriptors, onto the channel,
+part of a message); the functions of a file share its state, as in TRL; a raise shows the
+function's own frames; a shadowed module, a weighted sum beyond float32 and a reward timeout
+that torchrun's would outrun are named."""
+import json
 import os
 import re
 import signal
 import time
+from dataclasses import replace
 
+import misbehaving_rewards
 import pytest
 import torch
 from helpers import (ROOT, SUBPROCESS_ENV, read_metrics, run_here, run_script, start_as_a_terminal_does,
                      write_jsonl)
 from test_tool_safety import gone, marked, our_processes
 
+import common
 import data
+import grpo
 import reward_fns
 import tasks
-from plumbing import checkpoints, workers
+from plumbing import checkpoints, cli, conflicts, workers
 
 PROMPTS, COMPLETIONS, IDS, ROWS = ["p1", "p2", "p3"], ["a", "bb", "ccc"], [[1], [2], [3]], [4, 9, 11]
 
@@ -308,8 +316,6 @@ def test_a_function_that_raises_shows_its_own_frames_and_none_of_the_trainers(tm
 
 def helper_line():
     """The line of misbehaving_rewards.helper_that_raises's raise."""
-    import misbehaving_rewards
-
     return misbehaving_rewards.helper_that_raises.__code__.co_firstlineno + 1
 
 
@@ -361,12 +367,6 @@ def test_a_reward_timeout_the_collective_timeout_would_outrun_is_refused_under_t
     would end in gloo's timeout naming neither the rank nor the function, so the pair is refused at
     the start, saying what to pass. One process, or rules alone (no worker), take any pair. Before:
     both were accepted (a hung function on rank 1 ended as an anonymous gloo timeout)."""
-    from dataclasses import replace
-
-    import common
-    import grpo
-    from plumbing import cli, conflicts
-
     cfg = replace(cli.with_defaults(grpo.Config()), timeout_minutes=minutes, reward_fn_timeout=seconds,
                   reward_fn="rf.py:fn")
     two = common.Dist(rank=0, world_size=2, torchrun=True)

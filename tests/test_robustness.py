@@ -3,6 +3,7 @@ that is named. Each script runs for real in a subprocess, on the tiny model."""
 import importlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import sft
 
 from helpers import (ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, checkpoint_weights, ctrl_c_after_first_save,
                      free_port, max_abs_diff, read_metrics, run_here, run_script, write_jsonl)
-from plumbing import checkpoints, rundir
+from plumbing import checkpoints, logs, rundir
 
 # a few fast steps of each script on the tiny model (no warmup: many runs are of 1 or 2 steps, which a
 # warmup of as many steps would never get past, and cli.check_schedule refuses)
@@ -207,12 +208,10 @@ def test_an_out_dir_that_goes_or_changes_mid_run_stops_it_naming_what_it_wrote(t
     replaced by a new folder of that name, or loses its .lock: the run stops at step 2, before it
     writes there (its step-2 checkpoint), with exit status 1 and one line naming the folder, what
     happened and what the run had written there; nothing is written into the folder that is now
-    there, nor is a deleted one made again, nor are the files of one that lost its lock touched. Before: the run went on with exit status 0, its metrics written into a file no folder
-    held and its checkpoint into out_dir made anew (checkpoint/ alone: metrics.jsonl, run_config.json
-    and the lock gone)."""
-    import shutil
-
-    from plumbing import logs
+    there, nor is a deleted one made again, nor are the files of one that lost its lock touched.
+    Before: the run went on with exit status 0, its metrics written into a file no folder held and
+    its checkpoint into out_dir made anew (checkpoint/ alone: metrics.jsonl, run_config.json and the
+    lock gone)."""
 
     out, log = tmp_path / "run", logs.Logger.log
 
