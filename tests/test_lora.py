@@ -134,13 +134,14 @@ def test_the_export_loads_as_the_trained_run(kind, tmp_path, user_models):
 
     name, targets = LORA_KINDS[kind]
     if kind.endswith("grpo"):
-        argv = ["grpo.py", "--model", "tiny", "--lora", "--lora_target_modules", targets, "--steps", "2",
-                "--prompts_per_step", "4", "--group_size", "4", "--max_new_tokens", "8", "--eval_every", "1000",
-                "--lr", "5e-2", "--warmup_steps", "0", "--entropy_coef", "0.01", "--out_dir", str(tmp_path / "run")]
-    elif name == "tiny":
-        argv = ["sft.py", "--model", "tiny", "--lora", "--lora_target_modules", targets, "--steps", "3", "--batch_size",
-                "8", "--n_eval", "16", "--eval_every", "1000", "--warmup_steps", "0", "--lr", "5e-2", "--out_dir",
-                str(tmp_path / "run")]
+        argv = ["grpo.py", "--model", "tiny", "--lora", "--lora_target_modules", targets, "--steps", "2", "--n_train",
+                "64", "--prompts_per_step", "4", "--group_size", "4", "--max_new_tokens", "8", "--n_eval", "8",
+                "--n_eval_pairs", "8", "--eval_every", "1000", "--lr", "5e-2", "--warmup_steps", "0", "--entropy_coef",
+                "0.01", "--out_dir", str(tmp_path / "run")]
+    elif name == "tiny":  # the command, on fewer rows
+        argv = ["sft.py", "--model", "tiny", "--lora", "--lora_target_modules", targets, "--steps", "3", "--n_train",
+                "256", "--batch_size", "8", "--n_eval", "16", "--eval_every", "1000", "--warmup_steps", "0", "--lr",
+                "5e-2", "--out_dir", str(tmp_path / "run")]
     else:
         argv = lora_argv("sft", tmp_path, user_models, "--lora_target_modules", targets, "--lr", "5e-2")
     trained, out = final_model(argv)
