@@ -394,6 +394,7 @@ def score_texts(env, rows, own_prompts, texts, ids, numbers, source, cfg, d):
         parts |= {k: torch.tensor(v, device=device) for k, v in values.items()}
     if env.rm is not None:
         parts["model"] = learned_rewards(env, rows["prompt"], texts, cfg, d)
+    reward_fns.check_weighted_sum(parts, env.weights, numbers, source)  # 1e38 x weight 10 is inf in float32
     return parts
 
 

@@ -126,11 +126,13 @@ class Config(cli.SharedConfig):
     the row's answer, GSM8K's `#### 72` or a bare number; `think_format`: R1's <think>...</think><answer>...
     </answer>); or TRL's reward_funcs, comma-separated: rules and your `module:function`s (a module, or
     path/to/file.py:fn), each called fn(prompts=, completions=, completion_ids=, **columns) -> a float or None
-    per completion"""
+    per completion; the functions of one file in one worker process, sharing its state and called in this order, as
+    TRL calls them in its one process"""
     reward_fn_timeout: float = 600.0
-    """seconds a --reward_fn function's call (a rank's completions of a step, all at once; it runs in a worker process
-    of its own) may take before the run stops naming it and its rows (TRL has none): minutes for a judge behind an
-    API, and far below --timeout_minutes, so that a hang is named before another rank's collective times out [> 0]"""
+    """seconds a --reward_fn function's call (a rank's completions of a step, all at once; it runs in a worker process)
+    may take before the run stops naming it, its rows and its rank (TRL has none): minutes for a judge behind an API;
+    under torchrun at most half of --timeout_minutes (refused otherwise), so that a hang is named before another
+    rank's collective times out [> 0]"""
     reward_weights: str = ""
     """weighted sum of rewards by name, e.g. `rule:1.0,model:0.5` or `math:1,fn:0.5` (rule: each row's rule; model:
     --reward_model; a function: its name) (empty: each --reward_fn function and --reward_model at 1, else the one
@@ -188,8 +190,10 @@ class Config(cli.SharedConfig):
     values) dppo_tv, dppo_kl (DPPO, arXiv:2602.04879: a token whose probability moved past --epsilon_low /
     --epsilon_high in the advantage's direction, by their difference (TV) or the binary KL, gets no gradient; verl's
     recipe: 0.15 for TV, 0.05 for KL; prime-rl's default loss). How it is averaged is --loss_agg. TRL's loss_type
-    names both: its dapo and dr_grpo are taken for --loss_agg token_mean and constant, its grpo and sapo average
-    per sequence (seq_mean_token_mean), its bnpo, luspo and vespo are refused saying what is nearest (trl_flags)"""
+    names both: its dapo and dr_grpo are taken for --loss_agg token_mean and constant; grpo and sapo given here mean
+    TRL's, averaged per sequence (--loss_agg seq_mean_token_mean) unless --loss_agg is given (not given, the policy
+    term is grpo's and the average token_mean: TRL's default dapo); its bnpo, luspo and vespo are refused saying
+    what is nearest (trl_flags)"""
     importance_sampling_level: IsLevel = "token"
     """rho per token (PPO), per sequence (GSPO, arXiv:2507.18071: exp of the mean token log-ratio, one per sequence;
     GSPO clips at 3e-4 / 4e-4) (TRL's name and values), or sequence_token (GSPO-token: the sequence's value, each
@@ -241,8 +245,9 @@ class Config(cli.SharedConfig):
     """entropy bonus coefficient [>= 0]"""
     loss_agg: LossAgg = "token_mean"
     """how the per-token terms are averaged, over the global mini-batch: token_mean (over its tokens; TRL's dapo, its
-    default), seq_mean_token_mean (each sequence's token mean, averaged over sequences: TRL's grpo and sapo) or
-    constant (the sum over max_new_tokens x sequences: Dr. GRPO, TRL's dr_grpo)"""
+    default), seq_mean_token_mean (each sequence's token mean, averaged over sequences: TRL's grpo and sapo, which
+    --loss_type grpo or sapo given brings) or constant (the sum over max_new_tokens x sequences: Dr. GRPO, TRL's
+    dr_grpo)"""
     # --- reference ---
     reference: bool | None = None
     """load the reference policy at --beta 0 too, for the `kl` metric and eval/accuracy (at --beta > 0 one always
@@ -836,8 +841,7 @@ def main(cfg):
             metrics |= environment.evaluate(model, ref, env, evals, cfg=cfg, d=d)
         job.logger.completions(step, roll, env, rewards=rewards, parts=parts, n=cfg.log_completions)  # before a save
         job.log(step, metrics)  # and a checkpoint every --save_every steps
-    # LoRA: the adapters folded into the weights, so that the checkpoint loads with AutoModelForCausalLM
-    job.finish(model.merge_and_unload() if cfg.lora else None)
+    job.finish()  # LoRA's adapters merged into the export (models.merged_state): it loads with AutoModelForCausalLM
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ rules read as each row's reference (environment.score calls them)."""
 import array
 import dataclasses
 import math
+import os
 import sys
 
 import tasks
@@ -27,41 +28,45 @@ def answer_column(ds, cfg, source, needed):
 @dataclasses.dataclass
 class RewardFn:
     name: str  # a rule's name, or the function's in `module:function` (its weight's and its metrics' name)
-    fn: object  # a rule's function, or the workers.Pool that runs the user's function
+    fn: object  # a rule's function, or the workers.Pool that runs the user's functions of its module
     builtin: bool  # a rule of tasks.REWARD_FNS: fn(prompt, completion, answer) -> float, one row at a time
 
 
 def load_reward_fns(spec):
     """--reward_fn's functions, each a rule's name or a `module:function` (a module, a `name.py` in
     the working directory, or a .py file: `path/to/rewards.py:fn`; plumbing/user_code.py). A rule
-    is called in the trainer (tasks.py's own code); a user's function is imported here in a worker
-    process of its own (plumbing/workers.py), all side by side, so a bad one (an import that fails,
-    exits or hangs; no such function) is refused naming the flag before anything is written. One
-    rule alone ([] here) is every row's `rule`, a row's own `reward_fn` column winning."""
+    is called in the trainer (tasks.py's own code); a user's functions are imported here, those of
+    one module (one file) together in a worker process of their own (plumbing/workers.py), sharing
+    its state as in TRL's one process (a cache one fills, another reads), the modules side by side;
+    a bad one (an import that fails, exits or hangs; no such function) is refused naming the flag
+    before anything is written. One rule alone ([] here) is every row's `rule`, a row's own
+    `reward_fn` column winning."""
     entries = [e.strip() for e in spec.split(",")] if spec else []
     if len(entries) <= 1 and all(e in tasks.REWARD_FNS for e in entries):
         return []
-    fns = []
+    modules = {}  # each file's (or module's) functions: {key: (module, [names])}
     for e in entries:
         module, name = user_code.split(e)
-        if e in tasks.REWARD_FNS:
-            fns.append(RewardFn(e, tasks.REWARD_FNS[e], builtin=True))
-            continue
-        if not module or not name:
+        if e not in tasks.REWARD_FNS and not (module and name):
             raise ValueError(f"--reward_fn {spec!r}: {e!r} is neither a rule ({', '.join(sorted(tasks.REWARD_FNS))}) "
                              f"nor a `module:function`")
-        fns.append(RewardFn(name, workers.Pool(e), builtin=False))
-    names = [f.name for f in fns]
+        if e not in tasks.REWARD_FNS:  # rf.py and ./rf.py: one file
+            modules.setdefault(os.path.realpath(module) if module.endswith(".py") else module, (module, []))[1].append(name)
+    names = [e if e in tasks.REWARD_FNS else user_code.split(e)[1] for e in entries]
     for taken in sorted({n for n in names if names.count(n) > 1} | ({"rule", "model"} & set(names))):
         raise ValueError(f"--reward_fn {spec!r}: two rewards are named {taken!r} (`rule` is each row's own rule and "
                          f"`model` the --reward_model): give each function its own name")
-    users = [f for f in fns if not f.builtin]
-    for f in users:
-        f.fn.start()  # their imports side by side
-    for f in users:
-        failure = f.fn.idle[0].ready()
+    pools = [workers.Pool(module, fn_names) for module, fn_names in modules.values()]
+    of = {name: pool for pool in pools for name in pool.names}
+    fns = [RewardFn(e, tasks.REWARD_FNS[e], builtin=True) if e in tasks.REWARD_FNS else RewardFn(n, of[n], builtin=False)
+           for e, n in zip(entries, names)]
+    for pool in pools:
+        pool.start()  # their imports side by side
+    for pool in pools:
+        failure = pool.idle[0].ready()
         if failure:
-            raise ValueError(f"--reward_fn {f.fn.spec}: cannot load it: {failure}")
+            who = pool.idle[0].failed or ",".join(pool.names)  # the function to blame, or all (the import failed)
+            raise ValueError(f"--reward_fn {pool.spec}:{who}: cannot load it: {failure}")
     return fns
 
 
@@ -112,7 +117,7 @@ def parse_weights(spec, has_model, has_teacher=False, names=()):
 
 
 FLOAT32_LIMIT = 2.0 ** 128 - 2.0 ** 103  # the least number that float32 rounds to inf (the rewards' dtype)
-FAILED = {"raised", "ended", "timeout", "unstarted"}  # what a failed call's reply holds (workers.call_all)
+FAILED = {"raised", "ended", "timeout", "unstarted", "garbled"}  # what a failed call's reply holds (workers.call_all)
 
 
 class RewardCaller:
@@ -130,9 +135,10 @@ class RewardCaller:
         self.said = set()  # the functions whose all-None batch was reported
 
     def _calls(self, fns, kw, n):
-        """Each function's reply (workers.call_all) on the rows of kw (n of them)."""
-        payload = workers.request((), kw, ["rewards", n])  # each row's objects its own, as TRL's
-        return workers.call_all([(f.fn, payload) for f in fns], self.timeout_s)
+        """Each function's reply (workers.call_all) on the rows of kw (n of them), in the order of fns
+        (those of one module one after the other, as TRL calls its reward_funcs)."""
+        return workers.call_all([(f.fn, workers.request(f.name, (), kw, ["rewards", n])) for f in fns],  # objects
+                                self.timeout_s)  # of their own in each row, as TRL's
 
     def __call__(self, prompts, completions, completion_ids, columns, rows, source):
         """{name: [float, NaN for None]} of each function on these rows. rows: each row's number
@@ -142,10 +148,10 @@ class RewardCaller:
         for f, (header, _) in zip(self.fns, replies):
             if "timeout" in header:
                 what = _failure(header, f"on {source} rows {_rows(rows)}")
-                raise ValueError(f"--reward_fn {f.name}{self.where} {what}: raise the flag for a slow function; one that "
-                                 f"can hang on a row can bound itself (signal.alarm) and return None for it")
+                raise failed(f"--reward_fn {f.name}{self.where} {what}: raise the flag for a slow function; one that "
+                             f"can hang on a row can bound itself (signal.alarm) and return None for it")
             if FAILED & set(header):
-                raise ValueError(self._culprit(f, kw, rows, source, header))
+                raise failed(*self._culprit(f, kw, rows, source, header))
         out = {f.name: check_rewards(header, data, f.name + self.where, rows, source)
                for f, (header, data) in zip(self.fns, replies)}
         for name, values in out.items():
@@ -157,13 +163,23 @@ class RewardCaller:
         return out
 
     def _culprit(self, f, kw, rows, source, header):
-        """`--reward_fn NAME raised on SOURCE row K: WHAT`, K the first row whose call alone fails
-        (none: the rows together)."""
+        """(`--reward_fn NAME raised on SOURCE row K: WHAT`, its traceback), K the first row whose call
+        alone fails (none: the rows together)."""
         for i, row in enumerate(rows):
             alone, _ = self._calls([f], {k: v[i:i + 1] for k, v in kw.items()}, 1)[0]
             if FAILED & set(alone):
-                return f"--reward_fn {f.name}{self.where} {_failure(alone, f'on {source} row {row}')}"
-        return f"--reward_fn {f.name}{self.where} {_failure(header, f'on {source} rows {_rows(rows)} together')}"
+                return f"--reward_fn {f.name}{self.where} {_failure(alone, f'on {source} row {row}')}", alone.get("frames")
+        return (f"--reward_fn {f.name}{self.where} {_failure(header, f'on {source} rows {_rows(rows)} together')}",
+                header.get("frames"))
+
+
+def failed(message, frames=""):
+    """The ValueError that stops a run whose reward function failed, with `frames`, the function's own
+    traceback (workers._frames): cli.script prints them and the message, not the trainer's frames,
+    which say nothing of the function."""
+    e = ValueError(message)
+    e.frames = frames or ""
+    return e
 
 
 def _failure(header, where):
@@ -175,7 +191,25 @@ def _failure(header, where):
         return f"ran past --reward_fn_timeout {header['timeout']:g} s {where} (its worker was killed)"
     if "unstarted" in header:
         return f"could not be started again {where}: {header['unstarted']}"
+    if "garbled" in header:
+        return (f"wrote {header['garbled']} onto its worker's channel to the trainer {where} (its worker was killed): "
+                f"a function must write only to files and descriptors it opened")
     return f"ended its worker process ({header['ended']}) {where}"
+
+
+def check_weighted_sum(parts, weights, rows, source):
+    """Each row's weighted rewards (environment.combine sums weight x reward, None left out) must sum
+    inside float32's range, the rewards' dtype, in any order: their magnitudes sum below
+    FLOAT32_LIMIT, which bounds every partial sum. Each reward alone is checked (check_rewards); a
+    reward of 1e38 with weight 10 is not, and its row's advantages and the loss would be NaN. A
+    ValueError naming the row, each reward, its value and its weight. parts: {name: (N,) tensor}."""
+    names = [k for k in weights if k in parts]
+    for row, values in zip(rows, zip(*[parts[k].double().tolist() for k in names])):
+        terms = [(k, v, weights[k]) for k, v in zip(names, values) if v == v]  # NaN (None) is left out
+        if math.fsum(abs(v * w) for _, v, w in terms) >= FLOAT32_LIMIT:
+            raise failed(f"the rewards of {source} row {row}, weighted (--reward_weights) and summed in float32, leave "
+                         f"its range (|x| < 3.4e38): {', '.join(f'{k} {v:.3g} x weight {w:g}' for k, v, w in terms)}; "
+                         f"scale the rewards or their weights down")
 
 
 def _rows(rows):

@@ -91,7 +91,8 @@ class Tool(workers.Pool):
 
     def __init__(self, spec, timeout_s=None, workers=None):
         # the calculator by this file's path: a `tools.py` of the user's working directory is not this one
-        super().__init__(f"{os.path.abspath(__file__)}:calculator" if spec == "calculator" else spec, workers)
+        module, self.function = user_code.split(f"{os.path.abspath(__file__)}:calculator" if spec == "calculator" else spec)
+        super().__init__(module, [self.function], workers)
         self.name, self.timeout_s = spec, timeout_s
 
     def __repr__(self):
@@ -113,7 +114,7 @@ def load_tool(spec, timeout_s=None, workers=None):
     failure = tool.load()
     if failure:
         raise ValueError(f"--tools {spec!r}: cannot load it: {failure}")
-    declared = tool.idle[0].declared
+    declared = tool.idle[0].declared[tool.function]
     tool.timeout_s = timeout_s or declared.get("timeout_s", TIMEOUT_S)
     tool.workers = workers or declared.get("workers", WORKERS)
     if type(tool.timeout_s) not in (int, float) or not 0 < tool.timeout_s < math.inf:
@@ -153,6 +154,8 @@ def _answer(header, limit):
         return f"error: the tool took longer than {limit:g} s"
     if "unstarted" in header:
         return f"error: the tool's worker could not be started again: {header['unstarted']}"
+    if "garbled" in header:
+        return f"error: the tool wrote {header['garbled']} onto its worker's channel to the trainer"
     if header.get("idle"):
         return f"error: the tool's process ended between calls ({header['ended']})"
     return f"error: the tool ended its process ({header['ended']})"
@@ -166,7 +169,7 @@ def call_tools(tool, texts, max_chars=None, timeout_s=None):
     exception in the trainer (Ctrl-C) kills the workers it interrupted."""
     tool = as_tool(tool)
     limit = timeout_s or tool.timeout_s
-    calls = [(tool, workers.request((call_argument(text),), {}, ["text", max_chars])) for text in texts]
+    calls = [(tool, workers.request(tool.function, (call_argument(text),), {}, ["text", max_chars])) for text in texts]
     return [_answer(header, limit) for header, _ in workers.call_all(calls, limit)]
 
 

@@ -288,7 +288,9 @@ def save_checkpoint(model, tokenizer, out_dir, d, optimizer=None, scheduler=None
 def _write_export(model, tokenizer, folder, state, dtype, weights=True):
     """model.save_pretrained with `state` in `dtype` (None: as it is), and the tokenizer; without
     weights, the config, generation config and tokenizer alone. A LoRA model exports the model it
-    wraps, its adapters merged into the weights (models.merged_state): it loads without peft."""
+    wraps, its adapters merged into the weights (models.merged_state): it loads without peft; one
+    whose adapter sits on a tied weight exports it untied (models.lora_unties)."""
+    untie = weights and bool(models.lora_unties(model))
     if weights and hasattr(model, "peft_config"):
         state, model = models.merged_state(model, state), model.get_base_model()
     if not weights:
@@ -300,11 +302,15 @@ def _write_export(model, tokenizer, folder, state, dtype, weights=True):
             state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
         model.save_pretrained(folder, state_dict=state)
     dropout = getattr(model, "dropout_config", {})  # trained without (models.no_dropout): the model's own
-    if dropout or (weights and dtype is not None):  # the config names the dtype the weights are stored in
+    if dropout or untie or (weights and dtype is not None):  # the config names the dtype the weights are stored in
         with open(os.path.join(folder, "config.json")) as f:
             cfg_json = json.load(f)
         if weights and dtype is not None:
             cfg_json["dtype"] = str(dtype).removeprefix("torch.")
+        if untie:  # both weights are in the file; tied, the head would load as the embedding
+            for c in (cfg_json, cfg_json.get("text_config") or {}):  # a multimodal model's text model says it there
+                if c is cfg_json or "tie_word_embeddings" in c:
+                    c["tie_word_embeddings"] = False
         for name, value in dropout.items():
             *owners, key = name.split(".")
             functools.reduce(dict.__getitem__, owners, cfg_json)[key] = value

@@ -316,6 +316,9 @@ def script(main, cls):
             if getattr(e, "refusal", False):
                 common.print0(f"{os.path.basename(sys.argv[0])}: {e}", file=sys.stderr)
                 sys.exit(1)
+            if hasattr(e, "frames"):  # a reward function failed (reward_fns.failed): its frames, not the trainer's
+                print(f"{e.frames}{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                sys.exit(1)
             if "Timed out" in str(e):  # gloo's words; NCCL's watchdog ends the process itself, saying "timeout"
                 e.add_note(f"a collective waited longer than --timeout_minutes {cfg.timeout_minutes} for another "
                            f"rank: raise it where a rank is slow (a long rollout, rank 0 reading a large model alone)")

@@ -2,6 +2,7 @@
 flag's own range and choices: cli.check_ranges; the schedule: cli.check_schedule). Called by the
 scripts right after cli.start."""
 import dataclasses
+import math
 
 
 def dpo(cfg):
@@ -67,6 +68,12 @@ def grpo(cfg, d):
         (cfg.beta or cfg.reference or not (cfg.kl_in_reward or cfg.ref_refresh_every or cfg.eval_pairs),
          "--beta 0 (TRL's default for a model of your own) loads no reference model: --kl_in_reward, "
          "--ref_refresh_every and --eval_pairs need one; pass --beta > 0 (0.04 is GRPO's), or --reference"),
+        (d.world_size == 1 or ":" not in cfg.reward_fn or 2 * cfg.reward_fn_timeout <= 60 * cfg.timeout_minutes,
+         f"--reward_fn_timeout {cfg.reward_fn_timeout:g} s with --timeout_minutes {cfg.timeout_minutes:g}: a rank whose "
+         f"reward function hangs is stopped, naming it and its rank, after --reward_fn_timeout, while the other ranks "
+         f"wait for it in a collective for --timeout_minutes, which must be at least twice that (their rollouts end "
+         f"at other times), or the job ends in a collective's timeout naming neither; pass --timeout_minutes "
+         f"{math.ceil(cfg.reward_fn_timeout / 30):g} or a --reward_fn_timeout of at most {30 * cfg.timeout_minutes:g}"),
         (not (cfg.save_every and cfg.ref_refresh_every and cfg.save_every % cfg.ref_refresh_every),
          f"--save_every {cfg.save_every} must be a multiple of --ref_refresh_every {cfg.ref_refresh_every} "
          f"(a resumed run rebuilds its reference from the checkpoint)"),

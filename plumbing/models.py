@@ -489,21 +489,30 @@ def add_lora(model, r, alpha, dropout=0.0, target_modules="all-linear"):
     unchanged). target_modules: "all-linear" (peft's: every linear layer but the output head) or
     names, comma- or space-separated. A sequence classifier (a reward model) gets peft's SEQ_CLS
     task, which trains its score head whole (modules_to_save), as TRL's reward trainer does.
-    dropout: on the adapters' input, in gradient passes only (TrainDropout)."""
+    dropout: on the adapters' input, in gradient passes only (TrainDropout). A target whose
+    adapter the export cannot merge (merged_state merges linear layers, GPT-2's Conv1D and
+    embeddings) is refused here, before the first step, naming it: its training would be lost."""
     from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import Embedding, Linear, LoraLayer
 
     targets = target_modules if target_modules == "all-linear" else target_modules.replace(",", " ").split()
     if not targets:
         raise ValueError("--lora_target_modules is empty: pass all-linear or module names (q_proj,v_proj)")
     scores = type(model).__name__.endswith("ForSequenceClassification")
     try:
-        with warnings.catch_warnings():  # GPT-2's Conv1D: peft finds its (in, out) weights itself, with a warning
-            warnings.filterwarnings("ignore", message="fan_in_fan_out is set to False")
+        with warnings.catch_warnings():  # GPT-2's Conv1D: peft finds its (in, out) weights itself, with a warning;
+            warnings.filterwarnings("ignore", message="fan_in_fan_out is set to False")  # a tied weight: lora_unties
+            warnings.filterwarnings("ignore", message="Model has `tie_word_embeddings=True` and a tied layer")
             model = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
                                                      target_modules=targets, task_type="SEQ_CLS" if scores else None))
     except ValueError as e:  # peft's "Target modules {...} not found in the base model"
         raise ValueError(f"--lora_target_modules {target_modules}: {e}") from None
-    for m in model.modules():
+    for name, m in model.named_modules():
+        if isinstance(m, LoraLayer) and type(m) not in (Linear, Embedding):
+            raise ValueError(f"--lora_target_modules {target_modules}: {name.removeprefix('base_model.model.')} is "
+                             f"a {type(m.get_base_layer()).__name__}, whose adapter the export cannot merge into its "
+                             f"weight (linear layers, GPT-2's Conv1D and embeddings can): its training would be "
+                             f"lost; leave it out of the targets")
         for drop in getattr(m, "lora_dropout", {}).values():
             if type(drop) is torch.nn.Dropout:
                 drop.__class__ = TrainDropout
@@ -514,7 +523,13 @@ def with_lora(model, cfg):
     """The model with --lora's adapters (add_lora, the run's --lora_* flags), or as it is."""
     if not cfg.lora:
         return model
-    return add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
+    model = add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
+    for name, others in lora_unties(model).items():
+        common.print0(f"note: --lora_target_modules: {name.removeprefix('base_model.model.')}'s weight is also "
+                      f"{', '.join(o.removeprefix('base_model.model.') for o in others)} (tied embeddings); its adapter "
+                      f"changes this layer's use alone, so the export holds both weights, untied (tie_word_embeddings "
+                      f"false)")
+    return model
 
 
 @contextmanager
@@ -525,23 +540,68 @@ def as_reference(model):
         yield
 
 
+def _names(model):
+    """{id of a parameter: every name it has}: a tied weight (GPT-2's and Qwen2's lm_head and input
+    embedding) is one Parameter under two names."""
+    names = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return names
+
+
+def lora_unties(model):
+    """The adapted layers of a LoRA model whose weight is tied to another layer's, {layer: [the
+    other names of its weight]}: `--lora_target_modules lm_head` on GPT-2 or Qwen2, whose head is
+    the input embedding. The adapter changes that layer's use of the weight alone, as in training
+    (the head's logits, not the embedding's vectors), so the export cannot be one tied tensor: it
+    holds both weights, untied (merged_state; checkpoints._write_export says tie_word_embeddings
+    false). {} for a model without adapters or ties."""
+    if not hasattr(model, "peft_config"):
+        return {}
+    from peft.tuners.lora import LoraLayer
+
+    names, out = _names(model), {}
+    for name, m in model.named_modules():
+        if isinstance(m, LoraLayer) and len(names[id(m.get_base_layer().weight)]) > 1:
+            out[name] = [n for n in names[id(m.get_base_layer().weight)] if n != f"{name}.base_layer.weight"]
+    return out
+
+
 def merged_state(model, state):
     """The state dict a LoRA model exports, computed as peft's merge_and_unload computes it but on
     the gathered state (rank 0 holds it whole while the model itself stays sharded): each adapted
-    weight W + (alpha / r) B A (transposed for GPT-2's Conv1D, whose weight is (in, out)), the
-    adapters dropped, a head trained whole (modules_to_save) in place of the frozen one, under the
-    names of the model peft wraps. A model without adapters: its state as it is."""
+    weight W + (alpha / r) delta, the adapters dropped, a head trained whole (modules_to_save) in
+    place of the frozen one, under the names of the model peft wraps. delta: a linear layer's B A
+    (lora_A (r, in), lora_B (out, r); transposed for GPT-2's Conv1D, whose weight is (in, out)), an
+    embedding's (B A)^T (lora_embedding_A (r, V), lora_embedding_B (D, r)). A weight tied to another
+    layer's (lora_unties) is merged for the adapted layer alone, and the other layer keeps it as it
+    was, under its own name (the gathered state holds a tied weight under one name). An adapter left
+    unmerged (a kind add_lora admits and this does not know) is an error, never an export that loads
+    as the model before training. A model without adapters: its state as it is."""
     if not hasattr(model, "peft_config"):
         return state
     from peft.tuners.lora import LoraLayer
 
-    out = dict(state)
+    out, names = dict(state), _names(model)
     for name, m in model.named_modules():
-        if isinstance(m, LoraLayer) and f"{name}.lora_A.default.weight" in out:
+        if not isinstance(m, LoraLayer):
+            continue
+        key = f"{name}.base_layer.weight"
+        tied = names[id(m.get_base_layer().weight)]
+        w = next(out[n] for n in tied if n in out)  # under one of its names
+        out |= {n: w for n in tied}  # each use of a tied weight its own entry; the adapted one replaced below
+        if f"{name}.lora_A.default.weight" in out:
             a, b = out.pop(f"{name}.lora_A.default.weight"), out.pop(f"{name}.lora_B.default.weight")  # (r, in), (out, r)
-            w = out[f"{name}.base_layer.weight"]
-            delta = m.scaling["default"] * (b.double() @ a.double())  # (out, in)
-            out[f"{name}.base_layer.weight"] = (w.double() + (delta.T if m.fan_in_fan_out else delta)).to(w.dtype)
+            delta = b.double() @ a.double()  # (out, in)
+            delta = delta.T if m.fan_in_fan_out else delta
+        else:
+            a, b = out.pop(f"{name}.lora_embedding_A.default"), out.pop(f"{name}.lora_embedding_B.default")  # (r, V), (D, r)
+            delta = (b.double() @ a.double()).T  # (V, D)
+        out[key] = (w.double() + m.scaling["default"] * delta).to(w.dtype)
+    left = [k for k in out if ".lora_" in k]
+    if left:
+        raise RuntimeError(f"the export would hold unmerged adapters ({', '.join(left[:4])}): models.merged_state "
+                           f"has no merge for their kind")
     return {k.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".").removeprefix("base_model.model."): v
             for k, v in out.items() if ".original_module." not in k}
 

@@ -187,7 +187,7 @@ class Run:
                        if getattr(cfg, f, None)}
         self.created = not os.path.exists(cfg.out_dir)
         self.locked_new = not os.path.exists(os.path.join(cfg.out_dir, ".lock"))  # a .lock this run adds
-        self.started, self.replaced, self.logger = False, None, None
+        self.started, self.replaced, self.logger, self.home, self.lost = False, None, None, None, False
         RUNS.append(self)
         if d.is_main:
             lock_out_dir(cfg.out_dir)
@@ -266,7 +266,42 @@ class Run:
         self.started = True
         self.logger = logs.Logger(self.out_dir, self.cfg, self.d, show)
         self.saved_at = clock()  # --save_minutes counts training from here
+        self.home = (os.stat(self.out_dir), _LOCKS[-1]) if self.d.is_main else None  # the folder, its lock (check_home)
         return start
+
+    def check_home(self, step):
+        """Rank 0, before each write: out_dir must still be the folder this run began in, holding the lock
+        it took. A folder deleted or moved away (`rm -rf` mid-run), replaced by another, or whose .lock
+        was deleted (another run could then start in it) stops the run naming what happened and what it
+        had written there: training on would write metrics into a file no folder holds and a checkpoint
+        into a folder made anew, and end with exit status 0 and a run of which nothing is left."""
+        if self.home is None or self.lost:
+            return
+        folder, lock = self.home
+        try:
+            now = os.stat(self.out_dir)
+        except FileNotFoundError:
+            now = None
+        try:
+            locked = os.path.samestat(os.stat(os.path.join(self.out_dir, ".lock")), os.fstat(lock.fileno()))
+        except FileNotFoundError:
+            locked = False
+        if now is not None and os.path.samestat(now, folder) and locked:
+            return
+        self.lost = True  # abandon leaves the folder alone: it may be another run's now
+        wrote = ["run_config.json", f"metrics.jsonl (to step {self.logger.step})" if self.logger.step is not None
+                 else "metrics.jsonl"] + ["completions.jsonl"] * (self.logger.completions_file is not None)
+        wrote = ", ".join(wrote + ([f"the checkpoint {self.last_ckpt}"] if self.last_ckpt else []))
+        if now is not None and os.path.samestat(now, folder):
+            raise refusal(RuntimeError(
+                f"--out_dir {self.out_dir} lost this run's lock by step {step} (its .lock was deleted or replaced): "
+                f"another run could start there. Stopping, rather than training on beside it; what the run wrote "
+                f"there ({wrote}) is as it was: run it again with --resume to go on from its last checkpoint"))
+        what = "was deleted or moved away" if now is None else "was replaced by another folder"
+        raise refusal(RuntimeError(
+            f"--out_dir {self.out_dir} {what} by step {step}, while the run went on: what the run wrote there "
+            f"({wrote}) is not in it. Stopping, rather than training on into a folder that is not the run's; start "
+            f"the run again"))
 
     def check(self, step, metrics, keys=("loss",)):
         """Stop on a NaN or infinite loss (or other named metric, where the step logs it: grpo.py's kl
@@ -280,6 +315,7 @@ class Run:
 
     def log(self, step, metrics):
         """Log a step's metrics; write a resumable checkpoint where one is due (due). Collective."""
+        self.check_home(step)
         self.logger.log(step, metrics)
         if self.due(step):
             self.last_ckpt = self.save(step)
@@ -309,6 +345,7 @@ class Run:
         Weights that are not finite, or whose outputs on a fixed batch are not (finite_outputs),
         are never written: the last good checkpoint stays the last."""
         model = model or self.model
+        self.check_home(step or self.cfg.steps)
         params = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
         bad_weights = torch.stack([~torch.isfinite(p).all() for p in params]).any()
         bad = common.all_reduce_sum(torch.stack([bad_weights, ~finite_outputs(model, self.d)]).float(), self.d)
@@ -340,7 +377,7 @@ class Run:
         not refused for a folder that "is not empty"."""
         if self.logger is not None:
             self.logger.close()  # and its heartbeat
-        if not self.d.is_main:
+        if not self.d.is_main or self.lost:  # lost: out_dir is not the run's folder any more (check_home)
             return
         metrics = os.path.join(self.out_dir, "metrics.jsonl")
         if self.started and not self.resume_from and not (os.path.isfile(metrics) and os.path.getsize(metrics)):

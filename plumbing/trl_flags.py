@@ -136,9 +136,12 @@ LISTS = {"lora_target_modules"}  # TRL's list flags (nargs="+": `--lora_target_m
 # TRL's GRPO loss_type names the policy term and how it is averaged at once; here they are two flags, --loss_type (the
 # term: grpo is PPO's clipped surrogate, as TRL's grpo, dapo, dr_grpo and bnpo are) and --loss_agg (the average).
 # TRL's names of an average given to --loss_type: {script: {flag: {TRL's value: (the flags here, or None: refused,
-# with what differs)}}}. TRL's own `grpo` is a value here too, PPO's term: averaged as TRL's grpo by --loss_agg
-# seq_mean_token_mean (tests/test_variants.py computes each of TRL's losses both ways).
+# with what differs)}}}. TRL's grpo and sapo are values here too (the policy term): given, they bring TRL's average,
+# --loss_agg seq_mean_token_mean, unless --loss_agg is given (tests/test_variants.py computes each of TRL's losses
+# both ways).
 TRL_VALUES = {"grpo": {"loss_type": {
+    "grpo": ("--loss_type grpo --loss_agg seq_mean_token_mean", ", unless --loss_agg is given (the average given)"),
+    "sapo": ("--loss_type sapo --loss_agg seq_mean_token_mean", ", unless --loss_agg is given (the average given)"),
     "dapo": ("--loss_agg token_mean", ""),
     "dr_grpo": ("--loss_agg constant", ""),
     "bnpo": (None, "it divides each micro-batch's sum by that micro-batch's own tokens, so its gradient depends on how a "
@@ -160,11 +163,15 @@ def trl_value(script, name, value, argv):
     flags, note = TRL_VALUES[script][name][value]
     if flags is None:
         raise ValueError(f"{script}.py: --{name} {value} is TRL's, with no equal here: {note}")
-    ours = flags.split()[0]
+    words = flags.split()
+    kept = words[0] == f"--{name}"  # a value of ours too: the flags it brings, where not given
+    ours = words[2 if kept else 0]
     if any(a == ours or a.startswith(ours + "=") for a in argv):
+        if kept:
+            return words[:2]
         raise ValueError(f"{script}.py: --{name} {value} is TRL's name for {flags} here, and {ours} is given too: "
                          f"pass one of them")
-    return flags.split()
+    return words
 
 
 def rows(script):
@@ -327,7 +334,7 @@ def docs_table():
     same = ", ".join(f"`--{n}`" + ("" if s == ALL else f" ({scripts(s)})") for n, s in SAME_NAME)
     bools = ", ".join(f"`--{flag} true` is `--{flag} {yes}` ({script}), false `{no}`"
                       for (script, flag), (yes, no) in BOOL_VALUES.items())
-    values = "\n".join(f"- `{script}.py --{flag} {value}`: " + (f"`{ours}` here" if ours else f"refused: {note}")
+    values = "\n".join(f"- `{script}.py --{flag} {value}`: " + (f"`{ours}` here{note}" if ours else f"refused: {note}")
                        for script, by_flag in TRL_VALUES.items() for flag, table in by_flag.items()
                        for value, (ours, note) in table.items())
     return (

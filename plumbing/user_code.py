@@ -1,10 +1,10 @@
 """A user's own code named on the command line as `module:function` (--reward_fn, --tools): the
 module by name (a `name.py` or package in the working directory first, then the Python path), or a
 .py file by its path (`path/to/rewards.py:accuracy`), as TRL users keep their reward functions
-beside their data. It is imported in a worker process of its own (plumbing/workers.py), never in
-the trainer, as Python imports a script: its folder first on the path, so a `helper.py` beside it
-imports, and a file named like one of this project's modules (`tasks.py`, `data.py`) is the user's.
-Imports nothing of the project: the workers import it alone."""
+beside their data. It is imported in a worker process (plumbing/workers.py; one for the functions
+of one module), never in the trainer, as Python imports a script: its folder first on the path, so
+a `helper.py` beside it imports, and a file named like one of this project's modules (`tasks.py`,
+`data.py`) is the user's. Imports nothing of the project: the workers import it alone."""
 import importlib
 import importlib.util
 import os
@@ -55,17 +55,45 @@ def import_module(module):
     return mod
 
 
-def load_function(spec):
-    """The function `module:function` names, imported (import_module); a ValueError saying why it
-    cannot be used: its import failed (anything its code raises, SystemExit included), it has no
-    such name, or the name is not callable."""
-    module, name = split(spec)
+class LoadError(ValueError):
+    """A function that cannot be used, and its name (None: its module's import failed)."""
+
+    def __init__(self, message, name=None):
+        super().__init__(message)
+        self.name = name
+
+
+def shadowed(mod, module, name):
+    """Where a file or package named `module` is in the working directory but `import module` found
+    another (a module of the standard library, or one imported before it: the workers use json,
+    socket, pickle...): ": that is the standard library's json, not json.py in the working
+    directory, which it shadows; ..." ("" otherwise)."""
+    if module.endswith(".py"):
+        return ""
+    here = os.path.join(os.getcwd(), *module.split("."))
+    mine = next((p for p in (here + ".py", os.path.join(here, "__init__.py")) if os.path.isfile(p)), None)
+    if not mine or os.path.realpath(mine) == os.path.realpath(getattr(mod, "__file__", None) or ""):
+        return ""
+    what = "the standard library's" if module.split(".")[0] in sys.stdlib_module_names else "another module"
+    return (f": that is {what} {module}, not {os.path.relpath(mine)} in the working directory, which it shadows; "
+            f"rename your file, or name it by its path: {os.path.relpath(mine)}:{name}")
+
+
+def load_functions(module, names):
+    """{name: function} of the functions `names` of `module` (import_module, once); a LoadError
+    saying why one cannot be used: the module's import failed (anything its code raises, SystemExit
+    included), it has no such name (naming the file it imported, and a file of the user's it shadows),
+    or the name is not callable."""
     try:
-        fn = getattr(import_module(module), name, None)
+        mod = import_module(module)
     except BaseException as e:  # SyntaxError, a missing dependency, SystemExit: anything the module's code does
-        raise ValueError(f"importing module {module!r} failed: {describe(e, where=True)}") from None
-    if fn is None:
-        raise ValueError(f"module {module!r} has no {name!r}")
-    if not callable(fn):
-        raise ValueError(f"{module}.{name} is not a function")
-    return fn
+        raise LoadError(f"importing module {module!r} failed: {describe(e, where=True)}") from None
+    fns = {}
+    for name in names:
+        fns[name] = getattr(mod, name, None)
+        if fns[name] is None:
+            where = "" if module.endswith(".py") else f" ({getattr(mod, '__file__', None) or 'built in'})"  # the file
+            raise LoadError(f"module {module!r}{where} has no {name!r}{shadowed(mod, module, name)}", name)
+        if not callable(fns[name]):
+            raise LoadError(f"{module}.{name} is not a function", name)
+    return fns

@@ -24,7 +24,7 @@ VARIANTS = {
         "gspo": ["--importance_sampling_level", "sequence", "--loss_agg", "seq_mean_token_mean",
                  "--epsilon_low", "3e-4", "--epsilon_high", "4e-4"],  # GSPO's clip range (Sec. 5.1)
         "cispo": ["--loss_type", "cispo", "--epsilon_high", "5"],  # the IS weight capped at 5 (ScaleRL's, TRL's)
-        "sapo": ["--loss_type", "sapo"],
+        "sapo": ["--loss_type", "sapo", "--loss_agg", "token_mean"],  # as measured: TRL's sapo averages per sequence
         "rloo": ["--adv_estimator", "rloo", "--scale_rewards", "none"],
         "dppo_tv": ["--loss_type", "dppo_tv", "--epsilon_low", "0.15", "--epsilon_high", "0.15"],  # verl's DPPO recipe
         "dppo_kl": ["--loss_type", "dppo_kl", "--epsilon_low", "0.05", "--epsilon_high", "0.05"],

@@ -136,3 +136,76 @@ def exits_on_rank_1(prompts, completions, **kwargs):
 def returns(prompts, completions, value, **kwargs):
     """Each row's `value` column as its reward (None, NaN, 1e39: what a function may return)."""
     return list(value)
+
+
+def writes_to_descriptors(prompts, completions, **kwargs):
+    """Writes a line to each of the descriptors 3 to 11 and to the one its worker was started with
+    (`--worker FD` in its sys.argv), where the channel to the trainer was (those open); 1.0 per
+    completion."""
+    for fd in [*range(3, 12), int(sys.argv[sys.argv.index("--worker") + 1])]:
+        try:
+            os.write(fd, b"a line a function writes\n")
+        except OSError:
+            pass
+    return [1.0] * len(completions)
+
+
+def sockets():
+    """The descriptors of this process's sockets (/proc/self/fd): a function that searches for the
+    channel finds it among them."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                found.append(int(name))
+        except OSError:
+            pass
+    return found
+
+
+def write_to_sockets(data):
+    for fd in sockets():
+        try:
+            os.write(fd, data)
+        except OSError:  # a socket of the event loop's that is full
+            pass
+
+
+def writes_onto_its_channel(prompts, completions, **kwargs):
+    """Writes a line onto every socket of its process, the channel to the trainer among them; 1.0 per
+    completion."""
+    write_to_sockets(b"a line a function writes\n")
+    return [1.0] * len(completions)
+
+
+def writes_half_a_message_and_hangs(prompts, completions, header, **kwargs):
+    """Writes the start of a message (the first row's `header` column: a message's framing, its
+    length and no bytes after it) onto every socket of its process, then never returns: the trainer
+    holds part of a message."""
+    write_to_sockets(header[0])
+    mark("half")
+    hang()
+
+
+SEEN = {}  # what `sets` saw last, in this worker
+
+
+def sets(prompts, completions, **kwargs):
+    """Keeps the completions it is given (a parse, a cache another function reads); 0.0 each."""
+    SEEN["completions"] = list(completions)
+    return [0.0] * len(completions)
+
+
+def gets(prompts, completions, **kwargs):
+    """1.0 for each completion `sets` was given last in this process, else 0.0: 1.0 where the two
+    share their module's state and `sets` ran first, as under TRL's one process."""
+    return [float(c == s) for c, s in zip(completions, SEEN.get("completions", [None] * len(completions)))]
+
+
+def helper_that_raises(completion):
+    raise RuntimeError(f"cannot score {completion!r}")
+
+
+def raises_in_a_helper(prompts, completions, **kwargs):
+    """Scores each completion with a helper of this file that raises."""
+    return [helper_that_raises(c) for c in completions]

@@ -49,6 +49,28 @@ BEHAVIOURS = {
 }
 
 
+def write_to(descriptors):
+    """A line written to each of descriptors (those open); 'written'."""
+    for fd in descriptors:
+        try:
+            os.write(fd, b"a line a tool writes\n")
+        except OSError:
+            pass
+    return "written"
+
+
+def sockets():
+    """This process's sockets (/proc/self/fd): the channel to the trainer is one of them."""
+    return [int(n) for n in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{n}")
+            and os.readlink(f"/proc/self/fd/{n}").startswith("socket:")]
+
+
+BEHAVIOURS |= {  # 3-11 and the descriptor its worker was started with, where the channel was; the channel itself
+    "write_to_descriptors": lambda: write_to([*range(3, 12), int(sys.argv[sys.argv.index("--worker") + 1])]),
+    "write_onto_its_channel": lambda: write_to(sockets()),
+}
+
+
 def misbehaves(text):
     """Does what its text names (BEHAVIOURS), marking it first; any other text is the calculator's."""
     mark(text)

@@ -12,6 +12,8 @@ import torch
 
 from helpers import (TWO_RANK_RUNS, chat_rows, checkpoint_weights, ctrl_c_after_first_save, max_abs_diff,
                      read_metrics, run_here, write_jsonl)
+import common
+import tasks
 from plumbing import checkpoints, models
 
 pytest.importorskip("peft")
@@ -74,6 +76,110 @@ def test_the_merged_state_is_peft_merge_and_unload(name, user_models):
     ids = torch.arange(1, 9)[None] % base.config.vocab_size
     with torch.no_grad():
         torch.testing.assert_close(plain(input_ids=ids).logits, lora(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def final_model(argv):
+    """Run a script in this process (run_ok) and return the model its final save exported (the LoRA
+    model as trained: checkpoints.save_checkpoint's model at the save without an optimizer) and the
+    run's folder."""
+    seen, save = [], checkpoints.save_checkpoint
+
+    def saving(model, *args, **kwargs):
+        if kwargs.get("optimizer") is None:
+            seen.append(model)
+        return save(model, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(checkpoints, "save_checkpoint", saving)
+        proc = run_here(argv)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return seen[-1], argv[argv.index("--out_dir") + 1]
+
+
+def nll64(model, ids):
+    """The mean next-token NLL of ids under a float64 copy of model (its fp32 head, common.FP32Head,
+    a plain linear layer again, so that nothing is computed in fp32)."""
+    model = copy.deepcopy(model).double()
+    for m in model.modules():
+        if type(m) is common.FP32Head:
+            m.__class__ = torch.nn.Linear
+    logits = model(input_ids=ids).logits  # (B, T, V)
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+LORA_KINDS = {  # kind -> (model, targets): every kind of adapter peft puts on an LM's layers, and the tied weights
+    "linear": ("llama", "all-linear"),  # q/k/v/o, gate/up/down
+    "conv1d": ("tiny", "all-linear"),  # GPT-2's Conv1D (c_attn, c_proj, c_fc), weights (in, out)
+    "embedding": ("llama", "embed_tokens"),  # lora_embedding_A/B
+    "tied_embedding": ("tiny", "wte"),  # GPT-2's wte is its head too: the adapter changes the embedding's use alone
+    "tied_head": ("tiny", "lm_head"),  # ... or the head's alone
+    "tied_head_grpo": ("tiny", "lm_head"),  # grpo.py's export, the same path (before: peft's merge_and_unload)
+}
+
+
+@pytest.mark.parametrize("kind", LORA_KINDS)
+def test_the_export_loads_as_the_trained_run(kind, tmp_path, user_models):
+    """sft.py --lora (3 steps at a large lr) with each kind of adapter: the export, loaded with
+    AutoModelForCausalLM.from_pretrained (no peft), computes the loss of the LoRA model the run
+    ended with. Both in float64, they are one function but for the export's rounding of each
+    merged weight theta to fp32 (|d theta| <= 2^-24 |theta|): to first order the losses differ by
+    at most 2^-24 sum |dL/dtheta| |theta| (over every weight: those not merged are the same floats
+    and add nothing), doubled for the second order (2^-48), plus 1e-12 for float64's own rounding
+    (2^-53 ~ 1.1e-16 a step over a few hundred terms). And the run moved the loss by more than
+    1000x that bound from the model it started from, which a lost adapter would export (before:
+    wte's adapter was exported unmerged beside the weight, loading as step 0; a tied lm_head's
+    final save failed with a KeyError). A tied weight is exported untied, the use without an
+    adapter keeping its start."""
+    from transformers import AutoModelForCausalLM
+
+    name, targets = LORA_KINDS[kind]
+    if kind.endswith("grpo"):
+        argv = ["grpo.py", "--model", "tiny", "--lora", "--lora_target_modules", targets, "--steps", "2", "--n_train",
+                "64", "--prompts_per_step", "4", "--group_size", "4", "--max_new_tokens", "8", "--n_eval", "8",
+                "--n_eval_pairs", "8", "--eval_every", "1000", "--lr", "5e-2", "--warmup_steps", "0", "--entropy_coef",
+                "0.01", "--out_dir", str(tmp_path / "run")]
+    elif name == "tiny":  # the issue's command, on fewer rows
+        argv = ["sft.py", "--model", "tiny", "--lora", "--lora_target_modules", targets, "--steps", "3", "--n_train",
+                "256", "--batch_size", "8", "--n_eval", "16", "--eval_every", "1000", "--warmup_steps", "0", "--lr",
+                "5e-2", "--out_dir", str(tmp_path / "run")]
+    else:
+        argv = lora_argv("sft", tmp_path, user_models, "--lora_target_modules", targets, "--lr", "5e-2")
+    trained, out = final_model(argv)
+    export = AutoModelForCausalLM.from_pretrained(f"{out}/checkpoint")
+    if name == "tiny":  # rows of what the run trained on, cut to the shortest
+        tok, texts = tasks.char_tokenizer(), [r["prompt"] + r["completion"] for r in tasks.sft_rows(4, seed=1)]
+    else:
+        tok = models.load_tokenizer(user_models[name])
+        texts = [tok.apply_chat_template(r["messages"], tokenize=False) for r in chat_rows(4, "sft")]
+    rows = [tok(t, add_special_tokens=False).input_ids for t in texts]
+    ids = torch.tensor([r[:min(map(len, rows))] for r in rows])  # (4, T)
+    want, got = nll64(trained, ids).item(), nll64(export, ids)
+    export64 = copy.deepcopy(export).double()
+    loss = torch.nn.functional.cross_entropy(export64(input_ids=ids).logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    grads = torch.autograd.grad(loss, list(export64.parameters()))
+    bound = 2 * 2.0 ** -24 * sum((g * p).abs().sum() for g, p in zip(grads, export64.parameters())).item() + 1e-12
+    assert abs(got.item() - want) <= bound, (kind, got.item(), want, bound)
+    start = copy.deepcopy(trained).unload()  # the frozen model the run started from: its adapters taken off
+    assert abs(nll64(start, ids).item() - want) > 1000 * bound, (kind, "the run did not move the loss")
+    tied = kind.startswith("tied")
+    assert export.config.tie_word_embeddings is (start.config.tie_word_embeddings and not tied)
+    if tied:  # the layer without the adapter: the weight as it started, exactly
+        other = export.get_output_embeddings() if targets == "wte" else export.get_input_embeddings()
+        assert torch.equal(other.weight, start.get_input_embeddings().weight)
+
+
+def test_an_adapter_the_export_cannot_merge_is_refused_before_training():
+    """A target peft puts another kind of adapter on (a Conv2d here; peft also has Conv1d/3d and
+    MultiheadAttention adapters) is refused when the adapters are added, naming the layer and why:
+    merged_state merges linear layers, GPT-2's Conv1D and embeddings, and an adapter it left out
+    would be training lost at the export."""
+    net = torch.nn.Sequential()
+    net.add_module("conv", torch.nn.Conv2d(2, 2, 3))
+    net.add_module("proj", torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"--lora_target_modules conv,proj: conv is a Conv2d, whose adapter the "
+                                         r"export cannot merge"):
+        models.add_lora(net, 2, 4.0, target_modules="conv,proj")
+    models.add_lora(torch.nn.Sequential(torch.nn.Linear(2, 2)), 2, 4.0, target_modules="0")  # a linear one is not
 
 
 def test_a_model_without_adapters_exports_its_state_as_it_is(user_models):

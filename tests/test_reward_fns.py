@@ -178,11 +178,13 @@ def test_a_bad_reward_fn_or_weight_is_refused_naming_the_flag_before_anything_is
 
 
 def test_reward_functions_of_a_batch_run_at_once_async_ones_too(tmp_path):
-    """Two `async def` functions and a plain one (judges behind an API): each marks that it has
-    started and waits for the other two to have started too, which only happens if the caller runs
-    them at once (one after another, the first would wait out its 30 s and return -1s); None comes
-    back as NaN, and a wrong return is named. No clock is read: it cannot fail by timing."""
-    (tmp_path / "slow.py").write_text(f'''
+    """Two `async def` functions and a plain one (judges behind an API), each in a file of its own
+    (the functions of one file share its worker, and run one after the other, as in TRL's one
+    process): each marks that it has started and waits for the other two to have started too, which
+    only happens if the caller runs them at once (one after another, the first would wait out its 30
+    s and return -1s); None comes back as NaN, and a wrong return is named. No clock is read: it
+    cannot fail by timing."""
+    text = f'''
 import asyncio, os, time
 FOLDER = {str(tmp_path)!r}
 
@@ -205,12 +207,14 @@ def c(prompts, completions, **kw):
     return [len(p) for p in prompts] if asyncio.run(together("c")) else [-1.0, -1.0]
 def bad(prompts, completions, **kw):
     return [1.0, "x"]
-''')
-    fns = reward_fns.load_reward_fns(",".join(f"{tmp_path / 'slow.py'}:{n}" for n in "abc"))
+'''
+    for n in "abc":
+        (tmp_path / f"slow_{n}.py").write_text(text)
+    fns = reward_fns.load_reward_fns(",".join(f"{tmp_path / f'slow_{n}.py'}:{n}" for n in "abc"))
     caller = reward_fns.RewardCaller(fns)
     out = caller(["p", "pp"], ["c", "cc"], [[1], [2]], {}, rows=[4, 9], source="d.jsonl")
     assert out["a"][0] == 1.0 and math.isnan(out["a"][1]) and out["b"] == [2.0, 3.0] and out["c"] == [1.0, 2.0]
-    bad = reward_fns.RewardCaller(reward_fns.load_reward_fns(f"{tmp_path / 'slow.py'}:bad,math"))
+    bad = reward_fns.RewardCaller(reward_fns.load_reward_fns(f"{tmp_path / 'slow_a.py'}:bad,math"))
     with pytest.raises(ValueError, match=r"--reward_fn bad returned 'x' for d.jsonl row 9"):
         bad(["p", "pp"], ["c", "cc"], [[1], [2]], {}, rows=[4, 9], source="d.jsonl")
 

@@ -1,25 +1,35 @@
 """Nothing a reward function does can hang a run or end it without a word (reward_fns.RewardCaller,
-each function in a worker process of its own, plumbing/workers.py): functions
+each file's functions in a worker process of their own, plumbing/workers.py): functions
 (tests/misbehaving_rewards.py) that exit, os._exit, kill their process or raise anything stop
 the run naming themselves and the row; ones that never return (sync or async, asleep, signals
 ignored) are stopped at --reward_fn_timeout naming their rows; Ctrl-C and SIGTERM while one
 never returns end the run with its line and its last checkpoint, and no process left; a thread
 it starts does not keep the run alive; signal.alarm works in it, as in TRL's main thread; it
 gets objects of its own at every call; under torchrun, the rank whose function ends its process
-is named."""
+is named. Nor can it jam the channel to the trainer (writing to descriptors, onto the channel,
+part of a message); the functions of a file share its state, as in TRL; a raise shows the
+function's own frames; a shadowed module, a weighted sum beyond float32 and a reward timeout
+that torchrun's would outrun are named."""
+import json
 import os
 import re
 import signal
 import time
+from dataclasses import replace
 
+import misbehaving_rewards
 import pytest
-from helpers import ROOT, SUBPROCESS_ENV, run_here, run_script, start_as_a_terminal_does, write_jsonl
+import torch
+from helpers import (ROOT, SUBPROCESS_ENV, read_metrics, run_here, run_script, start_as_a_terminal_does,
+                     write_jsonl)
 from test_tool_safety import gone, marked, our_processes
 
+import common
 import data
+import grpo
 import reward_fns
 import tasks
-from plumbing import checkpoints, workers
+from plumbing import checkpoints, cli, conflicts, workers
 
 PROMPTS, COMPLETIONS, IDS, ROWS = ["p1", "p2", "p3"], ["a", "bb", "ccc"], [[1], [2], [3]], [4, 9, 11]
 
@@ -213,3 +223,159 @@ def test_a_function_ending_its_process_on_rank_1_is_named_with_the_rank(tmp_path
     assert proc.returncode != 0
     assert re.search(r"ValueError: --reward_fn exits_on_rank_1 \(rank 1\) ended its worker process \(exit status 0\) "
                      r"on \S*q\.jsonl row \d+\n", proc.stderr), proc.stderr[-3000:]
+
+
+# -----------------------------------------------------------------------------
+# the channel between the trainer and a worker
+
+
+def test_a_function_writing_to_the_low_descriptors_does_not_reach_the_trainer():
+    """A function that writes a line to descriptors 3-11 and to the one its worker was started with
+    (where its channel to the trainer was: workers._hide moved it to a random high one and put
+    /dev/null there) scores as it returns, at every call. Before: the line went onto the channel,
+    and the trainer read its first 4 bytes as the length of a 1.7 GB message, outside any deadline:
+    the run hung."""
+    c = caller("writes_to_descriptors")
+    for _ in range(2):
+        assert call(c, ["ok"] * 3) == {"writes_to_descriptors": [1.0, 1.0, 1.0]}
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="finds the channel through /proc")
+def test_bytes_a_function_writes_onto_the_channel_are_never_read_as_a_message():
+    """A function that finds the channel (every socket of its process) and writes a line onto it: a
+    ValueError naming the function, what it wrote and its row (its worker killed). Before: the run
+    hung, as above."""
+    c = caller("writes_onto_its_channel")
+    with pytest.raises(ValueError) as e:
+        call(c, ["ok"] * 3)
+    assert re.fullmatch(re.escape("--reward_fn writes_onto_its_channel wrote b'a line a function writes\\n") + ".*"
+                        + re.escape(" onto its worker's channel to the trainer on d.jsonl row 4 (its worker was killed): "
+                                    "a function must write only to files and descriptors it opened"), str(e.value)), e.value
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="finds the channel through /proc")
+def test_part_of_a_message_on_the_channel_is_waited_for_within_the_deadline(tmp_path, monkeypatch):
+    """A function that writes the start of a message (its framing, announcing 100 bytes) onto the
+    channel and never returns: the trainer holds part of a message, waits for the rest only until
+    --reward_fn_timeout, and the run stops naming the function and its rows; its worker is gone.
+    Every read has the deadline. Before: the read of a message's bytes had none (the run hung)."""
+    monkeypatch.setenv("REWARD_TEST_DIR", str(tmp_path))
+    monkeypatch.setattr(workers, "KILL_GRACE_S", 0.1)
+    c = caller("writes_half_a_message_and_hangs", 0.5)
+    header = workers.FRAME.pack(workers.MAGIC, 100, 0)
+    with pytest.raises(ValueError, match=r"--reward_fn writes_half_a_message_and_hangs ran past --reward_fn_timeout "
+                                         r"0.5 s on d.jsonl rows 4, 9, 11 \(its worker was killed\)"):
+        c(PROMPTS, COMPLETIONS, IDS, {"header": [header] * 3}, rows=ROWS, source="d.jsonl")
+    assert len(marked(tmp_path, "half")) == 1 and gone(marked(tmp_path, "half")[0])
+
+
+@pytest.mark.parametrize("order, want", [("sets,gets", [1.0, 1.0, 1.0]), ("gets,sets", [0.0, 0.0, 0.0])])
+def test_the_functions_of_one_file_share_its_state_called_in_order(order, want):
+    """`--reward_fn rf.py:sets,rf.py:gets`: the functions of one module run in one worker, its module
+    state shared, as in TRL's one process (gets scores 1.0 the completions sets kept), called in the
+    order given, as TRL calls its reward_funcs (gets first: sets has kept nothing yet). Before: each
+    function ran in a worker of its own, and gets saw nothing (0.0)."""
+    c = reward_fns.RewardCaller(reward_fns.load_reward_fns(",".join(f"misbehaving_rewards:{n}" for n in order.split(","))))
+    assert call(c, ["ok"] * 3)["gets"] == want
+
+
+def test_grpo_with_functions_that_write_to_descriptors_and_share_state_runs_through(tmp_path):
+    """grpo.py --reward_fn with three functions of one file, the first writing to descriptors 3-11 and
+    its worker's first one, the other two sharing a cache (as in the issue's commands): the run ends
+    with exit status 0, every completion scored 1.0 by the function that reads what the other kept.
+    Before: the run hung at step 1; and gets scored 0.0."""
+    fns = ",".join(f"misbehaving_rewards:{n}" for n in ("writes_to_descriptors", "sets", "gets"))
+    proc = run_here(grpo_reward_argv(tmp_path, fns, "--steps", "1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = read_metrics(tmp_path / "run")[-1]
+    assert row["rewards/gets/mean"] == row["rewards/writes_to_descriptors/mean"] == 1.0, row
+
+
+def test_a_function_that_raises_shows_its_own_frames_and_none_of_the_trainers(tmp_path):
+    """A function whose helper raises: the error names it, the row and the exception, and carries the
+    function's own traceback (its file, its lines, the helper's frame), none of the worker's;
+    grpo.py prints those frames and the error, and none of the trainer's (grpo.py, environment.py,
+    reward_fns.py). Before: the type and message under 20 lines of the trainer's frames, never the
+    function's file and line."""
+    with pytest.raises(ValueError) as e:
+        call(caller("raises_in_a_helper"), ["ok"] * 3)
+    assert str(e.value) == "--reward_fn raises_in_a_helper raised on d.jsonl row 4: RuntimeError: cannot score 'a'"
+    frames = e.value.frames.splitlines()
+    here = os.path.join(ROOT, "tests", "misbehaving_rewards.py")
+    assert frames[0] == "Traceback (most recent call last):" and frames[-2:] == [
+        f'  File "{here}", line {helper_line()}, in helper_that_raises',
+        '    raise RuntimeError(f"cannot score {completion!r}")'], e.value.frames
+    assert "workers.py" not in e.value.frames and "asyncio" not in e.value.frames
+    proc = run_here(grpo_reward_argv(tmp_path, "misbehaving_rewards:raises_in_a_helper", "--steps", "1"))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and re.fullmatch(r"ValueError: --reward_fn raises_in_a_helper raised on \S*q\.jsonl "
+                                                 r"row \d+: RuntimeError: cannot score .*", lines[-1]), proc.stderr
+    assert "\n".join(frames[-2:]) + "\n" + lines[-1] in proc.stderr, proc.stderr  # its frames, then the error
+    assert not any(f in proc.stderr for f in ("grpo.py\"", "environment.py\"", "reward_fns.py\"", "cli.py\"")), proc.stderr
+
+
+def helper_line():
+    """The line of misbehaving_rewards.helper_that_raises's raise."""
+    return misbehaving_rewards.helper_that_raises.__code__.co_firstlineno + 1
+
+
+def test_a_module_the_standard_library_shadows_is_named_with_the_file_imported(tmp_path, monkeypatch):
+    """A user's json.py beside the command, named `json:fn`: `import json` finds the standard
+    library's json (which the worker imports before it): the error names the file imported, says the
+    user's json.py is shadowed, and how to name it; named by its path, it loads. Before: "module
+    'json' has no 'fn'", the standard library's, naming no file."""
+    import json
+
+    (tmp_path / "json.py").write_text("def fn(prompts, completions, **kw):\n    return [2.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as e:
+        reward_fns.load_reward_fns("json:fn")
+    assert str(e.value) == (f"--reward_fn json:fn: cannot load it: module 'json' ({json.__file__}) has no 'fn': that "
+                            f"is the standard library's json, not json.py in the working directory, which it shadows; "
+                            f"rename your file, or name it by its path: json.py:fn")
+    assert call(reward_fns.RewardCaller(reward_fns.load_reward_fns("json.py:fn")), ["ok"] * 3) == {"fn": [2.0] * 3}
+
+
+def test_a_weighted_sum_beyond_float32_names_the_rewards_and_their_weights(tmp_path):
+    """check_weighted_sum: each reward finite in float32 (check_rewards), but 1e38 x weight 10, or
+    two rewards of 2e38, sum past its range; the error names the row, each reward, its value and its
+    weight (NaN, a None, left out); 1e37 x 10 passes. grpo.py --reward_weights big:10 with a
+    function returning 1e38 stops so at step 1. Before: "loss is nan, kl is nan", naming neither."""
+    nan = float("nan")
+    parts = {"big": torch.tensor([1.0, 1e38]), "rule": torch.tensor([1.0, nan])}
+    with pytest.raises(ValueError, match=r"^the rewards of d.jsonl row 9, weighted \(--reward_weights\) and summed in "
+                                         r"float32, leave its range \(\|x\| < 3.4e38\): big 1e\+38 x weight 10; scale"):
+        reward_fns.check_weighted_sum(parts, {"big": 10.0, "rule": 1.0}, [4, 9], "d.jsonl")
+    with pytest.raises(ValueError, match=r"row 4, .*: a 2e\+38 x weight 1, model 2e\+38 x weight 1; scale"):
+        reward_fns.check_weighted_sum({"a": torch.tensor([2e38]), "model": torch.tensor([2e38])},
+                                      {"a": 1.0, "model": 1.0}, [4], "d.jsonl")
+    reward_fns.check_weighted_sum(parts, {"big": 1.0, "rule": 1.0}, [4, 9], "d.jsonl")
+    reward_fns.check_weighted_sum({"big": torch.tensor([1e37, nan])}, {"big": 10.0}, [4, 9], "d.jsonl")
+    path = write_jsonl(tmp_path / "v.jsonl", [{"prompt": f"p{i}", "value": 1e38} for i in range(8)])
+    proc = run_here(["grpo.py", "--model", "tiny", "--dataset", path, "--reward_fn", "misbehaving_rewards:returns",
+                     "--reward_weights", "returns:10", "--steps", "1", "--prompts_per_step", "2", "--group_size", "2",
+                     "--max_new_tokens", "4", "--eval_every", "1000", "--out_dir", str(tmp_path / "run")])
+    assert proc.returncode == 1 and re.search(r"ValueError: the rewards of \S*v\.jsonl row \d+, weighted .*: returns "
+                                              r"1e\+38 x weight 10; scale", proc.stderr), proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("minutes, seconds, refused", [(1, 600, True), (20, 600, False), (10, 300, False),
+                                                       (10, 301, True)])
+def test_a_reward_timeout_the_collective_timeout_would_outrun_is_refused_under_torchrun(minutes, seconds, refused):
+    """Under torchrun a rank whose function hangs is named after --reward_fn_timeout while the other
+    ranks wait in a collective for --timeout_minutes: unless that is at least twice as long, the job
+    would end in gloo's timeout naming neither the rank nor the function, so the pair is refused at
+    the start, saying what to pass. One process, or rules alone (no worker), take any pair. Before:
+    both were accepted (a hung function on rank 1 ended as an anonymous gloo timeout)."""
+    cfg = replace(cli.with_defaults(grpo.Config()), timeout_minutes=minutes, reward_fn_timeout=seconds,
+                  reward_fn="rf.py:fn")
+    two = common.Dist(rank=0, world_size=2, torchrun=True)
+    if refused:
+        with pytest.raises(ValueError, match=rf"--reward_fn_timeout {seconds} s with --timeout_minutes {minutes}: .* "
+                                             rf"pass --timeout_minutes {-(-seconds // 30)} or a --reward_fn_timeout of "
+                                             rf"at most {30 * minutes}$"):
+            conflicts.grpo(cfg, two)
+    else:
+        conflicts.grpo(cfg, two)
+    conflicts.grpo(cfg, common.Dist())  # one process: no collective
+    conflicts.grpo(replace(cfg, reward_fn="math"), two)  # a rule runs in the trainer

@@ -3,6 +3,7 @@ that is named. Each script runs for real in a subprocess, on the tiny model."""
 import importlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import sft
 
 from helpers import (ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, checkpoint_weights, ctrl_c_after_first_save,
                      free_port, max_abs_diff, read_metrics, run_here, run_script, write_jsonl)
-from plumbing import checkpoints, rundir
+from plumbing import checkpoints, logs, rundir
 
 # a few fast steps of each script on the tiny model (no warmup: many runs are of 1 or 2 steps, which a
 # warmup of as many steps would never get past, and cli.check_schedule refuses)
@@ -189,6 +190,43 @@ def test_a_folder_holding_anything_else_is_refused_without_overwrite(tmp_path):
     assert r.returncode == 0, r.stderr
     (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("x.replaced-")]
     assert _files(aside) == before
+
+
+@pytest.mark.parametrize("change, what", [
+    ("deleted", "was deleted or moved away by step 2, while the run went on: what the run wrote there (run_config.json, "
+                "metrics.jsonl (to step 1)) is not in it. Stopping, rather than training on into a folder that is not "
+                "the run's; start the run again"),
+    ("replaced", "was replaced by another folder by step 2, while the run went on: what the run wrote there "
+                 "(run_config.json, metrics.jsonl (to step 1)) is not in it. Stopping, rather than training on into a "
+                 "folder that is not the run's; start the run again"),
+    ("lock_deleted", "lost this run's lock by step 2 (its .lock was deleted or replaced): another run could start "
+                     "there. Stopping, rather than training on beside it; what the run wrote there (run_config.json, "
+                     "metrics.jsonl (to step 1)) is as it was: run it again with --resume to go on from its last "
+                     "checkpoint")], ids=["deleted", "replaced", "lock_deleted"])
+def test_an_out_dir_that_goes_or_changes_mid_run_stops_it_naming_what_it_wrote(tmp_path, monkeypatch, change, what):
+    """sft.py --save_every 2 whose out_dir, right after step 1 is logged, is deleted (`rm -rf`),
+    replaced by a new folder of that name, or loses its .lock: the run stops at step 2, before it
+    writes there (its step-2 checkpoint), with exit status 1 and one line naming the folder, what
+    happened and what the run had written there; nothing is written into the folder that is now
+    there, nor is a deleted one made again, nor are the files of one that lost its lock touched.
+    Before: the run went on with exit status 0, its metrics written into a file no folder held and
+    its checkpoint into out_dir made anew (checkpoint/ alone: metrics.jsonl, run_config.json and the
+    lock gone)."""
+
+    out, log = tmp_path / "run", logs.Logger.log
+
+    def logging(self, step, metrics, **kw):
+        log(self, step, metrics, **kw)
+        if step == 1:
+            {"deleted": lambda: shutil.rmtree(out), "lock_deleted": lambda: os.remove(out / ".lock"),
+             "replaced": lambda: (os.rename(out, tmp_path / "away"), out.mkdir())}[change]()
+
+    monkeypatch.setattr(logs.Logger, "log", logging)
+    r = run_fast("sft.py", ["--steps", "4", "--save_every", "2", "--out_dir", str(out)])
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1] == f"sft.py: --out_dir {out} {what}"
+    left = {"deleted": None, "replaced": [], "lock_deleted": ["metrics.jsonl", "run_config.json"]}[change]
+    assert (sorted(os.listdir(out)) if out.exists() else None) == left
 
 
 def test_pipeline_resumes_an_interrupted_stage(tmp_path, monkeypatch):

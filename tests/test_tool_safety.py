@@ -51,6 +51,20 @@ def test_a_tool_that_exits_kills_its_process_or_raises_anything_is_answered_with
     assert tools.call_tools(tool, [f"{k} * 7" for k in range(len(cases))]) == [str(k * 7) for k in range(len(cases))]
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="finds the channel through /proc")
+def test_a_tool_writing_to_descriptors_or_onto_its_channel_cannot_jam_the_trainer():
+    """A tool that writes a line to descriptors 3-11 and the one its worker was started with (where
+    the channel to the trainer was, /dev/null now) is answered with its text, every time; one that
+    finds the channel and writes onto it is answered with an error text saying so (its worker
+    replaced, as the next call's answer shows). Before: the line was read as a message's length,
+    without a deadline, and the run hung."""
+    tool = tools.load_tool("misbehaving_tools:misbehaves", workers=1)
+    assert tools.call_tools(tool, ["write_to_descriptors"] * 2 + ["6 * 7"]) == ["written", "written", "42"]
+    answer, after = tools.call_tools(tool, ["write_onto_its_channel", "6 * 7"])
+    assert answer.startswith("error: the tool wrote b'a line a tool writes\\n") and answer.endswith(
+        "onto its worker's channel to the trainer") and after == "42", answer
+
+
 def test_a_tool_that_hangs_sleeps_or_ignores_signals_is_ended_at_its_time_limit(tmp_path, monkeypatch):
     """A call that never returns (blocked, asleep, SIGTERM and SIGINT ignored, its thread gone) is
     answered `took longer` after the tool's time limit, its worker killed (SIGKILL after the grace
@@ -73,7 +87,8 @@ MODULES = {  # module text, what the error says after "cannot load it: "
                            r"ModuleNotFoundError: No module named 'no_such_dependency_xyz'"),
     "exits_at_import": ("import sys\nsys.exit(3)\n", r"importing module 'exits_at_import' failed: SystemExit: 3"),
     "os_exits_at_import": ("import os\nos._exit(0)\n", r"importing it ended its worker process \(exit status 0\)"),
-    "no_such_function": ("def g(text):\n    return text\n", r"module 'no_such_function' has no 'f'"),
+    "no_such_function": ("def g(text):\n    return text\n", r"module 'no_such_function' \(/\S*/no_such_function\.py\) "
+                         r"has no 'f'$"),  # the file it imported
 }
 
 

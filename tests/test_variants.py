@@ -584,9 +584,9 @@ def trl_loss(loss_type, logps, old, ref, adv, mask, beta, eps_low, eps_high, max
 TRL_LOSSES = {  # TRL's loss_type -> (its epsilon_high, beta) and what a TRL user passes here for it
     "dapo": (0.2, 0.04, ["--loss_type", "dapo"]),
     "dr_grpo": (0.2, 0.04, ["--loss_type", "dr_grpo"]),
-    "grpo": (0.2, 0.04, ["--loss_type", "grpo", "--loss_agg", "seq_mean_token_mean"]),
+    "grpo": (0.2, 0.04, ["--loss_type", "grpo"]),  # TRL's average comes with the name (before: token_mean)
     "cispo": (5.0, 0.04, ["--loss_type", "cispo", "--epsilon_high", "5"]),
-    "sapo": (0.2, 0.04, ["--loss_type", "sapo", "--loss_agg", "seq_mean_token_mean"]),
+    "sapo": (0.2, 0.04, ["--loss_type", "sapo"]),
     "default": (0.2, 0.0, []),  # a model of your own at this project's defaults: TRL's default, dapo at beta 0
 }
 
@@ -631,9 +631,12 @@ def test_trls_loss_types_without_an_equal_are_refused_saying_what_is_nearest(val
     with pytest.raises(SystemExit):  # a TRL name and the flag it stands for, both given
         cli.parse_config(grpo.Config, ["--loss_type", "dr_grpo", "--loss_agg", "token_mean"])
     assert "and --loss_agg is given too: pass one of them" in capsys.readouterr().err
-    # `--loss_type grpo` keeps its meaning here (PPO's term, averaged by --loss_agg), not TRL's per-sequence average
-    cfg = cli.parse_config(grpo.Config, ["--loss_type", "grpo"])
-    assert (cfg.loss_type, cfg.loss_agg) == ("grpo", "token_mean")
+    # grpo and sapo are values here too: given with --loss_agg, the average given (SAPO's term at the token mean);
+    # not given, PPO's term at the token mean (TRL's default dapo)
+    for argv, want in ((["--loss_type", "grpo", "--loss_agg", "token_mean"], ("grpo", "token_mean")),
+                       (["--loss_agg=constant", "--loss_type=sapo"], ("sapo", "constant")), ([], ("grpo", "token_mean"))):
+        cfg = cli.parse_config(grpo.Config, argv)
+        assert (cfg.loss_type, cfg.loss_agg) == want, argv
 
 
 def test_a_beta_0_run_loads_no_reference_and_beta_above_0_does(tmp_path, monkeypatch):
