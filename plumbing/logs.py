@@ -157,9 +157,10 @@ def reporters(cfg):
 
 
 class Writer:
-    """One of --report_to's loggers: each row's metrics (metrics.jsonl's names, `time` too) at its
-    step. wandb and trackio: project rlhf-<script>, the run's flags as its config; TensorBoard:
-    event files in out_dir/tensorboard (`tensorboard --logdir out_dir`)."""
+    """One of --report_to's loggers: each row's metrics under metrics.jsonl's names, at its step
+    (not its `time`: each logger keeps its own clock, and trackio reserves the name). wandb and
+    trackio: project rlhf-<script>, the run's flags as its config; TensorBoard: event files in
+    out_dir/tensorboard (`tensorboard --logdir out_dir`)."""
 
     def __init__(self, name, out_dir, cfg):
         self.name, config = name, dataclasses.asdict(cfg)
@@ -236,7 +237,7 @@ class Logger(Heartbeat):
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
         for w in self.writers:
-            w.log(step, {k: v for k, v in row.items() if k != "step"})
+            w.log(step, metrics)
         if step == 0:  # the evaluation before training: the steps' clock starts after it
             self.t_steps = now
         else:

@@ -306,14 +306,15 @@ SFT = ["sft.py", "--model", "tiny", "--n_train", "16", "--n_eval", "4", "--batch
 
 def test_report_to_sends_every_row_to_each_logger_under_the_names_of_metrics_jsonl(tmp_path, monkeypatch):
     """`--report_to tensorboard trackio` (TRL's list form) with `--wandb` (its alias of wandb) was
-    refused ("only wandb here"). Each logger now gets every row of metrics.jsonl, `time` too, at
-    its step and under its names (the final evaluation's too, which joins the last step's row),
-    and is closed at the end; TensorBoard's files go into out_dir/tensorboard."""
+    refused ("only wandb here"). Each logger now gets every row of metrics.jsonl at its step and
+    under its names (the final evaluation's too, which joins the last step's row; not `time`,
+    which trackio reserves), and is closed at the end; TensorBoard's files go into
+    out_dir/tensorboard."""
     calls = fake_reporters(monkeypatch)
     out = tmp_path / "run"
     r = run_here([*SFT, "--steps", "2", "--out_dir", str(out), "--report_to", "tensorboard", "trackio", "--wandb"])
     assert r.returncode == 0, r.stderr[-2000:]
-    rows = {row["step"]: {k: v for k, v in row.items() if k != "step"} for row in read_metrics(out)}
+    rows = {row["step"]: {k: v for k, v in row.items() if k not in ("step", "time")} for row in read_metrics(out)}
     assert list(rows) == [0, 1, 2] and "eval/loss" in rows[2]
     for name in ("wandb", "trackio", "tensorboard"):
         got = {}

@@ -450,11 +450,11 @@ def test_a_signal_during_a_checkpoints_write_lets_it_end_and_the_heartbeat_names
 
     def signalled(*a, **kw):
         if not beats:  # step 2's checkpoint, the first
+            os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C: its handler runs in this thread, here
             log = rundir.RUNS[-1].logger
             log.t_said -= 41
             logs.innermost().t0 -= 41
             beats.append(log.beat())
-            os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C: its handler runs in this thread, here
         return write(*a, **kw)
 
     monkeypatch.setattr(checkpoints, "_write_export", signalled)
@@ -463,9 +463,9 @@ def test_a_signal_during_a_checkpoints_write_lets_it_end_and_the_heartbeat_names
         r = run_fast("sft.py", ["--steps", "4", "--save_every", "2", "--out_dir", str(out)])
     finally:
         signal.signal(signal.SIGINT, old)
-    assert beats == ["step 2/4: saving checkpoint, 41s"]
     assert r.returncode == 130 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert f"interrupted. Last checkpoint: {out / 'checkpoint'} (step 2); continue with: " in r.stderr, r.stderr[-3000:]
+    assert beats == ["step 2/4: saving checkpoint, 41s"]
     assert checkpoints.trainer_state(out / "checkpoint")["step"] == 2 and not (out / "checkpoint.tmp").exists()
     assert [m["step"] for m in read_metrics(out)] == [0, 1, 2]
 

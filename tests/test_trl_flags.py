@@ -153,3 +153,19 @@ def test_a_bool_of_the_same_name_takes_trls_true_or_false():
             assert cfg.vllm_importance_sampling_correction is want, argv
     with pytest.raises(SystemExit):
         cli.parse_config(grpo.Config, ["--vllm_importance_sampling_correction=maybe"])
+
+
+def test_report_to_is_trls_flag_and_its_values_trls_integrations():
+    """--report_to is TRL's flag: its configs subclass transformers' TrainingArguments, whose
+    `report_to` field (default none) names the integrations by the keys of transformers'
+    INTEGRATION_TO_CALLBACK; every value accepted here is one of those keys, and the default the same."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
+    from plumbing import logs
+
+    field = {f.name: f for f in dataclasses.fields(TrainingArguments)}["report_to"]
+    assert set(logs.REPORTERS) <= set(INTEGRATION_TO_CALLBACK), set(logs.REPORTERS) - set(INTEGRATION_TO_CALLBACK)
+    assert field.default == cli.SharedConfig.report_to == "none"
