@@ -409,10 +409,10 @@ def _watch(read_fd, cfg, signals, ending, done):
                     if rundir.SAVING:
                         step = rundir.SAVING[-1]
                         save = "the final export" if step is None else f"the checkpoint of step {step}"
-                        cut = ("torchrun's SIGKILL, 30 s after its SIGTERM, cuts it short" if "LOCAL_WORLD_SIZE" in
+                        how = ("torchrun's SIGKILL, 30 s after its SIGTERM, cuts it short" if "LOCAL_WORLD_SIZE" in
                                os.environ else "a second signal cuts it short")
                         common.print0(f"\n{signal.Signals(first).name}: {save} is being written; the run ends once "
-                                      f"it is ({cut})", file=sys.stderr)
+                                      f"it is ({how})", file=sys.stderr)
                     if len(got) == 1 or relayed:
                         continue
                 elif relayed:
