@@ -171,6 +171,7 @@ def reduce_metrics(sums, d, maxes=None, same=None):
 
 
 EVAL_LOGITS = 2**28  # fp32 logits an evaluation forward may make (1 GiB): 2 rows at R = 1024, V = 128k
+ROWS_DONE = []  # callbacks(done, n) told of each chunk map_rows ends: a run's heartbeat (plumbing/logs.phase)
 
 
 def map_rows(fn, n, d, batch_size, logits_per_row=0):
@@ -178,7 +179,8 @@ def map_rows(fn, n, d, batch_size, logits_per_row=0):
     rank takes a strided share in chunks of at most batch_size rows (fewer where logits_per_row would
     pass EVAL_LOGITS), every chunk of one size (the last padded with copies of a row, their values
     dropped: a compiled decode step meets one batch shape) and as many on every rank: FSDP's forwards
-    are collective."""
+    are collective. After each chunk, ROWS_DONE's callbacks get the rows done so far over all ranks
+    (no host sync)."""
     batch_size = max(1, min(batch_size, EVAL_LOGITS // max(logits_per_row, 1)))
     mine, most = list(range(d.rank, n, d.world_size)), -(-n // d.world_size)  # most: the largest rank's share
     n_chunks = -(-most // batch_size)
@@ -190,6 +192,8 @@ def map_rows(fn, n, d, batch_size, logits_per_row=0):
         if out is None:
             out = values.new_zeros(n, values.shape[1])
         out[rows] = values[:len(rows)]
+        for done in ROWS_DONE:
+            done(min(n, (c + 1) * size * d.world_size), n)
     return all_reduce_sum(out, d)
 
 

@@ -229,6 +229,7 @@ def all_pair_logps(model, pairs, pad_id, d, batch_size):
         return common.map_rows(logps, len(pairs[0]), d, batch_size, logits_per_row=data.pair_logits(pairs, model))
 
 
+@logs.phase("reference log-probs")
 def reference_logps(ref, cfg, train_pairs, test_pairs, pad_id, d):
     """The reference's log-probs (N, 2) of the held-out pairs and, with --precompute_ref, of the train
     pairs, after which the reference is not kept: (the reference kept live or None, the train pairs',
@@ -246,6 +247,7 @@ def reference_logps(ref, cfg, train_pairs, test_pairs, pad_id, d):
 # -----------------------------------------------------------------------------
 
 
+@logs.phase("evaluation")
 def evaluate(model, tokenizer, held_out, gold_prompts, cfg, d):
     """The implicit reward's pairwise accuracy and mean margin on the held-out pairs (held_out: the
     pairs encoded, their reference log-probs (N, 2) and response lengths (N, 2)); on the embedded
@@ -342,9 +344,10 @@ def main(cfg):
         metrics = common.reduce_metrics(sums, d, same={"grad_norm": grad_norm})
         metrics |= {"lr": lr, "time/step": time.time() - t0}
         job.check(step, metrics)  # a NaN loss stops the run, naming the last good checkpoint
-        if step % cfg.eval_every == 0 or step == cfg.steps:
+        if step % cfg.eval_every == 0 and step < cfg.steps:
             metrics |= evaluate(model, tokenizer, (test_pairs, ref_test, test_len), gold, cfg=cfg, d=d)
-        job.log(step, metrics)  # and a checkpoint every --save_every steps
+        job.log(step, metrics)  # and a checkpoint every --save_every steps, and at the last
+    job.final(evaluate(model, tokenizer, (test_pairs, ref_test, test_len), gold, cfg=cfg, d=d))  # loses nothing to a kill
     job.finish()
 
 

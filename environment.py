@@ -19,7 +19,7 @@ import reward_fns
 import sampling
 import tasks
 import tools
-from plumbing import models
+from plumbing import logs, models
 
 
 def combine(parts, weights):
@@ -482,6 +482,7 @@ def pairwise_accuracy(model, ref, pairs, pad_id, d, batch_size):
     return common.ranking_accuracy(m[:, 0], m[:, 1]).item()
 
 
+@logs.phase("evaluation")
 def evaluate(model, ref, env, evals, cfg, d):
     """Greedy answers to the embedded task's held-out prompts, scored by its rule (exact-match and
     gold reward; with --tools, the tool's calls run as in the rollouts), and the held-out pairs'

@@ -837,10 +837,11 @@ def main(cfg):
                                         same={"grad_norm": torch.stack(grad_norms).mean()})
         metrics |= {"lr": lr} | clock.lap()  # time/step: training only, evaluation is not part of a step
         job.check(step, metrics, ["loss", "kl", "grad_norm"])  # a NaN stops the run, naming the last good checkpoint
-        if step % cfg.eval_every == 0 or step == cfg.steps:
+        if step % cfg.eval_every == 0 and step < cfg.steps:
             metrics |= environment.evaluate(model, ref, env, evals, cfg=cfg, d=d)
         job.logger.completions(step, roll, env, rewards=rewards, parts=parts, n=cfg.log_completions)  # before a save
-        job.log(step, metrics)  # and a checkpoint every --save_every steps
+        job.log(step, metrics)  # and a checkpoint every --save_every steps, and at the last
+    job.final(environment.evaluate(model, ref, env, evals, cfg=cfg, d=d))  # after that checkpoint: a kill loses nothing
     job.finish()  # LoRA's adapters merged into the export (models.merged_state): it loads with AutoModelForCausalLM
 
 

@@ -179,7 +179,7 @@ def main(cfg):
     cli.check_ranges(cfg)
     check_redo(cfg)
     embedded.overopt_betas(cfg)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so that the running stage is ended
+    signal.signal(signal.SIGTERM, runner.terminated)  # unwind as a Ctrl-C does: the stage is ended, the line printed
     if cfg.smollm2:
         return smollm2.run_real(cfg)
     if cfg.smollm2_tools:
@@ -216,8 +216,9 @@ def main(cfg):
 if __name__ == "__main__":
     try:
         main(cli.parse_config(Config))
-    except KeyboardInterrupt:  # Ctrl-C: the running stage has printed its own line (runner.run_stage)
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the running stage has printed its own line (runner.run_stage)
+        how = "terminated (SIGTERM)" if isinstance(e, runner.Terminated) else "interrupted"
         again = "; the stages --redo names run afresh again" if any(a.startswith("--redo") for a in sys.argv) else ""
-        print(f"\npipeline interrupted; continue with: python {shlex.join(sys.argv)} (finished stages are skipped, "
+        print(f"\npipeline {how}; continue with: python {shlex.join(sys.argv)} (finished stages are skipped, "
               f"an interrupted one resumes from its last checkpoint{again})", file=sys.stderr)
-        sys.exit(130)
+        sys.exit(143 if isinstance(e, runner.Terminated) else 130)

@@ -168,6 +168,7 @@ def normalization(model, tokenizer, cfg, prompts, d):
 # -----------------------------------------------------------------------------
 
 
+@logs.phase("evaluation")
 def evaluate(model, tokenizer, pairs, gold_pairs, cfg, d):
     """Pairwise accuracy and mean margin of the rewards on held-out pairs; on the embedded task
     (gold_pairs: its rows) also against the best accuracy its label noise allows."""
@@ -177,6 +178,7 @@ def evaluate(model, tokenizer, pairs, gold_pairs, cfg, d):
     return metrics | (tasks.against_bayes(metrics["eval/accuracy"], gold_pairs) if gold_pairs is not None else {})
 
 
+@logs.phase("normalisation")
 def normalize(model, tokenizer, train, cfg, d):
     """After training: the gain and bias from the policy's own samples on train prompts, set in the
     model's config (what the checkpoint saves), and their figures for the log."""
@@ -243,11 +245,13 @@ def main(cfg):
         metrics = common.reduce_metrics(sums, d, same={"grad_norm": grad_norm})
         metrics |= {"lr": lr, "time/step": time.time() - t0}
         job.check(step, metrics)  # a NaN loss stops the run, naming the last good checkpoint
-        if step % cfg.eval_every == 0 or step == cfg.steps:
+        if step % cfg.eval_every == 0 and step < cfg.steps:
             metrics |= evaluate(model, tokenizer, test_pairs, gold_pairs, cfg=cfg, d=d)
-        if step == cfg.steps and cfg.normalize:  # 5. after training: its figures join the last step's row
-            metrics |= normalize(model, tokenizer, train, cfg, d)
-        job.log(step, metrics)  # and a checkpoint every --save_every steps
+        job.log(step, metrics)  # and a checkpoint every --save_every steps, and at the last
+    # 5. after training and the last step's checkpoint (a kill here loses nothing): figures that join its row
+    job.final(evaluate(model, tokenizer, test_pairs, gold_pairs, cfg=cfg, d=d))
+    if cfg.normalize:
+        job.final(normalize(model, tokenizer, train, cfg, d))
     job.finish()
 
 

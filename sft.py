@@ -176,6 +176,7 @@ def eval_loss(model, encoded, pad_id, d, batch_size):
     return (total[0] / total[1]).item()
 
 
+@logs.phase("evaluation")
 def evaluate(model, tokenizer, held_out, cfg, d):
     """The held-out NLL and, on the embedded task, greedy answers scored by the gold reward."""
     encoded, gold_prompts = held_out
@@ -244,9 +245,10 @@ def main(cfg):
         metrics = common.reduce_metrics(sums, d, same={"grad_norm": grad_norm})
         metrics |= {"lr": lr, "tokens": n_tokens, "time/step": time.time() - t0}
         job.check(step, metrics)  # a NaN loss stops the run, naming the last good checkpoint
-        if step % cfg.eval_every == 0 or step == cfg.steps:
+        if step % cfg.eval_every == 0 and step < cfg.steps:
             metrics |= evaluate(model, tokenizer, held_out, cfg, d)
-        job.log(step, metrics)  # and a checkpoint every --save_every steps
+        job.log(step, metrics)  # and a checkpoint every --save_every steps, and at the last
+    job.final(evaluate(model, tokenizer, held_out, cfg, d))  # after the last step's checkpoint: a kill loses nothing
     job.finish()
 
 

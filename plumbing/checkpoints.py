@@ -237,19 +237,22 @@ def save_checkpoint(model, tokenizer, out_dir, d, optimizer=None, scheduler=None
     """
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-    state = full_state_dict(model, d) if optimizer is None else {}  # empty on ranks other than 0 under FSDP
     path = os.path.join(out_dir, "checkpoint")
     tmp, old = path + ".tmp", path + ".old"
+    what = f"the checkpoint of step {step}" if optimizer is not None else "the final export"
     if d.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
     if d.world_size > 1:
         dist.barrier()
+    doing, state = "gathering the model's weights", {}
     try:
+        state = full_state_dict(model, d) if optimizer is None else {}  # empty on ranks other than 0 under FSDP
         extra = None
         if optimizer is not None:
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict
 
+            doing = f"writing the sharded model and optimizer state into {os.path.join(tmp, 'sharded')}"
             model_state, optim_state = get_state_dict(model, optimizer)
             with _dcp_call(tmp):
                 dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=os.path.join(tmp, "sharded"),
@@ -262,27 +265,56 @@ def save_checkpoint(model, tokenizer, out_dir, d, optimizer=None, scheduler=None
             extra = {"scheduler": scheduler.state_dict() if scheduler else None, "rng": rngs, "step": step,
                      **(order.state_dict() if order is not None else {})}
         if d.is_main:
+            doing = (f"writing the {'config and tokenizer' if optimizer is not None else 'weights, config and tokenizer'} "
+                     f"into {tmp}" + (" (LoRA's adapters merged into the weights first: models.merged_state)"
+                                      if optimizer is None and hasattr(model, "peft_config") else ""))
             _write_export(model, tokenizer, tmp, state, dtype, weights=optimizer is None)
             if extra is not None:
+                doing = f"writing {os.path.join(tmp, 'training_state.pt')} and trainer_state.json"
                 torch.save(extra, os.path.join(tmp, "training_state.pt"))
                 write_json(os.path.join(tmp, "trainer_state.json"),
                             {"step": step, "config": dataclasses.asdict(config) if config else {}, "inputs": inputs or {},
                              "choices": choices or {}})
-    except (Exception, CheckpointException) as e:  # most often a full disk: torch's writers say "unexpected pos"
-        free = shutil.disk_usage(out_dir).free
-        full = free < 2**26 or "No space left" in str(e)
-        raise OSError(f"{'no space left on the device: ' if full else ''}writing the checkpoint into {tmp} failed "
-                      f"({type(e).__name__}: {e}); {free / 2**20:.0f} MiB are free there. The last checkpoint "
-                      f"({path}) is untouched") from e
-    if d.is_main:
-        if os.path.isdir(path):
+            doing = f"moving {tmp} into place as {path}"
+            if os.path.isdir(path):
+                shutil.rmtree(old, ignore_errors=True)
+                os.rename(path, old)
+            os.rename(tmp, path)
             shutil.rmtree(old, ignore_errors=True)
-            os.rename(path, old)
-        os.rename(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
+    except (Exception, CheckpointException) as e:
+        if d.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise _save_failed(e, what, doing, out_dir) from e
+    except BaseException:  # a Ctrl-C that struck inside (rundir.saving lets a signal's wait for the end)
+        if d.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     del state
     wait_for_rank0(d)
     return path
+
+
+def _save_failed(e, what, doing, out_dir):
+    """The error of a save that failed: what failed, while doing what, where (the exception says), and
+    which checkpoint remains (none is claimed where there is none). A full disk is said so where it is
+    (ENOSPC, or less than 64 MiB free: torch's writers then say "unexpected pos"); an OSError stays one."""
+    import errno
+
+    free = shutil.disk_usage(out_dir).free if os.path.isdir(out_dir) else None
+    full = getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e) or (free is not None and free < 2**26)
+    found = models.resolve_checkpoint(out_dir)
+    try:
+        state = trainer_state(found) if os.path.isfile(os.path.join(found, "config.json")) else False
+    except ValueError:
+        state = False
+    if state is False:
+        remains = f"{out_dir} held no checkpoint before it"
+    else:
+        remains = f"The last checkpoint, {found} ({'the final export' if state is None else 'step %d' % state['step']}), is untouched"
+    space = f"; {free / 2**20:.0f} MiB are free there" if full and free is not None else ""
+    message = (f"{'no space left on the device: ' if full else ''}writing {what} failed while {doing} "
+               f"({type(e).__name__}: {e}){space}. {remains[0].upper()}{remains[1:]}")
+    return (OSError if isinstance(e, OSError) else RuntimeError)(message)
 
 
 def _write_export(model, tokenizer, folder, state, dtype, weights=True):

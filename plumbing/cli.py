@@ -16,7 +16,7 @@ import typing
 import torch
 
 import common
-from plumbing import checkpoints, models, rundir, trl_flags
+from plumbing import checkpoints, logs, models, rundir, trl_flags
 
 
 @dataclasses.dataclass
@@ -94,7 +94,11 @@ class SharedConfig:
     overwrite: bool = False
     """replace the checkpoint and metrics already in out_dir"""
     wandb: bool = False
-    """also log to Weights & Biases"""
+    """also log to Weights & Biases (as --report_to wandb)"""
+    report_to: str = "none"
+    """where the metrics go besides out_dir/metrics.jsonl, under its names: any of wandb, tensorboard (event files in
+    out_dir/tensorboard), trackio, comma-separated, or none (TRL's flag; each an optional install: pip install wandb,
+    tensorboard or trackio)"""
     trust_remote_code: bool = False
     """allow a hub model's own Python code to run"""
 
@@ -116,6 +120,7 @@ def start(cfg):
     except (ValueError, ModuleNotFoundError) as e:
         raise rundir.refusal(e)
     d = common.setup_distributed(timeout_minutes=cfg.timeout_minutes, hsdp=cfg.hsdp)
+    logs.start_heartbeat(d)  # a long phase before the run logs (a GGUF conversion, dpo.py's reference) says so
     if filled:
         common.print0(filled)
     checkpoints.wait_group(d)  # made here, where a multi-node setup that cannot make it fails at once
@@ -166,7 +171,11 @@ def fill_saves(cfg):
     if not when:
         return "--lora: no resumable checkpoint before the end (its adapters are merged into the weights it saves)" \
             if lora else ""
-    return (f"checkpoints: a resumable one {' and '.join(when)} into {os.path.join(cfg.out_dir, 'checkpoint')}; "
+    refresh = getattr(cfg, "ref_refresh_every", 0)  # grpo.py: a checkpoint at a refresh only (rundir.Run.due)
+    when += ["at the last step"] * (not refresh or cfg.steps % refresh == 0)
+    when = f"{', '.join(when[:-1])} and {when[-1]}" if len(when) > 1 else when[0]
+    return (f"checkpoints: a resumable one {when}, into "
+            f"{os.path.join(cfg.out_dir, 'checkpoint')}; "
             f"Ctrl-C, or `kill PID` for a run in the background, ends the run with the command that resumes it")
 
 
@@ -229,13 +238,18 @@ def check_saves(cfg):
 
 
 def check_extras(cfg):
-    """Refuse a flag whose optional package is not installed (--wandb: wandb, --lora: peft), at the
-    start, before a model loads or anything is written into out_dir, with the pip line."""
+    """Refuse a flag whose optional package is not installed (--wandb: wandb, --lora: peft, each of
+    --report_to's), at the start, before a model loads or anything is written into out_dir, with
+    the pip line; and a --report_to value that is none of logs.REPORTERS."""
     import importlib.util
 
     for flag, (package, pip) in OPTIONAL_EXTRAS.items():
         if getattr(cfg, flag, False) and importlib.util.find_spec(package) is None:
             raise ModuleNotFoundError(f"--{flag} needs the package {package}, which is not installed: {pip}")
+    for name in logs.reporters(cfg):
+        if importlib.util.find_spec(name) is None:
+            raise ModuleNotFoundError(f"--report_to {name} needs the package {name}, which is not installed: "
+                                      f"{logs.REPORTERS[name]}")
 
 
 def with_defaults(cfg):
@@ -327,6 +341,7 @@ def script(main, cls):
         sys.exit(128 + (rundir.INTERRUPTED or signal.SIGINT))
     finally:
         done.set()
+        logs.end_heartbeat()
         rundir.RUNS.clear()
         if wakeup is not None:
             signal.set_wakeup_fd(wakeup)
@@ -335,16 +350,23 @@ def script(main, cls):
             signal.signal(sig, old)
 
 
-def interrupted_line(cfg, sig):
+def interrupted_line(cfg, sig, cut=()):
     """The line a run stopped by signal `sig` ends with: the last resumable checkpoint in out_dir
-    and the command that continues from it, or that there is none yet."""
+    and the command that continues from it, or that there is none yet; cut: (the step whose
+    checkpoint a second signal cut short; None: the final export's), said first."""
     ckpt = models.resolve_checkpoint(cfg.out_dir)
     try:
         state = checkpoints.trainer_state(ckpt) if cfg.out_dir else None
     except ValueError:
         state = None
+    exported = any(r.exported for r in rundir.RUNS)  # the final export is written
     what = {signal.SIGTERM: "terminated (SIGTERM)", signal.SIGHUP: "hung up (SIGHUP)"}.get(sig, "interrupted")
-    if state is not None:
+    if cut:
+        what += (f" again while {'the final export' if cut[0] is None else f'the checkpoint of step {cut[0]}'} was "
+                 f"written: that save was cut short")
+    if exported and not cut:
+        line = f"{what} after the final export: {ckpt} holds the trained model (nothing is left to resume)"
+    elif state is not None:
         line = f"{what}. Last checkpoint: {ckpt} (step {state['step']}); continue with: {_command()} --resume"
     elif cfg.save_minutes or cfg.save_every:
         line = (f"{what} before its first resumable checkpoint in {cfg.out_dir} (one is written every "
@@ -353,6 +375,8 @@ def interrupted_line(cfg, sig):
                 f"{f'--save_every {cfg.save_every} steps' if cfg.save_every else ''})")
     else:
         line = f"{what} before any resumable checkpoint in {cfg.out_dir} (--save_minutes or --save_every writes them)"
+    if cut and state is None:
+        line = f"{what}, and no resumable checkpoint remains in {cfg.out_dir}"
     if "LOCAL_WORLD_SIZE" in os.environ:
         line += "\n(a traceback of torchrun's that may follow reports the same signal)"
     return line
@@ -366,9 +390,11 @@ def _watch(read_fd, cfg, signals, ending, done):
     interpreter's C handler writes its number to read_fd's pipe: signal.set_wakeup_fd) and, where
     the main thread has not begun to end the run GRACE seconds after the first, or at a second
     signal, ends the process itself (os._exit): the same line and exit status as the main thread's,
-    out_dir left as Run.abandon leaves it, no lock file of models.file_lock left. What it cuts short
-    loses nothing whole: a checkpoint is renamed into place once written (checkpoints.save_checkpoint),
-    so the last whole one is the one the line names."""
+    out_dir left as Run.abandon leaves it, no lock file of models.file_lock left. A checkpoint being
+    written (rundir.saving) is waited for, however long it takes, saying so: only a second signal cuts
+    it short, and the line says so. What it cuts short loses nothing whole: a checkpoint is renamed
+    into place once written (checkpoints.save_checkpoint), so the last whole one is the one the line
+    names."""
     import select
     import time
 
@@ -383,15 +409,28 @@ def _watch(read_fd, cfg, signals, ending, done):
                 got = [s for s in got if s in signals]
                 if not got:
                     continue
+                # under torchrun, a Ctrl-C reaches this process twice (the terminal's, torchrun's SIGTERM): a
+                # save is cut short by torchrun alone (SIGKILL, 30 s after its SIGTERM)
+                relayed = bool(rundir.SAVING) and "LOCAL_WORLD_SIZE" in os.environ
                 if first is None:
                     first, deadline = got[0], time.monotonic() + GRACE
-                    if len(got) == 1:
+                    if rundir.SAVING:
+                        step = rundir.SAVING[-1]
+                        save = "the final export" if step is None else f"the checkpoint of step {step}"
+                        how = ("torchrun's SIGKILL, 30 s after its SIGTERM, cuts it short" if "LOCAL_WORLD_SIZE" in
+                               os.environ else "a second signal cuts it short")
+                        common.print0(f"\n{signal.Signals(first).name}: {save} is being written; the run ends once "
+                                      f"it is ({how})", file=sys.stderr)
+                    if len(got) == 1 or relayed:
                         continue
-            elif ending.is_set():  # the main thread is ending the run (and saying so): it decides when
+                elif relayed:
+                    continue
+            elif ending.is_set() or rundir.SAVING:  # the main thread ends the run, or a save first: it decides when
                 deadline = time.monotonic() + GRACE
                 continue
             if done.is_set():
                 return
+            cut = rundir.SAVING[-1:]  # the save a second signal cuts short
             for r in list(rundir.RUNS):
                 try:
                     r.abandon()
@@ -402,7 +441,7 @@ def _watch(read_fd, cfg, signals, ending, done):
                     os.remove(path)
                 except OSError:
                     pass
-            common.print0("\n" + interrupted_line(cfg, first), file=sys.stderr)
+            common.print0("\n" + interrupted_line(cfg, first, cut=tuple(cut)), file=sys.stderr)
             os._exit(128 + first)
     finally:
         os.close(read_fd)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import common
 import data
 import tasks
+from plumbing import logs
 
 
 def resolve_checkpoint(path):
@@ -67,6 +68,7 @@ def gguf_cache():
     return os.path.join(os.environ.get("RLHF_CACHE") or os.path.join(base, "rlhf"), "gguf")
 
 
+@logs.phase("GGUF conversion")
 def convert_gguf(path):
     """A GGUF checkpoint as an ordinary Hugging Face folder (fp32 safetensors, tokenizer, chat
     template, generation config), converted once and cached under gguf_cache(), keyed by the
@@ -503,6 +505,9 @@ def add_lora(model, r, alpha, dropout=0.0, target_modules="all-linear"):
         with warnings.catch_warnings():  # GPT-2's Conv1D: peft finds its (in, out) weights itself, with a warning;
             warnings.filterwarnings("ignore", message="fan_in_fan_out is set to False")  # a tied weight: lora_unties
             warnings.filterwarnings("ignore", message="Model has `tie_word_embeddings=True` and a tied layer")
+            # peft 0.21's PeftModel reads transformers' deprecated property model.is_gradient_checkpointing (a
+            # FutureWarning on every run and rank): the property still answers, only its warning is dropped
+            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
             model = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
                                                      target_modules=targets, task_type="SEQ_CLS" if scores else None))
     except ValueError as e:  # peft's "Target modules {...} not found in the base model"

@@ -7,6 +7,7 @@ import math
 import os
 import sys
 import time
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,7 @@ from plumbing import checkpoints, logs, models
 # run, and --resume refuses a difference (docs/distributed.md, "Resuming").
 RESUME_MAY_CHANGE = ("steps", "grad_accum", "activation_checkpointing", "offload_frozen", "compile", "eval_every",
                      "eval_batch_size", "save_every", "save_minutes", "save_dtype", "hsdp", "timeout_minutes",
-                     "out_dir", "wandb", "trust_remote_code", "log_completions", "generation_micro_batch_size",
+                     "out_dir", "wandb", "report_to", "trust_remote_code", "log_completions", "generation_micro_batch_size",
                      "reward_fn_timeout")
 
 
@@ -50,7 +51,7 @@ def _run_file(name):
     """Whether a run (or `python -m plumbing export`, into export-step-N/) writes a file of this name
     into its out_dir."""
     return (name in checkpoints.RUN_FILES or name in (".lock", "metrics.jsonl.tmp", "run_config.json.tmp")
-            or name in ("completions.jsonl", "completions.jsonl.tmp") or name.startswith("export-step-"))
+            or name in ("completions.jsonl", "completions.jsonl.tmp", "tensorboard") or name.startswith("export-step-"))
 
 
 SAMPLE_ABOVE, SAMPLED_BLOCKS, SAMPLED_BLOCK = 2**28, 64, 2**16  # a file above 256 MiB: 64 blocks of 64 KiB
@@ -130,12 +131,29 @@ def _agree(view, d):
 
 
 INTERRUPTED = None  # the signal that interrupted the run (SIGINT, SIGTERM or SIGHUP), once one has
+SAVING = []  # the step whose checkpoint this process is writing (None: the final export), while it is
 
 
 def on_signal(signum, frame):
+    """A signal ends the run at once (a KeyboardInterrupt), but not inside a checkpoint's write
+    (saving), which ends first: a SmolLM2 save can take a minute on a loaded machine, and a Ctrl-C
+    there lost it. A second signal cuts the write (cli._watch)."""
     global INTERRUPTED
     INTERRUPTED = signum
-    raise KeyboardInterrupt
+    if not SAVING:
+        raise KeyboardInterrupt
+
+
+@contextmanager
+def saving(step):
+    """The block writes step's checkpoint (None: the final export): a signal waits for its end
+    (on_signal), and the run ends right after it, naming it."""
+    SAVING.append(step)
+    try:
+        yield
+    finally:
+        SAVING.pop()
+    raise_if_interrupted()
 
 
 def raise_if_interrupted():
@@ -187,7 +205,7 @@ class Run:
                        if getattr(cfg, f, None)}
         self.created = not os.path.exists(cfg.out_dir)
         self.locked_new = not os.path.exists(os.path.join(cfg.out_dir, ".lock"))  # a .lock this run adds
-        self.started, self.replaced, self.logger, self.home, self.lost = False, None, None, None, False
+        self.started, self.replaced, self.logger, self.home, self.lost, self.exported = False, None, None, None, False, None
         RUNS.append(self)
         if d.is_main:
             lock_out_dir(cfg.out_dir)
@@ -213,7 +231,7 @@ class Run:
                                   f"{', ...' if len(held) > 4 else ''}) and has no checkpoint: pass another --out_dir, "
                                   f"or --overwrite to move what it holds aside")
         self.resume_from = found if has_ckpt and cfg.resume else None
-        self.last_ckpt, self.step, self.changed = self.resume_from, None, {}
+        self.last_ckpt, self.step, self.changed, self.trained = self.resume_from, None, {}, False
         # what `auto` chose for each speed flag (plumbing/speed.py), kept by a resumed run
         self.choices = dict(state.get("choices", {})) if self.resume_from else {}
         if self.resume_from:
@@ -226,7 +244,9 @@ class Run:
                 raise ValueError(f"--resume: {os.path.join(found, 'trainer_state.json')} is at step {self.step} but "
                                  f"{os.path.join(found, 'training_state.pt')} at step {trained} (a file copied from "
                                  f"another checkpoint?): {checkpoints.damaged(found)}")
-            if self.step >= cfg.steps:
+            # a checkpoint of a run's last step, resumed with the same --steps: what follows the steps runs
+            self.trained = self.step == cfg.steps == state["config"].get("steps")
+            if self.step >= cfg.steps and not self.trained:
                 raise ValueError(f"--resume: {found} is at step {self.step}, and --steps {cfg.steps} ends there or "
                                  f"before: nothing to train. Pass --steps above {self.step} to go on")
         self.move_aside = bool(held) and not self.resume_from
@@ -239,9 +259,11 @@ class Run:
         Returns the first step to train. Collective."""
         self.model, self.tokenizer, self.optimizer, self.scheduler, self.order = (model, tokenizer, optimizer,
                                                                                   scheduler, order)
-        start = 1
+        start, elapsed = 1, 0.0
         if self.resume_from:
             start = checkpoints.load_training_state(self.resume_from, model, optimizer, scheduler=scheduler, order=order, d=self.d) + 1
+        if self.trained:
+            common.print0(f"its {self.step} steps are done: what follows them (the final evaluation, the export) runs now")
         if self.d.is_main:
             if self.move_aside:
                 self.replaced = f"{os.path.normpath(self.out_dir)}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -256,15 +278,15 @@ class Run:
                 if os.path.isfile(config):
                     with open(config) as f:
                         history = json.load(f).get("history", [])
-                for name in ("metrics.jsonl", "completions.jsonl"):  # rows past the checkpoint come again
-                    _cut_metrics(os.path.join(self.out_dir, name), self.step)
+                _cut_metrics(os.path.join(self.out_dir, "completions.jsonl"), self.step)  # rows past the checkpoint
+                elapsed = _cut_metrics(os.path.join(self.out_dir, "metrics.jsonl"), self.step)  # come again
             entry = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv),
                      "resumed_at_step": self.step, "changed": self.changed}
             checkpoints.write_json(config, {**dataclasses.asdict(self.cfg), "inputs": self.inputs, "choices": self.choices,
                                             "history": history + [entry]})
         checkpoints.wait_for_rank0(self.d)  # also makes its process group now, not hours in at the first save
         self.started = True
-        self.logger = logs.Logger(self.out_dir, self.cfg, self.d, show)
+        self.logger = logs.Logger(self.out_dir, self.cfg, self.d, show, elapsed=elapsed)  # time goes on from the rows kept
         self.saved_at = clock()  # --save_minutes counts training from here
         self.home = (os.stat(self.out_dir), _LOCKS[-1]) if self.d.is_main else None  # the folder, its lock (check_home)
         return start
@@ -321,19 +343,31 @@ class Run:
             self.last_ckpt = self.save(step)
             self.saved_at = clock()
 
+    def final(self, metrics):
+        """What is measured after the last step and its checkpoint (the final evaluation, reward.py's
+        normalisation) joins the last step's row (Logger.amend): a run killed here resumes from the
+        last step's checkpoint to measure it again (due)."""
+        self.logger.amend(self.cfg.steps, metrics)
+
     def due(self, step):
-        """Whether a resumable checkpoint is due after `step`: every --save_every steps, and at the
-        first step that ends --save_minutes of training after the run began or last saved; never
-        at the last step, which the final export follows. Rank 0's clock decides for every rank (a
-        save is collective; the ranks' clocks differ): one all-reduce of one number a step. A GRPO
-        run with --ref_refresh_every saves by the clock only at a refresh's step: a resumed run
-        rebuilds its reference from the checkpoint's weights. Collective."""
+        """Whether a resumable checkpoint is due after `step`: every --save_every steps, at the first
+        step that ends --save_minutes of training after the run began or last saved, and at the last
+        step, before what follows it (the final evaluation, reward.py's normalisation, the export:
+        minutes on a large model, which a kill then does not lose), where either flag writes
+        checkpoints. Rank 0's clock decides for every rank (a save is collective; the ranks' clocks
+        differ): one all-reduce of one number a step. A GRPO run with --ref_refresh_every saves by the
+        clock, and at the last step, only at a refresh's step: a resumed run rebuilds its reference
+        from the checkpoint's weights. Collective."""
         cfg = self.cfg
-        if not 0 < step < cfg.steps:
+        if not 0 < step <= cfg.steps:
             return False
         if cfg.save_every and step % cfg.save_every == 0:
             return True
-        if not cfg.save_minutes or step % (getattr(cfg, "ref_refresh_every", 0) or 1):
+        if not (cfg.save_minutes or cfg.save_every) or step % (getattr(cfg, "ref_refresh_every", 0) or 1):
+            return False
+        if step == cfg.steps:
+            return True
+        if not cfg.save_minutes:
             return False
         late = self.d.is_main and clock() - self.saved_at >= 60 * cfg.save_minutes
         if self.d.world_size > 1:
@@ -343,9 +377,15 @@ class Run:
     def save(self, step=None, model=None):
         """A checkpoint: resumable (optimizer, data order) with a step, the final export without.
         Weights that are not finite, or whose outputs on a fixed batch are not (finite_outputs),
-        are never written: the last good checkpoint stays the last."""
-        model = model or self.model
+        are never written: the last good checkpoint stays the last. A signal waits for its end
+        (saving); the heartbeat names it."""
         self.check_home(step or self.cfg.steps)
+        with saving(step), logs.phase(logs.SAVING if step else "final export", step=step or self.cfg.steps):
+            path = self._save(step, model or self.model)
+            self.exported = self.exported if step else path  # before a signal that waited ends the run
+            return path
+
+    def _save(self, step, model):
         params = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
         bad_weights = torch.stack([~torch.isfinite(p).all() for p in params]).any()
         bad = common.all_reduce_sum(torch.stack([bad_weights, ~finite_outputs(model, self.d)]).float(), self.d)
@@ -362,12 +402,41 @@ class Run:
 
     def finish(self, model=None):
         """The final export (model: another module to export, e.g. LoRA merged into the weights),
-        then the end of the run. Returns the checkpoint's path."""
-        path = self.save(model=model)
+        then the end of the run. Returns the checkpoint's path. An export that fails keeps the
+        trained weights: the last step's checkpoint (due) holds them, or one is written now, and
+        the error says where and how to export them."""
+        try:
+            path = self.save(model=model)
+        except Exception as e:
+            if not isinstance(e, FloatingPointError):  # weights that are not finite: none worth keeping
+                e.add_note(self._kept())
+            raise
         self.logger.summary(path, wall=time.time() - self.t_start)
         self.logger.close()
         release()
         return path
+
+    def _kept(self):
+        """After a failed export: where the trained weights are, the last step's checkpoint (due),
+        written now where there is none, one process runs (on several ranks, whether the others got
+        as far is not known) and it can be resumed (not grpo.py's --lora's), and how to export them."""
+        steps, ckpt, now = self.cfg.steps, models.resolve_checkpoint(self.out_dir), ""
+        try:
+            state = checkpoints.trainer_state(ckpt) if os.path.isdir(ckpt) else None
+        except ValueError:  # damaged
+            state = None
+        resumes = not (getattr(self.cfg, "lora", False) and not getattr(type(self.cfg), "LORA_RESUMES", True))
+        if not (state and state["step"] == steps) and self.d.world_size == 1 and resumes:
+            try:
+                ckpt, state, now = self.save(steps), {"step": steps}, " (written after the export failed)"
+            except Exception as e:  # the disk is full, or the weights cannot be had
+                now = f"; writing them as the step's resumable checkpoint failed too ({type(e).__name__}: {e})"
+        if state and state["step"] == steps:
+            return (f"The trained weights are kept in {ckpt}, the checkpoint of the last step {steps}{now}: `python -m "
+                    f"plumbing export {self.out_dir}` writes their export (into "
+                    f"{os.path.join(self.out_dir, f'export-step-{steps}')}), and the same command with --resume tries "
+                    f"the final export again")
+        return f"No checkpoint of the last step {steps} holds the trained weights{now}"
 
     def abandon(self):
         """After a failure: a run that wrote nothing removes the lock file it added (and the out_dir
@@ -445,10 +514,10 @@ def lock_out_dir(out_dir):
 
 def _cut_metrics(metrics, step):
     """Keep the rows of metrics.jsonl (or completions.jsonl) up to `step`; a line torn by a kill is
-    dropped with a note."""
+    dropped with a note. Returns the last row's `time` (0.0 without one)."""
     if not os.path.isfile(metrics):
-        return
-    keep = []
+        return 0.0
+    keep, last = [], {}
     with open(metrics) as f:
         for n, line in enumerate(f, 1):
             try:
@@ -458,6 +527,8 @@ def _cut_metrics(metrics, step):
                 continue
             if row_step <= step:
                 keep.append(line)
+                last = json.loads(line)
     with open(metrics + ".tmp", "w") as f:
         f.writelines(keep)
     os.replace(metrics + ".tmp", metrics)
+    return float(last.get("time", 0.0))

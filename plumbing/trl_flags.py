@@ -33,7 +33,6 @@ TRL_FLAGS = [
     ("max_grad_norm", ALL, "grad_clip", ""),
     ("eval_steps", ALL, "eval_every", ""),
     ("save_steps", ALL, "save_every", ""),
-    ("report_to", ALL, "wandb", ""),  # a value: wandb (--wandb) or none (--no-wandb)
     ("max_prompt_length", ALL, "max_prompt_len", ""),
     ("max_completion_length", OFFLINE, "max_response_len", ""),
     ("max_completion_length", ("grpo",), "max_new_tokens", ""),
@@ -112,7 +111,7 @@ SAME_NAME = [("seed", ALL), ("weight_decay", ALL), ("warmup_steps", ALL), ("trus
              ("epsilon_high", ("grpo",)), ("scale_rewards", ("grpo",)), ("reward_weights", ("grpo",)),
              ("mask_truncated_completions", ("grpo",)), ("lora_r", ALL), ("lora_alpha", ALL), ("lora_dropout", ALL),
              ("lora_target_modules", ALL),
-             ("padding_free", ("sft", "dpo"))]
+             ("padding_free", ("sft", "dpo")), ("report_to", ALL)]
 
 TRUE, FALSE = ("true", "1", "yes"), ("false", "0", "no")  # how TRL's parser (HfArgumentParser) reads a bool's value
 
@@ -131,7 +130,7 @@ TRL_BOOLS = {"logging_first_step", "bf16", "fp16", "push_to_hub", "use_vllm", "a
 # these values (--log_completions 4 logs 4 completions a step here; TRL's --log_completions true logs them)
 BOOL_VALUES = {("grpo", "log_completions"): ("8", "0"), ("grpo", "scale_rewards"): ("group", "none")}
 
-LISTS = {"lora_target_modules"}  # TRL's list flags (nargs="+": `--lora_target_modules q_proj v_proj`): comma-joined here
+LISTS = {"lora_target_modules", "report_to"}  # TRL's list flags (nargs="+": `--report_to wandb trackio`): comma-joined
 
 # TRL's GRPO loss_type names the policy term and how it is averaged at once; here they are two flags, --loss_type (the
 # term: grpo is PPO's clipped surrogate, as TRL's grpo, dapo, dr_grpo and bnpo are) and --loss_agg (the average).
@@ -205,9 +204,9 @@ def elsewhere(script, name):
 
 def translate(script, argv, flags, bools):
     """argv with TRL's names of `script` replaced by this project's: `--learning_rate 1e-5` ->
-    `--lr 1e-5`, `--use_peft true` -> `--lora`, `--report_to wandb` -> `--wandb`, `--log_completions
-    true` -> `--log_completions 8` (BOOL_VALUES), a list flag's values comma-joined
-    (`--lora_target_modules q_proj v_proj`), a TRL value of ours (`grpo.py --loss_type dapo` ->
+    `--lr 1e-5`, `--use_peft true` -> `--lora`, `--log_completions true` -> `--log_completions 8`
+    (BOOL_VALUES), a list flag's values comma-joined (`--lora_target_modules q_proj v_proj`,
+    `--report_to wandb tensorboard`), a TRL value of ours (`grpo.py --loss_type dapo` ->
     `--loss_agg token_mean`, TRL_VALUES). flags: every flag name the script has (bools too, and their
     `no-` forms); bools: those that take no value. Returns (argv, notes): the note of each TRL flag
     given that means nothing here and was accepted (ACCEPTED), one line each. ValueError, naming the
@@ -280,15 +279,10 @@ def translate(script, argv, flags, bools):
             if not eq and i < len(argv) and not argv[i].startswith("--"):
                 i += 1
             continue
-        if ours in bools or name == "report_to":  # a bool takes its value, if any, as TRL's parser does
-            if not eq and i < len(argv) and (argv[i].lower() in TRUE + FALSE or name == "report_to"):
+        if ours in bools:  # a bool takes its value, if any, as TRL's parser does
+            if not eq and i < len(argv) and argv[i].lower() in TRUE + FALSE:
                 value, i = argv[i], i + 1
             value = value.lower() or "true"
-            if name == "report_to":
-                if value not in ("wandb", "none"):
-                    refused.append(f"--report_to {value}: only wandb here (--wandb), or none")
-                    continue
-                value = "true" if value == "wandb" else "false"
             if value not in TRUE + FALSE:
                 refused.append(f"--{name} {value}: give true or false")
                 continue

@@ -40,6 +40,15 @@ def redo(cfg, name):
     return cfg.redo == "all" or name in cfg.redo.split(",")
 
 
+class Terminated(KeyboardInterrupt):
+    """A SIGTERM of the pipeline (`kill PID`, a scheduler's), raised as Ctrl-C's KeyboardInterrupt is
+    (terminated): the running stage is ended the same way, and the pipeline ends with its line."""
+
+
+def terminated(signum, frame):
+    raise Terminated
+
+
 def run_stage(name, argv, cfg, times):
     out_dir = argv[argv.index("--out_dir") + 1]
     redo_it = redo(cfg, name)
@@ -57,12 +66,13 @@ def run_stage(name, argv, cfg, times):
     proc = subprocess.Popen(cmd, preexec_fn=_end_with_parent)
     try:
         rc = proc.wait()
-    except KeyboardInterrupt:  # a terminal's Ctrl-C reaches the stage too (one process group), which ends
-        old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # with its own line: wait for it, a second Ctrl-C
-        try:  # ignored; passed on if the stage still runs after 10 s (a `kill -INT` of the pipeline alone)
-            _stop(proc, signal.SIGINT, grace=10)
+    except KeyboardInterrupt as e:  # a terminal's Ctrl-C (a group's SIGTERM) reaches the stage too, which
+        sig = signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT  # ends with its own line: wait for
+        old = signal.signal(sig, signal.SIG_IGN)  # it, a second signal ignored; passed on if the stage still runs
+        try:  # after 10 s (a `kill PID` of the pipeline alone)
+            _stop(proc, sig, grace=10)
         finally:
-            signal.signal(signal.SIGINT, old)
+            signal.signal(sig, old)
         raise
     finally:
         _stop(proc, signal.SIGTERM, grace=0)

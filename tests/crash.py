@@ -8,6 +8,9 @@
     python tests/crash.py raise_on_rank:R sft.py ARGS   # rank R raises at its first optimizer step: a failing rank
     python tests/crash.py block_at_step:N sft.py ARGS   # the N-th optimizer step blocks in C for ever (a step that
                                                         # takes minutes in one call), saying "blocked" on stderr
+    python tests/crash.py hold_save:N     sft.py ARGS   # the N-th checkpoint's write, once begun, waits until a
+                                                        # process opens the FIFO $HOLD_FIFO for writing (a save that
+                                                        # takes minutes), saying "holding the save" on stderr
 
 os._exit skips every cleanup handler, like a SIGKILL. The scripts carry no test hooks: the
 failure is patched in from here.
@@ -73,6 +76,18 @@ elif mode == "block_at_step":
         return step(*a, **kw)
 
     common.optimizer_step = step_or_block
+elif mode == "hold_save":
+    write = checkpoints._write_export  # inside save_checkpoint, after the sharded state is written
+
+    def held(*a, **kw):
+        calls["count"] += 1
+        if calls["count"] == n:
+            print("holding the save", file=sys.stderr, flush=True)
+            with open(os.environ["HOLD_FIFO"]):  # blocks until a writer opens it; a signal's handler runs meanwhile
+                pass
+        return write(*a, **kw)
+
+    checkpoints._write_export = held
 else:
     raise SystemExit(f"unknown mode {mode}")
 

@@ -200,8 +200,9 @@ def test_the_metadata_guard_admits_getattr_for_an_enum_member_alone(tmp_path, ca
 
 def test_a_full_disk_is_named_and_leaves_the_last_checkpoint(tmp_path, monkeypatch):
     """A disk that filled up during the sharded save ended in `unexpected pos 704 vs 598` (torch's
-    zip writer). The message now says that no space is left, where, and that the last
-    checkpoint is untouched (here the step-2 one, while step 4's was written)."""
+    zip writer). The message now says that no space is left, what was written where, and that the
+    last checkpoint is untouched (here the step-2 one, while step 4's was written); the partial
+    checkpoint.tmp is removed (it holds the space that ran out)."""
     import shutil
 
     out = tmp_path / "run"
@@ -215,9 +216,13 @@ def test_a_full_disk_is_named_and_leaves_the_last_checkpoint(tmp_path, monkeypat
     monkeypatch.setattr(torch, "save", full)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(path)._replace(free=2**20))
     r = run_fast("sft.py", ["--steps", "6", "--save_every", "2", "--out_dir", str(out)])
-    assert r.returncode != 0 and "no space left on the device: writing the checkpoint into" in r.stderr, r.stderr[-2000:]
-    assert "1 MiB are free there" in r.stderr and f"The last checkpoint ({out / 'checkpoint'}) is untouched" in r.stderr
+    assert r.returncode != 0 and ("no space left on the device: writing the checkpoint of step 4 failed while writing "
+                                  f"the sharded model and optimizer state into {out / 'checkpoint.tmp' / 'sharded'} "
+                                  "(CheckpointException") in r.stderr, r.stderr[-2000:]
+    assert "1 MiB are free there" in r.stderr
+    assert f"The last checkpoint, {out / 'checkpoint'} (step 2), is untouched" in r.stderr
     assert json.loads((out / "checkpoint" / "trainer_state.json").read_text())["step"] == 2
+    assert not (out / "checkpoint.tmp").exists()
 
 
 def test_a_damaged_trainer_state_is_named(interrupted, tmp_path):

@@ -181,30 +181,31 @@ def fake_clock(monkeypatch):
 
 def expected_saves(steps, every_minutes):
     """The steps after which a run saves by the clock: the first to end every_minutes after the
-    last save (or the start), never the last step."""
+    last save (or the start); and the last step, before what follows it (the final evaluation
+    and export)."""
     out, last = [], 0.0
     for k in range(1, steps):
         if k * MINUTES_A_STEP - last >= every_minutes:
             out.append(k)
             last = k * MINUTES_A_STEP
-    return out
+    return out + [steps]
 
 
 def test_a_run_writes_resumable_checkpoints_by_the_clock_by_default(tmp_path, monkeypatch):
     """--save_every defaulted to 0: 7 minutes of SFT ended by a SIGTERM left nothing to resume.
     A run now writes a resumable checkpoint after the first step that ends --save_minutes (10)
-    of training after the last; the banner says so and how a run is stopped."""
+    of training after the last, and one at the last step; the banner says so and how a run is stopped."""
     saved = fake_clock(monkeypatch)
     r = run_here(["sft.py", *FAST["sft.py"], "--steps", "8", "--out_dir", str(tmp_path / "run")])
     assert r.returncode == 0, r.stderr[-2000:]
-    assert saved == expected_saves(8, cli.SAVE_MINUTES) == [3, 6]
-    assert (f"checkpoints: a resumable one every 10 minutes of training (--save_minutes) into "
+    assert saved == expected_saves(8, cli.SAVE_MINUTES) == [3, 6, 8]
+    assert (f"checkpoints: a resumable one every 10 minutes of training (--save_minutes) and at the last step, into "
             f"{tmp_path / 'run' / 'checkpoint'}; Ctrl-C, or `kill PID` for a run in the background, ends the run with "
             f"the command that resumes it") in r.stdout
     saved.clear()
     r = run_here(["sft.py", *FAST["sft.py"], "--steps", "8", "--save_minutes", "5", "--save_every", "7",
                   "--out_dir", str(tmp_path / "five")])
-    assert r.returncode == 0 and saved == [2, 4, 6, 7], (saved, r.stderr[-2000:])  # 8 minutes a save; step 7 by count
+    assert r.returncode == 0 and saved == [2, 4, 6, 7, 8], (saved, r.stderr[-2000:])  # 8 minutes a save; step 7 by count
 
 
 def test_a_run_killed_after_its_first_default_checkpoint_resumes_to_the_same_weights(tmp_path, monkeypatch):
@@ -224,21 +225,27 @@ def test_a_run_killed_after_its_first_default_checkpoint_resumes_to_the_same_wei
     assert max_abs_diff(checkpoint_weights(tmp_path / "run"), checkpoint_weights(tmp_path / "whole")) < 1e-6
 
 
-def test_a_save_by_the_clock_waits_for_a_reference_refresh_and_never_takes_the_last_step(monkeypatch):
+def test_a_save_by_the_clock_waits_for_a_reference_refresh_and_the_last_step_is_saved(monkeypatch):
     """grpo.py --ref_refresh_every K rebuilds its reference from a resumed checkpoint's weights: a
-    save by the clock waits for a refresh's step (as --save_every must be a multiple of K). The
-    last step is never saved (the final export follows); --save_every saves on its own count."""
+    save by the clock waits for a refresh's step (as --save_every must be a multiple of K), and so
+    does the last step's. The last step is saved where checkpoints are written at all (what follows
+    it, the final evaluation and export, then loses nothing to a kill), never with both flags 0;
+    --save_every saves on its own count."""
     from types import SimpleNamespace
 
     run = rundir.Run.__new__(rundir.Run)
     run.d, run.saved_at = SimpleNamespace(is_main=True, world_size=1), 0.0
     monkeypatch.setattr(rundir, "clock", lambda: 11 * 60.0)  # 11 minutes since the last save
     run.cfg = SimpleNamespace(steps=9, save_every=0, save_minutes=10.0, ref_refresh_every=3)
-    assert [k for k in range(10) if run.due(k)] == [3, 6]
+    assert [k for k in range(10) if run.due(k)] == [3, 6, 9]
+    run.cfg = SimpleNamespace(steps=8, save_every=0, save_minutes=10.0, ref_refresh_every=3)
+    assert [k for k in range(9) if run.due(k)] == [3, 6]  # step 8 is no refresh: its reference is not the weights'
     run.cfg = SimpleNamespace(steps=9, save_every=4, save_minutes=20.0, ref_refresh_every=0)
-    assert [k for k in range(10) if run.due(k)] == [4, 8]
+    assert [k for k in range(10) if run.due(k)] == [4, 8, 9]
     run.cfg = SimpleNamespace(steps=9, save_every=0, save_minutes=10.0)
-    assert [k for k in range(10) if run.due(k)] == list(range(1, 9))
+    assert [k for k in range(10) if run.due(k)] == list(range(1, 10))
+    run.cfg = SimpleNamespace(steps=9, save_every=0, save_minutes=0.0)
+    assert [k for k in range(10) if run.due(k)] == []
 
 
 def _terminal_sigint():

@@ -16,7 +16,7 @@ import sft
 
 from helpers import (ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, checkpoint_weights, ctrl_c_after_first_save,
                      free_port, max_abs_diff, read_metrics, run_here, run_script, write_jsonl)
-from plumbing import checkpoints, logs, rundir
+from plumbing import checkpoints, logs, models, rundir
 
 # a few fast steps of each script on the tiny model (no warmup: many runs are of 1 or 2 steps, which a
 # warmup of as many steps would never get past, and cli.check_schedule refuses)
@@ -472,3 +472,184 @@ def test_ctrl_c_that_a_writer_turns_into_another_error_ends_like_any_ctrl_c(tmp_
         signal.signal(signal.SIGINT, old)
     assert r.returncode == 130 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert f"interrupted. Last checkpoint: {tmp_path / 'run' / 'checkpoint'} (step 2)" in r.stderr
+
+
+# -----------------------------------------------------------------------------
+# a save is never lost to a signal; the last step is saved before what follows it; a failed export keeps the weights
+
+
+def test_a_signal_during_a_checkpoints_write_lets_it_end_and_the_heartbeat_names_it(tmp_path, monkeypatch):
+    """A Ctrl-C a second after `step 2/8 |`, while step 2's checkpoint was written (the heartbeat
+    said `step 3/8: running`), ended the run "interrupted before its first resumable checkpoint":
+    the save was lost. Here a SIGINT strikes in the middle of step 2's write (the sharded state
+    written, the config and tokenizer not yet): the write ends, and then the run, naming that
+    checkpoint; 41 s into the write with nothing printed, the heartbeat names the save."""
+    out, write, beats = tmp_path / "run", checkpoints._write_export, []
+
+    def signalled(*a, **kw):
+        if not beats:  # step 2's checkpoint, the first
+            os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C: its handler runs in this thread, here
+            log = rundir.RUNS[-1].logger
+            log.t_said -= 41
+            logs.innermost().t0 -= 41
+            beats.append(log.beat())
+        return write(*a, **kw)
+
+    monkeypatch.setattr(checkpoints, "_write_export", signalled)
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (see the test above)
+    try:
+        r = run_fast("sft.py", ["--steps", "4", "--save_every", "2", "--out_dir", str(out)])
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert r.returncode == 130 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert f"interrupted. Last checkpoint: {out / 'checkpoint'} (step 2); continue with: " in r.stderr, r.stderr[-3000:]
+    assert beats == ["step 2/4: saving checkpoint, 41s"]
+    assert checkpoints.trainer_state(out / "checkpoint")["step"] == 2 and not (out / "checkpoint.tmp").exists()
+    assert [m["step"] for m in read_metrics(out)] == [0, 1, 2]
+
+
+def test_a_second_signal_cuts_the_save_short_and_the_line_names_the_checkpoint_left(tmp_path):
+    """A save that takes long (here step 4's, held by tests/crash.py until a FIFO is opened, which
+    never happens): the first SIGTERM is answered at once, saying that the run ends once the
+    checkpoint is written; a second cuts the write short, and the line says so and names the
+    checkpoint that remains (step 2's) with the command that resumes it. Each step of the test waits
+    for a line of the run's stderr."""
+    out, fifo = tmp_path / "run", tmp_path / "hold"
+    os.mkfifo(fifo)
+    proc = subprocess.Popen([sys.executable, "tests/crash.py", "hold_save:2", "sft.py", *FAST["sft.py"], "--steps", "6",
+                             "--save_every", "2", "--out_dir", str(out)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**SUBPROCESS_ENV_NO_TOKENIZER_THREADS, "HOLD_FIFO": str(fifo)})
+    seen = []
+
+    def until(text):
+        """stderr's lines up to the first holding text; False if the run's output ends first."""
+        for line in proc.stderr:
+            seen.append(line)
+            if text in line:
+                return True
+        return False
+
+    try:
+        assert until("holding the save"), "".join(seen)[-3000:]
+        proc.send_signal(signal.SIGTERM)
+        assert until("SIGTERM: the checkpoint of step 4 is being written; the run ends once it is (a second signal "
+                     "cuts it short)"), "".join(seen)[-3000:]
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stderr.read()
+        assert proc.wait(timeout=120) == 143, rest[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert (f"terminated (SIGTERM) again while the checkpoint of step 4 was written: that save was cut short. Last "
+            f"checkpoint: {out / 'checkpoint'} (step 2); continue with: python sft.py ") in rest, rest[-3000:]
+    assert checkpoints.trainer_state(models.resolve_checkpoint(str(out)))["step"] == 2
+
+
+# the phase after the last step of each script, its function (module, name), and the flags that make it run
+AFTER_THE_LAST_STEP = {"sft.py": ("sft", "evaluate", []), "reward.py": ("reward", "normalize", ["--normalize"]),
+                       "dpo.py": ("dpo", "evaluate", []), "grpo.py": ("environment", "evaluate", [])}
+
+
+@pytest.mark.parametrize("script", AFTER_THE_LAST_STEP)
+def test_a_kill_after_the_last_step_loses_nothing(tmp_path, monkeypatch, script):
+    """reward.py's --normalize pass over 512 samples ran 12 minutes after the last step with no
+    checkpoint of it: a kill there lost the run (and so did one in any script's final evaluation
+    or export). Every script now writes a resumable checkpoint at the last step before what follows
+    it: a Ctrl-C in the final evaluation (reward.py: the normalisation) ends naming the step-2
+    checkpoint, and --resume runs only what follows the steps, to the uninterrupted run's metrics
+    (their times aside) and exported weights, exactly."""
+    module, name, extra = AFTER_THE_LAST_STEP[script]
+    args = ["--steps", "2", *extra]
+    full = run_fast(script, args + ["--out_dir", str(tmp_path / "full")])
+    assert full.returncode == 0, full.stderr[-3000:]
+    target = importlib.import_module(module)
+    phase = getattr(target, name)
+
+    def after_the_last_step(*a, **kw):
+        run = rundir.RUNS[-1]
+        if run.logger is not None and run.logger.step == run.cfg.steps:
+            raise KeyboardInterrupt
+        return phase(*a, **kw)
+
+    out = tmp_path / "run"
+    with monkeypatch.context() as m:
+        m.setattr(target, name, after_the_last_step)
+        stopped = run_fast(script, args + ["--out_dir", str(out)])
+    assert stopped.returncode == 130, stopped.stderr[-3000:]
+    assert f"interrupted. Last checkpoint: {out / 'checkpoint'} (step 2); continue with: " in stopped.stderr
+    resumed = run_fast(script, args + ["--out_dir", str(out), "--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "its 2 steps are done: what follows them (the final evaluation, the export) runs now" in resumed.stdout
+    untimed = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time")} for r in rows]  # noqa: E731
+    assert untimed(read_metrics(out)) == untimed(read_metrics(tmp_path / "full"))
+    assert max_abs_diff(checkpoint_weights(out), checkpoint_weights(tmp_path / "full")) == 0
+
+
+@pytest.mark.parametrize("error, flags", [("KeyError", []), ("PermissionError", ["--save_minutes", "0"])],
+                         ids=["state_dict_error", "permission_without_checkpoints"])
+def test_a_final_export_that_fails_keeps_the_weights_and_says_what_failed(tmp_path, monkeypatch, error, flags):
+    """A final save that failed (LoRA on a tied head: a KeyError in the state dict; a full disk; a
+    folder that cannot be written) said "N MiB are free there. The last checkpoint (RUN/checkpoint)
+    is untouched" where there was none, and left checkpoint.tmp. Now the error names the exception
+    and the path, while doing what, claims only the checkpoint there is, and removes checkpoint.tmp;
+    the trained weights are kept: in the last step's checkpoint, or, where the run writes none
+    (--save_minutes 0), in one written then, which `python -m plumbing export` exports to the
+    weights the export was given, exactly."""
+    import torch
+
+    out, write, given = tmp_path / "run", checkpoints._write_export, {}
+    tmp = out / "checkpoint.tmp"
+    failure = {"KeyError": KeyError("base_model.model.lm_head.base_layer.weight"),
+               "PermissionError": PermissionError(13, "Permission denied", str(tmp / "model.safetensors"))}[error]
+
+    def failing(model, tokenizer, folder, state, dtype, weights=True):
+        if weights:  # the export's
+            given.update({k: v.clone() for k, v in state.items()})
+            raise failure
+        return write(model, tokenizer, folder, state, dtype, weights=weights)
+
+    monkeypatch.setattr(checkpoints, "_write_export", failing)
+    r = run_fast("sft.py", ["--steps", "2", "--out_dir", str(out), *flags])
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert (f"writing the final export failed while writing the weights, config and tokenizer into {tmp} "
+            f"({error}: {failure})") in r.stderr, r.stderr[-3000:]
+    assert "MiB are free" not in r.stderr and "no space left" not in r.stderr
+    if flags:  # no checkpoint before the export: none claimed, one written
+        assert f"{out} held no checkpoint before it" in r.stderr and "untouched" not in r.stderr
+        written = " (written after the export failed)"
+    else:
+        assert f"The last checkpoint, {out / 'checkpoint'} (step 2), is untouched" in r.stderr
+        written = ""
+    assert (f"The trained weights are kept in {out / 'checkpoint'}, the checkpoint of the last step 2{written}: `python -m "
+            f"plumbing export {out}` writes their export") in r.stderr, r.stderr[-3000:]
+    assert not tmp.exists()
+    monkeypatch.setattr(checkpoints, "_write_export", write)
+    exported = checkpoints.export(str(out))
+    assert exported == str(out / "export-step-2")
+    loaded = AutoModelForCausalLM.from_pretrained(exported).state_dict()
+    assert given and all(torch.equal(loaded[k], v) for k, v in given.items())
+
+
+def test_sigterm_ends_the_pipeline_with_the_line_that_continues_it(tmp_path):
+    """`python pipeline.py` ended by SIGTERM (a scheduler's, to its process group) printed no
+    "continue with" line, where Ctrl-C's printed one. Now it ends as Ctrl-C does: the stage's own
+    line, then the pipeline's, exit status 143, no traceback; the stage has ended."""
+    pipe = subprocess.Popen([sys.executable, "pipeline.py", "--runs", str(tmp_path)], cwd=ROOT,
+                            env=SUBPROCESS_ENV_NO_TOKENIZER_THREADS, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    lock = tmp_path / "sft" / ".lock"
+    deadline = time.time() + 120
+    while not (lock.exists() and lock.read_text().startswith("pid")):  # the SFT stage runs, its handlers set
+        assert time.time() < deadline and pipe.poll() is None, "the SFT stage did not start"
+        time.sleep(0.1)
+    stage = int(lock.read_text().split()[1])
+    os.killpg(pipe.pid, signal.SIGTERM)
+    _, err = pipe.communicate(timeout=120)
+    assert pipe.returncode == 143 and "Traceback" not in err, err[-3000:]
+    lines = err.strip().splitlines()
+    assert lines[-1] == (f"pipeline terminated (SIGTERM); continue with: python pipeline.py --runs {tmp_path} "
+                         f"(finished stages are skipped, an interrupted one resumes from its last checkpoint)"), err[-3000:]
+    assert lines[-3].startswith("terminated (SIGTERM)") and lines[-2] == "", err[-3000:]
+    assert not _alive(stage)

@@ -45,10 +45,7 @@ def test_every_trl_alias_parses_to_the_config_its_own_name_does(script):
     assert {"learning_rate", "output_dir", "model_name_or_path", "gradient_accumulation_steps"} <= aliases.keys()
     bools = {f.name for f in dataclasses.fields(module.Config) if f.type in (bool, "bool")}
     for trl, ours in aliases.items():
-        if trl == "report_to":
-            cases = [(["--report_to", "wandb"], ["--wandb"]), (["--report_to=WANDB"], ["--wandb"])]
-            assert parse(module, ["--wandb", "--report_to", "none"]) == module.Config()
-        elif ours in bools:
+        if ours in bools:
             flip = "false" if getattr(module.Config(), ours) else "true"
             own = [f"--{ours}"] if flip == "true" else [f"--no-{ours}"]
             cases = [([f"--{trl}", flip], own), ([f"--{trl}={flip.upper()}"], own)]
@@ -81,7 +78,6 @@ def test_the_table_names_flags_each_script_has(script):
     ("dpo", ["--num_train_epochs", "3"], "pass --steps = epochs x training rows / --batch_size"),
     ("reward", ["--warmup_ratio", "0.1"], "pass --warmup_steps = ceil(ratio x --steps)"),
     ("grpo", ["--epsilon", "0.1"], "pass --epsilon_low X --epsilon_high X"),
-    ("sft", ["--report_to", "tensorboard"], "sft.py: --report_to tensorboard: only wandb here (--wandb), or none"),
 ])
 def test_a_trl_flag_that_means_something_else_here_is_refused_with_what_to_pass(script, argv, says, capsys):
     code, err = parse(SCRIPTS[script], argv, capsys)
@@ -157,3 +153,19 @@ def test_a_bool_of_the_same_name_takes_trls_true_or_false():
             assert cfg.vllm_importance_sampling_correction is want, argv
     with pytest.raises(SystemExit):
         cli.parse_config(grpo.Config, ["--vllm_importance_sampling_correction=maybe"])
+
+
+def test_report_to_is_trls_flag_and_its_values_trls_integrations():
+    """--report_to is TRL's flag: its configs subclass transformers' TrainingArguments, whose
+    `report_to` field (default none) names the integrations by the keys of transformers'
+    INTEGRATION_TO_CALLBACK; every value accepted here is one of those keys, and the default the same."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
+    from plumbing import logs
+
+    field = {f.name: f for f in dataclasses.fields(TrainingArguments)}["report_to"]
+    assert set(logs.REPORTERS) <= set(INTEGRATION_TO_CALLBACK), set(logs.REPORTERS) - set(INTEGRATION_TO_CALLBACK)
+    assert field.default == cli.SharedConfig.report_to == "none"
