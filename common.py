@@ -213,13 +213,14 @@ def transformer_blocks(model):
 def compile_blocks(model):
     """Each transformer block's forward compiled (regional compilation, as torchtitan's): FSDP2's hooks
     run around it, and dynamo compiles a block's code once for every block of the model (their weights
-    are the graph's inputs), once more at a second batch shape (then with symbolic sizes). Inductor
+    are the graph's inputs) and every batch shape (symbolic sizes: the micro-batches' lengths differ),
+    a graph for each kind of pass (with and without a gradient, trained or frozen weights). Inductor
     rounds its fused intermediates as eager code would (emulate_precision_casts), so that a pass without
     a gradient (the reference's, the old policy's) and one with it compute the same numbers."""
     torch._inductor.config.emulate_precision_casts = True
     for block in transformer_blocks(model):
         if "forward" not in vars(block):
-            block.forward = torch.compile(block.forward)
+            block.forward = torch.compile(block.forward, dynamic=True)
 
 
 def bf16_supported(device):

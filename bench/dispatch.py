@@ -22,6 +22,7 @@ import sys
 import tempfile
 
 import torch
+import torch._inductor.config
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -261,6 +262,7 @@ def script_launches(script, argv, steps=1, pause=()):
     """launches() of one steady training step of script.main (its run of steps + 1 steps less its run of
     `steps`), the functions `pause` names ((module, name)) left out: script_step's count for a run whose
     blocks are compiled."""
+    torch.compiler.reset()  # as a run's process starts: no graph compiled
     counts = []
     for n in (steps, steps, steps + 1):  # the first run compiles what the others run (not counted)
         with tempfile.TemporaryDirectory() as out, contextlib.ExitStack() as stack:
@@ -285,12 +287,71 @@ def padded_launches(model, ids, attn, n_response, loss_fn):
     return ran[0]
 
 
+def step_launches(layers=30, flag_sets=((), ("--compile_layers", "true")), folder=None):
+    """Kernel launches of one steady DPO step (a live reference, 4 pairs of 32 + 32 tokens) and one GRPO
+    step less its rollout and evaluation (4 prompts x G = 4, 24 + 8 tokens, beta 0.04), each script at each
+    of flag_sets, against TRL's plain padded transformers step on the same rows: {(script, flags): (ours,
+    TRL's)}, Counters (launches). SmolLM2's architecture at `layers` layers, widths cut."""
+    import data
+    import dpo
+    import environment
+    import grpo
+    from bench import steps
+
+    torch._inductor.config.cpp.enable_kernel_profile = True  # inductor's CPU kernels seen by the profiler
+    folder = folder or tempfile.mkdtemp(prefix="dispatch-")
+    tok, model = smollm2_ops_model(layers)
+    model.save_pretrained(os.path.join(folder, "model"))
+    tok.save_pretrained(os.path.join(folder, "model"))
+    pairs = steps.make_data(os.path.join(folder, "pairs.jsonl"), 8, 32, 32)
+    prompts = steps.make_data(os.path.join(folder, "prompts.jsonl"), 16, 24, 8)
+    common_argv = ["--model", os.path.join(folder, "model"), "--n_eval", "2", "--max_prompt_len", "32",
+                   "--eval_every", "1000"]
+    runs = {"dpo": (dpo, [*common_argv, "--dataset", pairs, "--eval_dataset", pairs, "--n_eval_prompts", "2",
+                          "--batch_size", "4", "--max_response_len", "32", "--no-precompute_ref"], []),
+            "grpo": (grpo, [*common_argv, "--dataset", prompts, "--eval_dataset", prompts, "--prompts_per_step", "4",
+                            "--group_size", "4", "--max_new_tokens", "8", "--num_iterations", "1",
+                            "--num_mini_batches", "1", "--beta", "0.04"], [(environment, "rollout"),
+                                                                          (environment, "evaluate")])}
+    out = {}
+    for name, (script, argv, pause) in runs.items():
+        seen = []
+        with _patched(data, "pair_batch", _recording(data.pair_batch, seen)), \
+                _patched(environment, "rollout", _recording(environment.rollout, seen)):
+            for flags in flag_sets:
+                ours = script_launches(script, [*argv, *flags], pause=pause)
+                batch = seen[-1]
+                if name == "dpo":
+                    ids, attn, resp = batch
+                    trl = padded_launches(model, ids, attn, resp.shape[1], dpo_loss(resp))
+                else:
+                    ids, attn = torch.cat([batch.p_ids, batch.r_ids], 1), torch.cat([batch.p_mask, batch.r_mask], 1)
+                    trl = padded_launches(model, ids, attn, batch.r_ids.shape[1],
+                                          grpo_loss(batch.r_mask.float(), torch.linspace(-1, 1, len(ids))))
+                out[name, " ".join(flags) or "defaults"] = ours, trl
+    return out
+
+
+def _recording(fn, seen):
+    def run(*args, **kwargs):
+        seen.append(fn(*args, **kwargs))
+        return seen[-1]
+    return run
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--rows", type=int, default=16, help="decode rows: prompts x G = 2")
     p.add_argument("--diff", action="store_true", help="each op whose count per decode step differs")
+    p.add_argument("--launches", action="store_true", help="kernel launches of a DPO and a GRPO step, ours "
+                   "(eager and --compile_layers) against TRL's padded step (compiles on the CPU: minutes)")
     args = p.parse_args()
+    if args.launches:
+        for (script, flags), (ours, trl) in step_launches(args.layers).items():
+            print(f"{script} step, {flags}: ours {total(ours):,.0f} launches, TRL's padded step {total(trl):,.0f}: "
+                  f"{total(ours) / total(trl):.2f}x (compiled kernels {ours['compiled kernel']:.0f})")
+        return
     tok, model = smollm2_ops_model(args.layers)
     from bench.sampler import prompts_batch
 

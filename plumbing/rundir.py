@@ -20,8 +20,8 @@ from plumbing import checkpoints, logs, models
 # recomputed for the new total), how it is split into micro-batches and kept in memory (the same
 # gradient up to rounding), how often it evaluates, saves and logs. Every other flag defines the
 # run, and --resume refuses a difference (docs/distributed.md, "Resuming").
-RESUME_MAY_CHANGE = ("steps", "grad_accum", "activation_checkpointing", "offload_frozen", "compile", "eval_every",
-                     "eval_batch_size", "save_every", "save_minutes", "save_dtype", "hsdp", "timeout_minutes",
+RESUME_MAY_CHANGE = ("steps", "grad_accum", "activation_checkpointing", "offload_frozen", "compile", "compile_layers",
+                     "eval_every", "eval_batch_size", "save_every", "save_minutes", "save_dtype", "hsdp", "timeout_minutes",
                      "out_dir", "wandb", "report_to", "trust_remote_code", "log_completions", "generation_micro_batch_size",
                      "reward_fn_timeout")
 

@@ -92,10 +92,10 @@ def choose(cfg, d, recorded, model, batch, models_=(), reward=False):
                "adapters or remote code do not allow" if timed(d) else
                "on a CPU 10-60 s of compile a batch shape pays back only over a long run")
         recorded["compile"] = {"value": on, "why": why}
-    if "compile_layers" in todo:
-        recorded["compile_layers"] = {"value": timed(d), "why": (
-            "a block's ops fused into a few kernels: a small model's step on a GPU is bound by its launches" if timed(d)
-            else "on a CPU a step is bound by its FLOPs, which fusing does not cut, and the compile takes minutes")}
+    if out.get("compile_layers", "compile_layers" in todo and timed(d)):  # before the timing: compiled blocks timed
+        for m in [model, *models_]:
+            if m is not None:
+                common.compile_blocks(m)
     layouts = [f for f in todo if f not in ("compile", "compile_layers")]
     if layouts and not timed(d):
         for f in layouts:
@@ -112,6 +112,10 @@ def choose(cfg, d, recorded, model, batch, models_=(), reward=False):
         for f, layout in (("padding_free", "packed"), ("shared_prompt", "shared")):
             if f in layouts:
                 recorded[f] = {"value": best == layout, "why": f"timed on the first micro-batch: {measured}"}
+    if "compile_layers" in todo:
+        recorded["compile_layers"] = {"value": timed(d), "why": (
+            "a block's ops fused into a few kernels: a small model's step on a GPU is bound by its launches" if timed(d)
+            else "on a CPU a step is bound by its FLOPs, which fusing does not cut, and the compile takes minutes")}
     out |= {f: recorded[f]["value"] for f in todo}
     line = "; ".join(f"--{f} {str(c['value']).lower()} ({'as the run it resumes chose: ' if f in fresh else ''}"
                      f"{c['why']})" for f, c in recorded.items() if f in fresh or f in todo)
@@ -119,10 +123,6 @@ def choose(cfg, d, recorded, model, batch, models_=(), reward=False):
         common.print0(f"auto: {line}")
     if "padding_free" in out:
         out["padding_free"] = models.use_packing(out["padding_free"], [model, *models_], d)
-    if out.get("compile_layers"):
-        for m in [model, *models_]:
-            if m is not None:
-                common.compile_blocks(m)
     return out
 
 

@@ -62,7 +62,7 @@ def test_a_frozen_copy_gives_the_policys_logprobs_to_the_bit_in_every_layout(nam
         policy.train()
         want = shared_prompt.response_logprobs(policy, ids, attn, R, with_entropy=True, packed=packed, shared=shared)[0]
         assert want.requires_grad
-        plan = [([rows], packed, shared)]
+        plan = [([rows], packed, [shared] if shared else False)]  # True: the chunk's groups found from its rows
         for model in (ref, policy):
             got = shared_prompt.planned_logprobs(model, ids, attn, R, plan, D)
             assert torch.equal(got * resp, want.detach() * resp), (name, packed, shared, (got - want).abs().max())

@@ -292,7 +292,10 @@ def test_past_dynamos_recompile_limit_a_new_shape_decodes_eagerly(monkeypatch):
 
 def _fsdp_worker():
     """Run by torchrun (see below): each rank samples its own prompts with the FSDP2-sharded
-    model inside common.unsharded, stopping at a different step from the other rank."""
+    model inside common.unsharded, stopping at a different step from the other rank, eager and
+    compiled (from a copy outside FSDP)."""
+    from torch.distributed.fsdp import FSDPModule
+
     d = common.setup_distributed()
     model = _gpt2()
     whole = copy.deepcopy(model)
@@ -300,8 +303,9 @@ def _fsdp_worker():
     ids, mask = common.pad(PROMPTS[d.rank::2], PAD, side="left")
     n, stop_ids = (6, ()) if d.rank == 0 else (30, (4, 9))
 
-    def sampled(m):
-        return sampling.generate(m, ids, mask, n, -1, PAD, stop_ids=stop_ids, generator=torch.Generator().manual_seed(0))
+    def sampled(m, compile=False):
+        return sampling.generate(m, ids, mask, n, -1, PAD, stop_ids=stop_ids, generator=torch.Generator().manual_seed(0),
+                                 compile=compile)
 
     with common.unsharded(model):
         got = sampled(model)
@@ -316,7 +320,18 @@ def _fsdp_worker():
     assert lengths[0] != lengths[1], lengths  # the ranks really stop at different steps
     steps = common.all_reduce_sum(torch.tensor([got[0].shape[1]]), d).item()
     assert steps == sum(lengths), (d.rank, steps, lengths)
-    common.print0(f"fsdp ok: {steps} steps over 2 ranks ({lengths[0]} + {lengths[1]})")
+    # compiled decoding under torchrun (the GPU's path, dynamo's eager backend): from a copy of the model outside
+    # FSDP (sampling._decoder), refreshed from the gathered weights; the same tokens as the whole model's
+    sampling._compile = lambda fn, gpu: torch.compile(fn, backend="eager", dynamic=False)
+    sampling._gpu = lambda device: True
+    for _ in range(2):  # the second call refreshes the same copy in place
+        with common.unsharded(model):
+            compiled = sampled(model, compile=True)
+    decoder, pairs = sampling._DECODERS[model]
+    assert not isinstance(decoder, FSDPModule) and not any(hasattr(p, "full_tensor") for p in decoder.parameters())
+    assert decoder.config._attn_implementation == "decode" and len(pairs) >= len(list(whole.parameters()))
+    assert torch.equal(compiled[0], want[0]) and torch.equal(compiled[1], want[1]), d.rank
+    common.print0(f"fsdp ok: {steps} steps over 2 ranks ({lengths[0]} + {lengths[1]}), compiled from a copy too")
     del model  # FSDP's device mesh holds the process group: release it before the group is destroyed
     torch.distributed.barrier()
     rundir.release()
@@ -326,7 +341,7 @@ def test_generate_under_fsdp2_with_ranks_stopping_at_different_steps():
     r = run_script([os.path.abspath(__file__)], nproc=2,
                    env={**SUBPROCESS_ENV_NO_TOKENIZER_THREADS, "PYTHONPATH": ROOT})
     assert r.returncode == 0, r.stdout[-1000:] + r.stderr[-3000:]
-    assert "fsdp ok" in r.stdout
+    assert "compiled from a copy too" in r.stdout
 
 
 if __name__ == "__main__":

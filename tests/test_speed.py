@@ -47,8 +47,8 @@ def test_on_a_cpu_auto_is_the_flop_rule_and_no_compile():
     cfg, recorded = grpo.Config(padding_free=False), {}
     model = _tiny()
     got = speed.choose(cfg, CPU, recorded, model, batch=_boom, models_=[None])
-    assert got == {"padding_free": False, "shared_prompt": True, "compile": False}
-    assert set(recorded) == {"shared_prompt", "compile"}
+    assert got == {"padding_free": False, "shared_prompt": True, "compile": False, "compile_layers": False}
+    assert set(recorded) == {"shared_prompt", "compile", "compile_layers"}
     assert "FLOPs" in recorded["shared_prompt"]["why"] and "CPU" in recorded["compile"]["why"]
 
 
@@ -72,8 +72,9 @@ def gpu_clock(monkeypatch):
     """A GPU, as far as speed.choose can tell: the device check says so, and each layout's forward and
     backward takes the seconds `table` gives it (the real forward and backward run, on the CPU)."""
     table, ran = {}, []
-    real = speed._forward_backward
+    real, compile = speed._forward_backward, torch.compile
     monkeypatch.setattr(speed, "timed", lambda d: True)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile(fn, backend="eager", **kw))  # --compile_layers
     monkeypatch.setattr(speed, "_forward_backward", lambda *a, **k: ran.append(a[2]) or real(*a, **k))
     monkeypatch.setattr(speed, "seconds", lambda fn, d: fn() or table[ran[-1]])
     return table, ran
@@ -90,7 +91,7 @@ def test_on_a_gpu_the_fastest_timed_layout_is_kept(gpu_clock, fastest):
     model = _tiny()
     recorded = {}
     got = speed.choose(dpo.Config(), CUDA_PYTHON, recorded, model, batch=_batch(model))
-    assert got == {"padding_free": fastest == "packed", "shared_prompt": fastest == "shared"}
+    assert got == {"padding_free": fastest == "packed", "shared_prompt": fastest == "shared", "compile_layers": True}
     assert ran == ["padded", "packed", "shared"] * 2 + ["shared", "packed", "padded", "padded", "packed", "shared"]
     measured = f"timed on the first micro-batch: {', '.join(f'{k} {1e3 * table[k]:.1f} ms' for k in table)}"
     assert recorded["padding_free"]["why"] == recorded["shared_prompt"]["why"] == measured
@@ -112,14 +113,42 @@ def test_on_a_gpu_compile_is_on_under_python_and_torchrun_but_not_torchrun_with_
         assert ("LoRA" in recorded["compile"]["why"]) is (not want)
 
 
+def test_compile_layers_compiles_every_block_of_the_policy_and_its_frozen_models(gpu_clock, monkeypatch):
+    """--compile_layers auto: on a GPU each transformer block's forward of the policy and of the models that
+    run its passes (a frozen reference, a teacher; None: absent) is compiled, once however often choose
+    runs, with symbolic sizes; on a CPU none, said with why. A block compiled keeps its numbers (here
+    dynamo's eager backend): the policy's log-probs are the eager ones to the bit. The sampler's decoder
+    copy (sampling._decoder) does not inherit a compiled forward bound to the model's blocks."""
+    table, _ = gpu_clock
+    table.update({"padded": 1.0, "packed": 2.0})
+    compiled = []
+    real = torch.compile  # the gpu_clock's: dynamo's eager backend
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append((fn.__self__, kw)) or real(fn, **kw))
+    model, ref = _tiny(), _tiny()
+    batch = _batch(model)
+    with torch.no_grad():
+        eager = common.response_logprobs(model, *batch[:2], batch[2].shape[1])
+    for d, want in ((common.Dist(), False), (CUDA_PYTHON, True), (CUDA_PYTHON, True)):
+        recorded = {}
+        monkeypatch.setattr(speed, "timed", lambda d_, want=want: want)
+        got = speed.choose(grpo.Config(shared_prompt=False), d, recorded, model, batch=batch, models_=[ref, None])
+        assert got["compile_layers"] is want and ("GPU" in recorded["compile_layers"]["why"]) is want
+    blocks = common.transformer_blocks(model) + common.transformer_blocks(ref)
+    assert [b for b, _ in compiled] == blocks and all(kw == {"dynamic": True} for _, kw in compiled)  # once each
+    with torch.no_grad():
+        assert torch.equal(common.response_logprobs(model, *batch[:2], batch[2].shape[1]), eager)
+    decoder = sampling._autocast_copy(model)[0]
+    assert not any("forward" in vars(m) for m in decoder.modules())
+
+
 def test_a_recorded_choice_is_kept_and_not_timed_again(gpu_clock):
     """A resumed run's choices (Run.choices, from its checkpoint) are taken as they are: nothing is
     timed, and the line says whose they are."""
     table, ran = gpu_clock
     recorded = {"padding_free": {"value": False, "why": "timed on the first micro-batch: padded 1 ms"},
                 "shared_prompt": {"value": True, "why": "timed on the first micro-batch: shared 1 ms"}}
-    assert speed.choose(dpo.Config(), CUDA_PYTHON, recorded, _tiny(), batch=_boom) == \
-        {"padding_free": False, "shared_prompt": True}
+    assert speed.choose(dpo.Config(compile_layers=False), CUDA_PYTHON, recorded, _tiny(), batch=_boom) == \
+        {"padding_free": False, "shared_prompt": True, "compile_layers": False}
     assert ran == []
 
 
