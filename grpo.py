@@ -70,8 +70,7 @@ KL_ESTIMATORS, LOSS_AGGS, LOSS_TYPES, IS_LEVELS, ADV_ESTIMATORS, IS_MODES = map(
 @dataclass
 class Config(cli.SharedConfig):
     # the values of the flags left unset (cli.fill_defaults): the embedded task's, its results' own, or TRL 1.16's
-    # GRPOConfig (lr 1e-6, 512 completion tokens, beta 0, epsilon 0.2, one pass of one mini-batch; TRL cuts no prompt:
-    # 512 prompt tokens here)
+    # GRPOConfig (lr 1e-6, 512 completion tokens, beta 0, epsilon 0.2, one pass of one mini-batch; TRL cuts no prompt)
     LORA_RESUMES: ClassVar[bool] = False  # --lora's checkpoint holds merged weights (conflicts.grpo, cli.check_saves)
     DEFAULTS: ClassVar[dict] = {
         "embedded": dict(lr=1e-4, max_prompt_len=64, max_new_tokens=24, beta=0.04, epsilon_high=0.28, num_iterations=2,

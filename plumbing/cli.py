@@ -330,7 +330,7 @@ def check_out_dir(cfg):
 def steps_from_epochs(cfg, n_rows):
     """TRL's --num_train_epochs, once the n_rows training rows (grpo.py: prompts) are loaded:
     --steps = ceil(epochs x the steps of one pass), a pass drawing whole batches (data.DataOrder:
-    the rows left over wait for the next pass), set in place with a line; --warmup_steps then fitted
+    the rows left over sit that pass out), set in place with a line; --warmup_steps then fitted
     and checked against the new length, as at the start (fit_warmup, check_schedule). Nothing
     without the flag."""
     if not cfg.num_train_epochs:

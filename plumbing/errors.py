@@ -2,11 +2,10 @@
 row, a file, a missing template; not a bug, whose traceback shows) and saying it once, under
 torchrun too (say). cli.script and cli.parse_config end a run with it."""
 import errno
-import json
+import hashlib
 import linecache
 import os
 import sys
-import time
 
 import common
 
@@ -43,15 +42,22 @@ def user_error(e, out_dir):
 
 
 def say(message, script=None):
-    """A user's mistake, said once, after the script's name: printed by rank 0 (every rank of a
-    torchrun sees the same flags and data), and under torchrun written as each rank's error record
-    (TORCHELASTIC_ERROR_FILE), so that torchrun's closing summary shows it, naming the rank that
-    failed first, where it would show a link to the docs on tracebacks."""
+    """A user's mistake, said once, after the script's name. Every rank of a torchrun meets it alike
+    (the same flags and data) or alone (a rank's own rows): the first rank of a node to say a
+    message prints it, the others see its mark in torchrun's folder of this launch (the one above
+    each rank's TORCHELASTIC_ERROR_FILE) and print nothing. Without torchrun's folder, rank 0 says it."""
     message = f"{script or os.path.basename(sys.argv[0])}: {message}"
-    common.print0(message, file=sys.stderr)
-    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
-        try:
-            with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
-                json.dump({"message": message, "timestamp": int(time.time())}, f)
-        except OSError:
-            pass  # torchrun's summary then links to its docs, as it would have
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        message += "\n(the report of torchrun's that follows is of this exit)"
+    attempt = os.path.dirname(os.path.dirname(os.environ.get("TORCHELASTIC_ERROR_FILE", "")))
+    if not os.path.basename(attempt).startswith("attempt_"):  # not torchrun's layout: .../attempt_N/LOCAL_RANK/
+        common.print0(message, file=sys.stderr)
+        return
+    try:
+        os.close(os.open(os.path.join(attempt, f"said-{hashlib.sha256(message.encode()).hexdigest()[:16]}"),
+                         os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:  # another rank said it
+        return
+    except OSError:
+        pass  # no mark: said by each rank that meets it
+    print(message, file=sys.stderr, flush=True)

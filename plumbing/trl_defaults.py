@@ -12,9 +12,9 @@ from plumbing import trl_flags
 TRL_VERSION = "1.16.0"
 _TRAINING = dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, num_train_epochs=3.0, max_steps=-1,
                  warmup_steps=0, lr_scheduler_type="linear", gradient_checkpointing=True, seed=42, adam_beta1=0.9,
-                 adam_beta2=0.999, weight_decay=0.0, max_grad_norm=1.0)  # shared by the four (TrainingArguments')
+                 adam_beta2=0.999, weight_decay=0.0, max_grad_norm=1.0, save_steps=500)  # the four's (TrainingArguments')
 TRL_DEFAULTS = {
-    "SFTConfig": dict(_TRAINING, learning_rate=2e-5, max_length=1024, padding_free=False),
+    "SFTConfig": dict(_TRAINING, learning_rate=2e-5, max_length=1024, padding_free=False, dataset_text_field="text"),
     "RewardConfig": dict(_TRAINING, learning_rate=1e-4, max_length=1024, center_rewards_coefficient=None),
     "DPOConfig": dict(_TRAINING, learning_rate=1e-6, max_length=1024, beta=0.1, loss_type=["sigmoid"],
                       label_smoothing=0.0, precompute_ref_log_probs=False, padding_free=False),
@@ -68,7 +68,7 @@ def preset_note(script, flag, preset):
 # size and the run's length, told apart by differences() itself
 NOT_COMPARED = {"eval_every", "save_every", "eval_batch_size", "wandb", "log_completions", "eval_split", "padding_free",
                 "model", "dataset", "out_dir", "trust_remote_code", "lora", "steps", "num_train_epochs"}
-ADAM = "AdamW's beta2 0.95 (TRL's 0.999; no flag here)"  # common.make_optimizer's betas (0.9, 0.95); TRL's (0.9, 0.999)
+ADAM = "AdamW's beta2 0.95 (TRL's 0.999, which no flag here gives)"  # common.make_optimizer's betas (0.9, 0.95); TRL's (0.9, 0.999)
 
 
 def differences(script, cfg, defaults, world):
@@ -80,8 +80,10 @@ def differences(script, cfg, defaults, world):
     the run's length (TRL's 3 epochs), GRPO's prompts (TRL 1.16 cuts none) and AdamW's beta2."""
     def text(flag, value):
         if flag == "lora_target_modules" and value is None:
-            return "peft's modules for the architecture, e.g. --lora_target_modules q_proj,v_proj"
-        return (f"--{flag}" if value else f"--no-{flag}") if isinstance(value, bool) else f"--{flag} {value}"
+            return "none, peft's modules for the architecture: --lora_target_modules q_proj,v_proj on Llama"
+        if isinstance(value, bool):
+            return f"--{flag}" if value else f"--no-{flag}"
+        return f"--{flag} {value:g}" if isinstance(value, float) else f"--{flag} {value}"
 
     def same(ours, theirs):
         theirs = theirs[0] if isinstance(theirs, list) and len(theirs) == 1 else theirs

@@ -266,6 +266,9 @@ def translate(script, argv, flags, bools):
     table, out, last, notes, refused, i, computed, losses = rows(script), [], [], [], [], 0, {}, {}
     named = {a[2:].partition("=")[0] for a in argv if a.startswith("--")}
     given = named | {table[n][0] for n in named if n in table and table[n][0] and not table[n][1]}  # an alias: ours
+    if {"num_train_epochs", "steps"} <= given:  # TRL's max_steps wins over its epochs; here neither is dropped
+        refused.append("--num_train_epochs sets --steps once the rows are loaded, and the command gives --steps too: "
+                       "pass one")
     while i < len(argv):
         arg = argv[i]
         i += 1
@@ -425,8 +428,9 @@ def dpo_losses(types, weights, given, notes):
         return [f"--loss_type={types[0]}"]
     sft = [k for k, t in enumerate(types) if t == "sft"]
     if len(types) != 2 or len(sft) != 1 or w[1 - sft[0]] != 1.0:
-        raise ValueError(f"--loss_type {listed}{' --loss_weights ' + ' '.join(weights) if weights else ''}: TRL's "
-                         f"weighted sum of losses; {WEIGHTS}")
+        said = f"--loss_weights {' '.join(weights)} is TRL's flag, with --loss_type {listed}" if weights else \
+            f"--loss_type {listed} is TRL's list"
+        raise ValueError(f"{said}: a weighted sum of losses; {WEIGHTS}")
     if "rpo_alpha" in given:
         raise ValueError(f"--loss_type {listed} sets --rpo_alpha here, which the command gives too: pass one")
     loss, alpha = types[1 - sft[0]], f"{w[sft[0]]:g}"
@@ -447,10 +451,10 @@ def computed(script, cfg, values, world, preset):
         if script == "grpo":
             passes = cfg.num_mini_batches or preset["num_mini_batches"]  # optimizer steps a rollout
             if per * accum * passes % cfg.group_size:
-                raise ValueError(f"--per_device_train_batch_size {per} x --grad_accum {accum} x --num_mini_batches "
-                                 f"{passes} = {per * accum * passes} completions a process and rollout are not whole "
-                                 f"groups of --group_size {cfg.group_size}: a group stays on one process here. Pass "
-                                 f"--prompts_per_step (prompts a rollout, over all processes)")
+                raise ValueError(f"--per_device_train_batch_size {per} is TRL's flag: {per} x --grad_accum {accum} x "
+                                 f"--num_mini_batches {passes} = {per * accum * passes} completions a process and "
+                                 f"rollout are not whole groups of --group_size {cfg.group_size}: a group stays on one "
+                                 f"process here. Pass --prompts_per_step (prompts a rollout, over all processes)")
             cfg.prompts_per_step = per * world * accum * passes // cfg.group_size
             got = (f"--prompts_per_step {cfg.prompts_per_step} (x --group_size {cfg.group_size} = "
                    f"{per * world * accum * passes} completions a rollout, {per} a micro-batch on each process)")
