@@ -16,8 +16,8 @@ ONLY_THIS = ("always on here: every assistant turn of a `messages` row is traine
 PRECISION = ("precision is chosen here: bf16 autocast (FSDP's mixed precision under torchrun) on a GPU that has bf16, "
              "fp32 weights and optimizer; --save_dtype sets the exported weights' dtype")
 LOGGED = "every step is logged here: one line and one metrics.jsonl row per step"
-DROPOUT = ("dropout is always off here (models.no_dropout: a policy's log-probs would differ from its own no-gradient "
-           "pass), TRL's disable_dropout true")
+DROPOUT = ("dropout is always off here, as TRL's disable_dropout true turns it off (models.no_dropout: a policy's "
+           "log-probs would differ from its own no-gradient pass)")
 ADAPTERS = ("older TRL's: a LoRA run's reference here is the same network with its adapters off (--lora); adapters are "
             "not chosen by name")
 WEIGHTS = ("one loss here, plus RPO's NLL term: `--loss_type X sft --loss_weights 1 W` is --loss_type X --rpo_alpha W; "
@@ -136,7 +136,8 @@ SAME_NAME = [("seed", ALL), ("weight_decay", ALL), ("warmup_steps", ALL), ("trus
 TRUE, FALSE = ("true", "1", "yes"), ("false", "0", "no")  # how TRL's parser (HfArgumentParser) reads a bool's value
 
 # The TRL flags without a counterpart here (None above) that a run accepts, printing their note, given one of
-# these values (None: any value); another value (`--lr_scheduler_type linear`, `--packing`) is refused.
+# these values (None: any value; keyed (script, name) where one script differs); another value
+# (`--logging_strategy epoch`, `--packing`) is refused.
 ACCEPTED = {"logging_steps": None, "logging_strategy": ("steps",), "logging_first_step": None,
             "bf16": None, "fp16": None, "save_strategy": ("steps",),
             "save_total_limit": None, "eval_strategy": ("steps",), "dataset_train_split": ("train",),

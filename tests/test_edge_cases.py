@@ -401,7 +401,7 @@ def test_every_models_context_is_checked_before_the_first_step(tmp_path):
     r = run_here(base + ["--reward_model", str(tmp_path / "rm")])
     assert r.returncode != 0 and re.search(r"--max_prompt_len 64 \+ --max_new_tokens \(\+1\) 25 = 89 tokens exceeds "
                                            r"--reward_model .*/rm's context of 64", r.stderr), r.stderr[-2000:]
-    r = run_here(base + ["--max_prompt_len", "120"])
+    r = run_here(base + ["--max_prompt_len", "120", "--max_new_tokens", "24"])  # given: a default is cut to fit instead
     assert r.returncode != 0 and "--max_prompt_len 120 + --max_new_tokens 24 = 144 tokens exceeds" in r.stderr
     assert not (tmp_path / "o").exists()
 
