@@ -37,7 +37,6 @@ def trl_default(script, field):
     return table["epsilon"] if field == "epsilon_high" and value is None else value
 
 
-
 def preset_trl(script, flag):
     """TRL 1.16's value, in this project's terms, of a flag that a Config's "trl" preset fills
     (cli.fill_defaults), or None where TRL has no one value for it alone: GRPO cuts no prompt, and
@@ -68,7 +67,7 @@ def preset_note(script, flag, preset):
 # size and the run's length, told apart by differences() itself
 NOT_COMPARED = {"eval_every", "save_every", "eval_batch_size", "wandb", "log_completions", "eval_split", "padding_free",
                 "model", "dataset", "out_dir", "trust_remote_code", "lora", "steps", "num_train_epochs"}
-ADAM = "AdamW's beta2 0.95 (TRL's 0.999, which no flag here gives)"  # common.make_optimizer's betas (0.9, 0.95); TRL's (0.9, 0.999)
+ADAM = "AdamW's beta2 0.95 (TRL's 0.999, which no flag here gives)"  # common.make_optimizer's betas are (0.9, 0.95)
 
 
 def differences(script, cfg, defaults, world):
@@ -92,11 +91,14 @@ def differences(script, cfg, defaults, world):
     at_default = [f for f in defaults if getattr(cfg, f, None) == defaults[f]]
     out, per, accum = [], trl_default(script, "per_device_train_batch_size"), cfg.grad_accum
     if script == "grpo" and "prompts_per_step" in at_default:
-        rollout, passes = cfg.prompts_per_step * cfg.group_size, cfg.num_mini_batches
-        if rollout != per * world * accum * passes:
+        rollout, passes, theirs = cfg.prompts_per_step * cfg.group_size, cfg.num_mini_batches, per * world * accum
+        groups = theirs // cfg.group_size  # TRL's prompts a step, where its completions are whole groups
+        if rollout != theirs * passes:
             out.append(f"--prompts_per_step {cfg.prompts_per_step} x --group_size {cfg.group_size} = {rollout} "
                        f"completions a rollout, {rollout // passes} an optimizer step (TRL's {per} a process x {world} "
-                       f"x --grad_accum {accum} = {per * world * accum}: --per_device_train_batch_size {per})")
+                       f"x --grad_accum {accum} = {theirs}"
+                       + (f", {groups} prompt{'s' * (groups != 1)} x {cfg.group_size}" * (theirs % cfg.group_size == 0))
+                       + f": --per_device_train_batch_size {per})")
     elif "batch_size" in at_default and cfg.batch_size != per * world * accum:
         out.append(f"--batch_size {cfg.batch_size} rows a step (TRL's {per} a process x {world} x --grad_accum {accum} "
                    f"= {per * world * accum}: --per_device_train_batch_size {per})")

@@ -6,6 +6,7 @@ flag's --help line and the table in docs/usage.md ("Coming from TRL"; `python -m
 prints it). TRL's flags whose value here follows from the world size, the accumulation or the
 defaults (`--per_device_train_batch_size`, `--max_length`) are translated at the start (computed).
 TRL's default values: trl_defaults."""
+import math
 import sys
 
 SCRIPTS = ("sft", "reward", "dpo", "grpo")
@@ -62,8 +63,8 @@ TRL_FLAGS = [
      "--steps here counts rollouts, each followed by --num_iterations x --num_mini_batches optimizer steps (TRL's "
      "max_steps counts optimizer steps): pass --steps = max_steps / (num_iterations x num_mini_batches)"),
     ("warmup_ratio", ALL, "warmup_steps",
-     "warmup here is a number of steps: pass --warmup_steps = ceil(ratio x --steps) (0.1 of 700 steps: "
-     "--warmup_steps 70)"),
+     "warmup here is a number of optimizer steps: --warmup_steps = ceil(ratio x the run's optimizer steps), computed at "
+     "the start, as TRL 1.16 reads --warmup_steps below 1 (0.1 of 700 steps: --warmup_steps 70)"),
     ("max_length", OFFLINE, "max_prompt_len",
      "TRL cuts prompt + completion to max_length from the end; here the prompt (from the left) and the completion (from "
      "the right) each have a limit: --max_prompt_len + --max_response_len = max_length, split as the defaults are "
@@ -158,7 +159,12 @@ LISTS = {"lora_target_modules", "reward_funcs"}  # TRL's list flags (nargs="+": 
 
 # TRL's flags whose value here is computed at the start, from the world size, the accumulation and the defaults
 # (cli.parse_config, computed()): translate() hands their values over instead of a flag
-COMPUTED = ("per_device_train_batch_size", "max_length")
+COMPUTED = ("per_device_train_batch_size", "max_length", "warmup_ratio")
+
+# TRL's names that TRL 1.16 no longer has (its scripts and configs), kept for the commands written for an older TRL:
+# --help and the docs' table say so (tests/test_trl_flags.py checks both sides against the installed TRL)
+OLDER = {"max_prompt_length": ALL, "max_completion_length": OFFLINE, "warmup_ratio": ALL, "torch_dtype": ALL,
+         "ref_adapter_name": ("dpo",), "model_adapter_name": ("dpo",)}
 
 # trl/scripts/grpo.py's names of TRL's own reward functions (its --reward_funcs also takes a dotted path,
 # `my_lib.rewards.fn`: `my_lib.rewards:fn` here): TRL's function itself, imported from TRL, or None: refused, saying why
@@ -233,7 +239,8 @@ def help_note(script, flag):
     of each TRL flag that means something else here and names it, and the values TRL's true and
     false of a flag of TRL's name give here (BOOL_VALUES)."""
     table = rows(script)
-    same = [f"--{trl}" for trl, (ours, note) in table.items() if ours == flag and not note]
+    same = [f"--{trl}" + (", older TRL's" if script in OLDER.get(trl, ()) else "")
+            for trl, (ours, note) in table.items() if ours == flag and not note]
     other = [f" (not TRL's --{trl}: {note})" for trl, (ours, note) in table.items() if ours == flag and note]
     yes_no = BOOL_VALUES.get((script, flag))
     bools = f" (TRL's bool: --{flag} true is {yes_no[0]} here, false {yes_no[1]})" if yes_no else ""
@@ -249,6 +256,14 @@ def elsewhere(script, name):
         return None
     there = ", ".join(f"{s}.py" + (f" (--{ours} there)" if ours and ours != name else "") for s, ours in where.items())
     return f"--{name} is TRL's flag of {there}, not of {script}.py, which has no flag like it"
+
+
+def _number(text):
+    """text as a float, or nan where it is none (nan compares false with every bound)."""
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return math.nan
 
 
 def translate(script, argv, flags, bools):
@@ -319,6 +334,11 @@ def translate(script, argv, flags, bools):
             except ValueError as e:
                 refused.append(str(e).removeprefix(f"{script}.py: "))
             continue
+        if arg.startswith("--") and name == "warmup_steps" and "." in (word or "") and 0 < _number(word) < 1:
+            i += not eq  # TRL 1.16's `--warmup_steps 0.1`: a ratio of the run's optimizer steps
+            refused += ["--warmup_steps as a ratio and --warmup_ratio: pass one"] * ("warmup_ratio" in named)
+            computed["warmup_ratio"] = float(word)
+            continue
         if not arg.startswith("--") or arg == "--help" or name in flags:
             out.append(arg)
             continue
@@ -331,15 +351,19 @@ def translate(script, argv, flags, bools):
         if name in COMPUTED:  # its value, for computed() at the start
             if not eq and i < len(argv) and not argv[i].startswith("--"):
                 value, i = argv[i], i + 1
-            both = {"batch_size", "prompts_per_step"} & given if name != "max_length" else \
-                {"max_prompt_len", "max_response_len"} if {"max_prompt_len", "max_response_len"} <= given else ()
-            if not value.isdigit() or int(value) < 1:
-                refused.append(f"--{name} {value or '(no value)'}: give a whole number, at least 1")
+            ratio = name == "warmup_ratio"
+            both = {"per_device_train_batch_size": {"batch_size", "prompts_per_step"} & given,
+                    "max_length": {"max_prompt_len", "max_response_len"} & given if {"max_prompt_len",
+                                                                                     "max_response_len"} <= given else (),
+                    "warmup_ratio": {"warmup_steps"} & named}[name]
+            if not (0 <= _number(value) < 1 if ratio else value.isdigit() and int(value) >= 1):
+                refused.append(f"--{name} {value or '(no value)'} is TRL's flag: give "
+                               f"{'a ratio in [0, 1)' if ratio else 'a whole number, at least 1'}")
             elif both:
                 refused.append(f"--{name} sets {' and '.join(f'--{f}' for f in sorted(both))} here, which the command "
                                f"gives too: pass one or the other")
             else:
-                computed[name] = int(value)
+                computed[name] = float(value) if ratio else int(value)
             continue
         if ours is None:  # TRL's flag has no counterpart here: accepted, with its note, where its value is ACCEPTED's
             if not eq and i < len(argv) and (not argv[i].startswith("--") if name not in TRL_BOOLS
@@ -464,6 +488,16 @@ def computed(script, cfg, values, world, preset):
             got = f"--batch_size {cfg.batch_size}"
         notes.append(f"note: --per_device_train_batch_size {per} (TRL's) on {world} process{'es' * (world > 1)} x "
                      f"--grad_accum {accum}: {got}")
+    if "warmup_ratio" in values:  # transformers' get_warmup_steps: ceil(ratio x the run's optimizer steps)
+        ratio = values["warmup_ratio"]
+        if cfg.num_train_epochs:
+            raise ValueError(f"--warmup_steps {ratio:g} is TRL's ratio of the run's optimizer steps, which "
+                             f"--num_train_epochs sets only once the rows are loaded: give --warmup_steps in steps")
+        passes = [getattr(cfg, k) or preset[k] for k in ("num_iterations", "num_mini_batches") if hasattr(cfg, k)]
+        total = cfg.steps * math.prod(passes)
+        cfg.warmup_steps = math.ceil(ratio * total)
+        notes.append(f"note: --warmup_steps {ratio:g} (TRL's ratio of the run's {total} optimizer steps): "
+                     f"--warmup_steps {cfg.warmup_steps}")
     if "max_length" in values:
         n, prompt, response = values["max_length"], cfg.max_prompt_len, cfg.max_response_len
         if prompt is None and response is None:
@@ -527,7 +561,8 @@ def docs_table():
             here = f"`--{ours}`, computed"
         else:
             here = "refused" if note else f"`--{ours}`"
-        lines.append(f"| `--{trl}` | {here} | {scripts(s)} | {note or 'nothing: the same meaning'} |")
+        older = " (older TRL's)" * (set(s) <= set(OLDER.get(trl, ())))
+        lines.append(f"| `--{trl}`{older} | {here} | {scripts(s)} | {note or 'nothing: the same meaning'} |")
     same = ", ".join(f"`--{n}`" + ("" if s == ALL else f" ({scripts(s)})") for n, s in SAME_NAME)
     bools = ", ".join(f"`--{flag} true` is `--{flag} {yes}` ({script}), false `{no}`"
                       for (script, flag), (yes, no) in BOOL_VALUES.items())

@@ -310,7 +310,7 @@ def test_every_unknown_and_refused_flag_of_a_command_is_named_in_one_message(cap
     """A TRL command line with five unknown flags was refused one flag a run (12 s of start-up
     each). Now one message names every flag that cannot run here, each with what to pass."""
     code, _, err = parse("sft", ["--learning_rate", "1e-5", "--lora_modules_to_save", "x", "--lerning_rate", "1",
-                                 "--num_generations", "4", "--warmup_ratio", "0.1", "--packing", "--zzz", "3"], capsys)
+                                 "--num_generations", "4", "--use_dora", "true", "--packing", "--zzz", "3"], capsys)
     assert code == 2
     lines = err.strip().splitlines()
     assert lines[0] == "sft.py: 6 flags refused (--help lists every flag):", err
@@ -318,7 +318,7 @@ def test_every_unknown_and_refused_flag_of_a_command_is_named_in_one_message(cap
     assert lines[2] == "  unknown flag --lerning_rate; did you mean --lr (TRL: --learning_rate)?"
     assert lines[3] == ("  --num_generations is TRL's flag of grpo.py (--group_size there), not of sft.py, which has no "
                         "flag like it")
-    assert lines[4].startswith("  --warmup_ratio is TRL's flag, and means something else here: warmup here is")
+    assert lines[4].startswith("  --use_dora true is TRL's flag, and means something else here: no DoRA here")
     assert lines[5].startswith("  --packing true is TRL's flag, and means something else here: no bin-packing")
     assert len(lines) == 7 and lines[6] == "  unknown flag --zzz", lines
 

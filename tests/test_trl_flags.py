@@ -3,6 +3,7 @@ own name does, a TRL flag that means something else here is refused with what to
 unknown flag gets a "did you mean", --help and docs/usage.md show the same table the parser reads."""
 import dataclasses
 import json
+import math
 import os
 import re
 import typing
@@ -76,7 +77,6 @@ def test_the_table_names_flags_each_script_has(script):
 @pytest.mark.parametrize("script, argv, says", [
     ("grpo", ["--max_steps", "10"], "grpo.py: --max_steps is TRL's flag, and means something else here: --steps here "
      "counts rollouts"),
-    ("reward", ["--warmup_ratio", "0.1"], "pass --warmup_steps = ceil(ratio x --steps)"),
     ("grpo", ["--epsilon", "0.1"], "pass --epsilon_low X --epsilon_high X"),
     ("sft", ["--report_to", "tensorboard"], "sft.py: --report_to tensorboard: only wandb here (--wandb), or none"),
 ])
@@ -306,6 +306,47 @@ def test_trls_per_device_batch_becomes_the_same_micro_batch_on_any_world_size(wo
     assert code == 2 and "are not whole groups of --group_size 8: a group stays on one process here" in err, err
     code, err = parse(sft, ["--per_device_train_batch_size", "4", "--batch_size", "8"], capsys)
     assert code == 2 and "sets --batch_size here, which the command gives too: pass one" in err, err
+
+
+def test_trls_warmup_ratio_is_ceil_of_its_share_of_the_optimizer_steps(capsys):
+    """TRL 1.16 reads `--warmup_steps 0.1` as a ratio of the run's optimizer steps, rounded up
+    (transformers' get_warmup_steps), and older TRL's `--warmup_ratio` the same: here the steps they
+    give, on grpo.py counting each rollout's --num_iterations x --num_mini_batches updates. Refused
+    (an int expected; a flag meaning something else) on the old tree."""
+    assert parse(sft, ["--warmup_steps", "0.1", "--steps", "95"]).warmup_steps == 10  # ceil(9.5)
+    assert parse(dpo, ["--warmup_ratio", "0.05"]).warmup_steps == math.ceil(0.05 * dpo.Config().steps)
+    assert "--warmup_steps 0.05 (TRL's ratio of the run's 250 optimizer steps): --warmup_steps 13" in \
+        capsys.readouterr().out
+    cfg = parse(grpo, ["--model", "mine", "--dataset", "d.jsonl", "--warmup_steps=0.1", "--steps", "10",
+                       "--num_mini_batches", "4"])
+    assert cfg.warmup_steps == 4 and cli.optimizer_steps(cli.with_defaults(cfg)) == 40
+    assert parse(sft, ["--warmup_steps", "3"]).warmup_steps == 3
+    for argv, says in ((["--warmup_ratio", "0.1", "--warmup_steps", "3"], "pass one or the other"),
+                       (["--warmup_ratio", "1.5"], "give a ratio in [0, 1)"),
+                       (["--warmup_steps", "0.1", "--num_train_epochs", "2"], "give --warmup_steps in steps")):
+        code, err = parse(sft, argv, capsys)
+        assert code == 2 and says in err, (argv, err)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_trl_name_here_is_trl_1_16s_or_said_to_be_older(script):
+    """Every TRL name the table and SAME_NAME give for a script is a field of TRL 1.16.0's config
+    class for it (or its ModelConfig, ScriptArguments, GRPO's script arguments), and every one that is
+    not is in OLDER, which --help and the docs' table call older TRL's (max_prompt_length,
+    warmup_ratio, torch_dtype...); read from the installed TRL."""
+    trl = pytest.importorskip("trl", reason="TRL is not installed (CI has none)")
+    if trl.__version__ != trl_defaults.TRL_VERSION:
+        pytest.skip(f"TRL {trl.__version__} is installed; the table is {trl_defaults.TRL_VERSION}'s")
+    from trl.scripts.grpo import GRPOScriptArguments
+
+    classes = [getattr(trl, trl_defaults.CONFIG_OF[script]), trl.ModelConfig, trl.ScriptArguments]
+    fields = {f.name for c in classes + [GRPOScriptArguments] * (script == "grpo") for f in dataclasses.fields(c)}
+    names = {trl_name for trl_name, scripts, _, _ in trl_flags.TRL_FLAGS if script in scripts}
+    names |= {n for n, scripts in trl_flags.SAME_NAME if script in scripts}
+    older = {n for n, scripts in trl_flags.OLDER.items() if script in scripts}
+    assert names - older <= fields, names - older - fields
+    assert not older & fields, older & fields
+    assert "max_prompt_length, older TRL's" in trl_flags.help_note(script, "max_prompt_len")
 
 
 def test_trls_max_length_splits_as_the_defaults_do_or_around_the_length_given(capsys):
