@@ -612,7 +612,8 @@ def make_optimizer(params, lr, weight_decay, warmup_steps, total_steps, schedule
     """AdamW (betas 0.9, 0.95; fused: one kernel for all parameters, bench/test_micro.py) and its
     schedule (lr_schedule of that kind: --lr_scheduler_type)."""
     optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, fused=True)
-    multiplier = functools.partial(lr_schedule, warmup_steps=warmup_steps, total_steps=max(total_steps, 1), kind=schedule)
+    multiplier = functools.partial(lr_schedule, warmup_steps=warmup_steps, total_steps=max(total_steps, 1),
+                                   kind=schedule)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
 
 

@@ -16,8 +16,7 @@ import typing
 import torch
 
 import common
-import tasks
-from plumbing import checkpoints, errors, models, rundir, trl_defaults, trl_flags
+from plumbing import checkpoints, errors, lengths, models, rundir, trl_defaults, trl_flags
 
 
 @dataclasses.dataclass
@@ -109,7 +108,7 @@ def start(cfg):
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    filled = fill_defaults(cfg, model_shape(cfg))
+    filled = fill_defaults(cfg, lengths.model_shape(cfg))
     try:
         check_ranges(cfg)
         check_schedule(cfg)
@@ -129,43 +128,21 @@ def start(cfg):
 EMBEDDED_MODEL, EMBEDDED_TASK = "tiny", "sort"  # the 0.8M GPT-2 and the task whose values a Config's DEFAULTS hold
 
 
-def model_shape(cfg):
-    """(context, tiny) of --model, from its config alone: its positions (n_positions or
-    max_position_embeddings), and whether it is `tiny` or a checkpoint of it (tasks.TINY_GPT2's
-    shape). (None, False) where no config is at hand before the load: a GGUF file, a hub model
-    not downloaded yet, a path that is not there (the load names what is wrong)."""
-    name = getattr(cfg, "model", "")
-    if name == EMBEDDED_MODEL:
-        return tasks.TINY_GPT2["n_positions"], True
-    if not name or name.endswith(".gguf") or name in models.PACKAGED_MODELS:
-        return None, False
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(models.resolve_checkpoint(name), local_files_only=True,
-                                            trust_remote_code=cfg.trust_remote_code).get_text_config()
-    except Exception:  # not here, or not a model: the load says which
-        return None, False
-    context = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
-    return context, config.model_type == "gpt2" and all(getattr(config, k, None) == v
-                                                        for k, v in tasks.TINY_GPT2.items())
-
-
 def fill_defaults(cfg, shape=(None, False)):
     """The flags a run left unset (None) that its Config's DEFAULTS name (the learning rate and the
     token limits), set in place: the embedded task's own values when the run trains `--model tiny`
-    (or a checkpoint of it: shape, model_shape's) or on `--dataset sort` (tuned on them: lr 1e-4 and
-    24 new tokens for GRPO), else TRL 1.16's defaults, what a user who names a model and data of their
-    own expects (GRPO lr 1e-6, 512 completion tokens). Lengths filled that do not fit the model's
-    context (shape) are cut to fit (fit_lengths). Returns the banner's lines naming each value and
-    where it came from, and, for a model of your own, the defaults here that are not TRL's, each
-    with the flag that gives TRL's (trl_defaults.differences); "" when there is nothing to say."""
+    (or a checkpoint of it: shape, lengths.model_shape's) or on `--dataset sort` (tuned on them:
+    lr 1e-4 and 24 new tokens for GRPO), else TRL 1.16's defaults, what a user who names a model
+    and data of their own expects (GRPO lr 1e-6, 512 completion tokens). Lengths filled that do not
+    fit the model's context (shape) are cut to fit (lengths.fit). Returns the banner's lines naming
+    each value and where it came from, and, for a model of your own, the defaults here that are not
+    TRL's, each with the flag that gives TRL's (trl_defaults.differences); "" when nothing to say."""
     context, tiny = shape
     kind = preset(cfg, tiny)
     filled = {k: v for k, v in type(cfg).DEFAULTS[kind].items() if getattr(cfg, k) is None}
     for k, v in filled.items():
         setattr(cfg, k, v)
-    lines = [fit_lengths(cfg, filled, context)] + ([fit_warmup(cfg)] if hasattr(cfg, "warmup_steps") else [])
+    lines = [lengths.fit(cfg, filled, context)] + ([fit_warmup(cfg)] if hasattr(cfg, "warmup_steps") else [])
     lines.append(fill_saves(cfg))
     if kind == "trl":
         defaults = {f.name: f.default for f in dataclasses.fields(cfg)} | type(cfg).DEFAULTS["trl"]
@@ -187,34 +164,6 @@ def preset(cfg, tiny=False):
     of it) or `--dataset sort`, else "trl"."""
     embedded = getattr(cfg, "model", "") == EMBEDDED_MODEL or getattr(cfg, "dataset", "") == EMBEDDED_TASK or tiny
     return "embedded" if embedded else "trl"
-
-
-def fit_lengths(cfg, filled, context):
-    """Lengths filled by default (fill_defaults: `filled`) whose prompt + response do not fit the
-    model's `context` positions (one fewer with grpo.py's --reward_model, which scores an EOS after
-    the completion) are cut to fit, in place: both in the defaults' proportion, or the one filled
-    to the room the one given leaves. Returns the banner line ("" where they fit). A length given
-    that does not fit is refused at the load (models.check_context)."""
-    response = "max_new_tokens" if hasattr(cfg, "max_new_tokens") else "max_response_len"
-    p, r = cfg.max_prompt_len, getattr(cfg, response)
-    room = (context or 0) - bool(getattr(cfg, "reward_model", ""))
-    if context is None or p + r <= room or not {"max_prompt_len", response} & filled.keys():
-        return ""
-    if {"max_prompt_len", response} <= filled.keys():
-        p = room * p // (p + r)
-        r = room - p
-    elif "max_prompt_len" in filled:
-        p = room - r
-    else:
-        r = room - p
-    if min(p, r) < 1:  # the one given leaves no room
-        return ""
-    line = (f"--max_prompt_len {cfg.max_prompt_len} + --{response} {getattr(cfg, response)} do not fit the "
-            f"{context} positions of --model {cfg.model}: --max_prompt_len {p} --{response} {r} instead (pass them to "
-            f"choose)")
-    cfg.max_prompt_len = p
-    setattr(cfg, response, r)
-    return line
 
 
 def script_name(cls):
@@ -572,7 +521,7 @@ def parse_config(cls, argv=None):
                                                     bools)
         cfg = cls(**vars(parser.parse_args(argv)))
         notes += trl_flags.computed(script, cfg, computed, int(os.environ.get("WORLD_SIZE", 1)),
-                                    cls.DEFAULTS[preset(cfg, model_shape(cfg)[1])] if computed else {})
+                                    cls.DEFAULTS[preset(cfg, lengths.model_shape(cfg)[1])] if computed else {})
     except ValueError as e:
         refuse(str(e))
     for note in notes:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from helpers import TWO_RANK_RUNS, chat_rows, checkpoint_weights, max_abs_diff, read_metrics, run_here, write_jsonl
-from plumbing import checkpoints, cli, models
+from plumbing import checkpoints, cli, lengths, models
 
 
 def run_ok(argv):
@@ -312,7 +312,7 @@ def _tiny_checkpoint(path, **shape):
 
 
 def test_the_models_context_and_whether_it_is_tiny_are_read_from_its_config(tmp_path, user_models):
-    """model_shape: `tiny` and a checkpoint of it (a run's out_dir too) are 128 positions and tiny;
+    """lengths.model_shape: `tiny` and a checkpoint of it (a run's out_dir too) are 128 positions and tiny;
     a GPT-2 of another shape is not tiny; a Llama folder has its max_position_embeddings; a path
     that is not there, or a GGUF file, has no context before the load."""
     import types
@@ -321,7 +321,7 @@ def test_the_models_context_and_whether_it_is_tiny_are_read_from_its_config(tmp_
     other = _tiny_checkpoint(tmp_path / "other", n_layer=1, n_embd=32, n_head=2, n_positions=96)
 
     def shape(name):
-        return cli.model_shape(types.SimpleNamespace(model=name, trust_remote_code=False))
+        return lengths.model_shape(types.SimpleNamespace(model=name, trust_remote_code=False))
 
     assert shape("tiny") == shape(ckpt) == shape(str(tmp_path / "run")) == (128, True)
     assert shape(other) == (96, False) and shape(user_models["llama"]) == (2048, False)
