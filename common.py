@@ -757,21 +757,29 @@ def fused_head(model):
 # loading what a script trains, and its optimizer step
 
 
-def cosine_schedule(step, warmup_steps, total_steps):
-    """The learning rate's multiplier at an optimizer step: a linear warmup from 0, then a cosine
-    decay to 0 at total_steps (transformers' get_cosine_schedule_with_warmup, the same floats)."""
+def lr_schedule(step, warmup_steps, total_steps, kind="cosine"):
+    """The learning rate's multiplier at an optimizer step: a linear warmup from 0, then a cosine or
+    a linear decay to 0 at total_steps, or constant (`constant`: no warmup either): transformers'
+    get_scheduler of each name, the same floats (tests/test_common.py)."""
+    if kind == "constant":
+        return 1.0
     if step < warmup_steps:
         return step / max(1, warmup_steps)
+    if kind == "constant_with_warmup":
+        return 1.0
+    if kind == "linear":
+        return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
     progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
     return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def make_optimizer(params, lr, weight_decay, warmup_steps, total_steps):
+def make_optimizer(params, lr, weight_decay, warmup_steps, total_steps, schedule="cosine"):
     """AdamW (betas 0.9, 0.95; fused: one kernel for all parameters, bench/test_micro.py) and its
-    schedule (cosine_schedule)."""
+    schedule (lr_schedule of that kind: --lr_scheduler_type)."""
     optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, fused=True)
-    schedule = functools.partial(cosine_schedule, warmup_steps=warmup_steps, total_steps=max(total_steps, 1))
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    multiplier = functools.partial(lr_schedule, warmup_steps=warmup_steps, total_steps=max(total_steps, 1),
+                                   kind=schedule)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
 
 
 def clip_grad_norm(model, max_norm):

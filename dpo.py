@@ -276,6 +276,7 @@ def main(cfg):
     conflicts.dpo(cfg)
     train, test = data.load_preferences(cfg)
     order = data.DataOrder(len(train), cfg.seed, batch=cfg.batch_size, source=f"--dataset {cfg.dataset}")
+    cli.steps_from_epochs(cfg, len(train))  # TRL's --num_train_epochs, now that the rows are known
     job = rundir.Run(cfg, d, model_flags=["model", "ref_model"])  # out_dir checked and locked; nothing written yet
     tokenizer = models.load_tokenizer(cfg.model, cfg.trust_remote_code, cfg.chat_template)
     train, test, train_pairs, test_pairs = data.encode_preferences(train, test, tokenizer, cfg)
@@ -302,7 +303,7 @@ def main(cfg):
     fast = speed.choose(cfg, d, job.choices, model, data.pair_batch(train_pairs, range(micro), tokenizer.pad_token_id,
                                                                     d.device), models_=[ref])  # auto: per device
     optimizer, scheduler = common.make_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps,
-                                                 cfg.steps)
+                                                 cfg.steps, schedule=cfg.lr_scheduler_type)
     common.print0(f"dpo: {models.parameters(model)}, {len(train)} train pairs, "
                   f"{len(test)} eval pairs, world size {d.world_size}{logs.layout(d)}, micro-batch {micro} pairs x "
                   f"{cfg.grad_accum}, {'live' if ref else 'no' if cfg.loss_type == 'simpo' else 'precomputed'} reference")

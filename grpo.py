@@ -70,12 +70,12 @@ KL_ESTIMATORS, LOSS_AGGS, LOSS_TYPES, IS_LEVELS, ADV_ESTIMATORS, IS_MODES = map(
 @dataclass
 class Config(cli.SharedConfig):
     # the values of the flags left unset (cli.fill_defaults): the embedded task's, its results' own, or TRL 1.16's
-    # GRPOConfig (lr 1e-6, 512 prompt and 256 completion tokens, beta 0, epsilon 0.2, one pass of one mini-batch)
+    # GRPOConfig (lr 1e-6, 512 completion tokens, beta 0, epsilon 0.2, one pass of one mini-batch; TRL cuts no prompt)
     LORA_RESUMES: ClassVar[bool] = False  # --lora's checkpoint holds merged weights (conflicts.grpo, cli.check_saves)
     DEFAULTS: ClassVar[dict] = {
         "embedded": dict(lr=1e-4, max_prompt_len=64, max_new_tokens=24, beta=0.04, epsilon_high=0.28, num_iterations=2,
                          num_mini_batches=2, reference=True),
-        "trl": dict(lr=1e-6, max_prompt_len=512, max_new_tokens=256, beta=0.0, epsilon_high=0.2, num_iterations=1,
+        "trl": dict(lr=1e-6, max_prompt_len=512, max_new_tokens=512, beta=0.0, epsilon_high=0.2, num_iterations=1,
                     num_mini_batches=1, reference=False)}
     # --- model and data ---
     model: str = "runs/sft"
@@ -705,6 +705,7 @@ def main(cfg):
     rules = "rule" in weights or cfg.dataset in tasks.TASKS
     train, rows = environment.load_prompts(cfg, rules, fns)
     order = data.DataOrder(len(train), cfg.seed, cfg.prompts_per_step, f"--dataset {cfg.dataset}", "--prompts_per_step")
+    cli.steps_from_epochs(cfg, len(train))  # TRL's --num_train_epochs, now that the prompts are known
     job = rundir.Run(cfg, d, model_flags=["model", "reward_model", "teacher"])  # out_dir checked, locked; nothing written
     tokenizer, model = models.load_policy(cfg.model, cfg, d, response_len=cfg.max_new_tokens,
                                           response_flag="--max_new_tokens", shard=False)
@@ -717,7 +718,7 @@ def main(cfg):
     params = [p for p in model.parameters() if p.requires_grad]
     n_updates = cfg.num_iterations * cfg.num_mini_batches  # optimizer steps per rollout
     optimizer, scheduler = common.make_optimizer(params, cfg.lr, cfg.weight_decay, cfg.warmup_steps,
-                                                 cfg.steps * n_updates)
+                                                 cfg.steps * n_updates, schedule=cfg.lr_scheduler_type)
     n_local, rows_local = cfg.prompts_per_step // d.world_size, cfg.prompts_per_step // d.world_size * cfg.group_size
     micro = rows_local // cfg.num_mini_batches // cfg.grad_accum  # rows per forward on this rank
     common.print0(logs.grpo_banner(cfg, d, params, micro, env))

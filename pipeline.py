@@ -21,7 +21,7 @@ the tables (held-out pairwise accuracy with the Bayes ceiling, greedy exact-matc
 reward; the measured KL of each estimator; where the gold reward turns) are printed and written
 to runs/results.md, every seed's figures to runs/results.json, the plots to runs/plots/.
 
-    python pipeline.py                                     # seed 0, about 9 minutes on 2 CPU cores
+    python pipeline.py                                     # seed 0, about 6 minutes on 2 cores (AMD EPYC Zen 4)
     python pipeline.py --seeds 3 --kl_compare --overopt    # the README's tables, about 50 minutes
     python pipeline.py --redo dpo,grpo_rm                  # run these stages again (or --redo all)
     python pipeline.py --variants                          # + the variants, about 32 minutes

@@ -199,6 +199,7 @@ def main(cfg):
     micro = cli.micro_batch(cfg.batch_size, cfg.grad_accum, d)
     train, test = data.load_preferences(cfg)
     order = data.DataOrder(len(train), cfg.seed, batch=cfg.batch_size, source=f"--dataset {cfg.dataset}")
+    cli.steps_from_epochs(cfg, len(train))  # TRL's --num_train_epochs, now that the rows are known
     job = rundir.Run(cfg, d, model_flags=["model", "normalize_policy"])  # out_dir checked, locked; nothing written
     tokenizer, model = models.load_policy(cfg.model, cfg, d, response_len=cfg.max_response_len,
                                           kind="new_reward")
@@ -209,7 +210,7 @@ def main(cfg):
     margins = torch.tensor(train["margin"][:], dtype=torch.float32) if "margin" in train.column_names else None
     gold_pairs = test if (cfg.eval_dataset or cfg.dataset) in tasks.TASKS else None  # the embedded task's noise
     optimizer, scheduler = common.make_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps,
-                                                 cfg.steps)
+                                                 cfg.steps, schedule=cfg.lr_scheduler_type)
     common.print0(f"reward: {models.parameters(model)}, {len(train)} train pairs, "
                   f"{len(test)} eval pairs, world size {d.world_size}{logs.layout(d)}, micro-batch {micro} pairs x "
                   f"{cfg.grad_accum}")

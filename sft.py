@@ -199,6 +199,7 @@ def main(cfg):
     test = data.load_data(cfg.eval_dataset or cfg.dataset, cfg.eval_split, COLUMNS, kind="sft", n=cfg.n_eval,
                           seed=cfg.seed, holdout=split)
     order = data.DataOrder(len(train), cfg.seed, batch=cfg.batch_size, source=f"--dataset {cfg.dataset}")
+    cli.steps_from_epochs(cfg, len(train))  # TRL's --num_train_epochs, now that the rows are known
     job = rundir.Run(cfg, d, model_flags=["model"])  # out_dir checked and locked; nothing is written before job.begin
     tokenizer, model = models.load_policy(cfg.model, cfg, d, response_len=cfg.max_response_len)
     encoded = encode_sft(train, tokenizer, cfg, cfg.dataset)  # prompts, completions, loss masks
@@ -209,7 +210,7 @@ def main(cfg):
                            f"{cfg.eval_dataset or cfg.dataset} (held out)"),
                 tasks.test_prompts(cfg.n_eval, cfg.seed) if (cfg.eval_dataset or cfg.dataset) in tasks.TASKS else [])
     optimizer, scheduler = common.make_optimizer(model.parameters(), cfg.lr, cfg.weight_decay, cfg.warmup_steps,
-                                                 cfg.steps)
+                                                 cfg.steps, schedule=cfg.lr_scheduler_type)
     common.print0(f"sft: {models.parameters(model)}, {len(train)} train "
                   f"rows, world size {d.world_size}{logs.layout(d)}, micro-batch {micro} x {cfg.grad_accum} accumulation")
     start = job.begin(model, tokenizer, optimizer, scheduler, order)  # restores a resumed run's state

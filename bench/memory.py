@@ -356,7 +356,7 @@ def script_config(script, **flags):
     """The script's Config at its defaults, with flags (its own names; max_response_len and
     max_new_tokens both name the response length) in place of them. The flags a run fills from
     the model named (lr and the token limits, cli.fill_defaults) take the values of a model of
-    your own: TRL's (GRPO: 512 prompt and 256 completion tokens)."""
+    your own: TRL's (GRPO: 512 prompt and 512 completion tokens)."""
     import importlib
 
     if ROOT not in sys.path:

@@ -16,7 +16,7 @@ import typing
 import torch
 
 import common
-from plumbing import checkpoints, logs, models, rundir, trl_flags
+from plumbing import checkpoints, errors, lengths, logs, models, rundir, trl_defaults, trl_flags
 
 
 @dataclasses.dataclass
@@ -34,6 +34,12 @@ class SharedConfig:
     """peak learning rate (AdamW; 0 trains nothing, a check that KL and clipping stay 0) [>= 0]"""
     weight_decay: float = 0.0
     """AdamW weight decay [>= 0]"""
+    lr_scheduler_type: typing.Literal["cosine", "linear", "constant", "constant_with_warmup"] = "cosine"
+    """the lr after --warmup_steps' linear climb from 0: cosine or linear decay to 0 at the last step, or constant;
+    `constant` has no warmup (transformers' get_scheduler, TRL's name and values)"""
+    num_train_epochs: float = 0.0
+    """passes over the training rows (prompts for grpo.py): sets --steps to that many passes of whole batches once
+    the rows are loaded (0: --steps decides) (TRL's name) [>= 0]"""
     grad_clip: float = 1.0
     """clip the global gradient norm to this (0: no clipping) [>= 0]"""
     activation_checkpointing: bool = False
@@ -105,18 +111,19 @@ class SharedConfig:
 
 def start(cfg):
     """A script's first lines: every flag within the range --help states and among its choices
-    (before anything is loaded or written), torchrun's process group (or a world of one), the
-    seed. Returns the common.Dist. The log is one line per step: transformers' progress bars of
-    each load and save ("Loading weights", "Writing model shards") are switched off."""
+    (before anything is loaded or written), out_dir writable, torchrun's process group (or a world
+    of one), the seed. Returns the common.Dist. The log is one line per step: transformers'
+    progress bars of each load and save ("Loading weights", "Writing model shards") are switched off."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    filled = fill_defaults(cfg)
+    filled = fill_defaults(cfg, lengths.model_shape(cfg))
     try:
         check_ranges(cfg)
         check_schedule(cfg)
         check_saves(cfg)
         check_extras(cfg)
+        check_out_dir(cfg)
     except (ValueError, ModuleNotFoundError) as e:
         raise rundir.refusal(e)
     d = common.setup_distributed(timeout_minutes=cfg.timeout_minutes, hsdp=cfg.hsdp)
@@ -131,25 +138,47 @@ def start(cfg):
 EMBEDDED_MODEL, EMBEDDED_TASK = "tiny", "sort"  # the 0.8M GPT-2 and the task whose values a Config's DEFAULTS hold
 
 
-def fill_defaults(cfg):
+def fill_defaults(cfg, shape=(None, False)):
     """The flags a run left unset (None) that its Config's DEFAULTS name (the learning rate and the
-    token limits), set in place: the embedded task's own values when the run trains `--model tiny` or on
-    `--dataset sort` (tuned on them: lr 1e-4 and 24 new tokens for GRPO), else TRL 1.16's defaults,
-    what a user who names a model and data of their own expects (GRPO lr 1e-6, 512 prompt tokens,
-    256 completion tokens). Returns the banner line naming each value and where it came from ("" when
-    every one was given)."""
-    embedded = getattr(cfg, "model", "") == EMBEDDED_MODEL or getattr(cfg, "dataset", "") == EMBEDDED_TASK
-    preset = type(cfg).DEFAULTS["embedded" if embedded else "trl"]
-    filled = {k: v for k, v in preset.items() if getattr(cfg, k) is None}
+    token limits), set in place: the embedded task's own values when the run trains `--model tiny`
+    (or a checkpoint of it: shape, lengths.model_shape's) or on `--dataset sort` (tuned on them:
+    lr 1e-4 and 24 new tokens for GRPO), else TRL 1.16's defaults, what a user who names a model
+    and data of their own expects (GRPO lr 1e-6, 512 completion tokens). Lengths filled that do not
+    fit the model's context (shape) are cut to fit (lengths.fit). Returns the banner's lines naming
+    each value and where it came from, and, for a model of your own, the defaults here that are not
+    TRL's, each with the flag that gives TRL's (trl_defaults.differences); "" when nothing to say."""
+    context, tiny = shape
+    kind = preset(cfg, tiny)
+    filled = {k: v for k, v in type(cfg).DEFAULTS[kind].items() if getattr(cfg, k) is None}
     for k, v in filled.items():
         setattr(cfg, k, v)
-    lines = ([fit_warmup(cfg)] if hasattr(cfg, "warmup_steps") else []) + [fill_saves(cfg)]
+    lines = [lengths.fit(cfg, filled, context)] + ([fit_warmup(cfg)] if hasattr(cfg, "warmup_steps") else [])
+    lines.append(fill_saves(cfg))
+    if kind == "trl":
+        defaults = {f.name: f.default for f in dataclasses.fields(cfg)} | type(cfg).DEFAULTS["trl"]
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        lines.insert(0, "not TRL 1.16's defaults here (the flag in brackets gives TRL's): "
+                     + "; ".join(trl_defaults.differences(script_name(type(cfg)), cfg, defaults, world)))
     if filled:
-        source = (f"the embedded task's (--model {EMBEDDED_MODEL} or --dataset {EMBEDDED_TASK})" if embedded
-                  else "TRL 1.16's, for a model and data of your own")
+        source = "TRL 1.16's, for a model and data of your own" if kind == "trl" else (
+            f"the embedded task's (--model {EMBEDDED_MODEL} or --dataset {EMBEDDED_TASK}"
+            + (f"; --model {cfg.model} is a checkpoint of {EMBEDDED_MODEL})" if tiny and cfg.model != EMBEDDED_MODEL
+               else ")"))
         lines.insert(0, f"defaults, {source}: {' '.join(map(shown, filled.items()))} (pass a flag to "
                         f"change one)")
     return "\n".join(line for line in lines if line)
+
+
+def preset(cfg, tiny=False):
+    """Which of its Config's DEFAULTS a run takes: "embedded" for `--model tiny` (tiny: or a checkpoint
+    of it) or `--dataset sort`, else "trl"."""
+    embedded = getattr(cfg, "model", "") == EMBEDDED_MODEL or getattr(cfg, "dataset", "") == EMBEDDED_TASK or tiny
+    return "embedded" if embedded else "trl"
+
+
+def script_name(cls):
+    """The file name without .py of the script whose Config cls is: sft, reward, dpo, grpo."""
+    return os.path.splitext(os.path.basename(getattr(sys.modules[cls.__module__], "__file__", None) or "run"))[0]
 
 
 SAVE_MINUTES = 10.0  # --save_minutes' default: a kill loses at most 10 minutes; a save of SmolLM2-135M's state (1.6 GB)
@@ -252,6 +281,41 @@ def check_extras(cfg):
                                       f"{logs.REPORTERS[name]}")
 
 
+def check_out_dir(cfg):
+    """Refuse an --out_dir this user cannot create or write (the nearest folder on its path that
+    exists is not writable, or is a file), before anything is loaded: a PermissionError's traceback
+    came at the end of the data's loading. (Root passes os.access everywhere but a read-only file
+    system: script() names what the OS refuses then.)"""
+    path = os.path.abspath(cfg.out_dir or ".")
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"--out_dir {cfg.out_dir} cannot be written: {path} is "
+                         f"{'not a folder' if not os.path.isdir(path) else 'not writable by this user'}; pass a folder "
+                         f"you can write")
+
+
+def steps_from_epochs(cfg, n_rows):
+    """TRL's --num_train_epochs, once the n_rows training rows (grpo.py: prompts) are loaded:
+    --steps = ceil(epochs x the steps of one pass), a pass drawing whole batches (data.DataOrder:
+    the rows left over sit that pass out), set in place with a line; --warmup_steps then fitted
+    and checked against the new length, as at the start (fit_warmup, check_schedule). Nothing
+    without the flag."""
+    if not cfg.num_train_epochs:
+        return
+    flag, batch = ("--prompts_per_step", cfg.prompts_per_step) if hasattr(cfg, "prompts_per_step") else (
+        "--batch_size", cfg.batch_size)
+    per_pass, rows = n_rows // batch, "prompts" if hasattr(cfg, "prompts_per_step") else "rows"
+    cfg.steps = max(1, math.ceil(cfg.num_train_epochs * per_pass))
+    common.print0(f"--num_train_epochs {cfg.num_train_epochs:g}: {per_pass} steps a pass over the {n_rows} training "
+                  f"{rows} at {flag} {batch} (whole batches: {n_rows % batch} {rows} sit each pass out): --steps "
+                  f"{cfg.steps}")
+    line = fit_warmup(cfg) if hasattr(cfg, "warmup_steps") else ""
+    if line:
+        common.print0(line)
+    check_schedule(cfg)
+
+
 def with_defaults(cfg):
     """A copy of cfg with its unset flags filled (fill_defaults), for code that reads a Config
     without running it (benchmarks, the memory model)."""
@@ -297,9 +361,9 @@ def script(main, cls):
     it, not a traceback; exit status 130, 143 or 129; within GRACE seconds, also in a step that
     spends minutes in one C call (_watch). A signal is left alone where the shell asked for that:
     a background job `cmd &` starts with SIGINT ignored, `nohup cmd` with SIGHUP ignored, and the
-    run goes on (`kill PID` stops it). A run that cannot start as asked (a flag's value, a busy
-    out_dir: rundir.refusal) ends with its one-line message, exit status 1. A run that fails leaves
-    out_dir as `Run.abandon` says."""
+    run goes on (`kill PID` stops it). A user's mistake (a flag's value, a busy out_dir, a data
+    row, a missing chat template, lengths: errors.user_error) ends with its message alone, once,
+    exit status 1. A run that fails leaves out_dir as `Run.abandon` says."""
     import threading
 
     cfg = parse_config(cls)
@@ -327,8 +391,9 @@ def script(main, cls):
         # KeyboardInterrupt was unwinding through (torch.save's zip writer: "unexpected pos"),
         # which torch.distributed.checkpoint then wraps; the handler's record says what it was
         if not (isinstance(e, KeyboardInterrupt) or rundir.INTERRUPTED):
-            if getattr(e, "refusal", False):
-                common.print0(f"{os.path.basename(sys.argv[0])}: {e}", file=sys.stderr)
+            message = errors.user_error(e, cfg.out_dir)
+            if message is not None:
+                errors.say(message)
                 sys.exit(1)
             if hasattr(e, "frames"):  # a reward function failed (reward_fns.failed): its frames, not the trainer's
                 print(f"{e.frames}{type(e).__name__}: {e}", file=sys.stderr, flush=True)
@@ -454,11 +519,19 @@ def parse_config(cls, argv=None):
     TRL flag that means nothing here (`--bf16`) with a note. A value of the wrong type or not among
     the choices exits with an error that names it (argparse); every unknown flag, and every TRL
     flag that means something else here, with one message naming the script, each flag and what
-    was meant (trl_flags). A Config's own flags are listed before the shared ones."""
-    docs, hints = _field_docs(cls), typing.get_type_hints(cls)
-    script = os.path.splitext(os.path.basename(getattr(sys.modules[cls.__module__], "__file__", None) or "run"))[0]
+    was meant (trl_flags), printed once under torchrun, exit status 2. TRL's flags whose value here
+    follows from the world size, the accumulation and the defaults (`--per_device_train_batch_size`,
+    `--max_length`: trl_flags.computed) are set here, with a note. A Config's own flags are listed
+    before the shared ones."""
+    docs, hints, script = _field_docs(cls), typing.get_type_hints(cls), script_name(cls)
     parser = argparse.ArgumentParser(description=(sys.modules[cls.__module__].__doc__ or "").split("\n\n")[0],
                                      allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+    def refuse(message):  # once under torchrun; argparse's own printed the usage of every flag (50 lines for grpo.py)
+        errors.say(message.removeprefix(f"{script}.py: "), f"{script}.py")
+        sys.exit(2)
+
+    parser.error = lambda message: refuse(f"{message} (--help lists every flag)")
     shared = {f.name for f in dataclasses.fields(SharedConfig)} - set(cls.__dict__.get("__annotations__", {}))
     for f in sorted(dataclasses.fields(cls), key=lambda f: f.name in shared):
         tp = hints[f.name]
@@ -470,8 +543,9 @@ def parse_config(cls, argv=None):
                   dest=f.name)  # argparse formats %
         if f.name in getattr(cls, "DEFAULTS", {}).get("trl", {}):  # fill_defaults': both values, not "None"
             embedded, trl = (shown((f.name, cls.DEFAULTS[k][f.name])) for k in ("embedded", "trl"))
-            kw["help"] += (f" (default: {embedded} with --model {EMBEDDED_MODEL} or --dataset {EMBEDDED_TASK}, else "
-                           f"{trl}, TRL's)%(default).0s")
+            kw["help"] += (f" (default: {embedded} with --model {EMBEDDED_MODEL} (or a checkpoint of it) or --dataset "
+                           f"{EMBEDDED_TASK}, else {trl}{trl_defaults.preset_note(script, f.name, cls.DEFAULTS['trl'])})"
+                           f"%(default).0s")
         if tp is bool:
             parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, **kw)
             continue
@@ -489,11 +563,14 @@ def parse_config(cls, argv=None):
         parser.add_argument(f"--{f.name}", type=convert, metavar=tp.__name__.upper(), **kw)
     bools = {f.name for f in dataclasses.fields(cls) if hints[f.name] is bool or hints[f.name] in AUTO_BOOL}
     try:
-        argv, notes = trl_flags.translate(script, sys.argv[1:] if argv is None else list(argv),
-                                          {f.name for f in dataclasses.fields(cls)} | {f"no-{b}" for b in bools}, bools)
+        argv, notes, computed = trl_flags.translate(script, sys.argv[1:] if argv is None else list(argv),
+                                                    {f.name for f in dataclasses.fields(cls)} | {f"no-{b}" for b in bools},
+                                                    bools)
+        cfg = cls(**vars(parser.parse_args(argv)))
+        notes += trl_flags.computed(script, cfg, computed, int(os.environ.get("WORLD_SIZE", 1)),
+                                    cls.DEFAULTS[preset(cfg, lengths.model_shape(cfg)[1])] if computed else {})
     except ValueError as e:
-        parser.exit(2, f"{e}\n")
-    cfg = cls(**vars(parser.parse_args(argv)))
+        refuse(str(e))
     for note in notes:
         common.print0(note)
     return cfg

@@ -488,6 +488,32 @@ def test_lr_schedule_is_linear_warmup_then_cosine_by_hand():
     assert seen == pytest.approx(expected, abs=1e-12)
 
 
+@pytest.mark.parametrize("kind", ["cosine", "linear", "constant", "constant_with_warmup"])
+def test_each_lr_scheduler_type_is_transformers_get_scheduler_to_the_bit(kind):
+    """--lr_scheduler_type (TRL's name and values; `linear` is TRL's default, refused on the old
+    tree) gives every step the lr transformers' get_scheduler of that name gives (what TRL's
+    trainer runs), to the bit: the same float operations, on warmups of 0, 1 and 3 and runs longer
+    and shorter than them. And by hand: linear falls by lr / (total - warmup) a step after the peak."""
+    from transformers import get_scheduler
+
+    for warmup, total in ((0, 5), (1, 6), (3, 10), (3, 2)):
+        ours = common.make_optimizer([torch.nn.Parameter(torch.zeros(1))], 0.3, 0.0, warmup, total, schedule=kind)
+        theirs_opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=0.3)
+        theirs = get_scheduler(kind, theirs_opt, num_warmup_steps=warmup, num_training_steps=total)
+        for step in range(total + 2):
+            assert ours[0].param_groups[0]["lr"] == theirs_opt.param_groups[0]["lr"], (kind, warmup, total, step)
+            for opt, sched in (ours, (theirs_opt, theirs)):
+                opt.step()
+                sched.step()
+    opt, sched = common.make_optimizer([torch.nn.Parameter(torch.zeros(1))], 0.5, 0.0, 1, 5, schedule="linear")
+    seen = []
+    for _ in range(6):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx([0.0, 0.5, 0.375, 0.25, 0.125, 0.0], abs=1e-15)
+
+
 def _module_with_grads(weight_grad, bias_grad):
     m = torch.nn.Linear(2, 2)
     m.weight.grad = torch.tensor(weight_grad)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from helpers import TWO_RANK_RUNS, chat_rows, checkpoint_weights, max_abs_diff, read_metrics, run_here, write_jsonl
-from plumbing import checkpoints, cli, models
+from plumbing import checkpoints, cli, lengths, models
 
 
 def run_ok(argv):
@@ -227,7 +227,7 @@ def test_every_dropout_field_is_zeroed_and_kept_for_the_export(tmp_path):
     ("sft", dict(lr=2e-5, max_prompt_len=512, max_response_len=512)),
     ("reward", dict(lr=1e-4, max_prompt_len=512, max_response_len=512)),
     ("dpo", dict(lr=1e-6, max_prompt_len=512, max_response_len=512)),
-    ("grpo", dict(lr=1e-6, max_prompt_len=512, max_new_tokens=256))])
+    ("grpo", dict(lr=1e-6, max_prompt_len=512, max_new_tokens=512))])
 def test_a_model_and_data_of_your_own_get_trls_defaults(script, trl):
     """Named with a model and data of their own and no other flag, a run trains at TRL 1.16's
     learning rate and lengths, not at the embedded task's (GRPO trained Qwen at lr 1e-4 on prompts
@@ -252,12 +252,109 @@ def test_a_model_and_data_of_your_own_get_trls_defaults(script, trl):
 
 def test_the_banner_says_where_the_defaults_came_from(tmp_path, user_models):
     """grpo.py on a folder and a file of prompts, no length flags: the first lines name TRL's values,
-    and the run samples up to 256 tokens (a random policy rarely stops: its longest answer is longer
+    and the run samples up to 512 tokens (a random policy rarely stops: its longest answer is longer
     than the embedded task's 24)."""
     argv = grpo_argv(tmp_path, user_models, "--lr", "0", "--steps", "1")
     argv = [a for a in argv if a not in ("--max_prompt_len", "128", "--max_new_tokens", "8")]
     proc = run_here(argv)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "defaults, TRL 1.16's, for a model and data of your own: --max_prompt_len 512 --max_new_tokens 256" \
+    assert "defaults, TRL 1.16's, for a model and data of your own: --max_prompt_len 512 --max_new_tokens 512" \
         in proc.stdout, proc.stdout[:2000]
     assert read_metrics(tmp_path / "run")[-1]["completions/max_length"] > 24
+
+
+# -----------------------------------------------------------------------------
+# default lengths fitted to the model's context; `tiny` and its checkpoints keep the embedded task's
+
+
+def test_default_lengths_that_do_not_fit_the_model_are_cut_to_fit():
+    """A length filled by default (TRL's 512 + 512) that does not fit the model's context is cut to
+    fit, both in the defaults' proportion, or the one filled to the room the one given leaves
+    (grpo.py one fewer with a reward model, which scores an EOS after the completion), with a line;
+    one given is left for the load to refuse. On the old tree DPO on a 128-position model stopped:
+    `--max_prompt_len 512 + --max_response_len 512 = 1024 tokens exceeds the model's context of 128`."""
+    import dpo
+    import grpo
+    import reward
+    import sft
+
+    mine = dict(model="mine", dataset="mine.jsonl")
+    for Config in (sft.Config, reward.Config, dpo.Config):
+        cfg = Config(**mine)
+        line = cli.fill_defaults(cfg, (128, False))
+        assert (cfg.max_prompt_len, cfg.max_response_len) == (64, 64)
+        assert "--max_prompt_len 512 + --max_response_len 512 do not fit the 128 positions of --model mine: " \
+               "--max_prompt_len 64 --max_response_len 64 instead" in line
+        cfg = Config(**mine, max_prompt_len=100)
+        cli.fill_defaults(cfg, (128, False))
+        assert (cfg.max_prompt_len, cfg.max_response_len) == (100, 28)
+        cfg = Config(**mine, max_prompt_len=100, max_response_len=100)
+        assert "do not fit" not in cli.fill_defaults(cfg, (128, False)) and cfg.max_prompt_len == 100  # the load refuses
+        cfg = Config(**mine)
+        assert "do not fit" not in cli.fill_defaults(cfg, (1024, False)) and cfg.max_prompt_len == 512
+    for extra, want in (({}, (64, 64)), ({"reward_model": "rm"}, (63, 64)), ({"max_new_tokens": 8}, (120, 8))):
+        cfg = grpo.Config(**mine, **extra)
+        cli.fill_defaults(cfg, (128, False))
+        assert (cfg.max_prompt_len, cfg.max_new_tokens) == want, extra
+
+
+def _tiny_checkpoint(path, **shape):
+    """`tiny`'s model (or, with shape, a GPT-2 of that shape) saved with its character tokenizer."""
+    import tasks
+    from transformers import AutoModelForCausalLM
+
+    tok = tasks.char_tokenizer()
+    model = AutoModelForCausalLM.from_config(tasks.char_gpt2_config(tok, **shape)) if shape else \
+        models.load_model("tiny", tok)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def test_the_models_context_and_whether_it_is_tiny_are_read_from_its_config(tmp_path, user_models):
+    """lengths.model_shape: `tiny` and a checkpoint of it (a run's out_dir too) are 128 positions and tiny;
+    a GPT-2 of another shape is not tiny; a Llama folder has its max_position_embeddings; a path
+    that is not there, or a GGUF file, has no context before the load."""
+    import types
+
+    ckpt = _tiny_checkpoint(tmp_path / "run" / "checkpoint")
+    other = _tiny_checkpoint(tmp_path / "other", n_layer=1, n_embd=32, n_head=2, n_positions=96)
+
+    def shape(name):
+        return lengths.model_shape(types.SimpleNamespace(model=name, trust_remote_code=False))
+
+    assert shape("tiny") == shape(ckpt) == shape(str(tmp_path / "run")) == (128, True)
+    assert shape(other) == (96, False) and shape(user_models["llama"]) == (2048, False)
+    assert shape(str(tmp_path / "nowhere")) == shape("model.gguf") == (None, False)
+
+
+def test_dpo_on_a_tiny_checkpoint_keeps_the_embedded_tasks_lengths(tmp_path):
+    """The issue's case: dpo.py on a checkpoint of `tiny` (sft.py's out_dir) with a file of pairs
+    took TRL's 512 + 512 and stopped at the load (the model has 128 positions); it takes the
+    embedded task's values now, as `--model tiny` does, and runs."""
+    ckpt = _tiny_checkpoint(tmp_path / "sft" / "checkpoint")
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": f"sort {i % 10} {(i * 7) % 10} =", "chosen": " 1 2",
+                                                    "rejected": " 2"} for i in range(40)])
+    r = run_here(["dpo.py", "--model", str(tmp_path / "sft"), "--dataset", pairs, "--steps", "1", "--batch_size", "8",
+                  "--eval_every", "100", "--out_dir", str(tmp_path / "dpo")])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"--model {tmp_path / 'sft'} is a checkpoint of tiny): --lr 0.0001 --max_prompt_len 64 --max_response_len 32" \
+        in r.stdout, r.stdout[:2000]
+    with open(tmp_path / "dpo" / "run_config.json") as f:
+        config = json.load(f)
+    assert (config["max_prompt_len"], config["max_response_len"]) == (64, 32)
+
+
+def test_sft_on_a_small_model_of_your_own_fits_trls_lengths_to_it(tmp_path):
+    """A model of your own with 96 positions gets TRL's lengths cut to 48 + 48, said on the
+    banner, and trains (refused at the load on the old tree)."""
+    other = _tiny_checkpoint(tmp_path / "small", n_layer=1, n_embd=32, n_head=2, n_positions=96)
+    rows = write_jsonl(tmp_path / "rows.jsonl", [{"prompt": f"sort {i % 10} 3 =", "completion": " 3"}
+                                                 for i in range(40)])
+    r = run_here(["sft.py", "--model", other, "--dataset", rows, "--steps", "1", "--batch_size", "8", "--eval_every",
+                  "100", "--out_dir", str(tmp_path / "run")])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "--max_prompt_len 512 + --max_response_len 512 do not fit the 96 positions" in r.stdout, r.stdout[:2000]
+    with open(tmp_path / "run" / "run_config.json") as f:
+        config = json.load(f)
+    assert (config["max_prompt_len"], config["max_response_len"]) == (48, 48)

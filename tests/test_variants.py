@@ -276,8 +276,8 @@ TRL_FIELDS = {
              "importance_sampling_level", "reward_weights", "scale_rewards", "loss_type", "mask_truncated_completions",
              "top_entropy_quantile", "entropy_coef", "vllm_importance_sampling_correction",
              "vllm_importance_sampling_clip_max", "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min",
-             "off_policy_mask_threshold", "temperature", "top_p", "top_k"},
-    "dpo": {"beta", "loss_type", "label_smoothing", "precompute_ref_log_probs", "simpo_gamma"},
+             "off_policy_mask_threshold", "temperature", "top_p", "top_k", "num_train_epochs"},
+    "dpo": {"beta", "loss_type", "label_smoothing", "precompute_ref_log_probs", "simpo_gamma", "num_train_epochs"},
 }
 
 
@@ -644,9 +644,11 @@ def test_a_beta_0_run_loads_no_reference_and_beta_above_0_does(tmp_path, monkeyp
     no reference model), the run logs no kl, and says so; with --beta 0.04, or --reference at beta 0
     (the embedded task's KL study measures a run without a KL term), the copy is made and kl is
     logged; with --lora and --beta 0.04 the reference is the policy, adapters off: no copy either."""
-    folder = models.load_model("tiny", tasks.char_tokenizer())
-    folder.save_pretrained(tmp_path / "m")
-    tasks.char_tokenizer().save_pretrained(tmp_path / "m")
+    from transformers import AutoModelForCausalLM
+
+    tok = tasks.char_tokenizer()  # a model of your own: not tiny's shape (a checkpoint of tiny takes its presets)
+    AutoModelForCausalLM.from_config(tasks.char_gpt2_config(tok, n_layer=2)).save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
     rows = write_jsonl(tmp_path / "p.jsonl", tasks.prompt_rows(32))
     frozen = []
     freeze = common.freeze
