@@ -28,6 +28,8 @@ def other_value(cls, flag):
     tp = next((a for a in typing.get_args(tp) if a is not type(None)), tp) if type(None) in typing.get_args(tp) else tp
     if typing.get_origin(tp) is typing.Literal:
         return next(c for c in typing.get_args(tp) if c != default)
+    if bool in typing.get_args(tp):  # a speed flag: bool | "auto"
+        return "false" if default is not False else "true"
     return {int: "77", float: "0.375", str: "somewhere/else"}[tp]
 
 
