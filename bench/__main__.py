@@ -146,10 +146,15 @@ def fmt(x):
     return "-" if x is None else f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
 
 
-def cell(variant, key):
-    """A variant's median over its repeats of one metric, formatted; "-" where not measured."""
-    vals = [v for v in variant.get(key) or [] if v is not None]
-    return fmt(statistics.median(vals)) if vals else "-"
+def summary(variant):
+    """A variant's medians over its repeats: tokens/s (or seconds), peak memory, MFU, where measured."""
+    out = []
+    for key, shown in (("tokens_per_s", "{} tok/s"), ("seconds", "{} s"), ("peak_gib", "{} GiB"), ("mfu", "MFU {}")):
+        vals = [v for v in variant.get(key) or [] if v is not None]
+        if vals and not (key == "seconds" and "tokens_per_s" in variant):
+            x = statistics.median(vals)
+            out.append(shown.format(f"{x:.0%}" if key == "mfu" else fmt(x)))
+    return ", ".join(out)
 
 
 def machine(res):
@@ -166,18 +171,15 @@ def measurement_rows(res):
     """A row per ratio (A against B) of each measurement, or per variant where it has none."""
     rows = []
     for m in res["measurements"]:
-        what = m["what"] + "".join(f", {k} {v}" for k, v in (m.get("x") or {}).items())
-        v = m["variants"]
-        side = lambda n: ", ".join(f"{cell(v[n], k)}{unit}" for k, unit in  # noqa: E731
-                                   (("tokens_per_s", " tok/s"), ("seconds", " s"), ("peak_gib", " GiB"), ("mfu", " MFU"))
-                                   if k in v[n] and cell(v[n], k) != "-" and not (k == "seconds" and "tokens_per_s" in v[n]))
+        what, v = m["what"], m["variants"]
         for r in m["ratios"] or [{"a": n} for n in v]:
             speed = r.get("tokens_per_s") or r.get("speed") or {}
             rng = f" ({speed['min']:.2f}-{speed['max']:.2f})" if speed.get("min", 1) != speed.get("max", 1) else ""
             mem = r.get("peak_gib")
             rows.append([what, f"`{r['a']}`" + (f" / `{r['b']}`" if "b" in r else ""),
                          f"**{speed['median']:.2f}x**{rng}" if speed else "-", f"{mem['median']:.2f}x" if mem else "-",
-                         side(r["a"]) + (f"; {side(r['b'])}" if "b" in r else ""), machine(res), command(res)])
+                         summary(v[r["a"]]) + (f"; {summary(v[r['b']])}" if "b" in r else ""), machine(res),
+                         command(res)])
     return rows
 
 

@@ -13,6 +13,7 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import traceback
 
@@ -243,14 +244,10 @@ def run_process(cmd, log, env=None, timeout=3600):
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log, "w") as f:
         p = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
-        t0 = time.time()
-        while True:
-            pid, status, usage = os.wait4(p.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.time() - t0 > timeout:
-                p.kill()
-            time.sleep(0.2)
+        timer = threading.Timer(timeout, p.kill)  # a run past its time is killed, and fails below
+        timer.start()
+        _, status, usage = os.wait4(p.pid, 0)  # reaps the child: its own resource usage
+        timer.cancel()
     if os.waitstatus_to_exitcode(status) != 0:
         with open(log) as f:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{f.read()[-3000:]}")

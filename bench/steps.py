@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import statistics
 import sys
 import tempfile
@@ -25,6 +26,7 @@ import sampling  # noqa: E402  (on the path harness puts the repository on)
 
 SIDES = {"steps": ("ours", "trl", "trl-defaults"), "rollout": ("ours", "generate")}
 AXES = ("response_len", "prompt_len", "rows", "ranks")
+TRL_FLAGS = ("--precompute_ref", "--padding_free", "--activation_checkpointing")  # our names for TRL's knobs
 
 
 def parse_variant(spec, command="steps"):
@@ -37,6 +39,8 @@ def parse_variant(spec, command="steps"):
         raise SystemExit(f"--variant {spec!r}: a variant starts with one of {', '.join(SIDES[command])}")
     if command == "rollout" and set(words[1:]) - {"--compile"}:
         raise SystemExit(f"--variant {spec!r}: the rollout's own flag is --compile")
+    if words[0].startswith("trl") and set(words[1:]) - set(TRL_FLAGS):
+        raise SystemExit(f"--variant {spec!r}: TRL's side takes {', '.join(TRL_FLAGS)} (bench/trl.py)")
     return words[0], words[1:]
 
 
@@ -139,17 +143,16 @@ def measure(w, variants, repeats, pairs=None, in_process=False):
         if w["script"] == "grpo":
             tokens = r.pop("tokens", w["rows"] * w["group_size"] * (mean_prompt + r["completion_len"]))
         r |= {"tokens_per_s": tokens / r["step_s"], "mfu": flops / r["step_s"] / w["peak_flops"]}
-        r.pop("what_ran", None) if rep else None
         print(f"  {spec:40s} {r['step_s']:8.3f} s/step {r['tokens_per_s']:9.0f} tok/s  peak "
               f"{r['peak_gib'] or 0:6.2f} GiB" + (f" (model {r['predicted_peak_gib']:.2f})"
                                                   if r.get("predicted_peak_gib") else ""), flush=True)
-        harness.subprocess.run(["rm", "-rf", out_dir])  # a checkpoint of GPT-2 large per run would fill the disk
+        shutil.rmtree(out_dir, ignore_errors=True)  # a checkpoint of GPT-2 large per run would fill the disk
         return r
 
     runs = harness.alternate(list(variants), repeats, run)
     metrics = {v: {k: [r.get(k) for r in rs] for k in rs[0] if k != "what_ran"} | {"what_ran": rs[0].get("what_ran")}
                for v, rs in runs.items()}
-    pairs = pairs or [(v, variants[-1]) for v in variants[:-1]]
+    pairs = pairs if pairs is not None else [(v, variants[-1]) for v in variants[:-1]]
     return {"what": describe(w), "script": w["script"], "model": w["model_name"],
             "workload": {k: w[k] for k in ("rows", "group_size", "prompt_len", "response_len", "steps", "lr", "beta",
                                            "ranks", "lengths_kind")},
@@ -158,8 +161,9 @@ def measure(w, variants, repeats, pairs=None, in_process=False):
 
 
 def describe(w):
-    rows = f"{w['rows']} prompts x {w['group_size']}" if w["script"] == "grpo" else \
-        f"{w['rows']} {'pairs' if w['script'] in ('dpo', 'reward') else 'rows'}"
+    s = "s" * (w["rows"] != 1)
+    rows = f"{w['rows']} prompt{s} x {w['group_size']}" if w["script"] == "grpo" else \
+        f"{w['rows']} {'pair' if w['script'] in ('dpo', 'reward') else 'row'}{s}"
     lengths = f"{w['prompt_len']} + {w['response_len']} tokens" if w["lengths_kind"] == "fixed" else \
         f"{w['lengths_kind']} lengths (up to {w['prompt_len']} + {w['response_len']})"
     ranks = f", {w['ranks']} ranks" if w["ranks"] > 1 else ""
@@ -177,6 +181,8 @@ def steps(args):
     for v in args.variant:
         parse_variant(v)
     env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
+    if args.threads:  # the matmul peak and the device's name on the runs' threads
+        torch.set_num_threads(args.threads)
     peak = harness.matmul_peak(device)
     print(f"steps on {harness.device_name(device)}, matmul peak {peak / 1e9:.0f} GFLOP/s", flush=True)
     out = []
@@ -228,6 +234,7 @@ def plot_sweep(ms, axis, path, device):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     xs = [m["x"][axis] for m in ms]
@@ -239,8 +246,15 @@ def plot_sweep(ms, axis, path, device):
         if "predicted_peak_gib" in ms[0]["variants"][v] and None not in med("predicted_peak_gib"):
             ax2.plot(xs, med("predicted_peak_gib"), "--", color=f"C{i}", label=f"{v}: bench/memory.py's model")
     for ax, label in ((ax1, "tokens / s (higher is better)"), (ax2, "peak memory, GiB")):
+        ys = [y for line in ax.get_lines() for y in line.get_ydata() if y]
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
+        if ys and max(ys) > 4 * min(ys):  # log axes where the values span enough of a decade
+            ax.set_yscale("log")
+            ax.yaxis.set_major_locator(ticker.LogLocator(subs=(1, 2, 5)))
+            ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+            ax.yaxis.set_minor_formatter(ticker.NullFormatter())
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.xaxis.set_minor_locator(ticker.NullLocator())
         ax.set_xlabel(axis)
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)

@@ -110,7 +110,8 @@ def main():
         with open(path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
         print(f"{script}.py on {name} ...", flush=True)
-        log, metrics = run(script, model, path, os.path.join(work, "runs", f"{i:02d}_{script}"), extra, args.steps)
+        log, metrics = run(script, model, path, os.path.join(work, "runs", f"{i:02d}_{script}"), extra=extra,
+                           steps=args.steps)
         m = re.search(r"first example: prompt \((\d+) tokens\) (.*)\n  loss on (.*)", log)
         prompt, loss_on = m.group(2), m.group(3)
         train = [r for r in metrics if "loss" in r]

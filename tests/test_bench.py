@@ -70,6 +70,9 @@ def test_a_variants_flags_reach_the_script_after_the_workloads(script, tmp_path)
             steps.parse_variant(bad)
     with pytest.raises(SystemExit, match="--compile"):
         steps.parse_variant("ours --lora", "rollout")
+    with pytest.raises(SystemExit, match="TRL's side takes"):  # a flag TRL's side would drop
+        steps.parse_variant("trl --no-shared_prompt")
+    assert steps.parse_variant("trl --precompute_ref") == ("trl", ["--precompute_ref"])
 
 
 def test_rows_have_each_rows_own_token_lengths(tmp_path):
@@ -153,6 +156,16 @@ def test_memory_and_dispatch_write_their_tables(tmp_path, monkeypatch):
     for name in ("memory-cpu-readme", "dispatch-cpu"):
         table = bench.render([name])
         assert table.startswith("| ") and "Made by `python -m bench" in table, table
+
+
+def test_micro_runs_the_benchmarks_each_checked_against_its_twin(tmp_path):
+    """`python -m bench micro -k draw`: pytest-benchmark over bench/test_micro.py's draw (sample_token's
+    inverse CDF checked against a per-row plain one first), its group a measurement, the ratio against
+    the plain twin (multinomial)."""
+    bench.main(["micro", "-k", "draw", "--results", str(tmp_path)])
+    (m,) = results(tmp_path / "micro-cpu.json")["measurements"]
+    assert list(m["variants"]) == ["draw[inverse_cdf]", "draw[multinomial]"] and m["variants"]["draw[multinomial]"]["seconds"][0] > 0
+    assert [(r["a"], r["b"]) for r in m["ratios"]] == [("draw[inverse_cdf]", "draw[multinomial]")]
 
 
 def test_trl_check_names_the_missing_package(monkeypatch):

@@ -111,7 +111,7 @@ def parses(script, argv):
 
 
 def all_blocks():
-    return [b for f in ["README.md", *sorted(os.listdir(os.path.join(ROOT, "docs")))]
+    return [b for f in ["README.md", *sorted(n for n in os.listdir(os.path.join(ROOT, "docs")) if n.endswith(".md"))]
             for b in blocks(os.path.join(ROOT, f if f == "README.md" else os.path.join("docs", f)))]
 
 

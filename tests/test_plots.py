@@ -370,7 +370,7 @@ def documented_plot_commands():
     argument lists (placeholders such as RUN_DIR and `...` dropped)."""
     found = []
     for path in [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "plots", "plot.py"),
-                 *(os.path.join(ROOT, "docs", n) for n in sorted(os.listdir(os.path.join(ROOT, "docs"))))]:
+                 *(os.path.join(ROOT, "docs", n) for n in sorted(os.listdir(os.path.join(ROOT, "docs"))) if n.endswith(".md"))]:
         with open(path) as f:
             text = f.read()
         for m in re.finditer(r"python plots/plot\.py([^`#]*?)(?=`|#|\n\n|\n {4}python|$)", text):  # may wrap
