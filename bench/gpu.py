@@ -72,7 +72,8 @@ def race(plan, model, device, work, trl_ok, cpu):
         variants = [v for v in RACE[script] if trl_ok or v.startswith("ours")]
         pairs = [p for p in PAIRS[script] if p[1] in variants]
         print(f"race {script} on {model}: {', '.join(variants)}; expected ~{plan['seconds'][script]} s", flush=True)
-        m = steps.measure(w, variants, plan["repeats"], pairs=pairs, in_process=cpu)
+        # --cpu: our scripts in this process (seconds), unless TRL runs beside them (each side's own process)
+        m = steps.measure(w, variants, plan["repeats"], pairs=pairs, in_process=cpu and not trl_ok)
         ms.append(m)
         for r in m["ratios"]:
             t, mem = r["tokens_per_s"], r.get("peak_gib")
@@ -86,10 +87,19 @@ def race(plan, model, device, work, trl_ok, cpu):
             rows.append(row(script, f"{model}: `{v}`, a step and its first (compile, warm-up)",
                             f"{step:.3f} s, first {first:.1f} s; {statistics.median(x['tokens_per_s']):,.0f} tok/s, "
                             f"{statistics.median(x['peak_gib']):.2f} GiB, MFU {statistics.median(x['mfu']):.1%}",
-                            f"what ran: {x['what_ran']}" if x.get("what_ran") else ""))
+                            brief(x.get("what_ran"))))
         if not trl_ok:
             rows.append(row(script, f"{model}: ours / TRL 1.16", "TRL not run", "the trl section names what is missing"))
     return rows, ms
+
+
+def brief(what_ran):
+    """What a run ran, in a cell: `auto`'s choices (ours) or TRL's checkpointing, beta, reference and AdamW."""
+    if not what_ran:
+        return ""
+    keys = ("gradient_checkpointing", "beta", "reference", "betas", "mixed_precision")
+    return "; ".join(f"{k} {v['value'] if isinstance(v, dict) else v}" for k, v in what_ran.items()
+                     if isinstance(v, dict) or k in keys)
 
 
 def decode(plan, device, work, grpo):
@@ -210,7 +220,7 @@ def main(argv=None):
                     got = decode(plan, device, work, grpo)
                 else:
                     got = gpu_check(["--cpu"] * args.cpu, args.results)
-            except Exception as e:  # noqa: BLE001  a section that fails is a row; the others still run
+            except (Exception, SystemExit) as e:  # noqa: BLE001  a section that fails is a row; the others still run
                 got = [row(section, "FAILED", f"{type(e).__name__}: {str(e)[-400:]}")]
             rows += got + [row(section, "seconds", f"{time.time() - s0:.0f}", f"expected ~{expected}")]
             for r in got:
