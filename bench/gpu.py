@@ -84,10 +84,11 @@ def race(plan, model, device, work, trl_ok, cpu):
                             "wanted >= " + ("2x" if script == "grpo" else "1.5x") + " at <= 1x memory"))
         for v, x in m["variants"].items():
             first, step = statistics.median(x["first_step_s"]), statistics.median(x["step_s"])
-            rows.append(row(script, f"{model}: `{v}`, a step and its first (compile, warm-up)",
-                            f"{step:.3f} s, first {first:.1f} s; {statistics.median(x['tokens_per_s']):,.0f} tok/s, "
-                            f"{statistics.median(x['peak_gib']):.2f} GiB, MFU {statistics.median(x['mfu']):.1%}",
-                            brief(x.get("what_ran"))))
+            compiled = ((x.get("what_ran") or {}).get("compile") or {}).get("value")  # `auto`'s choice, recorded
+            compile_s = f" (its compile ~{first - step:.0f} s; paid back: the decode section)" if compiled else ""
+            value = (f"{step:.3f} s, first {first:.1f} s{compile_s}; {statistics.median(x['tokens_per_s']):,.0f} tok/s, "
+                     f"{statistics.median(x['peak_gib']):.2f} GiB, MFU {statistics.median(x['mfu']):.1%}")
+            rows.append(row(script, f"{model}: `{v}`, a step and its first", value, brief(x.get("what_ran"))))
         if not trl_ok:
             rows.append(row(script, f"{model}: ours / TRL 1.16", "TRL not run", "the trl section names what is missing"))
     return rows, ms
@@ -109,7 +110,8 @@ def decode(plan, device, work, grpo):
                            group_size=size["group_size"], prompt_len=size["prompt_len"], response_len=size["response_len"],
                            lengths="fixed", variant=["ours"] + ["ours --compile"] * cuda + ["generate"], repeats=2,
                            threads=None, tag="gpu", results=plan["results"], dtype="auto", argv=plan["argv"])
-    res = json.load(open(steps.rollout(args)))["measurements"][0]
+    with open(steps.rollout(args)) as f:
+        res = json.load(f)["measurements"][0]
     rows = [row("decode", f"{r['a']} / {r['b']}: {res['what']}, tokens/s",
                 f"**{r['tokens_per_s']['median']:.2f}x** ({r['tokens_per_s']['min']:.2f}-{r['tokens_per_s']['max']:.2f})",
                 f"greedy rows identical {res['variants'][r['a']]['greedy']['identical_rows']:.0%}")
