@@ -343,7 +343,7 @@ def arith_rows(n, seed=0, split="train"):
 
 
 # the calculator task (grpo.py --tools calculator): 3-digit sums and products, which a 135M model
-# gets wrong in its head (1% greedy: bench/results/smollm2-tools-baseline.json)
+# gets wrong in its head (1% greedy: studies/results/smollm2-tools-baseline.json)
 CALCULATOR_SYSTEM = (f"You have a calculator. To use it, write {tools.CALL_OPEN}an arithmetic expression"
                      f"{tools.CALL_CLOSE} and you will get {tools.RESULT_OPEN}its value{tools.RESULT_CLOSE}. Use it for "
                      f"any multiplication or addition of large numbers.")
@@ -416,8 +416,8 @@ def char_gpt2_config(tokenizer, **overrides):
 
 
 def calculator_gpt2(folder, **shape):
-    """A tiny GPT-2 that calls the calculator often, for tests and bench/tool_step.py: the character
-    tokenizer with the tag pairs as tokens, and an output layer whose first input, held at 1 by the
+    """A tiny GPT-2 that calls the calculator often, for tests and `python -m bench steps --model calculator`: the
+    character tokenizer with the tag pairs as tokens, and an output layer whose first input, held at 1 by the
     final layer norm, leans to digits, '+', the call tags and EOS: most rows call the tool, some
     twice, some never, at different turns. The same from the same seed; its folder, as a string."""
     import torch

@@ -5,15 +5,15 @@ small model's step is dispatch-bound (~10-15 us an op on an H200, docs/gpu.md), 
 what a GPU pays for, and they are deterministic: tests/test_dispatch.py bounds them, so that what a
 GPU shows cannot regress unseen between GPU loans. Counts, never times.
 
-    python bench/dispatch.py                    # the SmolLM2 shape (30 layers, widths cut: counts do not depend on them)
-    python bench/dispatch.py --layers 2 --diff  # a short model, and each op whose count differs per decode step
+    python -m bench dispatch                    # a decode step, SmolLM2's shape (30 layers, widths cut: counts do not depend on them)
+    python -m bench dispatch --training         # and a DPO and a GRPO step (tests/test_dispatch.py's setups)
+    python -m bench dispatch --layers 2 --diff  # a short model, and each op whose count differs per decode step
 
 Per step: the count over a run of `more` extra steps minus the count over the shorter run, over
 `more` (what is done once a call, the prefill, a run's setup and its evaluations, cancels). Host
 syncs: aten._local_scalar_dense (.item(), bool()), Tensor.tolist and .numpy, nonzero, masked_select,
 unique and indexing with a boolean mask, each of which makes a GPU's host wait for its queue to drain.
 """
-import argparse
 import collections
 import contextlib
 import copy
@@ -27,8 +27,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
+import data  # noqa: E402
+import dpo  # noqa: E402
+import environment  # noqa: E402
+import grpo  # noqa: E402
 import sampling  # noqa: E402
 import tasks  # noqa: E402
+from bench import harness  # noqa: E402
 
 SYNCS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default",
          "aten._unique2.default", "aten.unique_dim.default", "aten.unique_consecutive.default",
@@ -225,6 +230,53 @@ def total(counter):
     return sum(counter.values())
 
 
+def prompts_batch(tokenizer, n_prompts, G, device):
+    """n_prompts of the embedded task's test prompts, each repeated G times in a row (as grpo.py lays them out)."""
+    texts = [row["prompt"] for row in tasks.prompt_rows(n_prompts, split="test") for _ in range(G)]
+    ids, mask = common.pad([tokenizer(t)["input_ids"] for t in texts], tokenizer.pad_token_id, side="left")
+    return ids.to(device), mask.to(device)
+
+
+# tests/test_dispatch.py's training steps: 2 layers of SmolLM2's architecture, rows of exact lengths
+DPO_ARGV = ["--n_eval", "2", "--n_eval_prompts", "2", "--batch_size", "4", "--max_prompt_len", "32",
+            "--max_response_len", "32", "--eval_every", "1000", "--no-precompute_ref"]
+GRPO_ARGV = ["--n_eval", "2", "--prompts_per_step", "4", "--group_size", "4", "--max_prompt_len", "32",
+             "--max_new_tokens", "8", "--num_iterations", "1", "--num_mini_batches", "1", "--beta", "0.04",
+             "--eval_every", "1000"]
+PADDED = ["--no-shared_prompt", "--no-padding_free"]
+
+
+def training_rows(work, layers=2):
+    """Table rows of a DPO step and a GRPO step (less its rollout and evaluation), at the default flags and
+    in the padded layout, against a plain transformers padded step of the same rows."""
+    tok, model = smollm2_ops_model(layers)
+    model.save_pretrained(os.path.join(work, "model"))
+    tok.save_pretrained(os.path.join(work, "model"))
+    pairs = harness.make_data(os.path.join(work, "pairs.jsonl"), [(32, 32)] * 8)
+    prompts = harness.make_data(os.path.join(work, "prompts.jsonl"), [(24, 8)] * 16)
+    rows = []
+    for flags in ([], PADDED):
+        shown = " ".join(flags) or "default flags"
+        argv = ["--model", os.path.join(work, "model"), "--dataset", pairs, "--eval_dataset", pairs, *DPO_ARGV, *flags]
+        ops, syncs, batches = script_step(dpo, argv, pause=[(data, "pair_batch")])
+        ids, attn, resp = max(batches, key=lambda b: len(b[0]))
+        padded, psyncs = padded_step(model, ids, attn, resp.shape[1], dpo_loss(resp))
+        rows.append([f"a DPO step, live reference, 4 pairs of 32 + 32 tokens, {layers} layers, {shown}",
+                     f"{total(ops):,.0f} ops, {total(syncs):.0f} syncs", f"{total(padded):,.0f} ops, {total(psyncs):.0f} "
+                     "syncs", f"{total(ops) / total(padded):.2f}x ops"])
+        argv = ["--model", os.path.join(work, "model"), "--dataset", prompts, "--eval_dataset", prompts, *GRPO_ARGV,
+                *flags]
+        ops, syncs, outs = script_step(grpo, argv, pause=[(environment, "rollout"), (environment, "evaluate")])
+        roll = [o for o in outs if isinstance(o, environment.Rollout)][-1]
+        ids, attn = torch.cat([roll.p_ids, roll.r_ids], 1), torch.cat([roll.p_mask, roll.r_mask], 1)
+        loss = grpo_loss(roll.r_mask.float(), torch.linspace(-1, 1, len(ids)))
+        padded, psyncs = padded_step(model, ids, attn, roll.r_ids.shape[1], loss)
+        rows.append([f"a GRPO step less its rollout and evaluation, 4 prompts x G = 4, 24 + 8 tokens, {layers} layers, "
+                     f"{shown}", f"{total(ops):,.0f} ops, {total(syncs):.0f} syncs",
+                     f"{total(padded):,.0f} ops, {total(psyncs):.0f} syncs", f"{total(ops) / total(padded):.2f}x ops"])
+    return rows
+
+
 # -----------------------------------------------------------------------------
 # kernel launches: what a step launches where parts of it are compiled (--compile_layers), counted from the
 # profiler's events, since a dispatch mode makes dynamo run compiled code eagerly
@@ -289,30 +341,21 @@ def padded_launches(model, ids, attn, n_response, loss_fn):
 
 def step_launches(layers=30, flag_sets=((), ("--compile_layers", "true")), folder=None):
     """Kernel launches of one steady DPO step (a live reference, 4 pairs of 32 + 32 tokens) and one GRPO
-    step less its rollout and evaluation (4 prompts x G = 4, 24 + 8 tokens, beta 0.04), each script at each
-    of flag_sets, against TRL's plain padded transformers step on the same rows: {(script, flags): (ours,
-    TRL's)}, Counters (launches). SmolLM2's architecture at `layers` layers, widths cut."""
-    import data
-    import dpo
-    import environment
-    import grpo
-    from bench import steps
-
+    step less its rollout and evaluation (4 prompts x G = 4, 24 + 8 tokens, beta 0.04; DPO_ARGV,
+    GRPO_ARGV), each script at each of flag_sets, against TRL's plain padded transformers step on the
+    same rows: {(script, flags): (ours, TRL's)}, Counters (launches). SmolLM2's architecture at
+    `layers` layers, widths cut."""
     torch._inductor.config.cpp.enable_kernel_profile = True  # inductor's CPU kernels seen by the profiler
     folder = folder or tempfile.mkdtemp(prefix="dispatch-")
     tok, model = smollm2_ops_model(layers)
     model.save_pretrained(os.path.join(folder, "model"))
     tok.save_pretrained(os.path.join(folder, "model"))
-    pairs = steps.make_data(os.path.join(folder, "pairs.jsonl"), 8, 32, 32)
-    prompts = steps.make_data(os.path.join(folder, "prompts.jsonl"), 16, 24, 8)
-    common_argv = ["--model", os.path.join(folder, "model"), "--n_eval", "2", "--max_prompt_len", "32",
-                   "--eval_every", "1000"]
-    runs = {"dpo": (dpo, [*common_argv, "--dataset", pairs, "--eval_dataset", pairs, "--n_eval_prompts", "2",
-                          "--batch_size", "4", "--max_response_len", "32", "--no-precompute_ref"], []),
-            "grpo": (grpo, [*common_argv, "--dataset", prompts, "--eval_dataset", prompts, "--prompts_per_step", "4",
-                            "--group_size", "4", "--max_new_tokens", "8", "--num_iterations", "1",
-                            "--num_mini_batches", "1", "--beta", "0.04"], [(environment, "rollout"),
-                                                                          (environment, "evaluate")])}
+    pairs = harness.make_data(os.path.join(folder, "pairs.jsonl"), [(32, 32)] * 8)
+    prompts = harness.make_data(os.path.join(folder, "prompts.jsonl"), [(24, 8)] * 16)
+    model_argv = ["--model", os.path.join(folder, "model")]
+    runs = {"dpo": (dpo, [*model_argv, "--dataset", pairs, "--eval_dataset", pairs, *DPO_ARGV], []),
+            "grpo": (grpo, [*model_argv, "--dataset", prompts, "--eval_dataset", prompts, *GRPO_ARGV],
+                     [(environment, "rollout"), (environment, "evaluate")])}
     out = {}
     for name, (script, argv, pause) in runs.items():
         seen = []
@@ -339,32 +382,37 @@ def _recording(fn, seen):
     return run
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=30)
-    p.add_argument("--rows", type=int, default=16, help="decode rows: prompts x G = 2")
-    p.add_argument("--diff", action="store_true", help="each op whose count per decode step differs")
-    p.add_argument("--launches", action="store_true", help="kernel launches of a DPO and a GRPO step, ours "
-                   "(eager and --compile_layers) against TRL's padded step (compiles on the CPU: minutes)")
-    args = p.parse_args()
-    if args.launches:
-        for (script, flags), (ours, trl) in step_launches(args.layers).items():
-            print(f"{script} step, {flags}: ours {total(ours):,.0f} launches, TRL's padded step {total(trl):,.0f}: "
-                  f"{total(ours) / total(trl):.2f}x (compiled kernels {ours['compiled kernel']:.0f})")
-        return
+def launch_rows(layers):
+    """Table rows of step_launches: ours eager and with --compile_layers against TRL's step."""
+    rows = []
+    for (script, flags), (ours, trl) in step_launches(layers).items():
+        what = "a DPO step, live reference" if script == "dpo" else "a GRPO step less its rollout and evaluation"
+        rows.append([f"{what}, {layers} layers, {flags}: kernel launches (ops outside compiled regions + compiled "
+                     f"kernels)", f"{total(ours):,.0f} ({ours['compiled kernel']:,.0f} compiled kernels)",
+                     f"{total(trl):,.0f}", f"**{total(ours) / total(trl):.2f}x**"])
+    return rows
+
+
+def main(args):
+    """The dispatch command: a decode step's counts (and with --training a DPO and a GRPO step's), printed
+    and written as a table (bench/results/dispatch-cpu[-TAG].json)."""
     tok, model = smollm2_ops_model(args.layers)
-    from bench.sampler import prompts_batch
-
-    ids, mask = prompts_batch(tok, args.rows // 2, 2, torch.device("cpu"))
+    ids, mask = prompts_batch(tok, 4, 2, torch.device("cpu"))
     steps = decode_step(model, ids, mask, tok.pad_token_id, tok.eos_token_id, check_every=sampling.GPU_CHECK_EVERY)
-    for k, (ops, syncs) in steps.items():
-        print(f"decode step, {k:8s}: {total(ops):7.1f} ops, {total(syncs):.3f} host syncs ({dict(syncs)})")
+    (ours, ours_syncs), (gen, gen_syncs) = steps["ours"], steps["generate"]
+    rows = [[f"a decode step, SmolLM2's architecture ({args.layers} layers), {len(ids)} rows, sampled",
+             f"{total(ours):,.0f} ops, {total(ours_syncs):.3g} host syncs",
+             f"`model.generate`: {total(gen):,.0f} ops, {total(gen_syncs):.3g} syncs", f"{total(ours) / total(gen):.3f}x ops"]]
     if args.diff:
-        a, b = steps["ours"][0], steps["generate"][0]
-        for k in sorted(set(a) | set(b), key=lambda k: a[k] - b[k]):
-            if a[k] != b[k]:
-                print(f"  {k:55s} ours {a[k]:7.2f}  generate {b[k]:7.2f}")
-
-
-if __name__ == "__main__":
-    main()
+        for k in sorted(set(ours) | set(gen), key=lambda k: ours[k] - gen[k]):
+            if ours[k] != gen[k]:
+                print(f"  {k:55s} ours {ours[k]:7.2f}  generate {gen[k]:7.2f}")
+    if args.training:
+        with tempfile.TemporaryDirectory() as work:
+            rows += training_rows(work)
+    for r in rows:
+        print(" | ".join(r))
+    path = harness.save("dispatch", torch.device("cpu"), args.tag, {
+        "header": ["step", "ours", "reference (a plain transformers step: what TRL 1.16 runs)", "ratio"], "rows": rows},
+        argv=args.argv, folder=args.results)
+    print(f"wrote {path}")

@@ -1,12 +1,15 @@
 """Expected peak memory per device of each script, phase by phase, from a model's shape and the
 script's own flags (its Config's defaults unless given).
 
-    python bench/memory.py --model llama-3-8b --world 8 --max_prompt_len 512 --max_new_tokens 1024
-    python bench/memory.py --model path/to/config.json --world 1 --launcher python --script grpo
-    python bench/memory.py --table      # what fits 1 and 8 80-GB GPUs: GPT-2 large, Qwen2.5-1.5B, Llama-3-8B
-    python bench/memory.py --table --readme   # the README's shorter table
-    python bench/memory.py --check      # against bench/memory_trace.py (the scripts' code on fake tensors)
-    python bench/memory.py --validate   # the CPU model against the peaks measured here (bench/results)
+    python -m bench memory --model llama-3-8b --world 8 --max_prompt_len 512 --max_new_tokens 1024
+    python -m bench memory --model path/to/config.json --world 1 --launcher python --script grpo
+    python -m bench memory --table      # what fits 1 and 8 80-GB GPUs: GPT-2 large, Qwen2.5-1.5B, Llama-3-8B
+    python -m bench memory --table --readme   # the README's shorter table
+    python tests/memory_trace.py --check  # the model against the scripts' own step on fake tensors
+    python -m bench memory --validate   # the CPU model against the peaks measured here (bench/results)
+
+The tables are written as bench/results/memory-cpu-{table,readme}.json too (`python -m bench report`
+renders them); `python -m bench steps` draws the model's peak beside each measured one.
 
 On a GPU (bytes per GPU; N parameters, W ranks under torchrun, bf16 compute), per phase:
 - always: fp32 parameters 4N/W and AdamW's moments 8N/W (--lora: the frozen base 4N/W, and the
@@ -53,9 +56,9 @@ On a GPU (bytes per GPU; N parameters, W ranks under torchrun, bf16 compute), pe
   log-probs, one micro-batch of logits at a time (--lora: beside its base's bf16 copy, made once
   for the reference and old passes; the reference's shared prompts: beside every layer's cache of
   the micro-batch's rows while its logits are made).
-Checked against bench/memory_trace.py (`--check`; tests/test_memory_model.py fails past 10%). Not
+Checked against tests/memory_trace.py (`--check`; tests/test_memory_model.py fails past 10%). Not
 counted: CUDA's context and the allocator's fragmentation (`fits` adds 1 GiB and 10%), the data,
-checkpoint writing (bench/load_memory.py). On the CPU (`--device cpu`, fp32, the math attention
+checkpoint writing (docs/history.md). On the CPU (`--device cpu`, fp32, the math attention
 kernel keeping its probabilities) an older, coarser model, checked against measured peaks.
 """
 import argparse
@@ -283,7 +286,7 @@ def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, r
     roll = dict(state, **({"gathered (FSDP)": 2 * N} if fsdp else rollout_weights), **kept)  # common.unsharded
     roll["KV cache"] = roll.pop("compiled KV cache", cache)
     # the prefill's own cache of each prompt while the static cache is filled; its forward's largest moment
-    # (one layer's MLP and a few hidden states for every token, the constant c fitted to bench/memory_trace.py:
+    # (one layer's MLP and a few hidden states for every token, the constant c fitted to tests/memory_trace.py:
     # GPT-2's Python GELU and autocast's fp32 residual stream keep more) comes before the static cache is
     # made, unless --compile kept it
     roll["prefill cache"] = chunk_prompts * prompt_len * L * kv_bytes
@@ -445,26 +448,29 @@ def fits(peak, gpu_gib=80):
     return peak * 1.1 + GIB <= gpu_gib * GIB
 
 
-def validate():
-    """Estimate against every CPU peak in bench/results (the scripts under `python`, fp32)."""
+VALIDATE = ("steps-cpu-all", "steps-cpu-large-b2", "steps-cpu-large-b4")  # results of `python -m bench steps`
+
+
+def validate(names=VALIDATE):
+    """Estimate against every CPU peak measured on GPT-2's shapes in these results files (our scripts
+    under `python`, fp32), with and without --activation_checkpointing."""
     rows = []
-    for name in ("steps-cpu.json", "steps-large-mem-cpu.json", "steps-large-mem-b4-cpu.json",
-                 "steps-ac-large-mem-cpu.json"):
-        with open(os.path.join(ROOT, "bench", "results", name)) as f:
+    for name in names:
+        with open(os.path.join(ROOT, "bench", "results", name + ".json")) as f:
             res = json.load(f)
-        cfg = res["config"]
-        for c in res["cases"]:
-            if c["model"] == "tiny":
+        for m in res["measurements"]:
+            if m["model"] not in ("gpt2-small-random", "gpt2-large-random"):
                 continue
-            shape = SHAPES[{"gpt2-small-random": "gpt2", "gpt2-large-random": "gpt2-large"}[c["model"]]]
-            rows_per_step = cfg["batch_size"] * cfg.get("group_size", 1) if c["algo"] == "grpo" else cfg["batch_size"]
-            phases = parts(shape, c["algo"], launcher="python", device="cpu", seqs=rows_per_step,
-                              prompt_len=cfg["prompt_len"], response_len=cfg["response_len"],
-                              rollout_rows=rows_per_step, ac=cfg["activation_checkpointing"],
-                              reward_model=False)  # bench/steps.py's GRPO scores with a rule
-            peak, phase = total(phases, "cpu")
-            rows.append((name, c["algo"], c["model"], cfg["batch_size"], cfg["activation_checkpointing"], phase,
-                         peak / GIB, c["peak_rss_bytes"] / GIB))
+            shape, w = SHAPES[{"gpt2-small-random": "gpt2", "gpt2-large-random": "gpt2-large"}[m["model"]]], m["workload"]
+            rows_per_step = w["rows"] * (w["group_size"] if m["script"] == "grpo" else 1)
+            for variant, x in m["variants"].items():
+                ac = "--activation_checkpointing" in variant
+                phases = parts(shape, m["script"], launcher="python", device="cpu", seqs=rows_per_step,
+                               prompt_len=w["prompt_len"], response_len=w["response_len"], rollout_rows=rows_per_step,
+                               ac=ac, reward_model=False)  # the steps command's GRPO scores with a rule
+                peak, phase = total(phases, "cpu")
+                rows.append((name, m["script"], m["model"], w["rows"], ac, phase, peak / GIB,
+                             sorted(x["peak_gib"])[len(x["peak_gib"]) // 2]))
     print("| results file | script | model | batch | act. ckpt | peak phase | estimate GiB | measured GiB | error |")
     print("|---|---|---|---|---|---|---|---|---|")
     worst = 0.0
@@ -541,64 +547,29 @@ def table(settings=("defaults", "long"), readme=False):
                 print(f"| {model} ({n_params(s)[0] / 1e9:.2f}B) | {world} | {lengths} | " + " | ".join(cells) + " |")
 
 
-SCRIPTS = ("sft", "reward", "dpo", "grpo")
-CHECKS = [  # (launcher, world, flags, scripts) the model is checked at against bench/memory_trace.py
-    *[(launcher, world, flags, SCRIPTS) for launcher, world, flags in [
-        ("python", 1, {}), ("torchrun", 8, {}),
-        ("python", 1, dict(LONG, reward_model="rm")), ("torchrun", 8, dict(LONG, reward_model="rm")),
-        ("python", 1, dict(LONG, ac=True, grad_accum=2)), ("torchrun", 8, dict(LONG, ac=True, grad_accum=2))]],
-    # grpo.py's own: a teacher (the policy's shape), rejection sampling's rows, LoRA, --compile, tool calls, the
-    # sampler's chunks
-    *[(launcher, world, dict(LONG, **flags), ("grpo",)) for launcher, world, flags in [
-        ("python", 1, dict(teacher="teacher")), ("torchrun", 8, dict(teacher="teacher")),
-        ("python", 1, dict(rs_samples=16, reward_model="rm")), ("torchrun", 8, dict(rs_samples=16, reward_model="rm")),
-        ("python", 1, dict(lora=True)), ("python", 1, dict(lora=True, ac=True)), ("python", 1, dict(compile=True)),
-        ("python", 1, dict(tools="calculator")), ("torchrun", 8, dict(tools="calculator")),
-        ("python", 1, dict(tools="calculator", generation_micro_batch_size=32))]],
-    # LoRA in the other scripts, on one GPU and on 8 (dpo.py's live reference: the policy with its adapters off)
-    *[(launcher, world, dict(LONG, lora=True, **flags), ("sft", "reward", "dpo")) for launcher, world, flags in [
-        ("python", 1, dict(ac=True)), ("torchrun", 8, {}), ("python", 1, dict(precompute_ref=False))]],
-]
+def saved(tag, fn, argv, folder):
+    """fn(), its output printed and its Markdown table written as bench/results/memory-cpu-TAG.json."""
+    import contextlib
+    import io
+
+    import torch
+
+    from bench import harness
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        out = fn()
+    print(buf.getvalue(), end="")
+    lines = [line for line in buf.getvalue().splitlines() if line.startswith("|")]
+    cells = lambda line: [c.strip() for c in line.strip().strip("|").split("|")]  # noqa: E731
+    harness.save("memory", torch.device("cpu"), tag, {"header": cells(lines[0]), "rows": [cells(x) for x in lines[2:]]},
+                 argv=["memory", *argv], folder=folder)
+    return out
 
 
-def shown(flags, ac=False):
-    """The flags of a check as on a command line."""
-    out = [f"--{k}" if v is True else f"--{k} {v}" for k, v in flags.items() if k not in ("reward_model", "teacher")]
-    out += ["--activation_checkpointing"] * ac + ["+ a teacher"] * ("teacher" in flags)
-    return " ".join(out + ["+ reward model"] * ("reward_model" in flags)) or "defaults"
-
-
-def check(shapes=("gpt2-large", "qwen2.5-1.5b", "llama-3-8b"), cases=CHECKS, layers=None):
-    """Each phase of the model against bench/memory_trace.py's tracker (the scripts' own code on fake
-    tensors) for each (launcher, world, flags, scripts) of cases; layers: build the shapes with this
-    many blocks (the tests: faster, same terms). A phase the model lacks counts as -100%. Prints a
-    table; returns the largest error of a script's peak and of any phase."""
-    import memory_trace
-
-    print("| model | launcher | flags | script | phase | model GiB | tracker GiB | error |")
-    print("|---|---|---|---|---|---|---|---|")
-    worst_peak = worst_phase = 0.0
-    for name in shapes:
-        s = dict(SHAPES[name], **({"L": layers} if layers else {}))
-        for launcher, world, flags, scripts in cases:
-            flags = dict(flags)
-            ac = flags.pop("ac", False)
-            for script in scripts:
-                traced = memory_trace.trace(s, script, world, launcher, ac=ac, **flags)
-                est = {k: sum(v.values()) for k, v in estimate(s, script, world, launcher, ac=ac, **flags).items()}
-                for phase, t in traced.items():
-                    err = est.get(phase, 0) / t - 1
-                    worst_phase = max(worst_phase, abs(err))
-                    model = f"{name} ({layers} layers)" if layers else name
-                    print(f"| {model} | {launcher} x{world} | {shown(flags, ac)} | {script} | {phase} | "
-                          f"{est.get(phase, 0) / GIB:.2f} | {t / GIB:.2f} | {err:+.1%} |")
-                worst_peak = max(worst_peak, abs(max(est.values()) / max(traced.values()) - 1))
-    print(f"\nlargest error: a script's peak {worst_peak:.1%}, a phase {worst_phase:.1%}")
-    return worst_peak, worst_phase
-
-
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog="python -m bench memory", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gpt2-large", help=f"one of {sorted(SHAPES)} or a config.json path")
     p.add_argument("--script", default="sft,reward,dpo,grpo")
     p.add_argument("--world", type=int, default=1)
@@ -607,17 +578,15 @@ def main():
     p.add_argument("--activation_checkpointing", action="store_true")
     p.add_argument("--offload_frozen", action="store_true")
     p.add_argument("--validate", action="store_true", help="against the CPU peaks measured here (bench/results)")
-    p.add_argument("--check", action="store_true", help="against bench/memory_trace.py, three shapes")
     p.add_argument("--table", action="store_true")
     p.add_argument("--readme", action="store_true", help="with --table: the README's shorter table")
-    args, rest = p.parse_known_args()
+    p.add_argument("--results", default=os.path.join(ROOT, "bench", "results"), help="where the tables are written")
+    args, rest = p.parse_known_args(argv)
     flags = parse_flags(rest)  # any script flag: --max_prompt_len 512 --max_new_tokens 1024 --grad_accum 2 ...
     if args.validate:
-        sys.exit(1 if validate() > 0.2 else 0)
-    if args.check:
-        sys.exit(1 if check()[0] > 0.1 else 0)
+        return 1 if validate() > 0.2 else 0
     if args.table:
-        return table(readme=args.readme)
+        return saved("readme" if args.readme else "table", lambda: table(readme=args.readme), argv, args.results) or 0
     s = shape_of(args.model)
     print(f"{args.model}: {n_params(s)[0] / 1e9:.3f}B parameters; {args.launcher} on {args.world} {args.device}(s)")
     for script in args.script.split(","):
@@ -628,7 +597,8 @@ def main():
         print(f"\n{script}.py: peak {peak / GIB:.2f} GiB in its {phase} phase{verdict}")
         for name, parts_ in phases.items():
             print(f"  {name}: " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in parts_.items()))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

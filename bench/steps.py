@@ -1,335 +1,366 @@
-"""Whole training steps of every algorithm: seconds per step, tokens/s, peak memory and MFU.
+"""The `steps` and `rollout` commands. steps: whole training steps of our scripts at one or more flag
+sets, and of TRL 1.16's trainers (GRPO, DPO), each run a process of its own on the same model folder and
+rows, alternated A B B A; its first step is warm-up and left out. rollout: the sampler alone,
+sampling.generate (eager, compiled) against model.generate in one process, alternated likewise.
 
-Each case runs the real script (sft.py, reward.py, dpo.py, grpo.py) in a fresh subprocess for
-a few steps on synthetic rows of exact token lengths (the character tokenizer makes one
-character one token), and reads its per-step times from its metrics.jsonl; the first step is
-warm-up and left out. Peak memory is the child's peak RSS on CPU and, on GPU,
-torch.cuda.max_memory_allocated since the child started (logged by every script as
-mem/peak_gib); where grpo.py logs the peak within its rollout and update phases
-(mem/rollout_gib, mem/update_gib) those are reported too.
-
-Tokens/s counts the tokens of the sequences a step trains on (prompt + response; GRPO: prompts
-x group size, its rollout included in the step's time). MFU (model FLOPs utilisation) = the
-model FLOPs a step needs per second (`step_work`: 6 x body parameters + attention per trained
-token, the LM head only where log-probs are needed, forward-only work at a third; PaLM,
-arXiv:2204.02311 App. B) / the machine's matmul peak measured in the same run in the scripts'
-compute dtype (`matmul_peak`: bf16 on a GPU, as the scripts autocast there; fp32 on CPU).
-
-GRPO also reports rollout tokens/s: completion tokens generated per second of its rollout
-phase (sampling.generate, KV-cached).
-
-`--lengths` (bench/lengths.py): `fixed` rows of --prompt_len + --response_len tokens (no
-padding), or each row its own lengths from a distribution, `arith` (SmolLM2's arithmetic chat
-task) or `tldr` (TL;DR's long-tailed shape); the scripts then pad each micro-batch to its
-longest row, and tokens/s counts real tokens only (a step's expected tokens: rows x the mean
-row; GRPO: the prompts' mean + the completions' measured mean). GRPO's completions are the
-policy's own: a random-weight policy seldom stops, so they run to the largest response length
-of the distribution (--max_new_tokens), and only its prompts follow the distribution.
-
-    python bench/steps.py                                         # tiny and GPT-2 small, CPU
-    python bench/steps.py --activation_checkpointing              # the same with recomputation
-    python bench/steps.py --models tiny,gpt2-small-random --tag bf16          # GPU: bf16 autocast and peak
-    python bench/steps.py --models gpt2-large-random --algos dpo --batch_size 16 --tag large-dpo  # GPU MFU
-    python bench/steps.py --models gpt2-small-random --lengths tldr --tag tldr   # GPU, TL;DR's lengths
-    python bench/steps.py --models tiny --algos sft,dpo --lengths arith --steps 3 --tag arith-small  # CPU
-
-Results: bench/results/steps[-ac][-TAG]-{cpu,cuda}.json and a .png beside it.
+Tokens/s counts the tokens a step trains on (prompt + response; GRPO: each side's own completions,
+its rollout in the step's time). Peak memory: a GPU's max_memory_allocated since the process started
+(ours logs mem/peak_gib; TRL's is read after every step), a CPU's peak resident set of the process
+(under torchrun: of the largest rank); beside ours', the memory model's (bench/memory.py) for the flags
+the run resolved (its run_config.json). MFU: the step's model FLOPs (harness.step_flops) over its
+seconds and the matmul peak measured in the same command.
 """
-import argparse
 import json
 import os
-import random
+import re
+import shlex
+import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import common  # noqa: E402
-import tasks  # noqa: E402
-from bench import lengths as length_dists  # noqa: E402
-from bench import util  # noqa: E402
-from plumbing import models  # noqa: E402
+from bench import harness, memory
+import sampling  # noqa: E402  (on the path harness puts the repository on)
 
-ALGOS = ("sft", "reward", "dpo", "grpo")
+SIDES = {"steps": ("ours", "trl", "trl-defaults"), "rollout": ("ours", "generate")}
+AXES = ("response_len", "prompt_len", "rows", "ranks")
+TRL_FLAGS = ("--precompute_ref", "--padding_free", "--activation_checkpointing")  # our names for TRL's knobs
 
 
-def exact_alphabet(tokenizer):
-    """Characters that tokenize to one token each in any order: letters, digits and spaces for
-    the character tokenizer, digits alone for tokenizers that split numbers into digits
-    (SmolLM2, Llama-3, Qwen), so that rows of k characters are k tokens."""
-    for alphabet in ("abcdefghij 0123456789", "0123456789"):
-        rng = random.Random(0)
-        sample = "".join(rng.choice(alphabet) for _ in range(200))
-        if len(tokenizer(sample, add_special_tokens=False)["input_ids"]) == len(sample):
-            return alphabet
-    raise SystemExit(f"{type(tokenizer).__name__}: no alphabet tokenizes to one token per character")
+def parse_variant(spec, command="steps"):
+    """'ours --no-shared_prompt' -> ("ours", ["--no-shared_prompt"]): a side and its own flags."""
+    try:
+        words = shlex.split(spec)
+    except ValueError:  # an unclosed quote
+        words = []
+    if not words or words[0] not in SIDES[command]:
+        raise SystemExit(f"--variant {spec!r}: a variant starts with one of {', '.join(SIDES[command])}")
+    if command == "rollout" and set(words[1:]) - {"--compile"}:
+        raise SystemExit(f"--variant {spec!r}: the rollout's own flag is --compile")
+    if words[0].startswith("trl") and set(words[1:]) - set(TRL_FLAGS):
+        raise SystemExit(f"--variant {spec!r}: TRL's side takes {', '.join(TRL_FLAGS)} (bench/trl.py)")
+    return words[0], words[1:]
 
 
-def make_data(path, n, prompt_len, response_len, seed=0, alphabet="abcdefghij 0123456789", lengths=None):
-    """Rows of every column the scripts read, with exact character (= token, see exact_alphabet)
-    lengths: prompt_len and response_len (EOS included), or each row's own of `lengths`, a list of
-    n (prompt, response) pairs (bench/lengths.py)."""
-    rng = random.Random(seed)
-    text = lambda k: "".join(rng.choice(alphabet) for _ in range(k))  # noqa: E731
-    with open(path, "w") as f:
-        for P, R in lengths or [(prompt_len, response_len)] * n:
-            f.write(json.dumps({"prompt": text(P), "completion": text(R - 1), "chosen": text(R - 1),
-                                "rejected": text(R - 1), "reward_fn": "digits"}) + "\n")
+def ours_argv(w, flags, out_dir):
+    """Our script's command line for workload w: the workload's flags, then the variant's (the last wins)."""
+    s, argv = w["script"], ["--model", w["model"], "--dataset", w["data"], "--eval_dataset", w["data"], "--out_dir",
+                            out_dir, "--overwrite", "--steps", str(w["steps"] + 1), "--max_prompt_len",
+                            str(w["prompt_len"]), "--eval_every", "1000000", "--n_eval", "1"]
+    if s == "grpo":
+        argv += ["--prompts_per_step", str(w["rows"]), "--group_size", str(w["group_size"]), "--max_new_tokens",
+                 str(w["response_len"]), "--n_eval_pairs", "1"]
+    else:
+        argv += ["--batch_size", str(w["rows"]), "--max_response_len", str(w["response_len"])]
+        argv += {"dpo": ["--n_eval_prompts", "1"], "reward": ["--no-normalize"], "sft": []}[s]
+    argv += ["--lr", str(w["lr"])] if w["lr"] is not None else []
+    argv += ["--beta", str(w["beta"])] if w["beta"] is not None and s in ("grpo", "dpo") else []
+    return [f"{s}.py", *argv, *flags]
+
+
+def run_ours(w, flags, out_dir, in_process=False):
+    """One run of our script: its timed steps' seconds, completions, peak, phases and predicted peak."""
+    argv, log = ours_argv(w, flags, out_dir), out_dir + ".log"
+    if in_process:  # the peak this run added to this process, not a fresh process's
+        with harness.peak_memory(w["device"]) as peak:
+            if harness.run_in_process(argv[0], argv[1:], log):
+                with open(log) as f:
+                    raise RuntimeError(f"{' '.join(argv)} failed:\n{f.read()[-3000:]}")
+        rss = peak["bytes"]
+    else:
+        launch = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                                      str(w["ranks"])] if w["ranks"] > 1 else [])
+        rss = harness.run_process(launch + argv, log, env=w["env"])
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        rows = [r for r in map(json.loads, f) if r["step"] >= 1 and "time/step" in r]
+    with open(os.path.join(out_dir, "run_config.json")) as f:
+        cfg = json.load(f)
+    with open(log) as f:
+        pre = re.search(r"reference log-probs of \d+ train pairs in ([\d.]+)s", f.read())
+    timed, gpu = rows[1:], max((r.get("mem/peak_gib", 0) for r in rows), default=0)
+    out = {"step_s": statistics.median(r["time/step"] for r in timed), "first_step_s": rows[0]["time/step"],
+           "peak_gib": gpu if w["device"].type == "cuda" else rss / 2**30,
+           "precompute_s": float(pre.group(1)) if pre else None, "predicted_peak_gib": predicted_peak(w, cfg),
+           "what_ran": cfg.get("choices")}  # what `auto` chose for the speed flags, and why
+    out |= {k[5:] + "_s": statistics.median(r[k] for r in timed) for k in timed[-1]
+            if k.startswith("time/") and k != "time/step"}
+    if w["script"] == "grpo":
+        out["completion_len"] = statistics.median(r["completions/mean_length"] for r in timed)
+    return out
+
+
+def predicted_peak(w, cfg):
+    """bench/memory.py's peak (GiB) for the flags the run resolved; None where the model has no config.json."""
+    path = os.path.join(w["model"], "config.json")
+    if not os.path.isfile(path):
+        return None
+    Config = __import__(w["script"]).Config
+    names = {f for f in Config.__dataclass_fields__} - {"activation_checkpointing", "offload_frozen"}
+    flags = {k: v for k, v in cfg.items() if k in names and v is not None}
+    device = "gpu" if w["device"].type == "cuda" else "cpu"
+    phases = memory.estimate(memory.shape_of(path), w["script"], w["ranks"], "torchrun" if w["ranks"] > 1 else "python",
+                             device, ac=cfg["activation_checkpointing"], offload_frozen=cfg.get("offload_frozen", False),
+                             **flags)
+    return memory.total(phases, device)[0] / memory.GIB
+
+
+def run_trl(w, side, flags, out_dir):
+    """One run of TRL's trainer (bench/trl.py in a process of its own)."""
+    spec = {k: w[k] for k in ("script", "model", "data", "steps", "lr", "beta", "rows", "group_size", "prompt_len",
+                              "response_len")} | {"out_dir": out_dir, "flags": flags, "defaults": side == "trl-defaults",
+                                                  "dtype": "bf16" if harness.common.bf16_supported(w["device"]) else "fp32"}
+    spec["steps"] += 1
+    spec["lr"] = spec["lr"] or 1e-6
+    with open(out_dir + ".spec.json", "w") as f:
+        json.dump(spec, f)
+    rss = harness.run_process([sys.executable, "-m", "bench.trl", out_dir + ".spec.json", out_dir + ".json"],
+                              out_dir + ".log", env=w["env"])
+    with open(out_dir + ".json") as f:
+        res = json.load(f)
+    out = {"step_s": statistics.median(res["step_s"][1:]), "first_step_s": res["step_s"][0],
+           "peak_gib": (res["peak_gpu_bytes"] if w["device"].type == "cuda" else rss) / 2**30,
+           "precompute_s": res.get("precompute_s"), "what_ran": res["what_ran"]}
+    if w["script"] == "grpo":
+        out["tokens"] = statistics.mean(res["tokens"][1:])
+        out["completion_len"] = statistics.mean(res["completion_len"][1:])
+    return out
+
+
+def measure(w, variants, repeats, pairs=None, in_process=False):
+    """One measurement: every variant of workload w run `repeats` times, alternated; each run's metrics
+    as lists over the repeats, and the ratios of each pair (default: each variant against the last)."""
+    shape = harness.model_shape(w["model"])
+    mean_prompt = statistics.mean(p for p, _ in w["lengths"])
+
+    def run(spec, rep):
+        side, flags = parse_variant(spec)
+        out_dir = os.path.join(w["work"], f"{w['script']}-{harness.slug(spec)}-r{rep}")
+        r = run_ours(w, flags, out_dir, in_process) if side == "ours" else run_trl(w, side, flags, out_dir)
+        tokens, flops = harness.step_flops(w["script"], w["rows"], w["group_size"], w["lengths"], shape,
+                                           completion=r.get("completion_len"))
+        if w["script"] == "grpo":
+            tokens = r.pop("tokens", w["rows"] * w["group_size"] * (mean_prompt + r["completion_len"]))
+        r |= {"tokens_per_s": tokens / r["step_s"], "mfu": flops / r["step_s"] / w["peak_flops"]}
+        print(f"  {spec:40s} {r['step_s']:8.3f} s/step {r['tokens_per_s']:9.0f} tok/s  peak "
+              f"{r['peak_gib'] or 0:6.2f} GiB" + (f" (model {r['predicted_peak_gib']:.2f})"
+                                                  if r.get("predicted_peak_gib") else ""), flush=True)
+        shutil.rmtree(out_dir, ignore_errors=True)  # a checkpoint of GPT-2 large per run would fill the disk
+        return r
+
+    runs = harness.alternate(list(variants), repeats, run)
+    metrics = {v: {k: [r.get(k) for r in rs] for k in rs[0] if k != "what_ran"} | {"what_ran": rs[0].get("what_ran")}
+               for v, rs in runs.items()}
+    pairs = pairs if pairs is not None else [(v, variants[-1]) for v in variants[:-1]]
+    return {"what": describe(w), "script": w["script"], "model": w["model_name"],
+            "workload": {k: w[k] for k in ("rows", "group_size", "prompt_len", "response_len", "steps", "lr", "beta",
+                                           "ranks", "lengths_kind")},
+            "padding_share": harness.padding_share(w["lengths"], w["rows"]), "variants": metrics,
+            "ratios": harness.ratios(metrics, pairs)}
+
+
+def describe(w):
+    s = "s" * (w["rows"] != 1)
+    rows = f"{w['rows']} prompt{s} x {w['group_size']}" if w["script"] == "grpo" else \
+        f"{w['rows']} {'pair' if w['script'] in ('dpo', 'reward') else 'row'}{s}"
+    lengths = f"{w['prompt_len']} + {w['response_len']} tokens" if w["lengths_kind"] == "fixed" else \
+        f"{w['lengths_kind']} lengths (up to {w['prompt_len']} + {w['response_len']})"
+    ranks = f", {w['ranks']} ranks" if w["ranks"] > 1 else ""
+    name = {"sft": "SFT", "reward": "Reward model", "dpo": "DPO", "grpo": "GRPO"}[w["script"]]
+    return f"{name}, {w['model_name']}, {rows}, {lengths}{ranks}"
+
+
+def steps(args):
+    """The steps command: each script x model (x sweep point), a measurement; one results file."""
+    device = harness.device_of(args.device)
+    axis, points = (args.sweep.split("=", 1)[0], [int(x) for x in args.sweep.split("=", 1)[1].split(",")]) \
+        if args.sweep else (None, [None])
+    if axis not in (None, *AXES):
+        raise SystemExit(f"--sweep {args.sweep}: one of {', '.join(AXES)}=v1,v2,...")
+    for v in args.variant:
+        parse_variant(v)
+    env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
+    if args.threads:  # the matmul peak and the device's name on the runs' threads
+        torch.set_num_threads(args.threads)
+    peak = harness.matmul_peak(device)
+    print(f"steps on {harness.device_name(device)}, matmul peak {peak / 1e9:.0f} GFLOP/s", flush=True)
+    out = []
+    with tempfile.TemporaryDirectory(prefix="bench-") as work:
+        for model in args.model.split(","):
+            folder = harness.model_folder(model, work)
+            tok = harness.models.load_tokenizer(folder)
+            for script in args.script.split(","):
+                for x in points:
+                    w = dict(script=script, model=folder, model_name=model, rows=args.rows, group_size=args.group_size,
+                             prompt_len=args.prompt_len, response_len=args.response_len, steps=args.steps, lr=args.lr,
+                             beta=args.beta, ranks=args.ranks, lengths_kind=args.lengths, device=device, env=env,
+                             work=work, peak_flops=peak) | ({axis: x} if axis else {})
+                    n = w["rows"] * (w["steps"] + 1)
+                    w["lengths"] = harness.row_lengths(args.lengths, n, w["prompt_len"], w["response_len"])
+                    w["data"] = harness.make_data(os.path.join(work, f"{script}-{x}.jsonl"), w["lengths"],
+                                                  harness.exact_alphabet(tok), task=args.lengths == "task")
+                    if args.lengths == "task":
+                        with open(w["data"]) as f:
+                            w["lengths"] = [(len(tok(json.loads(r)["prompt"])["input_ids"]), w["response_len"]) for r in f]
+                    if args.lengths != "fixed":  # the limits: the longest prompt and response, so that no row is cut
+                        w["prompt_len"], w["response_len"] = (max(col) for col in zip(*w["lengths"]))
+                    print(f"{describe(w)}: {', '.join(args.variant)}", flush=True)
+                    m = measure(w, args.variant, args.repeats, in_process=args.in_process)
+                    out.append(m | ({"x": {axis: x}} if axis else {}))
+                    print_ratios(m)
+    path = harness.save("steps", device, args.tag, {"sweep": axis, "matmul_peak_flops": peak, "measurements": out},
+                        argv=args.argv, folder=args.results)
+    if axis:
+        for script, model in dict.fromkeys((m["script"], m["model"]) for m in out):
+            plot_sweep([m for m in out if (m["script"], m["model"]) == (script, model)], axis,
+                       os.path.join(args.plots, f"sweep-{script}-{model}-{axis}-{harness.slug(device.type)}.png"),
+                       harness.device_name(device))
+    print(f"wrote {path}")
     return path
 
 
-def script_args(algo, args, data, out_dir):
-    """The command line of one case: the same batch, lengths and steps for every algorithm."""
-    argv = ["--model", args.model, "--dataset", data, "--out_dir", out_dir, "--steps", str(args.steps),
-            "--max_prompt_len", str(args.prompt_len), "--eval_every", "1000000", "--overwrite"]
-    if algo == "grpo":  # batch_size prompts x group_size samples, generated to exactly response_len - 1 tokens + EOS
-        argv += ["--prompts_per_step", str(args.batch_size), "--group_size", str(args.group_size),
-                 "--max_new_tokens", str(args.response_len), "--n_eval", "8", "--n_eval_pairs", "8"]
-    else:
-        argv += ["--batch_size", str(args.batch_size), "--max_response_len", str(args.response_len), "--n_eval", "8",
-                 "--eval_dataset", data]  # train on every row (no hash split), evaluate on the first 8
-    # GRPO: one optimizer step per rollout (mu = 1, one mini-batch), so a step is one rollout + one update
-    argv += {"sft": [], "reward": ["--no-normalize"], "dpo": ["--n_eval_prompts", "8"],
-             "grpo": ["--num_iterations", "1", "--num_mini_batches", "1"]}[algo]
-    if args.activation_checkpointing:
-        argv.append("--activation_checkpointing")
-    return [f"{algo}.py", *argv, *args.extra.split()]
+def print_ratios(m):
+    for r in m["ratios"]:
+        t = r.get("tokens_per_s")
+        mem = r.get("peak_gib")
+        print(f"  {r['a']} / {r['b']}: tokens/s {t['median']:.2f}x ({t['min']:.2f}-{t['max']:.2f})"
+              + (f", peak memory {mem['median']:.2f}x" if mem else ""), flush=True)
 
 
-def step_work(algo, args, cfg, vocab, lengths=None):
-    """Training tokens of one step (the figure of tokens/s) and its model FLOPs (for MFU); with
-    `lengths` (each row's (prompt, response)) their expected values over a step's rows.
-
-    Per token of a sequence of S tokens: 6 x body parameters (all but the embeddings) + 12 x
-    n_layer x n_embd x S for attention, forward + backward (PaLM, arXiv:2204.02311 App. B); the
-    LM head (6 x n_embd x V) only at the positions whose log-probs are needed (the response;
-    none for the reward model, whose head is one number); forward-only work a third of that.
-    GRPO also runs the reference over every sequence and the rollout: each distinct prompt
-    prefilled once, then one decode step per generated token.
-    """
-    L, dm = cfg["n_layer"], cfg["n_embd"]
-    body = cfg.get("body") or 12 * L * dm * dm  # attention and MLP weights of the blocks (GPT-2: 12 d^2 a layer)
-    rows = lengths or [(args.prompt_len, args.response_len)]
-    mean = lambda f: statistics.mean(f(p, r) for p, r in rows)  # noqa: E731  the expected value over rows
-    S = mean(lambda p, r: p + r)
-
-    def seq_flops(head):  # forward + backward of one sequence, head: the LM head's positions (0 or the response)
-        return mean(lambda p, r: (p + r) * (6 * body + 12 * L * dm * (p + r)) + 6 * dm * vocab * r * head)
-
-    if algo == "sft":
-        return args.batch_size * S, args.batch_size * seq_flops(1)
-    if algo == "reward":
-        return 2 * args.batch_size * S, 2 * args.batch_size * seq_flops(0)
-    if algo == "dpo":  # chosen and rejected; reference log-probs precomputed once before training
-        return 2 * args.batch_size * S, 2 * args.batch_size * seq_flops(1)
-    P, R = mean(lambda p, r: p), args.response_len  # grpo: the prompts' mean; a policy that never stops fills R
-    S = P + R
-    n = args.batch_size * args.group_size  # grpo: mu = 1, one mini-batch: no old log-probs
-    rollout = args.batch_size * P * (2 * body + 4 * L * dm * P) + n * R * (2 * body + 4 * L * dm * S + 2 * dm * vocab)
-    train = n * (S * (6 * body + 12 * L * dm * S) + 6 * dm * vocab * R)
-    return n * S, train * 4 / 3 + rollout  # training + the reference's forward (a third)
-
-
-def matmul_peak(device, dtype):
-    """Measured matmul FLOP/s of square products of random normal inputs: the ceiling MFU is
-    taken against. Returns (FLOP/s, n).
-
-    CPU: n = 2048, the median of 5 single products (every committed CPU figure was taken so).
-    CUDA: n = 8192, large enough to fill every SM. One product takes ~1.4 ms on an H100 in
-    bf16, so timing each one with a host sync would add launch and sync gaps to it; instead 10
-    run back to back between two CUDA events, and the figure is the median of 5 such batches.
-    The inputs are random (zeros ran ~13% faster on an H200 here: fewer bits toggle, less
-    power is drawn and the clock stays higher), so the ceiling is one that real weights can reach.
-    """
-    if device.type != "cuda":
-        n = 2048
-        a = torch.randn(n, n, device=device, dtype=dtype)
-        b = torch.randn(n, n, device=device, dtype=dtype)
-        return 2 * n**3 / util.timeit(lambda: a @ b, device, warmup=2, repeat=5), n
-    n, inner = 8192, 10
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    out = torch.empty(n, n, device=device, dtype=dtype)  # written in place: no allocator work in the batch
-
-    def batch():
-        for _ in range(inner):
-            torch.mm(a, b, out=out)
-
-    batch()  # warm-up: cuBLAS picks its kernel, the clocks ramp up
-    seconds = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        batch()
-        end.record()
-        end.synchronize()
-        seconds.append(start.elapsed_time(end) / 1e3 / inner)  # elapsed_time is in ms
-    return 2 * n**3 / statistics.median(seconds), n
-
-
-def gpu_memory(rows):
-    """Peak GPU memory (GiB) of a run from its metrics rows, or None on CPU (the keys are absent).
-
-    mem/peak_gib is torch.cuda.max_memory_allocated since the process started, so its largest
-    value over the rows is the run's peak. Other mem/* keys (grpo.py: mem/rollout_gib,
-    mem/update_gib) are the peak within one phase of a step; the largest over the steps is kept.
-    """
-    keys = sorted({k for r in rows for k in r if k.startswith("mem/")})
-    if not keys:
-        return None, {}
-    phases = {k.split("/", 1)[1].removesuffix("_gib"): max(r[k] for r in rows if k in r)
-              for k in keys if k != "mem/peak_gib"}
-    peak = max((r["mem/peak_gib"] for r in rows if "mem/peak_gib" in r), default=None)
-    return peak, phases
-
-
-def run_case(argv, log_path):
-    """Run a script in a fresh process; return its peak RSS in bytes (this child alone)."""
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    with open(log_path, "w") as log:
-        p = subprocess.Popen([sys.executable, *argv], cwd=util.ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
-        _, status, usage = os.wait4(p.pid, 0)  # reaps the child and returns its own resource usage
-    if os.waitstatus_to_exitcode(status) != 0:
-        with open(log_path) as f:
-            raise RuntimeError(f"{' '.join(argv)} failed:\n{f.read()[-3000:]}")
-    return usage.ru_maxrss * 1024  # KiB on Linux
-
-
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--algos", default=",".join(ALGOS))
-    p.add_argument("--models", default="tiny,gpt2-small-random")
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--batch_size", type=int, default=8)
-    p.add_argument("--group_size", type=int, default=4)
-    p.add_argument("--prompt_len", type=int, default=64)
-    p.add_argument("--response_len", type=int, default=32)
-    p.add_argument("--lengths", default="fixed", choices=length_dists.KINDS,
-                   help="each row's prompt and response lengths (bench/lengths.py): fixed (--prompt_len + "
-                        "--response_len), arith (SmolLM2's arithmetic chat task) or tldr (TL;DR's long-tailed shape)")
-    p.add_argument("--activation_checkpointing", action="store_true")
-    p.add_argument("--extra", default="", help="more flags for every script, e.g. '--offload_frozen'")
-    p.add_argument("--tag", default="", help="suffix of the results file name")
-    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
-                   help="dtype of the matmul peak; auto: the scripts' compute dtype (bf16 autocast on a GPU "
-                        "that supports it, else fp32)")
-    args = p.parse_args()
-    lengths = length_dists.row_lengths(args.lengths, 512, args.prompt_len, args.response_len)
-    if args.lengths != "fixed":  # the scripts' limits: the longest prompt and response, so no row is cut
-        args.prompt_len, args.response_len = max(p for p, _ in lengths), max(r for _, r in lengths)
-    dist = length_dists.summary(lengths, args.batch_size)
-    print(f"lengths {args.lengths}: {json.dumps(dist)}", flush=True)
-    device = util.default_device()
-    cuda = device.type == "cuda"
-    if args.dtype == "auto":
-        args.dtype = "bf16" if common.bf16_supported(device) else "fp32"
-    peak, peak_n = matmul_peak(device, {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype])
-    print(f"matmul peak ({args.dtype}, {peak_n}^3): {peak / 1e9:.0f} GFLOP/s on {util.device_name(device)}",
-          flush=True)
-    cases = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for model in args.models.split(","):
-            args.model = model  # `tiny` is built by the scripts; the larger shapes are saved for them
-            if model != "tiny":
-                args.model = os.path.join(tmp, model)
-                util.random_checkpoint(model, args.model)  # or a checkpoint (`smollm2`, a folder) as it is
-            if model in util.SHAPES:
-                config, tok = util.model_config(model, tasks.char_tokenizer()), tasks.char_tokenizer()
-            else:
-                config, tok = AutoConfig.from_pretrained(args.model), models.load_tokenizer(args.model)
-            with torch.device("meta"):  # count the parameters without allocating them
-                built = AutoModelForCausalLM.from_config(config)
-            n_params = sum(x.numel() for x in built.parameters())
-            cfg = {"n_layer": config.num_hidden_layers, "n_embd": config.hidden_size,
-                   "body": sum(x.numel() for block in common.transformer_blocks(built) for x in block.parameters())}
-            rows_file = make_data(os.path.join(tmp, f"rows-{model}.jsonl"), 512, args.prompt_len, args.response_len,
-                                  alphabet=exact_alphabet(tok), lengths=lengths)
-            for algo in args.algos.split(","):
-                out_dir = os.path.join(tmp, f"{algo}-{model}")
-                argv = script_args(algo, args, rows_file, out_dir)
-                t0 = time.time()
-                peak_rss = run_case(argv, out_dir + ".log")
-                with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-                    all_rows = [json.loads(line) for line in f]
-                rows = [r for r in all_rows if r["step"] >= 2]  # step 1 is warm-up; step 0, if any, is eval
-                step_s = statistics.median(r["time/step"] for r in rows)
-                peak_gpu, mem_phases = gpu_memory(all_rows)
-                train_tok, flops = step_work(algo, args, cfg, config.vocab_size,
-                                             lengths=None if args.lengths == "fixed" else lengths)
-                if algo == "grpo" and args.lengths != "fixed":  # the prompts' mean + the completions' measured mean
-                    train_tok = args.batch_size * args.group_size * (
-                        statistics.mean(p for p, _ in lengths)
-                        + statistics.median(r["completions/mean_length"] for r in rows))
-                case = {"algo": algo, "model": model, "params": n_params, "step_seconds": step_s,
-                        "train_tokens_per_step": train_tok, "tokens_per_s": train_tok / step_s,
-                        "model_flops_per_step": flops,
-                        "mfu": flops / step_s / peak, "peak_rss_bytes": peak_rss,
-                        "peak_gpu_gib": peak_gpu, "wall_s": time.time() - t0,
-                        "phases": {k: statistics.median(r[k] for r in rows) for k in rows[-1] if k.startswith("time/")}}
-                if mem_phases:  # GiB, peak within each phase: {"rollout": .., "update": ..}
-                    case["peak_gpu_gib_phases"] = mem_phases
-                if algo == "grpo":  # completion tokens generated per second of rollout
-                    gen = args.batch_size * args.group_size * statistics.median(r["completions/mean_length"] for r in rows)
-                    case["rollout_tokens_per_s"] = gen / case["phases"]["time/rollout"]
-                cases.append(case)
-                if cuda and peak_gpu is not None:
-                    mem = f"peak GPU {peak_gpu:6.2f} GiB" + "".join(f", {k} {v:.2f}" for k, v in mem_phases.items())
-                else:
-                    mem = f"peak RSS {peak_rss / 2**30:6.2f} GiB"
-                print(f"{algo:6s} {model:18s} {step_s:8.3f} s/step {case['tokens_per_s']:10.0f} tok/s "
-                      f"MFU {100 * case['mfu']:5.1f}%  {mem}"
-                      + (f"  rollout {case['rollout_tokens_per_s']:.0f} tok/s" if algo == "grpo" else ""), flush=True)
-    name = "steps" + ("-ac" if args.activation_checkpointing else "") + (
-        f"-{args.lengths}" if args.lengths != "fixed" else "") + (f"-{args.tag}" if args.tag else "")
-    path = util.write_results(name, {"config": vars(args), "lengths": dist, "matmul_peak_flops": peak,
-                                     "matmul_peak_dtype": args.dtype, "matmul_peak_n": peak_n, "cases": cases}, device)
-    shape = (f"lengths {args.prompt_len}+{args.response_len}" if args.lengths == "fixed" else
-             f"{args.lengths} lengths (mean {dist['prompt_mean']:.0f}+{dist['response_mean']:.0f}, up to "
-             f"{args.prompt_len}+{args.response_len})")
-    plot(cases, path.replace(".json", ".png"), f"{util.device_name(device)}; batch {args.batch_size}, "
-         f"{shape}{', act. ckpt' if args.activation_checkpointing else ''}")
-    print(f"wrote {path} and its .png")
-
-
-def plot(cases, path, title):
-    """Tokens/s, MFU and peak memory of each algorithm, one bar per model."""
+def plot_sweep(ms, axis, path, device):
+    """Tokens/s and peak memory of each variant against the axis (log-log), the memory model's peak dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
-    models = list(dict.fromkeys(c["model"] for c in cases))
-    algos = list(dict.fromkeys(c["algo"] for c in cases))
-    panels = [("tokens_per_s", "training-step tokens/s", 1), ("mfu", "MFU (%)", 100),
-              ("peak", "peak memory (GiB)", 1 / 2**30)]
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    width = 0.8 / len(models)
-    for ax, (key, label, scale) in zip(axes, panels):
-        for i, model in enumerate(models):
-            vals = []
-            for algo in algos:
-                c = next((c for c in cases if c["model"] == model and c["algo"] == algo), None)
-                v = None if c is None else (c["peak_gpu_gib"] * 2**30 if c["peak_gpu_gib"] else c["peak_rss_bytes"]) \
-                    if key == "peak" else c[key]
-                vals.append(0 if v is None else v * scale)
-            ax.bar([j + i * width for j in range(len(algos))], vals, width, label=model)
-        ax.set_xticks([j + width * (len(models) - 1) / 2 for j in range(len(algos))], algos)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    xs = [m["x"][axis] for m in ms]
+    for i, v in enumerate(ms[0]["variants"]):
+        med = lambda k: [statistics.median(m["variants"][v][k]) if None not in m["variants"][v][k] else None  # noqa: E731
+                         for m in ms]
+        ax1.plot(xs, med("tokens_per_s"), "o-", color=f"C{i}", label=v)
+        ax2.plot(xs, med("peak_gib"), "o-", color=f"C{i}", label=v)
+        if "predicted_peak_gib" in ms[0]["variants"][v] and None not in med("predicted_peak_gib"):
+            ax2.plot(xs, med("predicted_peak_gib"), "--", color=f"C{i}", label=f"{v}: bench/memory.py's model")
+    for ax, label in ((ax1, "tokens / s (higher is better)"), (ax2, "peak memory, GiB")):
+        ys = [y for line in ax.get_lines() for y in line.get_ydata() if y]
+        ax.set_xscale("log", base=2)
+        if ys and max(ys) > 4 * min(ys):  # log axes where the values span enough of a decade
+            ax.set_yscale("log")
+            ax.yaxis.set_major_locator(ticker.LogLocator(subs=(1, 2, 5)))
+            ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+            ax.yaxis.set_minor_formatter(ticker.NullFormatter())
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.xaxis.set_minor_locator(ticker.NullLocator())
+        ax.set_xlabel(axis)
         ax.set_ylabel(label)
-        ax.set_title(label)
-        ax.grid(axis="y", alpha=0.3)
-    axes[0].set_yscale("log")
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper right", ncol=len(models), fontsize=9)
-    fig.suptitle(f"whole training steps: {title}", fontsize=10, x=0.02, ha="left")
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
-    fig.savefig(path, dpi=120)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{ms[0]['what'].split(',')[0]} on {ms[0]['model']}, against {axis}: {device}", fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
+    print(f"drew {path}")
 
 
-if __name__ == "__main__":
-    main()
+# -----------------------------------------------------------------------------
+# rollout: sampling.generate against model.generate, in one process
+
+
+def prompts_batch(tok, n_prompts, G, lengths, device, seed=0):
+    """(ids, mask): n_prompts prompts of random tokens of the given lengths, each repeated G times in a
+    row (as grpo.py lays them out), left-padded."""
+    g, specials = torch.Generator().manual_seed(seed), len(tok.all_special_ids)
+    prompts = [torch.randint(specials, len(tok), (p,), generator=g).tolist() for p, _ in lengths[:n_prompts]]
+    ids, mask = harness.common.pad([p for p in prompts for _ in range(G)], tok.pad_token_id, side="left")
+    return ids.to(device), mask.to(device)
+
+
+def real_divergences(model, ids, mask, ours, ref, pad_id):
+    """(B,) True where two greedy outputs part at a token whose reference top-2 logits are more than one
+    bf16 step apart: a difference the rounding of two kernel paths cannot explain (a near-tie may go
+    either way). ours, ref: right-padded (B, R) ids after the left-padded prompts."""
+    R = max(ours.shape[1], ref.shape[1])
+    a, b = (torch.nn.functional.pad(x, (0, R - x.shape[1]), value=pad_id) for x in (ours, ref))
+    real = torch.zeros(len(a), dtype=torch.bool, device=a.device)
+    for i in (a != b).any(-1).nonzero().flatten().tolist():
+        t = int((a[i] != b[i]).nonzero()[0])  # the first token where they part
+        seq = torch.cat([ids[i], b[i, :t]])[None]
+        m = torch.cat([mask[i], torch.ones(t, dtype=mask.dtype, device=mask.device)])[None]
+        with torch.no_grad():
+            logits = model(input_ids=seq, attention_mask=m,
+                           position_ids=harness.common.position_ids_from_mask(m)).logits
+        top = logits[0, -1].float().topk(2).values
+        step = torch.finfo(torch.bfloat16).eps * 2.0 ** torch.floor(torch.log2(top[0].abs().clamp(min=1e-30)))
+        real[i] = bool(top[0] - top[1] > step)
+    return real
+
+
+def rollout(args):
+    """The rollout command: each variant's tokens/s and peak, greedy rows against model.generate's."""
+    device = harness.device_of(args.device)
+    variants = [parse_variant(v, "rollout") for v in args.variant]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as work:
+        folder = harness.model_folder(args.model, work)
+        tok = harness.models.load_tokenizer(folder)
+        model = harness.models.load_model(folder, tok)
+    if type(model.get_output_embeddings()) is torch.nn.Linear:  # the scripts' head: fp32 logits
+        model.get_output_embeddings().__class__ = harness.common.FP32Head
+    dtype = torch.bfloat16 if args.dtype == "bf16" or args.dtype == "auto" and device.type == "cuda" else torch.float32
+    model = model.to(device=device, dtype=dtype).eval()
+    lengths = harness.row_lengths(args.lengths, args.rows, args.prompt_len, args.response_len)
+    ids, mask = prompts_batch(tok, args.rows, args.group_size, lengths, device)
+    B, N, pad, eos = ids.shape[0], args.response_len, tok.pad_token_id, tok.eos_token_id
+
+    def call(side, flags, n=N, greedy=False):
+        if side == "generate":
+            sample = {} if greedy else dict(do_sample=True, min_new_tokens=n, temperature=1.0, top_k=0, top_p=1.0)
+            return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, pad_token_id=pad,
+                                  eos_token_id=eos, **sample)[:, ids.shape[1]:]
+        g = torch.Generator(device=device).manual_seed(0)
+        return sampling.generate(model, ids, mask, n, eos if greedy else -1, pad, temperature=0 if greedy else 1.0,
+                                 generator=g, compile="--compile" in flags)[0]  # EOS -1: no early stop
+
+    names, fns, compile_s, greedy = list(args.variant), {}, {}, {}
+    with torch.no_grad():
+        ref = call("generate", [], greedy=True)
+        for spec, (side, flags) in zip(names, variants):
+            fns[spec] = lambda s=side, f=flags: call(s, f)
+            first, out = harness.clock(fns[spec], device)  # warm-up (a compile's first call)
+            warm, _ = harness.clock(fns[spec], device)
+            compile_s[spec] = first - warm if "--compile" in flags else None
+            if out.shape[1] != N:
+                raise SystemExit(f"{spec}: {out.shape[1]} new tokens, not {N}: a row stopped early")
+            got = call(side, flags, greedy=True)
+            R = max(got.shape[1], ref.shape[1])
+            same = (torch.nn.functional.pad(got, (0, R - got.shape[1]), value=pad) ==
+                    torch.nn.functional.pad(ref, (0, R - ref.shape[1]), value=pad)).all(-1)
+            real = int(real_divergences(model, ids, mask, got, ref, pad).sum())
+            greedy[spec] = {"identical_rows": float(same.float().mean()), "real_divergences": real}
+            if real or (dtype == torch.float32 and device.type == "cpu" and not bool(same.all())):
+                raise SystemExit(f"{spec}: greedy rows part from model.generate's where no rounding explains it")
+
+        def run(spec, rep):
+            with harness.peak_memory(device) as peak:
+                seconds, _ = harness.clock(fns[spec], device)
+            return {"seconds": seconds, "tokens_per_s": B * N / seconds, "peak_gib": peak["bytes"] / 2**30}
+
+        runs = harness.alternate(names, args.repeats, run)
+    metrics = {v: {k: [r[k] for r in rs] for k in rs[0]} | {"compile_s": compile_s[v], "greedy": greedy[v]}
+               for v, rs in runs.items()}
+    m = {"what": f"rollout, {args.model}, {args.rows} prompts x {args.group_size}, {ids.shape[1]} + {N} tokens, "
+                 f"{str(dtype)[6:]}", "model": args.model, "variants": metrics,
+         "ratios": harness.ratios(metrics, [(v, names[-1]) for v in names[:-1]])}
+    for v, x in metrics.items():
+        print(f"  {v:24s} {statistics.median(x['tokens_per_s']):9.0f} tok/s; greedy rows identical "
+              f"{x['greedy']['identical_rows']:.0%}" + (f"; compile {x['compile_s']:.1f} s" if x["compile_s"] else ""))
+    print_ratios(m)
+    path = harness.save("rollout", device, args.tag, {"measurements": [m]}, argv=args.argv, folder=args.results)
+    print(f"wrote {path}")
+    return path

@@ -1,13 +1,15 @@
-"""Micro benchmarks (pytest-benchmark): log-prob gathering, every loss function, AdamW, GELU.
+"""Micro benchmarks (pytest-benchmark): log-prob gathering, every loss function, AdamW, GELU, the draw.
 
 Not part of the test suite (pytest's testpaths is tests/); run them on purpose:
 
-    python -m pytest bench/test_micro.py --benchmark-only --benchmark-json bench/results/micro-cpu.json
+    python -m bench micro                     # bench/results/micro-<device>.json, each group's ratios
     python -m pytest bench/test_micro.py --benchmark-only --benchmark-group-by group --benchmark-sort mean
 
 Each benchmark first checks that the function under test computes the same thing as its
-plain twin, so a faster number is never a wrong one. Shapes: B*T = 2048 positions of
-GPT-2's vocabulary (V = 50257) for log-probs; 64 sequences x 256 tokens for the losses.
+plain twin, so a faster number is never a wrong one; a group's plain twin is its last. Shapes:
+B*T = 2048 positions of GPT-2's vocabulary (V = 50257) for log-probs (their peak memory above the
+logits in extra_info, harness.peak_memory); 64 sequences x 256 tokens for the losses; 64 rows of
+GPT-2's vocabulary for the draw.
 """
 import pytest
 import torch
@@ -16,8 +18,9 @@ import common
 import dpo
 import grpo
 import reward
+import sampling
 import sft
-from bench import util
+from bench import harness
 
 V, BT = 50257, 2048
 B, T = 64, 256
@@ -39,12 +42,20 @@ def fwd_bwd(fn, x, y):
     return x.grad
 
 
+def with_peak(benchmark, fn, *args):
+    """benchmark(fn, *args), the peak memory one call adds (GiB) in its extra_info."""
+    with harness.peak_memory(torch.device("cpu")) as peak:
+        fn(*args)
+    benchmark.extra_info["peak_gib"] = peak["bytes"] / 2**30
+    benchmark(fn, *args)
+
+
 @pytest.mark.benchmark(group="logprobs forward")
 @pytest.mark.parametrize("impl", ["chunked", "naive"])
 def test_logprobs_forward(benchmark, logits, impl):
     fn = common.logprobs_from_logits if impl == "chunked" else naive_logprobs
     torch.testing.assert_close(fn(*logits), naive_logprobs(*logits), rtol=1e-5, atol=1e-5)
-    benchmark(fn, *logits)
+    with_peak(benchmark, fn, *logits)
 
 
 @pytest.mark.benchmark(group="logprobs forward+backward")
@@ -52,7 +63,7 @@ def test_logprobs_forward(benchmark, logits, impl):
 def test_logprobs_forward_backward(benchmark, logits, impl):
     fn = common.logprobs_from_logits if impl == "chunked" else naive_logprobs
     torch.testing.assert_close(fwd_bwd(fn, *logits), fwd_bwd(naive_logprobs, *logits), rtol=1e-5, atol=1e-6)
-    benchmark(fwd_bwd, fn, *logits)
+    with_peak(benchmark, fwd_bwd, fn, *logits)
 
 
 # -----------------------------------------------------------------------------
@@ -133,7 +144,7 @@ def test_grpo_loss(benchmark, estimator):
 
 @pytest.fixture(scope="module")
 def gpt2_small_params():
-    _, model = util.random_model("gpt2-small-random")
+    _, model = harness.random_model("gpt2-small-random")
     g = torch.Generator().manual_seed(0)
     for p in model.parameters():
         p.grad = torch.randn(p.shape, generator=g) * 1e-3
@@ -141,7 +152,7 @@ def gpt2_small_params():
 
 
 @pytest.mark.benchmark(group="AdamW step, GPT-2 small (124M parameters)")
-@pytest.mark.parametrize("impl", ["fused", "for-loop", "foreach"])
+@pytest.mark.parametrize("impl", ["fused", "foreach", "for-loop"])
 def test_adamw_step(benchmark, gpt2_small_params, impl):
     kw = {"fused": dict(fused=True), "for-loop": dict(foreach=False), "foreach": dict(foreach=True)}[impl]
     small = [torch.zeros(3, 4, requires_grad=True) for _ in range(2)]  # the same update as the plain loop
@@ -167,3 +178,20 @@ def test_gelu(benchmark, impl):
     fn = ACT2FN[impl]
     torch.testing.assert_close(fn(x), ACT2FN["gelu_new"](x), rtol=1e-5, atol=1e-6)
     benchmark(fn, x)
+
+
+# -----------------------------------------------------------------------------
+# the rollout's draw: one token a row by inverting the float64 CDF (sampling.sample_token) against multinomial
+
+
+@pytest.mark.benchmark(group="the draw, 64 rows x 50257 tokens")
+@pytest.mark.parametrize("impl", ["inverse_cdf", "multinomial"])
+def test_draw(benchmark, impl):
+    g = torch.Generator().manual_seed(0)
+    x, u = torch.randn(64, V, generator=g), torch.rand(64, generator=g, dtype=torch.float64)
+    cdf = torch.softmax(x, -1).double().cumsum(-1)  # the plain twin: each row's first entry whose CDF passes u
+    plain = [int((c > uu * c[-1]).nonzero()[0]) for c, uu in zip(cdf, u)]
+    assert sampling.sample_token(x, u=u).tolist() == plain
+    fn = (lambda: sampling.sample_token(x, generator=g)) if impl == "inverse_cdf" else \
+        (lambda: torch.multinomial(x.softmax(-1), 1, generator=g))
+    benchmark(fn)

@@ -14,7 +14,7 @@ redraws theirs.
 The README's figures (plots/*.png, copies of what this draws) come from pipeline.py's
 runs/results.json (the summary; with --kl_compare and --overopt, the KL estimators and
 over-optimisation curves over the seeds; from runs/variants.json, with --variants, the variants
-side by side) and from bench/results/ (the TRL comparison).
+side by side). The benchmarks draw their own (`python -m bench steps --sweep`, docs/bench/).
 
 A run's kind (sft, rm, dpo, grpo) is read from the metric keys it logged, or from its
 run_config.json; each figure is a grid of panels, and panels whose metrics are absent are
@@ -633,36 +633,6 @@ def plot_tools(results, out_dir):
     return save(fig, out_dir, "smollm2_tools.png")
 
 
-TRL_RESULTS = ("trl-grpo-small-cpu.json", "trl-dpo-small-cpu.json")  # bench/trl_compare.py on GPT-2 small
-
-
-def plot_trl(paths, out_dir):
-    """bench/trl_compare.py's results side by side: throughput and peak memory of every variant of
-    ours and of TRL, one group per algorithm."""
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
-    x, ticks, device = 0, [], ""
-    for path in paths:
-        with open(path) as f:
-            res = json.load(f)
-        device = res["device"]
-        for case in res["cases"]:
-            color = "tab:blue" if case["side"] == "ours" else "tab:orange"
-            ax1.bar(x, case["tokens_per_s"], color=color)
-            ax1.text(x, case["tokens_per_s"], f"{case['tokens_per_s']:.0f}", ha="center", va="bottom", fontsize=8)
-            gib = case["peak_rss_bytes"] / 2**30
-            ax2.bar(x, gib, color=color)
-            ax2.text(x, gib, f"{gib:.1f}", ha="center", va="bottom", fontsize=8)
-            ticks.append((x, f"{case['algo'].upper()}\n{case['variant']}"))
-            x += 1
-        x += 0.6
-    for ax, ylabel in ((ax1, "tokens / s (higher is better)"), (ax2, "peak host memory, GiB (lower is better)")):
-        ax.set_xticks([t for t, _ in ticks], [label for _, label in ticks], fontsize=8)
-        ax.set_ylabel(ylabel)
-        ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(f"Ours (blue) against TRL {res.get('trl', '')} (orange), GPT-2 small, whole training steps, {device}")
-    return save(fig, out_dir, "trl_compare.png")
-
-
 def plot_distill(results, out_dir):
     """On-policy distillation against GRPO with the gold reward, from the same SFT model: greedy
     exact-match and gold reward on held-out prompts against steps (thin: each seed; thick: their
@@ -688,8 +658,7 @@ def plot_distill(results, out_dir):
 
 def figures(runs, out_dir):
     """The README's figures: from RUNS/results.json (pipeline.py) the summary, and where that run
-    made them the KL-estimator comparison and the over-optimisation curves; the TRL comparison from
-    bench/results/."""
+    made them the KL-estimator comparison and the over-optimisation curves."""
     results_path = os.path.join(runs, "results.json")
     if not os.path.isfile(results_path):
         raise FileNotFoundError(f"no {results_path}: run `python pipeline.py --runs {runs}` first")
@@ -709,9 +678,6 @@ def figures(runs, out_dir):
         paths.append(plot_overopt(results, out_dir))
     if "distill" in results:
         paths.append(plot_distill(results, out_dir))
-    bench = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", "results", f) for f in TRL_RESULTS]
-    if all(os.path.isfile(p) for p in bench):
-        paths.append(plot_trl(bench, out_dir))
     return paths
 
 
@@ -722,8 +688,8 @@ def parse_args(argv=None):
                    "several are overlaid, a figure per kind of run")
     p.add_argument("--summary", help="also draw pipeline.py's results.json as summary.png")
     p.add_argument("--out", default=OUT, help=f"folder for the PNGs (default: {OUT})")
-    p.add_argument("--figures", metavar="RUNS", help="the README's figures from RUNS/results.json (pipeline.py) and "
-                   "bench/results/ (the default when no run dir is given: --figures runs)")
+    p.add_argument("--figures", metavar="RUNS", help="the README's figures from RUNS/results.json (pipeline.py) "
+                   "(the default when no run dir is given: --figures runs)")
     p.add_argument("--kl_compare", action="store_true", help="one KL-estimator comparison figure of all runs")
     p.add_argument("--kind", choices=sorted(PANELS), help="override the detected kind of run")
     p.add_argument("--smooth", type=int, default=0, help="moving-average window over train metrics (0: off)")

@@ -5,7 +5,7 @@ holds on CPU in fp32 with gloo but not under bf16 autocast and NCCL; and a two-p
 on a one-GPU machine would put rank 1 on a cuda:1 that does not exist. Hiding CUDA here, at
 import, comes before any test imports torch (pytest loads conftest.py first), and the
 subprocess environments the tests build from os.environ inherit it. Timings and memory on a GPU
-are bench/'s job (bench/steps.py).
+are bench/'s job (`python -m bench steps`).
 
 Fixtures shared by several test files are below; constants and plain helpers are in
 tests/helpers.py (`from helpers import ...`: conftest.py is loaded by pytest, not imported). The

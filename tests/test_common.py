@@ -913,7 +913,7 @@ def test_every_evaluation_forward_keeps_its_logits_under_the_budget(tiny, monkey
 def test_logprobs_on_a_gpu_are_log_softmax_and_gather_where_it_fits(monkeypatch):
     """On a GPU (its `meta` stand-in) the fused log_softmax + gather is faster than chunks (0.83x
     forward, 0.50x with the backward on an H100): taken where the (N, V) tensor fits
-    common.EVAL_LOGITS, chunks above it; on a CPU always chunks (bench/logprobs.py)."""
+    common.EVAL_LOGITS, chunks above it; on a CPU always chunks (bench/test_micro.py)."""
     chunked = common._SelectiveLogSoftmax.apply
 
     def path(device, budget):

@@ -12,8 +12,8 @@ import dpo
 import environment
 import grpo
 import sampling
-from bench import dispatch, steps
-from bench.sampler import prompts_batch
+from bench import dispatch, harness
+from bench.dispatch import prompts_batch
 
 CHECK = sampling.GPU_CHECK_EVERY
 
@@ -83,20 +83,16 @@ def test_a_decode_step_dispatches_at_most_80_ops_more_than_generate(smollm2_ops)
 @pytest.fixture(scope="module")
 def short_llama(tmp_path_factory):
     """A 2-layer model of SmolLM2's architecture (widths cut) as a checkpoint folder, and the data
-    files of exact lengths (bench/steps.make_data: one character one token)."""
+    files of exact lengths (bench/harness.make_data: one character one token)."""
     folder = tmp_path_factory.mktemp("smollm2_ops")
     tok, model = dispatch.smollm2_ops_model(2)
     model.save_pretrained(folder / "model")
     tok.save_pretrained(folder / "model")
-    return (str(folder / "model"), model, steps.make_data(str(folder / "pairs.jsonl"), 8, 32, 32),
-            steps.make_data(str(folder / "prompts.jsonl"), 16, 24, 8))
+    return (str(folder / "model"), model, harness.make_data(str(folder / "pairs.jsonl"), [(32, 32)] * 8),
+            harness.make_data(str(folder / "prompts.jsonl"), [(24, 8)] * 16))
 
 
-DPO_ARGV = ["--n_eval", "2", "--n_eval_prompts", "2", "--batch_size", "4", "--max_prompt_len", "32",
-            "--max_response_len", "32", "--eval_every", "1000", "--no-precompute_ref"]
-GRPO_ARGV = ["--n_eval", "2", "--prompts_per_step", "4", "--group_size", "4", "--max_prompt_len", "32",
-             "--max_new_tokens", "8", "--num_iterations", "1", "--num_mini_batches", "1", "--beta", "0.04",
-             "--eval_every", "1000"]
+DPO_ARGV, GRPO_ARGV = dispatch.DPO_ARGV, dispatch.GRPO_ARGV  # `python -m bench dispatch --training` counts these too
 
 
 @pytest.mark.parametrize("flags, bound, syncs", [

@@ -16,7 +16,7 @@ lines of each ```bash block, `\\` continuations joined, `&&` chains split; and e
 
 The suite runs the README's "your own model and data" block and docs/distributed.md's block
 (about 15 s); `RLHF_DOCS_ALL=1 python -m pytest -q tests/test_docs_commands.py` runs every
-command that can run here, also plots/plot.py and the benchmarks (minutes). What is never run
+command that can run here, also plots/plot.py (minutes). What is never run
 here and why: `NOT_RUN` (installs, the suite itself, several nodes, hub downloads, GPUs, the
 pipeline's minutes, a placeholder such as OUT_DIR)."""
 import json
@@ -40,7 +40,9 @@ NOT_RUN = [  # (pattern on the command, why it is not run here)
     (r"-m pytest", "the test suite itself"),
     (r"--nnodes [2-9]|HOST", "several nodes"),
     (r"^python -c .*load_dataset", "downloads a data set from the hub"),
-    (r"bench/(gpu_check|gpu_speed)\.py(?!.*--cpu)|bench/(sampler|steps|logprobs|trl_compare)\.py", "a GPU benchmark"),
+    (r"-m bench\b", "a benchmark: it writes bench/results/ (tests/test_bench.py runs each command on a tiny shape)"),
+    (r"-m studies\.", "a study: minutes to hours (its tests: tests/test_offpolicy_exact.py, the smollm2 fixtures)"),
+    (r"tests/(gpu_check|memory_trace)\.py", "the GPU check, the memory model's trace (tests/test_gpu_path.py, tests/test_memory_model.py run them)"),
     (r"pipeline\.py", "the pipeline: minutes to an hour (tests/test_pipeline.py runs its stages at small scale)"),
     (r"\b(OUT_DIR|DEST|RUN\d?|RUNS|FILE|N)\b|\.\.\.", "a placeholder the user fills in"),
     (r"--help", "prints the flags (tests/test_common.py reads every script's --help)"),
@@ -75,7 +77,8 @@ def blocks(path):
         (block[1] if block is not None else text).append(line if block is not None else (n, line))
     for n, line in text:  # prose names commands too (`python grpo.py --tools`, `python x.py`): only these run
         for span in re.findall(r"`((?:python|torchrun) [^`]+)`", line):
-            if re.match(r"python (plots|bench)/\w+\.py", span) or (training(span) and parses(*training(span))):
+            if re.match(r"python (plots/plot\.py|-m (bench|studies)|tests/gpu_check\.py)", span) or (
+                    training(span) and parses(*training(span))):
                 found.append((f"{os.path.relpath(path, ROOT)}:{n}", commands([span])))
     return found
 
@@ -108,7 +111,7 @@ def parses(script, argv):
 
 
 def all_blocks():
-    return [b for f in ["README.md", *sorted(os.listdir(os.path.join(ROOT, "docs")))]
+    return [b for f in ["README.md", *sorted(n for n in os.listdir(os.path.join(ROOT, "docs")) if n.endswith(".md"))]
             for b in blocks(os.path.join(ROOT, f if f == "README.md" else os.path.join("docs", f)))]
 
 
@@ -159,10 +162,10 @@ def test_every_training_command_parses_and_no_two_of_a_block_share_an_out_dir():
 
 
 def test_the_docs_name_every_command_they_cannot_run_here():
-    """Each command is either run (a training script, plots/plot.py, a CPU benchmark) or named in
+    """Each command is either run (a training script, plots/plot.py) or named in
     NOT_RUN with its reason: a new kind of command in the docs is seen here first."""
     unknown = [f"{where}: {c}" for where, cmds in all_blocks() for c in cmds
-               if not (training(c) or not_run(c) or re.match(r"python (plots/plot\.py|bench/\w+\.py)", c))]
+               if not (training(c) or not_run(c) or re.match(r"python plots/plot\.py", c))]
     assert not unknown, "\n".join(unknown)
 
 
@@ -215,7 +218,7 @@ def run_block(where, cmds, folder, models):
         before = tracked_mtimes()
         if training(c):
             code, log = run_in(folder, *as_run_here(c, models, files))
-        else:  # plots/plot.py, a CPU benchmark: a process of its own, from the repository as the docs say
+        else:  # plots/plot.py: a process of its own, from the repository as the docs say
             r = subprocess.run([sys.executable, *shlex.split(c)[1:]], cwd=ROOT, capture_output=True, text=True,
                                timeout=1800, env={**os.environ, "OMP_NUM_THREADS": "1"})
             code, log = r.returncode, r.stdout + r.stderr

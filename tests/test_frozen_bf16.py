@@ -120,7 +120,7 @@ def test_the_copies_are_made_on_their_weights_device(monkeypatch):
         model = models.add_lora(transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
             vocab_size=64, **LLAMA)), r=4, alpha=8.0)
     meta = common.Dist(device=torch.device("meta"))
-    # meta has no autocast of its own: the CPU's stands in for it, as bench/memory_trace.py does for a GPU's
+    # meta has no autocast of its own: the CPU's stands in for it, as tests/memory_trace.py does for a GPU's
     monkeypatch.setattr(common, "autocast", lambda d, enabled=True: torch.autocast("cpu", dtype=torch.bfloat16))
     before = dict(model.named_parameters())
     with environment.frozen_in_bf16(model, meta):

@@ -14,7 +14,7 @@ import grpo
 import sampling
 import shared_prompt
 import tasks
-from bench import gpu_check
+import gpu_check
 from helpers import free_port, read_metrics, write_jsonl
 from plumbing import cli, models, rundir
 
@@ -274,7 +274,7 @@ def test_the_logits_are_never_copied_whole(tiny):
     the (B, R, V) logits are contiguous: the log-prob and entropy passes reshape them without a copy.
     Kept as R+1 positions and sliced, each reshape copied them whole: two extra (B, R, V) fp32
     tensors in GRPO's update, 9 GiB each at Qwen2.5's vocabulary, R = 1024, 16 rows
-    (bench/memory_trace.py)."""
+    (tests/memory_trace.py)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     _, tok = tiny
@@ -536,7 +536,7 @@ def test_gpu_check_refuses_without_a_gpu():
 
 @pytest.fixture
 def cpu_check(tmp_path):
-    """bench/gpu_check.py --cpu in this process (the scripts' runs too): (exit status, the table it wrote)."""
+    """tests/gpu_check.py --cpu in this process (the scripts' runs too): (exit status, the table it wrote)."""
     def check(*args):
         code = gpu_check.main(["--cpu", "--results", str(tmp_path), "--keep", str(tmp_path / "work"), *args])
         return code, (tmp_path / "gpu-check-cpu.md").read_text()
@@ -562,12 +562,12 @@ def test_gpu_check_runs_picks_grpo_runs_by_index(cpu_check):
 def test_gpu_check_cpu_subset_passes(cpu_check):
     """The GPU check's own code on tiny Qwen2- and Llama-shaped folders: (a) the sampler against
     the training forward and the mini-batch deal, (b) grpo.py at lr 0 with and without activation
-    checkpointing and with --teacher, (e) dpo.py at lr 0 with a precomputed and a live reference;
-    every row passes."""
+    checkpointing and with --teacher, (e) dpo.py at lr 0 with a precomputed and a live reference, (f)
+    a frozen copy's pass against the policy's, padded, packed and sharing prompts; every row passes."""
     code, table = cpu_check()
     assert code == 0, table
-    assert table.startswith("# bench/gpu_check.py on CPU") and "**FAIL**" not in table
-    for check, n in (("(a)", 6), ("(b)", 13), ("(e)", 4)):
+    assert table.startswith("# tests/gpu_check.py on CPU") and "**FAIL**" not in table
+    for check, n in (("(a)", 6), ("(b)", 13), ("(e)", 4), ("(f)", 3)):
         assert len(rows_of(table, check, "| pass |")) == n, table
 
 
@@ -624,6 +624,7 @@ PLANTS = {  # name: (where, what, the checks to run, the rows that must fail, ro
                      ["fp32, TF32 off", "contiguous chunks"]),
     "deal": (grpo, "minibatch_rows", _one_row_dealt_twice, "a", ["contiguous chunks"], ["fp32, TF32 off"]),
     "dpo": (models, "load_frozen", _scaled_reference, "e", ["loss - ln 2", "rewards/margins"], []),
+    "exact": (common, "freeze", _scaled_reference, "f", ["frozen copy vs the policy's"], []),
 }
 
 
@@ -632,8 +633,8 @@ def test_gpu_check_fails_on_a_planted_bug(cpu_check, monkeypatch, plant):
     """Each check fails, and the command exits 1, on the bug it is there for: a KL (a reference
     that is not the policy), clipping (old log-probs off by 0.5), a sampler that attends to
     padding, a sampler that does so under autocast only (its fp32 rows still pass), a deal
-    that drops a row, a DPO reference that is not the policy; the checks the plant does not touch
-    still pass."""
+    that drops a row, a DPO reference that is not the policy, a frozen copy that is not the policy
+    ((f)); the checks the plant does not touch still pass."""
     module, name, plant_fn, only, failing, passing = PLANTS[plant]
     monkeypatch.setattr(module, name, plant_fn(getattr(module, name)))
     code, table = cpu_check("--only", only)

@@ -1,7 +1,7 @@
 """bench/memory.py, the memory model: its parameter counts against the models transformers
 builds (on the meta device: nothing allocated), its CPU estimates against the peaks measured on
 this machine (bench/results), within the 20% it claims, and its GPU model against each script's
-own step traced on fake tensors (bench/memory_trace.py), within 10%."""
+own step traced on fake tensors (tests/memory_trace.py), within 10%."""
 import os
 import sys
 
@@ -12,6 +12,7 @@ from helpers import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import memory  # noqa: E402
+import memory_trace  # noqa: E402
 
 CONFIGS = {  # the HF config of each built-in shape
     "gpt2": ("GPT2Config", dict(n_layer=12, n_embd=768, n_head=12)),
@@ -82,13 +83,13 @@ def test_estimates_are_within_20_percent_of_the_measured_peaks(capsys):
     ("qwen2.5-1.5b", 8, "python", 1, dict(lora=True, ac=True), "reward"),
 ])
 def test_the_gpu_model_is_within_10_percent_of_the_traced_step(shape, layers, launcher, world, flags, script, capsys):
-    """bench/memory.py's GPU model, phase by phase, against bench/memory_trace.py: the script's own
+    """bench/memory.py's GPU model, phase by phase, against tests/memory_trace.py: the script's own
     functions on fake tensors (FakeTensorMode: nothing allocated) under a fake process group of
     `world` ranks with FSDP2, tracked by torch's MemTracker. A full-size (B, R, V) copy of the
     logits (the slice kept before this fix cost two: 9 GiB each here), a gradient kept across
     micro-batches or a term left out of the model (a teacher, a kept cache, a phase) moves a phase
     past 10%."""
-    worst_peak, worst_phase = memory.check(shapes=[shape], cases=[(launcher, world, flags, [script])], layers=layers)
+    worst_peak, worst_phase = memory_trace.check(shapes=[shape], cases=[(launcher, world, flags, [script])], layers=layers)
     out = capsys.readouterr().out
     assert worst_peak <= 0.10 and worst_phase <= 0.10, out
 

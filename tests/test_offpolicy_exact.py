@@ -1,4 +1,4 @@
-"""The exact off-policy study (bench/offpolicy_exact.py) holds the theory: the full importance weight
+"""The exact off-policy study (studies/offpolicy_exact.py) holds the theory: the full importance weight
 is unbiased, every correction is the on-policy gradient when there is no gap, replaying the sampler's
 truncation is unbiased for the truncated policy's objective, and the enumeration's expectation is
 what the sampler's own draws (sampling.sample_token) average to."""
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import sampling
-from bench import offpolicy_exact as ox
+from studies import offpolicy_exact as ox
 
 V, T, SCALE = 4, 3, 1.5
 SEQS, PREFIX = ox.enumerate_sequences(V, T)

@@ -210,16 +210,16 @@ def pipeline_results(scale=1.0):
 
 
 def test_readme_figures_from_pipeline_results(tmp_path):
-    """`python plots/plot.py` draws the README's figures from runs/results.json and bench/results/:
-    the summary with the seeds' spread, the KL bands, the over-optimisation curves, TRL side by side."""
+    """`python plots/plot.py` draws the README's figures from runs/results.json: the summary with the
+    seeds' spread, the KL bands, the over-optimisation curves."""
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "results.json").write_text(json.dumps(pipeline_results()))
     paths = plot.figures(str(tmp_path / "runs"), str(tmp_path / "out"))
-    names = ["summary.png", "kl_estimators.png", "overoptimisation.png", "trl_compare.png"]
+    names = ["summary.png", "kl_estimators.png", "overoptimisation.png"]
     assert [os.path.basename(p) for p in paths] == names
     images = [check_png(p, min_w=800) for p in paths]
     (tmp_path / "runs" / "results.json").write_text(json.dumps(pipeline_results(scale=2.0)))
-    for name, img in zip(names[:3], images):  # other numbers, other pictures (TRL's come from bench/)
+    for name, img in zip(names, images):  # other numbers, other pictures
         other = mpimg.imread(os.path.join(plot.figures(str(tmp_path / "runs"), str(tmp_path / "out2"))[0]).replace(
             "summary.png", name))
         assert img.shape == other.shape and (img != other).any(axis=-1).mean() > 0.001, name
@@ -370,7 +370,7 @@ def documented_plot_commands():
     argument lists (placeholders such as RUN_DIR and `...` dropped)."""
     found = []
     for path in [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "plots", "plot.py"),
-                 *(os.path.join(ROOT, "docs", n) for n in sorted(os.listdir(os.path.join(ROOT, "docs"))))]:
+                 *(os.path.join(ROOT, "docs", n) for n in sorted(os.listdir(os.path.join(ROOT, "docs"))) if n.endswith(".md"))]:
         with open(path) as f:
             text = f.read()
         for m in re.finditer(r"python plots/plot\.py([^`#]*?)(?=`|#|\n\n|\n {4}python|$)", text):  # may wrap

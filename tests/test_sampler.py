@@ -457,12 +457,12 @@ def test_a_response_decodes_to_exactly_the_text_that_follows_its_prompt():
 
 
 def test_the_sampler_benchmark_counts_a_divergence_only_past_a_bf16_tie():
-    """bench/sampler.py compares its greedy rows with model.generate's in bf16, where a near-tie
+    """`python -m bench rollout` compares its greedy rows with model.generate's in bf16, where a near-tie
     of the two largest logits may break either way: a row counts as a real divergence only where
     the reference's top-2 logits at the first differing token are more than one bf16 step apart.
     Identical rows count nothing; a row changed at a clear maximum counts; the same change where
     the two candidates' logits are made exactly equal (their head rows equal) does not."""
-    from bench.sampler import real_divergences
+    from bench.steps import real_divergences
 
     tok = models.load_tokenizer("tiny")
     torch.manual_seed(0)

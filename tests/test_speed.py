@@ -3,7 +3,7 @@ the CPU's rule (FLOPs: packed and shared where they compute less; no compile), a
 once on the first micro-batch, the fastest kept; the compiled decode step, not under torchrun with LoRA),
 the same choice on every rank and on --resume, said on the run's first lines and in run_config.json.
 The GPU's rule runs here on CPU tensors with the device check and the clock faked: what it decides from
-given times is what is tested; what the times are on a GPU is bench/gpu_check.py's to measure."""
+given times is what is tested; what the times are on a GPU is `python -m bench gpu`'s to measure."""
 import json
 from types import SimpleNamespace
 

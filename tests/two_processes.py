@@ -35,11 +35,11 @@ MIN_SECONDS = 60  # a second process costs one more collection (~12 s): not belo
 # counts 1 s.
 SECONDS = {
     "test_distributed.py": 110, "test_robustness.py": 103, "test_docs_commands.py": 67, "test_memory_model.py": 55,
-    "test_gpu_path.py": 54, "test_exact.py": 48, "test_first_day.py": 46, "test_families.py": 42,
+    "test_gpu_path.py": 54, "test_exact.py": 48, "test_first_day.py": 46, "test_families.py": 42, "test_bench.py": 40,
     "test_generation_micro_batch.py": 36, "test_plots.py": 35, "test_edge_cases.py": 33, "test_reward_safety.py": 29,
     "test_dispatch.py": 27, "test_sampler.py": 24, "test_common.py": 18, "test_packing.py": 17, "test_dpo.py": 10,
     "test_cpu_only.py": 9, "test_grpo.py": 9, "test_two_processes.py": 9, "test_smollm2.py": 8, "test_speed.py": 7,
-    "test_gpu_speed.py": 7, "test_reward.py": 7, "test_tool_safety.py": 6, "test_variants.py": 5,
+    "test_reward.py": 7, "test_tool_safety.py": 6, "test_variants.py": 5,
     "test_tool_cache.py": 5, "test_reward_fns.py": 4, "test_frozen_bf16.py": 4, "test_user_path.py": 3,
     "test_lora.py": 3, "test_sft.py": 2, "test_layout.py": 2,
 }
