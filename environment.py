@@ -276,7 +276,7 @@ def frozen_in_bf16(model, d, enabled=True):
     its casts only of leaf tensors that require grad, so a frozen weight is cast again by every
     forward, every decoded token included: 6 bytes of traffic per weight before the matmul reads 2.
     Exact: autocast rounds the fp32 master to the same bf16 tensor, and casts a bf16 one to itself.
-    The adapters (trainable), the fp32 head (common.FP32Head, not an nn.Linear) and norms are left
+    The adapters (trainable), the fp32 head (lm_head.FP32Head, not an nn.Linear) and norms are left
     alone. No-op where common.autocast(d) is no bf16 autocast (the CPU, FSDP2's own casts) or not
     enabled; nested, the inner block finds bf16 weights and copies nothing. Costs a bf16 copy of
     the frozen linear weights while the block runs (bench/memory.py)."""

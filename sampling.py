@@ -1,23 +1,19 @@
 """The sampler: a lean KV-cached loop for rollouts and greedy evaluation (what
 model.generate() does, minus its per-step overhead), shared by grpo.py, reward.py's
-normalisation and every script's evaluation. Its speed against model.generate:
-bench/sampler.py; its correctness: tests/test_sampler.py.
+normalisation and every script's evaluation; the cache and the model copy its compiled step
+reads: kv_cache.py. Its speed against model.generate: `python -m bench rollout`; its
+correctness: tests/test_sampler.py, tests/test_decode_step.py.
 """
 import contextlib
-import copy
 import functools
 import hashlib
-import weakref
 
 import torch
-import transformers
-from torch.distributed.fsdp import FSDPModule
-import transformers.masking_utils
-from transformers import AutoModelForCausalLM, StaticCache
-from transformers.cache_utils import StaticLayer
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers import StaticCache
 
 import common
+import kv_cache
+import lm_head
 import shared_prompt
 import tools
 
@@ -67,14 +63,14 @@ def truncate_logits(logits, labels=None, top_k=0, top_p=1.0, min_p=0.0):
     """fp32 logits (..., V) at the temperature with the tokens kept_tokens drops at -inf: their
     log_softmax is the behaviour policy's log-prob, log(p / kept mass) on the kept set. The rule is
     found without a gradient, in chunks of rows (a sort of V per row: 2^26 logits at a time on a
-    GPU, as common.logprobs_from_logits chunks); the gradient flows through the kept logits.
+    GPU, as lm_head.logprobs_from_logits chunks); the gradient flows through the kept logits.
     labels (...): tokens kept whatever the rule says (the trainer's replay: a sampled token its own
     logits would drop, where they differ from the sampler's, keeps a finite log-prob, as prime-rl's
     replay keeps its labels)."""
     logits = logits.float()
     with torch.no_grad():
         flat = logits.detach().reshape(-1, logits.shape[-1])
-        rows = common._chunk_rows(flat, None)
+        rows = lm_head.chunk_rows(flat, None)
         keep = torch.cat([kept_tokens(flat[i:i + rows], top_k, top_p, min_p)
                           for i in range(0, flat.shape[0], rows)]).view(logits.shape)
         if labels is not None:
@@ -163,50 +159,6 @@ def _draws(uniforms, generator, temperature, B, device):
                             uniforms.gather(1, columns[:, None]).squeeze(1))
 
 
-class Rows:
-    """What generate's decode loop keeps of each row, on the device: the token it feeds next and that
-    token's position, done rows, the non-finite flag, the column written next (a tensor, so that a
-    compiled step reads it without recompiling), the draws' uniforms, the attention mask over the
-    cache's slots, and the response so far: ids and log-probs, (B, W) each. Compiled, one Rows per
-    batch shape lives beside its cache view (DecodeCache) at fixed addresses that the step updates in
-    place, so that a CUDA graph replays it with no input to copy; eager, one a call."""
-
-    def __init__(self, B, W, L, device):
-        def zeros(dtype, *shape):
-            return torch.zeros(shape, dtype=dtype, device=device)
-
-        self.tok, self.pos, self.col = zeros(torch.long, B), zeros(torch.long, B), zeros(torch.long, 1)
-        self.done, self.bad = zeros(torch.bool, B), zeros(torch.bool)
-        self.u, self.attn = zeros(torch.float64, B, W), zeros(torch.long, B, L)
-        self.ids, self.logps, self.stops = zeros(torch.long, B, W), zeros(torch.float, B, W), None
-
-    def tensors(self):
-        return [self.tok, self.pos, self.col, self.done, self.bad, self.u, self.attn, self.ids, self.logps]
-
-    def start(self, prompt_mask, uniforms, pad_id, stops, shared=False):
-        """In place, for a new call: nothing written, each row's first response position, the uniforms'
-        first columns, the stop ids, the attention mask: the prompt's real tokens, then every slot (the
-        causal mask hides those past the token fed; shared: no mask, the cache holds the responses'
-        slots only)."""
-        P = prompt_mask.shape[1]
-        self.tok.fill_(pad_id), self.col.zero_(), self.done.zero_(), self.bad.zero_()
-        self.pos.copy_(prompt_mask.sum(-1) - 1)  # _decode adds 1 before the first token is fed
-        self.ids.fill_(pad_id), self.logps.zero_()
-        self.stops = torch.tensor(stops, device=self.tok.device)
-        if uniforms is not None:
-            k = min(uniforms.shape[1], self.u.shape[1])
-            self.u[:, :k].copy_(uniforms[:, :k])
-        if not shared:
-            self.attn[:, :P].copy_(prompt_mask)
-            self.attn[:, P:].fill_(1)
-
-    def response(self, n):
-        """The first n columns' ids and their mask: 1 up to and including each row's first stop id."""
-        ids = self.ids[:, :n]
-        stop = torch.isin(ids, self.stops).long()
-        return ids.clone(), (stop.cumsum(-1) - stop == 0).long()  # clones: Rows are the next call's
-
-
 def _decode(model, rows, cache, kw, draw, pad_id, logits=None):
     """generate's decode step, all on the device: the forward of every row's last token (or the
     prefill's `logits`, for the first), a token per row drawn from the uniforms of its column (greedy
@@ -280,223 +232,6 @@ def _skip_guards(step):
     return contextlib.nullcontext()
 
 
-# -----------------------------------------------------------------------------
-# what the compiled step reads: a copy of the model that decodes lean, a cache held through the run
-
-
-def decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention of one new token per row over a static cache, as transformers' SDPA path runs it in
-    eager mode (pack_gqa): the r query heads that share a key/value head go as r rows of one query,
-    (B, H_kv, r, D), so that the cache is read once as it is. Under torch.compile transformers takes
-    repeat_kv instead, a copy of every layer's whole cache at the query heads' count each token (3x for
-    SmolLM2, 7x for Qwen2.5-0.5B). The query in the cache's dtype: under bf16 autocast RoPE's fp32
-    cos/sin make it fp32. attention_mask: sdpa_mask's, (B, 1, 1, S) bool or None. Several query tokens
-    (a prefill): transformers' SDPA attention."""
-    if query.shape[2] != 1:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                      **kwargs)
-    if dropout or kwargs.get("softcap") or kwargs.get("sliding_window") or "s_aux" in kwargs:
-        raise ValueError("sampling.decode_attention: no dropout, softcapping, sliding window or attention sinks")
-    (B, H, _, D), Hkv = query.shape, key.shape[1]
-    q = query.to(key.dtype).reshape(B, Hkv, H // Hkv, D)  # (B, H_kv, r, D): a view, heads in GQA's order
-    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask, scale=scaling)
-    return out.reshape(B, H, 1, D).transpose(1, 2), None  # (B, 1, H, D), as transformers' attention functions return it
-
-
-transformers.AttentionInterface.register("decode", decode_attention)
-transformers.masking_utils.AttentionMaskInterface.register("decode", transformers.masking_utils.sdpa_mask)
-
-
-def _lean_attention(model):
-    """Whether decode_attention may stand in for the model's attention: SDPA or eager without
-    softcapping, in transformers' own modules of a text model (which look their attention function up
-    by the config's name), every layer full attention (shared_prompt.runs' conditions)."""
-    config = model.config.get_text_config()
-    return (config is model.config and config._attn_implementation in ("sdpa", "eager")
-            and not getattr(config, "attn_logit_softcapping", None) and _static_layers(model)
-            and all(type(m).__module__.startswith("transformers.models.") for m in model.modules()
-                    if hasattr(m, "layer_idx")))
-
-
-def _linear_weights(model):
-    return [m.weight for m in model.modules() if type(m) is torch.nn.Linear or type(m).__name__ == "Conv1D"]
-
-
-_DECODERS = weakref.WeakKeyDictionary()  # model -> (the module the compiled step runs, [(its tensor, the model's)])
-
-
-def _decoder(model):
-    """What the compiled decode step runs: a copy of the model whose attention is decode_attention,
-    refreshed from the model in place at each call, so that its addresses stay those its CUDA graphs
-    were recorded with. Under torchrun (FSDP2, inside common.unsharded) a copy outside FSDP, whose
-    hooks would cut the step into a graph per block and whose gathered weights move between rollouts:
-    every weight and buffer copied from the gathered ones (bf16 under FSDP's MixedPrecisionPolicy: 2
-    bytes a weight held through the run). Under bf16 autocast (one GPU, `python`), bf16 copies of the
-    linear weights and the head (inside a graph autocast would cast every weight on every token: its
-    cast cache serves eager code only), the embeddings and norms the model's own, so that the residual
-    stream is autocast's. Otherwise the model's own tensors, shared."""
-    if model not in _DECODERS:
-        _DECODERS[model] = _fsdp_copy(model) if _is_fsdp(model) else _autocast_copy(model)
-    decoder, pairs = _DECODERS[model]
-    with torch.no_grad():
-        for dst, src in pairs:
-            if hasattr(src, "full_tensor"):
-                raise RuntimeError("sampling.generate(compile=True) under FSDP runs inside common.unsharded(model)")
-            dst.copy_(src)
-    return decoder
-
-
-def _is_fsdp(model):
-    return isinstance(model, FSDPModule)
-
-
-def _autocast_copy(model):
-    bf16 = torch.is_autocast_enabled(next(model.parameters()).device.type)
-    head = model.get_output_embeddings()
-    memo = {id(t): t for t in (*model.parameters(), *model.buffers())}  # shared, not copied
-    pairs = []
-    if bf16:
-        for w in _linear_weights(model):
-            memo[id(w)] = torch.nn.Parameter(w.detach().to(torch.bfloat16), requires_grad=False)
-            pairs.append((memo[id(w)], w))
-    decoder = copy.deepcopy(model, memo)
-    for m in decoder.modules():  # a compiled block's forward (common.compile_blocks) is bound to the model's block
-        vars(m).pop("forward", None)
-    if bf16 and isinstance(head, common.FP32Head) and head.bias is None:  # its own bf16 weight: a tied embedding stays fp32
-        w = torch.nn.Parameter(head.weight.detach().to(torch.bfloat16), requires_grad=False)
-        decoder.get_output_embeddings().weight = w
-        pairs.append((w, head.weight))
-    if _lean_attention(model):
-        decoder.config._attn_implementation = "decode"
-    return decoder.eval(), pairs
-
-
-def _fsdp_copy(model):
-    params = dict(model.named_parameters())
-    with torch.device("meta"):
-        decoder = AutoModelForCausalLM.from_config(copy.deepcopy(model.config))
-    dtype, device = next(iter(params.values())).dtype, next(iter(params.values())).device
-    made = {}  # meta tensor -> its empty one on the device (tied weights: one)
-    for m in decoder.modules():
-        for name, p in list(m.named_parameters(recurse=False)):
-            if id(p) not in made:
-                made[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device), requires_grad=False)
-            setattr(m, name, made[id(p)])
-        for name, b in list(m.named_buffers(recurse=False)):
-            m.register_buffer(name, torch.empty(b.shape, dtype=b.dtype, device=device),
-                              persistent=name not in m._non_persistent_buffers_set)
-    if isinstance(model.get_output_embeddings(), common.FP32Head):
-        decoder.get_output_embeddings().__class__ = common.FP32Head
-    mine = dict(decoder.named_parameters())
-    if mine.keys() != params.keys():
-        raise ValueError(f"sampling: compiled decoding under torchrun copies the model outside FSDP, but a "
-                         f"{type(decoder).__name__} built from its config has other weights (LoRA's adapters, remote "
-                         f"code?): run without --compile")
-    buffers = dict(model.named_buffers())
-    pairs = [(mine[k], params[k]) for k in mine] + [(b, buffers[k]) for k, b in decoder.named_buffers()]
-    if _lean_attention(decoder):
-        decoder.config._attn_implementation = "decode"
-    return decoder.eval(), pairs
-
-
-def compilable_under_fsdp(model):
-    """Whether _decoder can copy this model outside FSDP (plumbing/speed.py's `auto` under torchrun): a
-    causal LM of transformers' own code, without adapters."""
-    return not hasattr(model, "peft_config") and any(c.__module__.startswith("transformers.models.")
-                                                     for c in type(model).__mro__)
-
-
-def _static_layers(model):
-    """Every layer of the model's static cache a full-attention StaticLayer (none a sliding window's)."""
-    return all(type(layer) is StaticLayer for layer in StaticCache(config=model.config, max_cache_len=1).layers)
-
-
-class _CastingLayer(StaticLayer):
-    """A static cache layer that stores keys and values in its own dtype whatever the attention hands
-    it: the compute dtype (bf16 under autocast), where RoPE's fp32 cos/sin make the keys fp32 beside
-    bf16 values, and a cache of fp32 keys would be cast whole at every step, in every layer."""
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        return super().update(key_states.to(self.keys.dtype), value_states.to(self.values.dtype), *args, **kwargs)
-
-
-class DecodeCache:
-    """A static KV cache of `rows` rows and `slots` slots, its layers laid out like a prefill's cache
-    (heads, head sizes) in the compute dtype, and each batch shape's view of it: (cache of its first B
-    rows at the full cache's addresses, Rows). Compiled decoding keeps one per model for the whole run
-    (`reserve` sizes it from the flags at its first call: every rollout and evaluation of the run fits),
-    so that each shape the step is compiled for keeps the addresses its CUDA graph was recorded with
-    (cudagraph trees re-record at every decode step where a static input moved: 63 times in a 64-token
-    rollout on an H200, docs/gpu.md), and is held once, not once per shape."""
-
-    def __init__(self, model, rows, slots, layout):
-        self.rows, self.slots, self.layout, self.views = rows, slots, layout, {}
-        self.full = StaticCache(config=model.config, max_cache_len=slots)
-        for layer, (dtype, device, h_kv, d_k, d_v) in zip(self.full.layers, layout):  # (rows, heads, slots, head size) each
-            layer.__class__ = _CastingLayer
-            layer.lazy_initialization(torch.empty(rows, h_kv, 0, d_k, dtype=dtype, device=device),
-                                      torch.empty(rows, h_kv, 0, d_v, dtype=dtype, device=device))
-
-    def view(self, B):
-        """The cache of the first B rows, at the full cache's addresses, and its Rows."""
-        if B not in self.views:
-            view = copy.copy(self.full)
-            view.layers = [copy.copy(layer) for layer in self.full.layers]
-            for layer in view.layers:
-                layer.batch_size, layer.keys, layer.values = B, layer.keys[:B], layer.values[:B]
-                torch._dynamo.mark_static_address(layer.keys)  # as StaticLayer marks its own: read in place by a graph
-                torch._dynamo.mark_static_address(layer.values)
-            rows = Rows(B, self.slots, self.slots, self.full.layers[0].keys.device)
-            for t in rows.tensors():
-                torch._dynamo.mark_static_address(t)
-            self.views[B] = view, rows
-        return self.views[B]
-
-
-_DECODE_CACHES = weakref.WeakKeyDictionary()  # model -> DecodeCache (compiled decoding)
-
-
-def _decode_cache(model, B, L, like, persistent, reserve=(0, 0)):
-    """(cache, Rows, slots): a static KV cache of B rows and L or more slots, laid out like `like`'s
-    layers (the prefill's cache) in the compute dtype (autocast's, else the values'), and the Rows of a
-    decode loop. persistent (compiled decoding): the model's DecodeCache, made at the first call with
-    at least `reserve` (rows, slots) and never shrunk; a call that needs more (one the reservation did
-    not foresee) replaces it, and every graph recorded on the old one goes with it
-    (torch.compiler.reset(): the CUDA graph trees shut down and dynamo's entries dropped; an entry kept
-    would run its shape's graph on the dead trees, "Running CUDAGraph after shutdown" on an H200):
-    each shape compiles and records once more."""
-    device = like.layers[0].keys.device
-    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else \
-        like.layers[0].values.dtype
-    layout = [(dtype, device, x.keys.shape[1], x.keys.shape[-1], x.values.shape[-1]) for x in like.layers]
-    if not persistent:
-        cache = DecodeCache(model, B, L, layout)
-        return cache.full, Rows(B, L, L, device), L
-    held = _DECODE_CACHES.get(model)
-    if held is None or B > held.rows or L > held.slots or layout != held.layout:
-        if held is not None:  # the old one goes before a new one is made, with every graph recorded on it
-            held.views.clear()
-            torch.compiler.reset()
-        rows = max(B, reserve[0], held.rows if held else 0)
-        slots = max(_rounded(L), reserve[1], held.slots if held else 0)  # nearby lengths share a graph
-        del held
-        _DECODE_CACHES[model] = held = DecodeCache(model, rows, slots, layout)
-    cache, rows = held.view(B)
-    return cache, rows, held.slots
-
-
-def _fill_cache(cache, prefill, inverse, P):
-    """Copy the prefill's keys and values (U distinct prompts, P tokens) into slots [0, P) of the
-    static cache, row i taking prompt inverse[i]; in place, so the cache keeps its addresses."""
-    for dst, src in zip(cache.layers, prefill.layers):
-        k, v = (src.keys, src.values) if inverse is None else (src.keys.index_select(0, inverse),
-                                                               src.values.index_select(0, inverse))
-        dst.keys[:, :, :P].copy_(k)
-        dst.values[:, :, :P].copy_(v)
-        dst.cumulative_length.fill_(P)
-        del k, v  # before the next layer's are made: one layer's copies at a time
-
-
 @torch.no_grad()
 def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, temperature=1.0, top_k=0,
              top_p=1.0, stop_ids=(), generator=None, compile=False, uniforms=None, return_logprobs=False, min_p=0.0,
@@ -531,7 +266,7 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
 
     # 2. decode; slots of the static cache past the current token are hidden by the causal mask
     step = _step_fn(_decode, compile, device)
-    decoder = _decoder(model) if compile else model
+    decoder = kv_cache.decoder(model) if compile else model
     check_every = check_every or (GPU_CHECK_EVERY if _gpu(device) else 1)
     draw = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     with contextlib.ExitStack() as rollout, shared_prompt.decoding(decoder, prompts is not None):
@@ -553,12 +288,6 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
     return ids[:, :R], mask[:, :R]
 
 
-def _rounded(n):
-    """n rounded up to a multiple of n/8 to n/4 (54 -> 56, 300 -> 320): nearby lengths share a compiled graph."""
-    q = max(8, 2 ** (n.bit_length() - 3))
-    return -(-n // q) * q
-
-
 def _prefill(model, prompt_ids, prompt_mask, max_new_tokens, compile, kw, reserve=(0, 0)):
     """generate's step 1: each distinct prompt prefilled once. Returns the (B, V) logits of each row's
     first response token, a static cache, its Rows (their attention mask over the cache's slots) and
@@ -577,18 +306,18 @@ def _prefill(model, prompt_ids, prompt_mask, max_new_tokens, compile, kw, reserv
     uniq, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], 1), dim=0, return_inverse=True)
     dedup = len(uniq) < B
     ids, mask = (uniq[:, :P], uniq[:, P:]) if dedup else (prompt_ids, prompt_mask)
-    if not _static_layers(model):  # sliding-window layers: prefill into a fresh static cache, then reorder it
+    if not kv_cache.static_layers(model):  # sliding-window layers: prefill into a fresh static cache, then reorder it
         cache = StaticCache(config=model.config, max_cache_len=L)
         logits = _next_logits(model, ids, mask, common.position_ids_from_mask(mask), cache=cache, kw=kw)  # (U, V)
         if dedup:
             cache.reorder_cache(inverse)
-        rows = Rows(B, L, L, prompt_ids.device)
+        rows = kv_cache.Rows(B, L, L, prompt_ids.device)
     else:
         out = model(input_ids=ids, attention_mask=mask, position_ids=common.position_ids_from_mask(mask), use_cache=True,
                     **kw)
         logits = out.logits[:, -1]  # (U, V)
-        cache, rows, L = _decode_cache(model, B, L, out.cache, persistent=compile, reserve=reserve)  # L >= P + new
-        _fill_cache(cache, out.cache, inverse if dedup else None, P)
+        cache, rows, L = kv_cache.decode_cache(model, B, L, out.cache, persistent=compile, reserve=reserve)  # L >= P + new
+        kv_cache.fill_cache(cache, out.cache, inverse if dedup else None, P)
         del out
     if dedup:
         logits = logits.index_select(0, inverse)  # (B, V)
@@ -601,10 +330,10 @@ def _prefill_shared(model, ids, mask, G, max_new_tokens, compile, kw, reserve=(0
     static cache: B = U x G rows of max_new_tokens response slots or more (compiled: the held cache's), from slot 0."""
     P, B = ids.shape[1], ids.shape[0] * G
     if compile:
-        pad = _rounded(P) - P
+        pad = kv_cache.rounded(P) - P
         ids, mask = torch.nn.functional.pad(ids, (pad, 0)), torch.nn.functional.pad(mask, (pad, 0))
     out = model(input_ids=ids, attention_mask=mask, position_ids=common.position_ids_from_mask(mask), use_cache=True, **kw)
-    cache, rows, S = _decode_cache(model, B, max_new_tokens, out.cache, persistent=compile, reserve=(reserve[0], 0))
+    cache, rows, S = kv_cache.decode_cache(model, B, max_new_tokens, out.cache, persistent=compile, reserve=(reserve[0], 0))
     for layer in cache.layers:
         layer.cumulative_length.fill_(0)
     prompts = shared_prompt.PromptKV([layer.keys for layer in out.cache.layers],
@@ -665,7 +394,7 @@ def generate_with_tools(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, 
 
     # 2. decode: each step a token per row, sampled, or its result's next token where it is in one
     step = _step_fn(_next_token, compile, device)
-    decoder = _decoder(model) if compile else model
+    decoder = kv_cache.decoder(model) if compile else model
     graphs = compile and _gpu(device)
     pos = prompt_mask.sum(-1)  # (B,) position of the first response token
     ids = torch.full((B, R + 1), pad_id, dtype=torch.long, device=device)  # column R: the idle rows' writes

@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
+import lm_head  # noqa: E402
 import data  # noqa: E402
 import dpo  # noqa: E402
 import environment  # noqa: E402
@@ -115,7 +116,7 @@ def smollm2_ops_model(layers=30, seed=0):
                          bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
-    model.get_output_embeddings().__class__ = common.FP32Head  # the scripts' head (plumbing.models.load_model)
+    model.get_output_embeddings().__class__ = lm_head.FP32Head  # the scripts' head (plumbing.models.load_model)
     return tok, model
 
 

@@ -23,6 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
 sys.path.insert(0, ROOT)
 import common  # noqa: E402
+import lm_head  # noqa: E402, F401  (bench's modules reach it as harness.lm_head)
 import tasks  # noqa: E402
 from plumbing import cli, models, rundir  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402

@@ -32,7 +32,7 @@ On a GPU (bytes per GPU; N parameters, W ranks under torchrun, bf16 compute), pe
   backward their own gradients, 8 I a token (4 I under FSDP; fitted): reward.py's peak; plus flash
   attention's log-sum-exp and the padding mask as a bf16 bias), and the fp32 logits of the R
   response positions with their gradient (and log_softmax's output where
-  common.logprobs_from_logits takes that path; GRPO: at the forward's end, the entropy's three
+  lm_head.logprobs_from_logits takes that path; GRPO: at the forward's end, the entropy's three
   chunks of 2^26 logits instead of the gradient). One process without --activation_checkpointing
   (shared_prompt, grpo.py's update and dpo.py): each distinct prompt's tokens once, then every row's
   response after its prompt's keys and values, gathered to each row. With --activation_checkpointing: each block's
@@ -143,7 +143,7 @@ def parts(s, script, world=1, launcher="torchrun", device="gpu", seqs=4, prompt_
         parts["activations"] = tokens * (s["L"] * e * s["h"] + per_token_layer + probs)
     else:
         parts["activations"] = tokens * s["L"] * (per_token_layer + probs)
-    if script != "reward":  # the fused head's chunks (common._HeadLogprobs): a few fp32 copies of one chunk's logits
+    if script != "reward":  # the fused head's chunks (lm_head._HeadLogprobs): a few fp32 copies of one chunk's logits
         parts["logits"] = head_logits(seqs * seq_factor * R, s["V"], device, grad=True)
     phases = {"update": parts}
     if script == "grpo":
@@ -210,7 +210,7 @@ def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, r
     # the rollout's and the log-prob passes': LoRA's frozen base swapped for a bf16 copy made once for the block
     # (environment.frozen_in_bf16; the rollout's not with --compile, which decodes from the decoder copies)
     no_grad_weights = {"bf16 base (cast once)": 2 * L * linear} if lora else weights
-    # GRPO --compile: one static KV cache per model kept between rollouts (sampling._decode_cache) and,
+    # GRPO --compile: one static KV cache per model kept between rollouts (kv_cache.decode_cache) and,
     # under autocast, bf16 copies of the linear weights kept for the compiled decode (sampling._decoder)
     # bf16 keys and values in the sampler's static cache (sampling._CastingLayer); in a prefill's or a forward's
     # own cache under autocast a RoPE model's keys stay fp32 (its fp32 residual stream makes cos and sin fp32,
@@ -248,7 +248,7 @@ def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, r
     if grad_accum > 1:
         fb["gradients"] = 4 * trained  # the earlier micro-batches', reduce-scattered
     logits = logits_end = 0  # at the backward's start, and at the forward's end
-    if script != "reward":  # the fused head (common._HeadLogprobs): chunks of 2^26 logits, never all of them; the
+    if script != "reward":  # the fused head (lm_head._HeadLogprobs): chunks of 2^26 logits, never all of them; the
         # backward's start: a chunk recomputed, its softmax and gradient, and W's fp32 gradient
         logits = head_logits(seqs * R, V, "gpu", grad=True) + (0 if lora else 4 * V * h)  # W's gradient, fp32
         logits_end = head_logits(seqs * R, V, "gpu")
@@ -293,7 +293,7 @@ def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, r
     c = (17 if s["gated"] else 31) if not fsdp else (6 if s["gated"] else 21)
     transients = chunk_prompts * prompt_len * (6 * I + c * h)
     roll["prefill forward"] = transients if compile else max(0, transients - cache)
-    # then, filling the static cache (sampling._fill_cache: k[inverse]), one layer's prompt keys and values
+    # then, filling the static cache (kv_cache.fill_cache: k[inverse]), one layer's prompt keys and values
     # gathered for every row at a time beside the whole cache and the prefill's, or the decode's fp32 logits
     fill = rows * prompt_len * kv_bytes if chunk_prompts < rows else 0
     roll["cache fill or logits"] = max(fill, 4 * rows * V)
@@ -318,7 +318,7 @@ def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, r
 
 
 def head_logits(tokens, V, device, grad=False):
-    """The fused head's fp32 transients (common._HeadLogprobs): one chunk of min(tokens, 2^26 / V) rows
+    """The fused head's fp32 transients (lm_head._HeadLogprobs): one chunk of min(tokens, 2^26 / V) rows
     (2^22 on a CPU) of logits, its log-softmax and their product for the entropy (3 copies); with a
     gradient, the backward's recomputed chunk, its softmax (the gradient, in place) and the entropy's
     log-softmax and its exp (4 copies)."""

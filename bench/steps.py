@@ -311,7 +311,7 @@ def rollout(args):
         tok = harness.models.load_tokenizer(folder)
         model = harness.models.load_model(folder, tok)
     if type(model.get_output_embeddings()) is torch.nn.Linear:  # the scripts' head: fp32 logits
-        model.get_output_embeddings().__class__ = harness.common.FP32Head
+        model.get_output_embeddings().__class__ = harness.lm_head.FP32Head
     dtype = torch.bfloat16 if args.dtype == "bf16" or args.dtype == "auto" and device.type == "cuda" else torch.float32
     model = model.to(device=device, dtype=dtype).eval()
     lengths = harness.row_lengths(args.lengths, args.rows, args.prompt_len, args.response_len)

@@ -14,7 +14,7 @@ GPT-2's vocabulary for the draw.
 import pytest
 import torch
 
-import common
+import lm_head
 import dpo
 import grpo
 import reward
@@ -53,7 +53,7 @@ def with_peak(benchmark, fn, *args):
 @pytest.mark.benchmark(group="logprobs forward")
 @pytest.mark.parametrize("impl", ["chunked", "naive"])
 def test_logprobs_forward(benchmark, logits, impl):
-    fn = common.logprobs_from_logits if impl == "chunked" else naive_logprobs
+    fn = lm_head.logprobs_from_logits if impl == "chunked" else naive_logprobs
     torch.testing.assert_close(fn(*logits), naive_logprobs(*logits), rtol=1e-5, atol=1e-5)
     with_peak(benchmark, fn, *logits)
 
@@ -61,7 +61,7 @@ def test_logprobs_forward(benchmark, logits, impl):
 @pytest.mark.benchmark(group="logprobs forward+backward")
 @pytest.mark.parametrize("impl", ["chunked", "naive"])
 def test_logprobs_forward_backward(benchmark, logits, impl):
-    fn = common.logprobs_from_logits if impl == "chunked" else naive_logprobs
+    fn = lm_head.logprobs_from_logits if impl == "chunked" else naive_logprobs
     torch.testing.assert_close(fwd_bwd(fn, *logits), fwd_bwd(naive_logprobs, *logits), rtol=1e-5, atol=1e-6)
     with_peak(benchmark, fwd_bwd, fn, *logits)
 

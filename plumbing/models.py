@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import common
+import lm_head
 import data
 import tasks
 from plumbing import logs
@@ -378,7 +379,7 @@ def packed_attention(model):
 
 def load_model(name, tokenizer, kind="causal", dtype=torch.float32, trust_remote_code=False, d=None):
     """`tiny` (a small GPT-2, tasks.py), a hub id, a checkpoint folder, or a GGUF file or packaged
-    model (model_folder). kind: "causal" (its LM head in fp32, common.FP32Head), "reward" (a trained
+    model (model_folder). kind: "causal" (its LM head in fp32, lm_head.FP32Head), "reward" (a trained
     reward model) or "new_reward" (a new score head: reward.py's start). Safetensors only; dropout
     off (no_dropout) and in eval mode on every rank (from_pretrained's mode; common.shard_model sets train
     mode for activation checkpointing). d: under torchrun only rank 0 reads the weights, the others
@@ -419,7 +420,7 @@ def load_model(name, tokenizer, kind="causal", dtype=torch.float32, trust_remote
     if reward:
         model.config.pad_token_id = tokenizer.pad_token_id
     elif type(model.get_output_embeddings()) is torch.nn.Linear:
-        model.get_output_embeddings().__class__ = common.FP32Head  # same weights; checkpoints are unchanged
+        model.get_output_embeddings().__class__ = lm_head.FP32Head  # same weights; checkpoints are unchanged
     return no_dropout(model).eval()
 
 

@@ -22,6 +22,7 @@ import torch
 
 import common
 import sampling
+import kv_cache
 import shared_prompt
 from plumbing import models
 
@@ -84,7 +85,7 @@ def choose(cfg, d, recorded, model, batch, models_=(), reward=False):
     out |= {f: c["value"] for f, c in fresh.items()}
     todo = [f for f in asked if f not in out]
     if "compile" in todo:
-        copyable = not d.torchrun or sampling.compilable_under_fsdp(model)
+        copyable = not d.torchrun or kv_cache.compilable_under_fsdp(model)
         on = timed(d) and copyable
         why = ("a CUDA-graph decode step, several times model.generate's speed (docs/gpu.md)" +
                (", from a bf16 copy of the model outside FSDP2" if d.torchrun else "") if on else

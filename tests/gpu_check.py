@@ -464,7 +464,7 @@ def compile_report(log, after_step=2):
     """From a run's output under TORCH_LOGS=recompiles,cudagraphs,dynamo (the step lines on the same
     stream), split at the step `after_step` line (None after it when that line is missing): the
     compilations (each `start tracing` of a new [frame/compile] id; the ids start again after
-    torch.compiler.reset(), which sampling._decode_cache calls when its cache grows) up to and
+    torch.compiler.reset(), which kv_cache.decode_cache calls when its cache grows) up to and
     after it, the frames' names, the CUDA graphs recorded up to and after it, the re-recordings and
     the CUDA graphs skipped."""
     cut = next((m.end() for m in STEP_LINE.finditer(log) if int(m[1]) == after_step), None)

@@ -14,7 +14,7 @@ oracle, kept beside the tests that use it.
 
 A GPU's choices on fake CPU tensors: bf16 compute (FSDP2's MixedPrecisionPolicy, or autocast under
 `python`), bf16 frozen models under torchrun, the fp32-output head matmul and log_softmax + gather
-(common.on_gpu), and a flash-attention kernel (keeps its output and log-sum-exp, not the
+(lm_head.on_gpu), and a flash-attention kernel (keeps its output and log-sum-exp, not the
 probabilities). Not counted: CUDA's context and the allocator's fragmentation (memory.fits adds
 them). A call of the sampler is its prefill and one decode step into the full static cache: the
 cache is allocated whole before the first token, so later tokens add only a step's logits. GRPO's
@@ -37,6 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
 
 import common  # noqa: E402
+import lm_head  # noqa: E402
 import memory  # noqa: E402
 import shared_prompt  # noqa: E402
 
@@ -57,7 +58,7 @@ def _as_on_a_gpu(d):
         return model
 
     with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.object(common, "on_gpu", lambda t: True))
+        stack.enter_context(mock.patch.object(lm_head, "on_gpu", lambda t: True))
         stack.enter_context(mock.patch.object(common, "bf16_supported", lambda device: True))
         stack.enter_context(mock.patch.object(common, "autocast", autocast))
         if not d.torchrun:
@@ -113,7 +114,7 @@ def _build(shape, kind="causal"):
     config = memory.hf_config(shape)
     if kind == "causal":
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-        model.get_output_embeddings().__class__ = common.FP32Head
+        model.get_output_embeddings().__class__ = lm_head.FP32Head
     else:
         config.num_labels, config.pad_token_id = 1, 0
         model = AutoModelForSequenceClassification.from_config(config, attn_implementation="sdpa")
@@ -292,20 +293,21 @@ def _dpo(model, optimizer, scheduler, frozen, cfg, d, tracker):
 
 def _turn(model, rows, n_prompts, prompt_len, slots, cfg, d):
     """One call of sampling.generate, as far as its memory goes: a static cache of `rows` rows and
-    `slots` slots (sampling._decode_cache: with --compile the persistent one), the prefill of
+    `slots` slots (kv_cache.decode_cache: with --compile the persistent one), the prefill of
     n_prompts distinct prompts of prompt_len tokens copied into it (each to about rows / n_prompts rows),
     and one decode step into the full cache (from the bf16 copies under autocast with --compile)."""
+    import kv_cache
     import sampling
 
     prompts, mask, _ = _batch(n_prompts, prompt_len, 0, d)
     out = model(input_ids=prompts, attention_mask=mask, position_ids=common.position_ids_from_mask(mask),
                 use_cache=True, logits_to_keep=1)
-    cache, _, slots = sampling._decode_cache(model, rows, slots, out.cache, persistent=cfg.compile)
+    cache, _, slots = kv_cache.decode_cache(model, rows, slots, out.cache, persistent=cfg.compile)
     inverse = None if n_prompts == rows else torch.arange(rows, device=d.device) * n_prompts // rows
-    sampling._fill_cache(cache, out.cache, inverse, prompt_len)
+    kv_cache.fill_cache(cache, out.cache, inverse, prompt_len)
     logits = out.logits[:, -1] if inverse is None else out.logits[:, -1][inverse]  # (rows, V)
     del out
-    decoder = sampling._decoder(model) if cfg.compile else model  # sampling.generate's
+    decoder = kv_cache.decoder(model) if cfg.compile else model  # sampling.generate's
     full = torch.ones(rows, slots, dtype=torch.long, device=d.device)
     sampling._next_logits(decoder, logits.argmax(-1)[:, None], full, torch.full((rows, 1), prompt_len, device=d.device),
                           cache=cache, kw=dict(logits_to_keep=1))

@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common
+import lm_head
 import data
 import dpo
 import environment
@@ -111,7 +112,7 @@ def test_logprobs_from_logits_matches_naive(shape, chunk):
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(*shape, generator=g) * 3
     labels = torch.randint(0, shape[-1], shape[:-1], generator=g)
-    fast = common.logprobs_from_logits(logits, labels, chunk_elems=chunk)
+    fast = lm_head.logprobs_from_logits(logits, labels, chunk_elems=chunk)
     torch.testing.assert_close(fast, _naive_logprobs(logits, labels), rtol=1e-5, atol=1e-5)
 
 
@@ -121,7 +122,7 @@ def test_logprobs_from_logits_gradient_matches_naive():
     labels = torch.randint(0, 17, (4, 6), generator=g)
     w = torch.randn(4, 6, generator=g, dtype=torch.float64)
     a = logits.clone().requires_grad_()
-    (common.logprobs_from_logits(a, labels, chunk_elems=17 * 5) * w).sum().backward()
+    (lm_head.logprobs_from_logits(a, labels, chunk_elems=17 * 5) * w).sum().backward()
     b = logits.clone().requires_grad_()
     (torch.log_softmax(b, -1).gather(-1, labels[..., None]).squeeze(-1) * w).sum().backward()
     torch.testing.assert_close(a.grad, b.grad)
@@ -131,7 +132,7 @@ def test_logprobs_from_bf16_logits_are_computed_in_fp32():
     g = torch.Generator().manual_seed(2)
     logits = (torch.randn(2, 8, 50257, generator=g) * 4).bfloat16()
     labels = torch.randint(0, 50257, (2, 8), generator=g)
-    out = common.logprobs_from_logits(logits, labels)
+    out = lm_head.logprobs_from_logits(logits, labels)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, _naive_logprobs(logits, labels), rtol=1e-5, atol=1e-5)
 
@@ -139,7 +140,7 @@ def test_logprobs_from_bf16_logits_are_computed_in_fp32():
 def test_entropy_from_logits_matches_naive():
     logits = torch.randn(3, 4, 29, generator=torch.Generator().manual_seed(3))
     p = logits.softmax(-1)
-    torch.testing.assert_close(common.entropy_from_logits(logits, chunk_elems=29 * 2), -(p * p.log()).sum(-1))
+    torch.testing.assert_close(lm_head.entropy_from_logits(logits, chunk_elems=29 * 2), -(p * p.log()).sum(-1))
 
 
 @pytest.fixture(scope="module")
@@ -872,7 +873,7 @@ def test_map_rows_cuts_chunks_to_the_logits_they_make():
         sizes.append(len(rows))
         return torch.tensor(rows, dtype=torch.float64)[:, None]
 
-    for per_row, want in ((0, [5, 5]), (common.EVAL_LOGITS // 3, [3, 3, 3, 3]), (common.EVAL_LOGITS + 1, [1] * 10)):
+    for per_row, want in ((0, [5, 5]), (lm_head.EVAL_LOGITS // 3, [3, 3, 3, 3]), (lm_head.EVAL_LOGITS + 1, [1] * 10)):
         sizes.clear()
         out = common.map_rows(fn, 10, common.Dist(), 8, logits_per_row=per_row)
         assert sizes == want and out[:, 0].tolist() == list(range(10))
@@ -881,7 +882,7 @@ def test_map_rows_cuts_chunks_to_the_logits_they_make():
 def test_every_evaluation_forward_keeps_its_logits_under_the_budget(tiny, monkeypatch):
     """SFT's held-out loss (default 256 rows per forward), DPO's pair log-probs and GRPO's pairwise
     accuracy (2 sequences per pair) cut their forwards so that their fp32 logits stay under
-    common.EVAL_LOGITS (1 GiB: 2 rows at R = 1024, V = 128k; 256 rows were 62 GiB). Here the
+    lm_head.EVAL_LOGITS (1 GiB: 2 rows at R = 1024, V = 128k; 256 rows were 62 GiB). Here the
     budget is 2 rows of the longest response: every forward has at most 2 sequences, and the
     values equal those of whole batches."""
     model, tok = tiny
@@ -913,7 +914,7 @@ def test_every_evaluation_forward_keeps_its_logits_under_the_budget(tiny, monkey
 def test_logprobs_on_a_gpu_are_log_softmax_and_gather_where_it_fits(monkeypatch):
     """On a GPU (its `meta` stand-in) the fused log_softmax + gather is faster than chunks (0.83x
     forward, 0.50x with the backward on an H100): taken where the (N, V) tensor fits
-    common.EVAL_LOGITS, chunks above it; on a CPU always chunks (bench/test_micro.py)."""
+    lm_head.EVAL_LOGITS, chunks above it; on a CPU always chunks (bench/test_micro.py)."""
     chunked = common._SelectiveLogSoftmax.apply
 
     def path(device, budget):
@@ -921,7 +922,7 @@ def test_logprobs_on_a_gpu_are_log_softmax_and_gather_where_it_fits(monkeypatch)
         monkeypatch.setattr(common, "EVAL_LOGITS", budget)
         monkeypatch.setattr(common._SelectiveLogSoftmax, "apply", lambda *a: calls.append(1) or chunked(*a))
         logits = torch.randn(2, 5, 11, device=device, requires_grad=True)
-        out = common.logprobs_from_logits(logits, torch.zeros(2, 5, dtype=torch.long, device=device))
+        out = lm_head.logprobs_from_logits(logits, torch.zeros(2, 5, dtype=torch.long, device=device))
         assert out.shape == (2, 5) and out.dtype == torch.float32
         return "chunks" if calls else "log_softmax"
 

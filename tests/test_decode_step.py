@@ -9,8 +9,8 @@ import torch
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
-import common
 import sampling
+import kv_cache
 from bench import dispatch
 from bench.sampler import prompts_batch
 
@@ -59,8 +59,8 @@ def _compiled(monkeypatch, captured):
     monkeypatch.setattr(sampling, "_compiled", {})
     monkeypatch.setattr(sampling, "_gpu", lambda device: True)
     monkeypatch.setattr(sampling, "_compile", lambda fn, gpu: captured.compile(fn))
-    monkeypatch.setattr(sampling, "_DECODE_CACHES", type(sampling._DECODE_CACHES)())
-    monkeypatch.setattr(sampling, "_DECODERS", type(sampling._DECODERS)())
+    monkeypatch.setattr(kv_cache, "_DECODE_CACHES", type(kv_cache._DECODE_CACHES)())
+    monkeypatch.setattr(kv_cache, "_DECODERS", type(kv_cache._DECODERS)())
 
 
 def test_the_compiled_decode_step_reads_a_bf16_cache_once_as_it_is(smollm2_ops, monkeypatch):
@@ -77,7 +77,7 @@ def test_the_compiled_decode_step_reads_a_bf16_cache_once_as_it_is(smollm2_ops, 
     ids, mask = prompts_batch(tok, 4, 2, torch.device("cpu"))
     with torch.no_grad():
         _generate(model, ids, mask, 6, compile=True)
-    held = sampling._DECODE_CACHES[model]
+    held = kv_cache._DECODE_CACHES[model]
     layer = held.full.layers[0]
     assert {layer.keys.dtype for layer in held.full.layers} == {layer.values.dtype for layer in held.full.layers} \
         == {torch.bfloat16}

@@ -16,7 +16,7 @@ from test_user_path import grpo_argv as chat_grpo_argv
 
 import environment
 import grpo
-import sampling
+import kv_cache
 
 N = 3  # rows per chunk: 16 rows a rollout (8 a rank) in chunks of 2 and 3 that cut groups of 4 in two
 
@@ -30,10 +30,10 @@ TWO_RANK_RUNS["grpo_tools_chunked"] = chunked_tools
 
 def recorded_run(argv):
     """grpo.py in this process; its metrics, every rollout it sampled (environment.rollout's
-    tensors) and the rows of every KV cache the sampler made (sampling._decode_cache)."""
+    tensors) and the rows of every KV cache the sampler made (kv_cache.decode_cache)."""
     cfg = grpo.cli.parse_config(grpo.Config, argv[1:])
     rolls, cache_rows = [], []
-    rollout, decode_cache = environment.rollout, sampling._decode_cache
+    rollout, decode_cache = environment.rollout, kv_cache.decode_cache
 
     def recording_rollout(*args, **kwargs):
         roll = rollout(*args, **kwargs)
@@ -46,7 +46,7 @@ def recorded_run(argv):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(environment, "rollout", recording_rollout)
-        mp.setattr(sampling, "_decode_cache", recording_cache)
+        mp.setattr(kv_cache, "decode_cache", recording_cache)
         grpo.main(cfg)
     out = argv[argv.index("--out_dir") + 1]
     return read_metrics(out), rolls, cache_rows

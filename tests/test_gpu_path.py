@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import common
+import lm_head
 import environment
 import grpo
 import sampling
@@ -85,7 +86,7 @@ def test_lm_head_logits_are_fp32_under_bf16_autocast(tiny):
     model = models.load_model("tiny", tok).eval()
     with torch.no_grad():  # logits of GPT-2's size (tens): where bf16's step is 0.125-0.5
         model.transformer.wte.weight.mul_(40)
-    assert type(model.lm_head) is common.FP32Head
+    assert type(model.lm_head) is lm_head.FP32Head
     ids, attn, resp = common.join_prompt_response([tok("sort 3 1 2 =")["input_ids"]] * 2,
                                                   [tok(" 1 2 3")["input_ids"], tok(" 3 2")["input_ids"]], tok.pad_token_id)
     R = resp.shape[1]
@@ -115,7 +116,7 @@ def _naive_head(x, w, b, labels, temperature, truncate):
 
 @pytest.mark.parametrize("temperature, top_p, bias", [(1.0, 1.0, False), (0.7, 1.0, True), (0.7, 0.8, False)])
 def test_the_fused_head_scores_tokens_without_their_logits(temperature, top_p, bias):
-    """common._HeadLogprobs (the LM head, log-softmax and gather in chunks of tokens, the backward
+    """lm_head._HeadLogprobs (the LM head, log-softmax and gather in chunks of tokens, the backward
     recomputing each chunk): log-probs and entropies equal those of whole fp64 logits, at a
     temperature and under a sampler's top-p (truncated and renormalised; the entropy the full
     distribution's), and so do the gradients of the weight, bias and hidden states of a loss of both
@@ -145,7 +146,7 @@ def test_the_fused_head_scores_tokens_without_their_logits(temperature, top_p, b
     c, e = torch.randn(N, generator=g, dtype=torch.float64), torch.randn(N, generator=g, dtype=torch.float64)
     truncate = sampling.truncation(top_p=top_p)
     with Largest() as seen:
-        logp, ent = common._HeadLogprobs.apply(x, w, b if bias else None, labels, torch.float32, temperature, truncate,
+        logp, ent = lm_head._HeadLogprobs.apply(x, w, b if bias else None, labels, torch.float32, temperature, truncate,
                                                True, True, 8)
         ((logp.double() * c).sum() + (ent.double() * e).sum()).backward()
     assert seen.numel < N * V, seen.numel
@@ -191,7 +192,7 @@ def test_response_logprobs_never_hold_the_responses_logits(tiny, monkeypatch):
                                                 and t.dtype.is_floating_point and t.shape[-1:] == (V,)]])
             return out
 
-    monkeypatch.setattr(common, "CHUNK_LOGITS", {"cpu": 2 * V, "gpu": 2 * V})
+    monkeypatch.setattr(lm_head, "CHUNK_LOGITS", {"cpu": 2 * V, "gpu": 2 * V})
     prompt = tok("sort 3 1 2 4 5 6 =")["input_ids"]
     ids, attn, resp = common.join_prompt_response([prompt] * 4, [tok(" 1 2 3 4 5 6")["input_ids"]] * 4, tok.pad_token_id)
     for kw in (dict(packed=False), dict(packed=True), dict(shared=True)):
@@ -214,7 +215,7 @@ def test_response_logprobs_fused_equal_the_logits_path(tiny, monkeypatch):
     out = {}
     for fused in (True, False):
         if not fused:
-            monkeypatch.setattr(common, "fused_head", lambda m: None)
+            monkeypatch.setattr(lm_head, "fused_head", lambda m: None)
         for packed in (False, True):
             model.zero_grad()
             logps, ent = common.response_logprobs(model, ids, attn, resp.shape[1], temperature=0.8, with_entropy=True,
@@ -443,7 +444,7 @@ def test_grpo_compile_compiles_each_shape_once_through_long_tailed_prompts_evalu
     re-records, and no graph mutates an input that is not static (which cudagraph trees would skip)."""
     trees = FakeCudagraphTrees(monkeypatch)
     g = torch.Generator().manual_seed(0)
-    lengths = (torch.distributions.LogNormal(1.0, 0.8).sample((64,)).clamp(1, 24).round().int() + 1).tolist()
+    lengths = ((1.0 + 0.8 * torch.randn(64, generator=g)).exp().clamp(1, 24).round().int() + 1).tolist()  # log-normal
     rows = [{"prompt": "sort " + " ".join(str((i * 7 + k) % 10) for k in range(n)), "reward_fn": "digits"}
             for i, n in enumerate(lengths)]
     prompts = write_jsonl(tmp_path / "prompts.jsonl", rows)
@@ -648,7 +649,7 @@ def test_gpu_check_fails_on_a_planted_bug(cpu_check, monkeypatch, plant):
 def test_gpu_check_reads_compilations_and_cuda_graph_recordings_from_torch_logs():
     """(d)'s reader on hand-written output in TORCH_LOGS's format (torch 2.11 and 2.13 word the
     recording differently): every compilation counted (a restart [0/0_1] is not one; the ids start
-    again after torch.compiler.reset(), sampling._decode_cache's when its cache grows), split with
+    again after torch.compiler.reset(), kv_cache.decode_cache's when its cache grows), split with
     the recordings at the `step 2` line; re-recordings (a static input moved: the H200's first (d)
     run had 254) and skipped graphs apart. After step 2 nothing may compile or record."""
     def log(*lines):
@@ -688,7 +689,7 @@ def test_gpu_check_memory_bound_is_ten_percent_and_one_gib():
 
 
 def test_the_fp32_head_on_bf16_weights_makes_no_fp32_copy_of_the_weight():
-    """FSDP2 gathers bf16 weights; the LM head's logits are fp32 (common.FP32Head). On a GPU
+    """FSDP2 gathers bf16 weights; the LM head's logits are fp32 (lm_head.FP32Head). On a GPU
     (here its `meta` stand-in) that is one matmul with an fp32 result: no op of the forward or
     backward makes an fp32 tensor the weight's size (casting it cost ~2 GB written and read per
     decoded token at a 150k vocabulary, and kept that copy for the backward). On a CPU the same
@@ -708,7 +709,7 @@ def test_the_fp32_head_on_bf16_weights_makes_no_fp32_copy_of_the_weight():
             return out
 
     V, H = 64, 16
-    head = common.FP32Head(H, V, bias=False, device="meta", dtype=torch.bfloat16)
+    head = lm_head.FP32Head(H, V, bias=False, device="meta", dtype=torch.bfloat16)
     x = torch.randn(2, 3, H, device="meta", dtype=torch.bfloat16, requires_grad=True)
     with Outputs() as ops:
         logits = head(x)
@@ -717,7 +718,7 @@ def test_the_fp32_head_on_bf16_weights_makes_no_fp32_copy_of_the_weight():
     assert not [op for op in ops.seen if op[1:] == ((V, H), torch.float32)], ops.seen
 
     torch.manual_seed(0)
-    head = common.FP32Head(H, V, bias=False, dtype=torch.bfloat16)
+    head = lm_head.FP32Head(H, V, bias=False, dtype=torch.bfloat16)
     x = torch.randn(2, 3, H, dtype=torch.bfloat16, requires_grad=True)
     x32, w32 = x.detach().float().requires_grad_(), head.weight.detach().float().requires_grad_()
     g = torch.randn(2, 3, V)

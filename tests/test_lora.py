@@ -12,7 +12,7 @@ import torch
 
 from helpers import (TWO_RANK_RUNS, chat_rows, checkpoint_weights, ctrl_c_after_first_save, max_abs_diff,
                      read_metrics, run_here, write_jsonl)
-import common
+import lm_head
 import tasks
 from plumbing import checkpoints, models
 
@@ -97,11 +97,11 @@ def final_model(argv):
 
 
 def nll64(model, ids):
-    """The mean next-token NLL of ids under a float64 copy of model (its fp32 head, common.FP32Head,
+    """The mean next-token NLL of ids under a float64 copy of model (its fp32 head, lm_head.FP32Head,
     a plain linear layer again, so that nothing is computed in fp32)."""
     model = copy.deepcopy(model).double()
     for m in model.modules():
-        if type(m) is common.FP32Head:
+        if type(m) is lm_head.FP32Head:
             m.__class__ = torch.nn.Linear
     logits = model(input_ids=ids).logits  # (B, T, V)
     return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())

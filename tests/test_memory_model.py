@@ -124,20 +124,21 @@ def test_the_tool_loop_makes_the_one_cache_the_model_counts(check_every, tmp_pat
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import common
+    import kv_cache
     import sampling
     import tasks
     import tools
 
     folder = tasks.calculator_gpt2(tmp_path / "policy")
     tok, model = AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder)
-    caches, decode_cache = [], sampling._decode_cache
+    caches, decode_cache = [], kv_cache.decode_cache
 
     def recording(model, B, L, like, persistent, reserve=(0, 0)):
         out = decode_cache(model, B, L, like, persistent, reserve)
         caches.append(out[0])
         return out
 
-    monkeypatch.setattr(sampling, "_decode_cache", recording)
+    monkeypatch.setattr(kv_cache, "decode_cache", recording)
     prompts = [r["prompt"] for r in tasks.prompt_rows(16)]
     ids, mask = common.pad(sampling.encode_prompts(tok, prompts, 64)[0], tok.pad_token_id, side="left")
     (B, P), R = ids.shape, 64

@@ -324,7 +324,6 @@ def test_a_module_the_standard_library_shadows_is_named_with_the_file_imported(t
     library's json (which the worker imports before it): the error names the file imported, says the
     user's json.py is shadowed, and how to name it; named by its path, it loads. Before: "module
     'json' has no 'fn'", the standard library's, naming no file."""
-    import json
 
     (tmp_path / "json.py").write_text("def fn(prompts, completions, **kw):\n    return [2.0] * len(completions)\n")
     monkeypatch.chdir(tmp_path)

@@ -15,6 +15,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForC
 
 import common
 import sampling
+import kv_cache
 import shared_prompt
 from helpers import ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, dynamo_eager, run_script
 from plumbing import models, rundir
@@ -215,7 +216,7 @@ def test_compiled_sampling_matches_eager():
     assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
     assert len(set(eager[0].flatten().tolist())) > 5  # sampled, not one token throughout
     torch.testing.assert_close(compiled[2], eager[2], rtol=0, atol=1e-5)
-    held = sampling._DECODE_CACHES[model]
+    held = kv_cache._DECODE_CACHES[model]
     assert (held.rows, held.slots) == (len(ids), 16)  # responses only
 
 
@@ -327,7 +328,7 @@ def _fsdp_worker():
     for _ in range(2):  # the second call refreshes the same copy in place
         with common.unsharded(model):
             compiled = sampled(model, compile=True)
-    decoder, pairs = sampling._DECODERS[model]
+    decoder, pairs = kv_cache._DECODERS[model]
     assert not isinstance(decoder, FSDPModule) and not any(hasattr(p, "full_tensor") for p in decoder.parameters())
     assert decoder.config._attn_implementation == "decode" and len(pairs) >= len(list(whole.parameters()))
     assert torch.equal(compiled[0], want[0]) and torch.equal(compiled[1], want[1]), d.rank
@@ -517,7 +518,7 @@ def test_compiled_decoding_under_autocast_reads_bf16_weights_cast_once_per_rollo
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         sampling.generate(model, ids, mask, 4, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, temperature=0,
                           compile=True)
-        decoder = sampling._decoder(model)
+        decoder = kv_cache.decoder(model)
         assert seen and all(m is decoder for m in seen)  # every decode step, not the model
         with Casts() as casts:
             got = decoder(input_ids=ids, attention_mask=mask, position_ids=pos).logits
@@ -532,6 +533,6 @@ def test_compiled_decoding_under_autocast_reads_bf16_weights_cast_once_per_rollo
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.01)
-    assert sampling._decoder(model) is decoder and [w.data_ptr() for w in linears] == ptrs
+    assert kv_cache.decoder(model) is decoder and [w.data_ptr() for w in linears] == ptrs
     src = [m.weight for m in model.modules() if type(m).__name__ == "Conv1D"] + [model.lm_head.weight]
     assert all(torch.equal(w, s.to(torch.bfloat16)) for w, s in zip(linears, src))

@@ -157,7 +157,6 @@ def test_the_tool_tags_become_tokens_of_their_own_in_the_real_tokenizer_and_temp
     tokens out)."""
     import datasets
     import tasks
-    import sampling
     import tools
 
     tok = models.load_tokenizer(small)

@@ -15,6 +15,7 @@ import common
 import dpo
 import grpo
 import sampling
+import kv_cache
 import sft
 import tasks
 from helpers import ctrl_c_after_first_save, read_metrics, run_here, run_script, write_jsonl
@@ -137,7 +138,7 @@ def test_compile_layers_compiles_every_block_of_the_policy_and_its_frozen_models
     assert [b for b, _ in compiled] == blocks and all(kw == {"dynamic": True} for _, kw in compiled)  # once each
     with torch.no_grad():
         assert torch.equal(common.response_logprobs(model, *batch[:2], batch[2].shape[1]), eager)
-    decoder = sampling._autocast_copy(model)[0]
+    decoder = kv_cache._autocast_copy(model)[0]
     assert not any("forward" in vars(m) for m in decoder.modules())
 
 

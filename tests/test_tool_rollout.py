@@ -11,6 +11,7 @@ from transformers import GPT2LMHeadModel
 
 import common
 import sampling
+import kv_cache
 import tasks
 import tools
 
@@ -46,7 +47,7 @@ def scripted_policy(monkeypatch, writes, tok):
         fed[:] = [list(r) for r in prompts]
         at[:] = [prompt_ids.shape[1], 0]
         L = prompt_ids.shape[1] + max_new_tokens
-        return logits(), None, sampling.Rows(len(fed), L, L, prompt_ids.device), None
+        return logits(), None, kv_cache.Rows(len(fed), L, L, prompt_ids.device), None
 
     def step(model, tok_, mask, pos, cache, kw):
         slot = at[0] + at[1]
