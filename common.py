@@ -212,16 +212,34 @@ def transformer_blocks(model):
 
 
 def compile_blocks(model):
-    """Each transformer block's forward compiled (regional compilation, as torchtitan's): FSDP2's hooks
-    run around it, and dynamo compiles a block's code once for every block of the model (their weights
-    are the graph's inputs) and every batch shape (symbolic sizes: the micro-batches' lengths differ),
-    a graph for each kind of pass (with and without a gradient, trained or frozen weights). Inductor
-    rounds its fused intermediates as eager code would (emulate_precision_casts), so that a pass without
-    a gradient (the reference's, the old policy's) and one with it compute the same numbers."""
+    """Each transformer block's forward compiled (regional compilation, as torchtitan's) for the passes
+    without a KV cache, the training and log-prob ones: FSDP2's hooks run around it, and dynamo compiles
+    a block's code once for every block of the model (their weights are the graph's inputs) and every
+    batch shape (symbolic sizes: the micro-batches' lengths differ), a graph for each kind of pass (with
+    and without a gradient, trained or frozen weights). A forward with a cache (the sampler's prefill
+    and decode steps) runs the block as it is: its own compiled step traces it whole, and a cache's
+    positions would recompile a block at every step. Inductor rounds its fused intermediates as eager
+    code would (emulate_precision_casts), so that a pass without a gradient (the reference's, the old
+    policy's) and one with it compute the same numbers."""
     torch._inductor.config.emulate_precision_casts = True
     for block in transformer_blocks(model):
         if "forward" not in vars(block):
-            block.forward = torch.compile(block.forward, dynamic=True)
+            block.forward = _uncached_compiled(block.forward)
+
+
+def _uncached_compiled(forward):
+    """forward, compiled where it is called without a KV cache (its `cache`, or an older transformers'
+    `past_key_values` / `layer_past`, None: by keyword or at its place)."""
+    params = list(inspect.signature(forward).parameters)
+    name = next((p for p in ("cache", "past_key_values", "layer_past") if p in params), None)
+    at = params.index(name) if name else None
+    compiled = torch.compile(forward, dynamic=True)
+
+    def run(*args, **kwargs):
+        cached = name is not None and (kwargs.get(name) if name in kwargs else args[at] if at < len(args) else None)
+        return forward(*args, **kwargs) if cached is not None else compiled(*args, **kwargs)
+    run.compiled = compiled
+    return run
 
 
 def bf16_supported(device):

@@ -138,6 +138,11 @@ def test_compile_layers_compiles_every_block_of_the_policy_and_its_frozen_models
     assert [b for b, _ in compiled] == blocks and all(kw == {"dynamic": True} for _, kw in compiled)  # once each
     with torch.no_grad():
         assert torch.equal(common.response_logprobs(model, *batch[:2], batch[2].shape[1]), eager)
+        frames = torch._dynamo.utils.counters["frames"]["total"]
+        tok = tasks.char_tokenizer()  # the sampler's forwards carry a KV cache: each block as it is, nothing traced
+        sampling.generate(model, *common.pad([tok("sort 3 1 =")["input_ids"]], tok.pad_token_id, side="left"), 4,
+                          tok.eos_token_id, tok.pad_token_id, temperature=0)
+        assert torch._dynamo.utils.counters["frames"]["total"] == frames
     decoder = kv_cache._autocast_copy(model)[0]
     assert not any("forward" in vars(m) for m in decoder.modules())
 
