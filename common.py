@@ -479,10 +479,12 @@ def response_logprobs(model, input_ids, attention_mask, n_response, temperature=
         kw["logits_to_keep"] = keep if packed else torch.arange(T - n_response - 1, T - 1, device=input_ids.device)
     labels = input_ids[:, -n_response:] if resp is None else input_ids[:, -n_response:][resp]  # (B, R) or (M,)
     unpack = None if resp is None else (lambda x: x.new_zeros(resp.shape).masked_scatter(resp, x))
+    knobs = dict(temperature=temperature, truncate=truncate, with_entropy=with_entropy, entropy_grad=entropy_grad,
+                 unpack=unpack)
     if "logits_to_keep" not in kw:  # a model that computes every position's logits: the response's taken
         logits = model(**kw).logits[0, keep] if packed else model(**kw).logits[:, keep]  # (M, V) or (B, R, V)
-        return scored_logits(logits, labels, temperature, truncate, with_entropy, entropy_grad, unpack)
-    return forward_logprobs(model, kw, labels, temperature, truncate, with_entropy, entropy_grad, unpack)
+        return scored_logits(logits, labels, **knobs)
+    return forward_logprobs(model, kw, labels, **knobs)
 
 
 def forward_logprobs(model, kw, labels, temperature=1.0, truncate=None, with_entropy=False, entropy_grad=False,
@@ -495,7 +497,8 @@ def forward_logprobs(model, kw, labels, temperature=1.0, truncate=None, with_ent
     head = lm_head.fused_head(model)
     if head is None:
         logits = model(**kw).logits.reshape(*labels.shape, -1)  # (..., V)
-        return scored_logits(logits, labels, temperature, truncate, with_entropy, entropy_grad, unpack)
+        return scored_logits(logits, labels, temperature=temperature, truncate=truncate, with_entropy=with_entropy,
+                             entropy_grad=entropy_grad, unpack=unpack)
     head.request = dict(labels=labels, temperature=temperature, truncate=truncate, entropy=with_entropy,
                         entropy_grad=entropy_grad)
     try:

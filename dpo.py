@@ -342,8 +342,7 @@ def main(cfg):
 
         # =====================================================================
         # 5. bookkeeping, not the algorithm: metrics (one all-reduce), eval, log, checkpoint
-        metrics = common.reduce_metrics(sums, d, same={"grad_norm": grad_norm})
-        metrics |= {"lr": lr, "time/step": time.time() - t0}
+        metrics = common.reduce_metrics(sums, d, same={"grad_norm": grad_norm}) | {"lr": lr, "time/step": time.time() - t0}
         job.check(step, metrics)  # a NaN loss stops the run, naming the last good checkpoint
         if step % cfg.eval_every == 0 and step < cfg.steps:
             metrics |= evaluate(model, tokenizer, (test_pairs, ref_test, test_len), gold, cfg=cfg, d=d)

@@ -378,23 +378,22 @@ def score_texts(env, rows, own_prompts, texts, ids, numbers, source, cfg, d):
     the user's own called as TRL calls it (prompts and completions as the row is written, every
     other column as a keyword list; NaN where it returns None); `model`, the reward model. rows:
     the rendered rows' columns as lists; numbers: their rows in `source` (1-based)."""
-    parts, device = {}, d.device
+    host = {}  # the rewards computed on the host (rules, your functions), as Python floats
     answers = rows.get(env.answer_column, [None] * len(texts))
-    if "reward_fn" in rows:  # Python floats of Python functions, computed on the host
-        parts["rule"] = torch.tensor([tasks.REWARD_FNS[f](p, c, a)
-                                      for f, p, c, a in zip(rows["reward_fn"], own_prompts, texts, answers)], device=device)
+    if "reward_fn" in rows:
+        host["rule"] = [tasks.REWARD_FNS[f](p, c, a) for f, p, c, a in zip(rows["reward_fn"], own_prompts, texts, answers)]
     for f in env.fns:
         if f.builtin:
-            parts[f.name] = torch.tensor([f.fn(p, c, a) for p, c, a in zip(own_prompts, texts, answers)], device=device)
+            host[f.name] = [f.fn(p, c, a) for p, c, a in zip(own_prompts, texts, answers)]
     if env.caller.fns:
         chat = data.is_conversation(own_prompts[0])  # completions as TRL passes them: messages after messages
         completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
         columns = {k: v for k, v in rows.items() if k not in ("prompt", "completion")}
-        values = env.caller(own_prompts, completions, ids, columns, rows=numbers, source=source)
-        parts |= {k: torch.tensor(v, device=device) for k, v in values.items()}
-    if env.rm is not None:
+        host |= env.caller(own_prompts, completions, ids, columns, rows=numbers, source=source)
+    reward_fns.check_weighted_sum(host, env.weights, numbers, source)  # 1e38 x weight 10 is inf in float32
+    parts = {k: torch.tensor(v, dtype=torch.float32, device=d.device) for k, v in host.items()}
+    if env.rm is not None:  # a model's float32 scores, on the device: bounded by its own head
         parts["model"] = learned_rewards(env, rows["prompt"], texts, cfg, d)
-    reward_fns.check_weighted_sum(parts, env.weights, numbers, source)  # 1e38 x weight 10 is inf in float32
     return parts
 
 

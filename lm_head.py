@@ -194,9 +194,10 @@ class FP32Head(torch.nn.Linear):
         with torch.autocast(x.device.type, enabled=False) if x.device.type in ("cuda", "cpu") else nullcontext():
             if self.request is not None:
                 r, self.request = self.request, None
+                knobs = (dtype, r["temperature"], r["truncate"], r["entropy"], r["entropy_grad"],
+                         chunk_rows(x, None, V=self.weight.shape[0]))  # autograd.Function.apply takes no keywords
                 logp, ent = _HeadLogprobs.apply(x.reshape(-1, x.shape[-1]), self.weight, self.bias, r["labels"].reshape(-1),
-                                                dtype, r["temperature"], r["truncate"], r["entropy"], r["entropy_grad"],
-                                                chunk_rows(x, None, V=self.weight.shape[0]))  # (N,) each
+                                                *knobs)  # (N,) each
                 return torch.stack([logp] if ent is None else [logp, ent], -1).view(*x.shape[:-1], -1)  # (..., 1 | 2)
             if dtype == torch.bfloat16 and self.bias is None:
                 return _HeadMatmul.apply(x.to(dtype), self.weight.to(dtype))

@@ -202,9 +202,10 @@ def check_weighted_sum(parts, weights, rows, source):
     inside float32's range, the rewards' dtype, in any order: their magnitudes sum below
     FLOAT32_LIMIT, which bounds every partial sum. Each reward alone is checked (check_rewards); a
     reward of 1e38 with weight 10 is not, and its row's advantages and the loss would be NaN. A
-    ValueError naming the row, each reward, its value and its weight. parts: {name: (N,) tensor}."""
+    ValueError naming the row, each reward, its value and its weight. parts: {name: (N,) floats, None or
+    NaN where a function has no reward}, the rewards computed on the host (no device read)."""
     names = [k for k in weights if k in parts]
-    for row, values in zip(rows, zip(*[parts[k].double().tolist() for k in names])):
+    for row, values in zip(rows, zip(*[[math.nan if v is None else float(v) for v in parts[k]] for k in names])):
         terms = [(k, v, weights[k]) for k, v in zip(names, values) if v == v]  # NaN (None) is left out
         if math.fsum(abs(v * w) for _, v, w in terms) >= FLOAT32_LIMIT:
             raise failed(f"the rewards of {source} row {row}, weighted (--reward_weights) and summed in float32, leave "

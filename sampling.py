@@ -90,7 +90,7 @@ def sample_token(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None, u=
                  return_logprob=False):
     """One token per row from (B, V) logits (temperature 0: greedy), by inverting the float64 CDF
     with one uniform number per row (`u`, or from `generator`): torch.multinomial draws one per
-    vocabulary entry, slow on CPU (bench/sampler.py). Non-finite logits raise, or with `bad` (a
+    vocabulary entry, slow on CPU (`python -m bench rollout`). Non-finite logits raise, or with `bad` (a
     bool tensor on the device) set it, for generate to raise after its loop (no sync per token).
     return_logprob: also the token's log-prob under the distribution it was drawn from, (B,): at
     the temperature, truncated to what the rule keeps and renormalised (greedy: log softmax(logits))."""
@@ -221,7 +221,7 @@ def _skip_guards(step):
     """Entered after a rollout's first compiled decode step, left at its end: dynamo's guards
     unchecked. They check that a compiled graph fits its inputs (the model, the cache, shapes and
     dtypes), which stay the same through a rollout, and cost ~1 ms a step on CPU, ~10% of the tiny
-    model's (bench/sampler.py). The first step checks them (and compiles if none fits); the next
+    model's (`python -m bench rollout`). The first step checks them (and compiles if none fits); the next
     steps run the graph it chose (set_stance's skip_guard_eval_unsafe); the next rollout checks them
     again. Once the step has dynamo's recompile_limit graphs (shapes), a new shape's first step runs
     eagerly, leaving no graph to skip to (dynamo would raise): the guards stay on."""
@@ -242,7 +242,7 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
     and including the first stop id, R <= max_new_tokens; return_logprobs: also each token's
     log-prob under the distribution it was drawn from (the behaviour policy: at the temperature,
     truncated by top_k / top_p / min_p and renormalised, sample_token), from the sampler's own logits.
-    Against model.generate (bench/sampler.py): 1. each distinct prompt is prefilled once, its keys
+    Against model.generate (`python -m bench rollout`): 1. each distinct prompt is prefilled once, its keys
     and values copied to its G repeats (compiled on CPU, where the rows come in runs of a prompt as
     GRPO's groups do: kept once, read by shared_prompt.attention); 2. a static cache written in
     place, "all stopped?" read every check_every tokens (None: 8 on a GPU, where a read drains the
@@ -270,13 +270,13 @@ def generate(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, pad_id, tem
     check_every = check_every or (GPU_CHECK_EVERY if _gpu(device) else 1)
     draw = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     with contextlib.ExitStack() as rollout, shared_prompt.decoding(decoder, prompts is not None):
-        _decode(decoder, rows, cache, kw, draw, pad_id, logits=logits)  # token 0, from the prefill's logits
+        _decode(decoder, rows, cache, kw, draw=draw, pad_id=pad_id, logits=logits)  # token 0, from the prefill's logits
         for t in range(1, n):
             if t % check_every == 0 and bool(rows.done.all()):  # the loop's one host read
                 break
             if compile and _gpu(device):  # each step's outputs are read before the next replay overwrites them
                 torch.compiler.cudagraph_mark_step_begin()
-            step(decoder, rows, cache, kw, draw, pad_id)
+            step(decoder, rows, cache, kw, draw=draw, pad_id=pad_id)
             if t == 1 and compile:  # the graph is chosen for the call: the next steps skip its guards
                 rollout.enter_context(_skip_guards(step))
     if rows.bad:
@@ -371,7 +371,7 @@ def generate_with_tools(model, prompt_ids, prompt_mask, max_new_tokens, eos_id, 
     forced_tokens): a row that closes a call is fed its result's tokens, one a step, while the
     other rows sample theirs, so the loop runs as many steps as the longest row has tokens (a turn
     per call would run each turn's longest row in turn: 65 decode steps against 47 on
-    bench/tool_step.py's rollout) and no token is fed twice. The calls closed since the last check
+    the tool-calling rollout of `python -m bench steps --model calculator`) and no token is fed twice. The calls closed since the last check
     run on the host at the check (every step on CPU, every 8 on a GPU, as generate reads "all
     stopped?"): a calling row waits idle until then, its slots masked, its positions and random
     numbers its own tokens' (so the waiting changes nothing), and the cache has a slot per step:

@@ -162,7 +162,8 @@ def response_logprobs(model, input_ids, attention_mask, n_response, temperature=
     if model.config.get_text_config()._attn_implementation == "eager":  # eager attention adds its mask
         mask = torch.zeros(mask.shape, device=dev).masked_fill_(~mask, torch.finfo(torch.float32).min)
     kw = dict(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=keep)
-    out = common.forward_logprobs(model, kw, ids[:, P:], temperature, truncate, with_entropy, entropy_grad,
+    out = common.forward_logprobs(model, kw, ids[:, P:], temperature=temperature, truncate=truncate,
+                                  with_entropy=with_entropy, entropy_grad=entropy_grad,
                                   unpack=lambda x: x.reshape(U * g, R).index_select(0, slot))  # (B, R) each
     return out
 
@@ -282,7 +283,7 @@ def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, p
     """Decode attention (a query token a row) over each prompt's keys and values kept once for its G
     rows, then each row's own response slots (cascade attention, FlashInfer's name for it): the
     softmax of attention over B whole rows, without reading each prompt's keys G times (a decode
-    step's attention is bound by reading the cache on CPU: bench/sampler.py). transformers calls it
+    step's attention is bound by reading the cache on CPU: `python -m bench rollout`). transformers calls it
     as an attention function, `prompts` (PromptKV) passed through the model's keyword arguments.
     query (B, H, 1, D); key, value (B, H_kv, S, D): the responses' static cache, whose slots past
     the tokens written are masked here."""

@@ -395,8 +395,9 @@ def launch_rows(layers):
 
 
 def main(args):
-    """The dispatch command: a decode step's counts (and with --training a DPO and a GRPO step's), printed
-    and written as a table (bench/results/dispatch-cpu[-TAG].json)."""
+    """The dispatch command: a decode step's counts (and with --training a DPO and a GRPO step's, with
+    --launches their kernel launches, eager and with --compile_layers), printed and written as a table
+    (bench/results/dispatch-cpu[-TAG].json)."""
     tok, model = smollm2_ops_model(args.layers)
     ids, mask = prompts_batch(tok, 4, 2, torch.device("cpu"))
     steps = decode_step(model, ids, mask, tok.pad_token_id, tok.eos_token_id, check_every=sampling.GPU_CHECK_EVERY)
@@ -411,6 +412,8 @@ def main(args):
     if args.training:
         with tempfile.TemporaryDirectory() as work:
             rows += training_rows(work)
+    if args.launches:
+        rows += launch_rows(args.layers)
     for r in rows:
         print(" | ".join(r))
     path = harness.save("dispatch", torch.device("cpu"), args.tag, {

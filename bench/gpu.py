@@ -234,10 +234,10 @@ def main(argv=None):
 
 
 def check_trl(work):
-    """TRL's check in a child process (bench/trl.py --check)."""
+    """TRL's check in a child process (bench/trl_side.py --check)."""
     out = os.path.join(work, "trl-check.json")
     try:
-        harness.run_process([sys.executable, "-m", "bench.trl", "--check", out], out + ".log")
+        harness.run_process([sys.executable, "-m", "bench.trl_side", "--check", out], out + ".log")
         with open(out) as f:
             res = json.load(f)
     except (RuntimeError, FileNotFoundError) as e:

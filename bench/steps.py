@@ -40,7 +40,7 @@ def parse_variant(spec, command="steps"):
     if command == "rollout" and set(words[1:]) - {"--compile"}:
         raise SystemExit(f"--variant {spec!r}: the rollout's own flag is --compile")
     if words[0].startswith("trl") and set(words[1:]) - set(TRL_FLAGS):
-        raise SystemExit(f"--variant {spec!r}: TRL's side takes {', '.join(TRL_FLAGS)} (bench/trl.py)")
+        raise SystemExit(f"--variant {spec!r}: TRL's side takes {', '.join(TRL_FLAGS)} (bench/trl_side.py)")
     return words[0], words[1:]
 
 
@@ -107,7 +107,7 @@ def predicted_peak(w, cfg):
 
 
 def run_trl(w, side, flags, out_dir):
-    """One run of TRL's trainer (bench/trl.py in a process of its own)."""
+    """One run of TRL's trainer (bench/trl_side.py in a process of its own)."""
     spec = {k: w[k] for k in ("script", "model", "data", "steps", "lr", "beta", "rows", "group_size", "prompt_len",
                               "response_len")} | {"out_dir": out_dir, "flags": flags, "defaults": side == "trl-defaults",
                                                   "dtype": "bf16" if harness.common.bf16_supported(w["device"]) else "fp32"}
@@ -115,7 +115,7 @@ def run_trl(w, side, flags, out_dir):
     spec["lr"] = spec["lr"] or 1e-6
     with open(out_dir + ".spec.json", "w") as f:
         json.dump(spec, f)
-    rss = harness.run_process([sys.executable, "-m", "bench.trl", out_dir + ".spec.json", out_dir + ".json"],
+    rss = harness.run_process([sys.executable, "-m", "bench.trl_side", out_dir + ".spec.json", out_dir + ".json"],
                               out_dir + ".log", env=w["env"])
     with open(out_dir + ".json") as f:
         res = json.load(f)

@@ -339,7 +339,7 @@ def check_exact(shape, device):
         with common.autocast(d):
             want = shared_prompt.response_logprobs(policy, ids, attn, resp.shape[1], with_entropy=True, packed=packed,
                                                    shared=shared)[0].float().detach()
-        got = shared_prompt.planned_logprobs(ref, ids, attn, resp.shape[1], [([rows], packed, shared)], d)
+        got = shared_prompt.planned_logprobs(ref, ids, attn, resp.shape[1], [([rows], packed, [shared] if shared else False)], d)
         gap = float(((got - want) * resp).abs().max())
         layout = "shared" if shared else "packed" if packed else "padded"
         out.append(row("f", f"frozen copy vs the policy's update forward, {layout}"

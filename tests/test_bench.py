@@ -18,7 +18,7 @@ import grpo
 import tasks
 from bench import __main__ as bench
 from bench import gpu, harness, steps
-from bench import trl as bench_trl
+from bench import trl_side as bench_trl
 from plumbing import cli
 
 TINY = ["--model", "tiny", "--rows", "2", "--group_size", "2", "--prompt_len", "12", "--response_len", "6",
@@ -169,7 +169,7 @@ def test_micro_runs_the_benchmarks_each_checked_against_its_twin(tmp_path):
 
 
 def test_trl_check_names_the_missing_package(monkeypatch):
-    """bench.trl.check builds a one-step trainer: a package missing beneath TRL (here datasets, as pyarrow
+    """bench.trl_side.check builds a one-step trainer: a package missing beneath TRL (here datasets, as pyarrow
     would be on a GPU image) is named, not reported as TRL missing."""
     monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` raises ModuleNotFoundError
     res = bench_trl.check()

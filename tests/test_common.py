@@ -902,7 +902,7 @@ def test_every_evaluation_forward_keeps_its_logits_under_the_budget(tiny, monkey
              dpo.all_pair_logps(model, pairs, tok.pad_token_id, d, 64),
              environment.pairwise_accuracy(model, model, pairs, tok.pad_token_id, d, batch_size=128))
     monkeypatch.setattr(common, "response_logprobs", counted)
-    monkeypatch.setattr(common, "EVAL_LOGITS", 2 * len(longest) * model.config.vocab_size)
+    monkeypatch.setattr(lm_head, "EVAL_LOGITS", 2 * len(longest) * model.config.vocab_size)
     cut = (sft.eval_loss(model, encoded, tok.pad_token_id, d, 256),
            dpo.all_pair_logps(model, pairs, tok.pad_token_id, d, 64),
            environment.pairwise_accuracy(model, model, pairs, tok.pad_token_id, d, batch_size=128))
@@ -915,12 +915,12 @@ def test_logprobs_on_a_gpu_are_log_softmax_and_gather_where_it_fits(monkeypatch)
     """On a GPU (its `meta` stand-in) the fused log_softmax + gather is faster than chunks (0.83x
     forward, 0.50x with the backward on an H100): taken where the (N, V) tensor fits
     lm_head.EVAL_LOGITS, chunks above it; on a CPU always chunks (bench/test_micro.py)."""
-    chunked = common._SelectiveLogSoftmax.apply
+    chunked = lm_head._SelectiveLogSoftmax.apply
 
     def path(device, budget):
         calls = []
-        monkeypatch.setattr(common, "EVAL_LOGITS", budget)
-        monkeypatch.setattr(common._SelectiveLogSoftmax, "apply", lambda *a: calls.append(1) or chunked(*a))
+        monkeypatch.setattr(lm_head, "EVAL_LOGITS", budget)
+        monkeypatch.setattr(lm_head._SelectiveLogSoftmax, "apply", lambda *a: calls.append(1) or chunked(*a))
         logits = torch.randn(2, 5, 11, device=device, requires_grad=True)
         out = lm_head.logprobs_from_logits(logits, torch.zeros(2, 5, dtype=torch.long, device=device))
         assert out.shape == (2, 5) and out.dtype == torch.float32

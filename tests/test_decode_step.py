@@ -12,7 +12,7 @@ from torch._dynamo.backends.common import aot_autograd
 import sampling
 import kv_cache
 from bench import dispatch
-from bench.sampler import prompts_batch
+from bench.dispatch import prompts_batch
 
 VIEWS_AND_WRITES = {"aten.index_copy.default", "aten.copy_.default", "aten.copy.default"}  # the cache's update
 

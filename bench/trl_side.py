@@ -1,4 +1,4 @@
-"""TRL 1.16's side of a race, run in a process of its own (`python -m bench.trl SPEC RESULT`): its
+"""TRL 1.16's side of a race, run in a process of its own (`python -m bench.trl_side SPEC RESULT`): its
 GRPOTrainer or DPOTrainer on the model folder and rows ours reads, each optimizer step timed by a
 callback between two device syncs, and what it ran (dtypes, autocast, optimizer, checkpointing) for
 the record; and `--check`: a one-step GRPO and DPO trainer built on a tiny model, naming the package
