@@ -308,8 +308,9 @@ def gpu_parts(s, script, world=1, launcher="torchrun", seqs=4, prompt_len=512, r
     # one micro-batch at a time without a graph: the larger of a layer's transients (as the prefill's: 6 I + c h a
     # token, of the padded rows or of shared_prompt's U sequences) and the fused head's chunk
     U = shared[1]
-    ref_tokens = U * (prompt_len + -(-seqs // U) * R) if U else seqs * S
-    ref["forward"] = max(ref_tokens * (6 * I + c * h), head_logits(seqs * R, V, "gpu"))
+    Ls = prompt_len + -(-seqs // U) * R if U else 0  # a shared sequence's length, its 4-D mask U Ls^2 bools
+    ref_tokens = U * Ls if U else seqs * S
+    ref["forward"] = max(ref_tokens * (6 * I + c * h), head_logits(seqs * R, V, "gpu")) + U * Ls * Ls
     if reference or old_pass:  # neither pass at beta 0 with one update a rollout (TRL's defaults)
         phases["reference and old log-probs"] = ref
     if teacher:  # frozen: under autocast each op casts a weight anew, none cached

@@ -391,12 +391,11 @@ def script(main, cls):
         # KeyboardInterrupt was unwinding through (torch.save's zip writer: "unexpected pos"),
         # which torch.distributed.checkpoint then wraps; the handler's record says what it was
         if not (isinstance(e, KeyboardInterrupt) or rundir.INTERRUPTED):
+            if hasattr(e, "frames"):  # a reward function failed (reward_fns.failed): its own frames, not the trainer's
+                print(e.frames, end="", file=sys.stderr, flush=True)
             message = errors.user_error(e, cfg.out_dir)
             if message is not None:
                 errors.say(message)
-                sys.exit(1)
-            if hasattr(e, "frames"):  # a reward function failed (reward_fns.failed): its frames, not the trainer's
-                print(f"{e.frames}{type(e).__name__}: {e}", file=sys.stderr, flush=True)
                 sys.exit(1)
             if "Timed out" in str(e):  # gloo's words; NCCL's watchdog ends the process itself, saying "timeout"
                 e.add_note(f"a collective waited longer than --timeout_minutes {cfg.timeout_minutes} for another "

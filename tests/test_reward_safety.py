@@ -112,7 +112,7 @@ def test_grpo_stops_at_reward_fn_timeout_and_a_keyboard_interrupt_of_a_function_
                                      "--reward_fn_timeout", "0.5", "--save_every", "1"))
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1 and re.fullmatch(
-        r"ValueError: --reward_fn hangs_from_the_second_call ran past --reward_fn_timeout 0.5 s on .*q\.jsonl rows "
+        r"grpo.py: --reward_fn hangs_from_the_second_call ran past --reward_fn_timeout 0.5 s on .*q\.jsonl rows "
         r"\d+, \d+ \(its worker was killed\): raise the flag .*", last), proc.stderr[-3000:]
     assert checkpoints.trainer_state(str(tmp_path / "a" / "run" / "checkpoint"))["step"] == 1
     argv = grpo_reward_argv(tmp_path / "b", "misbehaving_rewards:misbehaves")
@@ -121,7 +121,7 @@ def test_grpo_stops_at_reward_fn_timeout_and_a_keyboard_interrupt_of_a_function_
     proc = run_here(argv)
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1 and re.fullmatch(
-        r"ValueError: --reward_fn misbehaves raised on .*q\.jsonl row \d+: KeyboardInterrupt", last), proc.stderr[-3000:]
+        r"grpo.py: --reward_fn misbehaves raised on .*q\.jsonl row \d+: KeyboardInterrupt", last), proc.stderr[-3000:]
 
 
 def start_grpo(tmp, argv):
@@ -221,7 +221,7 @@ def test_a_function_ending_its_process_on_rank_1_is_named_with_the_rank(tmp_path
     fn = os.path.join(ROOT, "tests", "misbehaving_rewards.py") + ":exits_on_rank_1"
     proc = run_script(grpo_reward_argv(tmp_path, fn, "--steps", "1"), nproc=2)
     assert proc.returncode != 0
-    assert re.search(r"ValueError: --reward_fn exits_on_rank_1 \(rank 1\) ended its worker process \(exit status 0\) "
+    assert re.search(r"grpo.py: --reward_fn exits_on_rank_1 \(rank 1\) ended its worker process \(exit status 0\) "
                      r"on \S*q\.jsonl row \d+\n", proc.stderr), proc.stderr[-3000:]
 
 
@@ -308,7 +308,7 @@ def test_a_function_that_raises_shows_its_own_frames_and_none_of_the_trainers(tm
     assert "workers.py" not in e.value.frames and "asyncio" not in e.value.frames
     proc = run_here(grpo_reward_argv(tmp_path, "misbehaving_rewards:raises_in_a_helper", "--steps", "1"))
     lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 1 and re.fullmatch(r"ValueError: --reward_fn raises_in_a_helper raised on \S*q\.jsonl "
+    assert proc.returncode == 1 and re.fullmatch(r"grpo.py: --reward_fn raises_in_a_helper raised on \S*q\.jsonl "
                                                  r"row \d+: RuntimeError: cannot score .*", lines[-1]), proc.stderr
     assert "\n".join(frames[-2:]) + "\n" + lines[-1] in proc.stderr, proc.stderr  # its frames, then the error
     assert not any(f in proc.stderr for f in ("grpo.py\"", "environment.py\"", "reward_fns.py\"", "cli.py\"")), proc.stderr
@@ -354,7 +354,7 @@ def test_a_weighted_sum_beyond_float32_names_the_rewards_and_their_weights(tmp_p
     proc = run_here(["grpo.py", "--model", "tiny", "--dataset", path, "--reward_fn", "misbehaving_rewards:returns",
                      "--reward_weights", "returns:10", "--steps", "1", "--prompts_per_step", "2", "--group_size", "2",
                      "--max_new_tokens", "4", "--eval_every", "1000", "--out_dir", str(tmp_path / "run")])
-    assert proc.returncode == 1 and re.search(r"ValueError: the rewards of \S*v\.jsonl row \d+, weighted .*: returns "
+    assert proc.returncode == 1 and re.search(r"grpo.py: the rewards of \S*v\.jsonl row \d+, weighted .*: returns "
                                               r"1e\+38 x weight 10; scale", proc.stderr), proc.stderr[-3000:]
 
 
