@@ -1,29 +1,27 @@
 """Log-probs of rows that share their prompt (GRPO's group of G samples, DPO's chosen and rejected),
-each distinct prompt computed once: its keys and values serve every row that shares it, as the
-rollout's prefill does (sampling._prefill). A forward of B rows of P + R tokens from U prompts then
-computes U x P + B x R tokens instead of B x (P + R): for 4 prompts x G = 8 of 128 + 32 tokens,
-1,536 instead of 5,120; for 8 DPO pairs, 1,536 instead of 2,560. Decoding (sampling's generate and
-tool loop, compiled on CPU) keeps a rollout's prompts once the same way: `attention` reads each
-prompt's keys and values once for its G samples instead of from a copy in each row's cache.
+each distinct prompt computed once, in one forward: a group's prompt then its rows' responses as one
+sequence, each response attending the prompt and itself under a 4-D mask, so that the prompt's keys and
+values serve every row. A forward of B rows of P + R tokens from U prompts then computes U x P + B x R
+tokens instead of B x (P + R): for 4 prompts x G = 8 of 128 + 32 tokens, 1,536 instead of 5,120; for 8
+DPO pairs, 1,536 instead of 2,560; and it dispatches a padded forward's ops (one pass, no per-layer
+gathers: on a GPU a small model's step is bound by its launches). The groups are the caller's (the
+rollout's rows r // G, DPO's pairs), not found by comparing the rows (a host read). Decoding (sampling's
+generate and tool loop, compiled on CPU) keeps a rollout's prompts once the same way: `attention` reads
+each prompt's keys and values once for its G samples instead of from a copy in each row's cache.
 
-The same products as common.response_logprobs' padded forward: the prompt's positions see the same
-prompt tokens, the response's the prompt's keys and values and their own; only float sums run in
-another order (fp32: ~1e-6 on random weights). With a gradient, the cache's keys and values carry it
-back to the prompt's positions through the same index, summed over the rows that share it, as the
-padded forward's sum over their copies (tests/test_shared_prompt.py).
+The same products as common.response_logprobs' padded forward: each real token sees the same real tokens
+at the same positions; only float sums run in another order (fp32: ~1e-6 on random weights). With a
+gradient, the prompt's positions get the sum over the rows that share it, as the padded forward's sum
+over their copies (tests/test_shared_prompt.py).
 
-Memory: a shared forward holds at most a padded micro-batch's rows (micro_batches cuts by rows even
-where --padding_free would cut by tokens), so each of its terms is at most the padded one's: U x P +
-B x R tokens' activations, B x R logits (never concatenated: the first position's log-probs and the
-rest's are computed apart), and B x (P + R) cached keys and values, which the padded forward keeps for
-its backward too. Without a gradient (the reference pass) the cache of every layer lives to the
-forward's end: B x (P + R) x layers, at most the rollout's cache of all its rows (unless
---generation_micro_batch_size cuts the rollout finer than the micro-batch; bench/memory.py counts it).
-Not bitwise the padded path's (float order), so two passes whose log-probs meet in one formula (the
-policy's and the reference's in the KL, the old policy's in the ratio, the teacher's in distillation)
-take one layout, decided once for every model they run (`micro_batches(models=...)`, `plan`): at equal
-weights their log-probs are then equal to the bit, and so the KL, its gradient and log rho are exactly 0
-(tests/test_exact.py).
+Memory: a shared forward holds at most a padded micro-batch's rows (micro_batches cuts by rows even where
+--padding_free would cut by tokens): U sequences of P + g R tokens (g: the most rows a prompt has in the
+micro-batch) and their U (P + g R)^2 mask, whose attention is dense (the FLOP rule counts it:
+micro_batches). Not bitwise the padded path's (float order), so two passes whose log-probs meet in one
+formula (the policy's and the reference's in the KL, the old policy's in the ratio, the teacher's in
+distillation) take one layout, decided once for every model they run (`micro_batches(models=...)`, `plan`):
+at equal weights their log-probs are then equal to the bit, and so the KL, its gradient and log rho are
+exactly 0 (tests/test_exact.py).
 """
 import contextlib
 import itertools
@@ -42,10 +40,13 @@ def _flops(tokens, keys, w):
 
 
 def _shareable(model, n_prompt):
-    """Whether a forward of this model can share prompts: a prompt block, no activation checkpointing
-    (transformers turns the cache off under it), and a plain cache in every layer (not a sliding
-    window's, which would drop the prompt's first keys)."""
+    """Whether a forward of this model can share prompts: a prompt block; attention that takes a 4-D
+    mask as given (SDPA, plumbing.models' packed SDPA, which passes one on to SDPA, or eager; not flash
+    attention's varlen kernels); full attention in every layer (a sliding window's own mask would be
+    replaced by the 4-D one); no activation checkpointing (its memory is counted in the padded layout:
+    bench/memory.py)."""
     return (n_prompt > 0 and not getattr(model, "is_activation_checkpointing", False)
+            and model.config.get_text_config()._attn_implementation in ("sdpa", "sdpa_packed", "eager")
             and all(type(layer) is DynamicLayer for layer in transformers.DynamicCache(config=model.config).layers))
 
 
