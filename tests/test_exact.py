@@ -68,17 +68,22 @@ def test_a_frozen_copy_gives_the_policys_logprobs_to_the_bit_in_every_layout(nam
             assert torch.equal(got * resp, want.detach() * resp), (name, packed, shared, (got - want).abs().max())
 
 
+@pytest.mark.parametrize("unscored", [False, True])
 @pytest.mark.parametrize("rewards", [[0.3] * 8, [0.1] * 8, [0.7] * 6, [1 / 3] * 8])
-def test_a_group_of_equal_rewards_has_advantage_exactly_zero(rewards):
+def test_a_group_of_equal_rewards_has_advantage_exactly_zero(rewards, unscored):
     """8 x 0.3 averages to 0.3 + 3e-8 in float32, which the std's eps (1e-4) turned into advantages of
     3e-4: a constant reward trained. Now exactly 0 for every estimator and scaling, beside a group
-    whose rewards differ (which keeps its own)."""
+    whose rewards differ (which keeps its own), and counted in frac_reward_zero_std; also with an
+    unscored completion (None: NaN) in the group, whose mean and std are taken over the scored ones
+    (8 x 0.3 and a None gave 3e-4 with grpo, 3.4e-4 rloo, 9.9e-4 maxrl, and counted as not zero std)."""
     r = torch.tensor([rewards, [0.0, 1.0] * (len(rewards) // 2)])
+    if unscored:
+        r = torch.cat([r, torch.tensor([[math.nan], [1.0]])], 1)
     for estimator in ("grpo", "rloo", "maxrl"):
         for scale in ("group", "batch", "none"):
             adv, metrics = grpo.group_advantages(r, scale=scale, estimator=estimator)
-            assert torch.equal(adv[0], torch.zeros(len(rewards))), (estimator, scale, adv[0])
-            assert adv[1].abs().min() > 0.1 and metrics["frac_reward_zero_std"] == 0.5
+            assert torch.equal(adv[0], torch.zeros(r.shape[1])), (estimator, scale, adv[0])
+            assert adv[1].abs().min() > 0.1 and metrics["frac_reward_zero_std"] == 0.5, (estimator, scale, metrics)
 
 
 def test_a_pair_whose_chosen_is_its_rejected_has_no_gradient():
