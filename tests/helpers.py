@@ -190,6 +190,26 @@ def max_abs_diff(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+# -----------------------------------------------------------------------------
+# how far two float computations of one value may lie apart: bounds derived from the arithmetic,
+# never a constant that held on one machine (the suite runs on Intel Xeons and AMD Zen 3 and Zen 4,
+# whose kernels block their sums differently)
+
+U32 = 2.0 ** -24
+"""float32's unit roundoff: rounding to nearest moves a result by at most this share of its size"""
+
+U64 = 2.0 ** -53
+"""float64's unit roundoff"""
+
+
+def gamma(k, u=U32):
+    """Higham's gamma_k = k u / (1 - k u) (Accuracy and Stability of Numerical Algorithms, 2nd ed.,
+    2002, Lemma 3.1 and Eq. 3.5): a sum or dot product of k floating-point terms, added in any order
+    (a kernel's blocking, a rank's share first), lies within gamma_k x (the sum of the terms'
+    magnitudes) of the exact value; two computations of it, within twice that of each other."""
+    return k * u / (1 - k * u)
+
+
 def free_port():
     """A TCP port on 127.0.0.1 that nothing listens on (for a rendezvous)."""
     with socket.socket() as s:

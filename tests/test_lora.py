@@ -6,13 +6,16 @@ trained whole; resume; 2 processes (FSDP2) against 1; a TRL user's SFT and DPO c
 The runs train the Llama-, Qwen2- and reward-shaped folders of helpers.build_user_models."""
 import copy
 import math
+import os
 
 import pytest
 import torch
 
-from helpers import (TWO_RANK_RUNS, chat_rows, checkpoint_weights, ctrl_c_after_first_save, max_abs_diff,
-                     read_metrics, run_here, write_jsonl)
-from plumbing import checkpoints, models
+import common
+import sft
+from helpers import (TWO_RANK_RUNS, U32, U64, chat_rows, checkpoint_weights, ctrl_c_after_first_save, gamma,
+                     max_abs_diff, read_metrics, run_here, write_jsonl)
+from plumbing import checkpoints, cli, models
 
 pytest.importorskip("peft")
 
@@ -76,6 +79,49 @@ def test_the_merged_state_is_peft_merge_and_unload(name, user_models):
         torch.testing.assert_close(plain(input_ids=ids).logits, lora(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_the_scale_is_alpha_over_r_in_the_model_a_script_builds_and_in_a_checkpoints_export(tmp_path, user_models):
+    """--lora_r 4 --lora_alpha 16 (scale 4; the defaults' is 2): every adapted layer of the model a
+    script builds (models.with_lora on the parsed flags) computes W x + 4 B A x, checked by hand;
+    and a resumable checkpoint (--save_every's, the adapters beside the frozen base) exports
+    (`python -m plumbing export`) each adapted weight as W + 4 B A. The bounds are float32's
+    rounding of those sums (helpers.gamma). Planted and failing here: --lora_alpha never reaching
+    peft (add_lora: the scale 1 whatever the flag), and the export merging at scale 1
+    (checkpoints.export); test_the_merged_state_is_peft_merge_and_unload passed on both (peft's
+    merge reads the scale peft was given)."""
+    from peft.tuners.lora import LoraLayer
+    from safetensors.torch import load_file
+
+    cfg = cli.parse_config(sft.Config, ["--lora", "--lora_r", "4", "--lora_alpha", "16"])
+    tok = models.load_tokenizer(user_models["llama"])
+    model = perturbed(models.with_lora(models.load_model(user_models["llama"], tok), cfg))
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    assert len(layers) == 2 * 7  # q, k, v, o, gate, up, down in each of 2 blocks
+
+    def parts(m):  # (out, in), (r, in), (out, r) in float64
+        return [p.double() for p in (m.base_layer.weight, m.lora_A["default"].weight, m.lora_B["default"].weight)]
+
+    gen = torch.Generator().manual_seed(1)
+    for name, m in layers.items():
+        w, a, b = parts(m)
+        x = torch.randn(5, w.shape[1], generator=gen)
+        with torch.no_grad():
+            got = m(x).double()
+        want = x.double() @ w.T + 4 * (x.double() @ a.T) @ b.T
+        # float32: each output the sum of a dot product of `in` terms and one of r terms (after one of `in`)
+        bound = gamma(w.shape[1] + 4 + 2) * (x.double().abs() @ w.abs().T + 4 * (x.double().abs() @ a.abs().T) @ b.abs().T)
+        assert ((got - want).abs() <= bound).all(), (name, (got - want).abs().max(), bound.max())
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    checkpoints.save_checkpoint(model, tok, str(tmp_path), common.Dist(), optimizer=optimizer, step=1, config=cfg)
+    exported = load_file(os.path.join(checkpoints.export(str(tmp_path), str(tmp_path / "export")), "model.safetensors"))
+    for name, m in layers.items():
+        w, a, b = parts(m)
+        want = w + 4 * b @ a
+        # float64's r-term products, then one rounding to float32 (half an ulp: U32 of the value)
+        bound = gamma(4 + 1, U64) * (w.abs() + 4 * b.abs() @ a.abs()) + U32 * want.abs()
+        got = exported[name.removeprefix("base_model.model.") + ".weight"].double()
+        assert ((got - want).abs() <= bound).all(), (name, (got - want).abs().max())
+
+
 def test_a_model_without_adapters_exports_its_state_as_it_is(user_models):
     tok = models.load_tokenizer(user_models["llama"])
     model = models.load_model(user_models["llama"], tok)
@@ -86,9 +132,11 @@ def test_a_model_without_adapters_exports_its_state_as_it_is(user_models):
 def test_lora_dropout_drops_in_gradient_passes_only(user_models):
     """--lora_dropout: the models run in eval mode (dropout off), so peft's nn.Dropout would never
     drop; models.TrainDropout drops where gradients flow (the update) and never in a pass without
-    them (reference, old log-probs, sampling, evaluation), in either mode."""
+    them (reference, old log-probs, sampling, evaluation), in either mode. The model is the one a
+    script builds from its flags (models.with_lora): --lora_dropout ignored there fails here."""
     tok = models.load_tokenizer(user_models["llama"])
-    model = perturbed(models.add_lora(models.load_model(user_models["llama"], tok), 4, 8.0, dropout=0.5))
+    cfg = cli.parse_config(sft.Config, ["--lora", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0.5"])
+    model = perturbed(models.with_lora(models.load_model(user_models["llama"], tok), cfg))
     ids = torch.arange(1, 17)[None]
     for mode in (model.eval, model.train):
         mode()
