@@ -401,6 +401,7 @@ def test_batch_arithmetic_is_checked():
 def test_parse_weights():
     assert reward_fns.parse_weights("", False) == {"rule": 1.0}
     assert reward_fns.parse_weights("", True) == {"model": 1.0}
+    assert reward_fns.parse_weights("", True, names=["a", "b"]) == {"a": 1.0, "b": 1.0, "model": 1.0}  # TRL's: all at 1
     assert reward_fns.parse_weights("rule:1.0,model:0.5", True) == {"rule": 1.0, "model": 0.5}
     with pytest.raises(ValueError):
         reward_fns.parse_weights("rule:1,model:1", False)

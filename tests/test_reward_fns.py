@@ -15,7 +15,7 @@ import data
 import environment
 import grpo
 import reward_fns
-from helpers import TWO_RANK_RUNS, question, read_metrics, run_here, write_jsonl
+from helpers import TWO_RANK_RUNS, gamma, question, read_metrics, run_here, write_jsonl
 
 REWARDS = '''
 import asyncio, json, os
@@ -142,6 +142,37 @@ def test_user_reward_functions_get_what_trl_passes_and_their_weighted_sum_is_the
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), (a["step"], k)
     ranks = [{json.dumps(p) for c in calls(folder, r) for p in c["prompts"]} for r in (0, 1)]
     assert ranks[0] and ranks[1] and ranks[0] != ranks[1]
+
+
+def test_a_function_and_a_reward_model_without_weights_both_count_and_completion_ids_keep_the_stop_token(
+        tmp_path, user_models):
+    """--reward_fn FILE:length --reward_model RM and no --reward_weights: TRL's default, every reward
+    at weight 1, so each step's reward is rewards/length/mean + rewards/model/mean (the weighted sum
+    of float32 rewards, then their group means: within gamma_10 of their magnitudes). The policy
+    leans to its end of turn (helpers.calculator_llama), so some completions stop: each function
+    gets completion_ids as TRL passes them (GRPOTrainer's completion_mask keeps the first EOS):
+    the sampled tokens with the stop token, max_new_tokens of them where none came. Planted and
+    failing here: the reward model left out of the sum (reward_fns.parse_weights), the stop token
+    cut from completion_ids (environment.score)."""
+    from transformers import AutoTokenizer
+
+    argv = reward_argv(tmp_path, user_models)
+    for flag, value in (("--model", user_models["llama_calculator"]), ("--steps", "1"),
+                        ("--reward_fn", f"{tmp_path / 'myrewards.py'}:length")):
+        argv[argv.index(flag) + 1] = value
+    i = argv.index("--reward_weights")
+    del argv[i:i + 2]
+    proc = run_here([*argv, "--reward_model", user_models["llama_rm"], "--eval_every", "100"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    step = read_metrics(tmp_path / "run")[1]
+    length, model = step["rewards/length/mean"], step["rewards/model/mean"]
+    bound = gamma(10) * (length + abs(model) + step["rewards/model/std"])  # |reward| <= length + |model|
+    assert abs(step["reward"] - (length + model)) <= bound and abs(model) > 100 * bound, step
+    tok = AutoTokenizer.from_pretrained(user_models["llama"])
+    stops = {tok.eos_token_id, tok.convert_tokens_to_ids("<|eot_id|>")}
+    ids = [row for c in calls(tmp_path) for row in c["ids"]]
+    assert all((row[-1] in stops or len(row) == 8) and not stops & set(row[:-1]) for row in ids), ids
+    assert sum(row[-1] in stops for row in ids) >= 2, ids  # the case holds stopped completions
 
 
 def test_a_function_that_raises_stops_the_run_naming_it_and_the_row(tmp_path, user_models):
