@@ -68,6 +68,32 @@ def test_a_frozen_copy_gives_the_policys_logprobs_to_the_bit_in_every_layout(nam
             assert torch.equal(got * resp, want.detach() * resp), (name, packed, shared, (got - want).abs().max())
 
 
+def test_the_first_update_of_every_rollout_sees_rho_exactly_1(tmp_path, user_models):
+    """GRPO with 2 passes over 2 mini-batches and a reward that varies (advantages not 0): at each
+    rollout's first optimizer step the policy is the rollout policy, so log rho = log pi - log pi_old
+    is 0 to the bit on every token, in whatever layout the run picked (on the Llama folder, shared
+    prompts and packing); at step 1 the reference is the policy too, KL 0 to the bit. The old
+    policy's pass run in a layout of its own (all rows padded, one forward) gave log rho 4.8e-7 on the
+    Llama folder, float noise that Adam scales into lr-sized steps: that planted bug fails here (the
+    constant-reward tests below passed on it: their advantages are 0, whatever rho)."""
+    inputs, loss_fn = [], grpo.grpo_loss
+
+    def recording_loss(logps, old_logps, ref_logps, advantages, mask, *args, **kwargs):
+        m = mask.bool()
+        inputs.append(((logps - old_logps)[m].abs().max().item(), (logps - ref_logps)[m].abs().max().item()))
+        return loss_fn(logps, old_logps, ref_logps, advantages, mask, *args, **kwargs)
+
+    args = GRPO_MODELS["llama"](tmp_path, user_models)  # the embedded model's layouts agree to the bit anyway
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(grpo, "grpo_loss", recording_loss)
+        _run(["grpo.py", *args, "--reward_fn", "digits", "--steps", "2", "--prompts_per_step", "4", "--group_size", "4",
+              "--lr", "1e-3", "--warmup_steps", "0", "--eval_every", "100", "--n_eval", "4", "--n_eval_pairs", "4",
+              "--out_dir", str(tmp_path / "run")])
+    assert len(inputs) == 2 * 2 * 2  # steps x passes x mini-batches
+    assert inputs[0] == (0, 0) and inputs[4][0] == 0, inputs  # each rollout's first update: rho = 1; step 1: ref = pi
+    assert inputs[5][0] > 0 and inputs[4][1] > 0, inputs  # the policy moved: within a rollout, and from the reference
+
+
 @pytest.mark.parametrize("unscored", [False, True])
 @pytest.mark.parametrize("rewards", [[0.3] * 8, [0.1] * 8, [0.7] * 6, [1 / 3] * 8])
 def test_a_group_of_equal_rewards_has_advantage_exactly_zero(rewards, unscored):

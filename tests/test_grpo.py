@@ -584,14 +584,17 @@ def test_clipping_acts_on_later_passes_over_a_rollout(multi_pass_kl_in_reward_ru
 
 def test_old_and_reference_log_probs_reach_the_loss_in_their_places(multi_pass_kl_in_reward_run):
     """The first optimizer step of a rollout runs the rollout policy itself: its log-probs equal
-    the old ones (rho = 1), while at the second rollout the policy has left the reference (step 1
-    moved it). Old and reference log-probs passed in each other's place (rho = pi / pi_ref) would
-    clip against the wrong policy and still train, pass every metric check and go unnoticed."""
+    the old ones exactly (rho = 1, log rho 0 to the bit: the old policy's pass runs the update's own
+    micro-batches, shared_prompt.plan), while at the second rollout the policy has left the
+    reference (step 1 moved it). Old and reference log-probs passed in each other's place (rho =
+    pi / pi_ref) would clip against the wrong policy and still train, pass every metric check and go
+    unnoticed; the old policy's pass in a layout of its own (its rows padded in one forward) gives
+    log rho float noise instead of 0 where layouts round apart (test_exact.py: the Llama folder)."""
     _, loss_inputs = multi_pass_kl_in_reward_run
     assert len(loss_inputs) == 2 * 3 * 2  # steps x passes x mini-batches
     first_of_step_1, first_of_step_2 = loss_inputs[0], loss_inputs[6]
-    assert first_of_step_1[0] < 1e-5 and first_of_step_1[1] < 1e-5, loss_inputs  # pi = pi_old = pi_ref
-    assert first_of_step_2[0] < 1e-5 and first_of_step_2[1] > 0.1, loss_inputs  # measured: 0 and 1.9
+    assert first_of_step_1 == (0, 0), loss_inputs  # pi = pi_old = pi_ref, to the bit
+    assert first_of_step_2[0] == 0 and first_of_step_2[1] > 0.1, loss_inputs  # measured: 0 and 1.9
 
 
 def test_kl_in_reward_is_subtracted(multi_pass_kl_in_reward_run):
