@@ -200,6 +200,39 @@ def test_dpo_on_pairs_whose_chosen_is_their_rejected_leaves_every_weight_bit_ide
     assert max_abs_diff(checkpoint_weights(tmp_path / "trained"), checkpoint_weights(tmp_path / "lr0")) == 0
 
 
+def test_each_micro_batch_of_dpo_gets_the_same_flags_of_its_own_pairs(tmp_path, user_models):
+    """dpo.py on pairs of which every third's chosen is its rejected, shuffled into 2 micro-batches a
+    step: each dpo_loss call's `same` is True exactly for the pairs of its micro-batch whose chosen
+    and rejected rows hold the same tokens, read from the batch data.pair_batch built for it. The
+    flags of the data set's first pairs fed to every micro-batch (planted) train the wrong pairs:
+    test_dpo_on_pairs_whose_chosen_is_their_rejected_... passed on it, every pair being the same."""
+    rows = [{"prompt": question(i), "chosen": chat(("assistant", f"{i + 7} or so")),
+             "rejected": chat(("assistant", f"{i + 7} or so" if i % 3 == 0 else f"{i + 8}, I think"))} for i in range(16)]
+    pairs = write_jsonl(tmp_path / "mixed.jsonl", rows)
+    seen, pair_batch, loss_fn = [], data.pair_batch, dpo.dpo_loss
+
+    def recording_batch(*args, **kwargs):
+        seen[:] = [pair_batch(*args, **kwargs)]
+        return seen[0]
+
+    def checking_loss(*args, same=None, **kwargs):
+        ids, attn, _ = seen[0]
+        B = len(ids) // 2
+        want = [torch.equal(ids[i], ids[B + i]) and torch.equal(attn[i], attn[B + i]) for i in range(B)]
+        flags.append((same.tolist(), want))
+        return loss_fn(*args, same=same, **kwargs)
+
+    flags = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(data, "pair_batch", recording_batch)
+        mp.setattr(dpo, "dpo_loss", checking_loss)
+        _run(["dpo.py", "--model", user_models["qwen2"], "--dataset", pairs, "--eval_dataset", pairs, "--steps", "2",
+              "--batch_size", "8", "--grad_accum", "2", "--max_prompt_len", "64", "--max_response_len", "16",
+              "--n_eval", "8", "--eval_every", "100", "--out_dir", str(tmp_path / "run")])
+    assert len(flags) == 2 * 2 and all(got == want for got, want in flags), flags
+    assert any(True in want and False in want for _, want in flags)  # micro-batches of both kinds of pair
+
+
 # -----------------------------------------------------------------------------
 # 2. data on which one rank's rows would pack and the other's not, on 2 ranks
 
