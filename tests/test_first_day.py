@@ -179,14 +179,14 @@ def fake_clock(monkeypatch):
     return saved
 
 
-def expected_saves(steps, every_minutes):
+def expected_saves(steps, every_minutes, minutes_a_step=MINUTES_A_STEP):
     """The steps after which a run saves by the clock: the first to end every_minutes after the
     last save (or the start), never the last step."""
     out, last = [], 0.0
     for k in range(1, steps):
-        if k * MINUTES_A_STEP - last >= every_minutes:
+        if k * minutes_a_step - last >= every_minutes:
             out.append(k)
-            last = k * MINUTES_A_STEP
+            last = k * minutes_a_step
     return out
 
 
@@ -278,17 +278,21 @@ def test_a_signal_ends_a_run_stuck_in_a_c_call_within_seconds(tmp_path, sig):
     assert resumed.returncode == 0 and "at step 2" in resumed.stdout, resumed.stderr[-2000:]
 
 
-def test_two_ranks_save_by_rank_0s_clock(tmp_path):
+@pytest.mark.parametrize("clocks", ["4,0", "0,4"])
+def test_two_ranks_save_by_rank_0s_clock(tmp_path, clocks):
     """A save is collective: ranks that each read their own clock would decide differently (here
-    rank 0's clock runs 4 minutes a step and rank 1's stands still) and one would wait in the
+    one rank's clock runs 4 minutes a step and the other's stands still) and one would wait in the
     save for the other for ever. Rank 0 decides for both (one all-reduce a step): the run ends,
-    having saved at rank 0's steps."""
+    having saved at rank 0's steps, and only there: with rank 0's clock still, never. A save when any
+    rank's clock says so (planted: every rank's lateness summed) passed with "4,0" and fails "0,4";
+    one when every rank's does, the other way round."""
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        "tests/fake_clock.py", "4,0", "sft.py", *FAST["sft.py"], "--steps", "8", "--timeout_minutes",
+                        "tests/fake_clock.py", clocks, "sft.py", *FAST["sft.py"], "--steps", "8", "--timeout_minutes",
                         "1", "--out_dir", str(tmp_path / "run")], cwd=ROOT, env=SUBPROCESS_ENV_NO_TOKENIZER_THREADS,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    assert re.findall(r"^saved at step (\d+) on rank 0$", r.stdout, re.M) == [str(s) for s in expected_saves(8, 10)]
+    want = expected_saves(8, 10, minutes_a_step=float(clocks.split(",")[0]))
+    assert re.findall(r"^saved at step (\d+) on rank 0$", r.stdout, re.M) == [str(s) for s in want]
 
 
 # -----------------------------------------------------------------------------
