@@ -7,6 +7,7 @@ never returns end the run with its line and its last checkpoint, and no process 
 it starts does not keep the run alive; signal.alarm works in it, as in TRL's main thread; it
 gets objects of its own at every call; under torchrun, the rank whose function ends its process
 is named."""
+import multiprocessing.connection
 import os
 import re
 import signal
@@ -78,6 +79,46 @@ def test_a_function_that_never_returns_is_stopped_at_its_time_limit_naming_it_an
         assert call(c, ["ok"] * 3) == {name: [1.0, 2.0, 3.0]}
     for behaviour in ("hang", "sleep", "ignore_signals", "hang_async"):
         assert len(marked(tmp_path, behaviour)) == 1 and gone(marked(tmp_path, behaviour)[0]), behaviour
+
+
+class InjectedClock:
+    """plumbing/workers.py's clock (its `time` module) at a time of the test's: `now` moves only when
+    the trainer waits for a reply (`wait`, multiprocessing.connection's, which polls pick up too),
+    by the whole wait, no reply coming; no real second passes. A call timed on another clock ends
+    the test after `guard_s` real seconds instead of hanging it (a hang guard, not a bound)."""
+
+    def __init__(self, guard_s=120.0):
+        self.now, self.start, self.guard_s = 0.0, time.monotonic(), guard_s
+        self.real_wait = multiprocessing.connection.wait
+
+    def monotonic(self):
+        assert time.monotonic() - self.start < self.guard_s, "the call was not timed on the injected clock"
+        return self.now
+
+    def wait(self, objects, timeout=None):
+        ready = self.real_wait(objects, 0)  # a reply already there
+        if not ready and timeout is not None:
+            self.now += timeout
+        return ready
+
+    def __getattr__(self, name):  # the rest of the time module, as it is
+        return getattr(time, name)
+
+
+def test_a_call_is_stopped_once_its_time_limit_has_passed_on_the_clock_not_later(tmp_path, monkeypatch):
+    """The time limit read on an injected clock (InjectedClock): a call that never returns is stopped
+    when the clock has moved exactly --reward_fn_timeout past its start. On the real clock a test can
+    only bound the stop from below (load makes it later, never earlier), so the tests above read the
+    message; this one reads the time. Planted and failing here: the deadline at twice the limit."""
+    monkeypatch.setenv("REWARD_TEST_DIR", str(tmp_path))
+    monkeypatch.setattr(workers, "KILL_GRACE_S", 0.1)
+    c = caller("misbehaves", 7.0)  # its worker started and its module imported on the real clock
+    clock = InjectedClock()
+    monkeypatch.setattr(workers, "time", clock)
+    monkeypatch.setattr(multiprocessing.connection, "wait", clock.wait)
+    with pytest.raises(ValueError, match=r"ran past --reward_fn_timeout 7 s on d\.jsonl rows 4, 9, 11"):
+        call(c, ["ok", "hang", "ok"])
+    assert clock.now == 7.0
 
 
 def grpo_reward_argv(folder, fn, *extra):
