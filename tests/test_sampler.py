@@ -275,6 +275,29 @@ def test_guards_are_checked_at_each_rollouts_first_step(monkeypatch):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (rows, new_tokens)
 
 
+def test_a_smaller_compiled_rollout_after_a_larger_one_samples_what_a_fresh_one_does(monkeypatch):
+    """Compiled decoding keeps its static cache through a run, sized for the largest rollout: a
+    rollout of 3 rows after one of 5 decodes in part of that cache. Its tokens and log-probs at a
+    temperature equal those of the same rollout on a fresh copy of the model (a cache of its own), to
+    the bit: both prompts' longest row is 6 tokens, so the same slots and the same float operations.
+    Planted and failing here: the smaller rollout reading its cache's values from the keys, which
+    kept its tokens and moved its log-probs (by 2.8e-5 here) and passed
+    test_guards_are_checked_at_each_rollouts_first_step (it compares tokens only). Dynamo's eager
+    backend, as there."""
+    model = _gpt2(n_layer=1)
+    fresh = copy.deepcopy(model)
+    fn = sampling._next_token_unfused
+    monkeypatch.setattr(sampling, "_compiled", {fn: torch.compile(fn, backend="eager", dynamic=False)})
+    kw = dict(temperature=0.7, return_logprobs=True, compile=True)
+    ids, mask = common.pad(PROMPTS[:3] + [[5, 6, 7], [14, 2]], PAD, side="left")  # 5 rows, the longest 6 tokens
+    sampling.generate(model, ids, mask, 8, EOS, PAD, uniforms=sampling.rollout_uniforms(5, 8, seed=0), **kw)
+    ids, mask = common.pad(PROMPTS[:3], PAD, side="left")  # 3 rows, the longest 6 tokens
+    u = sampling.rollout_uniforms(3, 8, seed=1)
+    after = sampling.generate(model, ids, mask, 8, EOS, PAD, uniforms=u, **kw)
+    alone = sampling.generate(fresh, ids, mask, 8, EOS, PAD, uniforms=u, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(after, alone)), [(a - b).abs().max() for a, b in zip(after, alone)]
+
+
 def test_past_dynamos_recompile_limit_a_new_shape_decodes_eagerly(monkeypatch):
     """Once the compiled step holds dynamo's recompile_limit graphs, a rollout of a new shape runs its
     first step eagerly (dynamo's fallback) and keeps the guards on for the rest (sampling._guarded):
