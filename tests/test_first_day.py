@@ -514,8 +514,10 @@ def test_the_banner_counts_the_later_assistant_turns_max_response_len_cuts(user_
     """--max_response_len counts everything after a row's first assistant turn begins, later user
     turns included: it cut 14 of 39 second answers, and --help did not say what "response" means
     for `messages`. --help says it now, and the banner counts the later turns cut, which here equal
-    an independent count: the tokens of the rendered conversation up to each later answer's end,
-    after its prompt."""
+    an independent count: the tokens of the rendered conversation up to each later answer's end (and
+    to its start), after its prompt. At a limit where one later turn ends exactly (it fits: not cut)
+    and one where another starts exactly (none of it fits: wholly cut); a turn ending at the limit
+    counted as cut (planted) passed a limit of 60, where none ends."""
     from transformers import AutoTokenizer
 
     import datasets
@@ -525,22 +527,22 @@ def test_the_banner_counts_the_later_assistant_turns_max_response_len_cuts(user_
                                              ("assistant", str(2 * (i + 7)) + " yes" * (3 * i)))} for i in range(12)]
     rows += [{"messages": question(i) + chat(("assistant", str(i + 7)))} for i in range(3)]
     ds = data.split_messages(datasets.Dataset.from_list(rows), "rows.jsonl", every_turn=True)
-    limit = 60
-    cfg = sft.Config(max_prompt_len=512, max_response_len=limit)
-    sft.encode_sft(ds, tok, cfg, "rows.jsonl")
-    out = capsys.readouterr().out
-    cut = gone = 0
+    ends, starts = [], []  # each later assistant turn's, in tokens after the row's prompt
     for r in rows[:12]:
         m = r["messages"]
         prompt = tok.apply_chat_template(m[:2], tokenize=False, add_generation_prompt=True)
-        end = len(tok(tok.apply_chat_template(m, tokenize=False)[len(prompt):], add_special_tokens=False)["input_ids"])
-        start = len(tok(tok.apply_chat_template(m[:4], tokenize=False, add_generation_prompt=True)[len(prompt):],
-                        add_special_tokens=False)["input_ids"])
-        cut, gone = cut + (end > limit), gone + (start >= limit)
-    assert 0 < gone < cut < 12, (cut, gone)  # the case holds some of each
-    assert (f"rows.jsonl: --max_response_len {limit} counts every token after a row's first assistant turn begins, "
-            f"later user turns included: it cuts {cut} of the 12 later assistant turns of 12 multi-turn rows ({gone} "
-            f"of them wholly)") in out, out
+        ends.append(len(tok(tok.apply_chat_template(m, tokenize=False)[len(prompt):],
+                            add_special_tokens=False)["input_ids"]))
+        starts.append(len(tok(tok.apply_chat_template(m[:4], tokenize=False, add_generation_prompt=True)[len(prompt):],
+                              add_special_tokens=False)["input_ids"]))
+    for limit in (sorted(ends)[2], sorted(starts)[6]):
+        sft.encode_sft(ds, tok, sft.Config(max_prompt_len=512, max_response_len=limit), "rows.jsonl")
+        out = capsys.readouterr().out
+        cut, gone = sum(end > limit for end in ends), sum(start >= limit for start in starts)
+        assert 0 < gone < cut < 12, (cut, gone)  # the case holds some of each
+        assert (f"rows.jsonl: --max_response_len {limit} counts every token after a row's first assistant turn "
+                f"begins, later user turns included: it cuts {cut} of the 12 later assistant turns of 12 multi-turn "
+                f"rows ({gone} of them wholly)") in out, out
     with pytest.raises(SystemExit):
         cli.parse_config(sft.Config, ["--help"])
     assert "everything after its first assistant turn begins, later user turns included" in \
