@@ -9,11 +9,13 @@ name `conftest` that every conftest.py outside a package shares, and under
 """
 import contextlib
 import json
+import multiprocessing.connection
 import os
 import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -30,6 +32,67 @@ SUBPROCESS_ENV_NO_TOKENIZER_THREADS = {**SUBPROCESS_ENV, "TOKENIZERS_PARALLELISM
 runs, and the sampler's torchrun)"""
 
 
+HANG_GUARD_S = 900.0
+"""how long a test waits for an event (a file, a line, a process's end) before it calls the wait a
+hang: the end of a test that would otherwise wait for ever, never a bound on how fast anything must
+be (on a loaded 2-core machine a pipeline's first stage took 108 s to start)"""
+
+
+def wait_until(done, proc=None, what="the event", guard_s=HANG_GUARD_S):
+    """Wait for done() (a file written, a process gone): checked every 50 ms; an AssertionError if
+    proc (a Popen) ends first, or after guard_s seconds (a hang guard)."""
+    start = time.monotonic()
+    while not done():
+        assert proc is None or proc.poll() is None, f"the process ended (status {proc.returncode}) before {what}"
+        assert time.monotonic() - start < guard_s, f"no {what} after {guard_s:g} s: a hang"
+        time.sleep(0.05)
+
+
+class InjectedClock:
+    """plumbing/workers.py's clock (its `time` module) at a time of the test's, so that a time limit is
+    read, not raced against the machine's load: `now` moves only while the trainer waits for a reply
+    (multiprocessing.connection.wait, which Connection.poll calls too), and only by the whole wait,
+    once blocked() says that the calls it waits for will never reply (a marker file a function
+    writes as it blocks); until then the wait is real, and a reply ends it with `now` unmoved. So a
+    call that blocks is stopped exactly its time limit after it was sent, and one that replies never
+    is, however slowly the machine runs. A call whose limit is not read on this clock (its waits
+    bypassed: the clock read again and again) fails after `readings` readings instead of hanging."""
+
+    def __init__(self, blocked, readings=1000):
+        self.now, self.blocked, self.readings, self.unwaited = 0.0, blocked, readings, 0
+        self.real_wait = multiprocessing.connection.wait
+
+    def monotonic(self):
+        self.unwaited += 1
+        assert self.unwaited < self.readings, "the call's time limit is not read on the injected clock"
+        return self.now
+
+    def wait(self, objects, timeout=None):
+        self.unwaited = 0
+        while True:
+            ready = self.real_wait(objects, 0.01)
+            if ready:
+                return ready
+            if timeout is not None and self.blocked():
+                self.now += timeout
+                return []
+
+    def __getattr__(self, name):  # the rest of the time module, as it is
+        return getattr(time, name)
+
+
+@contextlib.contextmanager
+def injected_clock(blocked):
+    """plumbing/workers.py timing its calls on an InjectedClock(blocked) inside the block; yields it."""
+    from plumbing import workers
+
+    clock = InjectedClock(blocked)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(workers, "time", clock)
+        mp.setattr(multiprocessing.connection, "wait", clock.wait)
+        yield clock
+
+
 def launcher(nproc=1):
     """The command that starts a Python script: `python`, or torchrun with nproc processes on
     this machine (a standalone rendezvous on a free port)."""
@@ -38,7 +101,7 @@ def launcher(nproc=1):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
 
 
-def run_script(args, nproc=1, timeout=300, env=SUBPROCESS_ENV):
+def run_script(args, nproc=1, timeout=HANG_GUARD_S, env=SUBPROCESS_ENV):
     """Run `python ARGS` (torchrun with nproc processes when nproc > 1) in ROOT; return the
     CompletedProcess, its stdout and stderr as text. env=None: this process's environment.
 
@@ -136,7 +199,7 @@ def start_as_a_terminal_does(argv, env, folder):
         signal.signal(signal.SIGINT, sigint)
 
 
-def run_many(runs, results, nproc=2, timeout=600):
+def run_many(runs, results, nproc=2, timeout=HANG_GUARD_S):
     """Several script runs, [NAME, SCRIPT, ARGS...] each, in one torchrun of nproc processes
     (tests/multi_run.py): one start of torchrun and its interpreters for all of them. Returns the
     CompletedProcess and {NAME: exit code} of the runs that ended (results: the JSON file)."""

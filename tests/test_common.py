@@ -20,7 +20,7 @@ import environment
 import sampling
 import sft
 import tasks
-from helpers import ROOT, SUBPROCESS_ENV, write_jsonl
+from helpers import HANG_GUARD_S, ROOT, SUBPROCESS_ENV, write_jsonl
 from plumbing import checkpoints, cli, models, rundir
 
 
@@ -598,7 +598,7 @@ def test_degenerate_values_are_refused_naming_the_flag(script, argv):
 
 def test_out_of_range_flag_stops_the_script_before_anything_is_written(tmp_path):
     r = subprocess.run([sys.executable, "dpo.py", "--beta", "0", "--out_dir", str(tmp_path / "o")], cwd=ROOT,
-                       env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=120)
+                       env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert r.returncode != 0 and "--beta 0.0 is out of range [> 0]" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "o").exists()
 
@@ -779,7 +779,7 @@ def test_a_second_run_on_a_busy_out_dir_is_refused_and_touches_nothing(tmp_path)
     try:
         (out / "metrics.jsonl").write_text('{"step": 0}\n')
         r = subprocess.run([sys.executable, "sft.py", "--model", "tiny", "--steps", "1", "--out_dir", str(out)],
-                           cwd=ROOT, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=120)
+                           cwd=ROOT, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=HANG_GUARD_S)
         assert r.returncode != 0, r.stdout[-1000:]
         assert f"is in use by another run (pid {os.getpid()} on" in r.stderr, r.stderr[-2000:]
         assert (out / "metrics.jsonl").read_text() == '{"step": 0}\n'

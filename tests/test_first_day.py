@@ -18,8 +18,8 @@ import pytest
 import common
 import data
 import sft
-from helpers import (ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, chat, checkpoint_weights, ctrl_c_after_first_save,
-                     max_abs_diff, question, read_metrics, run_here, write_jsonl)
+from helpers import (HANG_GUARD_S, ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, chat, checkpoint_weights,
+                     ctrl_c_after_first_save, max_abs_diff, question, read_metrics, run_here, write_jsonl)
 from test_robustness import FAST, run_fast
 from plumbing import checkpoints, cli, models, rundir, trl_flags
 
@@ -266,7 +266,7 @@ def test_a_signal_ends_a_run_stuck_in_a_c_call_within_seconds(tmp_path, sig):
                 break
         assert lines and lines[-1].strip() == "blocked", "".join(lines)
         proc.send_signal(sig)
-        err = proc.communicate(timeout=120)[1]
+        err = proc.communicate(timeout=HANG_GUARD_S)[1]
     finally:
         proc.kill()
         proc.wait()
@@ -289,7 +289,7 @@ def test_two_ranks_save_by_rank_0s_clock(tmp_path, clocks):
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         "tests/fake_clock.py", clocks, "sft.py", *FAST["sft.py"], "--steps", "8", "--timeout_minutes",
                         "1", "--out_dir", str(tmp_path / "run")], cwd=ROOT, env=SUBPROCESS_ENV_NO_TOKENIZER_THREADS,
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     want = expected_saves(8, 10, minutes_a_step=float(clocks.split(",")[0]))
     assert re.findall(r"^saved at step (\d+) on rank 0$", r.stdout, re.M) == [str(s) for s in want]

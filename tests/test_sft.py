@@ -9,8 +9,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import data
 import sft
 import tasks
-from helpers import (SUBPROCESS_ENV_NO_TOKENIZER_THREADS, TWO_RANK_RUNS, chat, checkpoint_weights, max_abs_diff,
-                     read_metrics, chat_rows, run_here, run_script, write_jsonl)
+from helpers import (HANG_GUARD_S, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, TWO_RANK_RUNS, chat, checkpoint_weights,
+                     max_abs_diff, read_metrics, chat_rows, run_here, run_script, write_jsonl)
 from plumbing import cli, models
 
 pytestmark = pytest.mark.session_fixtures("smollm2")  # request.getfixturevalue: tests/two_processes.py
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.session_fixtures("smollm2")  # request.getfixturevalue:
 FAST = ["--n_train", "256", "--n_eval", "8", "--batch_size", "8", "--max_response_len", "20", "--warmup_steps", "2"]
 
 
-def run_sft(args, nproc=1, timeout=300):
+def run_sft(args, nproc=1, timeout=HANG_GUARD_S):
     """python sft.py ARGS: in this process (helpers.run_here), under torchrun when nproc > 1."""
     if nproc == 1:
         return run_here(["sft.py", *args])
@@ -128,7 +128,7 @@ def test_two_processes_match_one_process(tmp_path, user_models, two_ranks):
     and rank 0's last FSDP all-gather would wait for a rank that never comes (the run hangs until
     the timeout). The 2-rank run is conftest.py's `two_ranks`."""
     argv = two_rank_argv(tmp_path, user_models)
-    one = run_sft(argv[1:-2] + ["--out_dir", str(tmp_path / "one"), "--grad_accum", "2"], timeout=240)
+    one = run_sft(argv[1:-2] + ["--out_dir", str(tmp_path / "one"), "--grad_accum", "2"])
     assert one.returncode == 0, one.stderr
     two = two_ranks("sft") / "two"
     m1, m2 = read_metrics(tmp_path / "one"), read_metrics(two)
