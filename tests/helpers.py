@@ -9,6 +9,7 @@ name `conftest` that every conftest.py outside a package shares, and under
 """
 import contextlib
 import json
+import math
 import multiprocessing.connection
 import os
 import signal
@@ -271,6 +272,127 @@ def gamma(k, u=U32):
     (a kernel's blocking, a rank's share first), lies within gamma_k x (the sum of the terms'
     magnitudes) of the exact value; two computations of it, within twice that of each other."""
     return k * u / (1 - k * u)
+
+
+LAMBDA = 8.0
+"""how many standard deviations of rounding error fp32_rtol allows: Higham and Mary's bound is
+exceeded with probability at most 2 exp(-LAMBDA^2 / 2) = 2.5e-14 per sum"""
+
+
+def fp32_rtol(lengths):
+    """How far apart, relative to its size, two float32 computations of one value may lie when they
+    add the same terms in other orders (another batch shape, padding or packing, a prompt shared,
+    another rank's share, a compiled kernel), the value computed through sums or dot products of
+    these lengths (forward_lengths, gradient_lengths). A sum of k terms, its rounding errors taken
+    as independent random variables (as a blocked, vectorised kernel's are), lies within
+    LAMBDA sqrt(k) u of the sum of its terms' magnitudes (Higham and Mary, SIAM J. Sci. Comput.
+    41(5), 2019, Thm 3.1; gamma's worst case is k u); the sums' errors add up in quadrature, each
+    reaching the value with a gain of at most 1 (norms and the softmax keep a relative error
+    relative: a random or lightly trained model has no ill-conditioned step); and each of the two
+    computations is off by that much: 2 LAMBDA u sqrt(sum of the lengths). About 5e-5 for the
+    tests' models (helpers.build_user_models' at 150 tokens: 4.4e-5; the embedded model: 8e-5)."""
+    return 2 * LAMBDA * U32 * math.sqrt(sum(lengths))
+
+
+def forward_lengths(config, length):
+    """The lengths of the sums on one token's way through a decoder of this transformers config
+    (Llama, Qwen2, GPT-2; a reward model's) at `length` tokens of context: per layer the q, k, v
+    and output projections, the MLP's up and gate projections (the hidden size each), its down
+    projection (the intermediate size), the attention's scores (the head size) and weighted values
+    (the context) and 2 norms (the hidden size); then the final norm, the head (the hidden size)
+    and the log-softmax's sum (the vocabulary)."""
+    c = config.get_text_config()
+    h = c.hidden_size
+    ff = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * h
+    head = getattr(c, "head_dim", None) or h // c.num_attention_heads
+    return ([h] * 6 + [ff, head, length, h, h]) * c.num_hidden_layers + [h, h, c.vocab_size]
+
+
+def gradient_lengths(config, length, tokens, norm_terms=None):
+    """The sums behind a gradient norm: the forward's (forward_lengths) and their transposes in the
+    backward, each weight's gradient summed over the `tokens` of a micro-batch, and the norm's sum
+    of squares where the two runs add them in other orders: under FSDP each rank sums its shard of
+    each tensor first (norm_terms None: the largest tensor's elements, an embedding's or the MLP's);
+    0 where both sum the same tensors alike (one process each: the same kernel on the same shapes).
+    (torch's vector_norm adds in blocks, not a cascade: 5e-5 relative error at 1e7 positive terms.)"""
+    c = config.get_text_config()
+    ff = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * c.hidden_size
+    if norm_terms is None:
+        norm_terms = c.hidden_size * max(c.vocab_size, ff)
+    forward = forward_lengths(config, length)
+    return forward + forward + [tokens, norm_terms]
+
+
+def adam_drift(lr, steps, betas=(0.9, 0.95)):
+    """The most one weight of two AdamW runs can differ by after `steps` optimizer steps at peak
+    learning rate `lr` (common.make_optimizer's betas), from equal weights and moments, whatever
+    float noise their gradients differ by. A step moves a weight by lr_t (m_hat / (sqrt(v_hat) +
+    eps) + wd w): the decay shrinks a difference, and by Cauchy-Schwarz |m_hat| / sqrt(v_hat) <=
+    B_t = (1 - b1) / (1 - b1^t) sqrt((1 - b2^t) / (1 - b2)) sqrt(sum_{j<t} (b1^2 / b2)^j) (1 at
+    t = 1, 1.0003 at t = 2, never above 1.17): whatever the gradient, about lr. So noise in a
+    gradient near 0 (terms that cancel), which can flip its sign, moves the two runs' weight apart
+    by up to 2 lr B_t a step: Adam normalises noise into lr-sized steps, and no tighter bound holds
+    weight by weight. Summed over the steps, with float32's rounding of each updated weight (|w| <
+    4 here)."""
+    b1, b2 = betas
+    out = 0.0
+    for t in range(1, steps + 1):
+        s = sum((b1 * b1 / b2) ** j for j in range(t))
+        out += 2 * lr * (1 - b1) / (1 - b1 ** t) * math.sqrt((1 - b2 ** t) / (1 - b2) * s) + 2 * 4 * U32
+    return out
+
+
+def drift_atol(lr, steps, grad_norm):
+    """How far apart two runs' losses may lie once their weights have drifted apart (adam_drift
+    after `steps` optimizer steps): to first order the loss moves by g . dw, g its gradient (norm
+    grad_norm, the run's log). The drift is float noise that Adam scaled up, its signs independent of
+    g, so g . dw is a sum of independent terms each within |g_i| adam_drift, and by Hoeffding's
+    inequality it stays within LAMBDA adam_drift |g| (exceeded with probability 2 exp(-LAMBDA^2 / 2)).
+    A systematic difference (other rows, another learning rate, a rank's shard not stepped) moves
+    the loss by about lr |g|_1, sqrt(n_params) times more: the bound keeps its teeth."""
+    return LAMBDA * adam_drift(lr, steps) * grad_norm
+
+
+def assert_runs_agree(one, two, config, length, lr, keys=("loss", "grad_norm"), updates=1, tokens=1024,
+                      norm_terms=None, scales=None):
+    """Two runs' logged rows (metrics.jsonl) step for step (1 process and N, packed and padded,
+    prompts shared or not, a reference precomputed or live), within bounds derived from the
+    arithmetic, for a model of this config at `length` tokens trained at peak learning rate lr with
+    `updates` optimizer steps a step:
+    - a key whose forwards all ran on the weights both runs started from (step 0's evaluation; step
+      1's training metrics where one optimizer step follows them, updates == 1) within fp32_rtol of
+      its size (scales: KEY -> keys whose sizes it is computed from, a margin from its log-probs'),
+      a grad_norm within that of its sums (gradient_lengths; tokens: a micro-batch's at most;
+      norm_terms 0 for two runs of one process each);
+    - once either run has stepped, the weights may differ by adam_drift: the loss alone, within its
+      rounding plus drift_atol of the runs' grad norm (a step's largest at most `updates` times the
+      logged mean); no other key has a bound short of the weights themselves, and is not compared;
+    - the learning rate of every step, exactly: the same schedule."""
+    assert [r["step"] for r in one] == [r["step"] for r in two]
+    forward = fp32_rtol(forward_lengths(config, length))
+    gradient = fp32_rtol(gradient_lengths(config, length, tokens, norm_terms))
+    compared = 0
+    for a, b in zip(one, two):
+        assert a.get("lr") == b.get("lr"), (a["step"], a.get("lr"), b.get("lr"))
+        for key in (k for k in keys if k in a):
+            after = a["step"] * updates if key.startswith(("eval/", "normalize/")) else a["step"] * updates - 1
+            size = max(abs(a[key]), abs(b[key]), *(abs(a[k]) for k in (scales or {}).get(key, ())))
+            if after <= 0:  # every forward behind it on the starting weights
+                bound = (gradient if key == "grad_norm" else forward) * size
+            elif key == "loss":
+                bound = forward * size + drift_atol(lr, after, updates * max(a["grad_norm"], b["grad_norm"]))
+            else:
+                continue
+            assert abs(a[key] - b[key]) <= bound, (a["step"], key, a[key], b[key], bound)
+            compared += 1
+    assert compared, "no key was compared"
+
+
+def checkpoint_config(out_dir, name="checkpoint"):
+    """The transformers config of out_dir/name (a run's export or resumable checkpoint)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(os.path.join(out_dir, name))
 
 
 def free_port():

@@ -27,8 +27,8 @@ import dpo
 import grpo
 import shared_prompt
 import sft
-from helpers import (SUBPROCESS_ENV_NO_TOKENIZER_THREADS, chat, checkpoint_weights, max_abs_diff, question,
-                     read_metrics, run_here, run_script, write_jsonl)
+from helpers import (SUBPROCESS_ENV_NO_TOKENIZER_THREADS, adam_drift, assert_runs_agree, chat, checkpoint_config,
+                     checkpoint_weights, max_abs_diff, question, read_metrics, run_here, run_script, write_jsonl)
 from plumbing import cli, models
 
 D = common.Dist()
@@ -356,15 +356,17 @@ def test_the_ragged_rows_make_the_ranks_decide_apart(tmp_path, user_models, scri
 def test_two_ranks_whose_rows_would_decide_apart_finish_and_match_one_process(tmp_path, user_models, branching,
                                                                              name):
     """On the ragged rows: the 2-rank run ends (dpo.py hung at 3c74a6b, live reference or not) with
-    1 process's losses, grad norms and weights (to 1e-5)."""
+    1 process's losses, grad norms and weights, within float32's rounding of the layouts, which
+    differ (helpers.assert_runs_agree: step 1's loss and grad norm at the starting weights, the
+    last loss within the drift Adam makes of rounding noise), and the weights within adam_drift (a
+    bound of 1e-5, a constant, failed on an AMD Zen 3 at 1.84e-5: lr 1e-4, 2 steps)."""
     script, *extra = BRANCHING[name]
     one = _run(branching_argv(script, tmp_path, user_models, *extra))
     two = [r for r in read_metrics(branching(name)) if "loss" in r]
     assert len(one) == len(two) == STEPS
-    for a, b in zip(one, two):
-        for key in ("loss", "grad_norm"):
-            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (name, a["step"], key)
-    assert max_abs_diff(checkpoint_weights(tmp_path / "run"), checkpoint_weights(branching(name))) < 1e-5
+    assert_runs_agree(one, two, checkpoint_config(tmp_path / "run"), length=96 + 24, lr=1e-4)
+    assert max_abs_diff(checkpoint_weights(tmp_path / "run"), checkpoint_weights(branching(name))) <= \
+        adam_drift(1e-4, STEPS)
 
 
 def test_grpo_with_every_reward_zero_on_two_ranks_leaves_the_weights_of_one_process(tmp_path, branching):
