@@ -354,19 +354,22 @@ def drift_atol(lr, steps, grad_norm):
 
 
 def assert_runs_agree(one, two, config, length, lr, keys=("loss", "grad_norm"), updates=1, tokens=1024,
-                      norm_terms=None, scales=None):
+                      norm_terms=None, scales=None, start_keys=()):
     """Two runs' logged rows (metrics.jsonl) step for step (1 process and N, packed and padded,
     prompts shared or not, a reference precomputed or live), within bounds derived from the
     arithmetic, for a model of this config at `length` tokens trained at peak learning rate lr with
     `updates` optimizer steps a step:
     - a key whose forwards all ran on the weights both runs started from (step 0's evaluation; step
-      1's training metrics where one optimizer step follows them, updates == 1) within fp32_rtol of
-      its size (scales: KEY -> keys whose sizes it is computed from, a margin from its log-probs'),
-      a grad_norm within that of its sums (gradient_lengths; tokens: a micro-batch's at most;
-      norm_terms 0 for two runs of one process each);
+      1's training metrics where one optimizer step follows them, updates == 1; `start_keys`, measured
+      before a step's first update, as a GRPO rollout's rewards, at step 1; every key at lr 0) within
+      fp32_rtol of its size (scales: KEY -> keys whose sizes, or numbers that bound the sizes of the
+      terms it is computed from: a margin's log-probs, a policy loss's advantages), a grad_norm
+      within that of its sums (gradient_lengths; tokens: a micro-batch's at most; norm_terms 0 for
+      two runs of one process each);
     - once either run has stepped, the weights may differ by adam_drift: the loss alone, within its
       rounding plus drift_atol of the runs' grad norm (a step's largest at most `updates` times the
-      logged mean); no other key has a bound short of the weights themselves, and is not compared;
+      logged mean); no other key has a bound short of the weights themselves (a sampled token can
+      flip, a near-tie of the eval's order), and none is compared;
     - the learning rate of every step, exactly: the same schedule."""
     assert [r["step"] for r in one] == [r["step"] for r in two]
     forward = fp32_rtol(forward_lengths(config, length))
@@ -375,9 +378,13 @@ def assert_runs_agree(one, two, config, length, lr, keys=("loss", "grad_norm"), 
     for a, b in zip(one, two):
         assert a.get("lr") == b.get("lr"), (a["step"], a.get("lr"), b.get("lr"))
         for key in (k for k in keys if k in a):
-            after = a["step"] * updates if key.startswith(("eval/", "normalize/")) else a["step"] * updates - 1
-            size = max(abs(a[key]), abs(b[key]), *(abs(a[k]) for k in (scales or {}).get(key, ())))
-            if after <= 0:  # every forward behind it on the starting weights
+            if key.startswith(("eval/", "normalize/")):  # after the step's updates
+                after = a["step"] * updates
+            else:  # before the step's first update, or through its last
+                after = (a["step"] - 1) * updates if key in start_keys else a["step"] * updates - 1
+            size = max(abs(a[key]), abs(b[key]),
+                       *(abs(a[k]) if isinstance(k, str) else k for k in (scales or {}).get(key, ())))
+            if after <= 0 or lr == 0:  # every forward behind it on the starting weights
                 bound = (gradient if key == "grad_norm" else forward) * size
             elif key == "loss":
                 bound = forward * size + drift_atol(lr, after, updates * max(a["grad_norm"], b["grad_norm"]))
@@ -386,6 +393,20 @@ def assert_runs_agree(one, two, config, length, lr, keys=("loss", "grad_norm"), 
             assert abs(a[key] - b[key]) <= bound, (a["step"], key, a[key], b[key], bound)
             compared += 1
     assert compared, "no key was compared"
+
+
+def logprob_size(model, temperature=1.0, length=64, rows=4):
+    """The largest log-prob in size that the model gives (its least likely token's, at temperature
+    T) at random sequences of `length` tokens (seeded): the size of the log-probs a test compares,
+    whose rounding is relative to their terms (the token's logit and the log-sum-exp, which that
+    spread below the log-sum-exp bounds: random or lightly trained weights put every context's
+    logits in one range)."""
+    import torch
+
+    ids = torch.randint(0, model.config.get_text_config().vocab_size, (rows, length),
+                        generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return torch.log_softmax(model(input_ids=ids).logits.double() / temperature, -1).abs().max().item()
 
 
 def checkpoint_config(out_dir, name="checkpoint"):
