@@ -323,7 +323,7 @@ def gradient_lengths(config, length, tokens, norm_terms=None):
     return forward + forward + [tokens, norm_terms]
 
 
-def adam_drift(lr, steps, betas=(0.9, 0.95)):
+def adam_drift(lr, steps, betas=(0.9, 0.95), t0=0):
     """The most one weight of two AdamW runs can differ by after `steps` optimizer steps at peak
     learning rate `lr` (common.make_optimizer's betas), from equal weights and moments, whatever
     float noise their gradients differ by. A step moves a weight by lr_t (m_hat / (sqrt(v_hat) +
@@ -332,17 +332,17 @@ def adam_drift(lr, steps, betas=(0.9, 0.95)):
     t = 1, 1.0003 at t = 2, never above 1.17): whatever the gradient, about lr. So noise in a
     gradient near 0 (terms that cancel), which can flip its sign, moves the two runs' weight apart
     by up to 2 lr B_t a step: Adam normalises noise into lr-sized steps, and no tighter bound holds
-    weight by weight. Summed over the steps, with float32's rounding of each updated weight (|w| <
-    4 here)."""
+    weight by weight. Summed over the steps (Adam's t0 + 1 to t0 + steps: t0 those both runs took
+    alike, a resumed checkpoint's), with float32's rounding of each updated weight (|w| < 4 here)."""
     b1, b2 = betas
     out = 0.0
-    for t in range(1, steps + 1):
+    for t in range(t0 + 1, t0 + steps + 1):
         s = sum((b1 * b1 / b2) ** j for j in range(t))
         out += 2 * lr * (1 - b1) / (1 - b1 ** t) * math.sqrt((1 - b2 ** t) / (1 - b2) * s) + 2 * 4 * U32
     return out
 
 
-def drift_atol(lr, steps, grad_norm):
+def drift_atol(lr, steps, grad_norm, t0=0):
     """How far apart two runs' losses may lie once their weights have drifted apart (adam_drift
     after `steps` optimizer steps): to first order the loss moves by g . dw, g its gradient (norm
     grad_norm, the run's log). The drift is float noise that Adam scaled up, its signs independent of
@@ -350,11 +350,11 @@ def drift_atol(lr, steps, grad_norm):
     inequality it stays within LAMBDA adam_drift |g| (exceeded with probability 2 exp(-LAMBDA^2 / 2)).
     A systematic difference (other rows, another learning rate, a rank's shard not stepped) moves
     the loss by about lr |g|_1, sqrt(n_params) times more: the bound keeps its teeth."""
-    return LAMBDA * adam_drift(lr, steps) * grad_norm
+    return LAMBDA * adam_drift(lr, steps, t0=t0) * grad_norm
 
 
 def assert_runs_agree(one, two, config, length, lr, keys=("loss", "grad_norm"), updates=1, tokens=1024,
-                      norm_terms=None, scales=None, start_keys=()):
+                      norm_terms=None, scales=None, start_keys=(), start=0):
     """Two runs' logged rows (metrics.jsonl) step for step (1 process and N, packed and padded,
     prompts shared or not, a reference precomputed or live), within bounds derived from the
     arithmetic, for a model of this config at `length` tokens trained at peak learning rate lr with
@@ -370,7 +370,8 @@ def assert_runs_agree(one, two, config, length, lr, keys=("loss", "grad_norm"), 
       rounding plus drift_atol of the runs' grad norm (a step's largest at most `updates` times the
       logged mean); no other key has a bound short of the weights themselves (a sampled token can
       flip, a near-tie of the eval's order), and none is compared;
-    - the learning rate of every step, exactly: the same schedule."""
+    - the learning rate of every step, exactly: the same schedule.
+    start: the step after which both runs' weights were equal (a checkpoint both resumed from)."""
     assert [r["step"] for r in one] == [r["step"] for r in two]
     forward = fp32_rtol(forward_lengths(config, length))
     gradient = fp32_rtol(gradient_lengths(config, length, tokens, norm_terms))
@@ -378,16 +379,18 @@ def assert_runs_agree(one, two, config, length, lr, keys=("loss", "grad_norm"), 
     for a, b in zip(one, two):
         assert a.get("lr") == b.get("lr"), (a["step"], a.get("lr"), b.get("lr"))
         for key in (k for k in keys if k in a):
+            step = a["step"] - start
             if key.startswith(("eval/", "normalize/")):  # after the step's updates
-                after = a["step"] * updates
+                after = step * updates
             else:  # before the step's first update, or through its last
-                after = (a["step"] - 1) * updates if key in start_keys else a["step"] * updates - 1
+                after = (step - 1) * updates if key in start_keys else step * updates - 1
             size = max(abs(a[key]), abs(b[key]),
                        *(abs(a[k]) if isinstance(k, str) else k for k in (scales or {}).get(key, ())))
             if after <= 0 or lr == 0:  # every forward behind it on the starting weights
                 bound = (gradient if key == "grad_norm" else forward) * size
             elif key == "loss":
-                bound = forward * size + drift_atol(lr, after, updates * max(a["grad_norm"], b["grad_norm"]))
+                bound = forward * size + drift_atol(lr, after, updates * max(a["grad_norm"], b["grad_norm"]),
+                                                    t0=start * updates)
             else:
                 continue
             assert abs(a[key] - b[key]) <= bound, (a["step"], key, a[key], b[key], bound)

@@ -4,8 +4,8 @@ import sys
 
 import pytest
 
-from helpers import (HANG_GUARD_S, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, checkpoint_weights, max_abs_diff, read_metrics,
-                     run_script)
+from helpers import (HANG_GUARD_S, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, adam_drift, assert_runs_agree, checkpoint_config,
+                     checkpoint_weights, max_abs_diff, read_metrics, run_script)
 from helpers import chat_rows, ctrl_c_after_first_save, run_many, write_jsonl
 from test_robustness import FAST, run_fast
 from plumbing import cli
@@ -48,10 +48,12 @@ def folder_args(tmp_path, models):
 def test_resume_on_another_world_size_ends_with_the_same_weights(tmp_path, user_models):
     """The sharded training state (torch.distributed.checkpoint) written by 2 processes and by 1,
     stopped right after the step-2 checkpoint, resumed from a copy each: 2 -> 2, 2 -> 1 and
-    1 -> 2. The same losses at steps 3 and 4 and the same final weights as an uninterrupted run:
-    to 1e-6 on the same world size; across, to 1e-5 against 1 process (1 == 2 processes to 1e-5 is
-    tests/test_sft.py's). Weights alone would not show lost Adam moments: steps 3 and 4 would
-    still move, by other amounts. Three of the runs share one torchrun (helpers.run_many)."""
+    1 -> 2. The same losses at steps 3 and 4 and the same final weights as the uninterrupted run
+    the checkpoint came from: exactly on the same world size; across, step 3 (at the checkpoint's
+    weights) within float32's rounding of the two layouts, step 4 and the weights within Adam's
+    drift too (helpers.assert_runs_agree, adam_drift). Weights alone would not show lost Adam
+    moments: steps 3 and 4 would still move, by other amounts; step 3's grad norm and step 4's loss
+    do. Three of the runs share one torchrun (helpers.run_many)."""
     import shutil
 
     args = ["--steps", "4", "--save_every", "2", *folder_args(tmp_path, user_models)]
@@ -60,8 +62,8 @@ def test_resume_on_another_world_size_ends_with_the_same_weights(tmp_path, user_
     with ctrl_c_after_first_save():  # on 1 process: stopped in this process
         killed = run_fast("sft.py", args + ["--out_dir", str(tmp_path / "killed1")])
     assert killed.returncode == 130 and read_metrics(tmp_path / "killed1")[-1]["step"] == 2, killed.stderr[-2000:]
-    cases = {"2to2": ("killed2", "full2", 1e-6), "1to2": ("killed1", "full1", 1e-5), "2to1": ("killed2", "full1", 1e-5)}
-    for run, (source, _, _) in cases.items():
+    cases = {"2to2": ("killed2", "full2"), "1to2": ("killed1", "full1"), "2to1": ("killed2", "full2")}
+    for run, (source, _) in cases.items():
         shutil.copytree(tmp_path / source, tmp_path / run)
     runs = [["full2", "sft.py", *FAST["sft.py"], *args, "--out_dir", str(tmp_path / "full2")]]
     runs += [[run, "sft.py", *FAST["sft.py"], *args, "--out_dir", str(tmp_path / run), "--resume"]
@@ -74,12 +76,18 @@ def test_resume_on_another_world_size_ends_with_the_same_weights(tmp_path, user_
     assert "written by 1 rank(s), resumed on 2" in on2.stdout and "resumed on 2" not in on2.stdout.replace(
         "written by 1 rank(s), resumed on 2", "")  # 2 -> 2 says nothing
     assert "written by 2 rank(s), resumed on 1" in on1.stdout
-    for run, (_, full, tol) in cases.items():
+    for run, (_, full) in cases.items():  # each against the uninterrupted run its checkpoint came from
         want, got = read_metrics(tmp_path / full), read_metrics(tmp_path / run)
         assert [r["step"] for r in got] == [r["step"] for r in want], run
-        for a, b in zip(want[-2:], got[-2:]):
-            assert b["loss"] == pytest.approx(a["loss"], rel=tol), (run, a, b)
-        assert max_abs_diff(checkpoint_weights(tmp_path / full), checkpoint_weights(tmp_path / run)) < tol, run
+        worst = max_abs_diff(checkpoint_weights(tmp_path / full), checkpoint_weights(tmp_path / run))
+        if run == "2to2":  # exact: the same float operations in the same order
+            assert [r.get("loss") for r in got] == [r.get("loss") for r in want] and worst == 0, run
+            continue
+        # steps 3 and 4 from the same step-2 state on another world size: step 3 at equal weights,
+        # within float32's rounding of the layouts, step 4 and the weights within Adam's drift too
+        lr = max(r.get("lr", 0) for r in want)
+        assert_runs_agree(want[-2:], got[-2:], checkpoint_config(tmp_path / full), length=128 + 20, lr=lr, start=2)
+        assert worst <= adam_drift(lr, 2, t0=2), run
 
 
 def test_only_rank_0_reads_the_weights_and_every_rank_gets_them(tmp_path):
@@ -149,10 +157,9 @@ def test_hsdp_2_by_2_matches_one_process(tmp_path, user_models):
     assert four.returncode == 0, four.stderr[-3000:]
     assert "world size 4 (HSDP: 2 replicas x 2 shards)" in four.stdout
     want, got = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "hsdp")
-    assert [r["step"] for r in got] == [r["step"] for r in want]
-    for a, b in zip(want[1:], got[1:]):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a, b)
-    assert max_abs_diff(checkpoint_weights(tmp_path / "one"), checkpoint_weights(tmp_path / "hsdp")) < 1e-5
+    lr = max(r.get("lr", 0) for r in want)  # within float32's rounding of the layouts and Adam's drift
+    assert_runs_agree(want, got, checkpoint_config(tmp_path / "one"), length=128 + 20, lr=lr)
+    assert max_abs_diff(checkpoint_weights(tmp_path / "one"), checkpoint_weights(tmp_path / "hsdp")) <= adam_drift(lr, 2)
 
 
 def test_an_hsdp_group_that_does_not_divide_the_world_is_refused_before_joining(monkeypatch):
