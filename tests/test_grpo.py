@@ -634,19 +634,20 @@ def test_script_lora_checkpoint_is_merged(tmp_path):
 
 
 ROLLOUT = ("reward", "reward_std", "completions/mean_length", "dynamic_sampling/rounds",
-           "dynamic_sampling/unfilled_groups")  # measured at a step's rollout, before its first update
+           "dynamic_sampling/unfilled_groups", "tools/call_frequency")  # measured at a step's rollout
 
 
-def assert_same_run(one, two, lr=1e-4, keys=("reward", "reward_std", "completions/mean_length", "loss", "grad_norm")):
-    """The logged training rows of two runs of the embedded model (grpo_argv at its defaults: 2
-    passes x 2 mini-batches, 4 optimizer steps a step) agree step for step, within the bounds of
-    helpers.assert_runs_agree: step 1's rollout (its samples drawn at the starting weights: the
-    same tokens, bar a near-tie that rounding flips), the losses within rounding and Adam's drift;
-    at lr 0 every key at every step (the weights never move)."""
+def assert_same_run(one, two, lr=1e-4, keys=("reward", "reward_std", "completions/mean_length", "loss", "grad_norm"),
+                    config=None, updates=4):
+    """The logged training rows of two runs of grpo_argv (the embedded model at its defaults: 2
+    passes x 2 mini-batches, 4 optimizer steps a step; config and updates: another model's) agree
+    step for step, within the bounds of helpers.assert_runs_agree: step 1's rollout (its samples
+    drawn at the starting weights: the same tokens, bar a near-tie that rounding flips), the losses
+    within rounding and Adam's drift; at lr 0 every key at every step (the weights never move)."""
     one, two = ([r for r in rows if "loss" in r] for rows in (one, two))  # step 0 has no eval here
     assert [r["step"] for r in two] == [1, 2] and all(r["reward_std"] > 0 for r in one)
-    config = models.load_model("tiny", models.load_tokenizer("tiny")).config
-    assert_runs_agree(one, two, config, length=64 + 8, lr=lr, keys=keys, updates=4, tokens=16 * 72,
+    config = config or models.load_model("tiny", models.load_tokenizer("tiny")).config
+    assert_runs_agree(one, two, config, length=64 + 24, lr=lr, keys=keys, updates=updates, tokens=16 * 88,
                       start_keys=ROLLOUT, scales={"loss": [1.5]})  # |A| <= (G - 1) / sqrt(G) in a group of G = 4
 
 
