@@ -398,18 +398,37 @@ def assert_runs_agree(one, two, config, length, lr, keys=("loss", "grad_norm"), 
     assert compared, "no key was compared"
 
 
-def logprob_size(model, temperature=1.0, length=64, rows=4):
-    """The largest log-prob in size that the model gives (its least likely token's, at temperature
-    T) at random sequences of `length` tokens (seeded): the size of the log-probs a test compares,
-    whose rounding is relative to their terms (the token's logit and the log-sum-exp, which that
-    spread below the log-sum-exp bounds: random or lightly trained weights put every context's
-    logits in one range)."""
-    import torch
+def logit_size(model):
+    """The most the magnitudes of any logit's (or score's) terms can add up to: the head's row w_v
+    dotted with the final norm's output h, sum_i |w_vi h_i| <= |w_v| |h| (Cauchy-Schwarz), and a
+    normalised vector has RMS 1, so |h| <= sqrt(hidden) max|gain| + |bias|. From the weights alone."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = head if head is not None else model.score
+    norm = [m for m in model.modules() if "norm" in type(m).__name__.lower()][-1]  # the last: the final norm
+    h = model.config.get_text_config().hidden_size ** 0.5 * norm.weight.abs().max()
+    if getattr(norm, "bias", None) is not None:
+        h = h + norm.bias.norm()
+    return (head.weight.norm(dim=1).max() * h).item() + (head.bias.abs().max().item() if head.bias is not None else 0)
 
-    ids = torch.randint(0, model.config.get_text_config().vocab_size, (rows, length),
-                        generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        return torch.log_softmax(model(input_ids=ids).logits.double() / temperature, -1).abs().max().item()
+
+def logprob_size(model, temperature=1.0):
+    """The most the magnitudes of a log-prob's terms can add up to at temperature T: the token's logit
+    and the log-sum-exp, which lies within ln V of the largest logit: 2 logit_size / T + ln V."""
+    return 2 * logit_size(model) / temperature + math.log(model.config.get_text_config().vocab_size)
+
+
+def assert_layouts_agree(got, want, rtol, size, what=""):
+    """Two layouts' float32 results of one computation (log-probs, scores, a loss), each within
+    rtol x size of the other: size bounds the magnitudes of each value's terms (logprob_size)."""
+    err = (got - want).abs().max().item()
+    assert err <= rtol * size, (what, err, rtol * size)
+
+
+def assert_gradients_agree(got, want, rtol, what=""):
+    """Two layouts' gradients (flattened), in norm: within rtol of the larger norm (fp32_rtol's
+    errors add up in quadrature over the elements as over the sums)."""
+    err, norm = (got - want).norm().item(), max(got.norm().item(), want.norm().item())
+    assert err <= rtol * norm, (what, err, rtol * norm)
 
 
 def checkpoint_config(out_dir, name="checkpoint"):
