@@ -401,14 +401,20 @@ def assert_runs_agree(one, two, config, length, lr, keys=("loss", "grad_norm"), 
 def logit_size(model):
     """The most the magnitudes of any logit's (or score's) terms can add up to: the head's row w_v
     dotted with the final norm's output h, sum_i |w_vi h_i| <= |w_v| |h| (Cauchy-Schwarz), and a
-    normalised vector has RMS 1, so |h| <= sqrt(hidden) max|gain| + |bias|. From the weights alone."""
+    normalised vector has RMS 1, so |h| <= sqrt(hidden) max_i (|gain_i| + |bias_i|), read off the
+    norm's output for +-1 and -+1 (mean 0, RMS 1: LayerNorm's, RMSNorm's and Gemma's 1 + w alike)."""
+    import torch
+
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head = head if head is not None else model.score
     norm = [m for m in model.modules() if "norm" in type(m).__name__.lower()][-1]  # the last: the final norm
-    h = model.config.get_text_config().hidden_size ** 0.5 * norm.weight.abs().max()
-    if getattr(norm, "bias", None) is not None:
-        h = h + norm.bias.norm()
-    return (head.weight.norm(dim=1).max() * h).item() + (head.bias.abs().max().item() if head.bias is not None else 0)
+    H = model.config.get_text_config().hidden_size
+    x = torch.ones(1, H)
+    x[:, 1::2] = -1
+    with torch.no_grad():
+        gain = torch.stack([norm(x), norm(-x)]).abs().max().item()
+    bias = head.bias.abs().max().item() if head.bias is not None else 0.0
+    return head.weight.norm(dim=1).max().item() * H ** 0.5 * gain + bias
 
 
 def logprob_size(model, temperature=1.0):
