@@ -412,7 +412,7 @@ def test_activation_checkpointing_recomputes_blocks_of_a_loaded_checkpoint(tmp_p
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
         calls.append(len(n))
     assert calls == [1, 2]
-    torch.testing.assert_close(grads[0], grads[1])
+    assert torch.equal(grads[0], grads[1])  # exact: the recompute repeats the forward's float operations
 
 
 @pytest.mark.parametrize("n, world, batch", [(15, 2, 4), (7, 3, 2), (2, 4, 1), (9, 1, 4), (8, 2, 8)])
