@@ -16,7 +16,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForC
 import common
 import sampling
 import shared_prompt
-from helpers import ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, run_script
+from helpers import ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, forward_lengths, fp32_rtol, logprob_size, run_script
 from plumbing import models, rundir
 
 pytestmark = pytest.mark.session_fixtures("smollm2")  # request.getfixturevalue: tests/two_processes.py
@@ -215,7 +215,9 @@ def test_compiled_sampling_matches_eager():
     compiled = sampling.generate(model, ids, mask, 12, EOS, PAD, compile=True, **kw)
     assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
     assert len(set(eager[0].flatten().tolist())) > 5  # sampled, not one token throughout
-    torch.testing.assert_close(compiled[2], eager[2], rtol=0, atol=1e-5)
+    # inductor's kernels against eager ones: float32's rounding of two layouts of the log-probs' terms
+    tol = fp32_rtol(forward_lengths(model.config, ids.shape[1] + 12)) * logprob_size(model, 0.7)
+    torch.testing.assert_close(compiled[2], eager[2], rtol=0, atol=tol)
     assert sampling._DECODE_CACHES[model][0][:2] == (len(ids), 16)  # (rows, slots): responses only
 
 
@@ -239,7 +241,8 @@ def test_shared_prompts_sample_what_whole_rows_do_on_user_architectures(name, us
     shared = sampling.generate(model, ids, mask, 10, tok.eos_token_id, tok.pad_token_id, compile=True, **kw)
     assert torch.equal(shared[0], eager[0]) and torch.equal(shared[1], eager[1])
     assert len(set(eager[0].flatten().tolist())) > 5
-    torch.testing.assert_close(shared[2], eager[2], rtol=0, atol=1e-5)
+    tol = fp32_rtol(forward_lengths(model.config, ids.shape[1] + 10)) * logprob_size(model, 0.7)  # two layouts
+    torch.testing.assert_close(shared[2], eager[2], rtol=0, atol=tol)
 
 
 def test_prompts_are_kept_once_only_for_runs_of_a_prompt_and_transformers_own_attention():
