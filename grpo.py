@@ -372,9 +372,9 @@ def group_advantages(rewards, scale="group", global_norm=False, d=common.Dist(),
     nan_std = ((((r0 - nan_mean) * scored) ** 2).sum(1, keepdim=True) / (n - 1).clamp(min=1)).sqrt()
     mean = torch.where(full, rewards.mean(1, keepdim=True), nan_mean)
     std = torch.where(full, rewards.std(1, keepdim=True), nan_std) if G > 1 else torch.zeros_like(mean)
-    zero_std = torch.where(full[:, 0], rewards.amax(1) == rewards.amin(1), nan_std[:, 0] == 0)  # (B,)
-    # equal rewards have no advantage, exactly: their float mean can be an ulp off (8 x 0.3 -> 3e-8),
-    # which the std's eps would scale up to 3e-4 and Adam to lr-sized steps
+    # equal scored rewards (none scored: equal) have no advantage, exactly: compared, not read from their
+    # std, whose mean can be an ulp off (8 x 0.3 -> 3e-8), which eps scales to 3e-4 and Adam to lr-sized steps
+    zero_std = rewards.nan_to_num(-math.inf).amax(1) <= rewards.nan_to_num(math.inf).amin(1)  # (B,)
     adv = torch.where(zero_std[:, None], 0.0, rewards - mean)
     if estimator == "rloo":
         adv = adv * n / (n - 1).clamp(min=1)

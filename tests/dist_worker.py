@@ -8,6 +8,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import common  # noqa: E402
 import sampling  # noqa: E402
+from helpers import assert_gradients_agree, fp32_rtol, gradient_lengths  # noqa: E402
 from plumbing import checkpoints, cli, models, rundir  # noqa: E402
 
 
@@ -85,9 +86,9 @@ def loaded_from_one(folder):
         assert all(torch.equal(want[k], state[k]) for k in want)
     whole = models.load_model(folder, tok).eval()
     ids = torch.tensor([[5, 9, 2, 7, 3, 11, 4]])
-    with torch.no_grad():
+    with torch.no_grad():  # the gathered weights through the same modules on the same rows: the same floats
         diff = (model(input_ids=ids).logits - whole(input_ids=ids).logits).abs().max().item()
-    assert diff < 1e-6, (d.rank, diff)
+    assert diff == 0, (d.rank, diff)
     print(f"{os.path.basename(folder)}: rank {d.rank} ok: {'meta' if on_meta else 'read'} before sharding, logits "
           f"within {diff:.1e}", flush=True)
     del model
@@ -140,8 +141,10 @@ def accumulated_gradients():
     assert grown <= 1.25 * shard, (d.rank, grown, shard)
     common.backward(model, loss_of(model, mine[2:]), d, sync=True)
     loss_of(whole, ids).backward()
-    diff = max((p.grad.full_tensor() - q.grad).abs().max().item() for p, q in zip(model.parameters(), whole.parameters()))
-    assert diff < 1e-6, (d.rank, diff)
+    got = torch.cat([p.grad.full_tensor().flatten() for p in model.parameters()])
+    want = torch.cat([q.grad.flatten() for q in whole.parameters()])
+    diff = (got - want).abs().max().item()  # 4 rows a rank against 8 at once: float32's rounding of the two, in norm
+    assert_gradients_agree(got, want, fp32_rtol(gradient_lengths(whole.config, 12, 8 * 12)), d.rank)
     print(f"rank {d.rank} ok: {grown} bytes more after a micro-batch, a shard of gradients is {shard}; "
           f"gradient within {diff:.1e}", flush=True)
     rundir.release()

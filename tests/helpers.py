@@ -9,11 +9,14 @@ name `conftest` that every conftest.py outside a package shares, and under
 """
 import contextlib
 import json
+import math
+import multiprocessing.connection
 import os
 import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -33,6 +36,67 @@ SUBPROCESS_ENV_NO_TOKENIZER_THREADS = {**SUBPROCESS_ENV, "TOKENIZERS_PARALLELISM
 runs, and the sampler's torchrun)"""
 
 
+HANG_GUARD_S = 900.0
+"""how long a test waits for an event (a file, a line, a process's end) before it calls the wait a
+hang: the end of a test that would otherwise wait for ever, never a bound on how fast anything must
+be (on a loaded 2-core machine a pipeline's first stage took 108 s to start)"""
+
+
+def wait_until(done, proc=None, what="the event", guard_s=HANG_GUARD_S):
+    """Wait for done() (a file written, a process gone): checked every 50 ms; an AssertionError if
+    proc (a Popen) ends first, or after guard_s seconds (a hang guard)."""
+    start = time.monotonic()
+    while not done():
+        assert proc is None or proc.poll() is None, f"the process ended (status {proc.returncode}) before {what}"
+        assert time.monotonic() - start < guard_s, f"no {what} after {guard_s:g} s: a hang"
+        time.sleep(0.05)
+
+
+class InjectedClock:
+    """plumbing/workers.py's clock (its `time` module) at a time of the test's, so that a time limit is
+    read, not raced against the machine's load: `now` moves only while the trainer waits for a reply
+    (multiprocessing.connection.wait, which Connection.poll calls too), and only by the whole wait,
+    once blocked() says that the calls it waits for will never reply (a marker file a function
+    writes as it blocks); until then the wait is real, and a reply ends it with `now` unmoved. So a
+    call that blocks is stopped exactly its time limit after it was sent, and one that replies never
+    is, however slowly the machine runs. A call whose limit is not read on this clock (its waits
+    bypassed: the clock read again and again) fails after `readings` readings instead of hanging."""
+
+    def __init__(self, blocked, readings=1000):
+        self.now, self.blocked, self.readings, self.unwaited = 0.0, blocked, readings, 0
+        self.real_wait = multiprocessing.connection.wait
+
+    def monotonic(self):
+        self.unwaited += 1
+        assert self.unwaited < self.readings, "the call's time limit is not read on the injected clock"
+        return self.now
+
+    def wait(self, objects, timeout=None):
+        self.unwaited = 0
+        while True:
+            ready = self.real_wait(objects, 0.01)
+            if ready:
+                return ready
+            if timeout is not None and self.blocked():
+                self.now += timeout
+                return []
+
+    def __getattr__(self, name):  # the rest of the time module, as it is
+        return getattr(time, name)
+
+
+@contextlib.contextmanager
+def injected_clock(blocked):
+    """plumbing/workers.py timing its calls on an InjectedClock(blocked) inside the block; yields it."""
+    from plumbing import workers
+
+    clock = InjectedClock(blocked)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(workers, "time", clock)
+        mp.setattr(multiprocessing.connection, "wait", clock.wait)
+        yield clock
+
+
 def launcher(nproc=1):
     """The command that starts a Python script: `python`, or torchrun with nproc processes on
     this machine (a standalone rendezvous on a free port)."""
@@ -41,7 +105,7 @@ def launcher(nproc=1):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
 
 
-def run_script(args, nproc=1, timeout=300, env=SUBPROCESS_ENV):
+def run_script(args, nproc=1, timeout=HANG_GUARD_S, env=SUBPROCESS_ENV):
     """Run `python ARGS` (torchrun with nproc processes when nproc > 1) in ROOT; return the
     CompletedProcess, its stdout and stderr as text. env=None: this process's environment.
 
@@ -139,7 +203,7 @@ def start_as_a_terminal_does(argv, env, folder):
         signal.signal(signal.SIGINT, sigint)
 
 
-def run_many(runs, results, nproc=2, timeout=600):
+def run_many(runs, results, nproc=2, timeout=HANG_GUARD_S):
     """Several script runs, [NAME, SCRIPT, ARGS...] each, in one torchrun of nproc processes
     (tests/multi_run.py): one start of torchrun and its interpreters for all of them. Returns the
     CompletedProcess and {NAME: exit code} of the runs that ended (results: the JSON file)."""
@@ -191,6 +255,196 @@ def max_abs_diff(a, b):
     """The largest absolute difference between two checkpoints' tensors, which must have the same names."""
     assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
     return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+# -----------------------------------------------------------------------------
+# how far two float computations of one value may lie apart: bounds derived from the arithmetic,
+# never a constant that held on one machine (the suite runs on Intel Xeons and AMD Zen 3 and Zen 4,
+# whose kernels block their sums differently)
+
+U32 = 2.0 ** -24
+"""float32's unit roundoff: rounding to nearest moves a result by at most this share of its size"""
+
+U64 = 2.0 ** -53
+"""float64's unit roundoff"""
+
+
+def gamma(k, u=U32):
+    """Higham's gamma_k = k u / (1 - k u) (Accuracy and Stability of Numerical Algorithms, 2nd ed.,
+    2002, Lemma 3.1 and Eq. 3.5): a sum or dot product of k floating-point terms, added in any order
+    (a kernel's blocking, a rank's share first), lies within gamma_k x (the sum of the terms'
+    magnitudes) of the exact value; two computations of it, within twice that of each other."""
+    return k * u / (1 - k * u)
+
+
+LAMBDA = 8.0
+"""how many standard deviations of rounding error fp32_rtol allows: Higham and Mary's bound is
+exceeded with probability at most 2 exp(-LAMBDA^2 / 2) = 2.5e-14 per sum"""
+
+
+def fp32_rtol(lengths):
+    """How far apart, relative to its size, two float32 computations of one value may lie when they
+    add the same terms in other orders (another batch shape, padding or packing, a prompt shared,
+    another rank's share, a compiled kernel), the value computed through sums or dot products of
+    these lengths (forward_lengths, gradient_lengths). A sum of k terms, its rounding errors taken
+    as independent random variables (as a blocked, vectorised kernel's are), lies within
+    LAMBDA sqrt(k) u of the sum of its terms' magnitudes (Higham and Mary, SIAM J. Sci. Comput.
+    41(5), 2019, Thm 3.1; gamma's worst case is k u); the sums' errors add up in quadrature, each
+    reaching the value with a gain of at most 1 (norms and the softmax keep a relative error
+    relative: a random or lightly trained model has no ill-conditioned step); and each of the two
+    computations is off by that much: 2 LAMBDA u sqrt(sum of the lengths). About 5e-5 for the
+    tests' models (helpers.build_user_models' at 150 tokens: 4.3e-5; the embedded model at 40: 7.9e-5)."""
+    return 2 * LAMBDA * U32 * math.sqrt(sum(lengths))
+
+
+def forward_lengths(config, length):
+    """The lengths of the sums on one token's way through a decoder of this transformers config
+    (Llama, Qwen2, GPT-2; a reward model's) at `length` tokens of context: per layer the q, k, v
+    and output projections, the MLP's up and gate projections (the hidden size each), its down
+    projection (the intermediate size), the attention's scores (the head size) and weighted values
+    (the context) and 2 norms (the hidden size); then the final norm, the head (the hidden size)
+    and the log-softmax's sum (the vocabulary)."""
+    c = config.get_text_config()
+    h = c.hidden_size
+    ff = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * h
+    head = getattr(c, "head_dim", None) or h // c.num_attention_heads
+    return ([h] * 6 + [ff, head, length, h, h]) * c.num_hidden_layers + [h, h, c.vocab_size]
+
+
+def gradient_lengths(config, length, tokens, norm_terms=None):
+    """The sums behind a gradient norm: the forward's (forward_lengths) and their transposes in the
+    backward, each weight's gradient summed over the `tokens` of a micro-batch, and the norm's sum
+    of squares where the two runs add them in other orders: under FSDP each rank sums its shard of
+    each tensor first (norm_terms None: the largest tensor's elements, an embedding's or the MLP's);
+    0 where both sum the same tensors alike (one process each: the same kernel on the same shapes).
+    (torch's vector_norm adds in blocks, not a cascade: 5e-5 relative error at 1e7 positive terms.)"""
+    c = config.get_text_config()
+    ff = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * c.hidden_size
+    if norm_terms is None:
+        norm_terms = c.hidden_size * max(c.vocab_size, ff)
+    forward = forward_lengths(config, length)
+    return forward + forward + [tokens, norm_terms]
+
+
+def adam_drift(lr, steps, betas=(0.9, 0.95), t0=0):
+    """The most one weight of two AdamW runs can differ by after `steps` optimizer steps at peak
+    learning rate `lr` (common.make_optimizer's betas), from equal weights and moments, whatever
+    float noise their gradients differ by. A step moves a weight by lr_t (m_hat / (sqrt(v_hat) +
+    eps) + wd w): the decay shrinks a difference, and by Cauchy-Schwarz |m_hat| / sqrt(v_hat) <=
+    B_t = (1 - b1) / (1 - b1^t) sqrt((1 - b2^t) / (1 - b2)) sqrt(sum_{j<t} (b1^2 / b2)^j) (1 at
+    t = 1, 1.0003 at t = 2, never above 1.17): whatever the gradient, about lr. So noise in a
+    gradient near 0 (terms that cancel), which can flip its sign, moves the two runs' weight apart
+    by up to 2 lr B_t a step: Adam normalises noise into lr-sized steps, and no tighter bound holds
+    weight by weight. Summed over the steps (Adam's t0 + 1 to t0 + steps: t0 those both runs took
+    alike, a resumed checkpoint's), with float32's rounding of each updated weight (|w| < 4 here)."""
+    b1, b2 = betas
+    out = 0.0
+    for t in range(t0 + 1, t0 + steps + 1):
+        s = sum((b1 * b1 / b2) ** j for j in range(t))
+        out += 2 * lr * (1 - b1) / (1 - b1 ** t) * math.sqrt((1 - b2 ** t) / (1 - b2) * s) + 2 * 4 * U32
+    return out
+
+
+def drift_atol(lr, steps, grad_norm, t0=0):
+    """How far apart two runs' losses may lie once their weights have drifted apart (adam_drift
+    after `steps` optimizer steps): to first order the loss moves by g . dw, g its gradient (norm
+    grad_norm, the run's log). The drift is float noise that Adam scaled up, its signs independent of
+    g, so g . dw is a sum of independent terms each within |g_i| adam_drift, and by Hoeffding's
+    inequality it stays within LAMBDA adam_drift |g| (exceeded with probability 2 exp(-LAMBDA^2 / 2)).
+    A systematic difference (other rows, another learning rate, a rank's shard not stepped) moves
+    the loss by about lr |g|_1, sqrt(n_params) times more: the bound keeps its teeth."""
+    return LAMBDA * adam_drift(lr, steps, t0=t0) * grad_norm
+
+
+def assert_runs_agree(one, two, config, length, lr, keys=("loss", "grad_norm"), updates=1, tokens=1024,
+                      norm_terms=None, scales=None, start_keys=(), start=0):
+    """Two runs' logged rows (metrics.jsonl) step for step (1 process and N, packed and padded,
+    prompts shared or not, a reference precomputed or live), within bounds derived from the
+    arithmetic, for a model of this config at `length` tokens trained at peak learning rate lr with
+    `updates` optimizer steps a step:
+    - a key whose forwards all ran on the weights both runs started from (step 0's evaluation; step
+      1's training metrics where one optimizer step follows them, updates == 1; `start_keys`, measured
+      before a step's first update, as a GRPO rollout's rewards, at step 1; every key at lr 0) within
+      fp32_rtol of its size (scales: KEY -> keys whose sizes, or numbers that bound the sizes of the
+      terms it is computed from: a margin's log-probs, a policy loss's advantages), a grad_norm
+      within that of its sums (gradient_lengths; tokens: a micro-batch's at most; norm_terms 0 for
+      two runs of one process each);
+    - once either run has stepped, the weights may differ by adam_drift: the loss alone, within its
+      rounding plus drift_atol of the runs' grad norm (a step's largest at most `updates` times the
+      logged mean); no other key has a bound short of the weights themselves (a sampled token can
+      flip, a near-tie of the eval's order), and none is compared;
+    - the learning rate of every step, exactly: the same schedule.
+    start: the step after which both runs' weights were equal (a checkpoint both resumed from)."""
+    assert [r["step"] for r in one] == [r["step"] for r in two]
+    forward = fp32_rtol(forward_lengths(config, length))
+    gradient = fp32_rtol(gradient_lengths(config, length, tokens, norm_terms))
+    compared = 0
+    for a, b in zip(one, two):
+        assert a.get("lr") == b.get("lr"), (a["step"], a.get("lr"), b.get("lr"))
+        for key in (k for k in keys if k in a):
+            step = a["step"] - start
+            if key.startswith(("eval/", "normalize/")):  # after the step's updates
+                after = step * updates
+            else:  # before the step's first update, or through its last
+                after = (step - 1) * updates if key in start_keys else step * updates - 1
+            size = max(abs(a[key]), abs(b[key]),
+                       *(abs(a[k]) if isinstance(k, str) else k for k in (scales or {}).get(key, ())))
+            if after <= 0 or lr == 0:  # every forward behind it on the starting weights
+                bound = (gradient if key == "grad_norm" else forward) * size
+            elif key == "loss":
+                bound = forward * size + drift_atol(lr, after, updates * max(a["grad_norm"], b["grad_norm"]),
+                                                    t0=start * updates)
+            else:
+                continue
+            assert abs(a[key] - b[key]) <= bound, (a["step"], key, a[key], b[key], bound)
+            compared += 1
+    assert compared, "no key was compared"
+
+
+def logit_size(model):
+    """The most the magnitudes of any logit's (or score's) terms can add up to: the head's row w_v
+    dotted with the final norm's output h, sum_i |w_vi h_i| <= |w_v| |h| (Cauchy-Schwarz), and a
+    normalised vector has RMS 1, so |h| <= sqrt(hidden) max_i (|gain_i| + |bias_i|), read off the
+    norm's output for +-1 and -+1 (mean 0, RMS 1: LayerNorm's, RMSNorm's and Gemma's 1 + w alike)."""
+    import torch
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = head if head is not None else model.score
+    norm = [m for m in model.modules() if "norm" in type(m).__name__.lower()][-1]  # the last: the final norm
+    H = model.config.get_text_config().hidden_size
+    x = torch.ones(1, H)
+    x[:, 1::2] = -1
+    with torch.no_grad():
+        gain = torch.stack([norm(x), norm(-x)]).abs().max().item()
+    bias = head.bias.abs().max().item() if head.bias is not None else 0.0
+    return head.weight.norm(dim=1).max().item() * H ** 0.5 * gain + bias
+
+
+def logprob_size(model, temperature=1.0):
+    """The most the magnitudes of a log-prob's terms can add up to at temperature T: the token's logit
+    and the log-sum-exp, which lies within ln V of the largest logit: 2 logit_size / T + ln V."""
+    return 2 * logit_size(model) / temperature + math.log(model.config.get_text_config().vocab_size)
+
+
+def assert_layouts_agree(got, want, rtol, size, what=""):
+    """Two layouts' float32 results of one computation (log-probs, scores, a loss), each within
+    rtol x size of the other: size bounds the magnitudes of each value's terms (logprob_size)."""
+    err = (got - want).abs().max().item()
+    assert err <= rtol * size, (what, err, rtol * size)
+
+
+def assert_gradients_agree(got, want, rtol, what=""):
+    """Two layouts' gradients (flattened), in norm: within rtol of the larger norm (fp32_rtol's
+    errors add up in quadrature over the elements as over the sums)."""
+    err, norm = (got - want).norm().item(), max(got.norm().item(), want.norm().item())
+    assert err <= rtol * norm, (what, err, rtol * norm)
+
+
+def checkpoint_config(out_dir, name="checkpoint"):
+    """The transformers config of out_dir/name (a run's export or resumable checkpoint)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(os.path.join(out_dir, name))
 
 
 def free_port():

@@ -11,7 +11,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import typing
 
 import pytest
@@ -23,8 +22,8 @@ import environment
 import grpo
 import reward_fns
 import tasks
-from helpers import (ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, chat, checkpoint_weights, read_metrics, run_here,
-                     write_jsonl)
+from helpers import (HANG_GUARD_S, ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, chat, checkpoint_weights, read_metrics,
+                     run_here, wait_until, write_jsonl)
 from test_robustness import FAST, _files, run_fast
 from plumbing import checkpoints, cli, rundir
 
@@ -334,12 +333,9 @@ def test_a_background_run_ends_cleanly_on_sigterm(tmp_path):
                              "--out_dir", str(out)], cwd=ROOT, env=SUBPROCESS_ENV_NO_TOKENIZER_THREADS,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
-    deadline = time.time() + 120
-    while not (out / "checkpoint" / "training_state.pt").exists():
-        assert time.time() < deadline and proc.poll() is None, "no checkpoint was written"
-        time.sleep(0.1)
+    wait_until((out / "checkpoint" / "training_state.pt").exists, proc, "a checkpoint")
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=HANG_GUARD_S)
     assert proc.returncode == 143 and "Traceback" not in err, err[-2000:]
     assert f"terminated (SIGTERM). Last checkpoint: {out / 'checkpoint'} (step " in err
     assert "continue with: python sft.py" in err and err.rstrip().endswith("--resume")

@@ -18,8 +18,8 @@ import pytest
 import common
 import data
 import sft
-from helpers import (ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, chat, checkpoint_weights, ctrl_c_after_first_save,
-                     max_abs_diff, question, read_metrics, run_here, write_jsonl)
+from helpers import (HANG_GUARD_S, ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, chat, checkpoint_weights,
+                     ctrl_c_after_first_save, max_abs_diff, question, read_metrics, run_here, write_jsonl)
 from test_robustness import FAST, run_fast
 from plumbing import checkpoints, cli, models, rundir, trl_flags
 
@@ -179,15 +179,15 @@ def fake_clock(monkeypatch):
     return saved
 
 
-def expected_saves(steps, every_minutes):
+def expected_saves(steps, every_minutes, minutes_a_step=MINUTES_A_STEP):
     """The steps after which a run saves by the clock: the first to end every_minutes after the
     last save (or the start); and the last step, before what follows it (the final evaluation
     and export)."""
     out, last = [], 0.0
     for k in range(1, steps):
-        if k * MINUTES_A_STEP - last >= every_minutes:
+        if k * minutes_a_step - last >= every_minutes:
             out.append(k)
-            last = k * MINUTES_A_STEP
+            last = k * minutes_a_step
     return out + [steps]
 
 
@@ -222,7 +222,7 @@ def test_a_run_killed_after_its_first_default_checkpoint_resumes_to_the_same_wei
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-2000:]
     whole = run_here(args + ["--out_dir", str(tmp_path / "whole"), "--save_minutes", "0"])
     assert whole.returncode == 0, whole.stderr[-2000:]
-    assert max_abs_diff(checkpoint_weights(tmp_path / "run"), checkpoint_weights(tmp_path / "whole")) < 1e-6
+    assert max_abs_diff(checkpoint_weights(tmp_path / "run"), checkpoint_weights(tmp_path / "whole")) == 0  # exact
 
 
 def test_a_save_by_the_clock_waits_for_a_reference_refresh_and_the_last_step_is_saved(monkeypatch):
@@ -273,7 +273,7 @@ def test_a_signal_ends_a_run_stuck_in_a_c_call_within_seconds(tmp_path, sig):
                 break
         assert lines and lines[-1].strip() == "blocked", "".join(lines)
         proc.send_signal(sig)
-        err = proc.communicate(timeout=120)[1]
+        err = proc.communicate(timeout=HANG_GUARD_S)[1]
     finally:
         proc.kill()
         proc.wait()
@@ -285,17 +285,21 @@ def test_a_signal_ends_a_run_stuck_in_a_c_call_within_seconds(tmp_path, sig):
     assert resumed.returncode == 0 and "at step 2" in resumed.stdout, resumed.stderr[-2000:]
 
 
-def test_two_ranks_save_by_rank_0s_clock(tmp_path):
+@pytest.mark.parametrize("clocks", ["4,0", "0,4"])
+def test_two_ranks_save_by_rank_0s_clock(tmp_path, clocks):
     """A save is collective: ranks that each read their own clock would decide differently (here
-    rank 0's clock runs 4 minutes a step and rank 1's stands still) and one would wait in the
+    one rank's clock runs 4 minutes a step and the other's stands still) and one would wait in the
     save for the other for ever. Rank 0 decides for both (one all-reduce a step): the run ends,
-    having saved at rank 0's steps."""
+    having saved at rank 0's steps, and only there: with rank 0's clock still, never. A save when any
+    rank's clock says so (planted: every rank's lateness summed) passed with "4,0" and fails "0,4";
+    one when every rank's does, the other way round."""
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        "tests/fake_clock.py", "4,0", "sft.py", *FAST["sft.py"], "--steps", "8", "--timeout_minutes",
+                        "tests/fake_clock.py", clocks, "sft.py", *FAST["sft.py"], "--steps", "8", "--timeout_minutes",
                         "1", "--out_dir", str(tmp_path / "run")], cwd=ROOT, env=SUBPROCESS_ENV_NO_TOKENIZER_THREADS,
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    assert re.findall(r"^saved at step (\d+) on rank 0$", r.stdout, re.M) == [str(s) for s in expected_saves(8, 10)]
+    want = expected_saves(8, 10, minutes_a_step=float(clocks.split(",")[0]))
+    assert re.findall(r"^saved at step (\d+) on rank 0$", r.stdout, re.M) == [str(s) for s in want]
 
 
 # -----------------------------------------------------------------------------
@@ -582,8 +586,10 @@ def test_the_banner_counts_the_later_assistant_turns_max_response_len_cuts(user_
     """--max_response_len counts everything after a row's first assistant turn begins, later user
     turns included: it cut 14 of 39 second answers, and --help did not say what "response" means
     for `messages`. --help says it now, and the banner counts the later turns cut, which here equal
-    an independent count: the tokens of the rendered conversation up to each later answer's end,
-    after its prompt."""
+    an independent count: the tokens of the rendered conversation up to each later answer's end (and
+    to its start), after its prompt. At a limit where one later turn ends exactly (it fits: not cut)
+    and one where another starts exactly (none of it fits: wholly cut); a turn ending at the limit
+    counted as cut (planted) passed a limit of 60, where none ends."""
     from transformers import AutoTokenizer
 
     import datasets
@@ -593,22 +599,22 @@ def test_the_banner_counts_the_later_assistant_turns_max_response_len_cuts(user_
                                              ("assistant", str(2 * (i + 7)) + " yes" * (3 * i)))} for i in range(12)]
     rows += [{"messages": question(i) + chat(("assistant", str(i + 7)))} for i in range(3)]
     ds = data.split_messages(datasets.Dataset.from_list(rows), "rows.jsonl", every_turn=True)
-    limit = 60
-    cfg = sft.Config(max_prompt_len=512, max_response_len=limit)
-    sft.encode_sft(ds, tok, cfg, "rows.jsonl")
-    out = capsys.readouterr().out
-    cut = gone = 0
+    ends, starts = [], []  # each later assistant turn's, in tokens after the row's prompt
     for r in rows[:12]:
         m = r["messages"]
         prompt = tok.apply_chat_template(m[:2], tokenize=False, add_generation_prompt=True)
-        end = len(tok(tok.apply_chat_template(m, tokenize=False)[len(prompt):], add_special_tokens=False)["input_ids"])
-        start = len(tok(tok.apply_chat_template(m[:4], tokenize=False, add_generation_prompt=True)[len(prompt):],
-                        add_special_tokens=False)["input_ids"])
-        cut, gone = cut + (end > limit), gone + (start >= limit)
-    assert 0 < gone < cut < 12, (cut, gone)  # the case holds some of each
-    assert (f"rows.jsonl: --max_response_len {limit} counts every token after a row's first assistant turn begins, "
-            f"later user turns included: it cuts {cut} of the 12 later assistant turns of 12 multi-turn rows ({gone} "
-            f"of them wholly)") in out, out
+        ends.append(len(tok(tok.apply_chat_template(m, tokenize=False)[len(prompt):],
+                            add_special_tokens=False)["input_ids"]))
+        starts.append(len(tok(tok.apply_chat_template(m[:4], tokenize=False, add_generation_prompt=True)[len(prompt):],
+                              add_special_tokens=False)["input_ids"]))
+    for limit in (sorted(ends)[2], sorted(starts)[6]):
+        sft.encode_sft(ds, tok, sft.Config(max_prompt_len=512, max_response_len=limit), "rows.jsonl")
+        out = capsys.readouterr().out
+        cut, gone = sum(end > limit for end in ends), sum(start >= limit for start in starts)
+        assert 0 < gone < cut < 12, (cut, gone)  # the case holds some of each
+        assert (f"rows.jsonl: --max_response_len {limit} counts every token after a row's first assistant turn "
+                f"begins, later user turns included: it cuts {cut} of the 12 later assistant turns of 12 multi-turn "
+                f"rows ({gone} of them wholly)") in out, out
     with pytest.raises(SystemExit):
         cli.parse_config(sft.Config, ["--help"])
     assert "everything after its first assistant turn begins, later user turns included" in \

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from helpers import TWO_RANK_RUNS, read_metrics
+from helpers import TWO_RANK_RUNS, checkpoint_config, forward_lengths, fp32_rtol, logprob_size, read_metrics
 from test_grpo import assert_same_run, grpo_argv
 from test_grpo_tools import tool_flags
 from test_user_path import grpo_argv as chat_grpo_argv
@@ -62,14 +62,30 @@ def tool_runs(tmp_path_factory, user_models):
     return one, chunked
 
 
-def assert_same_rollouts(one, chunked):
+def assert_same_rollouts(one, chunked, folder):
+    """The same rollouts; the sampler's log-probs within float32's rounding of a matmul over fewer rows
+    (helpers.fp32_rtol over the model's sums, of its log-probs' size: 2e-6 measured)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    tol = fp32_rtol(forward_lengths(model.config, 128 + 24)) * logprob_size(model, temperature=0.7)
     assert len(one) == len(chunked) == 2
     for a, b in zip(one, chunked):
         for k in a:
-            if k == "r_logps":  # measured: 2e-6 at most
-                assert torch.allclose(a[k], b[k], rtol=0, atol=1e-5), (a[k] - b[k]).abs().max()
+            if k == "r_logps":
+                assert torch.allclose(a[k], b[k], rtol=0, atol=tol), ((a[k] - b[k]).abs().max(), tol)
             else:
                 assert torch.equal(a[k], b[k]), k
+
+
+def assert_same_metrics(m1, m2):
+    """Exact, but for the sampler's log-probs against the trainer's (assert_same_rollouts): the same
+    rollouts, then the same update (the sampler's log-probs reach no loss without
+    --vllm_importance_sampling_correction), the same float operations in the same order."""
+    assert [r["step"] for r in m1] == [r["step"] for r in m2]
+    for a, b in zip(m1, m2):
+        assert {k: v for k, v in a.items() if not k.startswith(("time", "mem/", "rollout/logp_diff"))} == \
+            {k: v for k, v in b.items() if not k.startswith(("time", "mem/", "rollout/logp_diff"))}, (a, b)
 
 
 def test_chunked_rollouts_are_the_one_call_rollouts_on_the_llama_folder(tmp_path, user_models):
@@ -83,25 +99,23 @@ def test_chunked_rollouts_are_the_one_call_rollouts_on_the_llama_folder(tmp_path
     m1, one, rows1 = recorded_run(chat_grpo_argv(tmp_path / "one", user_models, *extra))
     m2, chunked, rows2 = recorded_run(chat_grpo_argv(tmp_path / "chunked", user_models, *extra,
                                                      "--generation_micro_batch_size", str(N)))
-    assert_same_rollouts(one, chunked)
+    assert_same_rollouts(one, chunked, user_models["llama"])
     assert max(rows1) == 16 and max(rows2) == N, (rows1, rows2)
     assert one[0]["r_mask"].sum(-1).float().std() > 0  # rows of several lengths: chunks of different R are joined
-    keys = ("reward", "reward/model", "loss", "grad_norm", "eval/reward", "eval/greedy/reward")
-    assert [r["step"] for r in m1] == [r["step"] for r in m2] == [0, 1, 2]
-    for a, b in zip(m1, m2):
-        assert all(b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-6) for k in keys if k in a), (a, b)
+    assert [r["step"] for r in m1] == [0, 1, 2] and "eval/greedy/reward" in m1[-1] and "reward/model" in m1[-1]
+    assert_same_metrics(m1, m2)
 
 
-def test_chunked_rollouts_with_tool_calls_are_the_one_call_rollouts(tool_runs):
+def test_chunked_rollouts_with_tool_calls_are_the_one_call_rollouts(tool_runs, user_models):
     """The calculator caller: each chunk runs its own tool turns (a chunk whose rows stop calling
     ends its loop early), yet ids, tool masks and stops are the one-call rollout's, and so are the
     metrics, those of the held-out prompts sampled with the tool included."""
     (m1, one, rows1), (m2, chunked, rows2) = tool_runs
-    assert_same_rollouts(one, chunked)
+    assert_same_rollouts(one, chunked, user_models["llama_calculator"])
     assert max(rows2) == N and max(rows1) == 16, (rows1, rows2)
     assert all(r["r_tool"].sum() > 0 for r in one)  # the tool was called in every rollout
-    assert_same_run(m1, m2, keys=("reward", "reward_std", "completions/mean_length", "loss", "grad_norm",
-                                  "tools/call_frequency", "eval/reward", "eval/greedy/reward"))
+    assert "tools/call_frequency" in m1[-1] and "eval/greedy/reward" in m1[-1]
+    assert_same_metrics(m1, m2)
 
 
 def test_the_embedded_tasks_greedy_evaluation_runs_in_chunks(tmp_path):
@@ -122,8 +136,10 @@ def test_two_chunked_ranks_match_one_process_in_one_call(tool_runs, two_ranks):
     with open(out / "run_config.json") as f:
         assert json.load(f)["generation_micro_batch_size"] == N
     two = read_metrics(out)
+    # 1 process against 2 ranks: helpers.assert_runs_agree's bounds (a folder model of one's own:
+    # TRL's one optimizer step a step)
     assert_same_run(m1, two, keys=("reward", "reward_std", "completions/mean_length", "loss", "grad_norm",
-                                   "tools/call_frequency"))
+                                   "tools/call_frequency"), config=checkpoint_config(out), updates=1)
 
 
 @pytest.mark.parametrize("n,size,sizes", [(16, 3, [2, 3, 3, 2, 3, 3]), (24, 10, [8, 8, 8]), (5, 0, [5]),

@@ -161,7 +161,7 @@ def test_cli(tmp_path, capsys):
     sft = write_run(tmp_path / "sft_run", "sft")
     rm = write_run(tmp_path / "rm_run", "rm")
     out = tmp_path / "out"
-    r = run_script(["plots/plot.py", sft, rm, "--out", str(out), "--smooth", "5"], timeout=60,
+    r = run_script(["plots/plot.py", sft, rm, "--out", str(out), "--smooth", "5"],
                    env={**os.environ, "MPLBACKEND": "Agg"})
     assert r.returncode == 0, r.stderr
     assert sorted(name[:-len("_12345678.png")] for name in os.listdir(out)) == ["rm_run_rm", "sft_run_sft"]

@@ -14,14 +14,13 @@ import json
 import os
 import re
 import signal
-import time
 from dataclasses import replace
 
 import misbehaving_rewards
 import pytest
 import torch
-from helpers import (ROOT, SUBPROCESS_ENV, read_metrics, run_here, run_script, start_as_a_terminal_does,
-                     write_jsonl)
+from helpers import (HANG_GUARD_S, ROOT, SUBPROCESS_ENV, injected_clock, read_metrics, run_here, run_script,
+                     start_as_a_terminal_does, wait_until, write_jsonl)
 from test_tool_safety import gone, marked, our_processes
 
 import common
@@ -73,13 +72,17 @@ def test_a_function_that_never_returns_is_stopped_at_its_time_limit_naming_it_an
     """A call that blocks, sleeps, ignores SIGTERM and SIGINT, or awaits forever (`async def`) is
     a ValueError at the time limit naming the function, the flag and the call's rows; its worker
     is killed (SIGKILL after the grace when SIGTERM is ignored), and the function answers again
-    from a fresh one. Before: no limit; the heartbeat printed "running" for ever."""
+    from a fresh one. Before: no limit; the heartbeat printed "running" for ever. The limit is read
+    on an injected clock that moves once the function has marked that it blocks
+    (helpers.injected_clock): on the real one, a loaded machine could reach 0.3 s before the
+    function ignored its signals, and the test would pass without testing that."""
     monkeypatch.setenv("REWARD_TEST_DIR", str(tmp_path))
     monkeypatch.setattr(workers, "KILL_GRACE_S", 0.1)
-    for name, behaviour in (("misbehaves", "hang"), ("misbehaves", "sleep"), ("misbehaves", "ignore_signals"),
-                            ("hangs_async", "hang")):
+    for name, behaviour, mark in (("misbehaves", "hang", "hang"), ("misbehaves", "sleep", "sleep"),
+                                  ("misbehaves", "ignore_signals", "ignore_signals"),
+                                  ("hangs_async", "hang", "hang_async")):
         c = caller(name, 0.3)
-        with pytest.raises(ValueError) as e:
+        with pytest.raises(ValueError) as e, injected_clock(lambda: marked(tmp_path, mark)):
             call(c, ["ok", behaviour, "ok"])
         assert str(e.value) == (f"--reward_fn {name} ran past --reward_fn_timeout 0.3 s on d.jsonl rows 4, 9, 11 "
                                 f"(its worker was killed): raise the flag for a slow function; one that can hang on "
@@ -88,6 +91,21 @@ def test_a_function_that_never_returns_is_stopped_at_its_time_limit_naming_it_an
         assert call(c, ["ok"] * 3) == {name: [1.0, 2.0, 3.0]}
     for behaviour in ("hang", "sleep", "ignore_signals", "hang_async"):
         assert len(marked(tmp_path, behaviour)) == 1 and gone(marked(tmp_path, behaviour)[0]), behaviour
+
+
+def test_a_call_is_stopped_once_its_time_limit_has_passed_on_the_clock_not_later(tmp_path, monkeypatch):
+    """The time limit read on an injected clock (helpers.InjectedClock: it moves only once the call
+    has blocked): a call that never returns is stopped when the clock has moved exactly
+    --reward_fn_timeout past its start. On the real clock a test can only bound the stop from below
+    (load makes it later, never earlier); this one reads the time. Planted and failing here: the
+    deadline at twice the limit, which the test above passed."""
+    monkeypatch.setenv("REWARD_TEST_DIR", str(tmp_path))
+    monkeypatch.setattr(workers, "KILL_GRACE_S", 0.1)
+    c = caller("misbehaves", 7.0)  # its worker started and its module imported on the real clock
+    with injected_clock(lambda: marked(tmp_path, "hang")) as clock:
+        with pytest.raises(ValueError, match=r"ran past --reward_fn_timeout 7 s on d\.jsonl rows 4, 9, 11"):
+            call(c, ["ok", "hang", "ok"])
+    assert clock.now == 7.0
 
 
 def grpo_reward_argv(folder, fn, *extra):
@@ -108,8 +126,11 @@ def test_grpo_stops_at_reward_fn_timeout_and_a_keyboard_interrupt_of_a_function_
     KeyboardInterrupt: exit status 1, the error naming it and the row, not "interrupted" and 130
     (a Ctrl-C's). Before: the flag did not exist (the run hung); the KeyboardInterrupt was taken
     for the user's Ctrl-C."""
-    proc = run_here(grpo_reward_argv(tmp_path / "a", "misbehaving_rewards:hangs_from_the_second_call",
-                                     "--reward_fn_timeout", "0.5", "--save_every", "1"))
+    (tmp_path / "markers").mkdir()
+    with pytest.MonkeyPatch.context() as mp, injected_clock(lambda: marked(tmp_path / "markers", "hung")):
+        mp.setenv("REWARD_TEST_DIR", str(tmp_path / "markers"))  # 0.5 s on a clock that moves once it hangs
+        proc = run_here(grpo_reward_argv(tmp_path / "a", "misbehaving_rewards:hangs_from_the_second_call",
+                                         "--reward_fn_timeout", "0.5", "--save_every", "1"))
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1 and re.fullmatch(
         r"grpo.py: --reward_fn hangs_from_the_second_call ran past --reward_fn_timeout 0.5 s on .*q\.jsonl rows "
@@ -160,16 +181,14 @@ def test_ctrl_c_or_sigterm_while_a_function_never_returns_ends_the_run_naming_it
     process stayed (its pool's thread, blocked in the function, is joined at exit)."""
     proc, marker = grpo_process(tmp_path, grpo_reward_argv(tmp_path, f"misbehaving_rewards:{fn}", "--save_every", "1",
                                                            "--steps", "3"))
-    while not marked(tmp_path / "markers", "hung") and proc.poll() is None:
-        time.sleep(0.02)  # waiting for the file, bounded by the run itself (it blocks or ends)
-    assert marked(tmp_path / "markers", "hung"), (tmp_path / "err").read_text()[-3000:]
+    wait_until(lambda: marked(tmp_path / "markers", "hung"), proc, "the function's marker")
     worker = marked(tmp_path / "markers", "hung")[0]
     outside = os.getpgid(worker) != os.getpgid(proc.pid)  # out of the terminal's reach
     if sig == signal.SIGINT:
         os.killpg(proc.pid, sig)
     else:
         proc.send_signal(sig)
-    assert proc.wait(timeout=120) == code, (tmp_path / "err").read_text()[-3000:]
+    assert proc.wait(timeout=HANG_GUARD_S) == code, (tmp_path / "err").read_text()[-3000:]
     lines = (tmp_path / "err").read_text().strip().splitlines()
     assert re.fullmatch(what + r"\. Last checkpoint: \S+ \(step 1\); continue with: python grpo\.py .* --resume", lines[-1])
     assert "Traceback" not in "".join(lines)
@@ -182,7 +201,7 @@ def test_a_thread_a_function_starts_does_not_keep_the_run_alive(tmp_path, grpo_p
     with exit status 0, and no process of it is left. Before: the thread ran in the trainer, which
     printed its summary and never exited."""
     proc, marker = grpo_process(tmp_path, grpo_reward_argv(tmp_path, "misbehaving_rewards:starts_a_thread"))
-    assert proc.wait(timeout=300) == 0, (tmp_path / "err").read_text()[-3000:]
+    assert proc.wait(timeout=HANG_GUARD_S) == 0, (tmp_path / "err").read_text()[-3000:]
     assert marked(tmp_path / "markers", "thread") and our_processes(marker) == []
 
 

@@ -12,7 +12,7 @@ import torch
 import common
 import data
 import sampling
-from helpers import chat
+from helpers import chat, forward_lengths, fp32_rtol, gamma, logit_size
 from plumbing import models
 from studies import smollm2 as smollm2_study
 
@@ -141,12 +141,13 @@ def test_the_reward_model_reads_the_last_token_of_a_rendered_conversation(small)
         ours = common.reward_scores(rm, ids, mask)
         per_position = rm.score(rm.model(input_ids=ids, attention_mask=mask).last_hidden_state).squeeze(-1)
         hf = rm(input_ids=ids, attention_mask=mask).logits.squeeze(-1)
+        tol = fp32_rtol(forward_lengths(rm.config, ids.shape[1])) * logit_size(rm)  # two layouts' rounding
         for i, row in enumerate(rows):
-            assert ours[i].item() == pytest.approx(per_position[i, len(row) - 1].item(), abs=1e-5)
+            assert ours[i].item() == pytest.approx(per_position[i, len(row) - 1].item(), abs=tol)
             alone = common.reward_scores(rm, torch.tensor([row]), torch.ones(1, len(row), dtype=torch.long))
-            assert ours[i].item() == pytest.approx(alone.item(), abs=1e-5)
-    assert hf[2].item() == pytest.approx(per_position[2, len(rows[2]) - 2].item(), abs=1e-5)
-    assert abs(hf[2].item() - ours[2].item()) > 1e-3
+            assert ours[i].item() == pytest.approx(alone.item(), abs=tol)
+    assert hf[2].item() == pytest.approx(per_position[2, len(rows[2]) - 2].item(), abs=tol)
+    assert abs(hf[2].item() - ours[2].item()) > 10 * tol
 
 
 def test_the_tool_tags_become_tokens_of_their_own_in_the_real_tokenizer_and_template(small):
@@ -169,7 +170,9 @@ def test_the_tool_tags_become_tokens_of_their_own_in_the_real_tokenizer_and_temp
     close = tools.closing_tag_id(tok)
     assert close == tok.convert_tokens_to_ids(tools.CALL_CLOSE) and emb.shape[0] == len(tok) == before.shape[0] + 4
     assert torch.equal(emb[:before.shape[0]], before)
-    assert torch.allclose(emb[tok.convert_tokens_to_ids(tools.RESULT_CLOSE)], before[pieces].mean(0))
+    mean = before[pieces].mean(0)  # within float32's rounding of a mean of len(pieces) terms
+    assert ((emb[tok.convert_tokens_to_ids(tools.RESULT_CLOSE)] - mean).abs() <=
+            gamma(len(pieces) + 1) * before[pieces].abs().mean(0)).all()
     row = tasks.calculator_rows(1)[0]
     text = data.render_chat(datasets.Dataset.from_list([row]), tok, "calculator")[0]["completion"][0]
     ids = tok.encode(text, add_special_tokens=False)

@@ -9,10 +9,10 @@ import concurrent.futures
 import os
 import re
 import signal
-import time
 
 import pytest
-from helpers import ROOT, SUBPROCESS_ENV, TWO_RANK_RUNS, read_metrics, run_here, start_as_a_terminal_does
+from helpers import (HANG_GUARD_S, ROOT, SUBPROCESS_ENV, TWO_RANK_RUNS, injected_clock, read_metrics, run_here,
+                     start_as_a_terminal_does, wait_until)
 from test_grpo import grpo_argv, write_digits_prompts
 from test_grpo_tools import tool_flags
 
@@ -68,12 +68,15 @@ def test_a_tool_writing_to_descriptors_or_onto_its_channel_cannot_jam_the_traine
 def test_a_tool_that_hangs_sleeps_or_ignores_signals_is_ended_at_its_time_limit(tmp_path, monkeypatch):
     """A call that never returns (blocked, asleep, SIGTERM and SIGINT ignored, its thread gone) is
     answered `took longer` after the tool's time limit, its worker killed (SIGKILL after the grace
-    when SIGTERM is ignored) and replaced: the tool answers the next turn."""
+    when SIGTERM is ignored) and replaced: the tool answers the next turn. The limit is read on an
+    injected clock that moves once every call has marked that it runs (helpers.injected_clock): on
+    the real one a loaded machine could reach 0.2 s before a worker took its call."""
     monkeypatch.setenv("TOOL_TEST_DIR", str(tmp_path))
     monkeypatch.setattr(workers, "KILL_GRACE_S", 0.1)
     texts = ["hang", "sleep", "ignore_signals", "kill_its_thread"]
     tool = tools.load_tool("misbehaving_tools:misbehaves", timeout_s=0.2, workers=len(texts))
-    assert tools.call_tools(tool, texts) == ["error: the tool took longer than 0.2 s"] * len(texts)
+    with injected_clock(lambda: all(marked(tmp_path, name) for name in texts)):
+        assert tools.call_tools(tool, texts) == ["error: the tool took longer than 0.2 s"] * len(texts)
     assert all(len(marked(tmp_path, name)) == 1 and gone(marked(tmp_path, name)[0]) for name in texts)
     assert tools.call_tools(tool, ["2 ** 10", "7 - 9"], timeout_s=10) == ["1024", "-2"]
 
@@ -204,13 +207,11 @@ def test_ctrl_c_while_a_tool_is_blocked_ends_the_run_with_130_and_leaves_no_proc
     exited (its pool thread, blocked in the tool, is joined at exit)."""
     proc, tmp = blocked_grpo
     markers = tmp / "markers"
-    while not marked(markers, "blocked") and proc.poll() is None:
-        time.sleep(0.02)  # waiting for the file, bounded by the run itself (it blocks or ends)
-    assert marked(markers, "blocked"), (tmp / "err").read_text()[-3000:]
+    wait_until(lambda: marked(markers, "blocked"), proc, "the tool's marker")
     worker = marked(markers, "blocked")[0]
     assert os.getpgid(worker) != os.getpgid(proc.pid)  # out of the terminal's reach
     os.killpg(proc.pid, signal.SIGINT)
-    assert proc.wait(timeout=120) == 130, (tmp / "err").read_text()[-3000:]
+    assert proc.wait(timeout=HANG_GUARD_S) == 130, (tmp / "err").read_text()[-3000:]
     lines = (tmp / "err").read_text().strip().splitlines()
     assert lines[-1].startswith("interrupted before its first resumable checkpoint") and "Traceback" not in "".join(lines)
     assert our_processes(f"TOOL_TEST_DIR={markers}") == [] and gone(worker)

@@ -18,7 +18,8 @@ import tasks
 import test_grpo
 from grpo import (grpo_loss, importance_ratio, off_policy_mask, overlong_penalty, policy_loss, rollout_is_weights,
                   top_entropy_mask)
-from helpers import TWO_RANK_RUNS, checkpoint_weights, max_abs_diff, read_metrics, run_here, write_jsonl
+from helpers import (TWO_RANK_RUNS, adam_drift, assert_runs_agree, checkpoint_weights, forward_lengths, fp32_rtol,
+                     logprob_size, max_abs_diff, read_metrics, run_here, write_jsonl)
 from plumbing import cli, conflicts, models
 
 f64 = dict(dtype=torch.float64)
@@ -253,7 +254,9 @@ def test_sampler_log_probs_are_the_trainers_at_the_sampling_temperature():
         ids, attn = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1)
         trainer = common.response_logprobs(model, ids, attn, r_ids.shape[1], 0.7) * r_mask
         at_one = common.response_logprobs(model, ids, attn, r_ids.shape[1], 1.0) * r_mask
-    torch.testing.assert_close(r_logps, trainer, atol=1e-5, rtol=0)
+    # the sampler's cached decode and the trainer's forward: float32's rounding of two layouts
+    tol = fp32_rtol(forward_lengths(model.config, ids.shape[1])) * logprob_size(model, temperature=0.7)
+    torch.testing.assert_close(r_logps, trainer, atol=tol, rtol=0)
     assert (r_logps - at_one).abs().max() > 1e-2
 
 
@@ -429,8 +432,12 @@ def test_every_variant_flag_runs_and_logs_the_rollout_gap(tmp_path):
                     "--off_policy_mask_threshold", "0.5", "--top_entropy_share", "0.2",
                     "--vllm_importance_sampling_correction", "--adv_estimator", "rloo", "--scale_rewards", "none",
                     "--overlong_buffer_len", "4", "--num_iterations", "2")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint")
+    noise = fp32_rtol(forward_lengths(model.config, 64 + 8)) * logprob_size(model)  # fp32 on the CPU: two layouts
     for r in rows:
-        assert r["rollout/logp_diff"] < 1e-4 and r["rollout/logp_diff_max"] < 1e-4  # fp32 on the CPU: noise
+        assert r["rollout/logp_diff"] < noise and r["rollout/logp_diff_max"] < noise, (r, noise)
         assert r["reward/overlong"] <= 0
 
 
@@ -457,10 +464,17 @@ def test_two_processes_match_one_process_with_the_variants_collectives(tmp_path,
     out2 = two_ranks("grpo_variants") / "run"
     one, two = ([r for r in rows if "loss" in r] for rows in (one, read_metrics(out2)))
     assert [r["step"] for r in two] == [1, 2]
-    for a, b in zip(one, two, strict=True):
-        for key in ("reward", "reward_std", "loss", "grad_norm", "rollout/logp_diff"):
-            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
-    assert max_abs_diff(checkpoint_weights(out1), checkpoint_weights(out2)) < 1e-5
+    # within helpers.assert_runs_agree's derived bounds (2 optimizer steps a step: step 1's rollout
+    # and first pass tight, the losses within rounding and Adam's drift; the loss a mean of CISPO's
+    # weight, at most --epsilon_high 5, times advantages whitened to RMS 1; logp_diff is rounding
+    # noise, within its own bound)
+    config = models.load_model("tiny", models.load_tokenizer("tiny")).config
+    size = logprob_size(models.load_model("tiny", models.load_tokenizer("tiny")))
+    assert_runs_agree(one, two, config, length=64 + 8, lr=1e-4, updates=2, tokens=16 * 72,
+                      keys=("reward", "reward_std", "loss", "grad_norm", "rollout/logp_diff"),
+                      start_keys=test_grpo.ROLLOUT + ("rollout/logp_diff",),
+                      scales={"loss": [5], "rollout/logp_diff": [size]})
+    assert max_abs_diff(checkpoint_weights(out1), checkpoint_weights(out2)) <= adam_drift(1e-4, 4)
     assert test_grpo.moved_from_the_initial_weights(out1) > 1e-4
 
 
