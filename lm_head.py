@@ -101,9 +101,12 @@ def _addmm32_(acc, a, b):
 
 
 def _head_mm(x, w, bias=None):
-    """(N, H) x (V, H) -> (N, V) logits in fp32."""
-    out = _mm32(x, w.t())
-    return out if bias is None else out + bias.float()
+    """(N, H) x (V, H) -> (N, V) logits in fp32; in fp32 torch.nn.Linear's own op (F.linear), so that
+    the fused head's logits are a plain head's to the bit."""
+    if on_gpu(x) and x.dtype != torch.float32:
+        out = torch.mm(x, w.t(), out_dtype=torch.float32)
+        return out if bias is None else out + bias.float()
+    return torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float())
 
 
 class _HeadMatmul(torch.autograd.Function):
@@ -138,13 +141,13 @@ class _HeadLogprobs(torch.autograd.Function):
         for i in range(0, x.shape[0], rows):
             z = _head_mm(xc[i:i + rows], wc, bias)  # (n, V)
             z = z if temperature == 1.0 else z / temperature
-            if entropy:
-                lp = torch.log_softmax(z, -1)
+            if entropy:  # entropy_from_logits' and logprobs_from_logits' ops: a plain head's numbers to the bit
+                lp = z - torch.logsumexp(z, dim=-1, keepdim=True)
                 ents.append(-(lp.exp() * lp).sum(-1))
                 del lp
             y = labels[i:i + rows]
             zt = z if truncate is None else truncate(z, y)
-            logps.append(zt.gather(-1, y[:, None]).squeeze(-1) - torch.logsumexp(zt, -1))
+            logps.append(torch.log_softmax(zt, dim=-1).gather(-1, y[:, None]).squeeze(-1))
         ctx.save_for_backward(xc, w, bias, labels)
         ctx.knobs = dtype, x.dtype, temperature, truncate, entropy and entropy_grad, rows
         logp, ent = (torch.cat(t) if len(t) > 1 else t[0] if t else None for t in (logps, ents))

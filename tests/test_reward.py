@@ -149,13 +149,13 @@ def test_normalization_uses_the_population_std_of_known_scores(tiny_rm, monkeypa
     handed to GRPO is meant to have mean 0 and std 1 over the samples, i.e. the population std."""
     tok, model = tiny_rm
     scores = [1.0, 2.0, 3.0, 4.0, 10.0]  # mean 4; squared deviations 9 4 1 0 36, population variance 50 / 5 = 10
-    fed = iter(scores)
+    fed = iter(scores + [999.0])  # the last chunk's padding row (common.map_rows): computed, its score dropped
 
     def known_scores(model, ids, attn):
         return torch.tensor([next(fed) for _ in range(len(ids))])  # the next scores, one per row
 
     monkeypatch.setattr(common, "reward_scores", known_scores)
-    # 5 prompts in batches of 2: the sums are carried over 3 batches, one of them short
+    # 5 prompts in batches of 2: the sums are carried over 3 batches, the last padded to 2 rows
     cfg = replace(cli.with_defaults(reward.Config()), normalize_policy="tiny", max_response_len=4, eval_batch_size=2)
     gain, bias, mean, std = reward.normalization(model, tok, cfg, [f"sort {i} 1 2 =" for i in range(5)], D)
     assert next(fed, None) is None  # every score was used, each once

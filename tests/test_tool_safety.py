@@ -120,7 +120,7 @@ def test_a_tool_module_that_fails_at_import_is_refused_naming_the_flag_when_the_
     prompts = write_digits_prompts(tmp_path / "prompts.jsonl", 8)  # not the embedded task's 100k prompts
     proc = run_here(grpo_argv(tmp_path / "run", "--dataset", prompts, "--tools", "raises_at_import:f"))
     last = proc.stderr.strip().splitlines()[-1]
-    want = r"ValueError: --tools 'raises_at_import:f': cannot load it: " + MODULES["raises_at_import"][1]
+    want = r"grpo.py: --tools 'raises_at_import:f': cannot load it: " + MODULES["raises_at_import"][1]
     assert proc.returncode == 1 and re.fullmatch(want, last), proc.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
