@@ -152,35 +152,43 @@ def response_logprobs(model, input_ids, attention_mask, n_response, temperature=
                                         with_entropy=with_entropy, entropy_grad=entropy_grad, truncate=truncate,
                                         packed=packed)
     src, slot = (common.to_device(x, input_ids.device) for x in _slots(groups))  # (U, g), (B,)
-    (U, g), dev = src.shape, input_ids.device
-    valid, src = src >= 0, src.clamp(min=0)
-    ids = torch.cat([input_ids[src[:, 0], :P], input_ids[src, P:].reshape(U, g * R)], 1)  # (U, L): prompt, g responses
-    real = torch.cat([attention_mask[src[:, 0], :P], (attention_mask[src, P:] * valid[..., None]).reshape(U, g * R)], 1)
-    n_prompt = real[:, :P].sum(-1, keepdim=True)  # (U, 1): each response's first position
-    pos = torch.cat([common.position_ids_from_mask(real[:, :P]), n_prompt + torch.arange(R, device=dev).repeat(g)], 1)
-    structure, eye, keep = _structure(P, g, R, dev)
-    mask = (structure & (real.bool()[:, None, :] | eye))[:, None]  # (U, 1, L, L): True where a query sees a key
+    (U, g), T = src.shape, input_ids.shape[1]
+    structure, eye, keep, slot_of, col = _structure(P, g, R, input_ids)
+    row = src.gather(1, slot_of.expand(U, -1))  # (U, L): the row each token of a sequence comes from; -1: none
+    at = row.clamp(min=0) * T + col  # (U, L): each token's place in the (B, T) block, as torch.take reads it
+    ids, pos = input_ids.take(at), common.position_ids_from_mask(attention_mask).take(at)
+    real = attention_mask.take(at).bool() & (row >= 0)  # (U, L): the rows' real tokens
+    mask = ((structure & real[:, None, :]) | eye)[:, None]  # (U, 1, L, L): True where a query sees a key
     if model.config.get_text_config()._attn_implementation == "eager":  # eager attention adds its mask
-        mask = torch.zeros(mask.shape, device=dev).masked_fill_(~mask, torch.finfo(torch.float32).min)
+        mask = torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, torch.finfo(torch.float32).min)
     kw = dict(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=keep)
-    out = common.forward_logprobs(model, kw, ids[:, P:], temperature=temperature, truncate=truncate,
-                                  with_entropy=with_entropy, entropy_grad=entropy_grad,
-                                  unpack=lambda x: x.reshape(U * g, R).index_select(0, slot))  # (B, R) each
-    return out
+    return common.forward_logprobs(model, kw, ids[:, P:], temperature=temperature, truncate=truncate,
+                                   with_entropy=with_entropy, entropy_grad=entropy_grad,
+                                   unpack=lambda x: x.reshape(U * g, R).index_select(0, slot))  # (B, R) each
 
 
-def _structure(P, g, R, device):
-    """Who may see whom in a shared sequence of a P-token prompt and g response slots of R tokens, (L,
-    L) bool (causal, no response slot seeing another's), the diagonal alone (a padding token sees itself:
-    no empty row, whose softmax would be NaN), and the positions whose logits score each slot's R
-    tokens, (g R,): the prompt's last for the first, then the slot's own."""
-    L = P + g * R
-    seg = torch.arange(L, device=device).sub_(P).div_(R, rounding_mode="floor").add_(1).clamp_(min=0)  # (L,): 0 prompt
-    j = torch.arange(L, device=device)
-    structure = (j[None, :] <= j[:, None]) & ((seg[None, :] == 0) | (seg[None, :] == seg[:, None]))
-    keep = (j[P:] - 1).view(g, R)
-    keep[:, 0] = P - 1
-    return structure, j[:, None] == j[None, :], keep.flatten()
+_STRUCTURES = {}  # (P, g, R, device, fake mode) -> _structure's tensors: a run meets a few shapes
+
+
+def _structure(P, g, R, like):
+    """A shared sequence of a P-token prompt and g response slots of R tokens, L = P + g R, made once for
+    each shape and device (the tensors of `like`, a fake mode's too): who may see whom, (L, L) bool
+    (causal, no response slot seeing another's); the diagonal (a padding token sees itself: no empty row,
+    whose softmax would be NaN); the positions whose logits score each slot's R tokens, (g R,): the
+    prompt's last for the first, then the slot's own; and each position's slot (0: the prompt's, its
+    row's) and column in its row's (P + R) block, (L,) each."""
+    mode = torch._guards.detect_fake_mode(like)
+    key = (P, g, R, like.device, id(mode))
+    if key not in _STRUCTURES:
+        L, device = P + g * R, like.device
+        j = torch.arange(L, device=device)
+        seg = j.sub(P).div(R, rounding_mode="floor").add(1).clamp(min=0)  # (L,): 0 the prompt, k slot k
+        structure = (j[None, :] <= j[:, None]) & ((seg[None, :] == 0) | (seg[None, :] == seg[:, None]))
+        keep = (j[P:] - 1).view(g, R)
+        keep[:, 0] = P - 1
+        col = torch.where(seg == 0, j, P + (j - P) % R)  # its column in the row's block
+        _STRUCTURES[key] = structure, j[:, None] == j[None, :], keep.flatten(), (seg - 1).clamp(min=0)[None], col
+    return _STRUCTURES[key]
 
 
 def plan(minibatches, ids, attn, n_response, rows_per_forward, d, packed=False, models=(), enabled=True,
