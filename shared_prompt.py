@@ -168,27 +168,33 @@ def response_logprobs(model, input_ids, attention_mask, n_response, temperature=
 
 
 _STRUCTURES = {}  # (P, g, R, device, fake mode) -> _structure's tensors: a run meets a few shapes
+KEPT_MASK = 2**22  # kept for a shape whose (L, L) masks are this many entries or fewer: 4 MB each
 
 
 def _structure(P, g, R, like):
     """A shared sequence of a P-token prompt and g response slots of R tokens, L = P + g R, made once for
-    each shape and device (the tensors of `like`, a fake mode's too): who may see whom, (L, L) bool
-    (causal, no response slot seeing another's); the diagonal (a padding token sees itself: no empty row,
-    whose softmax would be NaN); the positions whose logits score each slot's R tokens, (g R,): the
-    prompt's last for the first, then the slot's own; and each position's slot (0: the prompt's, its
-    row's) and column in its row's (P + R) block, (L,) each."""
+    each shape and device (the tensors of `like`, a fake mode's too) where its masks are small, as on a
+    launch-bound GPU, whose step the few ops that make them would lengthen; a long one's (512 + 8 x 1024
+    tokens: 2 x 76 MB) is made for each forward, whose own cost dwarfs theirs, rather than held for the
+    run. Who may see whom, (L, L) bool (causal, no response slot seeing another's); the diagonal (a
+    padding token sees itself: no empty row, whose softmax would be NaN); the positions whose logits
+    score each slot's R tokens, (g R,): the prompt's last for the first, then the slot's own; and each
+    position's slot (0: the prompt's, its row's) and column in its row's (P + R) block, (L,) each."""
     mode = torch._guards.detect_fake_mode(like)
     key = (P, g, R, like.device, id(mode))
-    if key not in _STRUCTURES:
-        L, device = P + g * R, like.device
-        j = torch.arange(L, device=device)
-        seg = j.sub(P).div(R, rounding_mode="floor").add(1).clamp(min=0)  # (L,): 0 the prompt, k slot k
-        structure = (j[None, :] <= j[:, None]) & ((seg[None, :] == 0) | (seg[None, :] == seg[:, None]))
-        keep = (j[P:] - 1).view(g, R)
-        keep[:, 0] = P - 1
-        col = torch.where(seg == 0, j, P + (j - P) % R)  # its column in the row's block
-        _STRUCTURES[key] = structure, j[:, None] == j[None, :], keep.flatten(), (seg - 1).clamp(min=0)[None], col
-    return _STRUCTURES[key]
+    if key in _STRUCTURES:
+        return _STRUCTURES[key]
+    L, device = P + g * R, like.device
+    j = torch.arange(L, device=device)
+    seg = j.sub(P).div(R, rounding_mode="floor").add(1).clamp(min=0)  # (L,): 0 the prompt, k slot k
+    structure = (j[None, :] <= j[:, None]) & ((seg[None, :] == 0) | (seg[None, :] == seg[:, None]))
+    keep = (j[P:] - 1).view(g, R)
+    keep[:, 0] = P - 1
+    col = torch.where(seg == 0, j, P + (j - P) % R)  # its column in the row's block
+    made = structure, j[:, None] == j[None, :], keep.flatten(), (seg - 1).clamp(min=0)[None], col
+    if L * L <= KEPT_MASK:
+        _STRUCTURES[key] = made
+    return made
 
 
 def plan(minibatches, ids, attn, n_response, rows_per_forward, d, packed=False, models=(), enabled=True,

@@ -104,11 +104,12 @@ def n_params(s):
 
 def parts(s, script, world=1, launcher="torchrun", device="gpu", seqs=4, prompt_len=512, response_len=512,
           rollout_rows=64, ac=False, offload_frozen=False, lora=False, precompute_ref=True, reward_model=True,
-          generation_rows=0, reference=True):
+          generation_rows=0, reference=True, shared=0):
     """Bytes per device of each phase's parts, {phase: {part: bytes}}. seqs: sequences of one
     micro-batch (DPO and the reward model: pairs, two sequences each); rollout_rows: GRPO's
     completions per rank in one rollout; generation_rows: the rows of one call of its sampler (0:
-    all rollout_rows)."""
+    all rollout_rows); shared: the distinct prompts of the update's micro-batch where shared_prompt
+    computes each once (0: it does not)."""
     N, n_block, n_root = n_params(s)
     fsdp = launcher == "torchrun"
     W = world if fsdp else 1
@@ -139,8 +140,14 @@ def parts(s, script, world=1, launcher="torchrun", device="gpu", seqs=4, prompt_
         h_bytes = (34 if s["gated"] else 20) if not fsdp else (24 if s["gated"] else 16)
         per_token_layer = h_bytes * s["h"] + (8 if s["gated"] else 10) * s["I"]
         probs = 4 * s["heads"] + 2 * S  # flash attention's log-sum-exp, and the padding mask as a bf16 bias
-    if ac:
+    if ac:  # each block's input, one block recomputed; at the backward's end, a tied embedding's dense gradient
+        # (V x h, fp32) made apart from the head's already in .grad, then added to it
         parts["activations"] = tokens * (s["L"] * e * s["h"] + per_token_layer + probs)
+        if s["tied"] and script != "reward":
+            parts["embedding gradient"] = 4 * s["V"] * s["h"]
+    elif shared:  # shared_prompt: U sequences of a prompt and its rows' responses, Ls tokens each, under an Ls x Ls mask
+        Ls = prompt_len + -(-seqs * seq_factor // shared) * response_len
+        parts["activations"] = shared * Ls * s["L"] * (per_token_layer + 4 * s["heads"] * Ls)
     else:
         parts["activations"] = tokens * s["L"] * (per_token_layer + probs)
     if script != "reward":  # the fused head's chunks (lm_head._HeadLogprobs): a few fp32 copies of one chunk's logits
@@ -421,16 +428,18 @@ def estimate(s, script, world=1, launcher="torchrun", device="gpu", ac=False, of
                  generation_rows=generation_rows, ac=ac, offload_frozen=offload_frozen, lora=cfg.lora,
                  precompute_ref=getattr(cfg, "precompute_ref", True), reward_model=bool(getattr(cfg, "reward_model", "")),
                  reference=script == "grpo" and bool(cfg.beta or cfg.reference))
-    if device == "cpu":  # the CPU model counts pairs; the GPU model sequences (both of each pair)
-        return parts(s, script, world, launcher, device, **knobs)
-    knobs["seqs"] *= 2 if script in ("dpo", "reward") else 1
     # shared_prompt (one process, no activation checkpointing): the distinct prompts of a forward. GRPO's update: a
     # group's G rows dealt G / K to each of K mini-batches (grpo.minibatch_rows), consecutive there; its reference
     # pass: G consecutive rows; DPO: a pair's two rows. Full-length rows: wherever rows share one, sharing computes less
+    U = (0, 0)
     if W == 1 and not ac and getattr(cfg, "shared_prompt", False) and script in ("grpo", "dpo"):
         dealt = max(1, cfg.group_size // cfg.num_mini_batches) if script == "grpo" else 1  # DPO: seqs counts pairs here
         U = [-(-seqs // dealt), -(-seqs // cfg.group_size) if script == "grpo" else 0]
-        knobs["shared"] = tuple(u if u < seqs * (1 + (script == "dpo")) else 0 for u in U)
+        U = tuple(u if u < seqs * (1 + (script == "dpo")) else 0 for u in U)
+    if device == "cpu":  # the CPU model counts pairs; the GPU model sequences (both of each pair)
+        return parts(s, script, world, launcher, device, shared=U[0], **knobs)
+    knobs["seqs"] *= 2 if script in ("dpo", "reward") else 1
+    knobs["shared"] = U if any(U) else (0, 0)
     old_pass = script == "grpo" and (cfg.num_iterations > 1 or cfg.num_mini_batches > 1 or bool(cfg.teacher))
     return gpu_parts(s, script, world, launcher, grad_accum=cfg.grad_accum, prompts=prompts, old_pass=old_pass,
                      lora_r=cfg.lora_r, teacher=bool(getattr(cfg, "teacher", "")),
@@ -463,13 +472,13 @@ def validate(names=VALIDATE):
             if m["model"] not in ("gpt2-small-random", "gpt2-large-random"):
                 continue
             shape, w = SHAPES[{"gpt2-small-random": "gpt2", "gpt2-large-random": "gpt2-large"}[m["model"]]], m["workload"]
-            rows_per_step = w["rows"] * (w["group_size"] if m["script"] == "grpo" else 1)
+            # the flags the steps command gave the script (bench/steps.ours_argv), its other flags at their defaults
+            flags = dict(max_prompt_len=w["prompt_len"], **({"beta": w["beta"]} if w["beta"] is not None else {}),
+                         **(dict(prompts_per_step=w["rows"], group_size=w["group_size"], max_new_tokens=w["response_len"])
+                            if m["script"] == "grpo" else dict(batch_size=w["rows"], max_response_len=w["response_len"])))
             for variant, x in m["variants"].items():
                 ac = "--activation_checkpointing" in variant
-                phases = parts(shape, m["script"], launcher="python", device="cpu", seqs=rows_per_step,
-                               prompt_len=w["prompt_len"], response_len=w["response_len"], rollout_rows=rows_per_step,
-                               ac=ac, reward_model=False)  # the steps command's GRPO scores with a rule
-                peak, phase = total(phases, "cpu")
+                peak, phase = total(estimate(shape, m["script"], 1, "python", "cpu", ac=ac, **flags), "cpu")
                 rows.append((name, m["script"], m["model"], w["rows"], ac, phase, peak / GIB,
                              sorted(x["peak_gib"])[len(x["peak_gib"]) // 2]))
     print("| results file | script | model | batch | act. ckpt | peak phase | estimate GiB | measured GiB | error |")

@@ -44,6 +44,29 @@ def no_ctrl_c_left_behind():
     assert rundir.INTERRUPTED is None, "this test left rundir.INTERRUPTED set: clear it where the run ends"
 
 
+@pytest.fixture(autouse=True)
+def no_heartbeat_left_behind():
+    """A run inside this process ends its heartbeat (plumbing/logs.py) and its phases with it: a
+    heartbeat thread left running prints a phase's line into whichever later test captures stdout
+    (a plot test read five words of one among its paths). A test that calls a script's main without
+    cli.script has its early heartbeat ended here, as cli.script would; a Logger left open fails."""
+    import threading
+
+    from plumbing import logs
+
+    yield
+    logs.end_heartbeat()  # as cli.script does when its run ends: a test may call a script's main alone
+    running = [t for t in threading.enumerate() if t.name == "heartbeat"]
+    for t in running:
+        t.join(timeout=5)  # a closed heartbeat's thread returns from its wait at once
+    left, phases = [t for t in running if t.is_alive()], [p.name for p in logs.PHASES]
+    for t in left:  # stopped here, so that the next test starts clean whatever this one did
+        t._target.__self__.close()
+    logs.PHASES.clear()
+    assert not left, "this test left a heartbeat thread running: close its Logger where the run ends"
+    assert not phases, f"this test left phases open: {phases}"
+
+
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory):
     """The folder of SmolLM2-135M-Instruct (Llama architecture, its 49k byte-level BPE tokenizer,

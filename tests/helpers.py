@@ -638,3 +638,16 @@ def dynamo_eager(monkeypatch, gpu=False):
     monkeypatch.setattr(sampling, "_compile", lambda fn, gpu_path: torch.compile(fn, backend="eager", dynamic=False))
     if gpu:
         monkeypatch.setattr(sampling, "_gpu", lambda device: True)
+
+
+def failed_run_ends():
+    """What cli.script does when a run that main raised out of ends (a test calls main alone): each
+    run abandoned (its Logger and heartbeat closed), the process group left and out_dir let go."""
+    from plumbing import logs, rundir
+
+    for r in rundir.RUNS:
+        r.abandon()
+    rundir.RUNS.clear()
+    logs.end_heartbeat()
+    rundir.release()
+

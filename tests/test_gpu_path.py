@@ -16,7 +16,7 @@ import sampling
 import shared_prompt
 import tasks
 import gpu_check
-from helpers import forward_lengths, fp32_rtol, free_port, logprob_size, read_metrics, write_jsonl
+from helpers import failed_run_ends, forward_lengths, fp32_rtol, free_port, logprob_size, read_metrics, write_jsonl
 from plumbing import cli, models, rundir
 
 META = common.Dist(device=torch.device("meta"))
@@ -476,7 +476,7 @@ def test_grpo_compile_compiles_each_shape_once_through_long_tailed_prompts_evalu
         (len(ids), k.get("temperature", 1.0) == 0, ids.shape[1])) or generate(model, ids, *a, **k))
     with pytest.raises(KeyboardInterrupt):
         grpo.main(cli.parse_config(grpo.Config, argv))
-    rundir.release()
+    failed_run_ends()
     first, first_calls, seen[:], calls[:] = list(seen), list(calls), [], []
     torch.compiler.reset()  # a new process: no graph, no trees
     trees.shutdown()
@@ -523,7 +523,7 @@ def test_grpo_compile_runs_through_evaluations_tool_turns_and_resume(tmp_path, m
     monkeypatch.setattr(sampling, "generate_with_tools", lambda *a, **k: calls.append(k["compile"]) or sample(*a, **k))
     with pytest.raises(KeyboardInterrupt):
         grpo.main(cli.parse_config(grpo.Config, argv))
-    rundir.release()
+    failed_run_ends()
     first, seen[:] = list(seen), []
     torch.compiler.reset()  # a new process: no graph, no trees
     trees.shutdown()
