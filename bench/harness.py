@@ -10,6 +10,7 @@ import math
 import os
 import random
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -287,19 +288,23 @@ def step_flops(script, rows, group_size, lengths, shape, completion=None):
     lengths, their expected values over the rows. Per token of a sequence of S tokens: 6 x block
     parameters + 12 x layers x width x S, forward and backward (PaLM, arXiv:2204.02311 App. B); the LM
     head (6 x width x V) at the response positions only (none for the reward model); forward-only work a
-    third. GRPO (one update a rollout): the rollout (each distinct prompt prefilled once, a decode step a
-    token, `completion` tokens: the measured mean, else the response length) and the reference's pass."""
+    third. A prompt that rows share (a pair's, a group's) is work once: the FLOPs a step needs, the same
+    for every tool timed, so that MFU is never over 100% for a tool that computes each prompt once. GRPO
+    (one update a rollout): the rollout (each distinct prompt prefilled once, a decode step a token,
+    `completion` tokens: the measured mean, else the response length) and the reference's pass."""
     L, dm, body, V = shape
     mean = lambda f: statistics.mean(f(p, r) for p, r in lengths)  # noqa: E731
-    seq = lambda head: mean(lambda p, r: (p + r) * (6 * body + 12 * L * dm * (p + r)) + 6 * dm * V * r * head)  # noqa: E731
+    # a prompt of p tokens and k responses of r: p + k r tokens, each attending over a p + r sequence
+    work = lambda k, head: mean(lambda p, r: (p + k * r) * (6 * body + 12 * L * dm * (p + r)) + k * 6 * dm * V * r * head)  # noqa: E731
     S = mean(lambda p, r: p + r)
     if script in ("sft", "reward", "dpo"):
         n = rows * (1 if script == "sft" else 2)  # reward model and DPO: chosen and rejected
-        return n * S, n * seq(0 if script == "reward" else 1)
+        return n * S, rows * work(1 if script == "sft" else 2, 0 if script == "reward" else 1)
     P, R = mean(lambda p, r: p), completion or lengths[0][1]
     n, S = rows * group_size, P + R
     rollout = rows * P * (2 * body + 4 * L * dm * P) + n * R * (2 * body + 4 * L * dm * S + 2 * dm * V)
-    return n * S, n * (S * (6 * body + 12 * L * dm * S) + 6 * dm * V * R) * 4 / 3 + rollout
+    update = rows * ((P + group_size * R) * (6 * body + 12 * L * dm * S) + group_size * 6 * dm * V * R)
+    return n * S, update * 4 / 3 + rollout
 
 
 def matmul_peak(device):
@@ -351,8 +356,10 @@ def save(command, device, tag, payload, argv=None, folder=RESULTS):
     time and the payload (each measurement with its repeats). Returns its path."""
     git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
     kind = "cpu" if device.type == "cpu" else slug(torch.cuda.get_device_name(device))
-    out = {"command": command, "argv": "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "commit": git("rev-parse", "--short", "HEAD") + ("-dirty" if git("status", "--porcelain", "-uno") else ""),
+    out = {"command": command, "argv": "python -m bench " + shlex.join(argv if argv is not None else sys.argv[1:]),
+           # dirty: code changed since the commit; not the results files a run of several commands writes as it goes
+           "commit": git("rev-parse", "--short", "HEAD") + ("-dirty" if git("status", "--porcelain", "-uno", "--", ".",
+                                                                              ":!bench/results") else ""),
            "device": device_name(device), "device_kind": kind, "time": time.strftime("%Y-%m-%d %H:%M"),
            "versions": {p: version(p) for p in ("torch", "transformers", "trl")}, **payload}
     os.makedirs(folder, exist_ok=True)

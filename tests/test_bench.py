@@ -10,6 +10,7 @@ import os
 import sys
 
 import pytest
+import torch
 from helpers import ROOT
 from test_plots import check_png
 
@@ -109,6 +110,11 @@ def test_equal_rows_cost_what_fixed_lengths_cost(script):
         assert harness.step_flops(script, 4, 2, [(30, 24), (50, 24)], shape)[1] > fixed[1]
     # by hand: SFT, 4 rows of 64 tokens, 6 x 5000 + 12 x 2 x 16 x 64 a token, the head 6 x 16 x 100 at 24 of them
     assert harness.step_flops("sft", 4, 1, [(40, 24)], shape) == (256, 4 * (64 * (30000 + 24576) + 24 * 9600))
+    # DPO: a pair's prompt is work once, 40 + 2 x 24 tokens attending over 64; a GRPO group's once in its update
+    assert harness.step_flops("dpo", 4, 1, [(40, 24)], shape) == (512, 4 * (88 * (30000 + 24576) + 2 * 24 * 9600))
+    rollout = 4 * 40 * (2 * 5000 + 4 * 2 * 16 * 40) + 8 * 24 * (2 * 5000 + 4 * 2 * 16 * 64 + 2 * 16 * 100)
+    assert harness.step_flops("grpo", 4, 2, [(40, 24)], shape) == pytest.approx(
+        (512, 4 * (88 * (30000 + 24576) + 2 * 24 * 9600) * 4 / 3 + rollout))
 
 
 def test_steps_runs_ours_at_two_flag_sets_alternated(tmp_path, capsys):
@@ -222,3 +228,13 @@ def test_the_docs_tables_are_their_results_files():
     assert bench.report(check=True) == 0
     text = open(os.path.join(ROOT, "docs", "performance.md")).read()
     assert text.count("<!-- bench: ") >= 5
+
+
+def test_a_results_file_holds_the_command_as_it_can_be_run_again(tmp_path):
+    """The command line a results file names (and the docs' tables print) is quoted as a shell reads it:
+    a variant of two words stays one argument."""
+    import shlex
+
+    argv = ["steps", "--variant", "ours --no-shared_prompt", "--variant", "trl", "--tag", "x"]
+    path = harness.save("steps", torch.device("cpu"), "x", {"measurements": []}, argv=argv, folder=str(tmp_path))
+    assert shlex.split(results(path)["argv"]) == ["python", "-m", "bench", *argv]
