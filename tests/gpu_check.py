@@ -50,7 +50,6 @@ under torchrun with --launchers python,torchrun); no memory or compile checks (t
 import argparse
 import contextlib
 import gc
-import importlib
 import json
 import math
 import os
@@ -61,7 +60,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 
 import torch
 
@@ -71,8 +69,8 @@ import common  # noqa: E402
 import grpo  # noqa: E402
 import sampling  # noqa: E402
 import shared_prompt  # noqa: E402
-from bench import memory  # noqa: E402
-from plumbing import cli, models, rundir  # noqa: E402
+from bench import harness, memory  # noqa: E402
+from plumbing import models  # noqa: E402
 
 QWEN_05B = dict(L=24, h=896, heads=14, kv_heads=2, I=4864, V=151936, tied=True, gated=True, pos=0)
 GPU = dict(  # what the check runs on a GPU: shapes in bench/memory.py's format, sizes of each check
@@ -366,25 +364,7 @@ def launch(script, argv, log, launcher, in_process, env=None, timeout=600):
     cli.script would under that command line, saving an interpreter's start per run. Returns the
     exit status."""
     if in_process and launcher == "python":
-        module = importlib.import_module(script[:-3])
-        argv0, cwd, code = sys.argv, os.getcwd(), 0
-        sys.argv = [script, *argv]
-        os.chdir(ROOT)
-        try:
-            with open(log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
-                try:
-                    cli.script(module.main, module.Config)
-                except SystemExit as e:
-                    code = e.code if isinstance(e.code, int) else int(e.code is not None)
-                except Exception:
-                    traceback.print_exc()
-                    code = 1
-                finally:
-                    rundir.release()
-        finally:
-            sys.argv = argv0
-            os.chdir(cwd)
-        return code
+        return harness.run_in_process(script, argv, log)
     cmd = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
                               if launcher == "torchrun" else []) + [script, *argv]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", **(env or {})}
