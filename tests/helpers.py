@@ -20,6 +20,8 @@ import time
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import sampling
 
@@ -650,4 +652,26 @@ def failed_run_ends():
     rundir.RUNS.clear()
     logs.end_heartbeat()
     rundir.release()
+
+
+class OpOutputs(TorchDispatchMode):
+    """`with OpOutputs() as ops:` records each op dispatched inside it as (op, is_view, [(shape, dtype)
+    of each tensor it returned]) in ops.seen, in order, keeping no tensor alive: what a pass computes,
+    for tests that bound it (the largest tensor made, a copy of the logits, an fp32 weight-sized cast)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        leaves = tree_leaves(out)
+        self.seen.append((func, func.is_view, [(t.shape, t.dtype) for t in leaves if isinstance(t, torch.Tensor)]))
+        return out
+
+    def largest(self, keep=lambda shape, dtype: True, views=True):
+        """The most elements of a floating tensor an op returned (views too unless views=False) among those keep
+        takes."""
+        return max([0, *[shape.numel() for _, is_view, outs in self.seen if views or not is_view
+                         for shape, dtype in outs if dtype.is_floating_point and keep(shape, dtype)]])
 

@@ -16,7 +16,7 @@ import sampling
 import shared_prompt
 import tasks
 import gpu_check
-from helpers import failed_run_ends, forward_lengths, fp32_rtol, free_port, logprob_size, read_metrics, write_jsonl
+from helpers import OpOutputs, failed_run_ends, forward_lengths, fp32_rtol, free_port, logprob_size, read_metrics, write_jsonl
 from plumbing import cli, models, rundir
 
 META = common.Dist(device=torch.device("meta"))
@@ -123,20 +123,6 @@ def test_the_fused_head_scores_tokens_without_their_logits(temperature, top_p, b
     (the entropy's too: an entropy bonus), to fp32's rounding of sums over H and V terms. No op of
     the forward or the backward makes a tensor of the tokens x V logits' size: 64 tokens in chunks
     of 8."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
-
-    class Largest(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.numel = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            sizes = [t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.dtype.is_floating_point]
-            self.numel = max([self.numel, *sizes])
-            return out
-
     g = torch.Generator().manual_seed(0)
     N, H, V = 64, 16, 50
     x = torch.randn(N, H, generator=g, requires_grad=True)
@@ -145,11 +131,11 @@ def test_the_fused_head_scores_tokens_without_their_logits(temperature, top_p, b
     labels = torch.randint(0, V, (N,), generator=g)
     c, e = torch.randn(N, generator=g, dtype=torch.float64), torch.randn(N, generator=g, dtype=torch.float64)
     truncate = sampling.truncation(top_p=top_p)
-    with Largest() as seen:
+    with OpOutputs() as ops:
         logp, ent = lm_head._HeadLogprobs.apply(x, w, b if bias else None, labels, torch.float32, temperature, truncate,
                                                True, True, 8)
         ((logp.double() * c).sum() + (ent.double() * e).sum()).backward()
-    assert seen.numel < N * V, seen.numel
+    assert ops.largest() < N * V, ops.largest()
     got = [logp, ent, x.grad, w.grad] + ([b.grad] if bias else [])
     for t in [x, w, b]:
         t.grad = None
@@ -173,35 +159,22 @@ def test_response_logprobs_never_hold_the_responses_logits(tiny, monkeypatch):
     makes a floating tensor of the response tokens x V logits' size, with chunks of 2 tokens
     (CHUNK_LOGITS; the default is 2^26 logits a chunk on a GPU: 256 MiB, against 10 GB for
     Qwen's 151,936 entries at 16K response tokens)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
-
     model, tok = tiny
     model = models.load_model("tiny", tok).train()
     V = model.lm_head.weight.shape[0]
-
-    class Largest(TorchDispatchMode):  # the largest floating tensor over the vocabulary that an op makes (no view)
-        def __init__(self):
-            super().__init__()
-            self.numel = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if not func.is_view:
-                self.numel = max([self.numel, *[t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor)
-                                                and t.dtype.is_floating_point and t.shape[-1:] == (V,)]])
-            return out
 
     monkeypatch.setattr(lm_head, "CHUNK_LOGITS", {"cpu": 2 * V, "gpu": 2 * V})
     prompt = tok("sort 3 1 2 4 5 6 =")["input_ids"]
     ids, attn, resp = common.join_prompt_response([prompt] * 4, [tok(" 1 2 3 4 5 6")["input_ids"]] * 4, tok.pad_token_id)
     for kw in (dict(packed=False), dict(packed=True), dict(shared=True)):
-        with Largest() as seen:
+        with OpOutputs() as ops:
             logps, ent = shared_prompt.response_logprobs(model, ids, attn, resp.shape[1], with_entropy=True,
                                                          entropy_grad=True, **kw)
             (logps.sum() + ent.sum()).backward()
-        # a chunk's 2 tokens, or one position a row (shared prompts' first response token: 4 rows)
-        assert seen.numel <= len(ids) * V < resp.numel() * V, (kw, seen.numel)
+        # the largest floating tensor over the vocabulary an op makes (no view): a chunk's 2 tokens, or one
+        # position a row (shared prompts' first response token: 4 rows)
+        largest = ops.largest(lambda shape, dtype: shape[-1:] == (V,), views=False)
+        assert largest <= len(ids) * V < resp.numel() * V, (kw, largest)
 
 
 def test_response_logprobs_fused_equal_the_logits_path(tiny, monkeypatch):
@@ -282,31 +255,19 @@ def test_the_logits_are_never_copied_whole(tiny):
     Kept as R+1 positions and sliced, each reshape copied them whole: two extra (B, R, V) fp32
     tensors in GRPO's update, 9 GiB each at Qwen2.5's vocabulary, R = 1024, 16 rows
     (tests/memory_trace.py)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     _, tok = tiny
     model = models.load_model("tiny", tok)
     ids, attn, resp = common.join_prompt_response([tok("sort 3 1 2 =")["input_ids"]] * 2,
                                                   [tok(" 1 2 3")["input_ids"], tok(" 1 2")["input_ids"]],
                                                   tok.pad_token_id)
     size = ids.shape[0] * resp.shape[1] * model.config.vocab_size
-
-    class Copies(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func in (torch.ops.aten.clone.default, torch.ops.aten._reshape_copy.default) and out.numel() >= size:
-                self.n += 1
-            return out
-
-    with Copies() as copies:
+    with OpOutputs() as ops:
         logps, entropy = common.response_logprobs(model, ids, attn, resp.shape[1], with_entropy=True)
         logps.sum().backward()
     assert logps.shape == entropy.shape == resp.shape
-    assert copies.n == 0
+    copies = [func for func, _, outs in ops.seen if func in (torch.ops.aten.clone.default, torch.ops.aten._reshape_copy.default)
+              and outs[0][0].numel() >= size]
+    assert not copies, copies
 
 
 def test_frozen_fsdp_root_reshards_after_a_no_grad_forward(tiny, monkeypatch):
@@ -702,27 +663,15 @@ def test_the_fp32_head_on_bf16_weights_makes_no_fp32_copy_of_the_weight():
     decoded token at a 150k vocabulary, and kept that copy for the backward). On a CPU the same
     autograd function gives the fp32 linear's logits exactly, and its gradients up to the bf16
     rounding of the logits' gradient."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
-
-    class Outputs(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            self.seen += [(str(func), tuple(t.shape), t.dtype) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-            return out
-
     V, H = 64, 16
     head = lm_head.FP32Head(H, V, bias=False, device="meta", dtype=torch.bfloat16)
     x = torch.randn(2, 3, H, device="meta", dtype=torch.bfloat16, requires_grad=True)
-    with Outputs() as ops:
+    with OpOutputs() as ops:
         logits = head(x)
         logits.sum().backward()
     assert logits.dtype == torch.float32 and x.grad.dtype == head.weight.grad.dtype == torch.bfloat16
-    assert not [op for op in ops.seen if op[1:] == ((V, H), torch.float32)], ops.seen
+    weight_sized = [func for func, _, outs in ops.seen for shape, dtype in outs if (shape, dtype) == ((V, H), torch.float32)]
+    assert not weight_sized, weight_sized
 
     torch.manual_seed(0)
     head = lm_head.FP32Head(H, V, bias=False, dtype=torch.bfloat16)
