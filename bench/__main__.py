@@ -23,7 +23,7 @@ import statistics
 import subprocess
 import sys
 
-from bench import harness
+from bench import dispatch, gpu, harness, memory, steps
 
 COMMANDS = ("steps", "rollout", "memory", "dispatch", "gpu", "micro", "report")
 
@@ -90,18 +90,13 @@ def parser():
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] in (["memory"], ["gpu"]):  # their own command lines
-        module = __import__(f"bench.{'memory' if argv[0] == 'memory' else 'gpu'}", fromlist=["main"])
-        return module.main(argv[1:])
+        return (memory if argv[0] == "memory" else gpu).main(argv[1:])
     args = parser().parse_args(argv)
     args.argv = argv
     if args.command in ("steps", "rollout"):
-        from bench import steps
-
         args.variant = args.variant or (["ours"] if args.command == "steps" else ["ours", "generate"])
         getattr(steps, args.command)(args)
     elif args.command == "dispatch":
-        from bench import dispatch
-
         dispatch.main(args)
     elif args.command == "micro":
         micro(args)
@@ -223,6 +218,12 @@ def report(check=False):
                 with open(path, "w") as f:
                     f.write(new)
     print(("stale: " if check else "rendered: ") + (", ".join(stale) or "nothing changed"))
+    if not check:  # the sweeps' curves, drawn from their files as the tables are
+        for path in sorted(glob.glob(os.path.join(harness.RESULTS, "steps-*.json"))):
+            with open(path) as f:
+                res = json.load(f)
+            if res.get("sweep"):
+                steps.sweep_plots(res, os.path.join(harness.ROOT, "docs", "bench"))
     return 1 if check and stale else 0
 
 

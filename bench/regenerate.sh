@@ -27,13 +27,14 @@ if run lengths; then  # on real lengths (~1.5 h)
   $B steps --script grpo --model smollm2 --rows 2 --group_size 4 --lengths arith --steps 1 --repeats 2 --lr 0.0001 --beta 0.04 --variant "ours --no-padding_free" --variant trl --tag grpo-smollm2-arith
 fi
 
-if run sweeps; then  # how cost grows: docs/bench/*.png, ours against TRL, 4 points an axis, 1 repeat (~4 h)
-  for axis in "response_len=16,32,64,128" "prompt_len=32,64,128,256" "rows=1,2,4,8"; do
-    tag=${axis%%=*}; tag=${tag%_len}
-    $B steps --script grpo --model gpt2-small-random,smollm2 --rows 2 --group_size 8 --prompt_len 128 --response_len 32 --steps 2 --repeats 1 --beta 0.04 --sweep "$axis" --variant ours --variant trl --tag "sweep-grpo-$tag"
-    $B steps --script dpo --model gpt2-small-random,smollm2 --rows 4 --prompt_len 128 --response_len 32 --steps 2 --repeats 1 --sweep "$axis" --variant "ours --no-precompute_ref" --variant trl --tag "sweep-dpo-$tag"
-  done
-  $B steps --script grpo,dpo --model gpt2-small-random --rows 4 --group_size 8 --prompt_len 128 --response_len 32 --steps 2 --repeats 1 --sweep ranks=1,2 --variant ours --tag sweep-ranks  # TRL: 1 rank
+if run sweeps; then  # how cost grows: docs/bench/*.png, ours against TRL, 4 points an axis, 1 repeat of 1 timed step (~2 h)
+  $B steps --script grpo --model gpt2-small-random,smollm2 --rows 2 --group_size 8 --prompt_len 128 --response_len 32 --steps 1 --repeats 1 --beta 0.04 --sweep response_len=16,32,64,128 --variant ours --variant trl --tag sweep-grpo-response
+  $B steps --script dpo --model gpt2-small-random,smollm2 --rows 4 --prompt_len 128 --response_len 32 --steps 1 --repeats 1 --sweep response_len=16,32,64,128 --variant "ours --no-precompute_ref" --variant trl --tag sweep-dpo-response
+  $B steps --script grpo --model gpt2-small-random,smollm2 --rows 2 --group_size 8 --prompt_len 128 --response_len 32 --steps 1 --repeats 1 --beta 0.04 --sweep rows=1,2,4,8 --variant ours --variant trl --tag sweep-grpo-rows
+  $B steps --script dpo --model gpt2-small-random,smollm2 --rows 4 --prompt_len 128 --response_len 32 --steps 1 --repeats 1 --sweep rows=1,2,4,8 --variant "ours --no-precompute_ref" --variant trl --tag sweep-dpo-rows
+  $B steps --script grpo --model gpt2-small-random,smollm2 --rows 2 --group_size 8 --prompt_len 128 --response_len 32 --steps 1 --repeats 1 --beta 0.04 --sweep prompt_len=32,64,128,256 --variant ours --variant trl --tag sweep-grpo-prompt
+  $B steps --script dpo --model gpt2-small-random,smollm2 --rows 4 --prompt_len 128 --response_len 32 --steps 1 --repeats 1 --sweep prompt_len=32,64,128,256 --variant "ours --no-precompute_ref" --variant trl --tag sweep-dpo-prompt
+  $B steps --script grpo,dpo --model gpt2-small-random --rows 4 --group_size 8 --prompt_len 128 --response_len 32 --steps 1 --repeats 1 --sweep ranks=1,2 --variant ours --tag sweep-ranks  # TRL: 1 rank
 fi
 
 if run other; then  # every script's step, the rollout, tools, dispatch, the memory model, micro (~1.5 h)
@@ -45,7 +46,7 @@ if run other; then  # every script's step, the rollout, tools, dispatch, the mem
   $B rollout --model tiny --rows 8 --group_size 8 --prompt_len 85 --response_len 32 --repeats 9 --variant ours --variant "ours --compile" --variant generate --tag long-prompts
   $B rollout --model smollm2 --rows 8 --group_size 8 --prompt_len 18 --response_len 32 --repeats 5 --variant ours --variant generate --tag smollm2
   $B steps --script grpo --model calculator --lengths task --rows 8 --group_size 8 --prompt_len 64 --response_len 48 --steps 4 --repeats 6 --threads 1 --variant "ours --tools calculator" --variant ours --tag tools
-  $B dispatch --training
+  $B dispatch --training --launches
   $B memory --table
   $B memory --table --readme
   $B micro

@@ -212,10 +212,8 @@ def steps(args):
     path = harness.save("steps", device, args.tag, {"sweep": axis, "matmul_peak_flops": peak, "measurements": out},
                         argv=args.argv, folder=args.results)
     if axis:
-        for script, model in dict.fromkeys((m["script"], m["model"]) for m in out):
-            plot_sweep([m for m in out if (m["script"], m["model"]) == (script, model)], axis,
-                       os.path.join(args.plots, f"sweep-{script}-{model}-{axis}-{harness.slug(device.type)}.png"),
-                       harness.device_name(device))
+        with open(path) as f:
+            sweep_plots(json.load(f), args.plots)
     print(f"wrote {path}")
     return path
 
@@ -228,15 +226,24 @@ def print_ratios(m):
               + (f", peak memory {mem['median']:.2f}x" if mem else ""), flush=True)
 
 
+def sweep_plots(res, folder):
+    """A results file's sweep as PNG curves, one a script x model: docs/bench/sweep-SCRIPT-MODEL-AXIS-DEVICE.png."""
+    for script, model in dict.fromkeys((m["script"], m["model"]) for m in res["measurements"]):
+        plot_sweep([m for m in res["measurements"] if (m["script"], m["model"]) == (script, model)], res["sweep"],
+                   os.path.join(folder, f"sweep-{script}-{model}-{res['sweep']}-{res['device_kind']}.png"),
+                   res["device"])
+
+
 def plot_sweep(ms, axis, path, device):
-    """Tokens/s and peak memory of each variant against the axis (log-log), the memory model's peak dashed."""
+    """Against the axis (log 2): each variant's tokens/s, its speed over the last variant's (1: as fast;
+    where a curve crosses it, ours stops being faster) and its peak memory, the memory model's dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib import ticker
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax1, ax3, ax2) = plt.subplots(1, 3, figsize=(15, 4.2))
     xs = [m["x"][axis] for m in ms]
     for i, v in enumerate(ms[0]["variants"]):
         med = lambda k: [statistics.median(m["variants"][v][k]) if None not in m["variants"][v][k] else None  # noqa: E731
@@ -245,10 +252,18 @@ def plot_sweep(ms, axis, path, device):
         ax2.plot(xs, med("peak_gib"), "o-", color=f"C{i}", label=v)
         if "predicted_peak_gib" in ms[0]["variants"][v] and None not in med("predicted_peak_gib"):
             ax2.plot(xs, med("predicted_peak_gib"), "--", color=f"C{i}", label=f"{v}: bench/memory.py's model")
-    for ax, label in ((ax1, "tokens / s (higher is better)"), (ax2, "peak memory, GiB")):
+    for i, r in enumerate(ms[0]["ratios"]):
+        ratios = [next(q for q in m["ratios"] if q["a"] == r["a"])["tokens_per_s"] for m in ms]
+        ax3.errorbar(xs, [q["median"] for q in ratios], fmt="o-", color=f"C{i}", capsize=3, label=f"{r['a']} / {r['b']}",
+                     yerr=[[q["median"] - q["min"] for q in ratios], [q["max"] - q["median"] for q in ratios]])
+    if ms[0]["ratios"]:
+        ax3.axhline(1, color="grey", lw=1)
+        ax3.set_ylim(bottom=0)
+    for ax, label in ((ax1, "tokens / s (higher is better)"), (ax3, "speed ratio, tokens / s (1: as fast)"),
+                      (ax2, "peak memory, GiB")):
         ys = [y for line in ax.get_lines() for y in line.get_ydata() if y]
         ax.set_xscale("log", base=2)
-        if ys and max(ys) > 4 * min(ys):  # log axes where the values span enough of a decade
+        if ax is not ax3 and ys and max(ys) > 4 * min(ys):  # log axes where the values span enough of a decade
             ax.set_yscale("log")
             ax.yaxis.set_major_locator(ticker.LogLocator(subs=(1, 2, 5)))
             ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
@@ -262,7 +277,7 @@ def plot_sweep(ms, axis, path, device):
     fig.suptitle(f"{ms[0]['what'].split(',')[0]} on {ms[0]['model']}, against {axis}: {device}", fontsize=9)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, metadata={"Software": None})
     plt.close(fig)
     print(f"drew {path}")
 

@@ -74,11 +74,8 @@ def run(spec):
     from transformers import AutoModelForCausalLM
     from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer
 
-    import tasks
-    from plumbing import models
-
     device = harness.device_of()
-    tok = models.load_tokenizer(spec["model"])
+    tok = harness.models.load_tokenizer(spec["model"])
     load = lambda: AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)  # noqa: E731
     with open(spec["data"]) as f:
         rows = [json.loads(line) for line in f]
@@ -89,7 +86,7 @@ def run(spec):
         def digits(prompts, completions, completion_ids, reward_fn, **kwargs):
             """Ours' rule reward (tasks.REWARD_FNS by the row's column) in TRL's signature; counts the tokens."""
             calls.append([sum(len(tok(p)["input_ids"]) for p in prompts), sum(len(c) for c in completion_ids)])
-            return [tasks.REWARD_FNS[f](p, c) for f, p, c in zip(reward_fn, prompts, completions)]
+            return [harness.tasks.REWARD_FNS[f](p, c) for f, p, c in zip(reward_fn, prompts, completions)]
 
         B, G = spec["rows"], spec["group_size"]
         # TRL 1.16's defaults are ours' for a model of your own: one pass of one mini-batch a rollout (one

@@ -238,3 +238,28 @@ def test_a_results_file_holds_the_command_as_it_can_be_run_again(tmp_path):
     argv = ["steps", "--variant", "ours --no-shared_prompt", "--variant", "trl", "--tag", "x"]
     path = harness.save("steps", torch.device("cpu"), "x", {"measurements": []}, argv=argv, folder=str(tmp_path))
     assert shlex.split(results(path)["argv"]) == ["python", "-m", "bench", *argv]
+
+
+# A table that shows the code as it was before a change, kept beside the one after it on purpose.
+PAST = {"dispatch-cpu-before"}
+
+
+def test_every_cpu_table_in_the_docs_is_made_by_a_line_of_regenerate_sh():
+    """bench/regenerate.sh measures every CPU figure again: each CPU results file the docs' tables render
+    was made by one of its lines (GPU files are `python -m bench gpu`'s or carried over). A row whose
+    command is not there would not be regenerated, and a line the files never ran would print a table
+    nothing measured."""
+    import re
+    import shlex
+
+    with open(os.path.join(ROOT, "bench", "regenerate.sh")) as f:
+        lines = [shlex.split(m, comments=True) for m in re.findall(r"^\s*\$B (.*)$", f.read(), re.M)]
+    names = set()
+    for path in [os.path.join(ROOT, "README.md"), *[os.path.join(ROOT, "docs", n) for n in os.listdir(
+            os.path.join(ROOT, "docs")) if n.endswith(".md")]]:
+        names |= {n for m in bench.MARK.finditer(open(path).read()) for n in m[2].split()}
+    cpu = [n for n in sorted(names - PAST) if results(os.path.join(harness.RESULTS, n + ".json"))["device_kind"] == "cpu"]
+    assert len(cpu) >= 15
+    for name in cpu:
+        argv = shlex.split(results(os.path.join(harness.RESULTS, name + ".json"))["argv"])
+        assert argv[:3] == ["python", "-m", "bench"] and argv[3:] in lines, f"{name}: {argv} not in regenerate.sh"
