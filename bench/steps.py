@@ -243,7 +243,9 @@ def plot_sweep(ms, axis, path, device):
     import matplotlib.pyplot as plt
     from matplotlib import ticker
 
-    fig, (ax1, ax3, ax2) = plt.subplots(1, 3, figsize=(15, 4.2))
+    ratios = ms[0]["ratios"]
+    fig, axes = plt.subplots(1, 3 if ratios else 2, figsize=(15 if ratios else 10, 4.2))
+    ax1, ax2, ax3 = axes[0], axes[-1], axes[1] if ratios else None
     xs = [m["x"][axis] for m in ms]
     for i, v in enumerate(ms[0]["variants"]):
         med = lambda k: [statistics.median(m["variants"][v][k]) if None not in m["variants"][v][k] else None  # noqa: E731
@@ -252,15 +254,17 @@ def plot_sweep(ms, axis, path, device):
         ax2.plot(xs, med("peak_gib"), "o-", color=f"C{i}", label=v)
         if "predicted_peak_gib" in ms[0]["variants"][v] and None not in med("predicted_peak_gib"):
             ax2.plot(xs, med("predicted_peak_gib"), "--", color=f"C{i}", label=f"{v}: bench/memory.py's model")
-    for i, r in enumerate(ms[0]["ratios"]):
-        ratios = [next(q for q in m["ratios"] if q["a"] == r["a"])["tokens_per_s"] for m in ms]
-        ax3.errorbar(xs, [q["median"] for q in ratios], fmt="o-", color=f"C{i}", capsize=3, label=f"{r['a']} / {r['b']}",
-                     yerr=[[q["median"] - q["min"] for q in ratios], [q["max"] - q["median"] for q in ratios]])
-    if ms[0]["ratios"]:
+    for i, r in enumerate(ratios):
+        qs = [next(q for q in m["ratios"] if q["a"] == r["a"])["tokens_per_s"] for m in ms]  # median, min, max
+        ax3.errorbar(xs, [q["median"] for q in qs], fmt="o-", color=f"C{i}", capsize=3, label=f"{r['a']} / {r['b']}",
+                     yerr=[[q["median"] - q["min"] for q in qs], [q["max"] - q["median"] for q in qs]])
+    if ratios:
         ax3.axhline(1, color="grey", lw=1)
         ax3.set_ylim(bottom=0)
     for ax, label in ((ax1, "tokens / s (higher is better)"), (ax3, "speed ratio, tokens / s (1: as fast)"),
                       (ax2, "peak memory, GiB")):
+        if ax is None:
+            continue
         ys = [y for line in ax.get_lines() for y in line.get_ydata() if y]
         ax.set_xscale("log", base=2)
         if ax is not ax3 and ys and max(ys) > 4 * min(ys):  # log axes where the values span enough of a decade
