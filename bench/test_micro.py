@@ -110,10 +110,11 @@ def test_dpo_loss(benchmark, loss_type):
     g = torch.Generator().manual_seed(0)
     pol = (-torch.rand(2, B, generator=g) * 50).requires_grad_(True)
     ref = -torch.rand(2, B, generator=g) * 50
+    lengths = torch.randint(1, 65, (2, B), generator=g)  # response tokens, for the length-normalised losses
 
     def step():
         pol.grad = None
-        dpo.dpo_loss(pol[0], pol[1], ref[0], ref[1], 0.1, B, loss_type)[0].backward()
+        dpo.dpo_loss(pol[0], pol[1], ref[0], ref[1], 0.1, B, loss_type, lengths=lengths)[0].backward()
 
     step()
     assert torch.isfinite(pol.grad).all() and pol.grad.abs().sum() > 0

@@ -174,6 +174,16 @@ def test_micro_runs_the_benchmarks_each_checked_against_its_twin(tmp_path):
     assert [(r["a"], r["b"]) for r in m["ratios"]] == [("draw[inverse_cdf]", "draw[multinomial]")]
 
 
+def test_every_micro_benchmark_agrees_with_its_plain_twin():
+    """Each benchmark of bench/test_micro.py, run once untimed (--benchmark-disable): its check against its
+    plain twin holds, and it runs with each of the parameters it is measured at (every DPO loss type)."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--benchmark-disable",
+                          os.path.join(ROOT, "bench", "test_micro.py")], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-3000:]
+
+
 def test_trl_check_names_the_missing_package(monkeypatch):
     """bench.trl_side.check builds a one-step trainer: a package missing beneath TRL (here datasets, as pyarrow
     would be on a GPU image) is named, not reported as TRL missing."""
