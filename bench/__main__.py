@@ -218,12 +218,13 @@ def report(check=False):
                 with open(path, "w") as f:
                     f.write(new)
     print(("stale: " if check else "rendered: ") + (", ".join(stale) or "nothing changed"))
-    if not check:  # the sweeps' curves, drawn from their files as the tables are
-        for path in sorted(glob.glob(os.path.join(harness.RESULTS, "steps-*.json"))):
+    if not check:  # the sweeps' curves, drawn from their files as the tables are (the newer file last)
+        files = []
+        for path in glob.glob(os.path.join(harness.RESULTS, "steps-*.json")):
             with open(path) as f:
-                res = json.load(f)
-            if res.get("sweep"):
-                steps.sweep_plots(res, os.path.join(harness.ROOT, "docs", "bench"))
+                files.append(json.load(f))
+        steps.sweep_plots(sorted((r for r in files if r.get("sweep")), key=lambda r: r["time"]),
+                          os.path.join(harness.ROOT, "docs", "bench"))
     return 1 if check and stale else 0
 
 

@@ -213,7 +213,7 @@ def steps(args):
                         argv=args.argv, folder=args.results)
     if axis:
         with open(path) as f:
-            sweep_plots(json.load(f), args.plots)
+            sweep_plots([json.load(f)], args.plots)
     print(f"wrote {path}")
     return path
 
@@ -226,12 +226,18 @@ def print_ratios(m):
               + (f", peak memory {mem['median']:.2f}x" if mem else ""), flush=True)
 
 
-def sweep_plots(res, folder):
-    """A results file's sweep as PNG curves, one a script x model: docs/bench/sweep-SCRIPT-MODEL-AXIS-DEVICE.png."""
-    for script, model in dict.fromkeys((m["script"], m["model"]) for m in res["measurements"]):
-        plot_sweep([m for m in res["measurements"] if (m["script"], m["model"]) == (script, model)], res["sweep"],
-                   os.path.join(folder, f"sweep-{script}-{model}-{res['sweep']}-{res['device_kind']}.png"),
-                   res["device"])
+def sweep_plots(files, folder):
+    """Sweeps' results as PNG curves, one a script x model x axis x device
+    (docs/bench/sweep-SCRIPT-MODEL-AXIS-DEVICE.png): the points of every file that sweeps it, so that a
+    later command can add points to a curve (a later file's point at the same value replaces an earlier's)."""
+    curves = {}
+    for res in files:
+        for m in res["measurements"]:
+            key = (m["script"], m["model"], res["sweep"], res["device_kind"])
+            curves.setdefault(key, {"device": res["device"], "points": {}})["points"][m["x"][res["sweep"]]] = m
+    for (script, model, axis, kind), c in curves.items():
+        plot_sweep([c["points"][x] for x in sorted(c["points"])], axis,
+                   os.path.join(folder, f"sweep-{script}-{model}-{axis}-{kind}.png"), c["device"])
 
 
 def plot_sweep(ms, axis, path, device):
