@@ -357,10 +357,10 @@ def save(command, device, tag, payload, argv=None, folder=RESULTS):
     git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
     kind = "cpu" if device.type == "cpu" else slug(torch.cuda.get_device_name(device))
     out = {"command": command, "argv": "python -m bench " + shlex.join(argv if argv is not None else sys.argv[1:]),
-           # dirty: code changed since the commit; not the results files and sweep curves that a run of several
-           # commands writes as it goes
+           # dirty: code changed since the commit; not the results files, curves and docs that a run of several
+           # commands and `report` write as they go
            "commit": git("rev-parse", "--short", "HEAD") + ("-dirty" if git("status", "--porcelain", "-uno", "--", ".",
-                                                                              ":!bench/results", ":!docs/bench") else ""),
+                                                                              ":!bench/results", ":!docs", ":!*.md") else ""),
            "device": device_name(device), "device_kind": kind, "time": time.strftime("%Y-%m-%d %H:%M"),
            "versions": {p: version(p) for p in ("torch", "transformers", "trl")}, **payload}
     os.makedirs(folder, exist_ok=True)
