@@ -205,10 +205,15 @@ def render(names, where=""):
     return "\n".join(lines) + "\n"
 
 
+def pages():
+    """The pages whose marked tables report renders: README.md and docs/*.md."""
+    return [os.path.join(harness.ROOT, "README.md"), *sorted(glob.glob(os.path.join(harness.ROOT, "docs", "*.md")))]
+
+
 def report(check=False):
     """Render every marked table; with check, write nothing and return 1 where one differs."""
     stale = []
-    for path in [os.path.join(harness.ROOT, "README.md"), *sorted(glob.glob(os.path.join(harness.ROOT, "docs", "*.md")))]:
+    for path in pages():
         with open(path) as f:
             text = f.read()
         new = MARK.sub(lambda m: m[1] + render(m[2].split(), os.path.relpath(path, harness.ROOT)) + m[4], text)

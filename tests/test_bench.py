@@ -265,9 +265,9 @@ def test_every_cpu_table_in_the_docs_is_made_by_a_line_of_regenerate_sh():
     with open(os.path.join(ROOT, "bench", "regenerate.sh")) as f:
         lines = [shlex.split(m, comments=True) for m in re.findall(r"^\s*\$B (.*)$", f.read(), re.M)]
     names = set()
-    for path in [os.path.join(ROOT, "README.md"), *[os.path.join(ROOT, "docs", n) for n in os.listdir(
-            os.path.join(ROOT, "docs")) if n.endswith(".md")]]:
-        names |= {n for m in bench.MARK.finditer(open(path).read()) for n in m[2].split()}
+    for path in bench.pages():
+        with open(path) as f:
+            names |= {n for m in bench.MARK.finditer(f.read()) for n in m[2].split()}
     cpu = [n for n in sorted(names - PAST) if results(os.path.join(harness.RESULTS, n + ".json"))["device_kind"] == "cpu"]
     assert len(cpu) >= 15
     for name in cpu:
