@@ -34,7 +34,7 @@ if run sweeps; then  # how cost grows: docs/bench/*.png, ours against TRL, 4 poi
   $B steps --script dpo --model gpt2-small-random,smollm2 --rows 4 --prompt_len 128 --response_len 32 --steps 1 --repeats 1 --sweep rows=1,2,4,8 --variant "ours --no-precompute_ref" --variant trl --tag sweep-dpo-rows
   $B steps --script grpo --model gpt2-small-random,smollm2 --rows 2 --group_size 8 --prompt_len 128 --response_len 32 --steps 1 --repeats 1 --beta 0.04 --sweep prompt_len=32,64,128,256 --variant ours --variant trl --tag sweep-grpo-prompt
   $B steps --script dpo --model gpt2-small-random,smollm2 --rows 4 --prompt_len 128 --response_len 32 --steps 1 --repeats 1 --sweep prompt_len=32,64,128,256 --variant "ours --no-precompute_ref" --variant trl --tag sweep-dpo-prompt
-  $B steps --script grpo --model gpt2-small-random,smollm2 --rows 2 --group_size 8 --prompt_len 128 --response_len 32 --steps 1 --repeats 1 --beta 0.04 --sweep response_len=256 --variant ours --variant trl --tag sweep-grpo-response-256  # TRL's default completion length, a point added to the curve
+  $B steps --script grpo --model gpt2-small-random,smollm2 --rows 2 --group_size 8 --prompt_len 128 --response_len 32 --steps 1 --repeats 1 --beta 0.04 --sweep response_len=256 --variant ours --variant trl --tag sweep-grpo-response-256  # a point added to the curve (TRL's default completion length, 512, is not)
   $B steps --script grpo,dpo --model gpt2-small-random --rows 4 --group_size 8 --prompt_len 128 --response_len 32 --steps 1 --repeats 1 --sweep ranks=1,2 --variant ours --tag sweep-ranks  # TRL: 1 rank
 fi
 
