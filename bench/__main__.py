@@ -197,12 +197,8 @@ def render(names, where=""):
         rows = [row for r in files for row in measurement_rows(r)]
     else:
         head, rows = files[0]["header"], [row for r in files for row in r["rows"]]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    if not all("measurements" in r for r in files):
-        lines.append("")
-        lines += [f"Made by {command(r)} on {machine(r)}." for r in files]
-    return "\n".join(lines) + "\n"
+    made = [f"Made by {command(r)} on {machine(r)}." for r in files if "measurements" not in r]
+    return harness.markdown(head, rows) + ("\n" + "".join(line + "\n" for line in made) if made else "")
 
 
 def pages():

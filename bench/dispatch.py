@@ -20,13 +20,13 @@ import copy
 import os
 import sys
 import tempfile
+from unittest import mock
 
 import torch
 import torch._inductor.config
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import common  # noqa: E402
 import lm_head  # noqa: E402
 import data  # noqa: E402
 import dpo  # noqa: E402
@@ -139,51 +139,78 @@ def decode_step(model, ids, mask, pad_id, eos_id, short=8, more=16, check_every=
 
 
 # -----------------------------------------------------------------------------
-# a training step: the script's own (its main, one more step; the rollout and the evaluations not
-# counted) against a plain transformers padded forward and backward of the same rows
+# a training step: the script's own (its main, one more step; the rollout and the evaluations not counted)
+# against a plain transformers padded forward and backward of the same rows, in aten ops and host syncs
+# (Dispatched) or in kernel launches where parts of it are compiled (--compile_layers), counted from the
+# profiler's events, since a dispatch mode makes dynamo run compiled code eagerly
+
+UNCOUNTED = "dispatch: uncounted"  # a record_function region whose events launches() leaves out
 
 
-def script_step(script, argv, steps=1, pause=()):
-    """(ops, syncs) of one steady training step of script.main (dpo or grpo), and what `record`
-    saw of the last step: the run of argv for steps + 1 steps minus the run for `steps` (their
-    first steps alike; the last one's evaluation is in both). pause: (module, name) of functions
-    whose ops are not counted (the rollout: a decode loop, counted by decode_step)."""
-    counts, seen_batches = [], []
-    for n in (steps, steps + 1):
-        with tempfile.TemporaryDirectory() as out, Dispatched() as seen, contextlib.ExitStack() as stack:
+def launches(run):
+    """{name: count} of what run() launches: each aten op dispatched outside a compiled region (the
+    outermost only: a composite op once, as the one kernel or view it amounts to), and inside one each
+    of inductor's kernels ("compiled kernel") and each op it calls out to (a matmul, attention). The
+    graphs must have been compiled with torch._inductor.config.cpp.enable_kernel_profile on (on the
+    CPU inductor's kernels are seen only then). Events under record_function(UNCOUNTED) are left out."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run()
+    counts = collections.Counter()
+    for e in prof.events():
+        above, parent = [], e.cpu_parent
+        while parent is not None:
+            above.append(parent.name)
+            parent = parent.cpu_parent
+        if UNCOUNTED in above:
+            continue
+        if e.name.startswith("graph_") and "cpp_" in e.name:
+            counts["compiled kernel"] += 1
+        elif e.name.startswith("aten::") and not any(a.startswith("aten::") for a in above):
+            counts[e.name] += 1
+    return counts
+
+
+def script_step(script, argv, steps=1, pause=(), count_launches=False):
+    """(ops, syncs, outputs) of one steady training step of script.main (dpo or grpo): its run of argv for
+    steps + 1 steps minus its run for `steps` (their first steps alike; the last one's evaluation is in
+    both). pause: (module, name) of functions whose ops are not counted (the rollout: a decode loop,
+    counted by decode_step; the data), and whose outputs are returned. count_launches: (launches, None,
+    outputs), after a first run that compiles what the counted ones run."""
+    if count_launches:
+        torch.compiler.reset()  # as a run's process starts: no graph compiled
+    counts, outputs = [], []
+    for n in (steps,) * count_launches + (steps, steps + 1):
+        with tempfile.TemporaryDirectory() as out, contextlib.ExitStack() as stack:
+            seen = None if count_launches else stack.enter_context(Dispatched())
             for module, name in pause:
-                fn = getattr(module, name)
-                stack.enter_context(_patched(module, name, _pausing(seen, fn, seen_batches)))
-            script.main(script.cli.parse_config(script.Config, [*argv, "--steps", str(n), "--out_dir", out]))
-        counts.append(seen)
-    return _per(counts[1].ops, counts[0].ops, 1), _per(counts[1].syncs, counts[0].syncs, 1), seen_batches
+                stack.enter_context(mock.patch.object(module, name, _uncounted(getattr(module, name), seen, outputs)))
+            run = lambda: script.main(script.cli.parse_config(script.Config, [*argv, "--steps", str(n), "--out_dir", out]))  # noqa: E731
+            if count_launches:
+                counts.append(launches(run))
+            else:
+                run()
+                counts.append(seen)
+    if count_launches:
+        return _per(counts[-1], counts[-2], 1), None, outputs
+    return _per(counts[1].ops, counts[0].ops, 1), _per(counts[1].syncs, counts[0].syncs, 1), outputs
 
 
-def _pausing(seen, fn, record):
-    def paused(*args, **kwargs):
-        with seen.paused():
-            out = fn(*args, **kwargs)
-        record.append(out)
-        return out
-    return paused
+def _uncounted(fn, seen, outputs):
+    """fn, its ops left out of `seen`'s count (None: of launches()'), its outputs kept."""
+    def run(*args, **kwargs):
+        with seen.paused() if seen is not None else torch.profiler.record_function(UNCOUNTED):
+            outputs.append(fn(*args, **kwargs))
+        return outputs[-1]
+    return run
 
 
-@contextlib.contextmanager
-def _patched(module, name, value):
-    saved = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, saved)
-
-
-def padded_step(model, ids, attn, n_response, loss_fn, lr=1e-6, run=None):
+def padded_step(model, ids, attn, n_response, loss_fn, lr=1e-6, count_launches=False):
     """(ops, syncs) of a plain transformers training step, as TRL 1.16 runs one: the policy's
     padded forward over every row (logits of the last n_response + 1 positions kept), log-probs of
     the response tokens by log_softmax and gather, the reference's same forward without
     gradients, loss_fn(logps, ref_logps) -> loss, backward, gradient clipping, AdamW (fused,
-    common.make_optimizer's kind) and zero_grad. The model is copied: its reference is its copy."""
+    common.make_optimizer's kind) and zero_grad; count_launches: (launches, None). The model is
+    copied: its reference is its copy."""
     policy, ref = copy.deepcopy(model).train(), copy.deepcopy(model).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, betas=(0.9, 0.95), fused=True)
     labels = ids[:, -n_response:]
@@ -202,8 +229,8 @@ def padded_step(model, ids, attn, n_response, loss_fn, lr=1e-6, run=None):
         optimizer.zero_grad(set_to_none=True)
 
     step()  # the optimizer's state made: the counted step is a steady one
-    if run is not None:  # another counter (launches)
-        return run(step)
+    if count_launches:
+        return launches(step), None
     with Dispatched() as seen:
         step()
     return seen.ops, seen.syncs
@@ -231,166 +258,48 @@ def total(counter):
     return sum(counter.values())
 
 
-def prompts_batch(tokenizer, n_prompts, G, device):
-    """n_prompts of the embedded task's test prompts, each repeated G times in a row (as grpo.py lays them out)."""
-    texts = [row["prompt"] for row in tasks.prompt_rows(n_prompts, split="test") for _ in range(G)]
-    ids, mask = common.pad([tokenizer(t)["input_ids"] for t in texts], tokenizer.pad_token_id, side="left")
-    return ids.to(device), mask.to(device)
-
-
 # tests/test_dispatch.py's training steps: 2 layers of SmolLM2's architecture, rows of exact lengths
 DPO_ARGV = ["--n_eval", "2", "--n_eval_prompts", "2", "--batch_size", "4", "--max_prompt_len", "32",
             "--max_response_len", "32", "--eval_every", "1000", "--no-precompute_ref"]
 GRPO_ARGV = ["--n_eval", "2", "--prompts_per_step", "4", "--group_size", "4", "--max_prompt_len", "32",
              "--max_new_tokens", "8", "--num_iterations", "1", "--num_mini_batches", "1", "--beta", "0.04",
              "--eval_every", "1000"]
-PADDED = ["--no-shared_prompt", "--no-padding_free"]
+PADDED = ("--no-shared_prompt", "--no-padding_free")
 
 
-def training_rows(work, layers=2):
-    """Table rows of a DPO step and a GRPO step (less its rollout and evaluation), at the default flags and
-    in the padded layout, against a plain transformers padded step of the same rows."""
+def training_rows(work, layers=2, flag_sets=((), PADDED), count_launches=False):
+    """Table rows of a DPO step (a live reference) and a GRPO step less its rollout and evaluation, at each
+    of flag_sets, against a plain transformers padded step of the same rows (padded_step): their ops and
+    host syncs, or their kernel launches. SmolLM2's architecture at `layers` layers, widths cut."""
+    torch._inductor.config.cpp.enable_kernel_profile = count_launches  # inductor's CPU kernels seen by the profiler
     tok, model = smollm2_ops_model(layers)
-    model.save_pretrained(os.path.join(work, "model"))
-    tok.save_pretrained(os.path.join(work, "model"))
+    folder = os.path.join(work, "model")
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
     pairs = harness.make_data(os.path.join(work, "pairs.jsonl"), [(32, 32)] * 8)
     prompts = harness.make_data(os.path.join(work, "prompts.jsonl"), [(24, 8)] * 16)
     rows = []
-    for flags in ([], PADDED):
-        shown = " ".join(flags) or "default flags"
-        argv = ["--model", os.path.join(work, "model"), "--dataset", pairs, "--eval_dataset", pairs, *DPO_ARGV, *flags]
-        ops, syncs, batches = script_step(dpo, argv, pause=[(data, "pair_batch")])
-        ids, attn, resp = max(batches, key=lambda b: len(b[0]))
-        padded, psyncs = padded_step(model, ids, attn, resp.shape[1], dpo_loss(resp))
-        rows.append([f"a DPO step, live reference, 4 pairs of 32 + 32 tokens, {layers} layers, {shown}",
-                     f"{total(ops):,.0f} ops, {total(syncs):.0f} syncs", f"{total(padded):,.0f} ops, {total(psyncs):.0f} "
-                     "syncs", f"{total(ops) / total(padded):.2f}x ops"])
-        argv = ["--model", os.path.join(work, "model"), "--dataset", prompts, "--eval_dataset", prompts, *GRPO_ARGV,
-                *flags]
-        ops, syncs, outs = script_step(grpo, argv, pause=[(environment, "rollout"), (environment, "evaluate")])
-        roll = [o for o in outs if isinstance(o, environment.Rollout)][-1]
-        ids, attn = torch.cat([roll.p_ids, roll.r_ids], 1), torch.cat([roll.p_mask, roll.r_mask], 1)
-        loss = grpo_loss(roll.r_mask.float(), torch.linspace(-1, 1, len(ids)))
-        padded, psyncs = padded_step(model, ids, attn, roll.r_ids.shape[1], loss)
-        rows.append([f"a GRPO step less its rollout and evaluation, 4 prompts x G = 4, 24 + 8 tokens, {layers} layers, "
-                     f"{shown}", f"{total(ops):,.0f} ops, {total(syncs):.0f} syncs",
-                     f"{total(padded):,.0f} ops, {total(psyncs):.0f} syncs", f"{total(ops) / total(padded):.2f}x ops"])
-    return rows
-
-
-# -----------------------------------------------------------------------------
-# kernel launches: what a step launches where parts of it are compiled (--compile_layers), counted from the
-# profiler's events, since a dispatch mode makes dynamo run compiled code eagerly
-
-
-UNCOUNTED = "dispatch: uncounted"  # a record_function region whose events are left out (the rollout, data)
-
-
-def launches(run):
-    """{name: count} of what run() launches: each aten op dispatched outside a compiled region (the
-    outermost only: a composite op once, as the one kernel or view it amounts to), and inside one each
-    of inductor's kernels ("compiled kernel") and each op it calls out to (a matmul, attention). The
-    graphs must have been compiled with torch._inductor.config.cpp.enable_kernel_profile on (on the
-    CPU inductor's kernels are seen only then). Events under record_function(UNCOUNTED) are left out."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        run()
-    counts = collections.Counter()
-    for e in prof.events():
-        above, parent = [], e.cpu_parent
-        while parent is not None:
-            above.append(parent.name)
-            parent = parent.cpu_parent
-        if UNCOUNTED in above:
-            continue
-        if e.name.startswith("graph_") and "cpp_" in e.name:
-            counts["compiled kernel"] += 1
-        elif e.name.startswith("aten::") and not any(a.startswith("aten::") for a in above):
-            counts[e.name] += 1
-    return counts
-
-
-def script_launches(script, argv, steps=1, pause=()):
-    """launches() of one steady training step of script.main (its run of steps + 1 steps less its run of
-    `steps`), the functions `pause` names ((module, name)) left out: script_step's count for a run whose
-    blocks are compiled."""
-    torch.compiler.reset()  # as a run's process starts: no graph compiled
-    counts = []
-    for n in (steps, steps, steps + 1):  # the first run compiles what the others run (not counted)
-        with tempfile.TemporaryDirectory() as out, contextlib.ExitStack() as stack:
-            for module, name in pause:
-                stack.enter_context(_patched(module, name, _uncounted(getattr(module, name))))
-            counts.append(launches(lambda: script.main(script.cli.parse_config(
-                script.Config, [*argv, "--steps", str(n), "--out_dir", out]))))
-    return _per(counts[2], counts[1], 1)
-
-
-def _uncounted(fn):
-    def run(*args, **kwargs):
-        with torch.profiler.record_function(UNCOUNTED):
-            return fn(*args, **kwargs)
-    return run
-
-
-def padded_launches(model, ids, attn, n_response, loss_fn):
-    """launches() of padded_step's plain transformers step (TRL 1.16's: eager)."""
-    ran = []
-    padded_step(model, ids, attn, n_response, loss_fn, run=lambda step: ran.append(launches(step)))
-    return ran[0]
-
-
-def step_launches(layers=30, flag_sets=((), ("--compile_layers", "true")), folder=None):
-    """Kernel launches of one steady DPO step (a live reference, 4 pairs of 32 + 32 tokens) and one GRPO
-    step less its rollout and evaluation (4 prompts x G = 4, 24 + 8 tokens, beta 0.04; DPO_ARGV,
-    GRPO_ARGV), each script at each of flag_sets, against TRL's plain padded transformers step on the
-    same rows: {(script, flags): (ours, TRL's)}, Counters (launches). SmolLM2's architecture at
-    `layers` layers, widths cut."""
-    torch._inductor.config.cpp.enable_kernel_profile = True  # inductor's CPU kernels seen by the profiler
-    folder = folder or tempfile.mkdtemp(prefix="dispatch-")
-    tok, model = smollm2_ops_model(layers)
-    model.save_pretrained(os.path.join(folder, "model"))
-    tok.save_pretrained(os.path.join(folder, "model"))
-    pairs = harness.make_data(os.path.join(folder, "pairs.jsonl"), [(32, 32)] * 8)
-    prompts = harness.make_data(os.path.join(folder, "prompts.jsonl"), [(24, 8)] * 16)
-    model_argv = ["--model", os.path.join(folder, "model")]
-    runs = {"dpo": (dpo, [*model_argv, "--dataset", pairs, "--eval_dataset", pairs, *DPO_ARGV], []),
-            "grpo": (grpo, [*model_argv, "--dataset", prompts, "--eval_dataset", prompts, *GRPO_ARGV],
-                     [(environment, "rollout"), (environment, "evaluate")])}
-    out = {}
-    for name, (script, argv, pause) in runs.items():
-        seen = []
-        with _patched(data, "pair_batch", _recording(data.pair_batch, seen)), \
-                _patched(environment, "rollout", _recording(environment.rollout, seen)):
-            for flags in flag_sets:
-                ours = script_launches(script, [*argv, *flags], pause=pause)
-                batch = seen[-1]
-                if name == "dpo":
-                    ids, attn, resp = batch
-                    trl = padded_launches(model, ids, attn, resp.shape[1], dpo_loss(resp))
-                else:
-                    ids, attn = torch.cat([batch.p_ids, batch.r_ids], 1), torch.cat([batch.p_mask, batch.r_mask], 1)
-                    trl = padded_launches(model, ids, attn, batch.r_ids.shape[1],
-                                          grpo_loss(batch.r_mask.float(), torch.linspace(-1, 1, len(ids))))
-                out[name, " ".join(flags) or "defaults"] = ours, trl
-    return out
-
-
-def _recording(fn, seen):
-    def run(*args, **kwargs):
-        seen.append(fn(*args, **kwargs))
-        return seen[-1]
-    return run
-
-
-def launch_rows(layers):
-    """Table rows of step_launches: ours eager and with --compile_layers against TRL's step."""
-    rows = []
-    for (script, flags), (ours, trl) in step_launches(layers).items():
-        what = "a DPO step, live reference" if script == "dpo" else "a GRPO step less its rollout and evaluation"
-        rows.append([f"{what}, {layers} layers, {flags}: kernel launches (ops outside compiled regions + compiled "
-                     f"kernels)", f"{total(ours):,.0f} ({ours['compiled kernel']:,.0f} compiled kernels)",
-                     f"{total(trl):,.0f}", f"**{total(ours) / total(trl):.2f}x**"])
+    for script, rows_file, argv, pause, what in (
+            (dpo, pairs, DPO_ARGV, [(data, "pair_batch")], "a DPO step, live reference, 4 pairs of 32 + 32 tokens"),
+            (grpo, prompts, GRPO_ARGV, [(environment, "rollout"), (environment, "evaluate")],
+             "a GRPO step less its rollout and evaluation, 4 prompts x G = 4, 24 + 8 tokens")):
+        for flags in flag_sets:
+            ours, syncs, outs = script_step(script, ["--model", folder, "--dataset", rows_file, "--eval_dataset",
+                                                     rows_file, *argv, *flags], pause=pause, count_launches=count_launches)
+            if script is dpo:
+                ids, attn, resp = max(outs, key=lambda b: len(b[0]))  # a training batch (2 x 4 rows), not an evaluation's
+                loss, n = dpo_loss(resp), resp.shape[1]
+            else:
+                roll = [o for o in outs if isinstance(o, environment.Rollout)][-1]
+                ids, attn = torch.cat([roll.p_ids, roll.r_ids], 1), torch.cat([roll.p_mask, roll.r_mask], 1)
+                loss, n = grpo_loss(roll.r_mask.float(), torch.linspace(-1, 1, len(ids))), roll.r_ids.shape[1]
+            padded, padded_syncs = padded_step(model, ids, attn, n, loss, count_launches=count_launches)
+            shown = f"{what}, {layers} layers, {' '.join(flags) or 'default flags'}"
+            rows.append([f"{shown}: kernel launches (ops outside compiled regions + compiled kernels)",
+                         f"{total(ours):,.0f} ({ours['compiled kernel']:,.0f} compiled kernels)", f"{total(padded):,.0f}",
+                         f"**{total(ours) / total(padded):.2f}x**"] if count_launches else
+                        [shown, f"{total(ours):,.0f} ops, {total(syncs):.0f} syncs",
+                         f"{total(padded):,.0f} ops, {total(padded_syncs):.0f} syncs", f"{total(ours) / total(padded):.2f}x ops"])
     return rows
 
 
@@ -399,7 +308,7 @@ def main(args):
     --launches their kernel launches, eager and with --compile_layers), printed and written as a table
     (bench/results/dispatch-cpu[-TAG].json)."""
     tok, model = smollm2_ops_model(args.layers)
-    ids, mask = prompts_batch(tok, 4, 2, torch.device("cpu"))
+    ids, mask = harness.prompts_batch(tok, 4, 2, torch.device("cpu"))
     steps = decode_step(model, ids, mask, tok.pad_token_id, tok.eos_token_id, check_every=sampling.GPU_CHECK_EVERY)
     (ours, ours_syncs), (gen, gen_syncs) = steps["ours"], steps["generate"]
     rows = [[f"a decode step, SmolLM2's architecture ({args.layers} layers), {len(ids)} rows, sampled",
@@ -409,14 +318,13 @@ def main(args):
         for k in sorted(set(ours) | set(gen), key=lambda k: ours[k] - gen[k]):
             if ours[k] != gen[k]:
                 print(f"  {k:55s} ours {ours[k]:7.2f}  generate {gen[k]:7.2f}")
-    if args.training:
-        with tempfile.TemporaryDirectory() as work:
-            rows += training_rows(work)
-    if args.launches:
-        rows += launch_rows(args.layers)
-    for r in rows:
-        print(" | ".join(r))
-    path = harness.save("dispatch", torch.device("cpu"), args.tag, {
-        "header": ["step", "ours", "reference (a plain transformers step: what TRL 1.16 runs)", "ratio"], "rows": rows},
-        argv=args.argv, folder=args.results)
+    for wanted, how in ((args.training, {}), (args.launches, dict(layers=args.layers, count_launches=True,
+                                                                     flag_sets=((), ("--compile_layers", "true"))))):
+        if wanted:
+            with tempfile.TemporaryDirectory() as work:
+                rows += training_rows(work, **how)
+    header = ["step", "ours", "reference (a plain transformers step: what TRL 1.16 runs)", "ratio"]
+    print(harness.markdown(header, rows), end="")
+    path = harness.save("dispatch", torch.device("cpu"), args.tag, {"header": header, "rows": rows}, argv=args.argv,
+                        folder=args.results)
     print(f"wrote {path}")

@@ -11,8 +11,7 @@ that runs it), the rows written after every section (bench/results/gpu-<device>.
   compile  grpo.py --compile on Qwen2.5-0.5B's shape through an evaluation every step (tests/gpu_check.py's
            (b) and (d)): nothing compiled or recorded after step 2, KL 0 at lr 0
   decode   the rollout of the race's GRPO (16 prompts x G 8, 128 + 128 tokens): ours eager and compiled
-           against model.generate; where ours' compile pays back; ops and host syncs a decode step; a profile
-           of 16 decode steps each side (the device's busy share, the top kernels and host ops)
+           against model.generate; where ours' compile pays back; a profile of 16 decode steps each side (the device's busy share, the top kernels and host ops)
   qwen     the race on Qwen2.5-0.5B's shape
   check    tests/gpu_check.py, every GPU proof (--only check)
 
@@ -35,7 +34,7 @@ from types import SimpleNamespace
 
 import torch
 
-from bench import dispatch, harness, steps
+from bench import harness, steps
 import sampling  # noqa: E402  (on the path harness puts the repository on)
 
 SECTIONS = ("trl", "race", "compile", "decode", "qwen", "check")
@@ -61,14 +60,10 @@ def race(plan, model, device, work, trl_ok, cpu):
     """GRPO and DPO, ours against TRL, on one shape: rows, and the measurements (bench/steps.py's)."""
     rows, ms = [], []
     folder = harness.model_folder(model, work)
-    alphabet = harness.exact_alphabet(harness.models.load_tokenizer(folder))
-    peak = harness.matmul_peak(device)
+    tok, peak = harness.models.load_tokenizer(folder), harness.matmul_peak(device)
     for script in ("grpo", "dpo"):
-        size = plan[script]
-        lengths = [(size["prompt_len"], size["response_len"])] * (size["rows"] * (plan["steps"] + 1))
-        w = dict(script=script, model=folder, model_name=model, steps=plan["steps"], lr=1e-6, beta=None, ranks=1,
-                 lengths_kind="fixed", lengths=lengths, device=device, env={}, work=work, peak_flops=peak, **size,
-                 data=harness.make_data(os.path.join(work, f"{script}-{model}.jsonl"), lengths, alphabet))
+        w = steps.workload(script, model, folder, tok, device, work, peak, steps=plan["steps"], lr=1e-6, beta=None,
+                           ranks=1, lengths_kind="fixed", **plan[script])
         variants = [v for v in RACE[script] if trl_ok or v.startswith("ours")]
         pairs = [p for p in PAIRS[script] if p[1] in variants]
         print(f"race {script} on {model}: {', '.join(variants)}; expected ~{plan['seconds'][script]} s", flush=True)
@@ -124,17 +119,9 @@ def decode(plan, device, work, grpo):
         step = 1 + math.ceil(cost / saving) if saving > 0 else None
         rows.append(row("decode", "ours' compile in the race's GRPO: its cost, its saving a rollout, paid back at step",
                         f"{cost:.1f} s, {saving:.2f} s, step {step or 'never'}", "cost: the first step less a timed one"))
-    tok, model = dispatch.smollm2_ops_model(30 if cuda else 2)
-    ids, mask = dispatch.prompts_batch(tok, 4, 2, torch.device("cpu"))
-    counted = dispatch.decode_step(model, ids, mask, tok.pad_token_id, tok.eos_token_id, short=8 if cuda else 2,
-                                   more=16 if cuda else 2)  # a count per step, exact at any length
-    for k, (ops, syncs) in counted.items():
-        rows.append(row("decode", f"{k}: ops and host syncs a decode step (CPU count, {len(ids)} rows)",
-                        f"{dispatch.total(ops):,.0f} ops, {dispatch.total(syncs):.3g} syncs"))
     tok, model = harness.random_model(args.model)
     model = model.to(device).eval()
-    ids, mask = steps.prompts_batch(tok, size["rows"], size["group_size"], [(size["prompt_len"], 0)] * size["rows"],
-                                    device)
+    ids, mask = harness.prompts_batch(tok, size["rows"], size["group_size"], device, [(size["prompt_len"], 0)] * size["rows"])
     with harness.common.autocast(harness.common.Dist(device=device)):
         calls = {"ours eager": lambda: sampling.generate(model, ids, mask, 17, -1, tok.pad_token_id),
                  "model.generate": lambda: model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=17,

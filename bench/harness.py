@@ -3,7 +3,6 @@ in a process of its own, the one timing helper (variants alternated A B B A, eac
 the repeats' own ratios with their range), the one memory helper, a step's model FLOPs, and the
 results file (bench/results/<command>-<device>-<tag>.json)."""
 import contextlib
-import importlib
 import importlib.metadata
 import json
 import math
@@ -24,14 +23,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
 sys.path.insert(0, ROOT)
 import common  # noqa: E402
+import dpo  # noqa: E402
+import grpo  # noqa: E402
 import lm_head  # noqa: E402, F401  (bench's modules reach it as harness.lm_head)
+import reward  # noqa: E402
+import sft  # noqa: E402
 import tasks  # noqa: E402
 from plumbing import cli, models, rundir  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 hf_logging.disable_progress_bar()  # each load's bars, as the scripts switch them off
 
-SCRIPTS = ("sft", "reward", "dpo", "grpo")
+SCRIPTS = {"sft": sft, "reward": reward, "dpo": dpo, "grpo": grpo}
 
 # -----------------------------------------------------------------------------
 # models: config-built shapes with seeded random weights and the character tokenizer (throughput does not
@@ -121,6 +124,18 @@ def row_lengths(kind, n, prompt_len=64, response_len=32, seed=0):
             pairs = [tuple(p) for p in json.load(f)["pairs"]]
         return [rng.choice(pairs) for _ in range(n)]
     raise ValueError(f"--lengths {kind!r}: one of {', '.join(LENGTHS)}")
+
+
+def prompts_batch(tok, n_prompts, G, device, lengths=None, seed=0):
+    """(ids, mask): n_prompts prompts, each repeated G times in a row (as grpo.py lays them out),
+    left-padded: the embedded task's test prompts, or random tokens of the given (prompt, _) lengths."""
+    if lengths is None:
+        prompts = [tok(row["prompt"])["input_ids"] for row in tasks.prompt_rows(n_prompts, split="test")]
+    else:
+        g, specials = torch.Generator().manual_seed(seed), len(tok.all_special_ids)
+        prompts = [torch.randint(specials, len(tok), (p,), generator=g).tolist() for p, _ in lengths[:n_prompts]]
+    ids, mask = common.pad([p for p in prompts for _ in range(G)], tok.pad_token_id, side="left")
+    return ids.to(device), mask.to(device)
 
 
 def padding_share(lengths, batch, seed=0):
@@ -259,7 +274,7 @@ def run_process(cmd, log, env=None, timeout=3600):
 def run_in_process(script, argv, log):
     """`python SCRIPT ARGV` in this process, as cli.script would run it, its output into `log` (tests and
     --cpu: a second, not an interpreter's start; the peak memory is then this process's). The exit status."""
-    module, argv0, cwd, code = importlib.import_module(script.removesuffix(".py")), sys.argv, os.getcwd(), 0
+    module, argv0, cwd, code = SCRIPTS[script.removesuffix(".py")], sys.argv, os.getcwd(), 0
     sys.argv = [script, *argv]
     os.chdir(ROOT)
     try:
@@ -322,7 +337,13 @@ def matmul_peak(device):
 
 
 # -----------------------------------------------------------------------------
-# results: bench/results/<command>-<device>-<tag>.json
+# results: bench/results/<command>-<device>-<tag>.json, and the tables made of them
+
+
+def markdown(header, rows):
+    """A Markdown table: its header, then a line a row."""
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] +
+                      ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]) + "\n"
 
 
 def device_of(name="auto"):

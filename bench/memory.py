@@ -11,63 +11,22 @@ script's own flags (its Config's defaults unless given).
 The tables are written as bench/results/memory-cpu-{table,readme}.json too (`python -m bench report`
 renders them); `python -m bench steps` draws the model's peak beside each measured one.
 
-On a GPU (bytes per GPU; N parameters, W ranks under torchrun, bf16 compute), per phase:
-- always: fp32 parameters 4N/W and AdamW's moments 8N/W (--lora: the frozen base 4N/W, and the
-  adapters' parameters, gradients and moments alone; no reference copy); frozen models (the
-  reference, the reward model, grpo.py's --teacher, of the policy's shape) in bf16, 2N/W, under
-  torchrun (none on the GPU with --offload_frozen), fp32 4N under `python`; GRPO's --compile: the
-  static KV cache kept from one rollout to the next, and under `python` the bf16 copies of the
-  linear weights the compiled decode step reads (2 bytes per linear weight); --lora with
-  --activation_checkpointing: the last micro-batch's input embeddings and their gradient (a leaf
-  transformers makes require grad), which grpo.py's last loss keeps to the next update (8 h bytes
-  per token);
-- forward and backward of one micro-batch, the larger of the backward's start and the forward's
-  end: the bf16 weights computed with (FSDP2: the root and two blocks gathered, and from the
-  backward's start the head's unsharded gradient, kept to its end; autocast: a bf16 copy of every block
-  weight, cached, or for LoRA's frozen base saved for the backward), the earlier micro-batches'
-  gradients (--grad_accum > 1), the activations each op keeps for its backward per token and
-  layer (gated MLP: 24 h + 8 I bytes under FSDP, 34 h + 8 I under autocast, whose residual stream
-  and norms are fp32 and whose linears each cast their input; GPT-2's Python GELU: 16 h + 10 I,
-  20 h + 10 I; LoRA: -6 h gated, +2 h GPT-2, and its adapters' r-wide outputs, and in a block's
-  backward their own gradients, 8 I a token (4 I under FSDP; fitted): reward.py's peak; plus flash
-  attention's log-sum-exp and the padding mask as a bf16 bias), and the fp32 logits of the R
-  response positions with their gradient (and log_softmax's output where
-  lm_head.logprobs_from_logits takes that path; GRPO: at the forward's end, the entropy's three
-  chunks of 2^26 logits instead of the gradient). One process without --activation_checkpointing
-  (shared_prompt, grpo.py's update and dpo.py): each distinct prompt's tokens once, then every row's
-  response after its prompt's keys and values, gathered to each row. With --activation_checkpointing: each block's
-  input, then the largest of the logits with their gradient, one block recomputed, and the
-  forward's end with autocast's copies;
-- the optimizer step: the gradients, 4N/W;
-- GRPO's rollout: the whole policy gathered (FSDP2) or autocast's copies (--lora: a bf16 copy of the
-  frozen base's linear weights, made once for the rollout by environment.frozen_in_bf16, 2 bytes per
-  weight; none with --compile, whose decoder copies serve), the static KV cache (bf16;
-  a RoPE model's keys stay fp32 under autocast) of the rows of one call of the sampler (every
-  sampled row, --rs_samples a prompt, else --group_size; with --generation_micro_batch_size N the
-  largest of environment.sample's chunks of at most N) and, while it is filled, the prefill's,
-  whose forward's transients come first (6 I + c h bytes per token), and one layer's prompt keys
-  and values gathered for every row (or, later, the decode's logits). The sampler's one call per
-  chunk prefills each distinct prompt once into a cache of P + R slots; with --tools
-  (sampling.generate_with_tools: one loop, a call's result fed to its row token by token) that
-  cache, continued, of P + R + 7 x --max_tool_calls slots: a calling row waits for the host, which
-  reads the calls every 8 steps on a GPU, up to 7 steps a call;
-- GRPO's reward model over every sampled row, without a graph (its largest transients: 6 I + c h
-  bytes per token, c fitted to the tracker), and the reference's, old policy's and teacher's
-  log-probs, one micro-batch of logits at a time (--lora: beside its base's bf16 copy, made once
-  for the reference and old passes; the reference's shared prompts: beside every layer's cache of
-  the micro-batch's rows while its logits are made).
-Checked against tests/memory_trace.py (`--check`; tests/test_memory_model.py fails past 10%). Not
-counted: CUDA's context and the allocator's fragmentation (`fits` adds 1 GiB and 10%), the data,
-checkpoint writing (docs/history.md). On the CPU (`--device cpu`, fp32, the math attention
-kernel keeping its probabilities) an older, coarser model, checked against measured peaks.
+Every term, phase by phase, is listed in docs/distributed.md ("What the model counts") and beside
+its line below; tests/test_memory_model.py checks the GPU model against each script's own step traced
+on fake tensors (tests/memory_trace.py), and `--validate` the CPU model against measured peaks.
 """
 import argparse
+import ast
 import dataclasses
 import json
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import transformers
+
+from bench import harness
+
+ROOT = harness.ROOT
 GIB = 2**30
 
 SHAPES = {  # layers, hidden, heads, kv heads, MLP width, vocabulary, tied embeddings, gated MLP, learned positions
@@ -352,8 +311,6 @@ def cache_slots(L, compile=False):
 def hf_config(s):
     """The transformers config of a shape (GPT-2 or, gated, Llama-style; Qwen2 where the
     embeddings are tied and the MLP gated, for its biases)."""
-    import transformers
-
     if not s["gated"]:
         return transformers.GPT2Config(n_layer=s["L"], n_embd=s["h"], n_head=s["heads"], vocab_size=s["V"],
                                        n_positions=s["pos"], n_inner=s["I"])
@@ -368,11 +325,7 @@ def script_config(script, **flags):
     max_new_tokens both name the response length) in place of them. The flags a run fills from
     the model named (lr and the token limits, cli.fill_defaults) take the values of a model of
     your own: TRL's (GRPO: 512 prompt and 512 completion tokens)."""
-    import importlib
-
-    if ROOT not in sys.path:
-        sys.path.insert(0, ROOT)
-    Config = importlib.import_module(script).Config
+    Config = harness.SCRIPTS[script].Config
     names = {f.name for f in dataclasses.fields(Config)}
     alias = {"max_response_len": "max_new_tokens"} if script == "grpo" else {"max_new_tokens": "max_response_len"}
     flags = {alias.get(k, k): v for k, v in flags.items()}
@@ -397,8 +350,6 @@ def as_on_a_gpu(cfg, launcher):
 
 def parse_flags(argv):
     """["--max_new_tokens", "1024", ...] -> {"max_new_tokens": 1024, ...}, typed by the scripts' Configs."""
-    import ast
-
     if len(argv) % 2 or not all(a.startswith("--") for a in argv[::2]):
         raise ValueError(f"expected --flag value pairs, got {argv}")
     out = {}
@@ -463,10 +414,10 @@ VALIDATE = ("steps-cpu-all", "steps-cpu-large-b2", "steps-cpu-large-b4")  # resu
 
 def validate(names=VALIDATE):
     """Estimate against every CPU peak measured on GPT-2's shapes in these results files (our scripts
-    under `python`, fp32), with and without --activation_checkpointing."""
-    rows = []
+    under `python`, fp32), with and without --activation_checkpointing: (largest error, the table)."""
+    rows, worst = [], 0.0
     for name in names:
-        with open(os.path.join(ROOT, "bench", "results", name + ".json")) as f:
+        with open(os.path.join(harness.RESULTS, name + ".json")) as f:
             res = json.load(f)
         for m in res["measurements"]:
             if m["model"] not in ("gpt2-small-random", "gpt2-large-random"):
@@ -479,17 +430,12 @@ def validate(names=VALIDATE):
             for variant, x in m["variants"].items():
                 ac = "--activation_checkpointing" in variant
                 peak, phase = total(estimate(shape, m["script"], 1, "python", "cpu", ac=ac, **flags), "cpu")
-                rows.append((name, m["script"], m["model"], w["rows"], ac, phase, peak / GIB,
-                             sorted(x["peak_gib"])[len(x["peak_gib"]) // 2]))
-    print("| results file | script | model | batch | act. ckpt | peak phase | estimate GiB | measured GiB | error |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    worst = 0.0
-    for name, algo, model, b, ac, phase, est, meas in rows:
-        err = est / meas - 1
-        worst = max(worst, abs(err))
-        print(f"| {name} | {algo} | {model} | {b} | {ac} | {phase} | {est:.2f} | {meas:.2f} | {err:+.0%} |")
-    print(f"\nlargest error {worst:.0%}")
-    return worst
+                measured = sorted(x["peak_gib"])[len(x["peak_gib"]) // 2]
+                worst = max(worst, abs(peak / GIB / measured - 1))
+                rows.append([name, m["script"], m["model"], w["rows"], ac, phase, f"{peak / GIB:.2f}", f"{measured:.2f}",
+                             f"{peak / GIB / measured - 1:+.0%}"])
+    return worst, (["results file", "script", "model", "batch", "act. ckpt", "peak phase", "estimate GiB",
+                    "measured GiB", "error"], rows)
 
 
 LONG = dict(max_prompt_len=512, max_new_tokens=1024)  # the table's long setting: 512-token prompts, 1024-token responses
@@ -501,80 +447,50 @@ KNOBS = {1: [("python", {}), ("torchrun", {}), ("torchrun", {"ac": True}),
              ("torchrun", {"ac": True, "offload_frozen": True, "grad_accum": 8})]}
 FLAG_NAMES = {"ac": "--activation_checkpointing", "offload_frozen": "--offload_frozen", "lora": "--lora",
               "grad_accum": "--grad_accum"}
-
-
-def first_fit(s, script, world, flags):
-    """The first rung of KNOBS[world] at which the script fits an 80-GB GPU: (how, peak, phase) or None."""
-    for launcher, knobs in KNOBS[world]:
-        extra = {k: v for k, v in knobs.items() if k in ("lora", "grad_accum")}
-        peak, phase = total(estimate(s, script, world, launcher, ac=knobs.get("ac", False),
-                                     offload_frozen=knobs.get("offload_frozen", False), **flags, **extra), "gpu")
-        if fits(peak):
-            names = [FLAG_NAMES[k] + (f" {extra[k]}" if k == "grad_accum" else "") for k in knobs]
-            return " ".join([launcher if world == 1 else f"torchrun x{world}"] + names), peak, phase
-    return None
-
-
-COLUMNS = [("sft.py", "sft", {}), ("reward.py", "reward", {}), ("dpo.py", "dpo", {}), ("grpo.py", "grpo", {}),
-           ("grpo.py + reward model", "grpo", {"reward_model": "rm"}),
-           ("grpo.py + teacher (its size)", "grpo", {"teacher": "teacher"})]
 SHORT = {"x8": "", "--activation_checkpointing": "AC", "--offload_frozen": "offload", "--grad_accum": "accum",
          "--lora": "LoRA"}  # the README's table: its columns name the GPUs
 
 
 def cell(s, script, world, setting, flags, short=False):
-    """One cell of the tables: the first rung that fits and its peak, at the defaults or the long setting."""
+    """One cell of the tables: the first rung of KNOBS[world] at which the script fits an 80-GB GPU, at
+    the defaults or the long setting, and its peak."""
     if setting == "long" and s["pos"] and s["pos"] < sum(LONG.values()):
         return f"n/a ({s['pos']}-token context)"
-    fit = first_fit(s, script, world, dict(flags, **(LONG if setting == "long" else {})))
-    if fit is None:
-        return "does not fit"
-    how = " ".join(filter(None, (SHORT.get(w, w) for w in fit[0].split()))) if short else fit[0]
-    return f"{how}: {fit[1] / GIB:.0f} GiB"
+    flags = dict(flags, **(LONG if setting == "long" else {}))
+    for launcher, knobs in KNOBS[world]:
+        extra = {k: v for k, v in knobs.items() if k in ("lora", "grad_accum")}
+        peak, _ = total(estimate(s, script, world, launcher, ac=knobs.get("ac", False),
+                                 offload_frozen=knobs.get("offload_frozen", False), **flags, **extra), "gpu")
+        if fits(peak):
+            how = [launcher if world == 1 else f"torchrun x{world}"]
+            how += [FLAG_NAMES[k] + (f" {extra[k]}" if k == "grad_accum" else "") for k in knobs]
+            how = " ".join(how)
+            if short:
+                how = " ".join(filter(None, (SHORT.get(w, w) for w in how.split())))
+            return f"{how}: {peak / GIB:.0f} GiB"
+    return "does not fit"
 
 
-def table(settings=("defaults", "long"), readme=False):
-    """Which flags fit each script on 1 and 8 80-GB GPUs, for three model sizes, at the scripts'
-    defaults and at 512 + 1024 tokens: the first rung of KNOBS that fits. readme: the README's
-    shorter table (Qwen2.5-1.5B and Llama-3-8B, dpo.py and grpo.py with a rule reward)."""
+COLUMNS = [("sft.py", "sft", {}), ("reward.py", "reward", {}), ("dpo.py", "dpo", {}), ("grpo.py", "grpo", {}),
+           ("grpo.py + reward model", "grpo", {"reward_model": "rm"}),
+           ("grpo.py + teacher (its size)", "grpo", {"teacher": "teacher"})]
+
+
+def table(readme=False):
+    """(header, rows): which flags fit each script on 1 and 8 80-GB GPUs, for three model sizes, at the
+    scripts' defaults and at 512 + 1024 tokens. readme: the README's shorter table (Qwen2.5-1.5B and
+    Llama-3-8B, dpo.py and grpo.py with a rule reward)."""
+    settings = ("defaults", "long")
     if readme:
-        print("| model | script | 1 GPU, defaults | 1 GPU, 512 + 1024 | 8 GPUs, defaults | 8 GPUs, 512 + 1024 |")
-        print("|---|---|---|---|---|---|")
-        for model, shown_as in (("qwen2.5-1.5b", "Qwen2.5-1.5B"), ("llama-3-8b", "Llama-3-8B")):
-            for script in ("dpo", "grpo"):
-                cells = [cell(SHAPES[model], script, world, setting, {}, short=True)
-                         for world in (1, 8) for setting in settings]
-                print(f"| {shown_as} | {script}.py | " + " | ".join(cells) + " |")
-        return
-    print("| model | GPUs | lengths | " + " | ".join(c[0] for c in COLUMNS) + " |")
-    print("|---" * (3 + len(COLUMNS)) + "|")
-    for model in ("gpt2-large", "qwen2.5-1.5b", "llama-3-8b"):
-        s = SHAPES[model]
-        for setting in settings:
-            for world in (1, 8):
-                cells = [cell(s, script, world, setting, flags) for _, script, flags in COLUMNS]
-                lengths = "defaults" if setting == "defaults" else "512 + 1024"
-                print(f"| {model} ({n_params(s)[0] / 1e9:.2f}B) | {world} | {lengths} | " + " | ".join(cells) + " |")
-
-
-def saved(tag, fn, argv, folder):
-    """fn(), its output printed and its Markdown table written as bench/results/memory-cpu-TAG.json."""
-    import contextlib
-    import io
-
-    import torch
-
-    from bench import harness
-
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        out = fn()
-    print(buf.getvalue(), end="")
-    lines = [line for line in buf.getvalue().splitlines() if line.startswith("|")]
-    cells = lambda line: [c.strip() for c in line.strip().strip("|").split("|")]  # noqa: E731
-    harness.save("memory", torch.device("cpu"), tag, {"header": cells(lines[0]), "rows": [cells(x) for x in lines[2:]]},
-                 argv=["memory", *argv], folder=folder)
-    return out
+        return (["model", "script", "1 GPU, defaults", "1 GPU, 512 + 1024", "8 GPUs, defaults", "8 GPUs, 512 + 1024"],
+                [[shown, f"{script}.py", *(cell(SHAPES[model], script, world, setting, {}, short=True)
+                                          for world in (1, 8) for setting in settings)]
+                 for model, shown in (("qwen2.5-1.5b", "Qwen2.5-1.5B"), ("llama-3-8b", "Llama-3-8B"))
+                 for script in ("dpo", "grpo")])
+    return (["model", "GPUs", "lengths"] + [c[0] for c in COLUMNS],
+            [[f"{model} ({n_params(SHAPES[model])[0] / 1e9:.2f}B)", str(world), "defaults" if setting == "defaults"
+              else "512 + 1024", *(cell(SHAPES[model], script, world, setting, flags) for _, script, flags in COLUMNS)]
+             for model in ("gpt2-large", "qwen2.5-1.5b", "llama-3-8b") for setting in settings for world in (1, 8)])
 
 
 def main(argv=None):
@@ -590,13 +506,19 @@ def main(argv=None):
     p.add_argument("--validate", action="store_true", help="against the CPU peaks measured here (bench/results)")
     p.add_argument("--table", action="store_true")
     p.add_argument("--readme", action="store_true", help="with --table: the README's shorter table")
-    p.add_argument("--results", default=os.path.join(ROOT, "bench", "results"), help="where the tables are written")
+    p.add_argument("--results", default=harness.RESULTS, help="where the tables are written")
     args, rest = p.parse_known_args(argv)
     flags = parse_flags(rest)  # any script flag: --max_prompt_len 512 --max_new_tokens 1024 --grad_accum 2 ...
     if args.validate:
-        return 1 if validate() > 0.2 else 0
-    if args.table:
-        return saved("readme" if args.readme else "table", lambda: table(readme=args.readme), argv, args.results) or 0
+        worst, (header, rows) = validate()
+        print(harness.markdown(header, rows) + f"\nlargest error {worst:.0%}")
+        return 1 if worst > 0.2 else 0
+    if args.table:  # printed, and written as bench/results/memory-cpu-{table,readme}.json for the report
+        header, rows = table(readme=args.readme)
+        print(harness.markdown(header, rows), end="")
+        harness.save("memory", harness.torch.device("cpu"), "readme" if args.readme else "table",
+                     {"header": header, "rows": rows}, argv=["memory", *argv], folder=args.results)
+        return 0
     s = shape_of(args.model)
     print(f"{args.model}: {n_params(s)[0] / 1e9:.3f}B parameters; {args.launcher} on {args.world} {args.device}(s)")
     for script in args.script.split(","):

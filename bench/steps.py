@@ -96,7 +96,7 @@ def predicted_peak(w, cfg):
     path = os.path.join(w["model"], "config.json")
     if not os.path.isfile(path):
         return None
-    Config = __import__(w["script"]).Config
+    Config = harness.SCRIPTS[w["script"]].Config
     names = {f for f in Config.__dataclass_fields__} - {"activation_checkpointing", "offload_frozen"}
     flags = {k: v for k, v in cfg.items() if k in names and v is not None}
     device = "gpu" if w["device"].type == "cuda" else "cpu"
@@ -171,6 +171,23 @@ def describe(w):
     return f"{name}, {w['model_name']}, {rows}, {lengths}{ranks}"
 
 
+def workload(script, model_name, folder, tok, device, work, peak_flops, env=None, **knobs):
+    """What measure() runs: the script, model, device and knobs (rows, group_size, prompt_len,
+    response_len, steps, lr, beta, ranks, lengths_kind), and the rows of every step, written for both sides."""
+    w = dict(script=script, model=folder, model_name=model_name, device=device, env=env or {}, work=work,
+             peak_flops=peak_flops, **knobs)
+    kind, n = w["lengths_kind"], w["rows"] * (w["steps"] + 1)
+    w["lengths"] = harness.row_lengths(kind, n, w["prompt_len"], w["response_len"])
+    w["data"] = harness.make_data(os.path.join(work, harness.slug(f"{script} {model_name} {w['rows']} {w['prompt_len']} {w['response_len']}") + ".jsonl"),
+                                  w["lengths"], harness.exact_alphabet(tok), task=kind == "task")
+    if kind == "task":
+        with open(w["data"]) as f:
+            w["lengths"] = [(len(tok(json.loads(r)["prompt"])["input_ids"]), w["response_len"]) for r in f]
+    if kind != "fixed":  # the limits: the longest prompt and response, so that no row is cut
+        w["prompt_len"], w["response_len"] = (max(col) for col in zip(*w["lengths"]))
+    return w
+
+
 def steps(args):
     """The steps command: each script x model (x sweep point), a measurement; one results file."""
     device = harness.device_of(args.device)
@@ -192,19 +209,10 @@ def steps(args):
             tok = harness.models.load_tokenizer(folder)
             for script in args.script.split(","):
                 for x in points:
-                    w = dict(script=script, model=folder, model_name=model, rows=args.rows, group_size=args.group_size,
-                             prompt_len=args.prompt_len, response_len=args.response_len, steps=args.steps, lr=args.lr,
-                             beta=args.beta, ranks=args.ranks, lengths_kind=args.lengths, device=device, env=env,
-                             work=work, peak_flops=peak) | ({axis: x} if axis else {})
-                    n = w["rows"] * (w["steps"] + 1)
-                    w["lengths"] = harness.row_lengths(args.lengths, n, w["prompt_len"], w["response_len"])
-                    w["data"] = harness.make_data(os.path.join(work, f"{script}-{x}.jsonl"), w["lengths"],
-                                                  harness.exact_alphabet(tok), task=args.lengths == "task")
-                    if args.lengths == "task":
-                        with open(w["data"]) as f:
-                            w["lengths"] = [(len(tok(json.loads(r)["prompt"])["input_ids"]), w["response_len"]) for r in f]
-                    if args.lengths != "fixed":  # the limits: the longest prompt and response, so that no row is cut
-                        w["prompt_len"], w["response_len"] = (max(col) for col in zip(*w["lengths"]))
+                    knobs = dict(rows=args.rows, group_size=args.group_size, prompt_len=args.prompt_len,
+                                 response_len=args.response_len, steps=args.steps, lr=args.lr, beta=args.beta,
+                                 ranks=args.ranks, lengths_kind=args.lengths) | ({axis: x} if axis else {})
+                    w = workload(script, model, folder, tok, device, work, peak, env=env, **knobs)
                     print(f"{describe(w)}: {', '.join(args.variant)}", flush=True)
                     m = measure(w, args.variant, args.repeats, in_process=args.in_process)
                     out.append(m | ({"x": {axis: x}} if axis else {}))
@@ -296,15 +304,6 @@ def plot_sweep(ms, axis, path, device):
 # rollout: sampling.generate against model.generate, in one process
 
 
-def prompts_batch(tok, n_prompts, G, lengths, device, seed=0):
-    """(ids, mask): n_prompts prompts of random tokens of the given lengths, each repeated G times in a
-    row (as grpo.py lays them out), left-padded."""
-    g, specials = torch.Generator().manual_seed(seed), len(tok.all_special_ids)
-    prompts = [torch.randint(specials, len(tok), (p,), generator=g).tolist() for p, _ in lengths[:n_prompts]]
-    ids, mask = harness.common.pad([p for p in prompts for _ in range(G)], tok.pad_token_id, side="left")
-    return ids.to(device), mask.to(device)
-
-
 def real_divergences(model, ids, mask, ours, ref, pad_id):
     """(B,) True where two greedy outputs part at a token whose reference top-2 logits are more than one
     bf16 step apart: a difference the rounding of two kernel paths cannot explain (a near-tie may go
@@ -340,7 +339,7 @@ def rollout(args):
     dtype = torch.bfloat16 if args.dtype == "bf16" or args.dtype == "auto" and device.type == "cuda" else torch.float32
     model = model.to(device=device, dtype=dtype).eval()
     lengths = harness.row_lengths(args.lengths, args.rows, args.prompt_len, args.response_len)
-    ids, mask = prompts_batch(tok, args.rows, args.group_size, lengths, device)
+    ids, mask = harness.prompts_batch(tok, args.rows, args.group_size, device, lengths)
     B, N, pad, eos = ids.shape[0], args.response_len, tok.pad_token_id, tok.eos_token_id
 
     def call(side, flags, n=N, greedy=False):

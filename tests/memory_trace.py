@@ -34,11 +34,11 @@ import torch
 import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
+sys.path.insert(0, ROOT)
 
 import common  # noqa: E402
 import lm_head  # noqa: E402
-import memory  # noqa: E402
+from bench import memory  # noqa: E402
 import shared_prompt  # noqa: E402
 
 GIB = 2**30

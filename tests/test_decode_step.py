@@ -11,8 +11,7 @@ from torch._dynamo.backends.common import aot_autograd
 
 import sampling
 import kv_cache
-from bench import dispatch
-from bench.dispatch import prompts_batch
+from bench import dispatch, harness
 
 VIEWS_AND_WRITES = {"aten.index_copy.default", "aten.copy_.default", "aten.copy.default"}  # the cache's update
 
@@ -74,7 +73,7 @@ def test_the_compiled_decode_step_reads_a_bf16_cache_once_as_it_is(smollm2_ops, 
     tok, model = smollm2_ops
     captured = Captured()
     _compiled(monkeypatch, captured)
-    ids, mask = prompts_batch(tok, 4, 2, torch.device("cpu"))
+    ids, mask = harness.prompts_batch(tok, 4, 2, torch.device("cpu"))
     with torch.no_grad():
         _generate(model, ids, mask, 6, compile=True)
     held = kv_cache._DECODE_CACHES[model]
@@ -109,7 +108,7 @@ def test_a_decode_token_runs_nothing_outside_the_compiled_graph(smollm2_ops, mon
     tok, model = smollm2_ops
     captured = Captured()
     _compiled(monkeypatch, captured)
-    ids, mask = prompts_batch(tok, 4, 2, torch.device("cpu"))
+    ids, mask = harness.prompts_batch(tok, 4, 2, torch.device("cpu"))
     with torch.no_grad():
         _generate(model, ids, mask, 8, compile=True)  # compiled, the graph chosen
     ops, syncs = (dispatch.total(c) for c in dispatch.per_step(lambda n: _generate(model, ids, mask, n, compile=True), 8, 16))
@@ -124,7 +123,7 @@ def test_the_compiled_step_samples_the_eager_steps_tokens(smollm2_ops, monkeypat
     same tokens and masks, log-probs to bf16's rounding (the eager step's cache is the same bf16 one)."""
     tok, model = smollm2_ops
     _compiled(monkeypatch, Captured())
-    ids, mask = prompts_batch(tok, 4, 2, torch.device("cpu"))
+    ids, mask = harness.prompts_batch(tok, 4, 2, torch.device("cpu"))
     with torch.no_grad():
         got, want = _generate(model, ids, mask, 12, compile=True), _generate(model, ids, mask, 12, compile=False)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

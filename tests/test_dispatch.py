@@ -13,7 +13,6 @@ import environment
 import grpo
 import sampling
 from bench import dispatch, harness
-from bench.dispatch import prompts_batch
 
 CHECK = sampling.GPU_CHECK_EVERY
 
@@ -31,7 +30,7 @@ def test_the_decode_loop_syncs_the_host_once_per_check_period(smollm2_ops, monke
     recorded on the device, sampling.sample_token). model.generate reads 2 a step: the counter sees
     them, and it sees one sample_token read would add."""
     tok, model = smollm2_ops
-    ids, mask = prompts_batch(tok, 4, 2, torch.device("cpu"))
+    ids, mask = harness.prompts_batch(tok, 4, 2, torch.device("cpu"))
     pad, u = tok.pad_token_id, sampling.rollout_uniforms(8, 24, seed=0)
     runs = {
         "sampled": lambda n: sampling.generate(model, ids, mask, n, -1, pad, uniforms=u, return_logprobs=True,
@@ -73,7 +72,7 @@ def test_a_decode_step_dispatches_at_most_80_ops_more_than_generate(smollm2_ops)
     (float64 inverse CDF, 12 ops) against multinomial (1) is paid back by a loop without
     model.generate's stopping criteria."""
     tok, model = smollm2_ops
-    ids, mask = prompts_batch(tok, 4, 2, torch.device("cpu"))
+    ids, mask = harness.prompts_batch(tok, 4, 2, torch.device("cpu"))
     counts = dispatch.decode_step(model, ids, mask, tok.pad_token_id, tok.eos_token_id, check_every=CHECK)
     ours, generate = (dispatch.total(counts[k][0]) for k in ("ours", "generate"))
     assert ours <= generate + 80, (ours, generate)

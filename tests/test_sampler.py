@@ -18,6 +18,7 @@ import sampling
 import kv_cache
 import shared_prompt
 from helpers import ROOT, SUBPROCESS_ENV_NO_TOKENIZER_THREADS, dynamo_eager, forward_lengths, fp32_rtol, logprob_size, run_script
+from bench.steps import real_divergences
 from plumbing import models, rundir
 
 pytestmark = pytest.mark.session_fixtures("smollm2")  # request.getfixturevalue: tests/two_processes.py
@@ -489,8 +490,6 @@ def test_the_sampler_benchmark_counts_a_divergence_only_past_a_bf16_tie():
     the reference's top-2 logits at the first differing token are more than one bf16 step apart.
     Identical rows count nothing; a row changed at a clear maximum counts; the same change where
     the two candidates' logits are made exactly equal (their head rows equal) does not."""
-    from bench.steps import real_divergences
-
     tok = models.load_tokenizer("tiny")
     torch.manual_seed(0)
     model = models.load_model("tiny", tok).eval()
