@@ -17,8 +17,10 @@ import tempfile
 import time
 
 import torch
+from transformers import AutoModelForCausalLM, TrainerCallback
 
 from bench import harness
+
 
 def config_args(spec):
     """The TrainingArguments of spec: the workload always, ours' optimizer and no checkpointing unless
@@ -35,25 +37,20 @@ def config_args(spec):
     return args
 
 
-def step_timer(device):
-    from transformers import TrainerCallback
+class StepTimer(TrainerCallback):
+    """Each optimizer step's wall time (generation, forwards, backward, the optimizer), and the peak."""
 
-    class StepTimer(TrainerCallback):
-        """Each optimizer step's wall time (generation, forwards, backward, the optimizer), and the peak."""
+    def __init__(self, device):
+        self.device, self.step_s, self.peak_gpu = device, [], 0
 
-        def __init__(self):
-            self.step_s, self.peak_gpu = [], 0
+    def on_step_begin(self, args, state, control, **kw):
+        harness.sync(self.device)
+        self.t0 = time.perf_counter()
 
-        def on_step_begin(self, args, state, control, **kw):
-            harness.sync(device)
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            harness.sync(device)
-            self.step_s.append(time.perf_counter() - self.t0)
-            self.peak_gpu = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
-
-    return StepTimer()
+    def on_step_end(self, args, state, control, **kw):
+        harness.sync(self.device)
+        self.step_s.append(time.perf_counter() - self.t0)
+        self.peak_gpu = torch.cuda.max_memory_allocated() if self.device.type == "cuda" else 0
 
 
 def what_ran(trainer):
@@ -71,7 +68,6 @@ def what_ran(trainer):
 def run(spec):
     """One TRL run of spec (bench/steps.py writes it): per-step seconds, token counts, peak, what ran."""
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM
     from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer
 
     device = harness.device_of()
@@ -79,7 +75,7 @@ def run(spec):
     load = lambda: AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)  # noqa: E731
     with open(spec["data"]) as f:
         rows = [json.loads(line) for line in f]
-    timer, out, flags = step_timer(device), {}, spec["flags"]
+    timer, out, flags = StepTimer(device), {}, spec["flags"]
     if spec["script"] == "grpo":
         calls = []
 
