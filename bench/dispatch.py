@@ -179,7 +179,7 @@ def script_step(script, argv, steps=1, pause=(), count_launches=False):
     if count_launches:
         torch.compiler.reset()  # as a run's process starts: no graph compiled
     counts, outputs = [], []
-    for n in (steps,) * count_launches + (steps, steps + 1):
+    for n in ((steps,) if count_launches else ()) + (steps, steps + 1):
         with tempfile.TemporaryDirectory() as out, contextlib.ExitStack() as stack:
             seen = None if count_launches else stack.enter_context(Dispatched())
             for module, name in pause:
@@ -318,11 +318,13 @@ def main(args):
         for k in sorted(set(ours) | set(gen), key=lambda k: ours[k] - gen[k]):
             if ours[k] != gen[k]:
                 print(f"  {k:55s} ours {ours[k]:7.2f}  generate {gen[k]:7.2f}")
-    for wanted, how in ((args.training, {}), (args.launches, dict(layers=args.layers, count_launches=True,
-                                                                     flag_sets=((), ("--compile_layers", "true"))))):
-        if wanted:
-            with tempfile.TemporaryDirectory() as work:
-                rows += training_rows(work, **how)
+    if args.training:
+        with tempfile.TemporaryDirectory() as work:
+            rows += training_rows(work)
+    if args.launches:
+        with tempfile.TemporaryDirectory() as work:
+            rows += training_rows(work, layers=args.layers, flag_sets=((), ("--compile_layers", "true")),
+                                  count_launches=True)
     header = ["step", "ours", "reference (a plain transformers step: what TRL 1.16 runs)", "ratio"]
     print(harness.markdown(header, rows), end="")
     path = harness.save("dispatch", torch.device("cpu"), args.tag, {"header": header, "rows": rows}, argv=args.argv,

@@ -11,7 +11,8 @@ that runs it), the rows written after every section (bench/results/gpu-<device>.
   compile  grpo.py --compile on Qwen2.5-0.5B's shape through an evaluation every step (tests/gpu_check.py's
            (b) and (d)): nothing compiled or recorded after step 2, KL 0 at lr 0
   decode   the rollout of the race's GRPO (16 prompts x G 8, 128 + 128 tokens): ours eager and compiled
-           against model.generate; where ours' compile pays back; a profile of 16 decode steps each side (the device's busy share, the top kernels and host ops)
+           against model.generate; where ours' compile pays back; a profile of 16 decode steps each side (the
+           device's busy share, the top kernels and host ops)
   qwen     the race on Qwen2.5-0.5B's shape
   check    tests/gpu_check.py, every GPU proof (--only check)
 

@@ -431,9 +431,10 @@ def validate(names=VALIDATE):
                 ac = "--activation_checkpointing" in variant
                 peak, phase = total(estimate(shape, m["script"], 1, "python", "cpu", ac=ac, **flags), "cpu")
                 measured = sorted(x["peak_gib"])[len(x["peak_gib"]) // 2]
-                worst = max(worst, abs(peak / GIB / measured - 1))
+                err = peak / GIB / measured - 1
+                worst = max(worst, abs(err))
                 rows.append([name, m["script"], m["model"], w["rows"], ac, phase, f"{peak / GIB:.2f}", f"{measured:.2f}",
-                             f"{peak / GIB / measured - 1:+.0%}"])
+                             f"{err:+.0%}"])
     return worst, (["results file", "script", "model", "batch", "act. ckpt", "peak phase", "estimate GiB",
                     "measured GiB", "error"], rows)
 

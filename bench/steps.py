@@ -178,8 +178,8 @@ def workload(script, model_name, folder, tok, device, work, peak_flops, env=None
              peak_flops=peak_flops, **knobs)
     kind, n = w["lengths_kind"], w["rows"] * (w["steps"] + 1)
     w["lengths"] = harness.row_lengths(kind, n, w["prompt_len"], w["response_len"])
-    w["data"] = harness.make_data(os.path.join(work, harness.slug(f"{script} {model_name} {w['rows']} {w['prompt_len']} {w['response_len']}") + ".jsonl"),
-                                  w["lengths"], harness.exact_alphabet(tok), task=kind == "task")
+    name = harness.slug(f"{script} {model_name} {w['rows']} {w['prompt_len']} {w['response_len']}") + ".jsonl"
+    w["data"] = harness.make_data(os.path.join(work, name), w["lengths"], harness.exact_alphabet(tok), task=kind == "task")
     if kind == "task":
         with open(w["data"]) as f:
             w["lengths"] = [(len(tok(json.loads(r)["prompt"])["input_ids"]), w["response_len"]) for r in f]

@@ -7,6 +7,9 @@ subset runs each section, the race first, and a budget spent skips the rest nami
 check names the package that is missing; and the docs' tables are their results files', rendered."""
 import json
 import os
+import re
+import shlex
+import subprocess
 import sys
 
 import pytest
@@ -177,8 +180,6 @@ def test_micro_runs_the_benchmarks_each_checked_against_its_twin(tmp_path):
 def test_every_micro_benchmark_agrees_with_its_plain_twin():
     """Each benchmark of bench/test_micro.py, run once untimed (--benchmark-disable): its check against its
     plain twin holds, and it runs with each of the parameters it is measured at (every DPO loss type)."""
-    import subprocess
-
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--benchmark-disable",
                           os.path.join(ROOT, "bench", "test_micro.py")], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout[-3000:]
@@ -243,8 +244,6 @@ def test_the_docs_tables_are_their_results_files():
 def test_a_results_file_holds_the_command_as_it_can_be_run_again(tmp_path):
     """The command line a results file names (and the docs' tables print) is quoted as a shell reads it:
     a variant of two words stays one argument."""
-    import shlex
-
     argv = ["steps", "--variant", "ours --no-shared_prompt", "--variant", "trl", "--tag", "x"]
     path = harness.save("steps", torch.device("cpu"), "x", {"measurements": []}, argv=argv, folder=str(tmp_path))
     assert shlex.split(results(path)["argv"]) == ["python", "-m", "bench", *argv]
@@ -259,9 +258,6 @@ def test_every_cpu_table_in_the_docs_is_made_by_a_line_of_regenerate_sh():
     was made by one of its lines (GPU files are `python -m bench gpu`'s or carried over). A row whose
     command is not there would not be regenerated, and a line the files never ran would print a table
     nothing measured."""
-    import re
-    import shlex
-
     with open(os.path.join(ROOT, "bench", "regenerate.sh")) as f:
         lines = [shlex.split(m, comments=True) for m in re.findall(r"^\s*\$B (.*)$", f.read(), re.M)]
     names = set()
